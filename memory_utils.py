@@ -1,0 +1,1202 @@
+"""Memory helpers shared by the training scripts: measure, explain, and keep memory in check.
+
+Library:
+    process_rss_mb / process_uss_mb      host memory of this process (psutil, /proc fallback)
+    gpu_memory_stats / memory_report     CUDA allocator figures and the flat logging dict
+    LeakDetector                         robust memory slopes and a plain-English diagnosis
+    configure_allocator                  PYTORCH_ALLOC_CONF defaults, set before CUDA starts
+    wait_for_gpu                         poll free GPU memory with a timeout
+    preallocate_optimizer_state          materialise optimizer state up front, changing nothing
+    amp                                  autocast + GradScaler set-up for off / fp16 / bf16
+    StageProbes, MemorySnapshots,
+    install_oom_observer,
+    write_oom_report                     forensics: where in the loop memory grows, and why an OOM hit
+    analyze_snapshots                    growth tables and top allocation sites from snapshot files
+
+CLI (`python memory_utils.py --help`):
+    report      print the memory report of a fresh process (and the CUDA devices it sees)
+    allocator   show the allocator settings that `configure_allocator()` would put in force
+    wait        wait for free GPU memory, then run a command (with a fallback environment on timeout)
+    analyze     turn a run's memory snapshots (and its TensorBoard events) into a report
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import dataclasses
+import gc
+import io
+import json
+import math
+import os
+import pickle
+import re
+import subprocess
+import sys
+import time
+import warnings
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+try:
+    import psutil
+except ImportError:  # pragma: no cover - exercised by tests through monkeypatching
+    psutil = None
+
+MB = 1024.0 * 1024.0
+
+# ---------------------------------------------------------------------------------------------------------
+# Logging keys: defined once, here. Both training scripts log exactly these names.
+# ---------------------------------------------------------------------------------------------------------
+KEY_RSS_MB = "debug/cpu/rss_mb"
+KEY_USS_MB = "debug/cpu/uss_mb"
+KEY_GPU_ALLOC_MB = "debug/gpu/alloc_mb"
+KEY_GPU_RESERVED_MB = "debug/gpu/reserved_mb"
+KEY_GPU_MAX_ALLOC_MB = "debug/gpu/max_alloc_mb"
+KEY_GPU_MAX_RESERVED_MB = "debug/gpu/max_reserved_mb"
+KEY_GPU_SMALL_POOL_ACTIVE_MB = "debug/gpu/small_pool_active_mb"
+KEY_GPU_LARGE_POOL_ACTIVE_MB = "debug/gpu/large_pool_active_mb"
+KEY_GPU_ACTIVE_BLOCKS = "debug/gpu/active_blocks"
+KEY_GPU_NUM_ALLOC_RETRIES = "debug/gpu/num_alloc_retries"
+KEY_GPU_NUM_OOMS = "debug/gpu/num_ooms"
+
+CPU_KEYS = (KEY_RSS_MB, KEY_USS_MB)
+GPU_KEYS = (
+    KEY_GPU_ALLOC_MB,
+    KEY_GPU_RESERVED_MB,
+    KEY_GPU_MAX_ALLOC_MB,
+    KEY_GPU_MAX_RESERVED_MB,
+    KEY_GPU_SMALL_POOL_ACTIVE_MB,
+    KEY_GPU_LARGE_POOL_ACTIVE_MB,
+    KEY_GPU_ACTIVE_BLOCKS,
+    KEY_GPU_NUM_ALLOC_RETRIES,
+    KEY_GPU_NUM_OOMS,
+)
+BUFFER_KEYS = {
+    "total_steps": "buffer/replay/total_steps",
+    "num_episodes": "buffer/replay/num_episodes",
+    "obs_bytes": "buffer/replay/obs_bytes",
+    "aux_bytes": "buffer/replay/aux_bytes",
+}
+PROBE_KEY_PREFIX = "debug/probe/"
+
+# which gpu_memory_stats() field feeds which logging key
+_GPU_KEY_FIELDS = {
+    KEY_GPU_ALLOC_MB: "alloc_mb",
+    KEY_GPU_RESERVED_MB: "reserved_mb",
+    KEY_GPU_MAX_ALLOC_MB: "max_alloc_mb",
+    KEY_GPU_MAX_RESERVED_MB: "max_reserved_mb",
+    KEY_GPU_SMALL_POOL_ACTIVE_MB: "small_pool_active_mb",
+    KEY_GPU_LARGE_POOL_ACTIVE_MB: "large_pool_active_mb",
+    KEY_GPU_ACTIVE_BLOCKS: "active_blocks",
+    KEY_GPU_NUM_ALLOC_RETRIES: "num_alloc_retries",
+    KEY_GPU_NUM_OOMS: "num_ooms",
+}
+
+
+def _require(condition: bool, message: str) -> None:
+    """Argument check: raise ValueError(message) naming the argument when `condition` is false."""
+    if not condition:
+        raise ValueError(message)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _warn_once(key: str, message: str, _seen: set = set()) -> None:  # noqa: B006 - deliberate process-wide memo
+    """Diagnostics never break training: print a failing probe's message once, then stay quiet."""
+    if key not in _seen:
+        _seen.add(key)
+        print(f"memory_utils: {message}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host memory
+# ---------------------------------------------------------------------------------------------------------
+def _proc_status_kb(field: str, path: str = "/proc/self/status") -> float | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return float(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _proc_smaps_private_kb(path: str = "/proc/self/smaps_rollup") -> float | None:
+    try:
+        total, found = 0.0, False
+        with open(path) as f:
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    total += float(line.split()[1])
+                    found = True
+        return total if found else None
+    except OSError:
+        return None
+
+
+def process_rss_mb() -> float:
+    """Resident set size of this process in MB (psutil; /proc/self/status VmRSS without it)."""
+    if psutil is not None:
+        return psutil.Process().memory_info().rss / MB
+    kb = _proc_status_kb("VmRSS")
+    if kb is None:
+        raise RuntimeError("cannot read process memory: psutil is not installed and /proc/self/status is unreadable")
+    return kb / 1024.0
+
+
+def process_uss_mb() -> float:
+    """Unique set size (memory freed if this process exited) in MB.
+
+    psutil's `memory_full_info().uss`; without psutil, the private pages of /proc/self/smaps_rollup,
+    or RssAnon from /proc/self/status when that is all the kernel offers.
+    """
+    if psutil is not None:
+        try:
+            return psutil.Process().memory_full_info().uss / MB
+        except (psutil.AccessDenied, AttributeError):  # some platforms have no USS
+            return process_rss_mb()
+    kb = _proc_smaps_private_kb()
+    if kb is None:
+        kb = _proc_status_kb("RssAnon")
+    if kb is None:
+        return process_rss_mb()
+    return kb / 1024.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU memory
+# ---------------------------------------------------------------------------------------------------------
+def _cuda_ready() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - a broken driver must not take training down
+        return False
+
+
+def gpu_memory_stats(device=None) -> dict:
+    """CUDA allocator figures for `device` in MB (sizes) and counts; `{}` without CUDA. Never raises.
+
+    Keys: alloc_mb, reserved_mb, max_alloc_mb, max_reserved_mb, active_mb, small_pool_active_mb,
+    large_pool_active_mb, inactive_split_mb, active_blocks, num_alloc_retries, num_ooms, free_mb, total_mb.
+    """
+    if not _cuda_ready():
+        return {}
+    try:
+        if device is not None and torch.device(device).type != "cuda":
+            return {}
+        stats = torch.cuda.memory_stats(device)
+        out = {
+            "alloc_mb": stats.get("allocated_bytes.all.current", 0) / MB,
+            "reserved_mb": stats.get("reserved_bytes.all.current", 0) / MB,
+            "max_alloc_mb": stats.get("allocated_bytes.all.peak", 0) / MB,
+            "max_reserved_mb": stats.get("reserved_bytes.all.peak", 0) / MB,
+            "active_mb": stats.get("active_bytes.all.current", 0) / MB,
+            "small_pool_active_mb": stats.get("active_bytes.small_pool.current", 0) / MB,
+            "large_pool_active_mb": stats.get("active_bytes.large_pool.current", 0) / MB,
+            "inactive_split_mb": stats.get("inactive_split_bytes.all.current", 0) / MB,
+            "active_blocks": float(stats.get("active.all.current", 0)),
+            "num_alloc_retries": float(stats.get("num_alloc_retries", 0)),
+            "num_ooms": float(stats.get("num_ooms", 0)),
+        }
+        free, total = torch.cuda.mem_get_info(device)
+        out["free_mb"] = free / MB
+        out["total_mb"] = total / MB
+        return out
+    except Exception as exc:  # noqa: BLE001 - diagnostics never break training
+        _warn_once("gpu_memory_stats", f"reading CUDA memory stats failed ({exc}); GPU figures are left out")
+        return {}
+
+
+def memory_report(buffer_stats: dict | None = None, device=None) -> dict[str, float]:
+    """The flat dict of memory figures logged every interval (keys defined at the top of this module).
+
+    Host keys always; GPU keys when CUDA is available (and `device`, if given, is a CUDA device);
+    `buffer/replay/*` keys when `buffer_stats` (total_steps, num_episodes, obs_bytes, aux_bytes) is given.
+    Every value is a Python float, so logging it never keeps a tensor alive.
+    """
+    if buffer_stats is not None:
+        _require(isinstance(buffer_stats, dict), "buffer_stats must be a dict or None")
+        missing = [k for k in BUFFER_KEYS if k not in buffer_stats]
+        _require(not missing, f"buffer_stats is missing {', '.join(missing)}; it needs {', '.join(BUFFER_KEYS)}")
+    report: dict[str, float] = {}
+    try:
+        report[KEY_RSS_MB] = float(process_rss_mb())
+        report[KEY_USS_MB] = float(process_uss_mb())
+    except Exception as exc:  # noqa: BLE001
+        _warn_once("host_memory", f"reading host memory failed ({exc}); host figures are left out")
+    gpu = gpu_memory_stats(device)
+    for key, field in _GPU_KEY_FIELDS.items():
+        if field in gpu:
+            report[key] = float(gpu[field])
+    if buffer_stats is not None:
+        for field, key in BUFFER_KEYS.items():
+            report[key] = float(buffer_stats[field])
+    return report
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Leak detection
+# ---------------------------------------------------------------------------------------------------------
+def robust_slope(steps: Sequence[float], values: Sequence[float]) -> float:
+    """Theil-Sen slope (median of pairwise slopes): one spike or a GC pause does not move it."""
+    x = [float(s) for s in steps]
+    y = [float(v) for v in values]
+    _require(len(x) == len(y), "steps and values must have the same length")
+    slopes = [
+        (y[j] - y[i]) / (x[j] - x[i]) for i in range(len(x)) for j in range(i + 1, len(x)) if x[j] != x[i]
+    ]
+    if not slopes:
+        return 0.0
+    slopes.sort()
+    mid = len(slopes) // 2
+    return slopes[mid] if len(slopes) % 2 else 0.5 * (slopes[mid - 1] + slopes[mid])
+
+
+@dataclasses.dataclass
+class LeakVerdict:
+    """What the LeakDetector concluded: `leaking`, the `cause`, a plain-English `diagnosis`, the slopes."""
+
+    leaking: bool
+    cause: str  # "none" | "warming_up" | "graph_retention" | "gpu_tensors" | "fragmentation" | "host_references"
+    diagnosis: str
+    slopes: dict[str, float]
+
+    def __str__(self) -> str:
+        return self.diagnosis
+
+
+# derived host metric: USS minus what the replay buffer accounts for
+HOST_UNEXPLAINED_MB = "host/uss_minus_buffer_mb"
+
+
+class LeakDetector:
+    """Watches memory over steps and names the likely cause when something grows.
+
+    Feed it `observe(step, memory_report(...))` every log interval (or `add(metric, step, value)`).
+    After `warmup_steps`, `check()` fits a robust slope (MB, or blocks, per 1k steps) over the last
+    `window` samples of each metric. Host memory is judged after subtracting the replay buffer's bytes,
+    so a buffer filling toward capacity is never mistaken for a leak.
+    """
+
+    def __init__(self, warmup_steps: int = 5_000, window: int = 20, threshold_mb_per_1k: float = 1.0,
+                 block_threshold_per_1k: float = 50.0, min_samples: int = 5):
+        _require(isinstance(warmup_steps, int) and warmup_steps >= 0,
+                 f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        _require(isinstance(window, int) and window >= 3, f"window must be an integer >= 3, got {window!r}")
+        _require(_is_number(threshold_mb_per_1k) and threshold_mb_per_1k > 0,
+                 f"threshold_mb_per_1k must be a positive number, got {threshold_mb_per_1k!r}")
+        _require(_is_number(block_threshold_per_1k) and block_threshold_per_1k > 0,
+                 f"block_threshold_per_1k must be a positive number, got {block_threshold_per_1k!r}")
+        _require(isinstance(min_samples, int) and 3 <= min_samples <= window,
+                 f"min_samples must be an integer in [3, window={window}], got {min_samples!r}")
+        self.warmup_steps = warmup_steps
+        self.window = window
+        self.threshold = float(threshold_mb_per_1k)
+        self.block_threshold = float(block_threshold_per_1k)
+        self.min_samples = min_samples
+        self.samples: dict[str, deque] = {}
+
+    def add(self, metric: str, step: int, value: float) -> None:
+        _require(isinstance(metric, str) and metric, "metric must be a non-empty string")
+        _require(_is_number(step) and step >= 0, f"step must be a number >= 0, got {step!r}")
+        _require(_is_number(value), f"value for {metric} must be a finite number, got {value!r}")
+        if step < self.warmup_steps:
+            return
+        series = self.samples.setdefault(metric, deque(maxlen=self.window))
+        if series and step <= series[-1][0]:
+            series.clear()  # the step counter went backwards (a resumed run): start the window again
+        series.append((float(step), float(value)))
+
+    def observe(self, step: int, report: dict) -> None:
+        """Record every known metric of a `memory_report()` dict, plus host memory minus buffer bytes."""
+        _require(isinstance(report, dict), "report must be a dict from memory_report()")
+        for key in CPU_KEYS + GPU_KEYS:
+            if key in report:
+                self.add(key, step, report[key])
+        host = report.get(KEY_USS_MB, report.get(KEY_RSS_MB))
+        if host is not None:
+            buffer_mb = (report.get(BUFFER_KEYS["obs_bytes"], 0.0) + report.get(BUFFER_KEYS["aux_bytes"], 0.0)) / MB
+            self.add(HOST_UNEXPLAINED_MB, step, host - buffer_mb)
+
+    def slopes(self) -> dict[str, float]:
+        """Slope per 1k steps of every metric with enough samples."""
+        out = {}
+        for metric, series in self.samples.items():
+            if len(series) >= self.min_samples:
+                steps, values = zip(*series)
+                out[metric] = 1000.0 * robust_slope(steps, values)
+        return out
+
+    def check(self) -> LeakVerdict:
+        s = self.slopes()
+        if not s:
+            return LeakVerdict(False, "warming_up", "leak check: not enough samples after warm-up yet", s)
+        grows = lambda key: s.get(key, 0.0) > self.threshold  # noqa: E731
+        small, blocks = s.get(KEY_GPU_SMALL_POOL_ACTIVE_MB, 0.0), s.get(KEY_GPU_ACTIVE_BLOCKS, 0.0)
+        alloc, reserved = s.get(KEY_GPU_ALLOC_MB, 0.0), s.get(KEY_GPU_RESERVED_MB, 0.0)
+        host = s.get(HOST_UNEXPLAINED_MB, 0.0)
+        findings: list[tuple[str, str]] = []
+        if grows(KEY_GPU_SMALL_POOL_ACTIVE_MB) and blocks > self.block_threshold:
+            findings.append(("graph_retention",
+                f"GPU small-pool active memory grows {small:.2f} MB and {blocks:.0f} active blocks per 1k steps: "
+                "autograd graphs are being kept alive. Usual causes: acting in the environment with autograd on "
+                "(wrap collection in torch.no_grad()) or a cached recurrent state that still has a grad_fn "
+                "(store it .detach()ed)."))
+        elif grows(KEY_GPU_ALLOC_MB):
+            findings.append(("gpu_tensors",
+                f"GPU allocated memory grows {alloc:.2f} MB per 1k steps: tensors on the GPU are kept alive "
+                "(appended to a list, logged as tensors instead of .item() floats, or held by a cache)."))
+        if grows(KEY_GPU_RESERVED_MB) and alloc <= self.threshold:
+            findings.append(("fragmentation",
+                f"GPU reserved memory grows {reserved:.2f} MB per 1k steps while allocated memory is flat "
+                f"({alloc:.2f} MB per 1k): the caching allocator is fragmenting. Set "
+                "PYTORCH_ALLOC_CONF=expandable_segments:True (configure_allocator() does this by default)."))
+        if host > self.threshold:
+            findings.append(("host_references",
+                f"host memory beyond what the replay buffer holds grows {host:.2f} MB per 1k steps: something "
+                "on the host keeps references (views of evicted replay data, tensors or arrays kept in lists, "
+                "per-step logs that are never trimmed)."))
+        if not findings:
+            parts = ", ".join(f"{k} {v:+.2f}" for k, v in sorted(s.items()))
+            return LeakVerdict(False, "none", f"memory is steady (per 1k steps: {parts})", s)
+        cause = findings[0][0]
+        return LeakVerdict(True, cause, "memory leak suspected: " + " ".join(text for _, text in findings), s)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Allocator settings
+# ---------------------------------------------------------------------------------------------------------
+ALLOC_ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+# The incident team's setting was expandable_segments:True,garbage_collection_threshold:0.7,max_split_size_mb:128.
+# torch 2.13 parses all three, but with expandable segments on, max_split_size_mb makes reserved memory grow
+# without bound under a mixed large/small allocation pattern (pytorch/pytorch#123548, still open), so it is
+# only used where expandable segments are not available (native Windows).
+DEFAULT_ALLOC_CONF = "expandable_segments:True,garbage_collection_threshold:0.7"
+FALLBACK_ALLOC_CONF = "garbage_collection_threshold:0.7,max_split_size_mb:128"
+
+
+def _validate_alloc_conf(conf: str) -> None:
+    """Ask torch's own parser whether it accepts `conf` (raises ValueError with torch's message if not)."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is not None:
+        setter(conf)
+
+
+def configure_allocator(verbose: bool = True) -> str:
+    """Put allocator defaults in force unless the user chose their own; return the setting in force.
+
+    Must run before CUDA initialises (the caching allocator reads the variable once).
+    A user's PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF always wins.
+    """
+    for name in ALLOC_ENV_VARS:
+        if os.environ.get(name):
+            message = f"allocator: {name}={os.environ[name]} (your setting)"
+            if verbose:
+                print(message)
+            return os.environ[name]
+    conf = FALLBACK_ALLOC_CONF if sys.platform == "win32" else DEFAULT_ALLOC_CONF
+    cuda_started = False
+    with contextlib.suppress(Exception):
+        cuda_started = torch.cuda.is_initialized()
+    if cuda_started:
+        _warn_once("allocator_late", "CUDA was already initialised, so the allocator defaults could not be applied; "
+                   "call configure_allocator() before anything touches CUDA")
+        return ""
+    try:
+        _validate_alloc_conf(conf)
+    except (ValueError, RuntimeError) as exc:
+        _warn_once("allocator_rejected", f"this torch rejects {conf!r} ({exc}); keeping torch's defaults")
+        return ""
+    os.environ["PYTORCH_ALLOC_CONF"] = conf
+    if verbose:
+        print(f"allocator: PYTORCH_ALLOC_CONF={conf} (default; set PYTORCH_ALLOC_CONF to override)")
+    return conf
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Waiting for free GPU memory
+# ---------------------------------------------------------------------------------------------------------
+def _cuda_free_mb(device=None) -> float:
+    free, _ = torch.cuda.mem_get_info(device)
+    return free / MB
+
+
+def wait_for_gpu(min_free_mb: float, poll_s: float, timeout_s: float, device=None,
+                 probe: Callable[[], float] | None = None, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic, verbose: bool = True) -> bool:
+    """Poll until at least `min_free_mb` MB are free on the GPU; True if seen before `timeout_s`, else False.
+
+    `probe()` returns the free MB (default: `torch.cuda.mem_get_info`); `sleep` and `clock` are injectable so
+    the logic can be tested without a GPU and without waiting.
+    """
+    _require(_is_number(min_free_mb) and min_free_mb >= 0, f"min_free_mb must be a number >= 0, got {min_free_mb!r}")
+    _require(_is_number(poll_s) and poll_s > 0, f"poll_s must be a number > 0, got {poll_s!r}")
+    _require(_is_number(timeout_s) and timeout_s >= 0, f"timeout_s must be a number >= 0, got {timeout_s!r}")
+    if probe is None:
+        if not _cuda_ready():
+            raise RuntimeError("wait_for_gpu needs CUDA (or a probe), and no CUDA device is available")
+        probe = lambda: _cuda_free_mb(device)  # noqa: E731
+    deadline = clock() + timeout_s
+    polls = 0
+    while True:
+        free = float(probe())
+        polls += 1
+        if free >= min_free_mb:
+            if verbose and polls > 1:
+                print(f"wait: {free:.0f} MB free after {polls} polls (needed {min_free_mb:.0f} MB)")
+            return True
+        remaining = deadline - clock()
+        if remaining <= 0:
+            if verbose:
+                print(f"wait: timed out after {timeout_s:g} s with {free:.0f} MB free (needed {min_free_mb:.0f} MB)")
+            return False
+        if verbose and polls == 1:
+            print(f"wait: {free:.0f} MB free, need {min_free_mb:.0f} MB; polling every {poll_s:g} s "
+                  f"for up to {timeout_s:g} s")
+        sleep(min(poll_s, remaining))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Optimizer-state preallocation
+# ---------------------------------------------------------------------------------------------------------
+def preallocate_optimizer_state(step_fn: Callable[[], Any], optimizer, params: Iterable[torch.Tensor] | None = None
+                                ) -> float:
+    """Materialise optimizer state (Adam moments etc.) now, with a worst-case step, and change nothing.
+
+    `step_fn()` runs one worst-case forward and backward (it calls `.backward()` itself). This function
+    then calls `optimizer.step()` once, so every lazily created state tensor exists and the peak memory of a
+    real step has been reached (fail fast, before hours of training, instead of at the first update on a
+    contended GPU). Afterwards it restores the parameters, zeroes the state tensors (moments 0, step 0),
+    sets gradients to None and restores torch's RNG state, so training is bit-identical to not calling it.
+    Returns the peak MB of that step: the GPU peak on CUDA, the host RSS increase on CPU.
+    """
+    _require(callable(step_fn), "step_fn must be callable (one forward + backward)")
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    _require(optimizers and all(isinstance(o, torch.optim.Optimizer) for o in optimizers),
+             "optimizer must be a torch.optim.Optimizer or a non-empty list of them")
+    if params is None:
+        params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+    params = list(params)
+    _require(params and all(isinstance(p, torch.Tensor) for p in params), "params must be a non-empty list of tensors")
+    for o in optimizers:
+        _require(not o.state, "optimizer already has state: call preallocate_optimizer_state before training")
+
+    devices = {p.device for p in params}
+    on_cuda = any(d.type == "cuda" for d in devices)
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if on_cuda else None
+    saved = [p.detach().clone() for p in params]
+    saved_grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    rss_before = process_rss_mb()
+    if on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    for o in optimizers:
+        o.zero_grad(set_to_none=True)
+    step_fn()
+    for o in optimizers:
+        o.step()
+    if on_cuda:
+        torch.cuda.synchronize()
+        peak_mb = (torch.cuda.max_memory_allocated() - base) / MB
+    else:
+        peak_mb = max(0.0, process_rss_mb() - rss_before)
+    with torch.no_grad():
+        for p, value, grad in zip(params, saved, saved_grads):
+            p.copy_(value)
+            p.grad = grad
+        for o in optimizers:
+            for state in o.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        value.zero_()
+    for o in optimizers:
+        _reset_step_counters(o)
+    torch.set_rng_state(cpu_rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    return float(peak_mb)
+
+
+def _reset_step_counters(optimizer: torch.optim.Optimizer) -> None:
+    """Non-tensor counters (e.g. an integer `step`) go back to 0 as well."""
+    for state in optimizer.state.values():
+        for key, value in list(state.items()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                state[key] = type(value)(0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Mixed precision
+# ---------------------------------------------------------------------------------------------------------
+AMP_MODES = ("auto", "off", "fp16", "bf16")
+
+
+@dataclasses.dataclass
+class AmpSetup:
+    """Autocast and loss scaling for one device: `with setup.autocast(): ...`; `setup.scaler` for fp16."""
+
+    mode: str
+    device_type: str
+    dtype: torch.dtype | None
+    scaler: torch.amp.GradScaler
+
+    @property
+    def enabled(self) -> bool:
+        return self.dtype is not None
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+
+def amp(mode: str, device) -> AmpSetup:
+    """Resolve `mode` (auto/off/fp16/bf16) for `device` into an autocast factory and a GradScaler.
+
+    auto = fp16 on CUDA, off elsewhere. The scaler is enabled only for fp16 on CUDA (bf16 keeps fp32's
+    exponent range and needs none); a disabled scaler passes scale/step/update straight through.
+    fp16 without CUDA is refused (CPU fp16 autocast is slow and has no scaler).
+    """
+    _require(mode in AMP_MODES, f"amp mode must be one of {', '.join(AMP_MODES)}, got {mode!r}")
+    device_type = torch.device(device).type
+    if mode == "auto":
+        mode = "fp16" if device_type == "cuda" else "off"
+    if mode == "fp16" and device_type != "cuda":
+        raise ValueError(f"amp mode fp16 needs a CUDA device, got {device_type}; use bf16 or off")
+    dtype = {"off": None, "fp16": torch.float16, "bf16": torch.bfloat16}[mode]
+    scaler_device = "cuda" if device_type == "cuda" else "cpu"
+    scaler = torch.amp.GradScaler(scaler_device, enabled=(mode == "fp16"))
+    return AmpSetup(mode=mode, device_type=device_type, dtype=dtype, scaler=scaler)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Forensics: stage probes
+# ---------------------------------------------------------------------------------------------------------
+class StageProbes:
+    """Memory at fixed points of the training loop, to name the stage that ratchets memory up.
+
+    Call `probes(stage)` at each stage (GPU allocated MB on CUDA, USS MB on CPU), `end_iteration(step)` once
+    per loop iteration. The loop-start baseline is tracked over steps; its slope says whether memory ratchets,
+    and the stage whose own value grows fastest is named.
+    """
+
+    STAGES = ("loop_start", "after_collect", "after_sample", "after_encoder", "after_rssm",
+              "after_decoder", "after_backward", "after_optimizer_step")
+    SLOPE_KEY = PROBE_KEY_PREFIX + "baseline_slope_mb_per_1k"
+
+    def __init__(self, enabled: bool, device="cpu", window: int = 50):
+        self.enabled = bool(enabled)
+        self.on_cuda = torch.device(device).type == "cuda" and _cuda_ready()
+        self.device = device
+        self.current: dict[str, float] = {}
+        self.history: dict[str, deque] = {s: deque(maxlen=window) for s in self.STAGES}
+
+    def _measure(self) -> float:
+        if self.on_cuda:
+            return torch.cuda.memory_allocated(self.device) / MB
+        return process_uss_mb()
+
+    def __call__(self, stage: str) -> None:
+        if not self.enabled:
+            return
+        _require(stage in self.STAGES, f"unknown probe stage {stage!r}; stages are {', '.join(self.STAGES)}")
+        try:
+            self.current[stage] = self._measure()
+        except Exception as exc:  # noqa: BLE001 - diagnostics never break training
+            _warn_once("probe", f"memory probe failed ({exc}); probes are off from now on")
+            self.enabled = False
+
+    def end_iteration(self, step: int) -> None:
+        if not self.enabled:
+            return
+        for stage, value in self.current.items():
+            self.history[stage].append((float(step), value))
+
+    def stage_slopes(self) -> dict[str, float]:
+        """MB per 1k steps of each stage's value over the recent window."""
+        out = {}
+        for stage, series in self.history.items():
+            if len(series) >= 3:
+                steps, values = zip(*series)
+                out[stage] = 1000.0 * robust_slope(steps, values)
+        return out
+
+    def scalars(self) -> dict[str, float]:
+        if not self.enabled:
+            return {}
+        out = {f"{PROBE_KEY_PREFIX}{stage}_mb": value for stage, value in self.current.items()}
+        slopes = self.stage_slopes()
+        if "loop_start" in slopes:
+            out[self.SLOPE_KEY] = slopes["loop_start"]
+        return out
+
+    def verdict(self, threshold_mb_per_1k: float = 1.0) -> str:
+        slopes = self.stage_slopes()
+        if "loop_start" not in slopes:
+            return "probes: not enough iterations yet"
+        base = slopes["loop_start"]
+        if base <= threshold_mb_per_1k:
+            return f"probes: loop-start memory is flat ({base:+.2f} MB per 1k steps)"
+        # the first stage (in loop order) whose value grows as fast as the baseline is where it starts
+        culprit = next((s for s in self.STAGES if slopes.get(s, 0.0) >= 0.5 * base), "loop_start")
+        return (f"probes: loop-start memory grows {base:+.2f} MB per 1k steps; the growth first shows "
+                f"at '{culprit}' ({slopes.get(culprit, 0.0):+.2f} MB per 1k)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Forensics: allocator snapshots and OOM reports
+# ---------------------------------------------------------------------------------------------------------
+class MemorySnapshots:
+    """Record CUDA allocator history in a bounded ring and dump it every `every` env steps.
+
+    Files: {run_dir}/memory_snapshots/snapshot_step_{step}.pickle, readable by `analyze` and by
+    https://pytorch.org/memory_viz. Without CUDA it warns once and does nothing. A failure to write is
+    reported once and training continues.
+    """
+
+    def __init__(self, run_dir: str, every: int, max_entries: int = 100_000, device=None):
+        _require(isinstance(every, int) and every >= 0, f"every must be an integer >= 0, got {every!r}")
+        _require(isinstance(max_entries, int) and max_entries > 0,
+                 f"max_entries must be a positive integer, got {max_entries!r}")
+        self.out_dir = Path(run_dir) / "memory_snapshots"
+        self.every = every
+        self.max_entries = max_entries
+        self.active = False
+        self.next_step = every
+        if every == 0:
+            return
+        if not _cuda_ready() or (device is not None and torch.device(device).type != "cuda"):
+            _warn_once("snapshots_cpu", "memory snapshots need CUDA; --memory-snapshot-every is ignored on this run")
+            return
+        try:
+            torch.cuda.memory._record_memory_history(max_entries=max_entries)
+            self.active = True
+        except Exception as exc:  # noqa: BLE001
+            _warn_once("snapshots_start", f"could not start recording allocator history ({exc}); no snapshots")
+
+    def dump(self, path: Path) -> str | None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            torch.cuda.memory._dump_snapshot(str(tmp))
+            os.replace(tmp, path)
+            return str(path)
+        except Exception as exc:  # noqa: BLE001 - disk full, permissions: training goes on
+            _warn_once("snapshots_write", f"writing memory snapshot {path} failed ({exc}); training continues")
+            return None
+
+    def maybe_dump(self, step: int) -> str | None:
+        if not self.active or step < self.next_step:
+            return None
+        while self.next_step <= step:
+            self.next_step += self.every
+        return self.dump(self.out_dir / f"snapshot_step_{step}.pickle")
+
+    def close(self) -> None:
+        if self.active:
+            with contextlib.suppress(Exception):
+                torch.cuda.memory._record_memory_history(enabled=None)
+            self.active = False
+
+
+def install_oom_observer(run_dir: str) -> bool:
+    """Dump an allocator snapshot to {run_dir}/oom/ at the moment the CUDA allocator runs out of memory.
+
+    Uses torch's OOM observer, which exists only with CUDA and the native caching allocator (not under
+    backend:cudaMallocAsync). Returns whether it was attached.
+    """
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if attach is None or not _cuda_ready():
+        return False
+    oom_dir = Path(run_dir) / "oom"
+
+    def observer(device, alloc, device_alloc, device_free):
+        try:
+            oom_dir.mkdir(parents=True, exist_ok=True)
+            (oom_dir / "observer.json").write_text(json.dumps(
+                {"device": device, "requested_bytes": alloc, "device_allocated_bytes": device_alloc,
+                 "device_free_bytes": device_free}, indent=2))
+            torch.cuda.memory._dump_snapshot(str(oom_dir / "snapshot_at_oom.pickle"))
+        except Exception as exc:  # noqa: BLE001
+            _warn_once("oom_observer", f"OOM observer could not write its snapshot ({exc})")
+
+    try:
+        attach(observer)
+        return True
+    except Exception as exc:  # noqa: BLE001
+        _warn_once("oom_observer_attach", f"could not attach the OOM observer ({exc})")
+        return False
+
+
+_REQUEST_RE = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
+_UNITS = {"B": 1 / MB, "KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0, "TiB": 1024.0 * 1024.0}
+
+
+def diagnose_oom(message: str, allocated_mb: float | None, reserved_mb: float | None,
+                 free_mb: float | None, total_mb: float | None) -> str:
+    """A short explanation of a CUDA OOM from its message and the allocator's figures (all MB)."""
+    lines = ["CUDA out of memory."]
+    match = _REQUEST_RE.search(message or "")
+    if match:
+        lines[0] += f" It asked for {float(match.group(1)) * _UNITS[match.group(2)]:.0f} MiB more."
+    if total_mb:
+        held = reserved_mb or 0.0
+        others = max(0.0, total_mb - (free_mb or 0.0) - held)
+        lines.append(f"This process holds {held:.0f} MiB ({allocated_mb or 0.0:.0f} MiB in live tensors); "
+                     f"other processes and CUDA contexts hold about {others:.0f} MiB; {free_mb or 0.0:.0f} MiB "
+                     f"of {total_mb:.0f} MiB is free.")
+        if others > 0.25 * total_mb:
+            lines.append("Another process holds a large share of this GPU: wait for it "
+                         "(`python memory_utils.py wait --min-free MB -- <command>`) or use another device.")
+        if allocated_mb and allocated_mb > total_mb:
+            lines.append(f"Allocated ({allocated_mb / 1024:.2f} GiB) exceeds the card's {total_mb / 1024:.2f} GiB: the "
+                         "driver is spilling into shared host memory (WSL2/Windows do this). That is not "
+                         "corruption; it is memory pressure, and it makes training slow long before it fails.")
+        if reserved_mb and allocated_mb is not None and reserved_mb - allocated_mb > 0.3 * reserved_mb:
+            lines.append(f"{reserved_mb - allocated_mb:.0f} MiB is reserved but unused (fragmentation): "
+                         "PYTORCH_ALLOC_CONF=expandable_segments:True helps.")
+    lines.append("Flags that lower the peak: --amp bf16 (or fp16 on CUDA), a smaller --batch-size or "
+                 "--sequence-length, and the allocator defaults of configure_allocator() "
+                 "(expandable_segments:True).")
+    return "\n".join(lines)
+
+
+def write_oom_report(run_dir: str, exc: BaseException, last_report: dict | None, verdict=None,
+                     device=None) -> str:
+    """Write {run_dir}/oom/ (snapshot, memory_summary.txt, report.json) and return a short diagnosis.
+
+    Call it from `except torch.OutOfMemoryError` after dropping the failed step's tensors (and the
+    traceback: `exc.__traceback__ = None`) so they are not alive while the report is written. Never raises.
+    """
+    oom_dir = Path(run_dir) / "oom"
+    stats = gpu_memory_stats(device)
+    diagnosis = diagnose_oom(str(exc), stats.get("alloc_mb"), stats.get("reserved_mb"), stats.get("free_mb"),
+                             stats.get("total_mb"))
+    try:
+        oom_dir.mkdir(parents=True, exist_ok=True)
+        summary = "CUDA is not available; no allocator summary."
+        if _cuda_ready():
+            with contextlib.suppress(Exception):
+                summary = torch.cuda.memory_summary(device)
+            with contextlib.suppress(Exception):
+                torch.cuda.memory._dump_snapshot(str(oom_dir / "snapshot.pickle"))
+        (oom_dir / "memory_summary.txt").write_text(summary)
+        payload = {
+            "error": str(exc),
+            "diagnosis": diagnosis,
+            "gpu": stats,
+            "last_memory_report": last_report or {},
+            "leak_verdict": None if verdict is None else {
+                "leaking": getattr(verdict, "leaking", None), "cause": getattr(verdict, "cause", None),
+                "diagnosis": str(verdict)},
+        }
+        (oom_dir / "report.json").write_text(json.dumps(payload, indent=2, default=str))
+    except Exception as err:  # noqa: BLE001
+        _warn_once("oom_report", f"could not write the OOM report to {oom_dir} ({err})")
+    return diagnosis
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Snapshot analysis
+# ---------------------------------------------------------------------------------------------------------
+class UnsafeSnapshotError(pickle.UnpicklingError):
+    """The file asked to import something: a real allocator snapshot never does."""
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Admits only plain containers and scalars: no global is ever looked up, so no code can run."""
+
+    def find_class(self, module, name):
+        raise UnsafeSnapshotError(f"refusing to load {module}.{name}: snapshots hold only plain data")
+
+    def persistent_load(self, pid):
+        raise UnsafeSnapshotError("refusing persistent ids: snapshots hold only plain data")
+
+
+def load_snapshot(path: str | os.PathLike) -> dict:
+    """Load a CUDA allocator snapshot safely. Raises UnsafeSnapshotError or pickle/EOF errors."""
+    with open(path, "rb") as f:
+        data = _PlainUnpickler(f).load()
+    if not isinstance(data, dict) or "segments" not in data:
+        raise pickle.UnpicklingError(f"{path} is not an allocator snapshot (no 'segments')")
+    return data
+
+
+_ACTIVE_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free")
+_STEP_RE = re.compile(r"snapshot_step_(\d+)\.pickle$")
+_LIBRARY_MARKERS = ("site-packages", "dist-packages", "/torch/", "\\torch\\", "<frozen", "/lib/python3",
+                    "\\lib\\python3", "??")
+
+
+def _is_project_frame(frame: dict) -> bool:
+    filename = str(frame.get("filename", ""))
+    return bool(filename) and not any(marker in filename for marker in _LIBRARY_MARKERS)
+
+
+def allocation_site(frames: list) -> str:
+    """The innermost frame of the project's own code (file:line:function), else the innermost frame."""
+    if not frames:
+        return "<no stack recorded>"
+    frame = next((f for f in frames if _is_project_frame(f)), frames[0])
+    return f"{Path(str(frame.get('filename', '?'))).name}:{frame.get('line', '?')}:{frame.get('name', '?')}"
+
+
+def summarize_snapshot(data: dict) -> dict:
+    """Totals of one snapshot in MB and counts, and live bytes/blocks per allocation site."""
+    totals = {"active_mb": 0.0, "small_pool_active_mb": 0.0, "large_pool_active_mb": 0.0, "reserved_mb": 0.0,
+              "active_blocks": 0}
+    sites: dict[str, list] = {}
+    for segment in data.get("segments", []):
+        totals["reserved_mb"] += segment.get("total_size", 0) / MB
+        pool = "small_pool_active_mb" if segment.get("segment_type") == "small" else "large_pool_active_mb"
+        for block in segment.get("blocks", []):
+            if block.get("state") not in _ACTIVE_STATES:
+                continue
+            size = block.get("size", 0)
+            totals["active_mb"] += size / MB
+            totals[pool] += size / MB
+            totals["active_blocks"] += 1
+            site = sites.setdefault(allocation_site(block.get("frames", [])), [0, 0])
+            site[0] += size
+            site[1] += 1
+    return {"totals": totals, "sites": sites}
+
+
+GROWTH_COLUMNS = ("active_mb", "small_pool_active_mb", "large_pool_active_mb", "reserved_mb", "active_blocks")
+
+
+@dataclasses.dataclass
+class SnapshotAnalysis:
+    steps: list[int]
+    rows: list[dict]  # one per snapshot: step + GROWTH_COLUMNS
+    slopes: dict[str, float]  # per 1k steps
+    top_sites: list[dict]  # site, bytes_first, bytes_last, blocks_first, blocks_last, growth_mb, growth_blocks
+    skipped: list[str]
+    verdict: str
+    events: list[dict] = dataclasses.field(default_factory=list)
+
+
+def _snapshot_files(snapshots_dir: Path) -> list[tuple[int, Path]]:
+    found = []
+    for path in snapshots_dir.glob("*.pickle"):
+        match = _STEP_RE.search(path.name)
+        if match:
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def _verdict(slopes: dict[str, float], threshold: float) -> str:
+    small, large = slopes.get("small_pool_active_mb", 0.0), slopes.get("large_pool_active_mb", 0.0)
+    active, reserved = slopes.get("active_mb", 0.0), slopes.get("reserved_mb", 0.0)
+    blocks = slopes.get("active_blocks", 0.0)
+    if small > threshold and blocks > 50:
+        return (f"leak: small-pool active memory grows {small:.2f} MB and {blocks:.0f} blocks per 1k steps. Many "
+                "small blocks that never die are the signature of retained autograd graphs: run collection under "
+                "torch.no_grad() and store recurrent state detached. The top growing site below is where they "
+                "are allocated.")
+    if active > threshold:
+        return (f"leak: active memory grows {active:.2f} MB per 1k steps (large pool {large:+.2f}). Tensors are "
+                "kept alive; the top growing site below is where they are allocated.")
+    if reserved > threshold:
+        return (f"fragmentation: reserved memory grows {reserved:.2f} MB per 1k steps while active memory is flat "
+                f"({active:+.2f}). Use PYTORCH_ALLOC_CONF=expandable_segments:True.")
+    return f"steady: no pool grows faster than {threshold:g} MB per 1k steps (active {active:+.2f}, reserved {reserved:+.2f})."
+
+
+def analyze_snapshots(snapshots_dir: str | os.PathLike, events_dir: str | os.PathLike | None = None,
+                      threshold_mb_per_1k: float = 1.0, top: int = 10) -> SnapshotAnalysis:
+    """Growth over a run's snapshots (ordered by step), top growing allocation sites, and a verdict."""
+    snapshots_dir = Path(snapshots_dir)
+    _require(snapshots_dir.is_dir(), f"snapshots directory {snapshots_dir} does not exist")
+    _require(_is_number(threshold_mb_per_1k) and threshold_mb_per_1k > 0,
+             f"threshold_mb_per_1k must be a positive number, got {threshold_mb_per_1k!r}")
+    rows, summaries, skipped = [], [], []
+    for step, path in _snapshot_files(snapshots_dir):
+        try:
+            summary = summarize_snapshot(load_snapshot(path))
+        except UnsafeSnapshotError as exc:
+            skipped.append(f"{path.name}: refused ({exc})")
+            continue
+        except Exception as exc:  # noqa: BLE001 - corrupt or truncated files are skipped, not fatal
+            skipped.append(f"{path.name}: unreadable ({type(exc).__name__}: {exc})")
+            continue
+        rows.append({"step": step, **summary["totals"]})
+        summaries.append(summary)
+    for message in skipped:
+        print(f"warning: skipped {message}", file=sys.stderr)
+    _require(rows, f"no readable snapshot_step_<N>.pickle files in {snapshots_dir}")
+    steps = [r["step"] for r in rows]
+    slopes = {c: 1000.0 * robust_slope(steps, [r[c] for r in rows]) if len(rows) > 1 else 0.0 for c in GROWTH_COLUMNS}
+    first, last = summaries[0]["sites"], summaries[-1]["sites"]
+    top_sites = []
+    for site in set(first) | set(last):
+        b0, n0 = first.get(site, (0, 0))
+        b1, n1 = last.get(site, (0, 0))
+        top_sites.append({"site": site, "bytes_first": b0, "bytes_last": b1, "blocks_first": n0, "blocks_last": n1,
+                          "growth_mb": (b1 - b0) / MB, "growth_blocks": n1 - n0})
+    top_sites.sort(key=lambda s: (s["growth_mb"], s["growth_blocks"]), reverse=True)
+    result = SnapshotAnalysis(steps, rows, slopes, top_sites[:top], skipped, _verdict(slopes, threshold_mb_per_1k))
+    if events_dir is not None:
+        result.events = _events_at_steps(Path(events_dir), steps, rows)
+    return result
+
+
+_EVENT_COMPARE = {KEY_GPU_ALLOC_MB: "active_mb", KEY_GPU_RESERVED_MB: "reserved_mb",
+                  KEY_GPU_SMALL_POOL_ACTIVE_MB: "small_pool_active_mb",
+                  KEY_GPU_LARGE_POOL_ACTIVE_MB: "large_pool_active_mb", KEY_GPU_ACTIVE_BLOCKS: "active_blocks"}
+
+
+def _events_at_steps(events_dir: Path, steps: list[int], rows: list[dict]) -> list[dict]:
+    """The logged debug/* scalars nearest each snapshot step, beside the snapshot's own figures."""
+    _require(events_dir.is_dir(), f"events directory {events_dir} does not exist")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = [t for t in acc.Tags().get("scalars", []) if t.startswith("debug/")]
+    series = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags}
+    out = []
+    for step, row in zip(steps, rows):
+        entry: dict[str, Any] = {"step": step}
+        for tag, points in series.items():
+            if points:
+                logged_step, value = min(points, key=lambda p: abs(p[0] - step))
+                entry[tag] = value
+                entry[tag + "@step"] = logged_step
+        for tag, column in _EVENT_COMPARE.items():
+            if tag in entry:
+                logged, snap = entry[tag], row[column]
+                entry[f"agree:{tag}"] = abs(logged - snap) <= max(5.0, 0.1 * max(abs(snap), abs(logged)))
+        out.append(entry)
+    return out
+
+
+def _growth_table(analysis: SnapshotAnalysis) -> str:
+    header = "| step | " + " | ".join(GROWTH_COLUMNS) + " |"
+    lines = [header, "|" + "---|" * (len(GROWTH_COLUMNS) + 1)]
+    for row in analysis.rows:
+        lines.append(f"| {row['step']} | " + " | ".join(
+            f"{row[c]:.0f}" if c == "active_blocks" else f"{row[c]:.2f}" for c in GROWTH_COLUMNS) + " |")
+    lines.append("| slope per 1k steps | " + " | ".join(f"{analysis.slopes[c]:+.2f}" for c in GROWTH_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def write_analysis(analysis: SnapshotAnalysis, out_dir: str | os.PathLike, last_snapshot: Path | None = None
+                   ) -> dict[str, str]:
+    """report.md, growth.csv, memory.png and (from torch's _memory_viz) timeline.html + segments.txt."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = {}
+    with open(out / "growth.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["step", *GROWTH_COLUMNS])
+        writer.writeheader()
+        writer.writerows(analysis.rows)
+    written["growth.csv"] = str(out / "growth.csv")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for column in ("active_mb", "small_pool_active_mb", "large_pool_active_mb", "reserved_mb"):
+            ax.plot(analysis.steps, [r[column] for r in analysis.rows], marker="o", label=column)
+        ax.set_xlabel("env step")
+        ax.set_ylabel("MB")
+        ax.set_title("GPU memory per snapshot")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "memory.png", dpi=100)
+        plt.close(fig)
+        written["memory.png"] = str(out / "memory.png")
+    except Exception as exc:  # noqa: BLE001
+        print(f"warning: memory.png not written ({exc})", file=sys.stderr)
+    viz_note = "no snapshot to draw"
+    if last_snapshot is not None:
+        try:
+            from torch.cuda import _memory_viz
+
+            data = load_snapshot(last_snapshot)
+            (out / "segments.txt").write_text(_memory_viz.segsum(data))
+            written["segments.txt"] = str(out / "segments.txt")
+            (out / "timeline.html").write_text(_memory_viz.trace_plot(data))
+            written["timeline.html"] = str(out / "timeline.html")
+            viz_note = (f"`segments.txt` is torch's text summary of {last_snapshot.name} (works offline). "
+                        "`timeline.html` is torch's timeline; it loads torch's MemoryViz.js from the web when "
+                        "opened, so offline, drag the pickle into a saved copy of pytorch.org/memory_viz instead.")
+        except Exception as exc:  # noqa: BLE001
+            viz_note = f"torch's _memory_viz could not draw {last_snapshot.name} ({exc})"
+    lines = ["# Memory snapshot analysis", "", f"**Verdict:** {analysis.verdict}", "", "## Growth", "",
+             _growth_table(analysis), "", "## Top growing allocation sites (first → last snapshot)", "",
+             "| site | MB first | MB last | growth MB | blocks first | blocks last |", "|---|---|---|---|---|---|"]
+    for s in analysis.top_sites:
+        lines.append(f"| `{s['site']}` | {s['bytes_first'] / MB:.2f} | {s['bytes_last'] / MB:.2f} | "
+                     f"{s['growth_mb']:+.2f} | {s['blocks_first']} | {s['blocks_last']} |")
+    if analysis.events:
+        lines += ["", "## Logged scalars at the snapshot steps", "",
+                  "| step | logged alloc MB | snapshot active MB | agree | logged reserved MB | snapshot reserved MB | agree |",
+                  "|---|---|---|---|---|---|---|"]
+        for entry, row in zip(analysis.events, analysis.rows):
+            def cell(tag, column):
+                if tag not in entry:
+                    return "n/a | " + f"{row[column]:.2f} | n/a"
+                return f"{entry[tag]:.2f} | {row[column]:.2f} | {'yes' if entry['agree:' + tag] else 'NO'}"
+            lines.append(f"| {entry['step']} | {cell(KEY_GPU_ALLOC_MB, 'active_mb')} | "
+                         f"{cell(KEY_GPU_RESERVED_MB, 'reserved_mb')} |")
+    if analysis.skipped:
+        lines += ["", "## Skipped files", ""] + [f"- {m}" for m in analysis.skipped]
+    lines += ["", "## Timeline", "", viz_note, ""]
+    (out / "report.md").write_text("\n".join(lines))
+    written["report.md"] = str(out / "report.md")
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------
+class _CliError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line and exits 2 (no usage dump, no traceback)."""
+
+    def error(self, message):
+        raise _CliError(message)
+
+
+def _parse_env_assignment(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"--fallback-env expects NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def run_wait(min_free_mb: float, poll_s: float, timeout_s: float, command: list[str], gpu: int | None = None,
+             fallback_env: Sequence[str] = (), allow_no_gpu: bool = False,
+             probe: Callable[[], float] | None = None, sleep: Callable[[float], None] = time.sleep) -> int:
+    """The `wait` command: wait for free memory, then run `command`; on timeout run it with `fallback_env`."""
+    _require(bool(command), "wait needs a command after --, e.g. `-- python dqn_starcraft_split.py`")
+    _require(_is_number(min_free_mb) and min_free_mb >= 0, f"--min-free must be a number of MB >= 0, got {min_free_mb!r}")
+    _require(_is_number(poll_s) and poll_s > 0, f"--sleep must be a number of seconds > 0, got {poll_s!r}")
+    _require(_is_number(timeout_s) and timeout_s >= 0, f"--timeout must be a number of seconds >= 0, got {timeout_s!r}")
+    _require(gpu is None or (isinstance(gpu, int) and gpu >= 0), f"--gpu must be an integer >= 0, got {gpu!r}")
+    overrides = dict(_parse_env_assignment(a) for a in fallback_env)
+    env = os.environ.copy()
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # so the probe below sees the same device as the command
+    if probe is None and not _cuda_ready():
+        if not allow_no_gpu:
+            raise _CliError("no CUDA device is available, so there is no GPU memory to wait for "
+                            "(pass --allow-no-gpu to run the command anyway)")
+        print("wait: no CUDA device; running the command without waiting (--allow-no-gpu)")
+    else:
+        ready = wait_for_gpu(min_free_mb, poll_s, timeout_s, device=0 if probe is None else None, probe=probe,
+                             sleep=sleep)
+        if not ready:
+            if overrides:
+                print("wait: running with the fallback environment " +
+                      " ".join(f"{k}={v}" for k, v in overrides.items()))
+                env.update(overrides)
+            else:
+                print("wait: no --fallback-env given; running the command as it is")
+    try:
+        return subprocess.call(command, env=env)
+    except FileNotFoundError:
+        raise _CliError(f"command not found: {command[0]}") from None
+
+
+def _cmd_report(args) -> int:
+    print(json.dumps({"memory_report": memory_report(), "gpu": gpu_memory_stats(),
+                      "cuda_devices": torch.cuda.device_count() if _cuda_ready() else 0}, indent=2))
+    return 0
+
+
+def _cmd_allocator(args) -> int:
+    conf = configure_allocator(verbose=False)
+    print(conf or "(torch defaults)")
+    return 0
+
+
+def _cmd_analyze(args) -> int:
+    analysis = analyze_snapshots(args.snapshots_dir, args.events_dir, args.threshold)
+    out_dir = Path(args.out_dir) if args.out_dir else Path(args.snapshots_dir).parent / "memory_analysis"
+    files = _snapshot_files(Path(args.snapshots_dir))
+    last = next((p for s, p in reversed(files) if s == analysis.steps[-1]), None)
+    written = write_analysis(analysis, out_dir, last)
+    print(_growth_table(analysis))
+    if analysis.top_sites:
+        print("\nTop growing allocation sites:")
+        for s in analysis.top_sites[:5]:
+            print(f"  {s['site']}: {s['growth_mb']:+.2f} MB, {s['growth_blocks']:+d} blocks")
+    print(f"\n{analysis.verdict}")
+    print(f"\nwrote {', '.join(sorted(written))} to {out_dir}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="memory_utils.py", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                     epilog="Run `python memory_utils.py COMMAND --help` for a command's options.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser("report", help="print this process's memory report and the CUDA devices it sees")
+    p.set_defaults(func=_cmd_report)
+    p = sub.add_parser("allocator", help="print the allocator settings configure_allocator() puts in force")
+    p.set_defaults(func=_cmd_allocator)
+    p = sub.add_parser("wait", help="wait for free GPU memory, then run a command",
+                       description="Poll free GPU memory until --min-free MB are free, then run COMMAND (its exit "
+                                   "status is passed through). On timeout run it with the --fallback-env "
+                                   "variables, e.g. RL_BATCH_SIZE=2.")
+    p.add_argument("--min-free", type=float, required=True, metavar="MB", help="free GPU memory to wait for, in MB")
+    p.add_argument("--sleep", type=float, default=30.0, metavar="S", help="seconds between polls (default 30)")
+    p.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="give up after S seconds (default 3600)")
+    p.add_argument("--gpu", type=int, default=None, metavar="N", help="pin CUDA_VISIBLE_DEVICES=N for the command")
+    p.add_argument("--fallback-env", nargs="*", default=[], metavar="NAME=VALUE",
+                   help="environment for the command when the wait times out")
+    p.add_argument("--allow-no-gpu", action="store_true", help="without CUDA, run the command instead of exiting 2")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    p.set_defaults(func=None)
+    p = sub.add_parser("analyze", help="analyse a run's memory snapshots",
+                       description="Growth table, top growing allocation sites and a verdict from "
+                                   "{run_dir}/memory_snapshots/snapshot_step_N.pickle files; with --events-dir, the "
+                                   "logged debug/* scalars beside them. Writes report.md, growth.csv, memory.png, "
+                                   "segments.txt and timeline.html.")
+    p.add_argument("--snapshots-dir", required=True, help="directory with snapshot_step_N.pickle files")
+    p.add_argument("--events-dir", default=None, help="the run's TensorBoard directory (runs/<run_name>)")
+    p.add_argument("--out-dir", default=None, help="where to write the report (default: beside the snapshots)")
+    p.add_argument("--threshold", type=float, default=1.0, help="MB per 1k steps that counts as growth (default 1)")
+    p.set_defaults(func=_cmd_analyze)
+    return parser
+
+
+def main(argv: list[str] | None = None, probe: Callable[[], float] | None = None,
+         sleep: Callable[[float], None] = time.sleep) -> int:
+    """CLI entry point; `probe` and `sleep` are injectable for `wait` (tests run it without a GPU)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "wait":
+            command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            return run_wait(args.min_free, args.sleep, args.timeout, command, gpu=args.gpu,
+                            fallback_env=args.fallback_env, allow_no_gpu=args.allow_no_gpu, probe=probe,
+                            sleep=sleep)
+        return args.func(args)
+    except (_CliError, ValueError, RuntimeError) as exc:
+        print(f"memory_utils.py: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
