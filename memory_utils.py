@@ -586,9 +586,10 @@ def amp(mode: str, device) -> AmpSetup:
 class StageProbes:
     """Memory at fixed points of the training loop, to name the stage that ratchets memory up.
 
-    Call `probes(stage)` at each stage (GPU allocated MB on CUDA, USS MB on CPU), `end_iteration(step)` once
-    per loop iteration. The loop-start baseline is tracked over steps; its slope says whether memory ratchets,
-    and the stage whose own value grows fastest is named.
+    Call `probes(stage)` at each stage (GPU allocated MB on CUDA, USS MB on CPU) and `end_iteration(step)` once
+    per loop iteration. Two things come out: the slope of the loop-start baseline over steps (is memory
+    ratcheting at all?), and, per stage, the memory it adds that is never given back before the next loop
+    start (which stage does it?). Transient activations that the backward pass frees count as zero.
     """
 
     STAGES = ("loop_start", "after_collect", "after_sample", "after_encoder", "after_rssm",
@@ -596,11 +597,12 @@ class StageProbes:
     SLOPE_KEY = PROBE_KEY_PREFIX + "baseline_slope_mb_per_1k"
 
     def __init__(self, enabled: bool, device="cpu", window: int = 50):
+        _require(isinstance(window, int) and window >= 3, f"window must be an integer >= 3, got {window!r}")
         self.enabled = bool(enabled)
         self.on_cuda = torch.device(device).type == "cuda" and _cuda_ready()
         self.device = device
-        self.current: dict[str, float] = {}
-        self.history: dict[str, deque] = {s: deque(maxlen=window) for s in self.STAGES}
+        self.current: list[tuple[str, float]] = []  # this iteration's (stage, MB) in call order
+        self.iterations: deque = deque(maxlen=window)  # (step, [(stage, MB), ...]) per finished iteration
 
     def _measure(self) -> float:
         if self.on_cuda:
@@ -612,7 +614,7 @@ class StageProbes:
             return
         _require(stage in self.STAGES, f"unknown probe stage {stage!r}; stages are {', '.join(self.STAGES)}")
         try:
-            self.current[stage] = self._measure()
+            self.current.append((stage, self._measure()))
         except Exception as exc:  # noqa: BLE001 - diagnostics never break training
             _warn_once("probe", f"memory probe failed ({exc}); probes are off from now on")
             self.enabled = False
@@ -620,38 +622,55 @@ class StageProbes:
     def end_iteration(self, step: int) -> None:
         if not self.enabled:
             return
-        for stage, value in self.current.items():
-            self.history[stage].append((float(step), value))
+        if self.current and self.current[0][0] == "loop_start":
+            self.iterations.append((float(step), self.current))
+        self.current = []
 
-    def stage_slopes(self) -> dict[str, float]:
-        """MB per 1k steps of each stage's value over the recent window."""
-        out = {}
-        for stage, series in self.history.items():
-            if len(series) >= 3:
-                steps, values = zip(*series)
-                out[stage] = 1000.0 * robust_slope(steps, values)
-        return out
+    def baseline_slope(self) -> float | None:
+        """Loop-start memory, MB per 1k steps, over the recent window."""
+        if len(self.iterations) < 3:
+            return None
+        steps = [step for step, _ in self.iterations]
+        values = [stages[0][1] for _, stages in self.iterations]
+        return 1000.0 * robust_slope(steps, values)
+
+    def retained_per_stage(self) -> dict[str, float]:
+        """Mean MB per iteration that each stage adds and nothing gives back before the next loop start."""
+        totals: dict[str, float] = {}
+        pairs = list(zip(self.iterations, list(self.iterations)[1:]))
+        for (_, stages), (_, following) in pairs:
+            values = [v for _, v in stages] + [following[0][1]]
+            base = values[0]
+            rel = [v - base for v in values]
+            # floor[i] = the lowest memory from probe i on: what of the rise up to i is still held at the end
+            floor = rel[:]
+            for i in range(len(floor) - 2, -1, -1):
+                floor[i] = min(floor[i], floor[i + 1])
+            for i in range(1, len(stages)):
+                totals[stages[i][0]] = totals.get(stages[i][0], 0.0) + floor[i] - floor[i - 1]
+            totals[stages[0][0]] = totals.get(stages[0][0], 0.0) + floor[0]
+        return {stage: total / len(pairs) for stage, total in totals.items()} if pairs else {}
 
     def scalars(self) -> dict[str, float]:
         if not self.enabled:
             return {}
-        out = {f"{PROBE_KEY_PREFIX}{stage}_mb": value for stage, value in self.current.items()}
-        slopes = self.stage_slopes()
-        if "loop_start" in slopes:
-            out[self.SLOPE_KEY] = slopes["loop_start"]
+        source = self.current or (self.iterations[-1][1] if self.iterations else [])
+        out = {f"{PROBE_KEY_PREFIX}{stage}_mb": value for stage, value in source}
+        slope = self.baseline_slope()
+        if slope is not None:
+            out[self.SLOPE_KEY] = slope
         return out
 
     def verdict(self, threshold_mb_per_1k: float = 1.0) -> str:
-        slopes = self.stage_slopes()
-        if "loop_start" not in slopes:
+        slope = self.baseline_slope()
+        if slope is None:
             return "probes: not enough iterations yet"
-        base = slopes["loop_start"]
-        if base <= threshold_mb_per_1k:
-            return f"probes: loop-start memory is flat ({base:+.2f} MB per 1k steps)"
-        # the first stage (in loop order) whose value grows as fast as the baseline is where it starts
-        culprit = next((s for s in self.STAGES if slopes.get(s, 0.0) >= 0.5 * base), "loop_start")
-        return (f"probes: loop-start memory grows {base:+.2f} MB per 1k steps; the growth first shows "
-                f"at '{culprit}' ({slopes.get(culprit, 0.0):+.2f} MB per 1k)")
+        if slope <= threshold_mb_per_1k:
+            return f"probes: loop-start memory is flat ({slope:+.2f} MB per 1k steps)"
+        retained = self.retained_per_stage()
+        culprit = max(retained, key=retained.get) if retained else "unknown"
+        return (f"probes: loop-start memory grows {slope:+.2f} MB per 1k steps; '{culprit}' adds "
+                f"{retained.get(culprit, 0.0):.3f} MB per iteration that is never given back")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,339 @@
+"""memory_utils: real measurements on this process, real torch optimizers, the CLI as a user runs it."""
+
+import gc
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import memory_utils as mu
+from conftest import ROOT
+
+CUDA = torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------------------- host memory
+def test_host_memory_psutil_and_proc_fallback_agree(monkeypatch):
+    ballast = np.ones(64 * 1024 * 1024 // 8)  # 64 MB of touched pages, so both readings see real memory
+    rss, uss = mu.process_rss_mb(), mu.process_uss_mb()
+    assert rss > 64 and uss > 64 and uss <= rss + 1
+    monkeypatch.setattr(mu, "psutil", None)
+    rss_proc, uss_proc = mu.process_rss_mb(), mu.process_uss_mb()
+    assert abs(rss_proc - rss) < 0.1 * rss + 8
+    assert abs(uss_proc - uss) < 0.1 * uss + 8
+    del ballast
+
+
+def test_host_memory_without_psutil_or_proc(monkeypatch):
+    monkeypatch.setattr(mu, "psutil", None)
+    monkeypatch.setattr(mu, "_proc_status_kb", lambda *a, **k: None)
+    with pytest.raises(RuntimeError, match="psutil"):
+        mu.process_rss_mb()
+
+
+@pytest.mark.skipif(CUDA, reason="checks the no-CUDA behaviour")
+def test_gpu_stats_empty_without_cuda_and_report_keys():
+    assert mu.gpu_memory_stats() == {}
+    assert mu.gpu_memory_stats("cuda:0") == {}
+    report = mu.memory_report({"total_steps": 10, "num_episodes": 1, "obs_bytes": 70560, "aux_bytes": 70})
+    assert set(report) == set(mu.CPU_KEYS) | set(mu.BUFFER_KEYS.values())
+    assert all(type(v) is float for v in report.values())
+    assert report["buffer/replay/obs_bytes"] == 70560.0
+    assert not any(k.startswith("debug/gpu/") for k in report)
+
+
+def test_memory_keys_are_the_documented_names():
+    assert mu.CPU_KEYS == ("debug/cpu/rss_mb", "debug/cpu/uss_mb")
+    assert set(mu.GPU_KEYS) == {f"debug/gpu/{k}" for k in (
+        "alloc_mb", "reserved_mb", "max_alloc_mb", "max_reserved_mb", "small_pool_active_mb",
+        "large_pool_active_mb", "active_blocks", "num_alloc_retries", "num_ooms")}
+    assert set(mu.BUFFER_KEYS.values()) == {f"buffer/replay/{k}" for k in (
+        "total_steps", "num_episodes", "obs_bytes", "aux_bytes")}
+
+
+def test_memory_report_rejects_incomplete_buffer_stats():
+    with pytest.raises(ValueError, match="obs_bytes"):
+        mu.memory_report({"total_steps": 1, "num_episodes": 1, "aux_bytes": 0})
+
+
+# --------------------------------------------------------------------------------------- leak detector
+def _run_loop(steps_per_iter, iters, keep, buffer=None, buffer_capacity=None, pass_buffer_stats=True):
+    """A tiny training-like loop measured with real USS. Returns the detector's verdict."""
+    detector = mu.LeakDetector(warmup_steps=0, window=iters, threshold_mb_per_1k=1.0)
+    weight = torch.ones(1, requires_grad=True)
+    kept = []
+    for i in range(iters):
+        noise = torch.randn(256 * 1024)  # 1 MB saved by the graph of `loss`
+        loss = (weight * noise).sum()
+        loss.backward()
+        if keep:
+            kept.append(loss)  # the bug: a tensor with grad_fn kept alive, and its whole graph with it
+        stats = None
+        if buffer is not None:
+            buffer.append(np.ones(256 * 1024 // 8 * 2))  # 2 MB of "observations" per iteration
+            while buffer_capacity is not None and len(buffer) > buffer_capacity:
+                buffer.pop(0)
+            nbytes = sum(a.nbytes for a in buffer)
+            stats = {"total_steps": len(buffer), "num_episodes": 1, "obs_bytes": nbytes, "aux_bytes": 0}
+        gc.collect()
+        detector.observe(i * steps_per_iter, mu.memory_report(stats if pass_buffer_stats else None))
+    return detector.check()
+
+
+def test_leak_detector_flags_graphs_kept_in_a_list():
+    verdict = _run_loop(steps_per_iter=100, iters=30, keep=True)
+    assert verdict.leaking, verdict.diagnosis
+    assert verdict.cause == "host_references"
+    assert verdict.slopes[mu.HOST_UNEXPLAINED_MB] > 5  # ~10 MB per 1k steps kept
+    assert "references" in verdict.diagnosis
+
+
+def test_leak_detector_passes_a_steady_loop():
+    verdict = _run_loop(steps_per_iter=100, iters=30, keep=False)
+    assert not verdict.leaking, verdict.diagnosis
+    assert verdict.cause == "none"
+
+
+def test_leak_detector_does_not_flag_a_buffer_filling_to_capacity():
+    verdict = _run_loop(steps_per_iter=100, iters=30, keep=False, buffer=[], buffer_capacity=20)
+    assert not verdict.leaking, verdict.diagnosis
+    # the same loop judged without the buffer's bytes would be flagged: the subtraction is what saves it
+    unexplained = _run_loop(steps_per_iter=100, iters=30, keep=False, buffer=[], buffer_capacity=None,
+                            pass_buffer_stats=False)
+    assert unexplained.leaking and unexplained.cause == "host_references"
+
+
+def test_leak_detector_names_gpu_causes_from_the_pools_that_grow():
+    graphs = mu.LeakDetector(warmup_steps=1000, window=10)
+    frag = mu.LeakDetector(warmup_steps=0, window=10)
+    for i in range(20):
+        step = 500 * i
+        graphs.observe(step, {mu.KEY_USS_MB: 500.0, mu.KEY_GPU_ALLOC_MB: 100 + 0.1 * step,
+                              mu.KEY_GPU_SMALL_POOL_ACTIVE_MB: 10 + 0.1 * step, mu.KEY_GPU_ACTIVE_BLOCKS: 8000 + 8 * step,
+                              mu.KEY_GPU_RESERVED_MB: 200 + 0.1 * step})
+        frag.observe(step, {mu.KEY_USS_MB: 500.0, mu.KEY_GPU_ALLOC_MB: 100.0, mu.KEY_GPU_ACTIVE_BLOCKS: 900.0,
+                            mu.KEY_GPU_RESERVED_MB: 200 + 0.05 * step})
+    g = graphs.check()
+    assert g.leaking and g.cause == "graph_retention" and "no_grad" in g.diagnosis
+    assert g.slopes[mu.KEY_GPU_SMALL_POOL_ACTIVE_MB] == pytest.approx(100.0)
+    f = frag.check()
+    assert f.leaking and f.cause == "fragmentation" and "expandable_segments" in f.diagnosis
+
+
+def test_leak_detector_ignores_warmup_and_checks_arguments():
+    detector = mu.LeakDetector(warmup_steps=10_000, window=5)
+    for step in range(0, 10_000, 1000):
+        detector.add("debug/cpu/uss_mb", step, float(step))
+    assert detector.check().cause == "warming_up"
+    for bad in ({"warmup_steps": -1}, {"window": 1}, {"threshold_mb_per_1k": 0}, {"threshold_mb_per_1k": float("nan")}):
+        with pytest.raises(ValueError):
+            mu.LeakDetector(**bad)
+    with pytest.raises(ValueError, match="finite"):
+        detector.add("x", 20_000, float("inf"))
+
+
+def test_robust_slope_shrugs_off_a_spike():
+    steps = list(range(0, 10_000, 1000))
+    values = [100.0] * 10
+    values[4] = 5000.0
+    assert mu.robust_slope(steps, values) == 0.0
+
+
+# --------------------------------------------------------------------------------------- allocator
+def test_configure_allocator_sets_defaults_torch_accepts(monkeypatch):
+    for name in mu.ALLOC_ENV_VARS:
+        monkeypatch.setenv(name, "x")
+        monkeypatch.delenv(name)
+    conf = mu.configure_allocator(verbose=False)
+    assert conf == mu.DEFAULT_ALLOC_CONF == os.environ["PYTORCH_ALLOC_CONF"]
+    assert "expandable_segments:True" in conf and "garbage_collection_threshold:0.7" in conf
+    mu._validate_alloc_conf(mu.FALLBACK_ALLOC_CONF)  # torch's parser accepts the fallback too
+    with pytest.raises(ValueError):
+        mu._validate_alloc_conf("garbage_collection_threshold:1.5")  # and it really validates
+
+
+@pytest.mark.parametrize("name", mu.ALLOC_ENV_VARS)
+def test_configure_allocator_keeps_the_users_setting(monkeypatch, capsys, name):
+    for other in mu.ALLOC_ENV_VARS:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, "max_split_size_mb:256")
+    assert mu.configure_allocator() == "max_split_size_mb:256"
+    assert "your setting" in capsys.readouterr().out
+    assert os.environ[name] == "max_split_size_mb:256"
+
+
+# --------------------------------------------------------------------------------------- waiting for the GPU
+class FakeGpu:
+    """Free memory that becomes available after `frees_after` polls (never, when None)."""
+
+    def __init__(self, frees_after):
+        self.frees_after, self.polls, self.now, self.sleeps = frees_after, 0, 0.0, []
+
+    def probe(self):
+        self.polls += 1
+        return 8000.0 if self.frees_after is not None and self.polls > self.frees_after else 100.0
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    def clock(self):
+        return self.now
+
+
+def test_wait_for_gpu_returns_when_memory_frees():
+    gpu = FakeGpu(frees_after=3)
+    assert mu.wait_for_gpu(4000, poll_s=5, timeout_s=60, probe=gpu.probe, sleep=gpu.sleep, clock=gpu.clock)
+    assert gpu.polls == 4 and gpu.sleeps == [5, 5, 5]
+
+
+def test_wait_for_gpu_times_out():
+    gpu = FakeGpu(frees_after=None)
+    assert not mu.wait_for_gpu(4000, poll_s=5, timeout_s=12, probe=gpu.probe, sleep=gpu.sleep, clock=gpu.clock)
+    assert sum(gpu.sleeps) == 12 and gpu.polls == 4
+
+
+@pytest.mark.parametrize("kwargs,name", [({"min_free_mb": -1}, "min_free_mb"), ({"poll_s": 0}, "poll_s"),
+                                         ({"timeout_s": -5}, "timeout_s")])
+def test_wait_for_gpu_checks_arguments(kwargs, name):
+    args = {"min_free_mb": 10, "poll_s": 1, "timeout_s": 1, "probe": lambda: 0.0, **kwargs}
+    with pytest.raises(ValueError, match=name):
+        mu.wait_for_gpu(**args)
+
+
+@pytest.mark.skipif(CUDA, reason="checks the no-CUDA behaviour")
+def test_wait_for_gpu_without_cuda_or_probe():
+    with pytest.raises(RuntimeError, match="CUDA"):
+        mu.wait_for_gpu(10, 1, 1)
+
+
+# --------------------------------------------------------------------------------------- preallocation
+def _model_and_batch(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 4))
+    batch = torch.randn(16, 8)
+    return model, batch
+
+
+def _train_step(model, optimizer, batch):
+    optimizer.zero_grad(set_to_none=True)
+    model(batch).square().mean().backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_preallocation_changes_nothing_and_next_step_matches_a_fresh_optimizer(opt_cls):
+    model, batch = _model_and_batch()
+    fresh_model, _ = _model_and_batch()
+    optimizer = opt_cls(model.parameters(), lr=1e-2)
+    fresh_optimizer = opt_cls(fresh_model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    worst_case = torch.randn(64, 8)
+
+    torch.manual_seed(123)
+    peak = mu.preallocate_optimizer_state(lambda: model(worst_case).square().mean().backward(), optimizer)
+    rng_after = torch.get_rng_state()
+    torch.manual_seed(123)
+    assert torch.equal(rng_after, torch.get_rng_state())  # the RNG stream is untouched
+
+    assert isinstance(peak, float) and peak >= 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    for p in model.parameters():
+        state = optimizer.state[p]
+        assert state["exp_avg"].shape == p.shape and not state["exp_avg"].any()
+        assert not state["exp_avg_sq"].any() and float(state["step"]) == 0
+
+    for _ in range(3):  # the next real steps equal those of an optimizer that never preallocated
+        torch.manual_seed(7)
+        _train_step(model, optimizer, batch)
+        torch.manual_seed(7)
+        _train_step(fresh_model, fresh_optimizer, batch)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters()))
+
+
+def test_preallocation_handles_several_optimizers_and_refuses_bad_input():
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt_a, opt_b = torch.optim.Adam(a.parameters()), torch.optim.Adam(b.parameters())
+    x = torch.randn(2, 4)
+    mu.preallocate_optimizer_state(lambda: b(a(x)).sum().backward(), [opt_a, opt_b])
+    assert len(opt_a.state) == 2 and len(opt_b.state) == 2
+    with pytest.raises(ValueError, match="already has state"):
+        mu.preallocate_optimizer_state(lambda: None, opt_a)
+    with pytest.raises(ValueError, match="optimizer"):
+        mu.preallocate_optimizer_state(lambda: None, "adam")
+    with pytest.raises(ValueError, match="step_fn"):
+        mu.preallocate_optimizer_state(None, opt_a)
+
+
+# --------------------------------------------------------------------------------------- AMP
+def test_amp_on_cpu_is_quiet_and_correct():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning spam on CPU
+        auto = mu.amp("auto", "cpu")
+        assert auto.mode == "off" and not auto.enabled and not auto.scaler.is_enabled()
+        bf16 = mu.amp("bf16", torch.device("cpu"))
+        with bf16.autocast():
+            out = torch.nn.Linear(4, 4)(torch.randn(2, 4))
+        assert out.dtype == torch.bfloat16 and not bf16.scaler.is_enabled()
+        loss = torch.ones(1, requires_grad=True).sum()
+        assert auto.scaler.scale(loss) is loss  # disabled scaler passes straight through
+    with pytest.raises(ValueError, match="fp16 needs a CUDA"):
+        mu.amp("fp16", "cpu")
+    with pytest.raises(ValueError, match="auto, off, fp16, bf16"):
+        mu.amp("fp8", "cpu")
+
+
+# --------------------------------------------------------------------------------------- CLI
+def _cli(*args, **env):
+    return subprocess.run([sys.executable, str(ROOT / "memory_utils.py"), *args], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+
+
+def test_cli_help_lists_the_commands():
+    result = _cli("--help")
+    assert result.returncode == 0
+    for command in ("report", "allocator", "wait", "analyze"):
+        assert command in result.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("wait", "--min-free", "abc", "--", "true"), "--min-free"),
+    (("wait", "--min-free", "-5", "--allow-no-gpu", "--", "true"), "--min-free"),
+    (("wait", "--min-free", "10", "--allow-no-gpu"), "command"),
+    (("wait", "--min-free", "10", "--fallback-env", "NOEQUALS", "--allow-no-gpu", "--", "true"), "NAME=VALUE"),
+    (("frobnicate",), "frobnicate"),
+])
+def test_cli_bad_arguments_exit_2_with_one_line(args, needle):
+    result = _cli(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(CUDA, reason="checks the no-CUDA behaviour")
+def test_cli_wait_without_cuda_says_so():
+    result = _cli("wait", "--min-free", "10", "--", "true")
+    assert result.returncode == 2 and "no CUDA device" in result.stderr and len(result.stderr.splitlines()) == 1
+    assert _cli("wait", "--min-free", "10", "--allow-no-gpu", "--", "true").returncode == 0
+
+
+def test_cli_wait_runs_the_command_when_memory_frees(capfd):
+    gpu = FakeGpu(frees_after=2)
+    code = mu.main(["wait", "--min-free", "4000", "--sleep", "1", "--timeout", "60", "--", "true"],
+                   probe=gpu.probe, sleep=gpu.sleep)
+    assert code == 0 and gpu.polls == 3
+    assert "fallback" not in capfd.readouterr().out
+
+
+def test_cli_wait_falls_back_on_timeout_and_passes_exit_status(capfd):
+    gpu = FakeGpu(frees_after=None)
+    command = [sys.executable, "-c", "import os, sys; sys.exit(int(os.environ['RL_BATCH_SIZE']))"]
+    code = mu.main(["wait", "--min-free", "4000", "--sleep", "1", "--timeout", "0",
+                    "--fallback-env", "RL_BATCH_SIZE=3", "--", *command], probe=gpu.probe, sleep=gpu.sleep)
+    assert code == 3  # the command saw the fallback environment, and its exit status came back
+    assert "fallback environment RL_BATCH_SIZE=3" in capfd.readouterr().out
