@@ -590,6 +590,8 @@ class StageProbes:
     per loop iteration. Two things come out: the slope of the loop-start baseline over steps (is memory
     ratcheting at all?), and, per stage, the memory it adds that is never given back before the next loop
     start (which stage does it?). Transient activations that the backward pass frees count as zero.
+    On CPU the figure is USS, so it follows the allocator's pages: glibc's moving mmap threshold can shift a
+    few MB between neighbouring stages (MALLOC_MMAP_THRESHOLD_=131072 pins it). On CUDA it is exact.
     """
 
     STAGES = ("loop_start", "after_collect", "after_sample", "after_encoder", "after_rssm",
