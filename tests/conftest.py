@@ -12,3 +12,27 @@ if str(ROOT) not in sys.path:
 os.environ["WANDB_MODE"] = "offline"
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("PYTHONHASHSEED", "0")
+
+
+def _pin_malloc_mmap_threshold() -> None:
+    """Make USS follow live memory in memory tests.
+
+    glibc raises its mmap threshold (up to 32 MB) after large blocks are freed; from then on large arrays
+    come from the heap and reuse pages an earlier test freed but never returned, so USS stops moving when
+    memory is allocated. Pinning the threshold at glibc's default (128 KiB) turns that adaptation off:
+    every large array is its own mapping, returned to the kernel when freed. Same as MALLOC_MMAP_THRESHOLD_.
+    """
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
+_pin_malloc_mmap_threshold()

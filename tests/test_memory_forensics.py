@@ -151,20 +151,8 @@ def test_analyze_cli_bad_directory_is_one_line(tmp_path):
 
 
 # --------------------------------------------------------------------------------------- stage probes
-def _fixed_mmap_threshold():
-    """glibc moves its mmap threshold after large frees, which shifts heap pages between stages; pin it so
-    every array here is its own mapping and USS follows the arrays exactly (MALLOC_MMAP_THRESHOLD_ does this too)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not sys.platform.startswith("linux") or not name:
-        pytest.skip("needs glibc's mallopt to pin the mmap threshold")
-    ctypes.CDLL(name).mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-
-
 def test_probes_name_the_stage_that_keeps_memory():
-    _fixed_mmap_threshold()
+    # conftest pins glibc's mmap threshold, so each array here is its own mapping and USS follows it exactly
     probes = mu.StageProbes(enabled=True, device="cpu")
     kept = []
     for i in range(12):

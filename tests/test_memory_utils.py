@@ -62,16 +62,20 @@ def test_memory_report_rejects_incomplete_buffer_stats():
 
 # --------------------------------------------------------------------------------------- leak detector
 def _run_loop(steps_per_iter, iters, keep, buffer=None, buffer_capacity=None, pass_buffer_stats=True):
-    """A tiny training-like loop measured with real USS. Returns the detector's verdict."""
+    """A tiny recurrent "collection" loop measured with real USS. Returns the detector's verdict.
+
+    With `keep`, it is the incident's bug: the recurrent state is computed with autograd on and never
+    detached, so each step's graph (and the 1 MB tensors it saved) stays reachable from the next state.
+    """
     detector = mu.LeakDetector(warmup_steps=0, window=iters, threshold_mb_per_1k=1.0)
     weight = torch.ones(1, requires_grad=True)
-    kept = []
+    hidden = torch.zeros(256 * 1024)
     for i in range(iters):
-        noise = torch.randn(256 * 1024)  # 1 MB saved by the graph of `loss`
-        loss = (weight * noise).sum()
-        loss.backward()
-        if keep:
-            kept.append(loss)  # the bug: a tensor with grad_fn kept alive, and its whole graph with it
+        noise = torch.randn(256 * 1024)  # 1 MB "observation"
+        with torch.set_grad_enabled(keep):
+            hidden = torch.tanh(weight * noise + hidden)
+        if not keep:
+            hidden = hidden.detach()
         stats = None
         if buffer is not None:
             buffer.append(np.ones(256 * 1024 // 8 * 2))  # 2 MB of "observations" per iteration
@@ -81,14 +85,15 @@ def _run_loop(steps_per_iter, iters, keep, buffer=None, buffer_capacity=None, pa
             stats = {"total_steps": len(buffer), "num_episodes": 1, "obs_bytes": nbytes, "aux_bytes": 0}
         gc.collect()
         detector.observe(i * steps_per_iter, mu.memory_report(stats if pass_buffer_stats else None))
+    assert (hidden.grad_fn is not None) == keep
     return detector.check()
 
 
-def test_leak_detector_flags_graphs_kept_in_a_list():
+def test_leak_detector_flags_a_recurrent_state_that_keeps_its_graph():
     verdict = _run_loop(steps_per_iter=100, iters=30, keep=True)
     assert verdict.leaking, verdict.diagnosis
     assert verdict.cause == "host_references"
-    assert verdict.slopes[mu.HOST_UNEXPLAINED_MB] > 5  # ~10 MB per 1k steps kept
+    assert verdict.slopes[mu.HOST_UNEXPLAINED_MB] > 10  # ~20 MB per 1k steps kept (2 saved tensors per step)
     assert "references" in verdict.diagnosis
 
 

@@ -1,0 +1,107 @@
+"""Tiny complete runs of dqn_starcraft_split.py: every output file, and what an interrupted run leaves."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import dqn_starcraft_split as dqn
+import memory_utils as mu
+
+SCRIPT = Path(dqn.__file__)
+TINY = ["--res", "8", "--step-mul", "128", "--buffer-size", "200", "--learning-starts", "10",
+        "--eval-every-episodes", "1", "--num-eval-episodes", "1", "--num-test-episodes", "2",
+        "--memory-log-every", "10", "--leak-warmup-steps", "0", "--log-every-steps", "5"]
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RL_")}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", **extra)
+    return env
+
+
+@pytest.mark.slow
+def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *TINY, "--num-episodes", "2", "--seeds", "4", "6", "--run-id", "tiny",
+         "--track"],
+        cwd=tmp_path, env=clean_env(RL_BATCH_SIZE="4", RL_LR_SCHEDULER="step"), capture_output=True, text=True,
+        timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = tmp_path / "results"
+    with open(results / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["run_id"] for r in rows] == ["tiny-seed4", "tiny-seed6"]
+    assert [r["seed"] for r in rows] == ["4", "6"]
+    assert set(rows[0]) == set(dqn.RESULTS_COLUMNS)
+    assert rows[0]["batch_size"] == "4" and rows[0]["lr_scheduler"] == "step" and rows[0]["fallback_used"] == "False"
+    assert rows[0]["use_double_dqn"] == "True" and rows[0]["episodes"] == "2" and rows[0]["map_name"] == "MoveToBeacon"
+
+    run = results / "tiny-seed4"
+    config = json.loads((run / "config.json").read_text())
+    assert config["sources"]["batch_size"] == "RL_BATCH_SIZE"
+    assert config["sources"]["num_episodes"] == "command line"
+    assert config["sources"]["learning_rate"] == "default"
+    assert config["args"]["seed"] == 4 and config["episode_steps"] == 21
+    test = json.loads((run / "eval" / "test_results.json").read_text())
+    assert test["num_test_episodes"] == 2 and len(test["scores"]) == 2
+    assert {"mean", "std", "min", "max", "win_rate"} <= set(test) and test["win_rate"] is None
+    assert float(rows[0]["test_mean_score"]) == pytest.approx(test["mean"], abs=1e-4)
+    assert "test: mean" in (run / "train.log").read_text()
+    curve = (run / "eval" / "curve.csv").read_text().splitlines()
+    assert curve[0].startswith("episode,global_step") and len(curve) == 3
+    checkpoint = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert checkpoint["interrupted"] is False and checkpoint["global_step"] == 42
+    net = dqn.SplitQNetwork(8)
+    net.load_state_dict(checkpoint["q_network"])
+
+    events = EventAccumulator(str(tmp_path / "runs" / "tiny-seed4"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/epsilon",
+            "charts/SPS", "charts/test_score", "losses/td_loss", "losses/q_values"} <= tags
+    assert set(mu.CPU_KEYS) <= tags and set(mu.BUFFER_KEYS.values()) <= tags
+    lrs = [e.value for e in events.Scalars("charts/learning_rate")]
+    assert lrs == pytest.approx([5e-5, 5e-5])  # step schedule: halves only after 1000 episodes
+    assert any((tmp_path / "results" / "tiny-seed4").rglob("wandb"))  # offline wandb run recorded
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_a_checkpoint_and_no_results_row(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *TINY, "--num-episodes", "100000", "--run-id", "stopped"],
+        cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # wait until training is under way (no sleeping)
+            if line.startswith("episode=3 "):
+                break
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    run = tmp_path / "results" / "stopped"
+    checkpoint = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert checkpoint["interrupted"] is True and checkpoint["episode"] >= 3
+    assert not (tmp_path / "results" / "results.csv").exists()
+    assert not (run / "eval" / "test_results.json").exists()
+    assert "interrupted by SIGTERM" in (run / "train.log").read_text()
+    assert not [p for p in (tmp_path / "results").rglob(".tmp_*")]
+
+
+def test_results_row_is_appended_whole(tmp_path):
+    path = str(tmp_path / "results.csv")
+    row = dict.fromkeys(dqn.RESULTS_COLUMNS, "x")
+    dqn.append_results_row(path, row)
+    dqn.append_results_row(path, {**row, "run_id": "second"})
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["run_id"] for r in rows] == ["x", "second"]
+    assert [p.name for p in tmp_path.iterdir()] == ["results.csv"]

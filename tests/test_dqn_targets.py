@@ -1,0 +1,103 @@
+"""Double-DQN targets across the two heads, the TD loss, and the per-episode learning-rate schedules."""
+
+import math
+
+import pytest
+import torch
+
+import dqn_starcraft_split as dqn
+import memory_utils as mu
+
+# the schedules are stepped here without optimizer steps
+pytestmark = pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
+
+# Two next states, 2 non-spatial functions (no_op, select_army), 4 screen points (res 2).
+ONLINE_NS = torch.tensor([[1.0, 5.0], [2.0, 0.0]])
+ONLINE_SP = torch.tensor([[0.0, 9.0, 1.0, 0.0], [3.0, 0.0, 0.0, 4.0]])
+TARGET_NS = torch.tensor([[7.0, 2.0], [6.0, 1.0]])
+TARGET_SP = torch.tensor([[8.0, 3.0, 0.0, 0.0], [0.0, 0.0, 10.0, 5.0]])
+ALL_AVAILABLE = torch.tensor([[True, True, True], [True, True, True]])
+
+
+def test_double_dqn_online_selects_target_evaluates_both_heads():
+    value = dqn.next_state_value((ONLINE_NS, ONLINE_SP), (TARGET_NS, TARGET_SP), ALL_AVAILABLE, True)
+    # state 0: online picks select_army (5) -> target 2; online picks point 1 (9) -> target 3; max = 3
+    # state 1: online picks no_op (2) -> target 6; online picks point 3 (4) -> target 5; max = 6
+    assert value.tolist() == [3.0, 6.0]
+
+
+def test_plain_dqn_takes_the_target_maximum_of_both_heads():
+    value = dqn.next_state_value(None, (TARGET_NS, TARGET_SP), ALL_AVAILABLE, False)
+    assert value.tolist() == [8.0, 10.0]  # max(7, 8) and max(6, 10)
+
+
+def test_unavailable_actions_never_bootstrap():
+    mask = torch.tensor([[True, False, True], [True, True, False]])  # s0: no select_army; s1: no Move_screen
+    value = dqn.next_state_value((ONLINE_NS, ONLINE_SP), (TARGET_NS, TARGET_SP), mask, True)
+    # s0: online restricted to no_op -> target 7; spatial point 1 -> 3; max = 7
+    # s1: non-spatial only: online picks no_op -> 6
+    assert value.tolist() == [7.0, 6.0]
+
+
+def test_td_target_hand_computed():
+    value = dqn.next_state_value((ONLINE_NS, ONLINE_SP), (TARGET_NS, TARGET_SP), ALL_AVAILABLE, True)
+    target = dqn.td_targets(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), 0.9, value)
+    assert target.tolist() == pytest.approx([1.0 + 0.9 * 3.0, 0.0])  # the terminal state does not bootstrap
+
+
+class FixedQ(torch.nn.Module):
+    """A 'network' returning fixed Q values, so td_loss can be checked by hand."""
+
+    def __init__(self, q_ns, q_sp):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.q_ns, self.q_sp, self.res = q_ns, q_sp, 2
+
+    def forward(self, screen, minimap, player):
+        return self.q_ns * self.scale, self.q_sp * self.scale
+
+
+def test_td_loss_takes_each_transition_from_the_head_its_action_came_from():
+    online = FixedQ(torch.tensor([[1.0, 5.0], [2.0, 0.0]]), torch.tensor([[0.0, 9.0, 1.0, 0.0], [3.0, 0.0, 0.0, 4.0]]))
+    target = FixedQ(TARGET_NS, TARGET_SP)
+    empty = {"screen": torch.zeros(2), "minimap": torch.zeros(2), "player": torch.zeros(2), "mask": ALL_AVAILABLE}
+    batch = {"obs": empty, "next_obs": empty, "actions": torch.tensor([1, 2 + 3]),  # select_army; point 3
+             "rewards": torch.tensor([1.0, 0.0]), "dones": torch.tensor([0.0, 0.0])}
+    loss, q_taken = dqn.td_loss(online, target, batch, 0.5, True, mu.amp("off", "cpu"))
+    assert q_taken.tolist() == [5.0, 4.0]
+    targets = [1.0 + 0.5 * 3.0, 0.0 + 0.5 * 6.0]  # V(s') as in the double-DQN example above
+    errors = [5.0 - targets[0], 4.0 - targets[1]]  # 2.5 and 1.0: Huber = |e| - 0.5 for |e| >= 1
+    assert loss.item() == pytest.approx(sum(abs(e) - 0.5 for e in errors) / 2)
+
+
+def lrs_per_episode(args, episodes):
+    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
+    scheduler = dqn.make_scheduler(optimizer, args)
+    out = []
+    for _ in range(episodes):
+        out.append(optimizer.param_groups[0]["lr"])
+        if scheduler is not None:
+            scheduler.step()
+    return out
+
+
+def test_cosine_schedule_per_episode_defaults_to_the_episode_count():
+    args = dqn.Args(num_episodes=10, learning_rate=1e-3, min_lr=1e-5)
+    lrs = lrs_per_episode(args, 11)
+    expected = [1e-5 + (1e-3 - 1e-5) * (1 + math.cos(math.pi * e / 10)) / 2 for e in range(11)]
+    assert lrs == pytest.approx(expected, rel=1e-6)
+    assert lrs[-1] == pytest.approx(1e-5)
+
+
+def test_cosine_schedule_with_explicit_tmax():
+    args = dqn.Args(num_episodes=100, scheduler_tmax=4, learning_rate=1e-3, min_lr=0.0)
+    assert lrs_per_episode(args, 5) == pytest.approx([1e-3, 8.535534e-4, 5e-4, 1.464466e-4, 0.0], abs=1e-9)
+
+
+def test_step_schedule_halves_every_step_size_episodes():
+    args = dqn.Args(lr_scheduler="step", learning_rate=1e-3, step_lr_step_size=3, step_lr_gamma=0.5)
+    assert lrs_per_episode(args, 7) == pytest.approx([1e-3] * 3 + [5e-4] * 3 + [2.5e-4])
+
+
+def test_no_schedule_keeps_the_rate():
+    assert lrs_per_episode(dqn.Args(lr_scheduler="none", learning_rate=3e-4), 5) == [3e-4] * 5

@@ -1,0 +1,166 @@
+"""dreamer_atari.py end to end on real Pong: logged keys, checkpoints and resume, SIGTERM, bad arguments."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import dreamer_atari as da
+import memory_utils as mu
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = dict(encoder_channels=(4, 8, 8), embed_dim=32, decoder_base_channels=4, decoder_mid_channels=4,
+            deterministic_dim=16, stochastic_dim=4, stochastic_classes=4, hidden_dim=16, batch_size=2,
+            sequence_length=8, imagination_horizon=5)
+TINY_FLAGS = ["--encoder-channels", "4", "8", "8", "--embed-dim", "32", "--decoder-base-channels", "4",
+              "--decoder-mid-channels", "4", "--deterministic-dim", "16", "--stochastic-dim", "4",
+              "--stochastic-classes", "4", "--hidden-dim", "16", "--batch-size", "2", "--sequence-length", "8",
+              "--imagination-horizon", "5"]
+LOSS_KEYS = ["losses/world_model", "losses/image", "losses/reward", "losses/continue", "losses/kl",
+             "losses/actor", "losses/critic", "losses/entropy"]
+CHART_KEYS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/updates_per_second"]
+
+
+def tiny_args(**overrides) -> da.Args:
+    values = dict(TINY, total_timesteps=400, learning_starts=100, warmup_steps=100, train_ratio=2.0,
+                  log_interval=100, max_episode_steps=60, buffer_capacity=500, amp="off")
+    values.update(overrides)
+    return da.Args(**values)
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.set_num_threads(1)
+    return tmp_path
+
+
+def read_scalars(run_dir) -> dict[str, list]:
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: events.Scalars(tag) for tag in events.Tags()["scalars"]}
+
+
+def load_checkpoint(path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def test_end_to_end_run_logs_every_key(in_tmp):
+    """Default async vector env with 2 envs, wandb offline, stage probes on."""
+    result = da.main(tiny_args(track=True, memory_probes=True, save_model=True))
+    assert result["global_step"] == 400 and result["updates"] > 0 and result["behavior_updates"] > 0
+    scalars = read_scalars(in_tmp / result["run_dir"])
+    expected = [*CHART_KEYS, *LOSS_KEYS, *mu.CPU_KEYS, *mu.BUFFER_KEYS.values(), "debug/nonfinite_updates",
+                "debug/probe/loop_start_mb", "debug/probe/after_decoder_mb", "debug/probe/after_optimizer_step_mb"]
+    missing = [key for key in expected if key not in scalars]
+    assert not missing, f"missing TensorBoard keys: {missing}"
+    assert [e.step for e in scalars[mu.KEY_USS_MB]] == [100, 200, 300, 400]
+    assert all(e.value > 0 for e in scalars[mu.KEY_RSS_MB])
+    assert all(e.value == 0 for e in scalars["debug/nonfinite_updates"])
+    assert all(e.value <= 500 + 2 * 16 for e in scalars[mu.BUFFER_KEYS["total_steps"]])
+    assert {e.value for e in scalars["charts/episodic_length"]} == {60.0}
+    assert list((in_tmp / "wandb").glob("offline-run-*")), "wandb did not write an offline run"
+    checkpoint = load_checkpoint(in_tmp / result["run_dir"] / "checkpoint.pt")
+    assert checkpoint["counters"]["global_step"] == 400
+
+
+def test_resume_continues_the_same_run(in_tmp):
+    first = da.main(tiny_args(total_timesteps=300, save_model=True, vector_mode="sync"))
+    path = in_tmp / first["run_dir"] / "checkpoint.pt"
+    saved = load_checkpoint(path)
+    wm_steps = [float(s["step"]) for s in saved["optimizers"]["world_model"]["state"].values()]
+    assert set(wm_steps) == {float(first["updates"])}
+    assert saved["replay"] is None  # the buffer is saved only with --checkpoint-buffer
+
+    second = da.main(tiny_args(total_timesteps=500, save_model=True, vector_mode="sync", resume=str(path)))
+    assert second["run_dir"] == first["run_dir"]
+    assert second["updates"] > first["updates"]
+    resumed = load_checkpoint(path)
+    assert resumed["counters"]["global_step"] == 500
+    # Adam's step counts continue from the first run's, so its moments were restored, not started again
+    wm_steps = [float(s["step"]) for s in resumed["optimizers"]["world_model"]["state"].values()]
+    assert set(wm_steps) == {float(second["updates"])}
+    scalars = read_scalars(in_tmp / first["run_dir"])
+    assert [e.step for e in scalars[mu.KEY_RSS_MB]] == [100, 200, 300, 400, 500]
+
+
+def test_resume_with_buffer(in_tmp):
+    first = da.main(tiny_args(total_timesteps=200, save_model=True, checkpoint_buffer=True, vector_mode="sync"))
+    path = in_tmp / first["run_dir"] / "checkpoint.pt"
+    saved = load_checkpoint(path)
+    stored = sum(len(ep["action"]) for ep in saved["replay"]["episodes"])
+    assert stored == 200 + 2
+    replay = da.EpisodeReplay(500, 2, seed=0)
+    replay.load_state_dict(saved["replay"])
+    assert replay.total_steps == stored and all(ep.done for ep in replay.episodes)
+    assert replay.sample(2, 8)["obs"].shape == (2, 8, 4, 84, 84)
+
+
+def test_sigterm_writes_a_checkpoint_and_the_run_resumes(in_tmp):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    cmd = [sys.executable, str(ROOT / "dreamer_atari.py"), *TINY_FLAGS, "--total-timesteps", "100000",
+           "--learning-starts", "100", "--warmup-steps", "100", "--train-ratio", "2", "--log-interval", "100",
+           "--max-episode-steps", "60", "--buffer-capacity", "500"]
+    proc = subprocess.Popen(cmd, cwd=in_tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:  # the first progress line: training is under way
+            if line.startswith("step 200/"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert "checkpoint (SIGTERM)" in output
+    (run_dir,) = (in_tmp / "runs").iterdir()
+    saved = load_checkpoint(run_dir / "checkpoint.pt")
+    stopped_at = saved["counters"]["global_step"]
+    assert 200 <= stopped_at < 100_000
+    result = da.main(tiny_args(total_timesteps=stopped_at + 100, resume=str(run_dir / "checkpoint.pt"),
+                               vector_mode="sync"))
+    assert result["global_step"] == stopped_at + 100
+    assert result["updates"] > saved["counters"]["updates"]
+
+
+BAD_ARGS = {
+    "capacity below sequence": dict(buffer_capacity=4, sequence_length=8),
+    "batch below one": dict(batch_size=0),
+    "unknown env": dict(env_id="ALE/NoSuchGame-v5"),
+    "fp16 without CUDA": dict(amp="fp16", cuda=False),
+    "missing resume file": dict(resume="nowhere.pt"),
+    "bad gamma": dict(gamma=1.5),
+}
+
+
+@pytest.mark.parametrize("overrides", BAD_ARGS.values(), ids=BAD_ARGS.keys())
+def test_bad_arguments_exit_2_with_one_line(in_tmp, capsys, overrides):
+    with pytest.raises(SystemExit) as exit_info:
+        da.main(tiny_args(**overrides))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    assert not (in_tmp / "runs").exists(), "a run directory was created for bad input"
+
+
+def test_corrupt_checkpoint_is_one_clear_error(in_tmp, capsys):
+    (in_tmp / "broken.pt").write_bytes(b"\x80\x04this is not a checkpoint")
+    with pytest.raises(SystemExit) as exit_info:
+        da.main(tiny_args(resume="broken.pt"))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "broken.pt" in err and "not a readable checkpoint" in err and len(err.splitlines()) == 1
+
+
+def test_command_line_bad_argument_exits_2(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "dreamer_atari.py"), "--batch-size", "0"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --batch-size must be at least 1, got 0."
+    assert not (tmp_path / "runs").exists()
