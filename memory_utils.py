@@ -604,6 +604,7 @@ class StageProbes:
         self.on_cuda = torch.device(device).type == "cuda" and _cuda_ready()
         self.device = device
         self.current: list[tuple[str, float]] = []  # this iteration's (stage, MB) in call order
+        self.last_seen: dict[str, float] = {}  # latest MB per stage (iterations without an update skip some)
         self.iterations: deque = deque(maxlen=window)  # (step, [(stage, MB), ...]) per finished iteration
 
     def _measure(self) -> float:
@@ -616,7 +617,9 @@ class StageProbes:
             return
         _require(stage in self.STAGES, f"unknown probe stage {stage!r}; stages are {', '.join(self.STAGES)}")
         try:
-            self.current.append((stage, self._measure()))
+            value = self._measure()
+            self.current.append((stage, value))
+            self.last_seen[stage] = value
         except Exception as exc:  # noqa: BLE001 - diagnostics never break training
             _warn_once("probe", f"memory probe failed ({exc}); probes are off from now on")
             self.enabled = False
@@ -656,8 +659,7 @@ class StageProbes:
     def scalars(self) -> dict[str, float]:
         if not self.enabled:
             return {}
-        source = self.current or (self.iterations[-1][1] if self.iterations else [])
-        out = {f"{PROBE_KEY_PREFIX}{stage}_mb": value for stage, value in source}
+        out = {f"{PROBE_KEY_PREFIX}{stage}_mb": value for stage, value in self.last_seen.items()}
         slope = self.baseline_slope()
         if slope is not None:
             out[self.SLOPE_KEY] = slope
@@ -797,8 +799,9 @@ def write_oom_report(run_dir: str, exc: BaseException, last_report: dict | None,
                      device=None) -> str:
     """Write {run_dir}/oom/ (snapshot, memory_summary.txt, report.json) and return a short diagnosis.
 
-    Call it from `except torch.OutOfMemoryError` after dropping the failed step's tensors (and the
-    traceback: `exc.__traceback__ = None`) so they are not alive while the report is written. Never raises.
+    Call it from `except torch.OutOfMemoryError` after dropping the failed step's tensors: the traceback's
+    frames hold them, so run `traceback.clear_frames(exc.__traceback__)` first (setting `__traceback__` to
+    None alone is not enough while another reference to it exists). Never raises.
     """
     oom_dir = Path(run_dir) / "oom"
     stats = gpu_memory_stats(device)

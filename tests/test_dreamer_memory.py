@@ -14,16 +14,53 @@ import dreamer_atari as da
 import memory_utils as mu
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_FLAGS = ["--encoder-channels", "4", "8", "8", "--embed-dim", "32", "--decoder-base-channels", "4",
-              "--decoder-mid-channels", "4", "--deterministic-dim", "16", "--stochastic-dim", "4",
-              "--stochastic-classes", "4", "--hidden-dim", "16", "--batch-size", "2", "--sequence-length", "8",
-              "--imagination-horizon", "5"]
+TINY_FLAGS = [
+    "--encoder-channels",
+    "4",
+    "8",
+    "8",
+    "--embed-dim",
+    "32",
+    "--decoder-base-channels",
+    "4",
+    "--decoder-mid-channels",
+    "4",
+    "--deterministic-dim",
+    "16",
+    "--stochastic-dim",
+    "4",
+    "--stochastic-classes",
+    "4",
+    "--hidden-dim",
+    "16",
+    "--batch-size",
+    "2",
+    "--sequence-length",
+    "8",
+    "--imagination-horizon",
+    "5",
+]
+
+torch.set_num_threads(1)  # tiny models: threads only contend on a shared 2-core machine
 
 
 def tiny_args(**overrides) -> da.Args:
-    sizes = dict(encoder_channels=(4, 8, 8), embed_dim=32, decoder_base_channels=4, decoder_mid_channels=4,
-                 deterministic_dim=16, stochastic_dim=4, stochastic_classes=4, hidden_dim=16, batch_size=2,
-                 sequence_length=8, imagination_horizon=5, num_envs=2, vector_mode="sync", amp="off")
+    sizes = dict(
+        encoder_channels=(4, 8, 8),
+        embed_dim=32,
+        decoder_base_channels=4,
+        decoder_mid_channels=4,
+        deterministic_dim=16,
+        stochastic_dim=4,
+        stochastic_classes=4,
+        hidden_dim=16,
+        batch_size=2,
+        sequence_length=8,
+        imagination_horizon=5,
+        num_envs=2,
+        vector_mode="sync",
+        amp="off",
+    )
     sizes.update(overrides)
     return da.Args(**sizes)
 
@@ -86,10 +123,29 @@ def test_soak_host_memory_flat_over_buffer_turnovers(tmp_path):
     """Tiny model, 200-step buffer, 1,800 env steps: eight buffer turnovers of real Pong with updates."""
     capacity, total = 200, 1_800
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    cmd = [sys.executable, str(ROOT / "dreamer_atari.py"), *TINY_FLAGS, "--total-timesteps", str(total),
-           "--buffer-capacity", str(capacity), "--learning-starts", "100", "--warmup-steps", "100",
-           "--train-ratio", "1", "--log-interval", "100", "--max-episode-steps", "50", "--vector-mode", "sync",
-           "--exp-name", "soak"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "dreamer_atari.py"),
+        *TINY_FLAGS,
+        "--total-timesteps",
+        str(total),
+        "--buffer-capacity",
+        str(capacity),
+        "--learning-starts",
+        "100",
+        "--warmup-steps",
+        "100",
+        "--train-ratio",
+        "1",
+        "--log-interval",
+        "100",
+        "--max-episode-steps",
+        "50",
+        "--vector-mode",
+        "sync",
+        "--exp-name",
+        "soak",
+    ]
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     (run_dir,) = (tmp_path / "runs").iterdir()

@@ -10,11 +10,26 @@ import torch
 
 import dreamer_atari as da
 
+torch.set_num_threads(1)  # tiny models: threads only contend on a shared 2-core machine
+
 
 def tiny_args(**overrides) -> da.Args:
-    sizes = dict(encoder_channels=(4, 8, 8), embed_dim=32, decoder_base_channels=4, decoder_mid_channels=4,
-                 deterministic_dim=16, stochastic_dim=4, stochastic_classes=4, hidden_dim=16, batch_size=2,
-                 sequence_length=8, imagination_horizon=5, num_envs=2, vector_mode="sync", amp="off")
+    sizes = dict(
+        encoder_channels=(4, 8, 8),
+        embed_dim=32,
+        decoder_base_channels=4,
+        decoder_mid_channels=4,
+        deterministic_dim=16,
+        stochastic_dim=4,
+        stochastic_classes=4,
+        hidden_dim=16,
+        batch_size=2,
+        sequence_length=8,
+        imagination_horizon=5,
+        num_envs=2,
+        vector_mode="sync",
+        amp="off",
+    )
     sizes.update(overrides)
     return da.Args(**sizes)
 
@@ -72,7 +87,7 @@ def test_bytes_per_step_of_stored_pong(pong_envs):
     finished = [ep for ep in replay.episodes if ep.done]
     steps = sum(ep.num_steps for ep in finished)
     per_step = sum(ep.obs_bytes + ep.aux_bytes for ep in finished) / steps
-    # one 84x84 frame (7,056 B) + 7 B of aux per step, + 3 frames per 60-step episode; the seed stored 28,224 B
+    # one 84x84 frame (7,056 B) + 7 B of aux per step, + 3 frames per 60-step episode (seed: 28,224 B)
     assert per_step <= 7_200 + 3 * 7_056 / 60
     assert 7_056 < per_step
     stats = replay.stats()
@@ -113,7 +128,9 @@ def test_batch_never_shares_memory_with_storage(pong_envs):
     for batch_size in (1, 8):
         batch = replay.sample(batch_size, 8)
         for name, array in batch.items():
-            assert not any(np.shares_memory(array, chunk) for chunk in storage), f"batch[{name!r}] aliases replay"
+            assert not any(np.shares_memory(array, chunk) for chunk in storage), (
+                f"batch[{name!r}] aliases replay"
+            )
         # and the tensors handed to the model on the device do not either
         data = da.batch_to_device(batch, 6, "cpu")
         for tensor in data.values():

@@ -14,21 +14,70 @@ import dreamer_atari as da
 import memory_utils as mu
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = dict(encoder_channels=(4, 8, 8), embed_dim=32, decoder_base_channels=4, decoder_mid_channels=4,
-            deterministic_dim=16, stochastic_dim=4, stochastic_classes=4, hidden_dim=16, batch_size=2,
-            sequence_length=8, imagination_horizon=5)
-TINY_FLAGS = ["--encoder-channels", "4", "8", "8", "--embed-dim", "32", "--decoder-base-channels", "4",
-              "--decoder-mid-channels", "4", "--deterministic-dim", "16", "--stochastic-dim", "4",
-              "--stochastic-classes", "4", "--hidden-dim", "16", "--batch-size", "2", "--sequence-length", "8",
-              "--imagination-horizon", "5"]
-LOSS_KEYS = ["losses/world_model", "losses/image", "losses/reward", "losses/continue", "losses/kl",
-             "losses/actor", "losses/critic", "losses/entropy"]
+TINY = dict(
+    encoder_channels=(4, 8, 8),
+    embed_dim=32,
+    decoder_base_channels=4,
+    decoder_mid_channels=4,
+    deterministic_dim=16,
+    stochastic_dim=4,
+    stochastic_classes=4,
+    hidden_dim=16,
+    batch_size=2,
+    sequence_length=8,
+    imagination_horizon=5,
+)
+TINY_FLAGS = [
+    "--encoder-channels",
+    "4",
+    "8",
+    "8",
+    "--embed-dim",
+    "32",
+    "--decoder-base-channels",
+    "4",
+    "--decoder-mid-channels",
+    "4",
+    "--deterministic-dim",
+    "16",
+    "--stochastic-dim",
+    "4",
+    "--stochastic-classes",
+    "4",
+    "--hidden-dim",
+    "16",
+    "--batch-size",
+    "2",
+    "--sequence-length",
+    "8",
+    "--imagination-horizon",
+    "5",
+]
+LOSS_KEYS = [
+    "losses/world_model",
+    "losses/image",
+    "losses/reward",
+    "losses/continue",
+    "losses/kl",
+    "losses/actor",
+    "losses/critic",
+    "losses/entropy",
+]
 CHART_KEYS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/updates_per_second"]
 
 
 def tiny_args(**overrides) -> da.Args:
-    values = dict(TINY, total_timesteps=400, learning_starts=100, warmup_steps=100, train_ratio=2.0,
-                  log_interval=100, max_episode_steps=60, buffer_capacity=500, amp="off")
+    values = dict(
+        TINY,
+        total_timesteps=400,
+        learning_starts=100,
+        warmup_steps=100,
+        train_ratio=2.0,
+        log_interval=100,
+        max_episode_steps=60,
+        buffer_capacity=500,
+        amp="off",
+    )
     values.update(overrides)
     return da.Args(**values)
 
@@ -51,22 +100,32 @@ def load_checkpoint(path) -> dict:
 
 
 def test_end_to_end_run_logs_every_key(in_tmp):
-    """Default async vector env with 2 envs, wandb offline, stage probes on."""
-    result = da.main(tiny_args(track=True, memory_probes=True, save_model=True))
-    assert result["global_step"] == 400 and result["updates"] > 0 and result["behavior_updates"] > 0
+    """Default async vector env with 2 envs, wandb offline, stage probes on, one update per vector step."""
+    result = da.main(
+        tiny_args(total_timesteps=300, train_ratio=8.0, track=True, memory_probes=True, save_model=True)
+    )
+    assert result["global_step"] == 300 and result["updates"] > 0 and result["behavior_updates"] > 0
     scalars = read_scalars(in_tmp / result["run_dir"])
-    expected = [*CHART_KEYS, *LOSS_KEYS, *mu.CPU_KEYS, *mu.BUFFER_KEYS.values(), "debug/nonfinite_updates",
-                "debug/probe/loop_start_mb", "debug/probe/after_decoder_mb", "debug/probe/after_optimizer_step_mb"]
+    expected = [
+        *CHART_KEYS,
+        *LOSS_KEYS,
+        *mu.CPU_KEYS,
+        *mu.BUFFER_KEYS.values(),
+        "debug/nonfinite_updates",
+        "debug/probe/loop_start_mb",
+        "debug/probe/after_decoder_mb",
+        "debug/probe/after_optimizer_step_mb",
+    ]
     missing = [key for key in expected if key not in scalars]
     assert not missing, f"missing TensorBoard keys: {missing}"
-    assert [e.step for e in scalars[mu.KEY_USS_MB]] == [100, 200, 300, 400]
+    assert [e.step for e in scalars[mu.KEY_USS_MB]] == [100, 200, 300]
     assert all(e.value > 0 for e in scalars[mu.KEY_RSS_MB])
     assert all(e.value == 0 for e in scalars["debug/nonfinite_updates"])
     assert all(e.value <= 500 + 2 * 16 for e in scalars[mu.BUFFER_KEYS["total_steps"]])
     assert {e.value for e in scalars["charts/episodic_length"]} == {60.0}
     assert list((in_tmp / "wandb").glob("offline-run-*")), "wandb did not write an offline run"
     checkpoint = load_checkpoint(in_tmp / result["run_dir"] / "checkpoint.pt")
-    assert checkpoint["counters"]["global_step"] == 400
+    assert checkpoint["counters"]["global_step"] == 300
 
 
 def test_resume_continues_the_same_run(in_tmp):
@@ -90,11 +149,13 @@ def test_resume_continues_the_same_run(in_tmp):
 
 
 def test_resume_with_buffer(in_tmp):
-    first = da.main(tiny_args(total_timesteps=200, save_model=True, checkpoint_buffer=True, vector_mode="sync"))
+    first = da.main(
+        tiny_args(total_timesteps=200, save_model=True, checkpoint_buffer=True, vector_mode="sync")
+    )
     path = in_tmp / first["run_dir"] / "checkpoint.pt"
     saved = load_checkpoint(path)
     stored = sum(len(ep["action"]) for ep in saved["replay"]["episodes"])
-    assert stored == 200 + 2
+    assert stored == 200 + 2 * 2  # 100 vector steps, plus the first obs of the 2 + 2 episodes begun
     replay = da.EpisodeReplay(500, 2, seed=0)
     replay.load_state_dict(saved["replay"])
     assert replay.total_steps == stored and all(ep.done for ep in replay.episodes)
@@ -103,10 +164,28 @@ def test_resume_with_buffer(in_tmp):
 
 def test_sigterm_writes_a_checkpoint_and_the_run_resumes(in_tmp):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    cmd = [sys.executable, str(ROOT / "dreamer_atari.py"), *TINY_FLAGS, "--total-timesteps", "100000",
-           "--learning-starts", "100", "--warmup-steps", "100", "--train-ratio", "2", "--log-interval", "100",
-           "--max-episode-steps", "60", "--buffer-capacity", "500"]
-    proc = subprocess.Popen(cmd, cwd=in_tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        str(ROOT / "dreamer_atari.py"),
+        *TINY_FLAGS,
+        "--total-timesteps",
+        "100000",
+        "--learning-starts",
+        "100",
+        "--warmup-steps",
+        "100",
+        "--train-ratio",
+        "2",
+        "--log-interval",
+        "100",
+        "--max-episode-steps",
+        "60",
+        "--buffer-capacity",
+        "500",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=in_tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         for line in proc.stdout:  # the first progress line: training is under way
             if line.startswith("step 200/"):
@@ -122,8 +201,9 @@ def test_sigterm_writes_a_checkpoint_and_the_run_resumes(in_tmp):
     saved = load_checkpoint(run_dir / "checkpoint.pt")
     stopped_at = saved["counters"]["global_step"]
     assert 200 <= stopped_at < 100_000
-    result = da.main(tiny_args(total_timesteps=stopped_at + 100, resume=str(run_dir / "checkpoint.pt"),
-                               vector_mode="sync"))
+    result = da.main(
+        tiny_args(total_timesteps=stopped_at + 100, resume=str(run_dir / "checkpoint.pt"), vector_mode="sync")
+    )
     assert result["global_step"] == stopped_at + 100
     assert result["updates"] > saved["counters"]["updates"]
 
@@ -148,6 +228,7 @@ def test_bad_arguments_exit_2_with_one_line(in_tmp, capsys, overrides):
     assert not (in_tmp / "runs").exists(), "a run directory was created for bad input"
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_corrupt_checkpoint_is_one_clear_error(in_tmp, capsys):
     (in_tmp / "broken.pt").write_bytes(b"\x80\x04this is not a checkpoint")
     with pytest.raises(SystemExit) as exit_info:
@@ -159,8 +240,83 @@ def test_corrupt_checkpoint_is_one_clear_error(in_tmp, capsys):
 
 def test_command_line_bad_argument_exits_2(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "dreamer_atari.py"), "--batch-size", "0"], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "dreamer_atari.py"), "--batch-size", "0"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --batch-size must be at least 1, got 0."
     assert not (tmp_path / "runs").exists()
+
+
+def test_out_of_memory_frees_the_step_writes_a_report_and_a_checkpoint(in_tmp, monkeypatch, capsys):
+    """The OOM path up to the CUDA calls (here the update raises torch.OutOfMemoryError itself)."""
+    import weakref
+
+    alive = {}
+
+    def failing_update(agent, batch, args, probe=None):
+        activations = torch.ones(1024, 1024)  # stands for the failed step's tensors
+        alive["ref"] = weakref.ref(activations)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    seen_at_report = {}
+    real_report = mu.write_oom_report
+
+    def report(run_dir, exc, last_report, verdict=None, device=None):
+        seen_at_report["activations_alive"] = alive["ref"]() is not None
+        return real_report(run_dir, exc, last_report, verdict=verdict, device=device)
+
+    monkeypatch.setattr(da, "train_world_model", failing_update)
+    monkeypatch.setattr(mu, "write_oom_report", report)
+    with pytest.raises(SystemExit) as exit_info:
+        da.main(tiny_args(vector_mode="sync"))
+    assert exit_info.value.code == da.EXIT_OOM
+    assert seen_at_report == {"activations_alive": False}, (
+        "the failed step's tensors were alive during the report"
+    )
+    (run_dir,) = (in_tmp / "runs").iterdir()
+    assert (run_dir / "oom" / "report.json").exists()
+    step = load_checkpoint(run_dir / "checkpoint.pt")["counters"]["global_step"]
+    assert step > 100  # the first update comes after learning starts
+    assert f"out of memory at step {step}" in capsys.readouterr().err
+
+
+def test_a_run_of_non_finite_updates_stops_with_a_checkpoint(in_tmp, monkeypatch, capsys):
+    def nan_update(agent, batch, args, probe=None):
+        return {"losses/world_model": float("nan"), "debug/update_skipped": 1.0}, None
+
+    monkeypatch.setattr(da, "train_world_model", nan_update)
+    with pytest.raises(SystemExit) as exit_info:
+        da.main(tiny_args(vector_mode="sync", max_nonfinite=3, train_ratio=8.0))
+    assert exit_info.value.code == da.EXIT_NONFINITE
+    (run_dir,) = (in_tmp / "runs").iterdir()
+    saved = load_checkpoint(run_dir / "checkpoint.pt")
+    assert saved["counters"]["nonfinite_updates"] == 3
+    assert "3 updates in a row had a non-finite loss" in capsys.readouterr().err
+
+
+def test_abort_on_leak_stops_with_a_checkpoint(in_tmp, monkeypatch, capsys):
+    leaking = mu.LeakVerdict(True, "host_references", "memory leak suspected: test", {})
+    monkeypatch.setattr(mu.LeakDetector, "check", lambda self: leaking)
+    with pytest.raises(SystemExit) as exit_info:
+        da.main(tiny_args(vector_mode="sync", abort_on_leak=True))
+    assert exit_info.value.code == da.EXIT_LEAK
+    (run_dir,) = (in_tmp / "runs").iterdir()
+    assert load_checkpoint(run_dir / "checkpoint.pt")["counters"]["global_step"] == 100
+    assert "memory leak suspected: test" in capsys.readouterr().out
+
+
+def test_resume_with_other_model_sizes_is_refused_before_anything_starts(in_tmp, capsys):
+    first = da.main(tiny_args(total_timesteps=100, save_model=True, vector_mode="sync"))
+    path = in_tmp / first["run_dir"] / "checkpoint.pt"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        da.main(tiny_args(total_timesteps=200, hidden_dim=32, resume=str(path)))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --resume checkpoint was trained with --hidden-dim 16, but this run asks for 32."

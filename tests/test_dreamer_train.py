@@ -6,17 +6,32 @@ import torch
 
 import dreamer_atari as da
 
+torch.set_num_threads(1)  # tiny models: threads only contend on a shared 2-core machine
+
 
 def tiny_args(**overrides) -> da.Args:
-    sizes = dict(encoder_channels=(4, 8, 8), embed_dim=32, decoder_base_channels=4, decoder_mid_channels=4,
-                 deterministic_dim=16, stochastic_dim=4, stochastic_classes=4, hidden_dim=16, batch_size=4,
-                 sequence_length=8, imagination_horizon=5, num_envs=1, vector_mode="sync", amp="off")
+    sizes = dict(
+        encoder_channels=(4, 8, 8),
+        embed_dim=32,
+        decoder_base_channels=4,
+        decoder_mid_channels=4,
+        deterministic_dim=16,
+        stochastic_dim=4,
+        stochastic_classes=4,
+        hidden_dim=16,
+        batch_size=4,
+        sequence_length=8,
+        imagination_horizon=5,
+        num_envs=1,
+        vector_mode="sync",
+        amp="off",
+    )
     sizes.update(overrides)
     return da.Args(**sizes)
 
 
 def reference_lambda_return(reward, value, discount, lam, t):
-    """The definition: (1 - lam) * sum_n lam^(n-1) G_t^(n), the last n-step return taking the remaining weight."""
+    """By definition: (1 - lam) sum_n lam^(n-1) G_t^(n); the last n-step return takes what weight is left."""
     H = len(value) - 1
 
     def n_step(n):
@@ -42,8 +57,9 @@ def test_lambda_returns_match_the_definition(lam):
     assert returns.shape == (H, N)
     for n in range(N):
         for t in range(H):
-            expected = reference_lambda_return(reward[:, n].tolist(), value[:, n].tolist(),
-                                               discount[:, n].tolist(), lam, t)
+            expected = reference_lambda_return(
+                reward[:, n].tolist(), value[:, n].tolist(), discount[:, n].tolist(), lam, t
+            )
             assert returns[t, n].item() == pytest.approx(expected, rel=1e-10, abs=1e-10)
 
 
@@ -67,7 +83,9 @@ def test_world_model_loss_falls_on_real_pong_frames():
     first = np.mean([m["losses/world_model"] for m in losses[:5]])
     last = np.mean([m["losses/world_model"] for m in losses[-5:]])
     assert last < 0.8 * first, f"world-model loss went from {first:.1f} to {last:.1f}"
-    assert np.mean([m["losses/image"] for m in losses[-5:]]) < np.mean([m["losses/image"] for m in losses[:5]])
+    assert np.mean([m["losses/image"] for m in losses[-5:]]) < np.mean(
+        [m["losses/image"] for m in losses[:5]]
+    )
 
 
 @pytest.mark.parametrize("classes", [4, 0])
@@ -93,6 +111,9 @@ def test_non_finite_loss_skips_the_update():
     before = [p.detach().clone() for p in agent.world_model.parameters()]
     metrics, _ = da.train_world_model(agent, batch, args)
     assert metrics["debug/update_skipped"] == 1.0
-    assert all(torch.equal(b, p) for b, p in zip(before, agent.world_model.parameters())), "a NaN update was applied"
+    assert all(torch.equal(b, p) for b, p in zip(before, agent.world_model.parameters())), (
+        "a NaN update was applied"
+    )
     assert not agent.world_model_optimizer.state or all(
-        float(s["step"]) == 0 for s in agent.world_model_optimizer.state.values())
+        float(s["step"]) == 0 for s in agent.world_model_optimizer.state.values()
+    )

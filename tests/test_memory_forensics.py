@@ -235,3 +235,13 @@ def test_oom_diagnosis_explains_wsl_spill_and_contention():
     contended = mu.diagnose_oom("Tried to allocate 512.00 MiB", allocated_mb=900, reserved_mb=1000,
                                 free_mb=300, total_mb=24 * 1024)
     assert "Another process holds a large share" in contended and "spilling" not in contended
+
+
+def test_probe_scalars_keep_stages_an_iteration_skipped():
+    probes = mu.StageProbes(enabled=True)
+    probes("loop_start")
+    probes("after_encoder")  # an iteration with an update
+    probes.end_iteration(1)
+    probes("loop_start")  # prefill: no update this time
+    probes.end_iteration(2)
+    assert {"debug/probe/loop_start_mb", "debug/probe/after_encoder_mb"} <= set(probes.scalars())
