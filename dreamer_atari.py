@@ -54,6 +54,10 @@ EXIT_OOM = 3
 EXIT_LEAK = 4
 EXIT_NONFINITE = 5
 CHECKPOINT_FORMAT = "dreamer_atari/1"
+OOM_ADVICE = (
+    "Flags that lower the peak: --amp bf16 (or fp16 on CUDA), a smaller --batch-size or --sequence-length, a "
+    "shorter --imagination-horizon, and PYTORCH_ALLOC_CONF=expandable_segments:True (set by default)."
+)
 
 
 @dataclass
@@ -1578,11 +1582,11 @@ def main(args: Args) -> dict:
                     if oom_error is not None:
                         batch = states = None
                         gc.collect()
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
                         diagnosis = mu.write_oom_report(
-                            run_dir, oom_error, last_report, verdict=last_verdict, device=device
+                            run_dir, oom_error, last_report, verdict=last_verdict, device=device, advice=OOM_ADVICE
                         )
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()  # after the report, so it still shows any fragmentation
                         checkpoint("out of memory")
                         exit_with(f"out of memory at step {counters['global_step']}:\n{diagnosis}", EXIT_OOM)
                     metrics.pop("debug/update_skipped")

@@ -766,9 +766,16 @@ _REQUEST_RE = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
 _UNITS = {"B": 1 / MB, "KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0, "TiB": 1024.0 * 1024.0}
 
 
+DEFAULT_OOM_ADVICE = ("Flags that lower the peak: --amp bf16 (or fp16 on CUDA), a smaller --batch-size, and the "
+                      "allocator defaults of configure_allocator() (expandable_segments:True).")
+
+
 def diagnose_oom(message: str, allocated_mb: float | None, reserved_mb: float | None,
-                 free_mb: float | None, total_mb: float | None) -> str:
-    """A short explanation of a CUDA OOM from its message and the allocator's figures (all MB)."""
+                 free_mb: float | None, total_mb: float | None, advice: str = DEFAULT_OOM_ADVICE) -> str:
+    """A short explanation of a CUDA OOM from its message and the allocator's figures (all MB).
+
+    `advice` is the calling script's own sentence about which of its flags lower the peak.
+    """
     lines = ["CUDA out of memory."]
     match = _REQUEST_RE.search(message or "")
     if match:
@@ -789,14 +796,12 @@ def diagnose_oom(message: str, allocated_mb: float | None, reserved_mb: float | 
         if reserved_mb and allocated_mb is not None and reserved_mb - allocated_mb > 0.3 * reserved_mb:
             lines.append(f"{reserved_mb - allocated_mb:.0f} MiB is reserved but unused (fragmentation): "
                          "PYTORCH_ALLOC_CONF=expandable_segments:True helps.")
-    lines.append("Flags that lower the peak: --amp bf16 (or fp16 on CUDA), a smaller --batch-size or "
-                 "--sequence-length, and the allocator defaults of configure_allocator() "
-                 "(expandable_segments:True).")
+    lines.append(advice)
     return "\n".join(lines)
 
 
 def write_oom_report(run_dir: str, exc: BaseException, last_report: dict | None, verdict=None,
-                     device=None) -> str:
+                     device=None, advice: str = DEFAULT_OOM_ADVICE) -> str:
     """Write {run_dir}/oom/ (snapshot, memory_summary.txt, report.json) and return a short diagnosis.
 
     Call it from `except torch.OutOfMemoryError` after dropping the failed step's tensors: the traceback's
@@ -806,7 +811,7 @@ def write_oom_report(run_dir: str, exc: BaseException, last_report: dict | None,
     oom_dir = Path(run_dir) / "oom"
     stats = gpu_memory_stats(device)
     diagnosis = diagnose_oom(str(exc), stats.get("alloc_mb"), stats.get("reserved_mb"), stats.get("free_mb"),
-                             stats.get("total_mb"))
+                             stats.get("total_mb"), advice)
     try:
         oom_dir.mkdir(parents=True, exist_ok=True)
         summary = "CUDA is not available; no allocator summary."

@@ -15,8 +15,17 @@ SCRIPT = Path(dqn.__file__)
 def test_every_field_has_an_rl_variable_and_the_command_line_wins():
     args, sources = dqn.parse_args(
         ["--batch-size", "16", "--no-use-double-dqn"],
-        {"RL_BATCH_SIZE": "32", "RL_LR_SCHEDULER": "step", "RL_USE_DOUBLE_DQN": "true", "RL_MIN_LR": "2e-6",
-         "RL_SCHEDULER_TMAX": "50", "RL_SEEDS": "4 6 8", "RL_RUN_ID": "abc", "RL_SAVE_PATH": "out"})
+        {
+            "RL_BATCH_SIZE": "32",
+            "RL_LR_SCHEDULER": "step",
+            "RL_USE_DOUBLE_DQN": "true",
+            "RL_MIN_LR": "2e-6",
+            "RL_SCHEDULER_TMAX": "50",
+            "RL_SEEDS": "4 6 8",
+            "RL_RUN_ID": "abc",
+            "RL_SAVE_PATH": "out",
+        },
+    )
     assert args.batch_size == 16 and sources["batch_size"] == "command line"
     assert args.use_double_dqn is False and sources["use_double_dqn"] == "command line"
     assert args.lr_scheduler == "step" and sources["lr_scheduler"] == "RL_LR_SCHEDULER"
@@ -29,20 +38,41 @@ def test_every_field_has_an_rl_variable_and_the_command_line_wins():
 def test_seed_defaults_are_the_long_run_recipe():
     args, _ = dqn.parse_args([], {})
     assert (args.num_episodes, args.buffer_size, args.exploration_steps, args.target_network_frequency) == (
-        10_000, 100_000, 100_000, 300)
+        10_000,
+        100_000,
+        100_000,
+        300,
+    )
     assert (args.start_e, args.end_e, args.step_mul, args.learning_rate, args.res, args.batch_size) == (
-        1.0, 0.01, 16, 5e-5, 32, 8)
-    assert (args.use_double_dqn, args.lr_scheduler, args.min_lr, args.step_lr_step_size, args.step_lr_gamma) == (
-        True, "cosine", 1e-6, 1000, 0.5)
+        1.0,
+        0.01,
+        16,
+        5e-5,
+        32,
+        8,
+    )
+    assert (
+        args.use_double_dqn,
+        args.lr_scheduler,
+        args.min_lr,
+        args.step_lr_step_size,
+        args.step_lr_gamma,
+    ) == (True, "cosine", 1e-6, 1000, 0.5)
 
 
-@pytest.mark.parametrize("env,needle", [
-    ({"RL_BATCH_SIZE": "abc"}, "RL_BATCH_SIZE='abc' is not an integer"),
-    ({"RL_BATCH_SIZE": "0"}, "batch_size must be at least 1, got 0 (from RL_BATCH_SIZE)"),
-    ({"RL_USE_DOUBLE_DQN": "maybe"}, "RL_USE_DOUBLE_DQN='maybe' is not a boolean"),
-    ({"RL_LR_SCHEDULER": "linear"}, "RL_LR_SCHEDULER='linear' is not allowed; use one of cosine, step, none"),
-    ({"RL_MIN_LR": "1e-6x"}, "RL_MIN_LR='1e-6x' is not a number"),
-])
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({"RL_BATCH_SIZE": "abc"}, "RL_BATCH_SIZE='abc' is not an integer"),
+        ({"RL_BATCH_SIZE": "0"}, "batch_size must be at least 1, got 0 (from RL_BATCH_SIZE)"),
+        ({"RL_USE_DOUBLE_DQN": "maybe"}, "RL_USE_DOUBLE_DQN='maybe' is not a boolean"),
+        (
+            {"RL_LR_SCHEDULER": "linear"},
+            "RL_LR_SCHEDULER='linear' is not allowed; use one of cosine, step, none",
+        ),
+        ({"RL_MIN_LR": "1e-6x"}, "RL_MIN_LR='1e-6x' is not a number"),
+    ],
+)
 def test_bad_rl_values_name_the_variable(env, needle):
     with pytest.raises(dqn.ConfigError, match=None) as error:
         dqn.parse_args([], env)
@@ -52,15 +82,24 @@ def test_bad_rl_values_name_the_variable(env, needle):
 def run_script(tmp_path, args, env_extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RL_")}
     env.update(env_extra)
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("args,env,needle", [
-    ([], {"RL_BATCH_SIZE": "abc"}, "RL_BATCH_SIZE"),
-    (["--res", "4"], {}, "res must be between 8 and 256"),
-    (["--backend", "pysc2"], {"SC2PATH": "no-such-folder"}, "pysc2"),
-])
+@pytest.mark.parametrize(
+    "args,env,needle",
+    [
+        ([], {"RL_BATCH_SIZE": "abc"}, "RL_BATCH_SIZE"),
+        (["--res", "4"], {}, "res must be between 8 and 256"),
+        (["--backend", "pysc2"], {"SC2PATH": "no-such-folder"}, "pysc2"),
+    ],
+)
 def test_bad_values_exit_2_with_one_sentence_and_write_nothing(tmp_path, args, env, needle):
     result = run_script(tmp_path, args, env)
     assert result.returncode == 2
@@ -78,7 +117,9 @@ def test_cpu_machine_ignores_the_gpu_wait_in_one_line():
 def test_gpu_wait_timeout_continues_with_the_fallback_batch(monkeypatch):
     calls = []
     monkeypatch.setattr(dqn.mu, "wait_for_gpu", lambda *a, **k: calls.append((a, k)) or False)
-    args = dqn.Args(wait_for_gpu_mb=1000, wait_poll_s=1, wait_timeout_s=5, batch_size=8, fallback_batch_size=2)
+    args = dqn.Args(
+        wait_for_gpu_mb=1000, wait_poll_s=1, wait_timeout_s=5, batch_size=8, fallback_batch_size=2
+    )
     batch, fallback, line = dqn.wait_for_memory(args, dqn.torch.device("cuda"))
     assert (batch, fallback) == (2, True) and "fallback batch size 2" in line
     assert calls[0][0] == (1000, 1, 5)

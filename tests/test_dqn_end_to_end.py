@@ -16,9 +16,28 @@ import dqn_starcraft_split as dqn
 import memory_utils as mu
 
 SCRIPT = Path(dqn.__file__)
-TINY = ["--res", "8", "--step-mul", "128", "--buffer-size", "200", "--learning-starts", "10",
-        "--eval-every-episodes", "1", "--num-eval-episodes", "1", "--num-test-episodes", "2",
-        "--memory-log-every", "10", "--leak-warmup-steps", "0", "--log-every-steps", "5"]
+TINY = [
+    "--res",
+    "8",
+    "--step-mul",
+    "128",
+    "--buffer-size",
+    "200",
+    "--learning-starts",
+    "10",
+    "--eval-every-episodes",
+    "1",
+    "--num-eval-episodes",
+    "1",
+    "--num-test-episodes",
+    "2",
+    "--memory-log-every",
+    "10",
+    "--leak-warmup-steps",
+    "0",
+    "--log-every-steps",
+    "5",
+]
 
 
 def clean_env(**extra):
@@ -30,10 +49,25 @@ def clean_env(**extra):
 @pytest.mark.slow
 def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), *TINY, "--num-episodes", "2", "--seeds", "4", "6", "--run-id", "tiny",
-         "--track"],
-        cwd=tmp_path, env=clean_env(RL_BATCH_SIZE="4", RL_LR_SCHEDULER="step"), capture_output=True, text=True,
-        timeout=300)
+        [
+            sys.executable,
+            str(SCRIPT),
+            *TINY,
+            "--num-episodes",
+            "2",
+            "--seeds",
+            "4",
+            "6",
+            "--run-id",
+            "tiny",
+            "--track",
+        ],
+        cwd=tmp_path,
+        env=clean_env(RL_BATCH_SIZE="4", RL_LR_SCHEDULER="step"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     results = tmp_path / "results"
     with open(results / "results.csv") as f:
@@ -41,8 +75,16 @@ def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
     assert [r["run_id"] for r in rows] == ["tiny-seed4", "tiny-seed6"]
     assert [r["seed"] for r in rows] == ["4", "6"]
     assert set(rows[0]) == set(dqn.RESULTS_COLUMNS)
-    assert rows[0]["batch_size"] == "4" and rows[0]["lr_scheduler"] == "step" and rows[0]["fallback_used"] == "False"
-    assert rows[0]["use_double_dqn"] == "True" and rows[0]["episodes"] == "2" and rows[0]["map_name"] == "MoveToBeacon"
+    assert (
+        rows[0]["batch_size"] == "4"
+        and rows[0]["lr_scheduler"] == "step"
+        and rows[0]["fallback_used"] == "False"
+    )
+    assert (
+        rows[0]["use_double_dqn"] == "True"
+        and rows[0]["episodes"] == "2"
+        and rows[0]["map_name"] == "MoveToBeacon"
+    )
 
     run = results / "tiny-seed4"
     config = json.loads((run / "config.json").read_text())
@@ -65,8 +107,16 @@ def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
     events = EventAccumulator(str(tmp_path / "runs" / "tiny-seed4"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/epsilon",
-            "charts/SPS", "charts/test_score", "losses/td_loss", "losses/q_values"} <= tags
+    assert {
+        "charts/episodic_return",
+        "charts/episodic_length",
+        "charts/learning_rate",
+        "charts/epsilon",
+        "charts/SPS",
+        "charts/test_score",
+        "losses/td_loss",
+        "losses/q_values",
+    } <= tags
     assert set(mu.CPU_KEYS) <= tags and set(mu.BUFFER_KEYS.values()) <= tags
     lrs = [e.value for e in events.Scalars("charts/learning_rate")]
     assert lrs == pytest.approx([5e-5, 5e-5])  # step schedule: halves only after 1000 episodes
@@ -77,7 +127,12 @@ def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
 def test_sigterm_leaves_a_checkpoint_and_no_results_row(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), *TINY, "--num-episodes", "100000", "--run-id", "stopped"],
-        cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in proc.stdout:  # wait until training is under way (no sleeping)
             if line.startswith("episode=3 "):
@@ -105,3 +160,22 @@ def test_results_row_is_appended_whole(tmp_path):
         rows = list(csv.DictReader(f))
     assert [r["run_id"] for r in rows] == ["x", "second"]
     assert [p.name for p in tmp_path.iterdir()] == ["results.csv"]
+
+
+def test_out_of_memory_writes_a_report_and_a_checkpoint_and_no_row(tmp_path, monkeypatch):
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    monkeypatch.setattr(dqn, "update", oom)
+    monkeypatch.chdir(tmp_path)
+    args, sources = dqn.parse_args([*TINY, "--num-episodes", "3", "--run-id", "oom"], {})
+    threads = torch.get_num_threads()
+    try:
+        assert dqn.main(args, sources) == dqn.EXIT_OOM
+    finally:
+        torch.set_num_threads(threads)
+    run = tmp_path / "results" / "oom"
+    assert torch.load(run / "checkpoint.pt", weights_only=False)["interrupted"] is True
+    assert (run / "oom").is_dir() and any((run / "oom").iterdir())
+    assert "out of memory at step 12" in (run / "train.log").read_text()
+    assert not (tmp_path / "results" / "results.csv").exists()

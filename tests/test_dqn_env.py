@@ -9,7 +9,9 @@ NO_OP, SELECT_ARMY, MOVE = dqn.FUNCTION_IDS["no_op"], dqn.FUNCTION_IDS["select_a
 
 
 def to_pixel(env, world_xy):
-    return tuple(int(v) for v in np.clip(np.asarray(world_xy) * env.res / dqn.SCREEN_WORLD_UNITS, 0, env.res - 1))
+    return tuple(
+        int(v) for v in np.clip(np.asarray(world_xy) * env.res / dqn.SCREEN_WORLD_UNITS, 0, env.res - 1)
+    )
 
 
 def test_observation_has_pysc2_shapes():
@@ -98,6 +100,7 @@ def test_collect_mineral_shards_rewards_each_shard_and_refills_the_field():
 
 def test_scripted_agent_beats_random_agent_by_far():
     """The calibration the constants' comment claims: clicking on the beacon scores ~27, random ~1."""
+
     def play(policy, seed):
         env = dqn.BuiltinMiniGame("MoveToBeacon", res=32, step_mul=16, seed=seed)
         rng = np.random.default_rng(seed)
@@ -128,3 +131,17 @@ def test_decode_action_covers_both_heads():
     assert dqn.decode_action(0, 8) == (NO_OP, None)
     assert dqn.decode_action(1, 8) == (SELECT_ARMY, None)
     assert dqn.decode_action(2 + 3 * 8 + 5, 8) == (MOVE, (5, 3))  # point index y * res + x
+
+
+def test_exploration_draws_like_pysc2_random_agent():
+    """A random action: a function uniformly among the available ones, then a point uniformly."""
+    net = dqn.SplitQNetwork(8)
+    env = dqn.BuiltinMiniGame("MoveToBeacon", res=8, step_mul=16, seed=0)
+    rng = np.random.default_rng(0)
+    unselected = env.reset()
+    draws = [dqn.select_action(net, unselected, 1.0, rng, "cpu") for _ in range(300)]
+    assert set(draws) == {0, 1}  # Move_screen is not available yet
+    selected, _, _ = env.step(SELECT_ARMY)
+    draws = np.array([dqn.select_action(net, selected, 1.0, rng, "cpu") for _ in range(3000)])
+    assert abs(np.mean(draws == 0) - 1 / 3) < 0.04 and abs(np.mean(draws >= 2) - 1 / 3) < 0.04
+    assert draws.max() < 2 + 8 * 8 and len(set(draws[draws >= 2].tolist())) > 50

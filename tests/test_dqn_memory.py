@@ -72,9 +72,22 @@ def test_ring_overwrites_the_oldest_and_never_samples_the_newest_half_transition
 def test_a_sampled_batch_owns_its_memory():
     rb, _ = filled_buffer()
     sample = rb.sample(8, np.random.default_rng(0))
-    storages = [*rb.screen.values(), *rb.minimap.values(), rb.player, rb.mask, rb.actions, rb.rewards, rb.dones]
-    arrays = [*sample["obs"].values(), *sample["next_obs"].values(), sample["actions"], sample["rewards"],
-              sample["dones"]]
+    storages = [
+        *rb.screen.values(),
+        *rb.minimap.values(),
+        rb.player,
+        rb.mask,
+        rb.actions,
+        rb.rewards,
+        rb.dones,
+    ]
+    arrays = [
+        *sample["obs"].values(),
+        *sample["next_obs"].values(),
+        sample["actions"],
+        sample["rewards"],
+        sample["dones"],
+    ]
     for array in arrays:
         assert not any(np.shares_memory(array, storage) for storage in storages)
     batch = dqn.batch_to_device(sample, "cpu")
@@ -97,8 +110,11 @@ def test_buffer_stats_feed_memory_report():
 def test_acting_builds_no_graph():
     net = dqn.SplitQNetwork(8)
     seen = []
-    net.register_forward_hook(lambda module, inputs, outputs: seen.append(
-        (torch.is_grad_enabled(), outputs[0].grad_fn, outputs[1].grad_fn)))
+    net.register_forward_hook(
+        lambda module, inputs, outputs: seen.append(
+            (torch.is_grad_enabled(), outputs[0].grad_fn, outputs[1].grad_fn)
+        )
+    )
     obs = dqn.BuiltinMiniGame("MoveToBeacon", res=8, step_mul=16, seed=0).reset()
     dqn.select_action(net, obs, 0.0, np.random.default_rng(0), "cpu")
     assert seen == [(False, None, None)]

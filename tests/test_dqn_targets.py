@@ -58,11 +58,23 @@ class FixedQ(torch.nn.Module):
 
 
 def test_td_loss_takes_each_transition_from_the_head_its_action_came_from():
-    online = FixedQ(torch.tensor([[1.0, 5.0], [2.0, 0.0]]), torch.tensor([[0.0, 9.0, 1.0, 0.0], [3.0, 0.0, 0.0, 4.0]]))
+    online = FixedQ(
+        torch.tensor([[1.0, 5.0], [2.0, 0.0]]), torch.tensor([[0.0, 9.0, 1.0, 0.0], [3.0, 0.0, 0.0, 4.0]])
+    )
     target = FixedQ(TARGET_NS, TARGET_SP)
-    empty = {"screen": torch.zeros(2), "minimap": torch.zeros(2), "player": torch.zeros(2), "mask": ALL_AVAILABLE}
-    batch = {"obs": empty, "next_obs": empty, "actions": torch.tensor([1, 2 + 3]),  # select_army; point 3
-             "rewards": torch.tensor([1.0, 0.0]), "dones": torch.tensor([0.0, 0.0])}
+    empty = {
+        "screen": torch.zeros(2),
+        "minimap": torch.zeros(2),
+        "player": torch.zeros(2),
+        "mask": ALL_AVAILABLE,
+    }
+    batch = {
+        "obs": empty,
+        "next_obs": empty,
+        "actions": torch.tensor([1, 2 + 3]),  # select_army; point 3
+        "rewards": torch.tensor([1.0, 0.0]),
+        "dones": torch.tensor([0.0, 0.0]),
+    }
     loss, q_taken = dqn.td_loss(online, target, batch, 0.5, True, mu.amp("off", "cpu"))
     assert q_taken.tolist() == [5.0, 4.0]
     targets = [1.0 + 0.5 * 3.0, 0.0 + 0.5 * 6.0]  # V(s') as in the double-DQN example above
