@@ -26,8 +26,6 @@ import argparse
 import contextlib
 import csv
 import dataclasses
-import gc
-import io
 import json
 import math
 import os
@@ -36,7 +34,6 @@ import re
 import subprocess
 import sys
 import time
-import warnings
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence

@@ -11,58 +11,11 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import dreamer_atari as da
+from dreamer_tiny import TINY_FLAGS, tiny_args
 import memory_utils as mu
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_FLAGS = [
-    "--encoder-channels",
-    "4",
-    "8",
-    "8",
-    "--embed-dim",
-    "32",
-    "--decoder-base-channels",
-    "4",
-    "--decoder-mid-channels",
-    "4",
-    "--deterministic-dim",
-    "16",
-    "--stochastic-dim",
-    "4",
-    "--stochastic-classes",
-    "4",
-    "--hidden-dim",
-    "16",
-    "--batch-size",
-    "2",
-    "--sequence-length",
-    "8",
-    "--imagination-horizon",
-    "5",
-]
 
-torch.set_num_threads(1)  # tiny models: threads only contend on a shared 2-core machine
-
-
-def tiny_args(**overrides) -> da.Args:
-    sizes = dict(
-        encoder_channels=(4, 8, 8),
-        embed_dim=32,
-        decoder_base_channels=4,
-        decoder_mid_channels=4,
-        deterministic_dim=16,
-        stochastic_dim=4,
-        stochastic_classes=4,
-        hidden_dim=16,
-        batch_size=2,
-        sequence_length=8,
-        imagination_horizon=5,
-        num_envs=2,
-        vector_mode="sync",
-        amp="off",
-    )
-    sizes.update(overrides)
-    return da.Args(**sizes)
 
 
 def test_acting_builds_no_graph_and_caches_detached_state():

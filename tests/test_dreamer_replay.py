@@ -9,29 +9,8 @@ import pytest
 import torch
 
 import dreamer_atari as da
+from dreamer_tiny import tiny_args
 
-torch.set_num_threads(1)  # tiny models: threads only contend on a shared 2-core machine
-
-
-def tiny_args(**overrides) -> da.Args:
-    sizes = dict(
-        encoder_channels=(4, 8, 8),
-        embed_dim=32,
-        decoder_base_channels=4,
-        decoder_mid_channels=4,
-        deterministic_dim=16,
-        stochastic_dim=4,
-        stochastic_classes=4,
-        hidden_dim=16,
-        batch_size=2,
-        sequence_length=8,
-        imagination_horizon=5,
-        num_envs=2,
-        vector_mode="sync",
-        amp="off",
-    )
-    sizes.update(overrides)
-    return da.Args(**sizes)
 
 
 def collect(envs, replay, steps: int, seed: int = 0, seen: set | None = None):

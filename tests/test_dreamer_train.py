@@ -5,29 +5,13 @@ import pytest
 import torch
 
 import dreamer_atari as da
-
-torch.set_num_threads(1)  # tiny models: threads only contend on a shared 2-core machine
+import dreamer_tiny
 
 
 def tiny_args(**overrides) -> da.Args:
-    sizes = dict(
-        encoder_channels=(4, 8, 8),
-        embed_dim=32,
-        decoder_base_channels=4,
-        decoder_mid_channels=4,
-        deterministic_dim=16,
-        stochastic_dim=4,
-        stochastic_classes=4,
-        hidden_dim=16,
-        batch_size=4,
-        sequence_length=8,
-        imagination_horizon=5,
-        num_envs=1,
-        vector_mode="sync",
-        amp="off",
-    )
-    sizes.update(overrides)
-    return da.Args(**sizes)
+    """Batches of 4 from one env: enough sequences for the loss to fall in a few dozen updates."""
+    return dreamer_tiny.tiny_args(**{"batch_size": 4, "num_envs": 1, **overrides})
+
 
 
 def reference_lambda_return(reward, value, discount, lam, t):
