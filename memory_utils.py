@@ -25,7 +25,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import ctypes
+import ctypes.util
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -140,6 +143,23 @@ def _proc_smaps_private_kb(path: str = "/proc/self/smaps_rollup") -> float | Non
         return None
 
 
+def trim_host_memory() -> bool:
+    """Collect garbage, then hand the allocator's free heap pages back to the kernel (glibc `malloc_trim(0)`).
+
+    Without it, glibc keeps freed pages resident and USS moves in random steps of 10-15 MB whatever the
+    program does, which hides a slow leak and fakes a fast one. Returns whether the trim ran (glibc only).
+    """
+    gc.collect()
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    malloc_trim(0)
+    return True
+
+
 def process_rss_mb() -> float:
     """Resident set size of this process in MB (psutil; /proc/self/status VmRSS without it)."""
     if psutil is not None:
@@ -213,8 +233,11 @@ def gpu_memory_stats(device=None) -> dict:
         return {}
 
 
-def memory_report(buffer_stats: dict | None = None, device=None) -> dict[str, float]:
+def memory_report(buffer_stats: dict | None = None, device=None, trim: bool = True) -> dict[str, float]:
     """The flat dict of memory figures logged every interval (keys defined at the top of this module).
+
+    With `trim` (the default), garbage is collected and free heap pages are returned first
+    (`trim_host_memory()`), so the host figures measure live memory, not the allocator's cache.
 
     Host keys always; GPU keys when CUDA is available (and `device`, if given, is a CUDA device);
     `buffer/replay/*` keys when `buffer_stats` (total_steps, num_episodes, obs_bytes, aux_bytes) is given.
@@ -225,6 +248,8 @@ def memory_report(buffer_stats: dict | None = None, device=None) -> dict[str, fl
         missing = [k for k in BUFFER_KEYS if k not in buffer_stats]
         _require(not missing, f"buffer_stats is missing {', '.join(missing)}; it needs {', '.join(BUFFER_KEYS)}")
     report: dict[str, float] = {}
+    if trim:
+        trim_host_memory()
     try:
         report[KEY_RSS_MB] = float(process_rss_mb())
         report[KEY_USS_MB] = float(process_uss_mb())

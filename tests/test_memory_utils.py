@@ -342,3 +342,17 @@ def test_cli_wait_falls_back_on_timeout_and_passes_exit_status(capfd):
                     "--fallback-env", "RL_BATCH_SIZE=3", "--", *command], probe=gpu.probe, sleep=gpu.sleep)
     assert code == 3  # the command saw the fallback environment, and its exit status came back
     assert "fallback environment RL_BATCH_SIZE=3" in capfd.readouterr().out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's")
+def test_trim_returns_freed_heap_pages_so_uss_measures_live_memory():
+    arrays = [np.ones(128) for _ in range(60_000)]  # ~60 MB in small heap blocks (1 KiB each, plus headers)
+    pin = np.ones(128)  # allocated last: it pins the top of the heap, so free() alone cannot give pages back
+    baseline = mu.process_uss_mb()
+    del arrays
+    gc.collect()
+    cached = mu.process_uss_mb()  # freed, but glibc still holds the pages
+    assert mu.trim_host_memory()
+    live = mu.process_uss_mb()
+    assert cached - live > 30, (baseline, cached, live)
+    del pin

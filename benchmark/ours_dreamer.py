@@ -1,0 +1,429 @@
+"""Our Dreamer's figures: replay bytes per step, sampling, update time, speed trials, and the host-memory soak.
+
+Each command runs in its own process (run.py starts them) and writes one JSON object:
+
+    python benchmark/ours_dreamer.py measure --out PATH [--quick]   # bytes, sampling, update at the seed config
+    python benchmark/ours_dreamer.py update --out PATH              # the seed-config update alone
+    python benchmark/ours_dreamer.py trials --out PATH              # channels_last, compile, fused Adam, bf16, ...
+    python benchmark/ours_dreamer.py soak --out PATH [--capacity N]  # dreamer_atari.main with a tiny model
+    python benchmark/ours_dreamer.py gpu --out PATH [--quick]       # CUDA: updates/s and peak memory per --amp
+
+The seed configuration is `dreamer_atari.Args()` as it is: Pong, 2 envs, capacity 50k steps, batch 16 x 50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np
+import torch
+
+import dreamer_atari as da
+import memory_utils as mu
+from benchmark import bench_utils
+
+MB = 1024.0 * 1024.0
+# `--quick` sizes: everything smaller, stated in the output, so the whole quick run stays under a minute.
+QUICK = {"fill_steps": 3_000, "update_batch": 4, "update_seq": 10, "update_reps": 3, "sample_reps": 5}
+FULL = {"fill_steps": None, "update_batch": None, "update_seq": None, "update_reps": 5, "sample_reps": 20}
+# The tiny model of the soak: host-memory growth of the loop, not learning, is under test.
+TINY_MODEL = {"encoder_channels": (4, 4, 4), "embed_dim": 16, "decoder_base_channels": 4, "decoder_mid_channels": 4,
+              "deterministic_dim": 16, "stochastic_dim": 4, "stochastic_classes": 4, "hidden_dim": 16}
+
+
+def seed_args(**overrides) -> da.Args:
+    """The seed configuration (the script's defaults) with these fields changed; CUDA only where there is one."""
+    return dataclasses.replace(da.Args(), **{"cuda": torch.cuda.is_available(), **overrides})
+
+
+def fill_replay(args: da.Args, steps: int) -> tuple[da.EpisodeReplay, tuple, int]:
+    """Play `steps` real Pong env steps with random actions into a fresh replay, as training does before
+    `learning_starts`. Returns the replay, the observation shape and the number of actions."""
+    envs = da.make_vector_env(dataclasses.replace(args, vector_mode="sync"), "benchmark", args.seed)
+    try:
+        rng = np.random.default_rng(args.seed)
+        replay = da.EpisodeReplay(args.buffer_capacity, args.num_envs, seed=args.seed)
+        obs, _ = envs.reset(seed=args.seed)
+        for i in range(args.num_envs):
+            replay.start_episode(i, obs[i])
+        num_actions = int(envs.single_action_space.n)
+        for _ in range(math.ceil(steps / args.num_envs)):
+            actions = rng.integers(num_actions, size=args.num_envs)
+            obs, rewards, terminations, truncations, infos = envs.step(actions)
+            replay.add(obs, actions, rewards, terminations, truncations, infos)
+        return replay, envs.single_observation_space.shape, num_actions
+    finally:
+        envs.close()
+
+
+def replay_bytes(replay: da.EpisodeReplay) -> dict:
+    """Bytes of every numpy array the replay holds (each counted once), per stored step."""
+    arrays = {}
+    obs_ids = set()
+    for episode in replay.episodes:
+        for chunk in episode.frames.chunks:
+            arrays[id(chunk)] = chunk.nbytes
+            obs_ids.add(id(chunk))
+        for array in episode.aux:
+            for chunk in array.chunks:
+                arrays[id(chunk)] = chunk.nbytes
+    total = sum(arrays.values())
+    obs = sum(arrays[i] for i in obs_ids)
+    stats = replay.stats()
+    return {
+        "buffer_bytes_per_step": total / replay.total_steps,
+        "buffer_obs_bytes_per_step": obs / replay.total_steps,
+        "buffer_aux_bytes_per_step": (total - obs) / replay.total_steps,
+        "buffer_steps_stored": replay.total_steps,
+        "buffer_capacity_steps": replay.capacity,
+        "buffer_episodes": len(replay.episodes),
+        "buffer_stats_agree": stats["obs_bytes"] + stats["aux_bytes"] == total,
+    }
+
+
+def bytes_limit(replay: da.EpisodeReplay) -> int:
+    """One frame plus one of each auxiliary field per step, from the dtypes the replay really uses."""
+    episode = replay.episodes[-1]
+    fields = [episode.frames, *episode.aux]
+    return sum(a.dtype.itemsize * int(np.prod(a.item_shape, dtype=np.int64)) for a in fields)
+
+
+def time_update(agent, batch: dict, args: da.Args, reps: int, warmup: int) -> dict:
+    """One full Dreamer update: world model, then actor and critic from the imagined rollouts (the slow critic
+    follows inside `train_behavior`), on one sampled batch."""
+    return bench_utils.time_ms(lambda: _update(agent, batch, args), reps=reps, warmup=warmup)
+
+
+def agent_params(agent) -> dict:
+    return {
+        "params_world_model": bench_utils.param_count(agent.world_model),
+        "params_actor": bench_utils.param_count(agent.actor),
+        "params_critic": bench_utils.param_count(agent.critic),
+        "params_total": bench_utils.param_count(agent.world_model, agent.actor, agent.critic),
+    }
+
+
+def cmd_measure(quick: bool) -> dict:
+    sizes = QUICK if quick else FULL
+    args = seed_args()
+    fill = sizes["fill_steps"] or args.buffer_capacity
+    if quick:
+        args = dataclasses.replace(args, buffer_capacity=fill)
+    start = time.perf_counter()
+    # past capacity, so that eviction has run and the figure is the steady state's
+    replay, obs_shape, num_actions = fill_replay(args, fill + fill // 10)
+    fill_s = time.perf_counter() - start
+    out = {**replay_bytes(replay), "buffer_bytes_limit": bytes_limit(replay), "fill_env_steps_per_s":
+           replay.total_steps / fill_s}
+
+    B, T = args.batch_size, args.sequence_length
+    sampling = bench_utils.time_ms(lambda: replay.sample(B, T), reps=sizes["sample_reps"], warmup=1)
+    out["sample_ms"] = sampling["median_ms"]
+    out["sample_samples_ms"] = sampling["samples_ms"]
+    out["sample_batch"] = f"B{B} x T{T}"
+    batch = replay.sample(B, T)
+    out["sample_shapes"] = {k: f"{v.shape} {v.dtype}" for k, v in batch.items()}
+
+    ub, ut = sizes["update_batch"] or B, sizes["update_seq"] or T
+    update_args = dataclasses.replace(args, batch_size=ub, sequence_length=ut)
+    torch.manual_seed(args.seed)
+    agent = da.build_agent(update_args, obs_shape, num_actions, "cpu")
+    update_batch = replay.sample(ub, ut)
+    updating = time_update(agent, update_batch, update_args, reps=sizes["update_reps"], warmup=1)
+    out["update_ms"] = updating["median_ms"]
+    out["update_samples_ms"] = updating["samples_ms"]
+    out["update_batch"] = f"B{ub} x T{ut}"
+    out["update_includes"] = ("world model (batch to float on the device included), actor and critic updates, "
+                              "slow-critic EMA, on one sampled batch")
+    update_sample = bench_utils.time_ms(lambda: replay.sample(ub, ut), reps=sizes["sample_reps"], warmup=1)
+    # the ratio compares sampling and updating at the same batch shape
+    out["sample_to_update_ratio"] = update_sample["median_ms"] / updating["median_ms"]
+    out.update(agent_params(agent))
+    out["model"] = {k: getattr(args, k) for k in ("encoder_channels", "embed_dim", "decoder_base_channels",
+                                                  "decoder_mid_channels", "deterministic_dim", "stochastic_dim",
+                                                  "stochastic_classes", "hidden_dim", "reward_bins",
+                                                  "imagination_horizon", "amp")}
+    out["model"]["amp_resolved"] = agent.amp.mode
+    optimizer = agent.world_model_optimizer
+    out["model"]["optimizer"] = (f"{type(optimizer).__name__} (foreach={optimizer.defaults.get('foreach')}, "
+                                 f"fused={optimizer.defaults.get('fused')})")
+    return out
+
+
+def cmd_update(reps: int) -> dict:
+    """The seed-config update alone (run.py times it again after the peer's, so both see the same load)."""
+    args = seed_args(buffer_capacity=3_000)
+    replay, obs_shape, num_actions = fill_replay(args, 3_000)
+    torch.manual_seed(args.seed)
+    agent = da.build_agent(args, obs_shape, num_actions, "cpu")
+    batch = replay.sample(args.batch_size, args.sequence_length)
+    timing = time_update(agent, batch, args, reps=reps, warmup=1)
+    return {"update_ms": timing["median_ms"], "update_samples_ms": timing["samples_ms"],
+            "update_batch": f"B{args.batch_size} x T{args.sequence_length}"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Speed trials: each changes one thing from the outside and times the same update on the same batch.
+# ---------------------------------------------------------------------------------------------------------
+def _fused_adam(agent, args):
+    agent.world_model_optimizer = torch.optim.Adam(agent.world_model.parameters(), lr=args.world_model_lr,
+                                                   eps=args.adam_eps, fused=True)
+    agent.actor_optimizer = torch.optim.Adam(agent.actor.parameters(), lr=args.actor_lr, eps=args.adam_eps,
+                                             fused=True)
+    agent.critic_optimizer = torch.optim.Adam(agent.critic.parameters(), lr=args.critic_lr, eps=args.adam_eps,
+                                              fused=True)
+
+
+def _channels_last(agent, args):
+    agent.world_model.encoder.to(memory_format=torch.channels_last)
+    agent.world_model.decoder.to(memory_format=torch.channels_last)
+
+
+def _compile_conv_nets(agent, args):
+    # the convolutional encoder and decoder hold most of the FLOPs; the RSSM's Python loop over T is left eager
+    agent.world_model.encoder.forward = torch.compile(agent.world_model.encoder.forward)
+    agent.world_model.decoder.forward = torch.compile(agent.world_model.decoder.forward)
+
+
+def _inverse_cdf_sample(self, stats: torch.Tensor) -> torch.Tensor:
+    """`RSSM.sample` for categorical latents, drawing the index by inverse CDF instead of
+    `torch.distributions.Categorical(...).sample()` (multinomial); same distribution, other random stream."""
+    probs = stats.exp()
+    uniform = torch.rand(probs.shape[:-1] + (1,), device=probs.device, dtype=probs.dtype)
+    index = (probs.cumsum(-1) < uniform).sum(-1).clamp_(max=self.classes - 1)
+    one_hot = torch.nn.functional.one_hot(index, self.classes).to(probs.dtype)
+    return (one_hot + probs - probs.detach()).flatten(-2)
+
+
+def _fast_categorical_sample(agent, args):
+    agent.world_model.rssm.sample = types.MethodType(_inverse_cdf_sample, agent.world_model.rssm)
+
+
+def _combined(agent, args):
+    for change in (_compile_conv_nets, _fast_categorical_sample):
+        change(agent, args)
+
+
+TRIALS = {
+    "baseline": (None, {}),
+    "fused_adam": (_fused_adam, {}),
+    "channels_last": (_channels_last, {}),
+    "bf16_autocast": (None, {"amp": "bf16"}),
+    "torch_compile_conv": (_compile_conv_nets, {}),
+    "inverse_cdf_latent_sampling": (_fast_categorical_sample, {}),
+    "bf16+compile+inverse_cdf": (_combined, {"amp": "bf16"}),
+}
+
+
+def cmd_trials(names: list[str], reps: int) -> dict:
+    """Every variant gets its own agent; after each one's first (compiling) update, the timed updates go round
+    robin over the variants, so that a change in the machine's load hits them all alike."""
+    args = seed_args(buffer_capacity=3_000)
+    replay, obs_shape, num_actions = fill_replay(args, 3_000)
+    batch = replay.sample(args.batch_size, args.sequence_length)
+    variants, results = {}, {}
+    for name in names:
+        change, arg_changes = TRIALS[name]
+        trial_args = dataclasses.replace(args, **arg_changes)
+        torch.manual_seed(args.seed)
+        try:
+            agent = da.build_agent(trial_args, obs_shape, num_actions, "cpu")
+            if change is not None:
+                change(agent, trial_args)
+            first = bench_utils.time_ms(functools.partial(_update, agent, batch, trial_args), reps=1, warmup=0)
+        except Exception as exc:  # noqa: BLE001 - a trial that fails is a result too
+            results[name] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"}
+            continue
+        variants[name] = (agent, trial_args)
+        results[name] = {"first_update_ms": first["median_ms"], "samples_ms": []}
+    for _ in range(reps):
+        for name, (agent, trial_args) in variants.items():
+            timing = bench_utils.time_ms(functools.partial(_update, agent, batch, trial_args), reps=1, warmup=0)
+            results[name]["samples_ms"] += timing["samples_ms"]
+    for name in variants:
+        results[name]["update_ms"] = statistics.median(results[name]["samples_ms"])
+    base = results.get("baseline", {}).get("update_ms")
+    for result in results.values():
+        if base and "update_ms" in result:
+            result["speedup_vs_baseline"] = base / result["update_ms"]
+    return {"trials": results, "trial_batch": f"B{args.batch_size} x T{args.sequence_length}"}
+
+
+def _update(agent, batch: dict, args: da.Args) -> None:
+    _, states = da.train_world_model(agent, batch, args)
+    da.train_behavior(agent, states, args)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Soak: the real training loop, tiny model, small capacity, many turnovers; USS read back from TensorBoard.
+# ---------------------------------------------------------------------------------------------------------
+def soak_args(capacity: int, turnovers: int, every: int, batch: int = 4, seq: int = 16,
+              train_every: int = 64) -> da.Args:
+    return seed_args(
+        **TINY_MODEL,
+        buffer_capacity=capacity,
+        total_timesteps=capacity * (turnovers + 1) + 2 * every,
+        learning_starts=256,
+        warmup_steps=0,
+        batch_size=batch,
+        sequence_length=seq,
+        # one update per `train_every` env steps (the replayed-steps ratio of the script's `train_ratio`)
+        train_ratio=batch * seq / train_every,
+        log_interval=every,
+        vector_mode="sync",
+        leak_warmup_steps=0,
+    )
+
+
+def read_scalars(run_dir: str, keys: list[str]) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    return {key: {e.step: e.value for e in events.Scalars(key)} for key in keys}
+
+
+def cmd_soak(capacity: int, turnovers: int, every: int) -> dict:
+    args = soak_args(capacity, turnovers, every)
+    # the script's own memory_report() trims the heap before measuring, so USS is live memory
+    with tempfile.TemporaryDirectory(prefix="soak-") as work:
+        cwd = os.getcwd()
+        os.chdir(work)  # the run directory (runs/...) goes in the temporary folder
+        try:
+            result = da.main(args)
+            keys = [mu.KEY_USS_MB, mu.BUFFER_KEYS["obs_bytes"], mu.BUFFER_KEYS["aux_bytes"]]
+            scalars = read_scalars(os.path.join(work, result["run_dir"]), keys)
+        finally:
+            os.chdir(cwd)
+    steps = sorted(scalars[mu.KEY_USS_MB])
+    buffer_mb = [(scalars[keys[1]][s] + scalars[keys[2]][s]) / MB for s in steps]
+    unexplained = [scalars[mu.KEY_USS_MB][s] - b for s, b in zip(steps, buffer_mb)]
+    out = bench_utils.soak_summary(steps, unexplained, full_at=capacity, capacity=capacity)
+    out["soak_config"] = {
+        "model": TINY_MODEL,
+        "capacity_steps": capacity,
+        "env_steps": args.total_timesteps,
+        "batch": f"B{args.batch_size} x T{args.sequence_length}",
+        "updates": result["updates"],
+        "sample_every_env_steps": every,
+        "buffer_mb_subtracted_first_last": [round(buffer_mb[0], 3), round(buffer_mb[-1], 3)],
+    }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU figures (run by run.py only where torch.cuda.is_available()); `--device cpu` runs the same code path
+# without the CUDA memory figures, to check it on a machine without a GPU.
+# ---------------------------------------------------------------------------------------------------------
+def cmd_gpu(quick: bool, device_name: str) -> dict:
+    device = torch.device(device_name)
+    on_cuda = device.type == "cuda"
+    args = seed_args(cuda=on_cuda)
+    if quick:
+        args = dataclasses.replace(args, batch_size=4, sequence_length=10)
+    replay, obs_shape, num_actions = fill_replay(dataclasses.replace(args, buffer_capacity=3_000), 3_000)
+    batch = replay.sample(args.batch_size, args.sequence_length)
+    out: dict = {"run": True, "device": torch.cuda.get_device_name(device) if on_cuda else str(device),
+                 "update_batch": f"B{args.batch_size} x T{args.sequence_length}", "amp": {}}
+    for mode in ("off", "bf16", "fp16"):
+        amp_args = dataclasses.replace(args, amp=mode)
+        try:
+            mu.amp(mode, device)
+        except ValueError as exc:
+            out["amp"][mode] = {"error": str(exc)}
+            continue
+        gc.collect()
+        if on_cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        torch.manual_seed(args.seed)
+        agent = da.build_agent(amp_args, obs_shape, num_actions, device)
+
+        def update(agent=agent, amp_args=amp_args):
+            _update(agent, batch, amp_args)
+            if on_cuda:
+                torch.cuda.synchronize(device)
+
+        timing = bench_utils.time_ms(update, reps=3 if quick else 10, warmup=2)
+        figures = {"update_ms": timing["median_ms"], "updates_per_s": 1e3 / timing["median_ms"],
+                   "samples_ms": timing["samples_ms"]}
+        if on_cuda:
+            figures["peak_alloc_mb"] = torch.cuda.max_memory_allocated(device) / MB
+            figures["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / MB
+        out["amp"][mode] = figures
+        del agent, update
+
+    # the whole training loop past replay capacity: env steps/s and the GPU-allocated slope once full
+    capacity = 200 if quick else 1_000
+    loop_args = seed_args(cuda=on_cuda, buffer_capacity=capacity, total_timesteps=4 * capacity,
+                          learning_starts=capacity // 2, warmup_steps=0, log_interval=capacity // 4,
+                          leak_warmup_steps=0)
+    if quick:  # one update per 16 env steps instead of the seed's 1.28 per env step
+        loop_args = dataclasses.replace(loop_args, batch_size=4, sequence_length=10, train_ratio=4 * 10 / 16)
+    with tempfile.TemporaryDirectory(prefix="gpu-loop-") as work:
+        cwd = os.getcwd()
+        os.chdir(work)
+        try:
+            result = da.main(loop_args)
+            keys = ["charts/SPS", mu.KEY_GPU_ALLOC_MB] if on_cuda else ["charts/SPS"]
+            scalars = read_scalars(os.path.join(work, result["run_dir"]), keys)
+        finally:
+            os.chdir(cwd)
+    out["loop"] = {"capacity_steps": capacity, "env_steps": loop_args.total_timesteps,
+                   "batch": f"B{loop_args.batch_size} x T{loop_args.sequence_length}", "updates": result["updates"],
+                   "env_steps_per_s": scalars["charts/SPS"][max(scalars["charts/SPS"])]}
+    if on_cuda:
+        alloc = scalars[mu.KEY_GPU_ALLOC_MB]
+        steps = [s for s in sorted(alloc) if s >= capacity]
+        out["loop"]["gpu_alloc_slope_mb_per_10k"] = mu.robust_slope(steps, [alloc[s] for s in steps]) * 10_000
+        out["loop"]["gpu_alloc_mb_first_last"] = [alloc[steps[0]], alloc[steps[-1]]]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["measure", "update", "trials", "soak", "gpu"])
+    parser.add_argument("--reps", type=int, default=5, help="update: timed repetitions")
+    parser.add_argument("--device", default="cuda", help="gpu: the device (cpu checks the code path)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--trials", nargs="+", default=list(TRIALS), choices=list(TRIALS))
+    parser.add_argument("--trial-reps", type=int, default=3)
+    parser.add_argument("--capacity", type=int, default=1_000, help="soak: replay capacity in env steps")
+    parser.add_argument("--turnovers", type=int, default=10, help="soak: replay turnovers after it is full")
+    parser.add_argument("--every", type=int, default=250, help="soak: env steps between memory samples")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.command == "measure":
+        result = cmd_measure(args.quick)
+    elif args.command == "update":
+        result = cmd_update(args.reps)
+    elif args.command == "trials":
+        result = cmd_trials(args.trials, args.trial_reps)
+    elif args.command == "soak":
+        result = cmd_soak(args.capacity, args.turnovers, args.every)
+    else:
+        result = cmd_gpu(args.quick, args.device)
+    result["machine"] = bench_utils.machine()
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

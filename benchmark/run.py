@@ -1,0 +1,393 @@
+"""Memory and speed of our training scripts, side by side with SheepRL, on this machine.
+
+    python benchmark/run.py                      # full run: writes benchmark/results/<date>-<machine>.{md,json}
+    python benchmark/run.py --quick              # under a minute, smaller stated sizes, no peer, no results files
+    python benchmark/run.py --peer sheeprl       # also SheepRL, in its own virtual environment (created on demand)
+    python benchmark/run.py --quick --json out.json
+
+Prints a markdown table; `--json PATH` writes every figure as one JSON object. Each figure is measured here,
+by the code under benchmark/, never typed in: see benchmark/README.md for what each one means and how.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Literal
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import tyro
+
+# The issue's targets (thresholds to compare against, not measurements).
+TARGET_BYTES_PER_STEP = 7_200
+TARGET_SAMPLE_TO_UPDATE = 0.05
+TARGET_SOAK_MB_PER_10K = 1.0
+TARGET_UPDATE_SPEEDUP = 1.5
+REQUIRED_KEYS = ("buffer_bytes_per_step", "buffer_bytes_limit", "sample_ms", "update_ms", "sample_to_update_ratio",
+                 "soak_uss_slope_mb_per_10k", "soak_turnovers")
+PEER_KEYS = ("buffer_bytes_per_step", "sample_ms", "update_ms", "sample_to_update_ratio",
+             "soak_uss_slope_mb_per_10k", "soak_turnovers")
+
+
+@dataclasses.dataclass
+class Args:
+    quick: bool = False
+    """smaller stated sizes, under a minute; skips the peer, the speed trials and the results files"""
+    json: str | None = None
+    """also write every figure to this JSON file"""
+    peer: Literal["sheeprl"] | None = None
+    """also measure this peer in its own virtual environment (benchmark/.peer-venv)"""
+    threads: int = 1
+    """torch threads of every measurement, ours and the peer's alike"""
+    results_dir: str = str(BENCH_DIR / "results")
+    """where a full run writes <date>-<machine>.md and .json"""
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def log(message: str) -> None:
+    print(f"[benchmark] {message}", file=sys.stderr, flush=True)
+
+
+def run_json(cmd: list[str], what: str, work: Path, timeout: float, env: dict | None = None) -> dict:
+    """Run one measurement in its own process; it writes a JSON object to the path after `--out`."""
+    out = work / f"{slug(what)}.json"
+    log_path = work / f"{out.stem}.log"
+    start = time.perf_counter()
+    with open(log_path, "w") as log_file:
+        done = subprocess.run(cmd + ["--out", str(out)], stdout=log_file, stderr=subprocess.STDOUT,
+                              check=False, cwd=ROOT, timeout=timeout, env=None if env is None else {**os.environ, **env})
+    if done.returncode != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-25:])
+        raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{tail}")
+    log(f"{what}: {time.perf_counter() - start:.0f} s")
+    return json.loads(out.read_text())
+
+
+def ratio(peer: float | None, ours: float | None) -> float | None:
+    """peer / ours, or None where it means nothing (a missing figure, or ours not positive)."""
+    if peer is None or ours is None or ours <= 0 or peer < 0:
+        return None
+    return peer / ours
+
+
+def measure(args: Args, work: Path) -> dict:
+    py = sys.executable
+    quick = ["--quick"] if args.quick else []
+    threads = ["--threads", str(args.threads)]
+    started = time.time()
+    result: dict = {"quick": args.quick, "threads": args.threads, "load_average_start": os.getloadavg()}
+
+    ours = run_json([py, str(BENCH_DIR / "ours_dreamer.py"), "measure", *quick, *threads],
+                    "ours: replay, sampling, update", work, timeout=1800)
+    result["machine"] = ours.pop("machine")
+    soak_sizes = ["--capacity", "150", "--every", "150"] if args.quick else []
+    soak = run_json([py, str(BENCH_DIR / "ours_dreamer.py"), "soak", *quick, *threads, *soak_sizes],
+                    "ours: soak", work, timeout=1800)
+    soak.pop("machine")
+    result.update(ours)
+    result.update(soak)
+
+    dqn = run_json([py, str(BENCH_DIR / "ours_dqn.py"), *quick, *threads], "ours: DQN", work, timeout=900)
+    dqn.pop("machine")
+    result.update(dqn)
+
+    if args.quick:
+        result["speed_trials"] = None
+    else:
+        # an empty compile cache, so that the first update of a compiled variant shows the whole compile time
+        trials = run_json([py, str(BENCH_DIR / "ours_dreamer.py"), "trials", *threads],
+                          "ours: speed trials", work, timeout=3600,
+                          env={"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")})
+        result["speed_trials"] = trials["trials"]
+        result["speed_trials_batch"] = trials["trial_batch"]
+
+    import torch
+
+    if torch.cuda.is_available():
+        result["gpu"] = run_json([py, str(BENCH_DIR / "ours_dreamer.py"), "gpu", *quick], "ours: GPU", work,
+                                 timeout=3600)
+    else:
+        result["gpu"] = {"run": False, "reason": "No CUDA device on this machine: the GPU figures (updates/s and "
+                                                 "peak GPU memory per --amp mode, env steps/s of the training "
+                                                 "loop, GPU-allocated slope past capacity) were not measured"}
+
+    if args.peer == "sheeprl" and args.quick:
+        log("--quick skips the peer")
+    elif args.peer == "sheeprl":
+        result.update(measure_peer(args, work))
+        # ours again, right after the peer: the median over both passes brackets the peer's time window
+        again = run_json([py, str(BENCH_DIR / "ours_dreamer.py"), "update", *threads], "ours: update again", work,
+                         timeout=1800)
+        result["update_samples_ms"] = result["update_samples_ms"] + again["update_samples_ms"]
+        result["update_ms"] = statistics.median(result["update_samples_ms"])
+        result["sample_to_update_ratio"] = result["sample_ms"] / result["update_ms"]
+
+    result["load_average_end"] = os.getloadavg()
+    result["wall_s"] = time.time() - started
+    return result
+
+
+def measure_peer(args: Args, work: Path) -> dict:
+    from benchmark import peer_venv
+
+    versions = peer_venv.ensure(log=log)
+    py = str(peer_venv.python())
+    script = str(BENCH_DIR / "peer_sheeprl.py")
+    threads = ["--threads", str(args.threads)]
+    peer = run_json([py, script, "measure", *threads, "--work-dir", str(work)],
+                    "peer: replay, sampling, updates (V3, V1)", work, timeout=3600)
+    soak = run_json([py, script, "soak", *threads, "--work-dir", str(work),
+                     "--bytes-per-step", str(peer["buffer_bytes_per_step"])], "peer: soak", work, timeout=1800)
+    v3, v1 = peer["v3"], peer.get("v1", {})
+    out = {
+        "peer": "sheeprl",
+        "peer_versions": versions,
+        "peer_config": peer["config"],
+        "peer_buffer_arrays": peer["buffer_arrays"],
+        "peer_buffer_bytes_per_step_by_key": peer["buffer_bytes_per_step_by_key"],
+        "peer_buffer_memmap": peer["buffer_memmap"],
+        "peer_buffer_capacity_steps": peer["buffer_capacity_steps"],
+        "peer_buffer_bytes_per_step": peer["buffer_bytes_per_step"],
+        "peer_sample_ms": v3["sample_ms"],
+        "peer_update_ms": v3["update_ms"],
+        "peer_sample_to_update_ratio": v3["sample_ms"] / v3["update_ms"],
+        "peer_soak_uss_slope_mb_per_10k": soak["soak_uss_slope_mb_per_10k"],
+        "peer_soak_turnovers": soak["soak_turnovers"],
+        "peer_soak_config": soak["soak_config"],
+        "peer_v3": v3,
+        "peer_v1": v1 or None,
+        "peer_params_total": v3["params_total"],
+        "peer_v1_update_ms": v1.get("update_ms"),
+        "peer_v1_params_total": v1.get("params_total"),
+    }
+    return out
+
+
+def add_ratios(result: dict) -> None:
+    if result.get("peer") is None:
+        return
+    for key in PEER_KEYS:
+        if key == "soak_turnovers":
+            continue
+        result[f"ratio_{key}"] = ratio(result[f"peer_{key}"], result[key])
+    # slopes are noise around zero when nothing leaks: their ratio says nothing then
+    if abs(result["soak_uss_slope_mb_per_10k"]) < TARGET_SOAK_MB_PER_10K:
+        result["ratio_soak_uss_slope_mb_per_10k"] = None
+    result["ratio_update_ms_v1"] = ratio(result.get("peer_v1_update_ms"), result["update_ms"])
+
+
+def verdicts(result: dict) -> dict:
+    """Each target of the issue: met or not (None where the figure was not measured at the target's size:
+    `--quick` fills a smaller replay, updates a smaller batch and soaks too briefly for a 1 MB per 10k slope)."""
+    at_seed_size = not result["quick"]
+    out = {
+        "buffer_bytes_per_step <= 7200": (result["buffer_bytes_per_step"] <= TARGET_BYTES_PER_STEP
+                                          if at_seed_size else None),
+        "sample_to_update_ratio <= 0.05": (result["sample_to_update_ratio"] <= TARGET_SAMPLE_TO_UPDATE
+                                           if at_seed_size else None),
+        "soak_uss_slope_mb_per_10k <= 1": (result["soak_uss_slope_mb_per_10k"] <= TARGET_SOAK_MB_PER_10K
+                                           if at_seed_size else None),
+    }
+    if result.get("ratio_update_ms") is not None:
+        out["updates/s >= 1.5x SheepRL DreamerV3"] = result["ratio_update_ms"] >= TARGET_UPDATE_SPEEDUP
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------------------
+def fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if value != 0 and (abs(value) >= 1e4 or abs(value) < 1e-3):
+            return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.2e}"
+        return f"{value:,.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def markdown_table(result: dict) -> str:
+    has_peer = result.get("peer") is not None
+    rows = [
+        ("replay bytes per stored Pong step", "buffer_bytes_per_step", "≤ 7,200"),
+        ("replay bytes floor (frame + aux fields)", "buffer_bytes_limit", ""),
+        (f"sample one batch, ms ({result['sample_batch']})", "sample_ms", ""),
+        (f"one full update, ms ({result['update_batch']})", "update_ms", ""),
+        ("sample / update (same batch shape)", "sample_to_update_ratio", "≤ 0.05"),
+        ("soak: USS − replay, MB per 10k env steps", "soak_uss_slope_mb_per_10k", "≤ 1"),
+        ("soak: replay turnovers", "soak_turnovers", "≥ 10"),
+        ("parameters (world model + actor + critic)", "params_total", ""),
+    ]
+    head = "| figure | ours |" + (" SheepRL DreamerV3 | peer / ours |" if has_peer else "") + " target |"
+    lines = [head, "|---|---:|" + ("---:|---:|" if has_peer else "") + "---|"]
+    for label, key, target in rows:
+        line = f"| {label} | {fmt(result.get(key))} |"
+        if has_peer:
+            peer_key = "peer_params_total" if key == "params_total" else f"peer_{key}"
+            line += f" {fmt(result.get(peer_key))} | {fmt(result.get(f'ratio_{key}'))} |"
+        lines.append(line + f" {target} |")
+    if has_peer:
+        lines.append(f"| SheepRL DreamerV1 update, ms (B16 x T50) | {fmt(result['update_ms'])} | "
+                     f"{fmt(result.get('peer_v1_update_ms'))} | {fmt(result.get('ratio_update_ms_v1'))} | |")
+        lines.append(f"| SheepRL DreamerV1 parameters | {fmt(result['params_total'])} | "
+                     f"{fmt(result.get('peer_v1_params_total'))} | | |")
+    if result["quick"]:
+        lines.append("")
+        lines.append(f"--quick: a replay of {result['buffer_capacity_steps']:,} steps (not 50k), the update at "
+                     f"{result['update_batch']} (not B16 x T50), a soak of {result['soak_config']['env_steps']:,} "
+                     "env steps; the targets are not judged.")
+    lines.append("")
+    lines.append("| DQN (StarCraft II split heads, built-in minigame) | value |")
+    lines.append("|---|---:|")
+    for key in ("dqn_env_steps_per_s_MoveToBeacon", "dqn_env_steps_per_s_CollectMineralShards",
+                "dqn_greedy_steps_per_s_MoveToBeacon", "dqn_greedy_steps_per_s_CollectMineralShards",
+                "dqn_updates_per_s", "dqn_buffer_bytes_per_step", "dqn_params"):
+        lines.append(f"| {key.removeprefix('dqn_').replace('_', ' ')} | {fmt(result.get(key))} |")
+    if result.get("speed_trials"):
+        lines += ["", (f"| speed trial ({result['speed_trials_batch']}, full update) | median ms | first update ms "
+                      "| speed-up |"), "|---|---:|---:|---:|"]
+        for name, trial in result["speed_trials"].items():
+            if "error" in trial:
+                lines.append(f"| {name} | failed: {trial['error']} | | |")
+            else:
+                lines.append(f"| {name} | {fmt(trial['update_ms'])} | {fmt(trial['first_update_ms'])} | "
+                             f"{fmt(trial.get('speedup_vs_baseline'))} |")
+    lines += ["", "| target | met |", "|---|---|"]
+    lines += [f"| {name} | {fmt(met)} |" for name, met in result["targets_met"].items()]
+    return "\n".join(lines)
+
+
+def results_markdown(result: dict, table: str, command: str) -> str:
+    m = result["machine"]
+    parts = [
+        f"# Benchmark, {result['date']}, {m['cpu']}",
+        "",
+        (f"Command: `{command}`. Machine: {m['cpu']}, {m['cpu_count']} CPU cores, {m['platform']}, Python "
+         f"{m['python']}, torch {m['torch']}; {result['threads']} torch thread(s) for every measurement, ours and "
+         f"the peer's. Load average (1, 5, 15 min) at the start {fmt_load(result['load_average_start'])}, at the "
+         f"end {fmt_load(result['load_average_end'])}. Medians of several repetitions after a warm-up (every "
+         "sample is in the JSON file); one run, so the ratios carry this machine's noise."),
+        "",
+        table,
+        "",
+        "## Configurations",
+        "",
+        (f"- Ours: `dreamer_atari.Args()` defaults (the seed configuration): model {json.dumps(result['model'])}; "
+         f"replay of whole episodes, capacity {result['buffer_capacity_steps']:,} steps, filled with "
+         f"{result['buffer_steps_stored']:,} real Pong steps (random actions, 2 envs) in "
+         f"{result['buffer_episodes']} episodes; arrays per step: obs "
+         f"{fmt(result['buffer_obs_bytes_per_step'])} B, aux {fmt(result['buffer_aux_bytes_per_step'])} B."),
+        (f"- Soak (ours): `dreamer_atari.main` with a tiny model {json.dumps(result['soak_config']['model'])}, "
+         f"capacity {result['soak_config']['capacity_steps']} steps, {result['soak_config']['env_steps']:,} env "
+         f"steps, {result['soak_config']['batch']}, {result['soak_config']['updates']} updates; USS and replay "
+         "bytes as the script logs them (debug/cpu/uss_mb, buffer/replay/*), read back from its TensorBoard file; "
+         "slope = Theil-Sen over the points after the replay is full."),
+    ]
+    if result.get("peer"):
+        v3, v1 = result["peer_v3"], result.get("peer_v1") or {}
+        measured = set(result["peer_config"]["overrides"])
+        soak_only = [o for o in result["peer_soak_config"]["overrides"] if o not in measured]
+        parts += [
+            (f"- SheepRL {result['peer_versions']['sheeprl']} in its own virtual environment "
+             f"(`benchmark/.peer-venv`: {', '.join(f'{k} {v}' for k, v in result['peer_versions'].items())}). "
+             f"Hydra: `exp=dreamer_v3` (its Atari recipe, size S) or `exp=dreamer_v1`, with "
+             f"`{' '.join(result['peer_config']['overrides'])}`. Its Atari observation is what it stores: "
+             f"{json.dumps(result['peer_buffer_arrays'])} per step, bytes per step by key "
+             f"{json.dumps(result['peer_buffer_bytes_per_step_by_key'])}, memory-mapped files "
+             f"(`buffer.memmap={result['peer_buffer_memmap']}`, its default), buffer filled to "
+             f"{result['peer_buffer_capacity_steps']:,} steps by its own training loop (random actions before "
+             "`learning_starts`) and read back from its checkpoint."),
+            (f"- SheepRL DreamerV3 model: {json.dumps(v3['model'])}, {v3['params_total']:,} parameters; "
+             f"DreamerV1: {json.dumps(v1.get('model'))}, {v1.get('params_total') or 0:,} parameters. Update = its "
+             "`train()` (world model, actor, critic) plus the slow-critic EMA; sampling = its `sample_batches` "
+             "(which also turns the batch into float tensors)."),
+            (f"- Soak (SheepRL): its own training loop (`run_algorithm`), the overrides above plus "
+             f"`{' '.join(soak_only)}`; USS sampled every "
+             f"{result['peer_soak_config']['sample_every_env_steps']} env steps by an `AtariPreprocessing` "
+             "subclass set as its `env.wrapper._target_` (with `env.sync_env=True` the envs step in the training "
+             "process)."),
+        ]
+    parts += [
+        "",
+        "## What was tried for speed",
+        "",
+    ]
+    if result.get("speed_trials"):
+        parts.append("Each trial changes one thing from outside the script and times the same full update on the "
+                     "same batch (seed model, CPU), round robin over the variants after each one's first update; "
+                     "the compile cache starts empty, so a compiled variant's first update includes its compile "
+                     "time. Timings only: whether a variant (bf16 above all) learns as well was not checked here.")
+        parts.append("")
+        for name, trial in result["speed_trials"].items():
+            if "error" in trial:
+                parts.append(f"- {name}: failed ({trial['error']}).")
+            else:
+                parts.append(f"- {name}: {fmt(trial['update_ms'])} ms per update, "
+                             f"{fmt(trial.get('speedup_vs_baseline'))}x the baseline (first update "
+                             f"{fmt(trial['first_update_ms'])} ms).")
+    parts += ["", "## GPU", ""]
+    gpu = result["gpu"]
+    parts.append(gpu["reason"] + "." if not gpu.get("run", True) else "```json\n" + json.dumps(gpu, indent=2)
+                 + "\n```")
+    return "\n".join(parts) + "\n"
+
+
+def fmt_load(load) -> str:
+    return ", ".join(f"{x:.2f}" for x in load)
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def main(args: Args) -> dict:
+    if args.threads < 1:
+        fail(f"--threads must be at least 1, got {args.threads}.")
+    if args.json is not None and not Path(args.json).resolve().parent.is_dir():
+        fail(f"--json {args.json!r}: its folder does not exist.")
+    (BENCH_DIR / ".work").mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="run-", dir=BENCH_DIR / ".work") as work:
+        result = measure(args, Path(work))
+    result["date"] = time.strftime("%Y-%m-%d")
+    add_ratios(result)
+    result["targets_met"] = verdicts(result)
+    missing = [k for k in REQUIRED_KEYS if not isinstance(result.get(k), (int, float))]
+    if missing:
+        raise RuntimeError(f"figures missing from the run: {missing}")
+    table = markdown_table(result)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    if not args.quick:
+        gpu_or_cpu = result["machine"].get("gpu") or result["machine"]["cpu"]
+        stem = Path(args.results_dir) / f"{result['date']}-{slug(gpu_or_cpu)}"
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        command = "python benchmark/run.py" + (f" --peer {args.peer}" if args.peer else "")
+        stem.with_suffix(".md").write_text(results_markdown(result, table, command))
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
+        log(f"wrote {stem}.md and {stem}.json")
+    return result
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
