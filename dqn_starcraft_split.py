@@ -11,8 +11,9 @@ command line wins over the variable, the variable over the default.
 
 Writes, per run: `{save_path}/{run_id}/config.json` (values and where each came from), `train.log`,
 `checkpoint.pt`, `eval/test_results.json` (greedy test episodes), `eval/curve.csv` (periodic greedy
-tests during training); TensorBoard events in `{log_dir}/{run_id}` (`charts/*`, `losses/*`, and the memory
-keys of memory_utils); and one row per finished run in `{save_path}/results.csv`.
+tests during training), `videos/*.mp4` (the final test episodes, with `--capture-video`); TensorBoard
+events in `{log_dir}/{run_id}` (`charts/*`, `losses/*`, and the memory keys of memory_utils); and one row
+per finished run in `{save_path}/results.csv`.
 
 Exit status: 0 done; 2 a bad value (one sentence on stderr, nothing written); 130/143 stopped by
 SIGINT/SIGTERM (checkpoint saved, no results row); 3 CUDA out of memory (report in `{run_id}/oom/`,
@@ -81,6 +82,9 @@ class Args:
     """TensorBoard events go to `{log_dir}/{run_id}`"""
     time_limit_min: float = 0.0
     """stop training after this many minutes of wall time, then run the test episodes (0: no limit)"""
+    capture_video: bool = False
+    """if toggled, the final test episodes of the (built-in) environment are recorded to
+    `{save_path}/{run_id}/videos/*.mp4`"""
 
     # environment
     backend: Literal["builtin", "pysc2"] = "builtin"
@@ -90,7 +94,7 @@ class Args:
     res: int = 32
     """screen and minimap resolution (pixels per side)"""
     step_mul: int = 16
-    """game loops per agent step (22.4 loops are one game second at "faster" speed)"""
+    """game loops per agent step (16 loops are one game second of the map's timer)"""
 
     # replay
     buffer_size: int = 100_000
@@ -104,8 +108,11 @@ class Args:
     batch_size: int = 8
     """transitions per update"""
     gamma: float = 0.95
-    """discount factor (not in the seed recipe: the next pickup is at most ~17 steps away, so a 20-step
+    """discount factor (not in the seed recipe: the next pickup is at most ~12 steps away, so a 20-step
     horizon suffices, and it keeps Q values small enough for lr 5e-5 to fit quickly)"""
+    n_step: int = 3
+    """n-step returns (not in the seed recipe, which bootstraps after one step): a beacon reached k steps
+    after the click that sent the marine credits that click after k/n target updates instead of k"""
     start_e: float = 1.0
     """epsilon at the first step"""
     end_e: float = 0.01
@@ -134,6 +141,8 @@ class Args:
     """factor of the step schedule"""
     num_test_episodes: int = 20
     """greedy test episodes at the end of the run (`eval/test_results.json`)"""
+    test_epsilon: float = 0.0
+    """epsilon of the test episodes (0: greedy, as the seed's test defines them)"""
     eval_every_episodes: int = 25
     """run `num_eval_episodes` greedy episodes every this many episodes (`eval/curve.csv`); 0: never"""
     num_eval_episodes: int = 5
@@ -186,6 +195,12 @@ class Args:
             f"fallback_batch_size must be at least 1, got {self.fallback_batch_size}",
         )
         need(0 < self.gamma <= 1, "gamma", f"gamma must be in (0, 1], got {self.gamma}")
+        need(1 <= self.n_step <= 100, "n_step", f"n_step must be between 1 and 100, got {self.n_step}")
+        need(
+            0 <= self.test_epsilon <= 1,
+            "test_epsilon",
+            f"test_epsilon must be in [0, 1], got {self.test_epsilon}",
+        )
         need(
             0 <= self.end_e <= self.start_e <= 1,
             "end_e",
@@ -425,26 +440,30 @@ FUNCTION_IDS = {"no_op": 0, "select_army": 7, "Move_screen": 331}
 NONSPATIAL_FUNCTIONS = ("no_op", "select_army")
 MOVE_SCREEN = FUNCTION_IDS["Move_screen"]
 
-# Game time. At "faster" speed the game runs 22.4 game loops per second, and the minigame maps end after
-# 120 seconds, so an episode is 2,688 game loops: 168 agent steps at step_mul 16 (336 at pysc2's 8).
-GAME_LOOPS_PER_SECOND = 22.4
+# Game time. The minigame maps' 120-second timers count game seconds at "normal" speed, 16 game loops each
+# (pysc2 runs the game at "faster", 22.4 loops per real second, but the map's clock ticks per 16 loops), so
+# an episode is 1,920 game loops: 120 agent steps at step_mul 16, 240 at pysc2's default 8 (the episode
+# length reported for pysc2's MoveToBeacon).
+GAME_LOOPS_PER_SECOND = 16
 EPISODE_SECONDS = 120.0
-# Units. Marine speed 3.15 world units per second and footprint radius 0.375 are the game's unit data (LotV
-# speeds are quoted at "faster"): at step_mul 16 a marine walks 2.25 units per agent step. The beacon's
-# radius is 1 unit (its disc is about 2 units across); the map's trigger fires when the marine's footprint
-# touches it. A mineral shard is smaller (radius 0.5).
-MARINE_SPEED = 3.15
+# Units. The game data gives a marine's speed as 3.15 world units per second at "faster" (LotV quotes
+# speeds at that speed), that is 2.25 per normal-speed game second: 0.1406 units per game loop, 2.25 per
+# agent step at step_mul 16. Its footprint radius is 0.375. The beacon's radius is 1 unit (its disc is
+# about 2 units across); the map's trigger fires when the marine's footprint touches it. A mineral shard is
+# smaller (radius 0.5).
+MARINE_SPEED_PER_LOOP = 3.15 / 22.4
 MARINE_RADIUS = 0.375
 MARINE_HIT_POINTS = 45
 BEACON_RADIUS = 1.0
 SHARD_RADIUS = 0.5
 NUM_SHARDS = 20
 # Space. How many world units the screen spans is the one constant not in the game data (it depends on the
-# map's camera). We chose 40 units (1.25 units per pixel at res 32) because with it a scripted agent that
-# clicks on the beacon every step scores 28 per MoveToBeacon episode at step_mul 8 (27 at step_mul 16)
-# and a uniformly random agent about 1: the best score and the random score reported for the real map
-# (StarCraft grandmaster 28, random policy 1; SC2LE paper). With pysc2's default 24 units it scored 48.
-SCREEN_WORLD_UNITS = 40.0
+# map's camera). We chose 28 units (0.875 units per pixel at res 32) because with it a scripted agent that
+# clicks on the beacon every step scores 29 per MoveToBeacon episode at step_mul 8 (27 at step_mul 16)
+# and a random agent about 1 (1.5 drawing like pysc2's random agent, 0.7 uniformly over all actions): the
+# best score and the random score reported for the real map (StarCraft grandmaster 28, random policy 1;
+# SC2LE paper). With 40 units the scripted agent scored only 19, with pysc2's default 24 units 35.
+SCREEN_WORLD_UNITS = 28.0
 # Things spawn in the middle of the screen: this rectangle, as fractions of the screen (x0, y0, x1, y1),
 # wider than tall like the dark playable area of the real maps.
 PLAYABLE = (0.125, 0.2, 0.875, 0.8)
@@ -478,7 +497,7 @@ class BuiltinMiniGame:
         self.map_name, self.res, self.step_mul = map_name, res, step_mul
         self.max_steps = episode_steps(step_mul)
         self.rng = np.random.default_rng(seed)
-        self.move_per_step = MARINE_SPEED * step_mul / GAME_LOOPS_PER_SECOND  # world units per agent step
+        self.move_per_step = MARINE_SPEED_PER_LOOP * step_mul  # world units per agent step
         pixel = SCREEN_WORLD_UNITS / res
         centres = (np.arange(res) + 0.5) * pixel
         self.screen_x, self.screen_y = np.meshgrid(
@@ -780,15 +799,29 @@ class SplitReplayBuffer:
             "mask": self.mask[idx],  # (B, F + 1)
         }
 
-    def sample(self, batch_size: int, rng: np.random.Generator) -> dict:
+    def sample(self, batch_size: int, rng: np.random.Generator, n_step: int = 1, gamma: float = 1.0) -> dict:
+        """n-step transitions: (state i, action i, sum of gamma^j * reward i+j, done within n, state i+n).
+
+        The reward sum stops at the end of an episode (then `dones` is 1 and the next state is never read),
+        so the TD target is rewards + gamma^n * (1 - dones) * V(state i+n). Only slots whose n following
+        transitions are all known are drawn.
+        """
         oldest = self.pos if self.size == self.capacity else 0
-        idx = (oldest + rng.integers(0, self.num_transitions(), batch_size)) % self.capacity
+        idx = (
+            oldest + rng.integers(0, max(self.num_transitions() - n_step + 1, 1), batch_size)
+        ) % self.capacity
+        rewards = np.zeros(batch_size, np.float32)
+        dones = np.zeros(batch_size, bool)
+        for j in range(n_step):  # ALGO LOGIC: n-step return, cut at the episode's end
+            slot = (idx + j) % self.capacity
+            rewards += np.where(dones, 0.0, gamma**j * self.rewards[slot]).astype(np.float32)
+            dones |= self.dones[slot]
         return {
             "obs": self._states(idx),
-            "next_obs": self._states((idx + 1) % self.capacity),
+            "next_obs": self._states((idx + n_step) % self.capacity),
             "actions": self.actions[idx].astype(np.int64),
-            "rewards": self.rewards[idx].copy(),
-            "dones": self.dones[idx].astype(np.float32),
+            "rewards": rewards,  # (B,) float32, a fresh array
+            "dones": dones.astype(np.float32),
         }
 
     def bytes_per_step(self) -> tuple[int, int]:
@@ -837,7 +870,8 @@ def preprocess_layers(x: torch.Tensor, layers) -> torch.Tensor:
 
 
 class SplitQNetwork(nn.Module):
-    """Screen and minimap conv towers + the tiled player embedding, fused; two Q heads.
+    """Screen and minimap conv towers + the tiled embedding of the player vector and the available actions,
+    fused; two Q heads.
 
     The towers work at half resolution (a stride-2 first conv) to keep an update cheap on a CPU. The spatial
     head adds two terms: the fused features upsampled back to res x res (context: where the marines are,
@@ -862,7 +896,8 @@ class SplitQNetwork(nn.Module):
             nn.Conv2d(tower_channels, tower_channels, 3, padding=1),
             nn.ReLU(),
         )
-        self.player_embed = nn.Sequential(nn.Linear(PLAYER_SIZE, player_channels), nn.ReLU())
+        num_available = len(NONSPATIAL_FUNCTIONS) + 1
+        self.player_embed = nn.Sequential(nn.Linear(PLAYER_SIZE + num_available, player_channels), nn.ReLU())
         self.fuse = nn.Sequential(
             nn.Conv2d(2 * tower_channels + player_channels, fused_channels, 1), nn.ReLU()
         )
@@ -875,21 +910,31 @@ class SplitQNetwork(nn.Module):
         nn.init.zeros_(self.spatial_fine.weight)
         nn.init.zeros_(self.spatial_fine.bias)
         self.fine_gain = 10.0
+        # The available actions are an input too, as in SC2LE's agents: "is Move_screen available" (is the army
+        # selected) is one clean bit for the head that chooses between no_op and select_army, which do the same
+        # in every state but the first, unselected one of an episode (there no_op leaves the marine standing).
+        # Measured on one seed it neither helped nor hurt (benchmark/results/dqn_movetobeacon_learning.md):
+        # while epsilon is high, greedy tests of either network sometimes no-op in that first state for the
+        # whole episode, because under a near-random behaviour policy the two actions are worth about the same.
         self.nonspatial_head = nn.Sequential(
-            nn.Linear(2 * fused_channels, 64), nn.ReLU(), nn.Linear(64, len(NONSPATIAL_FUNCTIONS))
+            nn.Linear(2 * fused_channels + num_available, 64),
+            nn.ReLU(),
+            nn.Linear(64, len(NONSPATIAL_FUNCTIONS)),
         )
 
-    def forward(self, screen, minimap, player):
-        """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, 11) -> Q (B, F), Q (B, H*W)."""
+    def forward(self, screen, minimap, player, available):
+        """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, 11); available (B, F + 1) bool, the
+        action mask -> Q (B, F), Q (B, H*W)."""
+        available = available.float()  # (B, F + 1)
         screen = preprocess_layers(screen, SCREEN_LAYERS)  # (B, Cs, H, W)
         minimap = preprocess_layers(minimap, MINIMAP_LAYERS)  # (B, Cm, H, W)
         s = self.screen_tower(screen)  # (B, T, H/2, W/2)
         m = self.minimap_tower(minimap)  # (B, T, H/2, W/2)
-        p = self.player_embed(torch.log1p(player.float().clamp(min=0)))  # (B, P)
+        p = self.player_embed(torch.cat([torch.log1p(player.float().clamp(min=0)), available], 1))  # (B, P)
         p = p[:, :, None, None].expand(-1, -1, s.shape[2], s.shape[3])  # tiled: (B, P, H/2, W/2)
         fused = self.fuse(torch.cat([s, m, p], 1))  # (B, E, H/2, W/2)
         pooled = torch.cat([fused.mean((2, 3)), fused.amax((2, 3))], 1)  # (B, 2E)
-        q_nonspatial = self.nonspatial_head(pooled)  # (B, F)
+        q_nonspatial = self.nonspatial_head(torch.cat([pooled, available], 1))  # (B, F)
         coarse = F.interpolate(self.spatial_coarse(fused), size=(self.res, self.res), mode="nearest")
         q_spatial = (coarse + self.fine_gain * self.spatial_fine(screen)).flatten(1)  # (B, H*W)
         return q_nonspatial, q_spatial
@@ -969,14 +1014,16 @@ def td_loss(q_network, target_network, batch: dict, gamma: float, use_double_dqn
     """
     obs, next_obs = batch["obs"], batch["next_obs"]
     with amp.autocast():
-        q_ns, q_sp = q_network(obs["screen"], obs["minimap"], obs["player"])
+        q_ns, q_sp = q_network(obs["screen"], obs["minimap"], obs["player"], obs["mask"])
         with torch.no_grad():
             next_online = (
-                q_network(next_obs["screen"], next_obs["minimap"], next_obs["player"])
+                q_network(next_obs["screen"], next_obs["minimap"], next_obs["player"], next_obs["mask"])
                 if use_double_dqn
                 else None
             )
-            next_target = target_network(next_obs["screen"], next_obs["minimap"], next_obs["player"])
+            next_target = target_network(
+                next_obs["screen"], next_obs["minimap"], next_obs["player"], next_obs["mask"]
+            )
     q_all = torch.cat([q_ns, q_sp], 1).float()  # (B, F + H*W)
     q_taken = q_all.gather(1, batch["actions"][:, None]).squeeze(1)  # (B,)
     with torch.no_grad():
@@ -1000,7 +1047,10 @@ def batch_to_device(sample: dict, device) -> dict:
 
 def update(q_network, target_network, optimizer, amp: mu.AmpSetup, batch: dict, args: Args) -> dict:
     """One gradient step; returns detached 0-d tensors (turned into floats only when logged)."""
-    loss, q_taken = td_loss(q_network, target_network, batch, args.gamma, args.use_double_dqn, amp)
+    # the batch holds n-step returns, so the bootstrap value is discounted by gamma^n
+    loss, q_taken = td_loss(
+        q_network, target_network, batch, args.gamma**args.n_step, args.use_double_dqn, amp
+    )
     optimizer.zero_grad(set_to_none=True)
     amp.scaler.scale(loss).backward()
     amp.scaler.unscale_(optimizer)
@@ -1045,7 +1095,7 @@ def preallocate(
     batch = dummy_batch(batch_size, args.res, device)
 
     def step_fn():
-        loss, _ = td_loss(q_network, target_network, batch, args.gamma, args.use_double_dqn, amp)
+        loss, _ = td_loss(q_network, target_network, batch, args.gamma**args.n_step, args.use_double_dqn, amp)
         amp.scaler.scale(loss).backward()
 
     # memory: fail now, not at the first update hours later, if the optimizer state does not fit
@@ -1085,21 +1135,56 @@ def select_action(q_network, obs: dict, epsilon: float, rng: np.random.Generator
     states = to_tensors(obs_to_states(obs), device)
     # memory: acting builds no graph
     with torch.no_grad():
-        q_ns, q_sp = q_network(states["screen"], states["minimap"], states["player"])
+        q_ns, q_sp = q_network(states["screen"], states["minimap"], states["player"], states["mask"])
         return int(masked_q(q_ns.float(), q_sp.float(), states["mask"]).argmax(1).item())
 
 
-def run_test_episodes(q_network, env, num_episodes: int, res: int, device) -> list[float]:
-    """Greedy episodes (epsilon 0); returns each episode's score."""
+# Colours of the video frames, by player_relative value: background, self (marines), ally, neutral (beacon,
+# shards), enemy; selected marines are drawn brighter.
+PLAYER_RELATIVE_COLOURS = np.array(
+    [[20, 20, 20], [0, 160, 0], [40, 80, 255], [0, 220, 255], [230, 40, 40]], np.uint8
+)
+SELECTED_COLOUR = np.array([120, 255, 120], np.uint8)
+VIDEO_PIXELS_PER_CELL = 8
+VIDEO_FPS = 4
+
+
+def render_screen(obs: dict) -> np.ndarray:
+    """The screen's player_relative and selected layers as an RGB frame (res * 8, res * 8, 3) uint8."""
+    player_relative = obs["feature_screen"][0].clip(0, len(PLAYER_RELATIVE_COLOURS) - 1)  # (H, W)
+    frame = PLAYER_RELATIVE_COLOURS[player_relative]  # (H, W, 3)
+    frame[obs["feature_screen"][1] > 0] = SELECTED_COLOUR
+    return frame.repeat(VIDEO_PIXELS_PER_CELL, 0).repeat(VIDEO_PIXELS_PER_CELL, 1)
+
+
+def write_video(frames: list[np.ndarray], path: str) -> None:
+    from moviepy import ImageSequenceClip  # imported only when videos are recorded
+
+    clip = ImageSequenceClip(frames, fps=VIDEO_FPS)
+    clip.write_videofile(path, codec="libx264", audio=False, logger=None)
+    clip.close()
+
+
+def run_test_episodes(
+    q_network, env, num_episodes: int, res: int, device, epsilon: float = 0.0, video_dir: str | None = None
+) -> list[float]:
+    """Test episodes (greedy at epsilon 0); returns each episode's score. With `video_dir`, each episode's
+    screen is written to `{video_dir}/test-episode-{k}.mp4`."""
     rng = np.random.default_rng(0)
     scores = []
-    for _ in range(num_episodes):
+    for k in range(num_episodes):
         obs, done, score = env.reset(), False, 0.0
+        frames = [render_screen(obs)] if video_dir else None
         while not done:
-            action = select_action(q_network, obs, 0.0, rng, device)
+            action = select_action(q_network, obs, epsilon, rng, device)
             obs, reward, done = env.step(*decode_action(action, res))
             score += reward
+            if frames is not None:
+                frames.append(render_screen(obs))
         scores.append(score)
+        if frames is not None:
+            os.makedirs(video_dir, exist_ok=True)
+            write_video(frames, os.path.join(video_dir, f"test-episode-{k}.mp4"))
     return scores
 
 
@@ -1349,7 +1434,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
 
                 # ALGO LOGIC: training
                 if global_step > args.learning_starts and global_step % args.train_frequency == 0:
-                    batch = batch_to_device(rb.sample(batch_size, rng), device)
+                    batch = batch_to_device(rb.sample(batch_size, rng, args.n_step, args.gamma), device)
                     try:
                         metrics = update(q_network, target_network, optimizer, amp, batch, args)
                     except torch.OutOfMemoryError as exc:
@@ -1412,7 +1497,9 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
 
             over_time = args.time_limit_min > 0 and time.time() - start_time >= 60 * args.time_limit_min
             if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
-                test_scores = run_test_episodes(q_network, eval_env, args.num_eval_episodes, args.res, device)
+                test_scores = run_test_episodes(
+                    q_network, eval_env, args.num_eval_episodes, args.res, device, args.test_epsilon
+                )
                 test_mean = float(np.mean(test_scores))
                 train_mean = float(np.mean(recent_train_scores))
                 writer.add_scalar("charts/test_score", test_mean, global_step)
@@ -1431,7 +1518,15 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
                 logger.info(f"time limit of {args.time_limit_min:g} min reached after {episode} episodes")
                 break
         # Final greedy test of the trained network.
-        test_scores = run_test_episodes(q_network, eval_env, args.num_test_episodes, args.res, device)
+        test_scores = run_test_episodes(
+            q_network,
+            eval_env,
+            args.num_test_episodes,
+            args.res,
+            device,
+            args.test_epsilon,
+            video_dir=os.path.join(run_dir, "videos") if args.capture_video else None,
+        )
         verdict = leak.check()
         results = {
             "run_id": run_id,
@@ -1442,6 +1537,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
             "global_steps": global_step,
             "stopped_by": stopped_by,
             "num_test_episodes": len(test_scores),
+            "test_epsilon": args.test_epsilon,
             "scores": test_scores,
             "mean": float(np.mean(test_scores)),
             "std": float(np.std(test_scores)),

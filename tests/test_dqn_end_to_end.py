@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -91,7 +92,7 @@ def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
     assert config["sources"]["batch_size"] == "RL_BATCH_SIZE"
     assert config["sources"]["num_episodes"] == "command line"
     assert config["sources"]["learning_rate"] == "default"
-    assert config["args"]["seed"] == 4 and config["episode_steps"] == 21
+    assert config["args"]["seed"] == 4 and config["episode_steps"] == 15
     test = json.loads((run / "eval" / "test_results.json").read_text())
     assert test["num_test_episodes"] == 2 and len(test["scores"]) == 2
     assert {"mean", "std", "min", "max", "win_rate"} <= set(test) and test["win_rate"] is None
@@ -100,7 +101,7 @@ def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
     curve = (run / "eval" / "curve.csv").read_text().splitlines()
     assert curve[0].startswith("episode,global_step") and len(curve) == 3
     checkpoint = torch.load(run / "checkpoint.pt", weights_only=False)
-    assert checkpoint["interrupted"] is False and checkpoint["global_step"] == 42
+    assert checkpoint["interrupted"] is False and checkpoint["global_step"] == 30
     net = dqn.SplitQNetwork(8)
     net.load_state_dict(checkpoint["q_network"])
 
@@ -179,3 +180,41 @@ def test_out_of_memory_writes_a_report_and_a_checkpoint_and_no_row(tmp_path, mon
     assert (run / "oom").is_dir() and any((run / "oom").iterdir())
     assert "out of memory at step 12" in (run / "train.log").read_text()
     assert not (tmp_path / "results" / "results.csv").exists()
+
+
+def test_capture_video_records_each_test_episode(tmp_path, monkeypatch):
+    from moviepy import VideoFileClip
+
+    monkeypatch.chdir(tmp_path)
+    args, sources = dqn.parse_args(
+        [*TINY, "--num-episodes", "1", "--run-id", "video", "--capture-video", "--no-save-model"], {}
+    )
+    threads = torch.get_num_threads()
+    try:
+        assert dqn.main(args, sources) == 0
+    finally:
+        torch.set_num_threads(threads)
+    videos = sorted((tmp_path / "results" / "video" / "videos").glob("*.mp4"))
+    assert [v.name for v in videos] == ["test-episode-0.mp4", "test-episode-1.mp4"]
+    clip = VideoFileClip(str(videos[0]))
+    try:
+        frames = list(clip.iter_frames())
+    finally:
+        clip.close()
+    # the start and one frame per agent step (15 at step_mul 128), the 8x8 screen drawn 8 times larger
+    assert len(frames) == 16 and frames[0].shape == (64, 64, 3)
+    first = frames[0].astype(int)
+    beacon = dqn.PLAYER_RELATIVE_COLOURS[3]
+    assert (np.abs(first - beacon).sum(-1) < 40).any()  # the beacon is visible (colours survive the codec)
+
+
+def test_rendered_screen_colours_marine_and_beacon():
+    env = dqn.BuiltinMiniGame("MoveToBeacon", res=8, step_mul=128, seed=0)
+    obs = env.reset()
+    frame = dqn.render_screen(obs)
+    assert frame.shape == (64, 64, 3) and frame.dtype == np.uint8
+    ys, xs = np.nonzero(obs["feature_screen"][0] == 3)
+    assert (frame[ys[0] * 8, xs[0] * 8] == dqn.PLAYER_RELATIVE_COLOURS[3]).all()
+    obs, _, _ = env.step(dqn.FUNCTION_IDS["select_army"])
+    ys, xs = np.nonzero(obs["feature_screen"][1])
+    assert (dqn.render_screen(obs)[ys[0] * 8, xs[0] * 8] == dqn.SELECTED_COLOUR).all()

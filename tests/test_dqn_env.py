@@ -41,7 +41,7 @@ def test_unavailable_actions_are_refused():
     assert dqn.action_mask(obs["available_actions"]).tolist() == [True, True, True]
 
 
-@pytest.mark.parametrize("step_mul,expected", [(16, 168), (8, 336)])
+@pytest.mark.parametrize("step_mul,expected", [(16, 120), (8, 240)])
 def test_episode_lasts_120_game_seconds(step_mul, expected):
     env = dqn.BuiltinMiniGame("MoveToBeacon", res=16, step_mul=step_mul, seed=0)
     env.reset()
@@ -49,7 +49,7 @@ def test_episode_lasts_120_game_seconds(step_mul, expected):
     while not done:
         _, _, done = env.step(NO_OP)
         steps += 1
-    assert steps == expected == 120 * 22.4 / step_mul
+    assert steps == expected == 120 * 16 / step_mul  # the map's timer: 120 game seconds of 16 game loops
 
 
 def test_marine_walks_at_its_game_speed():
@@ -60,6 +60,7 @@ def test_marine_walks_at_its_game_speed():
     env.pickups[:] = [[35.0, 35.0]]  # out of the way
     env.step(SELECT_ARMY)
     env.step(MOVE, (31, 16))  # far to the right
+    # 3.15 units per second at "faster" (22.4 game loops): 2.25 units in 16 game loops
     assert np.linalg.norm(env.marines[0] - [5.0, 20.0]) == pytest.approx(3.15 * 16 / 22.4)
 
 
@@ -87,13 +88,13 @@ def test_collect_mineral_shards_rewards_each_shard_and_refills_the_field():
     assert len(env.marines) == 2 and len(env.pickups) == dqn.NUM_SHARDS
     assert obs["player"][8] == 2  # army_count
     env.step(SELECT_ARMY)
-    env.marines[:] = [[10.0, 20.0], [10.0, 20.0]]
+    env.marines[:] = [[10.0, 14.0], [10.0, 14.0]]
     env.targets[:] = env.marines
-    env.pickups = np.array([[11.0, 20.0], [30.0, 20.0]])  # two shards left
-    _, reward, _ = env.step(MOVE, to_pixel(env, [11.0, 20.0]))
+    env.pickups = np.array([[11.0, 14.0], [24.0, 14.0]])  # two shards left
+    _, reward, _ = env.step(MOVE, to_pixel(env, [11.0, 14.0]))
     assert reward == 1.0 and len(env.pickups) == 1
-    env.marines[:] = [[29.0, 20.0], [29.0, 20.0]]
-    _, reward, _ = env.step(MOVE, to_pixel(env, [30.0, 20.0]))
+    env.marines[:] = [[23.0, 14.0], [23.0, 14.0]]
+    _, reward, _ = env.step(MOVE, to_pixel(env, [24.0, 14.0]))
     assert reward == 1.0
     assert len(env.pickups) == dqn.NUM_SHARDS  # all collected: a fresh field
 

@@ -20,7 +20,7 @@ def one_thread():
 
 
 def filled_buffer(capacity=64, steps=50, res=8, step_mul=128, seed=0):
-    env = dqn.BuiltinMiniGame("MoveToBeacon", res=res, step_mul=step_mul, seed=seed)  # 21-step episodes
+    env = dqn.BuiltinMiniGame("MoveToBeacon", res=res, step_mul=step_mul, seed=seed)  # 15-step episodes
     rb, rng = dqn.SplitReplayBuffer(capacity, res), np.random.default_rng(seed)
     obs, history = env.reset(), []
     for t in range(steps):
@@ -69,6 +69,30 @@ def test_ring_overwrites_the_oldest_and_never_samples_the_newest_half_transition
     assert stamps == set(range(40 - 16, 39))  # the last 16 steps but the newest, whose successor is unknown
 
 
+def test_n_step_returns_sum_discounted_rewards_and_stop_at_the_episode_end():
+    env = dqn.BuiltinMiniGame("MoveToBeacon", res=8, step_mul=128, seed=0)
+    rb, obs = dqn.SplitReplayBuffer(32, 8), env.reset()
+    rewards, dones = [float(t) for t in range(10)], [t in (4, 9) for t in range(10)]
+    for t in range(10):
+        stamped = {**obs, "player": obs["player"].copy()}
+        stamped["player"][1] = t
+        rb.add(stamped, 0, rewards[t], dones[t])
+    sample = rb.sample(500, np.random.default_rng(0), n_step=3, gamma=0.5)
+    stamps = sample["obs"]["player"][:, 1].astype(int)
+    assert set(stamps.tolist()) == set(range(8))  # 8 and 9 lack 3 known successors
+    for b, i in enumerate(stamps):
+        expected, done = 0.0, False
+        for j in range(3):
+            expected += 0.5**j * rewards[i + j]
+            if dones[i + j]:
+                done = True
+                break
+        assert sample["rewards"][b] == pytest.approx(expected)  # e.g. stamp 3: 3 + 0.5 * 4, then the end
+        assert bool(sample["dones"][b]) == done
+        if not done:
+            assert sample["next_obs"]["player"][b, 1] == i + 3
+
+
 def test_a_sampled_batch_owns_its_memory():
     rb, _ = filled_buffer()
     sample = rb.sample(8, np.random.default_rng(0))
@@ -104,7 +128,7 @@ def test_buffer_stats_feed_memory_report():
     assert report[mu.BUFFER_KEYS["total_steps"]] == 50.0
     assert report[mu.BUFFER_KEYS["obs_bytes"]] == 50.0 * obs_bytes
     assert report[mu.BUFFER_KEYS["aux_bytes"]] == 50.0 * aux_bytes
-    assert report[mu.BUFFER_KEYS["num_episodes"]] == 2.0  # two 21-step episodes ended
+    assert report[mu.BUFFER_KEYS["num_episodes"]] == 3.0  # three 15-step episodes ended
 
 
 def test_acting_builds_no_graph():

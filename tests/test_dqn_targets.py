@@ -53,7 +53,7 @@ class FixedQ(torch.nn.Module):
         self.scale = torch.nn.Parameter(torch.ones(()))
         self.q_ns, self.q_sp, self.res = q_ns, q_sp, 2
 
-    def forward(self, screen, minimap, player):
+    def forward(self, screen, minimap, player, available):
         return self.q_ns * self.scale, self.q_sp * self.scale
 
 
@@ -113,3 +113,17 @@ def test_step_schedule_halves_every_step_size_episodes():
 
 def test_no_schedule_keeps_the_rate():
     assert lrs_per_episode(dqn.Args(lr_scheduler="none", learning_rate=3e-4), 5) == [3e-4] * 5
+
+
+def test_nonspatial_head_reads_the_available_actions():
+    """The first state of an episode (army not selected) and the same screen with Move_screen available must
+    be told apart by the head that chooses between no_op and select_army."""
+    torch.manual_seed(0)
+    net = dqn.SplitQNetwork(8)
+    screen = torch.zeros(1, len(dqn.SCREEN_LAYERS), 8, 8, dtype=torch.int16)
+    minimap = torch.zeros(1, len(dqn.MINIMAP_LAYERS), 8, 8, dtype=torch.int16)
+    player = torch.zeros(1, dqn.PLAYER_SIZE)
+    with torch.no_grad():
+        unselected, _ = net(screen, minimap, player, torch.tensor([[True, True, False]]))
+        selected, _ = net(screen, minimap, player, torch.tensor([[True, True, True]]))
+    assert not torch.allclose(unselected, selected)
