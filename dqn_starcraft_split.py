@@ -1415,6 +1415,12 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
     with open(curve_path, "w") as f:
         f.write("episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n")
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
+
+    def checkpoint(interrupted: bool) -> None:
+        """Save the run as it is now (the counters are read when called)."""
+        save_checkpoint(checkpoint_path, q_network, target_network, optimizer, scheduler, episode, global_step, args,
+                        interrupted=interrupted)
+
     global_step, episode, recent_train_scores = 0, 0, []
     start_time = time.time()
     stopped_by = "num_episodes"
@@ -1551,17 +1557,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
             json.dump(results, f, indent=2)
         writer.add_scalar("charts/final_test_score", results["mean"], global_step)
         if args.save_model:
-            save_checkpoint(
-                checkpoint_path,
-                q_network,
-                target_network,
-                optimizer,
-                scheduler,
-                episode,
-                global_step,
-                args,
-                interrupted=False,
-            )
+            checkpoint(interrupted=False)
         logger.info(
             f"test: mean {results['mean']:.2f} +- {results['std']:.2f} "
             f"over {len(test_scores)} greedy episodes (min {results['min']:g}, max {results['max']:g}); "
@@ -1570,17 +1566,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
     except RunInterrupted as exc:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        save_checkpoint(
-            checkpoint_path,
-            q_network,
-            target_network,
-            optimizer,
-            scheduler,
-            episode,
-            global_step,
-            args,
-            interrupted=True,
-        )
+        checkpoint(interrupted=True)
         logger.info(
             f"interrupted by {exc} at episode {episode}, step {global_step}: checkpoint saved to "
             f"{checkpoint_path}; no results row written"
