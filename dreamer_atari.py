@@ -133,6 +133,9 @@ class Args:
     """share of the uniform distribution mixed into categorical latents and the policy"""
     reward_bins: int = 255
     """two-hot bins (on the symlog scale) of the reward head and the critic"""
+    channels_last: bool = True
+    """keep the encoder's and decoder's convolution weights channels-last (NHWC): same results, faster
+    convolutions (1.1x per update on CPU in benchmark/)"""
 
     # training
     total_timesteps: int = 1_000_000
@@ -757,7 +760,9 @@ class RSSM(nn.Module):
         """A flat latent sample (..., stoch_flat) with gradients (straight-through or reparameterised)."""
         if self.classes:
             probs = stats.exp()
-            index = torch.distributions.Categorical(probs=probs).sample()
+            # inverse-CDF draw: the same distribution as Categorical(probs).sample(), ~10x cheaper on CPU
+            uniform = torch.rand(probs.shape[:-1] + (1,), device=probs.device, dtype=probs.dtype)
+            index = (probs.cumsum(-1) < uniform).sum(-1).clamp_(max=self.classes - 1)
             one_hot = F.one_hot(index, self.classes).to(probs.dtype)
             return (one_hot + probs - probs.detach()).flatten(-2)
         mean, std = stats.chunk(2, -1)
@@ -898,6 +903,9 @@ class Agent:
 def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent:
     device = torch.device(device)
     world_model = WorldModel(args, obs_shape, num_actions).to(device)
+    if args.channels_last:
+        world_model.encoder.to(memory_format=torch.channels_last)
+        world_model.decoder.to(memory_format=torch.channels_last)
     feat_dim = args.deterministic_dim + world_model.rssm.stoch_flat
     actor = Actor(feat_dim, num_actions, args.hidden_dim, args.unimix).to(device)
     critic = Critic(feat_dim, args.hidden_dim, args.reward_bins).to(device)

@@ -333,7 +333,10 @@ def results_markdown(result: dict, table: str, command: str) -> str:
         "",
     ]
     if result.get("speed_trials"):
-        parts.append("Each trial changes one thing from outside the script and times the same full update on the "
+        parts.append("The baseline is the script's defaults, which include channels-last convolution weights and "
+                     "inverse-CDF latent sampling (both adopted from earlier trials: same results, less time); the "
+                     "without_* trials take one of them back out. "
+                     "Each trial changes one thing from outside the script and times the same full update on the "
                      "same batch (seed model, CPU), round robin over the variants after each one's first update; "
                      "the compile cache starts empty, so a compiled variant's first update includes its compile "
                      "time. Timings only: whether a variant (bf16 above all) learns as well was not checked here.")

@@ -101,3 +101,16 @@ def test_non_finite_loss_skips_the_update():
     assert not agent.world_model_optimizer.state or all(
         float(s["step"]) == 0 for s in agent.world_model_optimizer.state.values()
     )
+
+
+def test_categorical_latents_follow_their_probabilities_with_straight_through_gradients():
+    torch.manual_seed(0)
+    rssm = da.WorldModel(tiny_args(), (4, 84, 84), 6).rssm
+    logits = torch.randn(1, 3, rssm.classes, requires_grad=True)
+    stats = torch.log_softmax(logits, -1)  # (1, latents, classes) log-probabilities, as the RSSM keeps them
+    draws = rssm.sample(stats.expand(20_000, -1, -1)).view(20_000, 3, rssm.classes)  # one-hot (+ straight-through)
+    frequencies = draws.detach().mean(0)
+    assert torch.allclose(frequencies, stats.exp()[0].detach(), atol=0.015)
+    assert torch.allclose(draws.detach().sum(-1), torch.ones(20_000, 3))  # exactly one class per latent
+    draws[:, 0, 0].sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0  # gradients pass straight through
