@@ -166,6 +166,13 @@ class Args:
     """agent steps between memory reports (`debug/*`, `buffer/replay/*`) and leak checks"""
     leak_warmup_steps: int = 5_000
     """agent steps before the leak detector starts judging"""
+    memory_snapshot_every: int = 0
+    """dump a CUDA allocator snapshot every this many agent steps into `{run_id}/memory_snapshots/` (0: off);
+    read them with `python memory_utils.py analyze`"""
+    snapshot_max_entries: int = 100_000
+    """allocator history ring size of the snapshots"""
+    memory_probes: bool = False
+    """record memory at each stage of the loop (`debug/probe/*`) to name the stage that keeps memory"""
 
     def problems(self) -> list[tuple[str, str]]:
         """Every invalid value as (field, sentence); empty when all is well."""
@@ -189,6 +196,16 @@ class Args:
             f"learning_rate must be positive, got {self.learning_rate}",
         )
         need(self.batch_size >= 1, "batch_size", f"batch_size must be at least 1, got {self.batch_size}")
+        need(
+            self.memory_snapshot_every >= 0,
+            "memory_snapshot_every",
+            f"memory_snapshot_every must be 0 (off) or more, got {self.memory_snapshot_every}",
+        )
+        need(
+            self.snapshot_max_entries >= 1,
+            "snapshot_max_entries",
+            f"snapshot_max_entries must be at least 1, got {self.snapshot_max_entries}",
+        )
         need(
             self.fallback_batch_size >= 1,
             "fallback_batch_size",
@@ -1409,6 +1426,13 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
     )
     leak = mu.LeakDetector(warmup_steps=args.leak_warmup_steps)
     last_report, last_verdict = None, None
+    # forensics: stage probes, allocator snapshots, and a snapshot at the moment of a CUDA OOM
+    probes = mu.StageProbes(enabled=args.memory_probes, device=device)
+    snapshots = mu.MemorySnapshots(
+        run_dir, every=args.memory_snapshot_every, max_entries=args.snapshot_max_entries, device=device
+    )
+    if device.type == "cuda":
+        mu.install_oom_observer(run_dir)
     memory_probe_failed = False
 
     curve_path = os.path.join(run_dir, "eval", "curve.csv")
@@ -1429,10 +1453,12 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
         for episode in range(1, args.num_episodes + 1):
             obs, done, score, length = env.reset(), False, 0.0, 0
             while not done:
+                probes("loop_start")
                 epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
                 action = select_action(q_network, obs, epsilon, rng, device)
                 next_obs, reward, done = env.step(*decode_action(action, args.res))
                 rb.add(obs, action, reward, done)
+                probes("after_collect")
                 obs = next_obs
                 score += reward
                 length += 1
@@ -1441,8 +1467,10 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
                 # ALGO LOGIC: training
                 if global_step > args.learning_starts and global_step % args.train_frequency == 0:
                     batch = batch_to_device(rb.sample(batch_size, rng, args.n_step, args.gamma), device)
+                    probes("after_sample")
                     try:
                         metrics = update(q_network, target_network, optimizer, amp, batch, args)
+                        probes("after_optimizer_step")
                     except torch.OutOfMemoryError as exc:
                         # memory: drop the failed step's tensors before the report looks at what is left
                         traceback.clear_frames(exc.__traceback__)
@@ -1465,13 +1493,17 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
                         writer.add_scalar("charts/SPS", global_step / (time.time() - start_time), global_step)
                 if global_step % args.target_network_frequency == 0:
                     target_network.load_state_dict(q_network.state_dict())
+                probes.end_iteration(global_step)
+                snapshots.maybe_dump(global_step)
 
                 if global_step % args.memory_log_every == 0 and not memory_probe_failed:
                     try:
                         gc.collect()  # memory: measure live memory, not garbage awaiting the collector
                         last_report = mu.memory_report(buffer_stats=rb.stats(), device=device)
-                        for key, value in last_report.items():
+                        for key, value in {**last_report, **probes.scalars()}.items():
                             writer.add_scalar(key, value, global_step)
+                        if args.memory_probes:
+                            logger.info(probes.verdict())
                         leak.observe(global_step, last_report)
                         verdict = leak.check()
                         if verdict.leaking and (
@@ -1573,9 +1605,11 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
         )
         writer.close()
         env.close()
+        snapshots.close()
         raise
     writer.close()
     env.close()
+    snapshots.close()
     if eval_env is not env:
         eval_env.close()
     if args.track:

@@ -62,6 +62,7 @@ def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
             "--run-id",
             "tiny",
             "--track",
+            "--memory-probes",
         ],
         cwd=tmp_path,
         env=clean_env(RL_BATCH_SIZE="4", RL_LR_SCHEDULER="step"),
@@ -119,6 +120,9 @@ def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
         "losses/q_values",
     } <= tags
     assert set(mu.CPU_KEYS) <= tags and set(mu.BUFFER_KEYS.values()) <= tags
+    probe_stages = ("loop_start", "after_collect", "after_sample", "after_optimizer_step")
+    assert {f"debug/probe/{stage}_mb" for stage in probe_stages} <= tags
+    assert "probes: " in (run / "train.log").read_text()
     lrs = [e.value for e in events.Scalars("charts/learning_rate")]
     assert lrs == pytest.approx([5e-5, 5e-5])  # step schedule: halves only after 1000 episodes
     assert any((tmp_path / "results" / "tiny-seed4").rglob("wandb"))  # offline wandb run recorded
