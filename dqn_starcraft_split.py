@@ -1498,7 +1498,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
 
                 if global_step % args.memory_log_every == 0 and not memory_probe_failed:
                     try:
-                        gc.collect()  # memory: measure live memory, not garbage awaiting the collector
+                        # memory: memory_report() collects garbage and trims the heap first (live memory)
                         last_report = mu.memory_report(buffer_stats=rb.stats(), device=device)
                         for key, value in {**last_report, **probes.scalars()}.items():
                             writer.add_scalar(key, value, global_step)

@@ -980,6 +980,7 @@ def lambda_returns(
 def batch_to_device(batch: dict[str, np.ndarray], num_actions: int, device) -> dict[str, torch.Tensor]:
     """uint8 on the host, float on the device. On CUDA the copy is a plain synchronous one: no pinned source
     whose lifetime would need managing."""
+    # memory: observations cross to the device as uint8 (a quarter of float32); floats exist only there
     as_tensor = {key: torch.from_numpy(value).to(device) for key, value in batch.items()}
     return {
         "image": as_tensor["obs"].float() / 255.0 - 0.5,  # (B, T, 4, 84, 84), converted on the device
@@ -1217,6 +1218,7 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> None:
         (actor_loss + critic_loss).backward()
 
     try:
+        # memory: Adam's moments exist before the first real update (fail now, not hours later); no weight moves
         peak_mb = mu.preallocate_optimizer_state(step_fn, agent.optimizers)
     except torch.OutOfMemoryError:
         free, total = torch.cuda.mem_get_info(agent.device)
@@ -1625,7 +1627,7 @@ def main(args: Args) -> dict:
                 step = counters["global_step"]
                 elapsed = max(time.time() - start_time, 1e-9)
                 sps = (step - start_step) / elapsed
-                gc.collect()  # memory: measure live memory, not garbage waiting for the cycle collector
+                # memory: memory_report() collects garbage and trims the heap first, so this is live memory
                 last_report = mu.memory_report(buffer_stats=replay.stats(), device=device)
                 scalars = {
                     **last_report,
