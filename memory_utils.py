@@ -725,7 +725,9 @@ class MemorySnapshots:
             _warn_once("snapshots_cpu", "memory snapshots need CUDA; --memory-snapshot-every is ignored on this run")
             return
         try:
-            torch.cuda.memory._record_memory_history(max_entries=max_entries)
+            # Python frames only: the analysis reads nothing else, and symbolising C++ frames (torch's default,
+            # stacks="all") can make one dump take minutes on a large model.
+            torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
             self.active = True
         except Exception as exc:  # noqa: BLE001
             _warn_once("snapshots_start", f"could not start recording allocator history ({exc}); no snapshots")
@@ -785,6 +787,7 @@ def install_oom_observer(run_dir: str) -> bool:
 
 
 _REQUEST_RE = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
+_ALLOWED_RE = re.compile(r"([\d.]+) (B|KiB|MiB|GiB|TiB) allowed;")  # present when a per-process cap is set
 _UNITS = {"B": 1 / MB, "KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0, "TiB": 1024.0 * 1024.0}
 
 
@@ -802,6 +805,13 @@ def diagnose_oom(message: str, allocated_mb: float | None, reserved_mb: float | 
     match = _REQUEST_RE.search(message or "")
     if match:
         lines[0] += f" It asked for {float(match.group(1)) * _UNITS[match.group(2)]:.0f} MiB more."
+    allowed = _ALLOWED_RE.search(message or "")
+    if allowed:
+        allowed_mb = float(allowed.group(1)) * _UNITS[allowed.group(2)]
+        card = f" of a {total_mb:.0f} MiB card" if total_mb else ""
+        lines.append(f"This process may use at most {allowed_mb:.0f} MiB{card}: a per-process cap "
+                     "(torch.cuda.set_per_process_memory_fraction, or a limit the job's launcher set) ran out, "
+                     "not the card. Raise the cap, or lower the peak with the flags below.")
     if total_mb:
         held = reserved_mb or 0.0
         others = max(0.0, total_mb - (free_mb or 0.0) - held)

@@ -4,6 +4,7 @@
     python benchmark/run.py --quick              # under a minute, smaller stated sizes, no peer, no results files
     python benchmark/run.py --peer sheeprl       # also SheepRL, in its own virtual environment (created on demand)
     python benchmark/run.py --quick --json out.json
+    python benchmark/run.py --gpu-only           # CUDA: the GPU figures and the forensics check alone
 
 Prints a markdown table; `--json PATH` writes every figure as one JSON object. Each figure is measured here,
 by the code under benchmark/, never typed in: see benchmark/README.md for what each one means and how.
@@ -35,6 +36,8 @@ TARGET_BYTES_PER_STEP = 7_200
 TARGET_SAMPLE_TO_UPDATE = 0.05
 TARGET_SOAK_MB_PER_10K = 1.0
 TARGET_UPDATE_SPEEDUP = 1.5
+TARGET_GPU_PEAK_MB = 2_048  # the seed config with AMP fits a 6 GB laptop card with room to spare
+TARGET_GPU_SLOPE_MB_PER_10K = 1.0
 REQUIRED_KEYS = ("buffer_bytes_per_step", "buffer_bytes_limit", "sample_ms", "update_ms", "sample_to_update_ratio",
                  "soak_uss_slope_mb_per_10k", "soak_turnovers")
 PEER_KEYS = ("buffer_bytes_per_step", "sample_ms", "update_ms", "sample_to_update_ratio",
@@ -53,6 +56,8 @@ class Args:
     """torch threads of every measurement, ours and the peer's alike"""
     results_dir: str = str(BENCH_DIR / "results")
     """where a full run writes <date>-<machine>.md and .json"""
+    gpu_only: bool = False
+    """CUDA only: the GPU figures and the forensics check (snapshots, analysis, an induced OOM), nothing else"""
 
 
 def fail(message: str) -> None:
@@ -117,15 +122,7 @@ def measure(args: Args, work: Path) -> dict:
         result["speed_trials"] = trials["trials"]
         result["speed_trials_batch"] = trials["trial_batch"]
 
-    import torch
-
-    if torch.cuda.is_available():
-        result["gpu"] = run_json([py, str(BENCH_DIR / "ours_dreamer.py"), "gpu", *quick], "ours: GPU", work,
-                                 timeout=3600)
-    else:
-        result["gpu"] = {"run": False, "reason": "No CUDA device on this machine: the GPU figures (updates/s and "
-                                                 "peak GPU memory per --amp mode, env steps/s of the training "
-                                                 "loop, GPU-allocated slope past capacity) were not measured"}
+    result.update(measure_gpu(args, work, forensics=not args.quick))
 
     if args.peer == "sheeprl" and args.quick:
         log("--quick skips the peer")
@@ -138,6 +135,41 @@ def measure(args: Args, work: Path) -> dict:
         result["update_ms"] = statistics.median(result["update_samples_ms"])
         result["sample_to_update_ratio"] = result["sample_ms"] / result["update_ms"]
 
+    result["load_average_end"] = os.getloadavg()
+    result["wall_s"] = time.time() - started
+    return result
+
+
+def measure_gpu(args: Args, work: Path, forensics: bool = True) -> dict:
+    """The GPU figures and the forensics check where CUDA is available; elsewhere, why they are missing."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"gpu": {"run": False, "reason": "No CUDA device on this machine: the GPU figures (updates/s and "
+                                                "peak GPU memory per --amp mode, env steps/s of the training "
+                                                "loop, GPU-allocated slope past capacity) were not measured"},
+                "forensics": {"run": False, "reason": "No CUDA device on this machine: the forensics check "
+                                                      "(allocator snapshots of a real run, their analysis, an "
+                                                      "induced OOM) did not run"}}
+    py = sys.executable
+    quick = ["--quick"] if args.quick else []
+    out = {"gpu": run_json([py, str(BENCH_DIR / "ours_dreamer.py"), "gpu", *quick], "ours: GPU", work, timeout=3600)}
+    if forensics:
+        out["forensics"] = run_json([py, str(BENCH_DIR / "cuda_forensics.py"), *quick], "ours: forensics", work,
+                                    timeout=3600)
+    else:
+        out["forensics"] = {"run": False, "reason": "--quick skips the forensics check (three real training runs); "
+                                                    "`python benchmark/run.py --gpu-only --quick` runs it small"}
+    return out
+
+
+def measure_gpu_only(args: Args, work: Path) -> dict:
+    from benchmark import bench_utils
+
+    started = time.time()
+    result: dict = {"quick": args.quick, "gpu_only": True, "machine": bench_utils.machine(),
+                    "load_average_start": os.getloadavg()}
+    result.update(measure_gpu(args, work))
     result["load_average_end"] = os.getloadavg()
     result["wall_s"] = time.time() - started
     return result
@@ -206,6 +238,38 @@ def verdicts(result: dict) -> dict:
     }
     if result.get("ratio_update_ms") is not None:
         out["updates/s >= 1.5x SheepRL DreamerV3"] = result["ratio_update_ms"] >= TARGET_UPDATE_SPEEDUP
+    out.update(gpu_verdicts(result))
+    return out
+
+
+def gpu_verdicts(result: dict) -> dict:
+    """The GPU targets, where they were measured: the seed config with AMP under 2 GiB of reserved GPU memory (the
+    script's CUDA default is fp16), a flat GPU-allocated slope past capacity, and the forensics check's outcomes."""
+    out: dict = {}
+    gpu, forensics = result.get("gpu") or {}, result.get("forensics") or {}
+    if gpu.get("run", True) and gpu.get("amp"):
+        at_seed_size = not result["quick"]
+        for mode in ("fp16", "bf16"):
+            peak = gpu["amp"].get(mode, {}).get("peak_reserved_mb")
+            if peak is not None:
+                out[f"GPU peak reserved with --amp {mode} < 2 GiB"] = peak < TARGET_GPU_PEAK_MB if at_seed_size else None
+        slope = gpu.get("loop", {}).get("gpu_alloc_slope_mb_per_10k")
+        if slope is not None:
+            out["GPU allocated flat past capacity (<= 1 MB per 10k)"] = abs(slope) <= TARGET_GPU_SLOPE_MB_PER_10K
+    if forensics.get("run", True) and "snapshot_run" in forensics:
+        analysis = forensics.get("analysis", {})
+        out["forensics: analysis of a real run reads steady"] = None if "skipped" in analysis else (
+            analysis.get("returncode") == 0 and analysis.get("verdict", "").startswith("steady"))
+        for name in ("oom_in_update", "oom_in_preflight"):
+            oom = forensics.get(name, {})
+            if "skipped" not in oom:
+                out[f"forensics: {name.replace('_', ' ')} exits {oom.get('expected_returncode')}"] = (
+                    oom.get("returncode") == oom.get("expected_returncode"))
+        update = forensics.get("oom_in_update", {})
+        if "skipped" not in update:
+            out["forensics: OOM report, snapshot and checkpoint written"] = bool(
+                {"report.json", "memory_summary.txt", "snapshot.pickle"} <= set(update.get("oom_files", {}))
+                and update.get("checkpoint_written"))
     return out
 
 
@@ -348,11 +412,77 @@ def results_markdown(result: dict, table: str, command: str) -> str:
                 parts.append(f"- {name}: {fmt(trial['update_ms'])} ms per update, "
                              f"{fmt(trial.get('speedup_vs_baseline'))}x the baseline (first update "
                              f"{fmt(trial['first_update_ms'])} ms).")
-    parts += ["", "## GPU", ""]
-    gpu = result["gpu"]
-    parts.append(gpu["reason"] + "." if not gpu.get("run", True) else "```json\n" + json.dumps(gpu, indent=2)
-                 + "\n```")
+    parts += ["", gpu_markdown(result)]
     return "\n".join(parts) + "\n"
+
+
+def gpu_markdown(result: dict) -> str:
+    """The GPU figures and the forensics check, or why they are missing."""
+    gpu, forensics = result["gpu"], result["forensics"]
+    parts = ["## GPU", ""]
+    if not gpu.get("run", True):
+        parts.append(gpu["reason"] + ".")
+    else:
+        parts += [(f"Device: {gpu['device']}. One update of the seed model on one batch ({gpu['update_batch']}), "
+                   "medians after two warm-up updates; peaks are torch's allocator peaks over those updates."), "",
+                  "| --amp | update ms | updates/s | peak allocated MB | peak reserved MB |", "|---|---:|---:|---:|---:|"]
+        for mode, fig in gpu["amp"].items():
+            if "error" in fig:
+                parts.append(f"| {mode} | not available: {fig['error']} | | | |")
+            else:
+                parts.append(f"| {mode} | {fmt(fig['update_ms'])} | {fmt(fig['updates_per_s'])} | "
+                             f"{fmt(fig.get('peak_alloc_mb'))} | {fmt(fig.get('peak_reserved_mb'))} |")
+        loop = gpu["loop"]
+        parts += ["", (f"Training loop (`dreamer_atari.main`, seed model, capacity {loop['capacity_steps']:,} steps, "
+                       f"{loop['env_steps']:,} env steps, {loop['batch']}, {loop['updates']:,} updates): "
+                       f"{fmt(loop['env_steps_per_s'])} env steps/s; GPU allocated after the replay is full: "
+                       f"{fmt(loop.get('gpu_alloc_slope_mb_per_10k'))} MB per 10k env steps (first and last "
+                       f"{json.dumps(loop.get('gpu_alloc_mb_first_last'))} MB).")]
+    parts += ["", "## Forensics on a real run", ""]
+    if not forensics.get("run", True):
+        parts.append(forensics["reason"] + ".")
+        return "\n".join(parts)
+    run1 = forensics["snapshot_run"]
+    parts += [(f"Device: {forensics['device']}; model: {forensics['model']}. Each step below is the real command "
+               "line in its own process."), "",
+              (f"1. `{run1['command']}`: exit {run1['returncode']}, {run1['wall_s']} s, snapshots "
+               f"{json.dumps(run1.get('snapshots'))}; {run1.get('probe_verdict')}.")]
+    analysis = forensics["analysis"]
+    if "skipped" in analysis:
+        parts.append(f"2. Analysis skipped: {analysis['skipped']}.")
+    else:
+        parts += [(f"2. `{analysis['command']}`: exit {analysis['returncode']}, {analysis['wall_s']} s, wrote "
+                   f"{', '.join(analysis['files'])}. It printed:"), "", "```", analysis["printed"], "```"]
+    for number, name, what in ((3, "oom_in_update", "an OOM in the first update (`--no-preallocate`)"),
+                               (4, "oom_in_preflight", "an OOM in the preflight (preallocation on)")):
+        oom = forensics[name]
+        if "skipped" in oom:
+            parts.append(f"{number}. {what}: skipped: {oom['skipped']}.")
+            continue
+        cap = forensics["cap"]
+        parts += ["", (f"{number}. {what}, capped at {fmt(cap['cap_mb'])} MB (fraction {cap['fraction']:.5f} of "
+                       f"{fmt(cap['device_total_mb'])} MB, half of run 1's peak reserved {fmt(cap['run1_peak_reserved_mb'])}"
+                       f" MB): exit {oom['returncode']} (expected {oom['expected_returncode']}), oom/ files "
+                       f"{json.dumps(oom.get('oom_files'))}, checkpoint written: {fmt(oom.get('checkpoint_written'))}.")]
+        if oom.get("gpu_at_oom"):
+            at, later = oom["gpu_at_oom"], oom.get("gpu_when_reported", {})
+            parts.append(f"   GPU allocated at the OOM (observer): {fmt(at['allocated_mb'])} MB, asking for "
+                         f"{fmt(at['requested_mb'])} MB more; when the report was written (the failed step's "
+                         f"tensors dropped): {fmt(later.get('alloc_mb'))} MB.")
+        if oom.get("top_sites_at_oom"):
+            sites = "; ".join(f"{t['site']} {fmt(t['mb'])} MB in {t['blocks']} blocks" for t in oom["top_sites_at_oom"][:5])
+            parts.append(f"   Largest live allocation sites in {oom['top_sites_from']}: {sites}.")
+        parts += ["", "   What it printed (end of stderr):", "", "```", oom["stderr_tail"], "```"]
+    return "\n".join(parts)
+
+
+def gpu_only_markdown(result: dict, table: str, command: str) -> str:
+    m = result["machine"]
+    head = [f"# Benchmark (GPU only), {result['date']}, {m.get('gpu', 'no GPU')}", "",
+            (f"Command: `{command}`. Machine: {m.get('gpu')}, {m['cpu']}, {m['cpu_count']} CPU cores, "
+             f"{m['platform']}, Python {m['python']}, torch {m['torch']}. The CPU figures are in the CPU results "
+             "files."), "", table, ""]
+    return "\n".join(head) + gpu_markdown(result) + "\n"
 
 
 def fmt_load(load) -> str:
@@ -368,6 +498,8 @@ def main(args: Args) -> dict:
         fail(f"--threads must be at least 1, got {args.threads}.")
     if args.json is not None and not Path(args.json).resolve().parent.is_dir():
         fail(f"--json {args.json!r}: its folder does not exist.")
+    if args.gpu_only:
+        return main_gpu_only(args)
     (BENCH_DIR / ".work").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="run-", dir=BENCH_DIR / ".work") as work:
         result = measure(args, Path(work))
@@ -387,6 +519,32 @@ def main(args: Args) -> dict:
         stem.parent.mkdir(parents=True, exist_ok=True)
         command = "python benchmark/run.py" + (f" --peer {args.peer}" if args.peer else "")
         stem.with_suffix(".md").write_text(results_markdown(result, table, command))
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
+        log(f"wrote {stem}.md and {stem}.json")
+    return result
+
+
+def main_gpu_only(args: Args) -> dict:
+    import torch
+
+    if args.peer is not None:
+        fail("--gpu-only measures our GPU figures alone; drop --peer.")
+    if not torch.cuda.is_available():
+        fail("--gpu-only needs a CUDA device, and torch sees none on this machine.")
+    (BENCH_DIR / ".work").mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="run-", dir=BENCH_DIR / ".work") as work:
+        result = measure_gpu_only(args, Path(work))
+    result["date"] = time.strftime("%Y-%m-%d")
+    result["targets_met"] = gpu_verdicts(result)
+    table = "\n".join(["| target | met |", "|---|---|"]
+                      + [f"| {name} | {fmt(met)} |" for name, met in result["targets_met"].items()])
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    if not args.quick:
+        stem = Path(args.results_dir) / f"{result['date']}-{slug(result['machine']['gpu'])}"
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        stem.with_suffix(".md").write_text(gpu_only_markdown(result, table, "python benchmark/run.py --gpu-only"))
         stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
         log(f"wrote {stem}.md and {stem}.json")
     return result

@@ -210,6 +210,18 @@ def test_snapshots_on_cuda_are_written_and_readable(tmp_path):
     del x
 
 
+def test_snapshots_record_python_frames_only_in_a_bounded_ring(tmp_path, monkeypatch):
+    # CUDA cannot run here, so the recorder is stood in for; what is checked is how it is asked to record:
+    # a bounded ring, and Python frames only (C++ frames cost minutes per dump to symbolise).
+    calls = []
+    monkeypatch.setattr(mu, "_cuda_ready", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **kw: calls.append((a, kw)))
+    snaps = mu.MemorySnapshots(str(tmp_path), every=5, max_entries=1234)
+    snaps.close()
+    assert calls[0] == ((), {"max_entries": 1234, "stacks": "python"})
+    assert calls[1] == ((), {"enabled": None})
+
+
 @pytest.mark.skipif(CUDA, reason="checks the CPU fallback")
 def test_oom_observer_is_not_attached_without_cuda(tmp_path):
     assert mu.install_oom_observer(str(tmp_path)) is False
@@ -235,6 +247,19 @@ def test_oom_diagnosis_explains_wsl_spill_and_contention():
     contended = mu.diagnose_oom("Tried to allocate 512.00 MiB", allocated_mb=900, reserved_mb=1000,
                                 free_mb=300, total_mb=24 * 1024)
     assert "Another process holds a large share" in contended and "spilling" not in contended
+    assert "cap" not in wsl and "cap" not in contended
+
+
+def test_oom_diagnosis_names_a_per_process_cap():
+    # torch adds "<size> allowed;" to the message when torch.cuda.set_per_process_memory_fraction is in force
+    message = ("CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has a total capacity of 79.19 GiB of which "
+               "77.90 GiB is free. Including non-PyTorch memory, this process has 1.29 GiB memory in use. "
+               "1.20 GiB allowed; Of the allocated memory 1.10 GiB is allocated by PyTorch, and 20.00 MiB is "
+               "reserved by PyTorch but unallocated.")
+    capped = mu.diagnose_oom(message, allocated_mb=1126, reserved_mb=1146, free_mb=77.9 * 1024,
+                             total_mb=79.19 * 1024)
+    assert "100 MiB" in capped and "at most 1229 MiB" in capped and "per-process cap" in capped
+    assert "Another process" not in capped and "spilling" not in capped
 
 
 def test_probe_scalars_keep_stages_an_iteration_skipped():
