@@ -14,6 +14,7 @@ The seed configuration is `dreamer_atari.Args()` as it is: Pong, 2 envs, capacit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -299,12 +300,18 @@ def cmd_soak(capacity: int, turnovers: int, every: int) -> dict:
             result = da.main(args)
             keys = [mu.KEY_USS_MB, mu.BUFFER_KEYS["obs_bytes"], mu.BUFFER_KEYS["aux_bytes"]]
             scalars = read_scalars(os.path.join(work, result["run_dir"]), keys)
+            with contextlib.suppress(KeyError):  # logged where the system reports it (Linux)
+                scalars.update(read_scalars(os.path.join(work, result["run_dir"]), [mu.KEY_ANON_MB]))
         finally:
             os.chdir(cwd)
     steps = sorted(scalars[mu.KEY_USS_MB])
     buffer_mb = [(scalars[keys[1]][s] + scalars[keys[2]][s]) / MB for s in steps]
     unexplained = [scalars[mu.KEY_USS_MB][s] - b for s, b in zip(steps, buffer_mb)]
     out = bench_utils.soak_summary(steps, unexplained, full_at=capacity, capacity=capacity)
+    if mu.KEY_ANON_MB in scalars:  # the leak detector's basis: other processes do not move it
+        anon = [scalars[mu.KEY_ANON_MB][s] - b for s, b in zip(steps, buffer_mb)]
+        out["soak_anon_slope_mb_per_10k"] = bench_utils.soak_summary(
+            steps, anon, full_at=capacity, capacity=capacity)["soak_uss_slope_mb_per_10k"]
     out["soak_config"] = {
         "model": TINY_MODEL,
         "capacity_steps": capacity,

@@ -299,6 +299,7 @@ def markdown_table(result: dict) -> str:
         (f"one full update, ms ({result['update_batch']})", "update_ms", ""),
         ("sample / update (same batch shape)", "sample_to_update_ratio", "≤ 0.05"),
         ("soak: USS − replay, MB per 10k env steps", "soak_uss_slope_mb_per_10k", "≤ 1"),
+        ("soak: resident anonymous − replay, MB per 10k", "soak_anon_slope_mb_per_10k", ""),
         ("soak: replay turnovers", "soak_turnovers", "≥ 10"),
         ("parameters (world model + actor + critic)", "params_total", ""),
     ]
@@ -336,9 +337,12 @@ def markdown_table(result: dict) -> str:
             else:
                 lines.append(f"| {name} | {fmt(trial['update_ms'])} | {fmt(trial['first_update_ms'])} | "
                              f"{fmt(trial.get('speedup_vs_baseline'))} |")
-    lines += ["", "| target | met |", "|---|---|"]
-    lines += [f"| {name} | {fmt(met)} |" for name, met in result["targets_met"].items()]
+    lines += ["", targets_table(result["targets_met"])]
     return "\n".join(lines)
+
+
+def targets_table(targets: dict) -> str:
+    return "\n".join(["| target | met |", "|---|---|"] + [f"| {name} | {fmt(met)} |" for name, met in targets.items()])
 
 
 def results_markdown(result: dict, table: str, command: str) -> str:
@@ -536,8 +540,7 @@ def main_gpu_only(args: Args) -> dict:
         result = measure_gpu_only(args, Path(work))
     result["date"] = time.strftime("%Y-%m-%d")
     result["targets_met"] = gpu_verdicts(result)
-    table = "\n".join(["| target | met |", "|---|---|"]
-                      + [f"| {name} | {fmt(met)} |" for name, met in result["targets_met"].items()])
+    table = targets_table(result["targets_met"])
     print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -47,7 +47,7 @@ def test_gpu_stats_empty_without_cuda_and_report_keys():
 
 
 def test_memory_keys_are_the_documented_names():
-    assert mu.CPU_KEYS == ("debug/cpu/rss_mb", "debug/cpu/uss_mb")
+    assert mu.CPU_KEYS == ("debug/cpu/rss_mb", "debug/cpu/uss_mb", "debug/cpu/anon_mb")
     assert set(mu.GPU_KEYS) == {f"debug/gpu/{k}" for k in (
         "alloc_mb", "reserved_mb", "max_alloc_mb", "max_reserved_mb", "small_pool_active_mb",
         "large_pool_active_mb", "active_blocks", "num_alloc_retries", "num_ooms")}
@@ -62,7 +62,7 @@ def test_memory_report_rejects_incomplete_buffer_stats():
 
 # --------------------------------------------------------------------------------------- leak detector
 def _run_loop(steps_per_iter, iters, keep, buffer=None, buffer_capacity=None, pass_buffer_stats=True):
-    """A tiny recurrent "collection" loop measured with real USS. Returns the detector's verdict.
+    """A tiny recurrent "collection" loop measured with real host memory. Returns the detector's verdict.
 
     With `keep`, it is the incident's bug: the recurrent state is computed with autograd on and never
     detached, so each step's graph (and the 1 MB tensors it saved) stays reachable from the next state.
@@ -110,6 +110,41 @@ def test_leak_detector_does_not_flag_a_buffer_filling_to_capacity():
     unexplained = _run_loop(steps_per_iter=100, iters=30, keep=False, buffer=[], buffer_capacity=None,
                             pass_buffer_stats=False)
     assert unexplained.leaking and unexplained.cause == "host_references"
+
+
+NEIGHBOUR = ("import sys, torch\n"
+             "y = torch.nn.Conv2d(4, 32, 3)(torch.randn(8, 4, 84, 84)).sum()\n"
+             "y.backward()\n"
+             "print('ready', flush=True)\n"
+             "sys.stdin.read()\n")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="USS and RssAnon as Linux reports them")
+def test_a_neighbour_torch_process_starting_and_ending_is_not_a_leak():
+    # A second run on the same machine (another seed, a test suite) maps the same torch libraries: while it
+    # lives, their pages count as shared, so this process's USS drops; when it ends, USS jumps back up.
+    torch.nn.Conv2d(4, 32, 3)(torch.randn(8, 4, 84, 84)).sum().backward()  # touch the libraries it will share
+    detector = mu.LeakDetector(warmup_steps=0, window=10, threshold_mb_per_1k=1.0)
+    uss = []
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+    try:
+        assert neighbour.stdout.readline().strip() == "ready"
+        for i in range(10):
+            if i == 5:  # the neighbour ends halfway through the window
+                neighbour.stdin.close()
+                neighbour.wait(timeout=60)
+            report = mu.memory_report()
+            uss.append(report[mu.KEY_USS_MB])
+            detector.observe(1000 * i, report)
+    finally:
+        neighbour.kill()
+    # the hazard is real: USS stepped up when the neighbour left, with nothing changed here
+    assert min(uss[5:]) - max(uss[:5]) > 10, uss
+    verdict = detector.check()
+    assert not verdict.leaking, verdict.diagnosis
+    assert abs(verdict.slopes[mu.HOST_UNEXPLAINED_MB]) < 1.0
+    assert verdict.slopes[mu.KEY_USS_MB] > 1.0  # judged on USS, the same run would have been called a leak
 
 
 def test_leak_detector_names_gpu_causes_from_the_pools_that_grow():
