@@ -252,8 +252,9 @@ def memory_report(buffer_stats: dict | None = None, device=None, trim: bool = Tr
     With `trim` (the default), garbage is collected and free heap pages are returned first
     (`trim_host_memory()`), so the host figures measure live memory, not the allocator's cache.
 
-    Host keys always (`debug/cpu/anon_mb` where the system reports it: Linux); GPU keys when CUDA is available (and `device`, if given, is a CUDA device);
-    `buffer/replay/*` keys when `buffer_stats` (total_steps, num_episodes, obs_bytes, aux_bytes) is given.
+    Host keys always (`debug/cpu/anon_mb` where the system reports it: Linux); GPU keys when CUDA is
+    available (and `device`, if given, is a CUDA device); `buffer/replay/*` keys when `buffer_stats`
+    (total_steps, num_episodes, obs_bytes, aux_bytes) is given.
     Every value is a Python float, so logging it never keeps a tensor alive.
     """
     if buffer_stats is not None:

@@ -85,3 +85,13 @@ def param_count(*modules: torch.nn.Module) -> int:
         for p in module.parameters():
             seen[id(p)] = p.numel()
     return sum(seen.values())
+
+
+def read_scalars(run_dir: str, keys: list[str]) -> dict[str, dict[int, float]]:
+    """{key: {step: value}} from a run's TensorBoard file, for the keys it logged (missing keys are left out)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = set(events.Tags().get("scalars", []))
+    return {key: {e.step: e.value for e in events.Scalars(key)} for key in keys if key in logged}

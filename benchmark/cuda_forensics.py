@@ -35,8 +35,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import memory_utils as mu
+from benchmark import bench_utils
+from dreamer_atari import EXIT_OOM
 
-EXIT_OOM = 3  # dreamer_atari.EXIT_OOM (not imported: this process never imports torch's CUDA side)
 # Run sizes. Full: the seed model (dreamer_atari.Args() defaults) with fewer updates per env step, so the run stays
 # short; quick: the soak's tiny model.
 FULL = {"total": 3_000, "capacity": 2_000, "learning_starts": 1_000, "every": 500, "train_ratio": 128.0, "model": []}
@@ -83,16 +84,6 @@ def run_dir(work: Path, exp_name: str) -> Path | None:
     return found[-1] if found else None
 
 
-def last_scalar(events_dir: Path, key: str) -> float | None:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(events_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    if key not in events.Tags().get("scalars", []):
-        return None
-    return events.Scalars(key)[-1].value
-
-
 def files_in(directory: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(directory.iterdir())} if directory.is_dir() else {}
 
@@ -118,8 +109,10 @@ def snapshots_run(sizes: dict, on_cuda: bool, work: Path) -> dict:
     out["snapshots"] = files_in(directory / "memory_snapshots")
     out["probe_verdict"] = next((line for line in done["stdout"].splitlines() + done["stderr"].splitlines()
                                  if line.startswith("probes:")), None)
-    for key in (mu.KEY_GPU_MAX_RESERVED_MB, mu.KEY_GPU_MAX_ALLOC_MB, "charts/SPS", "charts/updates_per_second"):
-        out[key] = last_scalar(directory, key)
+    keys = (mu.KEY_GPU_MAX_RESERVED_MB, mu.KEY_GPU_MAX_ALLOC_MB, "charts/SPS", "charts/updates_per_second")
+    scalars = bench_utils.read_scalars(directory, list(keys))
+    for key in keys:
+        out[key] = scalars[key][max(scalars[key])] if key in scalars else None  # the last logged value
     return out
 
 

@@ -14,7 +14,6 @@ The seed configuration is `dreamer_atari.Args()` as it is: Pong, 2 envs, capacit
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -282,14 +281,6 @@ def soak_args(capacity: int, turnovers: int, every: int, batch: int = 4, seq: in
     )
 
 
-def read_scalars(run_dir: str, keys: list[str]) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(run_dir, size_guidance={"scalars": 0})
-    events.Reload()
-    return {key: {e.step: e.value for e in events.Scalars(key)} for key in keys}
-
-
 def cmd_soak(capacity: int, turnovers: int, every: int) -> dict:
     args = soak_args(capacity, turnovers, every)
     # the script's own memory_report() trims the heap before measuring, so USS is live memory
@@ -298,10 +289,9 @@ def cmd_soak(capacity: int, turnovers: int, every: int) -> dict:
         os.chdir(work)  # the run directory (runs/...) goes in the temporary folder
         try:
             result = da.main(args)
-            keys = [mu.KEY_USS_MB, mu.BUFFER_KEYS["obs_bytes"], mu.BUFFER_KEYS["aux_bytes"]]
-            scalars = read_scalars(os.path.join(work, result["run_dir"]), keys)
-            with contextlib.suppress(KeyError):  # logged where the system reports it (Linux)
-                scalars.update(read_scalars(os.path.join(work, result["run_dir"]), [mu.KEY_ANON_MB]))
+            # anon_mb is logged where the system reports it (Linux): read_scalars leaves out what is missing
+            keys = [mu.KEY_USS_MB, mu.BUFFER_KEYS["obs_bytes"], mu.BUFFER_KEYS["aux_bytes"], mu.KEY_ANON_MB]
+            scalars = bench_utils.read_scalars(os.path.join(work, result["run_dir"]), keys)
         finally:
             os.chdir(cwd)
     steps = sorted(scalars[mu.KEY_USS_MB])
@@ -379,7 +369,7 @@ def cmd_gpu(quick: bool, device_name: str) -> dict:
         try:
             result = da.main(loop_args)
             keys = ["charts/SPS", mu.KEY_GPU_ALLOC_MB] if on_cuda else ["charts/SPS"]
-            scalars = read_scalars(os.path.join(work, result["run_dir"]), keys)
+            scalars = bench_utils.read_scalars(os.path.join(work, result["run_dir"]), keys)
         finally:
             os.chdir(cwd)
     out["loop"] = {"capacity_steps": capacity, "env_steps": loop_args.total_timesteps,
