@@ -38,6 +38,7 @@ from typing import Literal
 import ale_py
 import gymnasium as gym
 import numpy as np
+import psutil
 import torch
 import torch.nn.functional as F
 import tyro
@@ -79,6 +80,9 @@ class Args:
     """the entity (team) of the wandb project"""
     capture_video: bool = False
     """whether to record videos of env 0 to `videos/{run_name}`"""
+    video_every: int = 10_000
+    """log open-loop predictions (the model sees 5 replayed frames, then imagines the rest from the real actions)
+    as a video every this many env steps, once updates have started (0 = off)"""
     save_model: bool = False
     """whether to write a checkpoint at the end of training"""
     checkpoint_every: int = 0
@@ -86,7 +90,7 @@ class Args:
     checkpoint_buffer: bool = False
     """whether checkpoints also hold the replay buffer (large: about 7 KB per stored step)"""
     resume: str | None = None
-    """path of a checkpoint to continue from (models, optimizers, scaler, counters, RNG state)"""
+    """path of a checkpoint to continue from (models, optimizers, loss scalers, counters, RNG state)"""
     log_interval: int = 1000
     """write charts, losses and memory figures every this many env steps"""
 
@@ -105,8 +109,9 @@ class Args:
     """truncate episodes after this many agent steps (0 = the game's own limit)"""
 
     # replay
-    buffer_capacity: int = 50_000
-    """replay capacity in env steps; whole oldest episodes are evicted first"""
+    buffer_capacity: int | None = None
+    """replay capacity in env steps; whole oldest episodes are evicted first. Unset: the replay keeps every step
+    of the run (DreamerV3's Atari100k setting; about 7.1 KB of host memory per Pong step, printed at start)"""
     batch_size: int = 16
     """the number of sequences per world-model batch"""
     sequence_length: int = 50
@@ -140,10 +145,11 @@ class Args:
     # training
     total_timesteps: int = 1_000_000
     """total env steps of the experiment"""
-    learning_starts: int = 5_000
-    """env steps of random actions that fill the replay before any update"""
-    warmup_steps: int = 25_000
-    """env steps after `learning_starts` during which only the world model trains"""
+    learning_starts: int = 1_000
+    """env steps of random actions that fill the replay before any update (DreamerV3: about 1k)"""
+    warmup_steps: int = 0
+    """env steps after `learning_starts` during which only the world model trains. DreamerV3 trains world
+    model and behaviour together from the start (0); the seed configuration used 25000"""
     train_ratio: float = 1024.0
     """replayed steps per env step. DreamerV3 learned Pong with 1024 at batch 16 x 64, one update per agent
     step; keeping the replayed-steps figure, batch 16 x 50 gives 1.28 updates per env step"""
@@ -153,8 +159,12 @@ class Args:
     """learning rate of the actor"""
     critic_lr: float = 3e-5
     """learning rate of the critic"""
-    adam_eps: float = 1e-8
-    """epsilon of the Adam optimizers"""
+    world_model_eps: float = 1e-8
+    """epsilon of the world model's Adam (DreamerV3: 1e-8)"""
+    actor_eps: float = 1e-5
+    """epsilon of the actor's Adam (DreamerV3: 1e-5)"""
+    critic_eps: float = 1e-5
+    """epsilon of the critic's Adam (DreamerV3: 1e-5)"""
     world_model_grad_clip: float = 1000.0
     """gradient norm clip of the world model"""
     actor_critic_grad_clip: float = 100.0
@@ -184,11 +194,16 @@ class Args:
     slow_critic_fraction: float = 0.02
     """EMA rate with which the slow critic follows the critic each update"""
     max_nonfinite: int = 10
-    """stop (with a checkpoint) after this many non-finite updates in a row"""
+    """stop (with a checkpoint) when this many updates in a row had a non-finite loss or gradient; each such
+    update is skipped on the device and changes nothing, and runs are checked at each log point"""
 
     # memory
-    amp: Literal["auto", "off", "fp16", "bf16"] = "auto"
-    """mixed precision: auto = fp16 on CUDA, off on CPU"""
+    amp: Literal["auto", "off", "fp16", "bf16"] = "off"
+    """mixed precision: off = float32 (DreamerV3's choice), bf16, fp16 (CUDA, one loss scaler per optimizer),
+    auto = fp16 on CUDA and off on CPU"""
+    cudagraph: bool = False
+    """CUDA only: capture the world-model update and the behaviour update in CUDA graphs after 3 eager updates
+    and replay them (the same functions; no Python or kernel-launch cost per op). Takes --amp off or bf16"""
     preallocate: bool = True
     """create optimizer state at start-up with a worst-case batch (fail fast instead of OOM hours later)"""
     abort_on_leak: bool = False
@@ -237,13 +252,14 @@ def check_args(args: Args) -> None:
         "--max-episode-steps": args.max_episode_steps,
         "--noop-max": args.noop_max,
         "--leak-warmup-steps": args.leak_warmup_steps,
+        "--video-every": args.video_every,
     }
     for flag, value in non_negative.items():
         if value < 0:
             raise ArgsError(f"{flag} must be 0 or more, got {value}.")
     if min(args.encoder_channels) < 1:
         raise ArgsError(f"--encoder-channels must all be at least 1, got {args.encoder_channels}.")
-    if args.buffer_capacity < args.sequence_length:
+    if args.buffer_capacity is not None and args.buffer_capacity < args.sequence_length:
         raise ArgsError(
             f"--buffer-capacity ({args.buffer_capacity}) must be at least --sequence-length "
             f"({args.sequence_length}): the replay could never hold one sequence."
@@ -268,31 +284,113 @@ def check_args(args: Args) -> None:
         "--world-model-lr": args.world_model_lr,
         "--actor-lr": args.actor_lr,
         "--critic-lr": args.critic_lr,
-        "--adam-eps": args.adam_eps,
+        "--world-model-eps": args.world_model_eps,
+        "--actor-eps": args.actor_eps,
+        "--critic-eps": args.critic_eps,
     }.items():
         if not value > 0:
             raise ArgsError(f"{flag} must be greater than 0, got {value}.")
     try:
-        gym.spec(args.env_id)
+        spec = gym.spec(args.env_id)
     except gym.error.Error:
         raise ArgsError(
-            f"--env-id {args.env_id!r} is not a registered environment; ALE ids look like ALE/Pong-v5."
+            f"--env-id {args.env_id!r} is not a registered environment; ALE ids look like ALE/Pong-v5, "
+            f"and {CATCH_ID} is the built-in test task."
         )
+    if not is_atari(args.env_id):
+        space = gym.make(spec).observation_space  # builds the env once, before anything is written
+        if space.shape != (84, 84) or space.dtype != np.uint8:
+            raise ArgsError(
+                f"--env-id {args.env_id!r} gives observations of shape {space.shape} {space.dtype}; this script "
+                f"takes Atari ids (ALE/...) or environments that give 84x84 grey uint8 frames."
+            )
+    if args.cudagraph and args.amp in ("fp16", "auto"):
+        raise ArgsError(f"--cudagraph takes --amp off or bf16, got --amp {args.amp} (fp16's loss scaling is not "
+                        f"captured).")
+    if args.cudagraph and args.memory_probes:
+        raise ArgsError("--memory-probes measures eager updates (a captured graph runs no Python); drop --cudagraph.")
     if args.resume is not None and not os.path.isfile(args.resume):
         raise ArgsError(f"--resume {args.resume!r} does not exist or is not a file.")
 
 
+class CatchEnv(gym.Env):
+    """Catch, a pixel task small enough to learn in minutes on a CPU, for checking that the whole agent learns.
+
+    A ball starts in a random column of the top row of a `rows` x `columns` grid and falls one row per step;
+    the paddle on the bottom row moves left, stays or moves right. When the ball reaches the bottom row the
+    episode ends: +1 if the paddle is under it, -1 if not (every ball can be caught: the optimal return is 1).
+    Observations are 84x84 grey uint8 images, like preprocessed Atari frames. Actions: 0 stay, 1 left, 2 right.
+    """
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 8}
+    SIZE = 84
+
+    def __init__(self, rows: int = 10, columns: int = 5, render_mode: str | None = None):
+        self.rows, self.columns, self.render_mode = rows, columns, render_mode
+        self.observation_space = gym.spaces.Box(0, 255, (self.SIZE, self.SIZE), np.uint8)
+        self.action_space = gym.spaces.Discrete(3)
+        self.cell_h, self.cell_w = self.SIZE // rows, self.SIZE // columns
+        self.top = (self.SIZE - rows * self.cell_h) // 2
+        self.left = (self.SIZE - columns * self.cell_w) // 2
+
+    def _frame(self) -> np.ndarray:
+        frame = np.zeros((self.SIZE, self.SIZE), np.uint8)  # (84, 84)
+        for (row, col), height in (((self.ball_row, self.ball_col), self.cell_h), ((self.rows - 1, self.paddle), 3)):
+            y = self.top + (row + 1) * self.cell_h - height
+            x = self.left + col * self.cell_w
+            frame[y : y + height, x + 1 : x + self.cell_w - 1] = 255
+        return frame
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.ball_row, self.ball_col = 0, int(self.np_random.integers(self.columns))
+        self.paddle = self.columns // 2
+        return self._frame(), {}
+
+    def step(self, action):
+        self.paddle = int(np.clip(self.paddle + (0, -1, 1)[int(action)], 0, self.columns - 1))
+        self.ball_row += 1
+        terminated = self.ball_row == self.rows - 1
+        reward = (1.0 if self.paddle == self.ball_col else -1.0) if terminated else 0.0
+        return self._frame(), reward, terminated, False, {}
+
+    def render(self) -> np.ndarray:
+        return np.repeat(self._frame()[..., None], 3, axis=-1)  # (84, 84, 3)
+
+
+CATCH_ID = "Catch-v0"
+
+
+def register_catch() -> None:
+    """Make `--env-id Catch-v0` a gymnasium id (also inside vector-env workers that start fresh)."""
+    if CATCH_ID not in gym.registry:
+        gym.register(CATCH_ID, entry_point=CatchEnv, max_episode_steps=100)
+
+
+register_catch()
+
+
+def is_atari(env_id: str) -> bool:
+    return "ale_py" in str(gym.spec(env_id).entry_point)
+
+
 def make_env(env_id: str, idx: int, capture_video: bool, run_name: str, args: Args) -> Callable[[], gym.Env]:
+    """Atari ids get the usual preprocessing (frame skip 4, 84x84 grey, no-op starts); other ids must give
+    84x84 grey uint8 frames themselves (Catch-v0 does). Either way 4 frames are stacked."""
+
     def thunk():
+        register_catch()
         kwargs = dict(frameskip=1, repeat_action_probability=args.repeat_action_probability)
+        kwargs = kwargs if is_atari(env_id) else {}
         if capture_video and idx == 0:
             env = gym.make(env_id, render_mode="rgb_array", **kwargs)
             env = gym.wrappers.RecordVideo(env, f"videos/{run_name}")
         else:
             env = gym.make(env_id, **kwargs)
-        env = gym.wrappers.AtariPreprocessing(
-            env, frame_skip=4, screen_size=84, grayscale_obs=True, noop_max=args.noop_max
-        )
+        if is_atari(env_id):
+            env = gym.wrappers.AtariPreprocessing(
+                env, frame_skip=4, screen_size=84, grayscale_obs=True, noop_max=args.noop_max
+            )
         if args.max_episode_steps > 0:
             env = gym.wrappers.TimeLimit(env, args.max_episode_steps)
         env = gym.wrappers.RecordEpisodeStatistics(env)
@@ -324,9 +422,62 @@ def make_vector_env(args: Args, run_name: str, seed: int) -> gym.vector.VectorEn
     return envs
 
 
+def check_actions_change_frames(env_fn: Callable[[], gym.Env], env_id: str, seed: int, steps: int = 50) -> None:
+    """Raise ArgsError if two different action sequences from the same seed give the same frames.
+
+    ale-py 0.10.x silently turned actions into no-ops (ALE issue 594): an agent then learns nothing and nothing
+    says why. Two short plays from one seed, one always taking action 0 and one taking random other actions,
+    must differ somewhere.
+    """
+    env = env_fn()
+    try:
+        num_actions = int(env.action_space.n)
+        if num_actions < 2:
+            return
+        others = np.random.default_rng(seed).integers(1, num_actions, size=steps)
+        plays = []
+        for actions in (np.zeros(steps, np.int64), others):
+            obs, _ = env.reset(seed=seed)
+            frames = [obs]
+            for action in actions:
+                obs, _, terminated, truncated, _ = env.step(int(action))
+                frames.append(obs)
+                if terminated or truncated:
+                    break
+            plays.append(frames)
+    finally:
+        env.close()
+    if len(plays[0]) == len(plays[1]) and all(np.array_equal(a, b) for a, b in zip(*plays)):
+        raise ArgsError(
+            f"--env-id {env_id!r} ignores actions: {steps} steps of action 0 and {steps} steps of other actions "
+            f"from the same seed gave identical frames, so nothing could be learned (ale-py 0.10.x had this bug, "
+            f"ALE issue 594; requirements.txt pins a fixed ale-py)."
+        )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Replay: episodes of frames stored once, stacks rebuilt when sampling
 # ---------------------------------------------------------------------------------------------------------
+REPLAY_AUX_BYTES_PER_STEP = 1 + 4 + 1 + 1  # action uint8, reward float32, is_first, is_terminal
+
+
+def say_replay_size(capacity: int, obs_shape: tuple) -> None:
+    """Print how much host memory the replay grows to, and warn when that is more than this machine has free."""
+    # memory: the replay is the run's largest host allocation: say its size before it grows, not at 3 a.m.
+    full = capacity * (obs_shape[-2] * obs_shape[-1] + REPLAY_AUX_BYTES_PER_STEP)
+    available = psutil.virtual_memory().available
+    print(f"replay: up to {capacity:,} steps, about {full / 2**30:.2f} GiB of host memory when full "
+          f"({available / 2**30:.1f} GiB available now)")
+    if full > 0.8 * available:
+        print(f"replay: warning: a full replay would take more than 80 % of the memory available now; "
+              f"--buffer-capacity {int(0.5 * available / (full / capacity)):,} would take about half")
+
+
+def replay_capacity(args: Args) -> int:
+    """`--buffer-capacity`, or the whole run when it is not set."""
+    return args.buffer_capacity if args.buffer_capacity is not None else args.total_timesteps
+
+
 class ChunkedArray:
     """A growable array kept as fixed-size numpy chunks, so it can grow without copying and drop its front.
 
@@ -456,8 +607,8 @@ class EpisodeReplay:
     """Episode-based replay holding at most `capacity` env steps; whole oldest episodes are evicted first.
 
     Episodes still being played are sampleable. When an episode alone outgrows the capacity, its oldest chunk
-    is dropped instead. Sequences never cross episodes; an episode shorter than the sequence length is
-    stored but not sampled (Atari episodes are far longer).
+    is dropped instead. Sampled sequences may cross from one stored episode into the next (DreamerV3 samples a
+    stream the same way), so short episodes are sampled too and every stored step about equally often.
     """
 
     def __init__(self, capacity: int, num_envs: int, seed: int, chunk_size: int | None = None):
@@ -528,39 +679,78 @@ class EpisodeReplay:
             self.total_steps -= freed
 
     def can_sample(self, sequence_length: int) -> bool:
-        return any(episode.num_steps >= sequence_length for episode in self.episodes)
+        return self.total_steps >= sequence_length
 
-    def sample(self, batch_size: int, sequence_length: int) -> dict[str, np.ndarray]:
-        """Uniform over all stored windows. Every returned array is a fresh copy that owns its memory."""
+    def draw_windows(
+        self, batch_size: int, sequence_length: int, rng: np.random.Generator | None = None
+    ) -> list[list[tuple[Episode, int, int]]]:
+        """Where `sample` reads: for each window, its pieces (episode, first step, steps), one per episode it
+        touches. Windows are `sequence_length` consecutive steps of the stream that the stored episodes form in
+        storage order, and the stream is a ring (a window may wrap from the newest step to the oldest), so every
+        stored step is in exactly `sequence_length` of the possible windows and is drawn equally often,
+        whatever the episode lengths. `rng` defaults to the replay's own generator."""
         episodes = list(self.episodes)
-        windows = np.array([max(0, ep.num_steps - sequence_length + 1) for ep in episodes], dtype=np.float64)
-        if windows.sum() == 0:
-            raise RuntimeError(f"no stored episode has {sequence_length} steps yet")
-        picks = self.rng.choice(len(episodes), size=batch_size, p=windows / windows.sum())
-        stack, (height, width) = episodes[0].stack, episodes[0].frames.item_shape
+        lengths = np.fromiter((ep.num_steps for ep in episodes), np.int64, len(episodes))
+        ends = np.cumsum(lengths)  # stream position one past each episode's last step
+        if ends[-1] < sequence_length:
+            raise RuntimeError(f"the replay holds {ends[-1]} steps, fewer than one sequence of {sequence_length}")
+        rng = self.rng if rng is None else rng
+        windows = []
+        for start in rng.integers(0, ends[-1], size=batch_size):
+            index = int(np.searchsorted(ends, start, side="right"))
+            offset = int(start - (ends[index] - lengths[index]))  # steps into episode `index`
+            pieces, left = [], sequence_length
+            while left > 0:
+                episode = episodes[index]
+                take = min(left, episode.num_steps - offset)
+                pieces.append((episode, episode.first_step + offset, take))
+                left -= take
+                index, offset = (index + 1) % len(episodes), 0
+            windows.append(pieces)
+        return windows
+
+    def sample(
+        self,
+        batch_size: int,
+        sequence_length: int,
+        rng: np.random.Generator | None = None,
+        out: dict[str, np.ndarray] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """A batch of windows (`draw_windows`). A window may run from the end of one episode into the next one:
+        `is_first` marks where, and the world model resets its state there. Every returned array is a fresh
+        copy that owns its memory, or, with `out`, is written into the caller's arrays of the same shapes (pinned
+        buffers on CUDA). Pass another `rng` to sample without changing the training batches to come."""
         T = sequence_length
+        windows = self.draw_windows(batch_size, T, rng)
+        stack, (height, width) = windows[0][0][0].stack, windows[0][0][0].frames.item_shape
+        shapes = {"obs": ((batch_size, T, stack, height, width), np.uint8), "action": ((batch_size, T), np.uint8),
+                  "reward": ((batch_size, T), np.float32), "is_first": ((batch_size, T), np.bool_),
+                  "is_terminal": ((batch_size, T), np.bool_)}
+        if out is not None:
+            for key, (shape, dtype) in shapes.items():
+                assert out[key].shape == shape and out[key].dtype == dtype, (key, out[key].shape, shape)
         # memory: a batch is a copy; it never aliases replay storage, so it cannot keep evicted episodes alive
-        frames = np.empty((batch_size, T + stack - 1, height, width), np.uint8)  # (B, T+3, 84, 84)
-        action = np.empty((batch_size, T), np.uint8)
-        reward = np.empty((batch_size, T), np.float32)
-        is_first = np.empty((batch_size, T), np.bool_)
-        is_terminal = np.empty((batch_size, T), np.bool_)
-        for b, pick in enumerate(picks):
-            episode = episodes[pick]
-            start = episode.first_step + int(self.rng.integers(int(windows[pick])))
-            episode.frames.read_into(frames[b], start, start + T + stack - 1)
-            episode.action.read_into(action[b], start, start + T)
-            episode.reward.read_into(reward[b], start, start + T)
-            episode.is_first.read_into(is_first[b], start, start + T)
-            episode.is_terminal.read_into(is_terminal[b], start, start + T)
-        obs = np.stack([frames[:, k : k + T] for k in range(stack)], axis=2)  # (B, T, 4, 84, 84) uint8
-        return {
-            "obs": obs,
-            "action": action,
-            "reward": reward,
-            "is_first": is_first,
-            "is_terminal": is_terminal,
-        }
+        arrays = out if out is not None else {key: np.empty(shape, dtype) for key, (shape, dtype) in shapes.items()}
+        obs = arrays["obs"]  # (B, T, 4, 84, 84) uint8
+        action, reward, is_first, is_terminal = (arrays[key] for key in ("action", "reward", "is_first", "is_terminal"))
+        frames = np.empty((T + stack - 1, height, width), np.uint8)  # one piece's frames, reused
+        for b, pieces in enumerate(windows):
+            filled = 0
+            for episode, begin, take in pieces:
+                # each piece rebuilds its stacks from its own episode's frames: a stack never mixes two episodes
+                episode.frames.read_into(frames[: take + stack - 1], begin, begin + take + stack - 1)
+                for k in range(stack):
+                    obs[b, filled : filled + take, k] = frames[k : k + take]
+                piece = slice(filled, filled + take)
+                episode.action.read_into(action[b, piece], begin, begin + take)
+                episode.reward.read_into(reward[b, piece], begin, begin + take)
+                episode.is_first.read_into(is_first[b, piece], begin, begin + take)
+                episode.is_terminal.read_into(is_terminal[b, piece], begin, begin + take)
+                if filled > 0:
+                    # the state resets where a piece starts, also where an episode's front was trimmed
+                    is_first[b, filled] = True
+                filled += take
+        return arrays
 
     def stats(self) -> dict[str, int]:
         """Sizes from the real arrays (feeds `memory_utils.memory_report(buffer_stats=...)`)."""
@@ -636,6 +826,24 @@ def twohot_loss(logits: torch.Tensor, target: torch.Tensor, bins: torch.Tensor) 
 def twohot_mean(logits: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
     """Expected value of a symlog two-hot head, back on the original scale."""
     return symexp((F.softmax(logits.float(), -1) * bins).sum(-1))
+
+
+_CDF_MATRICES: dict[tuple, torch.Tensor] = {}
+
+
+def categorical_draw(probs: torch.Tensor) -> torch.Tensor:
+    """One class index per row of `probs` (..., C), drawn by inverting the CDF: the distribution of
+    `Categorical(probs).sample()`, about 10x cheaper on a CPU, with no check that reads the probabilities back to
+    the host (so it can run inside a CUDA graph; a NaN row gives some index, and its update is skipped anyway).
+    The CDF is a product with an upper-triangular matrix of ones: one matrix kernel, where a cumsum over a few
+    dozen classes is one of the slowest kernels of an update on a GPU."""
+    classes, key = probs.shape[-1], (probs.shape[-1], probs.device)
+    if key not in _CDF_MATRICES:
+        _CDF_MATRICES[key] = torch.ones(classes, classes, device=probs.device).triu()
+    with torch.autocast(probs.device.type, enabled=False):  # the CDF in float32, also under --amp
+        cdf = probs.float() @ _CDF_MATRICES[key]  # (..., C)
+    uniform = torch.rand(probs.shape[:-1] + (1,), device=probs.device)
+    return (cdf < uniform).sum(-1).clamp_(max=classes - 1)
 
 
 def mlp(in_dim: int, out_dim: int, hidden_dim: int, zero_output: bool = False) -> nn.Sequential:
@@ -760,10 +968,7 @@ class RSSM(nn.Module):
         """A flat latent sample (..., stoch_flat) with gradients (straight-through or reparameterised)."""
         if self.classes:
             probs = stats.exp()
-            # inverse-CDF draw: the same distribution as Categorical(probs).sample(), ~10x cheaper on CPU
-            uniform = torch.rand(probs.shape[:-1] + (1,), device=probs.device, dtype=probs.dtype)
-            index = (probs.cumsum(-1) < uniform).sum(-1).clamp_(max=self.classes - 1)
-            one_hot = F.one_hot(index, self.classes).to(probs.dtype)
+            one_hot = F.one_hot(categorical_draw(probs), self.classes).to(probs.dtype)
             return (one_hot + probs - probs.detach()).flatten(-2)
         mean, std = stats.chunk(2, -1)
         return mean + std * torch.randn_like(std)
@@ -784,21 +989,22 @@ class RSSM(nn.Module):
         """
         B, T = embed.shape[:2]
         deter, stoch = self.initial(B, embed.device)
-        deters, stochs, posteriors, priors = [], [], [], []
+        keep = (~is_first).float().unsqueeze(-1)  # (B, T, 1): 0 where an episode starts
+        action = action * keep
+        # the posterior's first layer on [deter, embed], split: the embed half for all steps at once (same weights,
+        # same result, a fraction of the small kernels that bound an update on a GPU)
+        first = self.posterior_net[0]
+        embed_in = F.linear(embed, first.weight[:, self.deter_dim :], first.bias)  # (B, T, H)
+        deters, stochs, posteriors = [], [], []
         for t in range(T):
-            keep = (~is_first[:, t]).float().unsqueeze(-1)  # (B, 1): 0 where an episode starts
-            deter, stoch = deter * keep, stoch * keep
-            deter = self.img_step(deter, stoch, action[:, t] * keep)
-            prior = self.prior(deter)
-            posterior = self.posterior(deter, embed[:, t])
+            deter = self.img_step(deter * keep[:, t], stoch * keep[:, t], action[:, t])
+            hidden = F.linear(deter, first.weight[:, : self.deter_dim]) + embed_in[:, t]  # (B, H)
+            posterior = self._stats(self.posterior_net[1:](hidden))
             stoch = self.sample(posterior)
-            deters.append(deter), stochs.append(stoch), posteriors.append(posterior), priors.append(prior)
-        return (
-            torch.stack(deters, 1),
-            torch.stack(stochs, 1),
-            torch.stack(posteriors, 1),
-            torch.stack(priors, 1),
-        )
+            deters.append(deter), stochs.append(stoch), posteriors.append(posterior)
+        deter = torch.stack(deters, 1)  # (B, T, D)
+        # the prior depends on deter alone: all steps at once, after the loop
+        return deter, torch.stack(stochs, 1), torch.stack(posteriors, 1), self.prior(deter)
 
 
 class WorldModel(nn.Module):
@@ -831,8 +1037,9 @@ class Actor(nn.Module):
 
     def forward(self, feat: torch.Tensor) -> torch.distributions.Categorical:
         probs = F.softmax(self.net(feat).float(), -1)
+        # validate_args=False: validation reads the probabilities back to the host (a sync) on every call
         return torch.distributions.Categorical(
-            probs=(1 - self.unimix) * probs + self.unimix / probs.shape[-1]
+            probs=(1 - self.unimix) * probs + self.unimix / probs.shape[-1], validate_args=False
         )
 
 
@@ -863,8 +1070,10 @@ class ReturnNormalizer(nn.Module):
     @torch.no_grad()
     def update(self, returns: torch.Tensor) -> None:
         flat = returns.detach().float().flatten()
-        self.low.lerp_(torch.quantile(flat, 0.05), 1 - self.decay)
-        self.high.lerp_(torch.quantile(flat, 0.95), 1 - self.decay)
+        for ema, level in ((self.low, 0.05), (self.high, 0.95)):
+            quantile = torch.quantile(flat, level)
+            # a non-finite rollout (its update is skipped) leaves the EMA as it was, without a host sync
+            ema.copy_(torch.where(torch.isfinite(quantile), ema.lerp(quantile, 1 - self.decay), ema))
 
     def scale(self) -> torch.Tensor:
         return torch.clamp(self.high - self.low, min=1.0)
@@ -872,7 +1081,8 @@ class ReturnNormalizer(nn.Module):
 
 @dataclass
 class Agent:
-    """Everything that learns, plus the mixed-precision setup shared by the three optimizers."""
+    """Everything that learns: the networks, their optimizers, one loss scaler per optimizer (fp16 only; a scaler
+    that is not enabled passes everything through), and the autocast setup."""
 
     world_model: WorldModel
     actor: Actor
@@ -883,12 +1093,17 @@ class Agent:
     actor_optimizer: torch.optim.Optimizer
     critic_optimizer: torch.optim.Optimizer
     amp: "mu.AmpSetup"
+    scalers: dict[str, torch.amp.GradScaler]  # "world_model", "actor", "critic"
     device: torch.device
     num_actions: int
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.world_model_optimizer, self.actor_optimizer, self.critic_optimizer]
+
+    def named_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {"world_model": self.world_model_optimizer, "actor": self.actor_optimizer,
+                "critic": self.critic_optimizer}
 
     def modules(self) -> dict[str, nn.Module]:
         return {
@@ -912,18 +1127,23 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
     slow_critic = Critic(feat_dim, args.hidden_dim, args.reward_bins).to(device)
     slow_critic.load_state_dict(critic.state_dict())
     slow_critic.requires_grad_(False)
+    amp = mu.amp(args.amp, device)
+    adam = {"fused": True, "capturable": device.type == "cuda" and args.cudagraph}  # capture needs capturable
     return Agent(
         world_model=world_model,
         actor=actor,
         critic=critic,
         slow_critic=slow_critic,
         return_norm=ReturnNormalizer(args.return_norm_decay).to(device),
+        # fused Adam: one kernel per step, and it can skip a step on the device (see `clip_and_step`)
         world_model_optimizer=torch.optim.Adam(
-            world_model.parameters(), lr=args.world_model_lr, eps=args.adam_eps
+            world_model.parameters(), lr=args.world_model_lr, eps=args.world_model_eps, **adam
         ),
-        actor_optimizer=torch.optim.Adam(actor.parameters(), lr=args.actor_lr, eps=args.adam_eps),
-        critic_optimizer=torch.optim.Adam(critic.parameters(), lr=args.critic_lr, eps=args.adam_eps),
-        amp=mu.amp(args.amp, device),
+        actor_optimizer=torch.optim.Adam(actor.parameters(), lr=args.actor_lr, eps=args.actor_eps, **adam),
+        critic_optimizer=torch.optim.Adam(critic.parameters(), lr=args.critic_lr, eps=args.critic_eps, **adam),
+        amp=amp,
+        # one scaler per optimizer: an overflow in one loss shrinks that loss's scale alone
+        scalers={name: amp.new_scaler() for name in ("world_model", "actor", "critic")},
         device=device,
         num_actions=num_actions,
     )
@@ -951,7 +1171,7 @@ class Player:
             keep = torch.as_tensor(~is_first, device=device).float().unsqueeze(-1)  # (N, 1)
             deter = wm.rssm.img_step(self.deter * keep, self.stoch * keep, self.prev_action * keep)
             stoch = wm.rssm.sample(wm.rssm.posterior(deter, wm.encoder(image)))
-            action = self.agent.actor(torch.cat([deter, stoch], -1)).sample()  # (N,)
+            action = categorical_draw(self.agent.actor(torch.cat([deter, stoch], -1)).probs)  # (N,)
         # memory: the cached state is stored detached, so it can never carry a graph into the next step
         self.deter, self.stoch = deter.detach().float(), stoch.detach().float()
         self.prev_action = F.one_hot(action, self.agent.num_actions).float()
@@ -977,18 +1197,26 @@ def lambda_returns(
     return torch.stack(returns[1:][::-1])
 
 
-def batch_to_device(batch: dict[str, np.ndarray], num_actions: int, device) -> dict[str, torch.Tensor]:
-    """uint8 on the host, float on the device. On CUDA the copy is a plain synchronous one: no pinned source
-    whose lifetime would need managing."""
+def batch_tensors(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
+    """The sampled arrays as tensors on `device`, still uint8 and bool (a plain synchronous copy; on CUDA the
+    training loop copies from pinned memory instead, see `PinnedBatches`)."""
     # memory: observations cross to the device as uint8 (a quarter of float32); floats exist only there
-    as_tensor = {key: torch.from_numpy(value).to(device) for key, value in batch.items()}
+    return {key: torch.from_numpy(value).to(device) for key, value in batch.items()}
+
+
+def prepare_batch(raw: dict[str, torch.Tensor], num_actions: int) -> dict[str, torch.Tensor]:
+    """The conversions a raw batch needs, made on the device: images to float, actions to one-hot."""
     return {
-        "image": as_tensor["obs"].float() / 255.0 - 0.5,  # (B, T, 4, 84, 84), converted on the device
-        "action": F.one_hot(as_tensor["action"].long(), num_actions).float(),  # (B, T, A)
-        "reward": as_tensor["reward"],  # (B, T)
-        "is_first": as_tensor["is_first"],  # (B, T) bool
-        "is_terminal": as_tensor["is_terminal"],  # (B, T) bool
+        "image": raw["obs"].float() / 255.0 - 0.5,  # (B, T, 4, 84, 84) in [-0.5, 0.5]
+        "action": F.one_hot(raw["action"].long(), num_actions).float(),  # (B, T, A)
+        "reward": raw["reward"],  # (B, T)
+        "is_first": raw["is_first"],  # (B, T) bool
+        "is_terminal": raw["is_terminal"],  # (B, T) bool
     }
+
+
+def batch_to_device(batch: dict[str, np.ndarray], num_actions: int, device) -> dict[str, torch.Tensor]:
+    return prepare_batch(batch_tensors(batch, device), num_actions)
 
 
 def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args, probe: Callable[[str], None]):
@@ -1003,7 +1231,8 @@ def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args, pr
     feat = torch.cat([deter, stoch], -1)  # (B, T, D + S)
     reconstruction = wm.decoder(feat.flatten(0, 1)).unflatten(0, (B, T))  # (B, T, 4, 84, 84)
     image_loss = (reconstruction.float() - image).pow(2).sum((-3, -2, -1)).mean()
-    reward_loss = twohot_loss(wm.reward_head(feat), data["reward"], wm.bins).mean()
+    reward_logits = wm.reward_head(feat)  # (B, T, K)
+    reward_loss = twohot_loss(reward_logits, data["reward"], wm.bins).mean()
     continue_target = (~data["is_terminal"]).float()
     continue_loss = F.binary_cross_entropy_with_logits(
         wm.continue_head(feat).squeeze(-1).float(), continue_target
@@ -1030,38 +1259,77 @@ def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args, pr
         "losses/continue": continue_loss,
         "losses/kl": kl_loss,
         "debug/kl_value": dyn.mean(),
+        **reward_prediction_counts(twohot_mean(reward_logits.detach(), wm.bins), data["reward"]),
     }
     return loss, parts, (deter, stoch)
 
 
-def optimizer_step(
-    agent: Agent,
+REWARD_COUNT_KEYS = ("reward_nonzero", "reward_hits", "reward_zero", "reward_false_alarms")
+
+
+def reward_prediction_counts(predicted: torch.Tensor, reward: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How well the reward head predicts the rewards of real data (posterior states), as counts over (B, T).
+
+    A nonzero reward is a hit when the prediction has its sign and at least half its size; a zero reward is a
+    false alarm when the prediction is 0.5 or more in size. `reward_quality` turns the counts into rates.
+    """
+    nonzero = reward != 0
+    hits = nonzero & (predicted * torch.sign(reward) >= 0.5 * reward.abs())
+    false_alarms = ~nonzero & (predicted.abs() >= 0.5)
+    counts = (nonzero, hits, ~nonzero, false_alarms)
+    return {f"debug/{key}": count.float().sum() for key, count in zip(REWARD_COUNT_KEYS, counts)}
+
+
+def reward_quality(means: dict[str, float]) -> dict[str, float]:
+    """`charts/reward_sign_accuracy` (share of nonzero rewards predicted with the right sign and at least half
+    the size) and `charts/reward_false_alarm_rate` (share of zero rewards predicted as 0.5 or more), from the
+    mean counts of a log interval; a rate whose denominator is 0 in the interval is left out."""
+    nonzero, hits, zero, false_alarms = (means.pop(f"debug/{key}", 0.0) for key in REWARD_COUNT_KEYS)
+    out = {}
+    if nonzero > 0:
+        out["charts/reward_sign_accuracy"] = hits / nonzero
+    if zero > 0:
+        out["charts/reward_false_alarm_rate"] = false_alarms / zero
+    return out
+
+
+WORLD_MODEL_KEYS = (
+    "losses/world_model", "losses/image", "losses/reward", "losses/continue", "losses/kl", "debug/kl_value",
+    *(f"debug/{key}" for key in REWARD_COUNT_KEYS), "debug/world_model_grad_norm",
+)
+BEHAVIOR_KEYS = (
+    "losses/actor", "losses/critic", "losses/entropy", "debug/imagined_return", "debug/return_scale",
+    "debug/actor_grad_norm", "debug/critic_grad_norm",
+)
+
+
+def clip_and_step(
     optimizer: torch.optim.Optimizer,
-    parameters,
-    loss: torch.Tensor,
+    scaler: torch.amp.GradScaler,
+    parameters: list[torch.Tensor],
     clip: float,
-    parts: dict[str, torch.Tensor],
-    probe: Callable[[str], None],
-) -> tuple[dict[str, float], bool]:
-    """Backward, clip, and step unless the loss or the gradient is non-finite. Returns (floats, stepped)."""
-    scaler = agent.amp.scaler
-    optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()
-    probe("after_backward")
+    loss_finite: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """After the backward pass: unscale (fp16), clip, and step unless the loss or the gradient is non-finite.
+
+    No host synchronisation: a skipped step is skipped on the device, through the `found_inf` tensor that fused
+    Adam reads (the way torch's GradScaler skips steps), so weights, moments and step count stay exactly as they
+    were. With fp16 the scaler skips overflowing steps itself and lowers its scale: that is loss scaling at work,
+    not a fault. Returns (grad_norm, healthy), 0-d tensors; `healthy` is False for a step skipped as a fault.
+    """
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, clip)
-    # memory: one .tolist() per update; what leaves this function is plain Python floats, never tensors
-    values = torch.stack([value.detach().float() for value in parts.values()] + [grad_norm.float()]).tolist()
-    metrics = dict(zip(parts.keys(), values[:-1]))
-    finite = all(math.isfinite(v) for v in values[:-1])
-    if not scaler.is_enabled():  # with fp16 the scaler itself skips steps whose gradients overflowed
-        finite = finite and math.isfinite(values[-1])
-    if finite:
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, clip, foreach=True)
+    if scaler.is_enabled():
         scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    metrics["grad_norm"] = values[-1]
-    return metrics, finite
+        scaler.update()
+        return grad_norm, loss_finite
+    healthy = loss_finite & torch.isfinite(grad_norm)
+    optimizer.grad_scale, optimizer.found_inf = None, (~healthy).float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+    return grad_norm, healthy
 
 
 def _no_probe(stage: str) -> None:
@@ -1069,32 +1337,32 @@ def _no_probe(stage: str) -> None:
 
 
 def train_world_model(
-    agent: Agent, batch: dict[str, np.ndarray], args: Args, probe: Callable[[str], None] | None = None
+    agent: Agent, raw: dict[str, torch.Tensor], args: Args, probe: Callable[[str], None] | None = None
 ):
-    """One world-model update on a sampled batch.
+    """One world-model update on a raw batch on the device (`batch_tensors`), without host synchronisation.
 
-    Returns (dict of floats, posterior states): the states are (deter (B*T, D), stoch (B*T, S),
-    continue (B*T,)), detached, to start imagination from. A non-finite loss or gradient skips the step
-    and sets `debug/update_skipped` to 1.0.
+    Returns (values, healthy, start states): values (len(WORLD_MODEL_KEYS),) float32, detached; healthy, a 0-d
+    bool tensor, False when a non-finite loss or gradient skipped the step; and the posterior states to imagine
+    from, detached: deter (B*T, D), stoch (B*T, S), continue flags (B*T,).
     """
     probe = probe or _no_probe
-    data = batch_to_device(batch, agent.num_actions, agent.device)
+    data = prepare_batch(raw, agent.num_actions)
     with agent.amp.autocast():
         loss, parts, (deter, stoch) = world_model_loss(agent, data, args, probe)
-    metrics, stepped = optimizer_step(
-        agent,
-        agent.world_model_optimizer,
-        agent.world_model.parameters(),
-        loss,
-        args.world_model_grad_clip,
-        parts,
-        probe,
+    optimizer, scaler = agent.world_model_optimizer, agent.scalers["world_model"]
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    probe("after_backward")
+    values = torch.stack([parts[key].detach().float() for key in WORLD_MODEL_KEYS[:-1]])  # (K - 1,)
+    grad_norm, healthy = clip_and_step(
+        optimizer, scaler, list(agent.world_model.parameters()), args.world_model_grad_clip,
+        torch.isfinite(values).all(),
     )
+    optimizer.zero_grad(set_to_none=True)  # memory: gradients are not kept between updates
     probe("after_optimizer_step")
-    metrics["debug/world_model_grad_norm"] = metrics.pop("grad_norm")
-    metrics["debug/update_skipped"] = 0.0 if stepped else 1.0
+    values = torch.cat([values, grad_norm.detach().float().reshape(1)])  # (K,)
     start_continue = (~data["is_terminal"]).float().flatten(0, 1)  # (B*T,)
-    return metrics, (deter.detach().flatten(0, 1), stoch.detach().flatten(0, 1), start_continue)
+    return values, healthy, (deter.detach().flatten(0, 1), stoch.detach().flatten(0, 1), start_continue)
 
 
 def imagine(agent: Agent, start_states, horizon: int):
@@ -1110,7 +1378,7 @@ def imagine(agent: Agent, start_states, horizon: int):
         feat = torch.cat([deter, stoch], -1)  # (N, F)
         feats.append(feat)
         policy = agent.actor(feat)
-        action = policy.sample()  # (N,)
+        action = categorical_draw(policy.probs)  # (N,)
         log_probs.append(policy.log_prob(action))
         entropies.append(policy.entropy())
         with torch.no_grad():
@@ -1156,37 +1424,179 @@ def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = 
     return actor_loss, critic_loss, parts
 
 
-def train_behavior(agent: Agent, start_states, args: Args) -> dict[str, float]:
-    """One actor and one critic update from imagined rollouts; then the slow critic follows the critic."""
+def train_behavior(agent: Agent, start_states, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
+    """One actor and one critic update from imagined rollouts, then the slow critic follows the critic; without
+    host synchronisation. Returns (values (len(BEHAVIOR_KEYS),) float32 detached, healthy 0-d bool)."""
     with agent.amp.autocast():
         actor_loss, critic_loss, parts = behavior_losses(agent, start_states, args)
-    actor_parts = {k: v for k, v in parts.items() if k != "losses/critic"}
-    metrics, actor_stepped = optimizer_step(
-        agent,
-        agent.actor_optimizer,
-        agent.actor.parameters(),
-        actor_loss,
-        args.actor_critic_grad_clip,
-        actor_parts,
-        _no_probe,
+    scalers = agent.scalers
+    for optimizer in (agent.actor_optimizer, agent.critic_optimizer):
+        optimizer.zero_grad(set_to_none=True)
+    # one backward pass for both: they share no parameters (the features are detached, the critic's targets and the
+    # actor's advantages are computed without gradients), so each gets exactly its own loss's gradient
+    (scalers["actor"].scale(actor_loss) + scalers["critic"].scale(critic_loss)).backward()
+    values = torch.stack([parts[key].detach().float() for key in BEHAVIOR_KEYS[:-2]])  # (K - 2,)
+    actor_norm, actor_healthy = clip_and_step(
+        agent.actor_optimizer, scalers["actor"], list(agent.actor.parameters()), args.actor_critic_grad_clip,
+        torch.isfinite(actor_loss.detach()),
     )
-    metrics["debug/actor_grad_norm"] = metrics.pop("grad_norm")
-    critic_metrics, critic_stepped = optimizer_step(
-        agent,
-        agent.critic_optimizer,
-        agent.critic.parameters(),
-        critic_loss,
-        args.actor_critic_grad_clip,
-        {"losses/critic": parts["losses/critic"]},
-        _no_probe,
+    critic_norm, critic_healthy = clip_and_step(
+        agent.critic_optimizer, scalers["critic"], list(agent.critic.parameters()), args.actor_critic_grad_clip,
+        torch.isfinite(critic_loss.detach()),
     )
-    metrics["losses/critic"] = critic_metrics["losses/critic"]
-    metrics["debug/critic_grad_norm"] = critic_metrics["grad_norm"]
-    with torch.no_grad():
-        for slow, fast in zip(agent.slow_critic.parameters(), agent.critic.parameters()):
-            slow.lerp_(fast, args.slow_critic_fraction)
-    metrics["debug/update_skipped"] = 0.0 if (actor_stepped and critic_stepped) else 1.0
-    return metrics
+    for optimizer in (agent.actor_optimizer, agent.critic_optimizer):
+        optimizer.zero_grad(set_to_none=True)  # memory: gradients are not kept between updates
+    with torch.no_grad():  # one fused kernel for all the slow critic's tensors; it stays put when the critic did
+        slow, fast = list(agent.slow_critic.parameters()), list(agent.critic.parameters())
+        torch._foreach_lerp_(slow, fast, [args.slow_critic_fraction * critic_healthy.float()] * len(slow))
+    norms = torch.stack([actor_norm.detach().float(), critic_norm.detach().float()])
+    return torch.cat([values, norms]), actor_healthy & critic_healthy
+
+
+class CudaGraphed:
+    """`fn(inputs: dict of tensors) -> tuple of tensors`, run eagerly `warmup` times, then captured once in a CUDA
+    graph and replayed (`--cudagraph`): the same function, without the Python and kernel-launch cost of its
+    thousands of small ops. Each call copies `inputs` into the graph's static inputs and returns the graph's
+    static outputs, which the next call overwrites. `fn` must not synchronise with the host or branch on tensor
+    values (the updates above do neither): a replay repeats exactly the captured work. The warm-up calls are real
+    updates; they run on a side stream, as capture requires. (tensordict's CudaGraphModule does the same job; this
+    is the part of it an update needs, without the dependency.)
+    """
+
+    def __init__(self, fn: Callable[[dict[str, torch.Tensor]], tuple], warmup: int = 3):
+        self.fn, self.warmup, self.calls = fn, warmup, 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_inputs: dict[str, torch.Tensor] = {}
+        self.static_outputs: tuple = ()
+        self.side_stream = torch.cuda.Stream()
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> tuple:
+        if self.graph is not None:
+            for key, value in inputs.items():
+                self.static_inputs[key].copy_(value, non_blocking=True)
+            self.graph.replay()
+            return self.static_outputs
+        self.calls += 1
+        if self.calls <= self.warmup:
+            self.side_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side_stream):
+                outputs = self.fn(inputs)
+            torch.cuda.current_stream().wait_stream(self.side_stream)
+            return outputs
+        self.static_inputs = {key: value.clone() for key, value in inputs.items()}
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_outputs = self.fn(self.static_inputs)
+        self.graph.replay()  # capture runs nothing: this replay is this call's update
+        return self.static_outputs
+
+
+def make_update_steps(agent: Agent, args: Args, probe: Callable[[str], None] | None):
+    """The world-model update and the behaviour update as functions of dicts of device tensors (the form
+    `CudaGraphed` replays), captured in CUDA graphs with --cudagraph."""
+
+    def world_model_step(raw: dict[str, torch.Tensor]) -> tuple:
+        values, healthy, (deter, stoch, start_continue) = train_world_model(agent, raw, args, probe)
+        return values, healthy, deter, stoch, start_continue
+
+    def behavior_step(states: dict[str, torch.Tensor]) -> tuple:
+        return train_behavior(agent, (states["deter"], states["stoch"], states["continue"]), args)
+
+    if args.cudagraph:
+        return CudaGraphed(world_model_step), CudaGraphed(behavior_step)
+    return world_model_step, behavior_step
+
+
+class PinnedBatches:
+    """Two pinned host buffers that batches are sampled into and copied to the GPU from without blocking, so the
+    CPU samples the next batch while the GPU trains on this one. A buffer is written again only after the copy
+    that last read it has finished (a CUDA event)."""
+
+    def __init__(self, template: dict[str, np.ndarray], device: torch.device):
+        self.device = device
+        self.buffers = [
+            {key: torch.from_numpy(value).pin_memory() for key, value in template.items()}
+            for _ in range(2)
+        ]
+        self.copied: list[torch.cuda.Event | None] = [None, None]
+        self.index = 0
+
+    def host_arrays(self) -> dict[str, np.ndarray]:
+        """numpy views of the next buffer, to sample into (waits until its last copy has finished)."""
+        if self.copied[self.index] is not None:
+            self.copied[self.index].synchronize()
+        return {key: tensor.numpy() for key, tensor in self.buffers[self.index].items()}
+
+    def to_device(self) -> dict[str, torch.Tensor]:
+        """Copies of that buffer on the device, queued without blocking; the next call uses the other buffer."""
+        tensors = {key: tensor.to(self.device, non_blocking=True) for key, tensor in self.buffers[self.index].items()}
+        event = torch.cuda.Event()
+        event.record()
+        self.copied[self.index] = event
+        self.index ^= 1
+        return tensors
+
+
+OPEN_LOOP_CONTEXT = 5  # frames the model sees before it imagines, as DreamerV3's report does
+
+
+@torch.no_grad()
+def open_loop_frames(agent: Agent, batch: dict[str, np.ndarray], context: int = OPEN_LOOP_CONTEXT) -> np.ndarray:
+    """What the world model predicts without looking: it observes the first `context` steps of each replayed
+    sequence, then imagines the rest from the real actions (prior samples). Returns (T, n * 84, 3 * 84) uint8
+    frames: one row per sequence with truth | model | error (grey 128 = no error) of the newest frame of each
+    stack. Past an episode boundary inside a sequence the model cannot know the new episode's frames."""
+    wm, rssm = agent.world_model, agent.world_model.rssm
+    data = batch_to_device(batch, agent.num_actions, agent.device)
+    image = data["image"]  # (n, T, 4, 84, 84) in [-0.5, 0.5]
+    n, T = image.shape[:2]
+    context = min(context, T)
+    with agent.amp.autocast():
+        embed = wm.encoder(image[:, :context].flatten(0, 1)).unflatten(0, (n, context))  # (n, C, E)
+        deter, stoch, _, _ = rssm.observe(embed, data["action"][:, :context], data["is_first"][:, :context])
+        feats = [torch.cat([deter, stoch], -1)]  # (n, C, F): posterior states of the context
+        d, s = deter[:, -1], stoch[:, -1]
+        for t in range(context, T):
+            d = rssm.img_step(d, s, data["action"][:, t])
+            s = rssm.sample(rssm.prior(d))
+            feats.append(torch.cat([d, s], -1).unsqueeze(1))
+        feat = torch.cat(feats, 1)  # (n, T, F)
+        model = wm.decoder(feat.flatten(0, 1)).unflatten(0, (n, T))  # (n, T, 4, 84, 84)
+    truth = image[:, :, -1].float() + 0.5  # (n, T, 84, 84) in [0, 1]
+    model = (model[:, :, -1].float() + 0.5).clamp(0.0, 1.0)
+    error = (model - truth + 1.0) / 2.0
+    rows = torch.cat([truth, model, error], -1)  # (n, T, 84, 252)
+    frames = rows.permute(1, 0, 2, 3).flatten(1, 2)  # (T, n * 84, 252)
+    return (frames * 255).round().to(torch.uint8).cpu().numpy()
+
+
+def log_open_loop(agent: Agent, replay: "EpisodeReplay", args: Args, writer: SummaryWriter, run_dir: str, step: int,
+                  rng: np.random.Generator, num_sequences: int = 4) -> str:
+    """Open-loop predictions of replayed sequences as an animated GIF: in TensorBoard's image tab (and wandb's
+    media, which syncs it as a video) under `videos/open_loop`, and as `open_loop/step_<N>.gif` in the run dir.
+    Uses its own random generators, so the training batches and latents that follow are the same with or
+    without it."""
+    import io
+
+    from PIL import Image
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    batch = replay.sample(num_sequences, args.sequence_length, rng=rng)
+    devices = [agent.device] if agent.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(int(rng.integers(2**31)))
+        frames = open_loop_frames(agent, batch)  # (T, H, W) uint8
+    images = [Image.fromarray(frame) for frame in frames]
+    gif = io.BytesIO()
+    images[0].save(gif, format="GIF", save_all=True, append_images=images[1:], duration=100, loop=0)
+    height, width = frames.shape[1:]
+    image = Summary.Image(height=height, width=width, colorspace=1, encoded_image_string=gif.getvalue())
+    writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag="videos/open_loop", image=image)]), step)
+    path = os.path.join(run_dir, "open_loop", f"step_{step}.gif")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(gif.getvalue())
+    return path
 
 
 def synthetic_batch(args: Args, obs_shape: tuple) -> dict[str, np.ndarray]:
@@ -1264,7 +1674,7 @@ def save_checkpoint(
             "actor": agent.actor_optimizer.state_dict(),
             "critic": agent.critic_optimizer.state_dict(),
         },
-        "scaler": agent.amp.scaler.state_dict(),
+        "scalers": {name: scaler.state_dict() for name, scaler in agent.scalers.items()},
         "counters": dict(counters),
         "rng": {
             "torch": torch.get_rng_state(),
@@ -1335,8 +1745,11 @@ def restore_checkpoint(state: dict, agent: Agent, replay: EpisodeReplay, rng: np
     except (RuntimeError, KeyError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0]
         raise ArgsError(f"the checkpoint does not match these model flags ({first_line[:160]}).")
-    if state["scaler"]:
-        agent.amp.scaler.load_state_dict(state["scaler"])
+    # earlier checkpoints held one scaler shared by the three optimizers
+    saved_scalers = state.get("scalers") or {name: state.get("scaler") for name in agent.scalers}
+    for name, scaler in agent.scalers.items():
+        if saved_scalers.get(name):
+            scaler.load_state_dict(saved_scalers[name])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     if state["rng"].get("numpy") is not None:
@@ -1351,46 +1764,105 @@ def restore_checkpoint(state: dict, agent: Agent, replay: EpisodeReplay, rng: np
 # ---------------------------------------------------------------------------------------------------------
 # Logging helpers
 # ---------------------------------------------------------------------------------------------------------
-class MetricMeans:
-    """Running means of logged values between two log points. Accepts Python numbers only."""
+class UpdateLog:
+    """What the updates log, summed on the device between two log points and read with one host transfer per log
+    interval, so that no update waits for the host. The values of an update whose step was skipped (a non-finite
+    loss or gradient) are left out of the means; such updates are counted, with the longest run of them in a row.
+    """
 
-    def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.sums: dict[tuple[str, ...], torch.Tensor] = {}  # keys -> (len(keys) + 1,): value sums, then count
+        self.streak = torch.zeros((), device=self.device)  # non-finite updates in a row, now
+        self.longest = torch.zeros((), device=self.device)  # the longest such run since the last `pop`
+        self.skipped = torch.zeros((), device=self.device)  # non-finite updates since the last `pop`
 
-    def add(self, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            # memory: a tensor here would keep its whole graph alive until the next log point
-            if not isinstance(value, (int, float)):
-                raise TypeError(f"{key} must be a Python number, got {type(value).__name__}")
-            self.sums[key] = self.sums.get(key, 0.0) + float(value)
-            self.counts[key] = self.counts.get(key, 0) + 1
+    def add(self, keys: tuple[str, ...], values: torch.Tensor, healthy: torch.Tensor) -> None:
+        """values (len(keys),) and healthy (0-d bool) of one part of an update."""
+        # memory: only detached values are summed, so no update's graph stays alive until the log point
+        row = torch.cat([torch.where(healthy, values.detach(), 0.0), healthy.detach().float().reshape(1)])
+        if keys in self.sums:
+            self.sums[keys] += row
+        else:
+            self.sums[keys] = row
 
-    def pop(self) -> dict[str, float]:
-        means = {key: self.sums[key] / self.counts[key] for key in self.sums}
-        self.sums, self.counts = {}, {}
-        return means
+    def end_update(self, healthy: torch.Tensor) -> None:
+        """Once per update, with whether all of its parts were healthy."""
+        faulty = ~healthy.detach()
+        self.streak.add_(1.0).mul_(faulty)
+        torch.maximum(self.longest, self.streak, out=self.longest)
+        self.skipped.add_(faulty)
+
+    def pop(self) -> tuple[dict[str, float], int, int]:
+        """(means of each key over its healthy updates, updates skipped, longest run of skipped updates in a row),
+        since the last call; then starts again (a run still going on carries over)."""
+        groups = list(self.sums.items())
+        flat = torch.cat([row for _, row in groups] + [self.skipped.reshape(1), self.longest.reshape(1)]).tolist()
+        means, offset = {}, 0
+        for keys, _ in groups:
+            count = flat[offset + len(keys)]
+            if count > 0:
+                means.update({key: flat[offset + i] / count for i, key in enumerate(keys)})
+            offset += len(keys) + 1
+        self.sums = {}
+        self.skipped.zero_()
+        self.longest.copy_(self.streak)
+        return means, int(flat[-2]), int(flat[-1])
 
 
 class ProgressLine:
     """step, SPS, last return, RSS, GPU alloc, ETA. On a terminal the line is rewritten about once a second;
-    in a log file it is printed once per log interval."""
+    in a log file it is printed once per log interval.
 
-    def __init__(self, total: int, device: torch.device):
+    The ETA comes from the recent rate, not the average since the start: random prefill steps cost nothing
+    next to training steps, so an average that includes them promises a day-long run in minutes. The rate is
+    taken over the last `window` log points within the current phase (a phase starts where updates start and
+    where behaviour learning starts); during the prefill there is no training rate yet, and the ETA says so.
+    """
+
+    def __init__(self, total: int, device: torch.device, phase_starts: tuple[int, ...] = (), window: int = 5):
         self.total, self.device = total, device
+        self.phase_starts = sorted(set(phase_starts))
+        self.updates_start = self.phase_starts[0] if self.phase_starts else 0
+        self.points: deque[tuple[float, int]] = deque(maxlen=window + 1)  # (time, step) of the current phase
+        self.phase = -1
         self.live = sys.stdout.isatty()
         self.last_refresh = 0.0
         self.pending = False  # a live line without its newline is on screen
 
+    def mark(self, step: int, now: float | None = None) -> None:
+        """Record (time, step); call at every log point. A new phase forgets the previous phase's points."""
+        now = time.time() if now is None else now
+        phase = sum(step >= start for start in self.phase_starts)
+        if phase != self.phase:
+            self.phase = phase
+            self.points.clear()
+        self.points.append((now, step))
+
+    def eta_s(self, step: int, now: float | None = None) -> float | None:
+        """Seconds left at the recent rate; None during the prefill or before the phase has a measured rate."""
+        now = time.time() if now is None else now
+        if step < self.updates_start or not self.points:
+            return None
+        first_time, first_step = self.points[0]
+        if step <= first_step or now - first_time < 1e-6:
+            return None
+        return (self.total - step) * (now - first_time) / (step - first_step)
+
     def text(
-        self, step: int, sps: float, last_return: float | None, rss_mb: float, gpu_mb: float | None
+        self,
+        step: int,
+        sps: float,
+        last_return: float | None,
+        rss_mb: float,
+        gpu_mb: float | None,
+        now: float | None = None,
     ) -> str:
-        eta_s = (self.total - step) / sps if sps > 0 else float("inf")
-        eta = (
-            f"{int(eta_s // 3600)}:{time.strftime('%M:%S', time.gmtime(eta_s))}"
-            if math.isfinite(eta_s)
-            else "--"
-        )
+        eta_s = self.eta_s(step, now)
+        if eta_s is not None:
+            eta = f"{int(eta_s // 3600)}:{time.strftime('%M:%S', time.gmtime(eta_s))}"
+        else:
+            eta = "-- (prefill)" if step < self.updates_start else "--"
         ret = "--" if last_return is None else f"{last_return:.1f}"
         gpu = "--" if gpu_mb is None else f"{gpu_mb:.0f} MB"
         return (
@@ -1438,9 +1910,12 @@ def main(args: Args) -> dict:
             mu.amp(args.amp, device)
         except ValueError as exc:
             raise ArgsError(f"--amp {args.amp} is not available here: {exc}.")
+        if args.cudagraph and device.type != "cuda":
+            raise ArgsError("--cudagraph needs a CUDA device, and this run has none (no GPU, or --no-cuda).")
         resume_state = load_checkpoint(args.resume) if args.resume else None
         if resume_state is not None:
             check_checkpoint_matches(resume_state, args)
+        check_actions_change_frames(make_env(args.env_id, 0, False, "", args), args.env_id, args.seed)
     except ArgsError as exc:
         exit_with(f"error: {exc}", EXIT_BAD_INPUT)
 
@@ -1461,6 +1936,7 @@ def main(args: Args) -> dict:
             config=vars(args),
             name=run_name,
             id=run_name,
+            dir=os.getcwd(),  # ./wandb beside ./runs, also when an earlier run in this process set another place
             resume="allow",
             monitor_gym=True,
             save_code=True,
@@ -1481,7 +1957,8 @@ def main(args: Args) -> dict:
     obs_shape = envs.single_observation_space.shape  # (4, 84, 84)
     num_actions = int(envs.single_action_space.n)
     agent = build_agent(args, obs_shape, num_actions, device)
-    replay = EpisodeReplay(args.buffer_capacity, args.num_envs, seed=args.seed)
+    replay = EpisodeReplay(replay_capacity(args), args.num_envs, seed=args.seed)
+    say_replay_size(replay.capacity, obs_shape)
     player = Player(agent, args.num_envs)
     if device.type == "cuda":
         mu.install_oom_observer(run_dir)
@@ -1510,12 +1987,16 @@ def main(args: Args) -> dict:
         run_dir, every=args.memory_snapshot_every, max_entries=args.snapshot_max_entries, device=device
     )
     leak_detector = mu.LeakDetector(warmup_steps=counters["global_step"] + args.leak_warmup_steps)
-    means = MetricMeans()
-    progress = ProgressLine(args.total_timesteps, device)
+    update_log = UpdateLog(device)
+    world_model_step, behavior_step = make_update_steps(agent, args, probes if args.memory_probes else None)
+    # memory: on CUDA, batches are sampled into two reused pinned buffers and copied without blocking
+    staging = PinnedBatches(synthetic_batch(args, obs_shape), device) if device.type == "cuda" else None
+    behavior_starts = args.learning_starts + args.warmup_steps
+    progress = ProgressLine(args.total_timesteps, device, phase_starts=(args.learning_starts, behavior_starts))
     last_report: dict[str, float] = {}
     last_return: float | None = None
     last_verdict = None
-    nonfinite_in_a_row = 0
+    said_replay_short = False
 
     stop_signal: list[int] = []
     previous_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -1533,7 +2014,9 @@ def main(args: Args) -> dict:
         if args.checkpoint_every
         else None
     )
-    behavior_starts = args.learning_starts + args.warmup_steps
+    next_video = (counters["global_step"] // args.video_every + 1) * args.video_every if args.video_every else None
+    video_rng = np.random.default_rng([args.seed, counters["global_step"]])
+    progress.mark(counters["global_step"])
     obs, _ = envs.reset(seed=args.seed + counters["global_step"])
     for i in range(args.num_envs):
         replay.start_episode(i, obs[i])
@@ -1566,31 +2049,43 @@ def main(args: Args) -> dict:
             probes("after_collect")
 
             # ALGO LOGIC: updates, one batch at a time (never sampled all at once to "catch up")
-            if counters["global_step"] >= args.learning_starts and replay.can_sample(args.sequence_length):
+            ready = counters["global_step"] >= args.learning_starts and replay.can_sample(args.sequence_length)
+            if counters["global_step"] >= args.learning_starts and not ready and not said_replay_short:
+                said_replay_short = True
+                progress.say(
+                    f"updates wait: the replay holds {replay.total_steps} steps, fewer than one sequence of "
+                    f"{args.sequence_length} (--sequence-length)"
+                )
+            if ready:
                 replayed_per_update = args.batch_size * args.sequence_length
                 counters["updates_owed"] += args.num_envs * args.train_ratio / replayed_per_update
                 while counters["updates_owed"] >= 1.0:
                     counters["updates_owed"] -= 1.0
                     oom_error = None
                     try:
-                        batch = replay.sample(args.batch_size, args.sequence_length)
+                        if staging is not None:
+                            replay.sample(args.batch_size, args.sequence_length, out=staging.host_arrays())
+                            raw = staging.to_device()
+                        else:
+                            raw = batch_tensors(replay.sample(args.batch_size, args.sequence_length), device)
                         probes("after_sample")
-                        probe = probes if args.memory_probes else None
-                        metrics, states = train_world_model(agent, batch, args, probe=probe)
-                        del batch
-                        skipped = metrics["debug/update_skipped"] > 0
-                        if not skipped and counters["global_step"] >= behavior_starts:
-                            behavior = train_behavior(agent, states, args)
-                            skipped = behavior.pop("debug/update_skipped") > 0
-                            metrics.update(behavior)
+                        values, healthy, deter, stoch, start_continue = world_model_step(raw)
+                        update_log.add(WORLD_MODEL_KEYS, values, healthy)
+                        if counters["global_step"] >= behavior_starts:
+                            states = {"deter": deter, "stoch": stoch, "continue": start_continue}
+                            behavior_values, behavior_healthy = behavior_step(states)
+                            update_log.add(BEHAVIOR_KEYS, behavior_values, behavior_healthy)
+                            healthy = healthy & behavior_healthy
                             counters["behavior_updates"] += 1
-                        del states
+                        update_log.end_update(healthy)
+                        del raw, deter, stoch, start_continue
+                        states = None
                     except torch.OutOfMemoryError as exc:
                         # memory: clear the failed step's frames so its activations are freed before reporting
                         traceback.clear_frames(exc.__traceback__)
                         oom_error = exc.with_traceback(None)
                     if oom_error is not None:
-                        batch = states = None
+                        raw = states = None
                         gc.collect()
                         diagnosis = mu.write_oom_report(
                             run_dir, oom_error, last_report, verdict=last_verdict, device=device, advice=OOM_ADVICE
@@ -1599,21 +2094,16 @@ def main(args: Args) -> dict:
                             torch.cuda.empty_cache()  # after the report, so it still shows any fragmentation
                         checkpoint("out of memory")
                         exit_with(f"out of memory at step {counters['global_step']}:\n{diagnosis}", EXIT_OOM)
-                    metrics.pop("debug/update_skipped")
                     counters["updates"] += 1
-                    if skipped:
-                        counters["nonfinite_updates"] += 1
-                        nonfinite_in_a_row += 1
-                        if nonfinite_in_a_row >= args.max_nonfinite:
-                            checkpoint("non-finite losses")
-                            exit_with(
-                                f"stopping: {nonfinite_in_a_row} updates in a row had a non-finite loss or "
-                                f"gradient (last: {metrics}); try --amp off or lower learning rates.",
-                                EXIT_NONFINITE,
-                            )
-                    else:
-                        nonfinite_in_a_row = 0
-                        means.add(metrics)
+            if next_video is not None and counters["global_step"] >= next_video and counters["updates"] > 0:
+                next_video = (counters["global_step"] // args.video_every + 1) * args.video_every
+                try:
+                    log_open_loop(agent, replay, args, writer, run_dir, counters["global_step"], video_rng)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - diagnostics never break training
+                    next_video = None
+                    progress.say(f"open-loop video failed ({type(exc).__name__}: {exc}); no more videos this run")
             probes.end_iteration(counters["global_step"])
             snapshots.maybe_dump(counters["global_step"])
             progress.refresh(
@@ -1629,9 +2119,12 @@ def main(args: Args) -> dict:
                 sps = (step - start_step) / elapsed
                 # memory: memory_report() collects garbage and trims the heap first, so this is live memory
                 last_report = mu.memory_report(buffer_stats=replay.stats(), device=device)
+                interval_means, skipped, longest_skipped_run = update_log.pop()  # the interval's one host sync
+                counters["nonfinite_updates"] += skipped
                 scalars = {
                     **last_report,
-                    **means.pop(),
+                    **reward_quality(interval_means),
+                    **interval_means,
                     **probes.scalars(),
                     "charts/SPS": sps,
                     "charts/updates_per_second": (counters["updates"] - start_updates) / elapsed,
@@ -1646,7 +2139,16 @@ def main(args: Args) -> dict:
                 ):
                     progress.say(verdict.diagnosis)
                 last_verdict = verdict
+                progress.mark(step)
                 progress.line(step, sps, last_return, last_report)
+                if longest_skipped_run >= args.max_nonfinite:
+                    checkpoint("non-finite losses")
+                    exit_with(
+                        f"stopping: {longest_skipped_run} updates in a row had a non-finite loss or gradient (each "
+                        f"step was skipped, so the checkpoint holds the last finite weights); try --amp off or lower "
+                        f"learning rates.",
+                        EXIT_NONFINITE,
+                    )
                 if verdict.leaking and args.abort_on_leak:
                     checkpoint("leak detected")
                     exit_with(f"stopping (--abort-on-leak): {verdict.diagnosis}", EXIT_LEAK)

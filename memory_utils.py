@@ -597,6 +597,11 @@ class AmpSetup:
     def enabled(self) -> bool:
         return self.dtype is not None
 
+    def new_scaler(self) -> torch.amp.GradScaler:
+        """Another scaler set up like `scaler`: give each optimizer its own, so that an overflow in one loss shrinks
+        that loss's scale alone, and each scale grows at the rate its `update()` calls set."""
+        return torch.amp.GradScaler("cuda" if self.device_type == "cuda" else "cpu", enabled=self.scaler.is_enabled())
+
     def autocast(self):
         if self.dtype is None:
             return contextlib.nullcontext()

@@ -4,7 +4,7 @@ Each command runs in its own process (run.py starts them) and writes one JSON ob
 
     python benchmark/ours_dreamer.py measure --out PATH [--quick]   # bytes, sampling, update at the seed config
     python benchmark/ours_dreamer.py update --out PATH              # the seed-config update alone
-    python benchmark/ours_dreamer.py trials --out PATH              # defaults without channels_last / inverse-CDF, compile, fused Adam, bf16
+    python benchmark/ours_dreamer.py trials --out PATH              # defaults without channels_last / inverse-CDF, compile, bf16
     python benchmark/ours_dreamer.py soak --out PATH [--capacity N]  # dreamer_atari.main with a tiny model
     python benchmark/ours_dreamer.py gpu --out PATH [--quick]       # CUDA: updates/s and peak memory per --amp
 
@@ -40,16 +40,20 @@ from benchmark import bench_utils
 
 MB = 1024.0 * 1024.0
 # `--quick` sizes: everything smaller, stated in the output, so the whole quick run stays under a minute.
-QUICK = {"fill_steps": 3_000, "update_batch": 4, "update_seq": 10, "update_reps": 3, "sample_reps": 5}
-FULL = {"fill_steps": None, "update_batch": None, "update_seq": None, "update_reps": 5, "sample_reps": 20}
+QUICK = {"fill_steps": 3_000, "update_batch": 4, "update_seq": 10, "update_reps": 3, "sample_reps": 5,
+         "evenness_batches": 500}
+FULL = {"fill_steps": None, "update_batch": None, "update_seq": None, "update_reps": 5, "sample_reps": 20,
+        "evenness_batches": 10_000}
 # The tiny model of the soak: host-memory growth of the loop, not learning, is under test.
 TINY_MODEL = {"encoder_channels": (4, 4, 4), "embed_dim": 16, "decoder_base_channels": 4, "decoder_mid_channels": 4,
               "deterministic_dim": 16, "stochastic_dim": 4, "stochastic_classes": 4, "hidden_dim": 16}
 
 
 def seed_args(**overrides) -> da.Args:
-    """The seed configuration (the script's defaults) with these fields changed; CUDA only where there is one."""
-    return dataclasses.replace(da.Args(), **{"cuda": torch.cuda.is_available(), **overrides})
+    """The seed configuration (the script's defaults with the seed's 50k replay, 5k prefill and 25k world-model
+    warm-up) with these fields changed; CUDA only where there is one."""
+    seed = {"buffer_capacity": 50_000, "learning_starts": 5_000, "warmup_steps": 25_000}
+    return dataclasses.replace(da.Args(), **{"cuda": torch.cuda.is_available(), **seed, **overrides})
 
 
 def fill_replay(args: da.Args, steps: int) -> tuple[da.EpisodeReplay, tuple, int]:
@@ -119,6 +123,42 @@ def agent_params(agent) -> dict:
     }
 
 
+def sampling_evenness(replay: da.EpisodeReplay, batch_size: int, sequence_length: int, batches: int) -> dict:
+    """How evenly the replay draws its stored steps, by position within an episode (the p-th stored step of an
+    episode): draws counted from `draw_windows` over `batches` batches, averaged over the episodes that have that
+    position; positions held by every finished episode are compared. Beside it, the same ratio for the rule the
+    replay had before (windows only inside one episode, uniform over all such windows), computed exactly from the
+    same episodes: a step p of an L-step episode is in min(p + 1, T, L - p, L - T + 1) of them."""
+    T = sequence_length
+    episodes = list(replay.episodes)
+    draws = {id(ep): np.zeros(ep.num_steps) for ep in episodes}
+    rng = np.random.default_rng(0)
+    for _ in range(batches):
+        for pieces in replay.draw_windows(batch_size, T, rng):
+            for episode, begin, take in pieces:
+                offset = begin - episode.first_step
+                draws[id(episode)][offset : offset + take] += 1
+    finished = [ep for ep in episodes if ep.done and ep.first_step == 0]
+    shortest = min(ep.num_steps for ep in finished)
+    by_position = np.mean([draws[id(ep)][:shortest] for ep in finished], axis=0)
+    old = []
+    for ep in finished:
+        L, p = ep.num_steps, np.arange(shortest)
+        old.append(np.minimum.reduce([p + 1, np.full_like(p, T), L - p, np.full_like(p, L - T + 1)]).clip(min=0))
+    old_by_position = np.mean(old, axis=0)
+    per_step = np.concatenate([draws[id(ep)] for ep in episodes])
+    return {
+        "sampling_position_max_to_min": float(by_position.max() / by_position.min()),
+        "sampling_position_max_to_min_within_episode_rule": float(old_by_position.max() / old_by_position.min()),
+        "sampling_draws_per_step_mean": float(per_step.mean()),
+        "sampling_draws_per_step_cv": float(per_step.std() / per_step.mean()),
+        "sampling_draws_poisson_cv": float(1 / np.sqrt(per_step.mean())),
+        "sampling_positions_compared": int(shortest),
+        "sampling_batches": batches,
+        "sampling_batch": f"B{batch_size} x T{T}",
+    }
+
+
 def cmd_measure(quick: bool) -> dict:
     sizes = QUICK if quick else FULL
     args = seed_args()
@@ -139,6 +179,7 @@ def cmd_measure(quick: bool) -> dict:
     out["sample_batch"] = f"B{B} x T{T}"
     batch = replay.sample(B, T)
     out["sample_shapes"] = {k: f"{v.shape} {v.dtype}" for k, v in batch.items()}
+    out.update(sampling_evenness(replay, B, T, batches=sizes["evenness_batches"]))
 
     ub, ut = sizes["update_batch"] or B, sizes["update_seq"] or T
     update_args = dataclasses.replace(args, batch_size=ub, sequence_length=ut)
@@ -181,15 +222,6 @@ def cmd_update(reps: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Speed trials: each changes one thing from the outside and times the same update on the same batch.
 # ---------------------------------------------------------------------------------------------------------
-def _fused_adam(agent, args):
-    agent.world_model_optimizer = torch.optim.Adam(agent.world_model.parameters(), lr=args.world_model_lr,
-                                                   eps=args.adam_eps, fused=True)
-    agent.actor_optimizer = torch.optim.Adam(agent.actor.parameters(), lr=args.actor_lr, eps=args.adam_eps,
-                                             fused=True)
-    agent.critic_optimizer = torch.optim.Adam(agent.critic.parameters(), lr=args.critic_lr, eps=args.adam_eps,
-                                              fused=True)
-
-
 def _compile_conv_nets(agent, args):
     # the convolutional encoder and decoder hold most of the FLOPs; the RSSM's Python loop over T is left eager
     agent.world_model.encoder.forward = torch.compile(agent.world_model.encoder.forward)
@@ -214,7 +246,6 @@ TRIALS = {
     "baseline": (None, {}),
     "without_channels_last": (None, {"channels_last": False}),
     "without_inverse_cdf_sampling": (_slow_categorical_sample, {}),
-    "fused_adam": (_fused_adam, {}),
     "bf16_autocast": (None, {"amp": "bf16"}),
     "torch_compile_conv": (_compile_conv_nets, {}),
     "bf16+compile": (_compile_conv_nets, {"amp": "bf16"}),
@@ -256,7 +287,8 @@ def cmd_trials(names: list[str], reps: int) -> dict:
 
 
 def _update(agent, batch: dict, args: da.Args) -> None:
-    _, states = da.train_world_model(agent, batch, args)
+    """One whole update from a numpy batch, as the training loop runs it (the copy to the device included)."""
+    _, _, states = da.train_world_model(agent, da.batch_tensors(batch, agent.device), args)
     da.train_behavior(agent, states, args)
 
 
@@ -318,7 +350,9 @@ def cmd_soak(capacity: int, turnovers: int, every: int) -> dict:
 # GPU figures (run by run.py only where torch.cuda.is_available()); `--device cpu` runs the same code path
 # without the CUDA memory figures, to check it on a machine without a GPU.
 # ---------------------------------------------------------------------------------------------------------
-def cmd_gpu(quick: bool, device_name: str) -> dict:
+def cmd_gpu(quick: bool, device_name: str, parts: tuple[str, ...] = ("amp", "loop")) -> dict:
+    """`amp`: one eager update per --amp mode, its time and peak memory; `loop`: the training loop past replay
+    capacity (captured updates on CUDA), its env steps/s and the slope of GPU-allocated memory once full."""
     device = torch.device(device_name)
     on_cuda = device.type == "cuda"
     args = seed_args(cuda=on_cuda)
@@ -328,7 +362,7 @@ def cmd_gpu(quick: bool, device_name: str) -> dict:
     batch = replay.sample(args.batch_size, args.sequence_length)
     out: dict = {"run": True, "device": torch.cuda.get_device_name(device) if on_cuda else str(device),
                  "update_batch": f"B{args.batch_size} x T{args.sequence_length}", "amp": {}}
-    for mode in ("off", "bf16", "fp16"):
+    for mode in ("off", "bf16", "fp16") if "amp" in parts else ():
         amp_args = dataclasses.replace(args, amp=mode)
         try:
             mu.amp(mode, device)
@@ -356,11 +390,13 @@ def cmd_gpu(quick: bool, device_name: str) -> dict:
         out["amp"][mode] = figures
         del agent, update
 
+    if "loop" not in parts:
+        return out
     # the whole training loop past replay capacity: env steps/s and the GPU-allocated slope once full
     capacity = 200 if quick else 1_000
     loop_args = seed_args(cuda=on_cuda, buffer_capacity=capacity, total_timesteps=4 * capacity,
                           learning_starts=capacity // 2, warmup_steps=0, log_interval=capacity // 4,
-                          leak_warmup_steps=0)
+                          leak_warmup_steps=0, cudagraph=on_cuda, video_every=0)
     if quick:  # one update per 16 env steps instead of the seed's 1.28 per env step
         loop_args = dataclasses.replace(loop_args, batch_size=4, sequence_length=10, train_ratio=4 * 10 / 16)
     with tempfile.TemporaryDirectory(prefix="gpu-loop-") as work:
@@ -372,7 +408,7 @@ def cmd_gpu(quick: bool, device_name: str) -> dict:
             scalars = bench_utils.read_scalars(os.path.join(work, result["run_dir"]), keys)
         finally:
             os.chdir(cwd)
-    out["loop"] = {"capacity_steps": capacity, "env_steps": loop_args.total_timesteps,
+    out["loop"] = {"capacity_steps": capacity, "cudagraph": loop_args.cudagraph, "amp": loop_args.amp, "env_steps": loop_args.total_timesteps,
                    "batch": f"B{loop_args.batch_size} x T{loop_args.sequence_length}", "updates": result["updates"],
                    "env_steps_per_s": scalars["charts/SPS"][max(scalars["charts/SPS"])]}
     if on_cuda:
@@ -388,6 +424,7 @@ def main() -> None:
     parser.add_argument("command", choices=["measure", "update", "trials", "soak", "gpu"])
     parser.add_argument("--reps", type=int, default=5, help="update: timed repetitions")
     parser.add_argument("--device", default="cuda", help="gpu: the device (cpu checks the code path)")
+    parser.add_argument("--parts", nargs="+", default=["amp", "loop"], choices=["amp", "loop"], help="gpu: which parts")
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
@@ -407,7 +444,7 @@ def main() -> None:
     elif args.command == "soak":
         result = cmd_soak(args.capacity, args.turnovers, args.every)
     else:
-        result = cmd_gpu(args.quick, args.device)
+        result = cmd_gpu(args.quick, args.device, tuple(args.parts))
     result["machine"] = bench_utils.machine()
     Path(args.out).write_text(json.dumps(result, indent=2))
 

@@ -42,28 +42,30 @@ def test_acting_builds_no_graph_and_caches_detached_state():
         assert cached.grad_fn is None and not cached.requires_grad, f"cached {name} carries a graph"
 
 
-def test_updates_return_floats_and_means_refuse_tensors():
+def test_updates_return_detached_values_that_the_log_sums_on_the_device():
     args = tiny_args()
     torch.manual_seed(0)
     agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
     batch = da.synthetic_batch(args, (4, 84, 84))
     batch["obs"] = np.random.default_rng(0).integers(0, 255, batch["obs"].shape, dtype=np.uint8)
-    metrics, states = da.train_world_model(agent, batch, args)
-    behavior = da.train_behavior(agent, states, args)
-    for key in ("losses/world_model", "losses/image", "losses/reward", "losses/continue", "losses/kl"):
-        assert key in metrics
-    for key in ("losses/actor", "losses/critic", "losses/entropy"):
-        assert key in behavior
-    for key, value in {**metrics, **behavior}.items():
-        assert type(value) is float, f"{key} is a {type(value).__name__}, not a float"
-    for state in states:
-        assert state.grad_fn is None and not state.requires_grad
-    means = da.MetricMeans()
-    means.add(metrics)
-    means.add(metrics)
-    assert means.pop()["losses/image"] == pytest.approx(metrics["losses/image"])
-    with pytest.raises(TypeError):
-        means.add({"losses/image": torch.tensor(1.0, requires_grad=True) * 2})
+    values, healthy, states = da.train_world_model(agent, da.batch_tensors(batch, "cpu"), args)
+    behavior, behavior_healthy = da.train_behavior(agent, states, args)
+    assert values.shape == (len(da.WORLD_MODEL_KEYS),) and behavior.shape == (len(da.BEHAVIOR_KEYS),)
+    for tensor in (values, healthy, behavior, behavior_healthy, *states):
+        # memory: a logged value with a graph would keep the whole update alive until the log point
+        assert tensor.grad_fn is None and not tensor.requires_grad
+    log = da.UpdateLog("cpu")
+    nan = torch.full_like(values, float("nan"))
+    for update_values, update_healthy in ((values, healthy), (2 * values, healthy), (nan, torch.tensor(False)),
+                                          (nan, torch.tensor(False)), (values, healthy)):
+        log.add(da.WORLD_MODEL_KEYS, update_values, update_healthy)
+        log.end_update(update_healthy)
+    means, skipped, longest = log.pop()
+    expected = dict(zip(da.WORLD_MODEL_KEYS, (4 * values / 3).tolist()))  # the healthy updates' mean
+    assert means == pytest.approx(expected) and skipped == 2 and longest == 2
+    log.add(da.BEHAVIOR_KEYS, behavior, torch.tensor(False))
+    log.end_update(torch.tensor(False))
+    assert log.pop() == ({}, 1, 1)  # nothing healthy to average; the run of skips restarted with the interval
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

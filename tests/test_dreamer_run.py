@@ -241,18 +241,27 @@ def test_out_of_memory_frees_the_step_writes_a_report_and_a_checkpoint(in_tmp, m
     assert f"out of memory at step {step}" in err and "--sequence-length" in err  # this script's own flags
 
 
-def test_a_run_of_non_finite_updates_stops_with_a_checkpoint(in_tmp, monkeypatch, capsys):
-    def nan_update(agent, batch, args, probe=None):
-        return {"losses/world_model": float("nan"), "debug/update_skipped": 1.0}, None
+def test_a_run_of_non_finite_updates_stops_with_the_last_finite_weights(in_tmp, monkeypatch, capsys):
+    real_loss = da.world_model_loss
 
-    monkeypatch.setattr(da, "train_world_model", nan_update)
+    def nan_loss(agent, data, args, probe):
+        loss, parts, states = real_loss(agent, data, args, probe)
+        return loss * float("nan"), parts, states
+
+    monkeypatch.setattr(da, "world_model_loss", nan_loss)
+    args = tiny_args(vector_mode="sync", max_nonfinite=3, train_ratio=8.0)
     with pytest.raises(SystemExit) as exit_info:
-        da.main(tiny_args(vector_mode="sync", max_nonfinite=3, train_ratio=8.0))
+        da.main(args)
     assert exit_info.value.code == da.EXIT_NONFINITE
     (run_dir,) = (in_tmp / "runs").iterdir()
     saved = load_checkpoint(run_dir / "checkpoint.pt")
-    assert saved["counters"]["nonfinite_updates"] == 3
-    assert "3 updates in a row had a non-finite loss" in capsys.readouterr().err
+    assert saved["counters"]["global_step"] == 200  # the first log point after updates start
+    assert saved["counters"]["nonfinite_updates"] == saved["counters"]["updates"] > 3
+    torch.manual_seed(args.seed)  # the world model main built: every one of its steps was skipped
+    initial = da.build_agent(args, (4, 84, 84), 6, "cpu").world_model.state_dict()
+    for name, value in saved["models"]["world_model"].items():
+        assert torch.equal(value, initial[name]), f"{name} moved although every step was skipped"
+    assert f"{saved['counters']['updates']} updates in a row had a non-finite loss" in capsys.readouterr().err
 
 
 def test_abort_on_leak_stops_with_a_checkpoint(in_tmp, monkeypatch, capsys):

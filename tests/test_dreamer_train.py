@@ -13,6 +13,16 @@ def tiny_args(**overrides) -> da.Args:
     return dreamer_tiny.tiny_args(**{"batch_size": 4, "num_envs": 1, **overrides})
 
 
+def world_model_update(agent, batch, args) -> tuple[dict[str, float], bool, tuple]:
+    """One update from a numpy batch; its logged values as floats (the training loop reads them once per interval)."""
+    values, healthy, states = da.train_world_model(agent, da.batch_tensors(batch, "cpu"), args)
+    return dict(zip(da.WORLD_MODEL_KEYS, values.tolist())), bool(healthy), states
+
+
+def adam_state(optimizer) -> list[torch.Tensor]:
+    return [value.clone() for state in optimizer.state.values() for value in state.values()]
+
+
 
 def reference_lambda_return(reward, value, discount, lam, t):
     """By definition: (1 - lam) sum_n lam^(n-1) G_t^(n); the last n-step return takes what weight is left."""
@@ -63,7 +73,7 @@ def test_world_model_loss_falls_on_real_pong_frames():
     finally:
         envs.close()
     agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
-    losses = [da.train_world_model(agent, replay.sample(4, 8), args)[0] for _ in range(40)]
+    losses = [world_model_update(agent, replay.sample(4, 8), args)[0] for _ in range(40)]
     first = np.mean([m["losses/world_model"] for m in losses[:5]])
     last = np.mean([m["losses/world_model"] for m in losses[-5:]])
     assert last < 0.8 * first, f"world-model loss went from {first:.1f} to {last:.1f}"
@@ -80,27 +90,37 @@ def test_latent_kinds_train(classes):
     agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
     batch = da.synthetic_batch(args, (4, 84, 84))
     before = [p.detach().clone() for p in agent.world_model.parameters()]
-    metrics, states = da.train_world_model(agent, batch, args)
-    behavior = da.train_behavior(agent, states, args)
-    assert metrics["debug/update_skipped"] == 0.0 and behavior["debug/update_skipped"] == 0.0
+    _, healthy, states = world_model_update(agent, batch, args)
+    _, behavior_healthy = da.train_behavior(agent, states, args)
+    assert healthy and bool(behavior_healthy)
     assert any(not torch.equal(b, p) for b, p in zip(before, agent.world_model.parameters()))
 
 
-def test_non_finite_loss_skips_the_update():
+def test_non_finite_loss_skips_the_update_on_the_device_and_changes_nothing():
+    """A NaN reward makes the world-model loss NaN: the step is skipped without a host sync, and weights, Adam's
+    moments and its step count stay exactly as they were; the behaviour update that follows on the skipped update's
+    states changes nothing either (actor, critic, slow critic, return normaliser)."""
     args = tiny_args()
     torch.manual_seed(0)
     agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
     batch = da.synthetic_batch(args, (4, 84, 84))
+    batch["obs"] = np.random.default_rng(0).integers(0, 255, batch["obs"].shape, dtype=np.uint8)
+    _, healthy, states = world_model_update(agent, batch, args)  # one good update: Adam has state now
+    da.train_behavior(agent, states, args)
+    modules = (agent.world_model, agent.actor, agent.critic, agent.slow_critic, agent.return_norm)
+    before = [t.detach().clone() for m in modules for t in m.state_dict().values()]
+    moments = [adam_state(o) for o in agent.optimizers]
     batch["reward"][0, 3] = np.nan
-    before = [p.detach().clone() for p in agent.world_model.parameters()]
-    metrics, _ = da.train_world_model(agent, batch, args)
-    assert metrics["debug/update_skipped"] == 1.0
-    assert all(torch.equal(b, p) for b, p in zip(before, agent.world_model.parameters())), (
-        "a NaN update was applied"
-    )
-    assert not agent.world_model_optimizer.state or all(
-        float(s["step"]) == 0 for s in agent.world_model_optimizer.state.values()
-    )
+    metrics, healthy, states = world_model_update(agent, batch, args)
+    assert not healthy and np.isnan(metrics["losses/reward"])
+    states = tuple(s * float("nan") for s in states[:2]) + (states[2],)  # what a diverged model would imagine from
+    _, behavior_healthy = da.train_behavior(agent, states, args)
+    assert not behavior_healthy
+    after = [t.detach() for m in modules for t in m.state_dict().values()]
+    assert all(torch.equal(b, a) for b, a in zip(before, after)), "a non-finite update was applied"
+    for old, optimizer in zip(moments, agent.optimizers):
+        assert all(torch.equal(o, n) for o, n in zip(old, adam_state(optimizer))), "Adam's state moved"
+    assert all(float(s["step"]) == 1 for s in agent.world_model_optimizer.state.values())
 
 
 def test_categorical_latents_follow_their_probabilities_with_straight_through_gradients():
@@ -114,3 +134,27 @@ def test_categorical_latents_follow_their_probabilities_with_straight_through_gr
     assert torch.allclose(draws.detach().sum(-1), torch.ones(20_000, 3))  # exactly one class per latent
     draws[:, 0, 0].sum().backward()
     assert logits.grad is not None and logits.grad.abs().sum() > 0  # gradients pass straight through
+
+
+def test_observe_matches_a_step_by_step_rollout_of_prior_and_posterior():
+    """`RSSM.observe` computes the prior after its loop and the posterior's embed half for all steps at once (fewer
+    kernels on a GPU); it must equal the plain step-by-step rollout through `posterior` and `prior`."""
+    torch.manual_seed(0)
+    rssm = da.WorldModel(tiny_args(), (4, 84, 84), 6).rssm
+    rssm.sample = lambda stats: torch.nn.functional.one_hot(stats.argmax(-1), stats.shape[-1]).float().flatten(-2)
+    B, T = 3, 7
+    embed = torch.randn(B, T, 32)
+    action = torch.nn.functional.one_hot(torch.randint(0, 6, (B, T)), 6).float()
+    is_first = torch.zeros(B, T, dtype=torch.bool)
+    is_first[:, 0] = is_first[1, 4] = True
+    deter, stoch, posterior, prior = rssm.observe(embed, action, is_first)
+    d, z = rssm.initial(B, "cpu")
+    for t in range(T):
+        keep = (~is_first[:, t]).float().unsqueeze(-1)
+        d = rssm.img_step(d * keep, z * keep, action[:, t] * keep)
+        post = rssm.posterior(d, embed[:, t])
+        z = rssm.sample(post)
+        torch.testing.assert_close(deter[:, t], d)
+        torch.testing.assert_close(posterior[:, t], post)
+        torch.testing.assert_close(prior[:, t], rssm.prior(d))
+        torch.testing.assert_close(stoch[:, t], z)

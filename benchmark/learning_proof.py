@@ -1,0 +1,197 @@
+"""Proof that dreamer_atari.py learns: its own main loop on Catch-v0, a pixel task a 2-core CPU learns in minutes.
+
+    python benchmark/learning_proof.py --json out.json --seed 3
+
+Trains `dreamer_atari.main` (the same replay, world model, imagination and actor code that Pong uses; only the
+environment id and the sizes differ) on Catch-v0, then plays episodes with the trained agent acting as it acts in
+training (actions sampled from the policy, the same `Player`), with random actions, and with a scripted agent that
+walks the paddle under the ball (the best return there is). Writes one JSON object: `final_return`,
+`optimal_return`, `random_return`, `env_steps`, `updates`, `seconds` (training wall time), the training curve
+(mean return of the episodes in each bin of env steps), the configuration, the command and the machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np
+import torch
+import tyro
+
+import dreamer_atari as da
+from benchmark import bench_utils
+
+# The proof's configuration: a small model and batch so that an update takes tens of milliseconds on a CPU;
+# everything not named here is the script's default.
+PROOF_ARGS = dict(
+    env_id=da.CATCH_ID,
+    num_envs=1,
+    vector_mode="sync",
+    encoder_channels=(8, 16, 16),
+    embed_dim=64,
+    decoder_base_channels=8,
+    decoder_mid_channels=8,
+    deterministic_dim=64,
+    stochastic_dim=8,
+    stochastic_classes=8,
+    hidden_dim=64,
+    batch_size=8,
+    sequence_length=16,
+    imagination_horizon=10,
+    learning_starts=500,
+    amp="off",
+    log_interval=500,
+    video_every=0,
+    leak_warmup_steps=0,
+)
+
+
+@dataclasses.dataclass
+class Args:
+    json: str
+    """where to write the result (a JSON object)"""
+    seed: int = 1
+    """seed of the training run and of the evaluation episodes"""
+    total_timesteps: int = 6_000
+    """env steps of training"""
+    train_ratio: float = 64.0
+    """replayed steps per env step (at batch 8 x 16: one update per 2 env steps)"""
+    world_model_lr: float = 3e-4
+    """learning rate of the world model"""
+    actor_lr: float = 3e-4
+    """learning rate of the actor"""
+    critic_lr: float = 3e-4
+    """learning rate of the critic"""
+    eval_episodes: int = 100
+    """episodes played by each of the trained, random and scripted agents"""
+    threads: int = 2
+    """torch threads"""
+    work_dir: str | None = None
+    """where the training run writes runs/ (default: a temporary directory, removed afterwards)"""
+    curve_bin: int = 500
+    """env steps per point of the training curve"""
+
+
+def play(env_id: str, episodes: int, seed: int, policy) -> list[float]:
+    """Returns of `episodes` episodes in one env; `policy(obs, is_first, env)` gives the action."""
+    args = da.Args(**{**PROOF_ARGS, "num_envs": 1})
+    env = da.make_env(env_id, 0, False, "", args)()
+    returns = []
+    try:
+        for episode in range(episodes):
+            obs, _ = env.reset(seed=seed * 100_003 + episode)
+            is_first, done, total = True, False, 0.0
+            while not done:
+                obs, reward, terminated, truncated, _ = env.step(policy(obs, is_first, env))
+                total += float(reward)
+                is_first, done = False, terminated or truncated
+            returns.append(total)
+    finally:
+        env.close()
+    return returns
+
+
+def trained_policy(checkpoint: str, train_args: da.Args):
+    """The trained agent acting as it acts in training: `Player.act`, actions sampled from the policy."""
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    agent = da.build_agent(train_args, (4, 84, 84), 3, "cpu")
+    for name, module in agent.modules().items():
+        module.load_state_dict(state["models"][name])
+    player = da.Player(agent, num_envs=1)
+
+    def policy(obs, is_first, env):
+        return int(player.act(obs[None], np.array([is_first]))[0])
+
+    return policy
+
+
+def scripted_policy(obs, is_first, env):
+    """Walk the paddle under the ball: the best any agent can do on Catch (every ball is reachable)."""
+    catch = env.unwrapped
+    return 0 if catch.paddle == catch.ball_col else (1 if catch.paddle > catch.ball_col else 2)
+
+
+def training_curve(run_dir: str, bin_steps: int) -> list[dict]:
+    returns = bench_utils.read_scalars(run_dir, ["charts/episodic_return"]).get("charts/episodic_return", {})
+    bins: dict[int, list[float]] = {}
+    for step, value in sorted(returns.items()):
+        bins.setdefault((step - 1) // bin_steps * bin_steps + bin_steps, []).append(value)
+    return [{"env_step": step, "mean_return": float(np.mean(v)), "episodes": len(v)} for step, v in sorted(bins.items())]
+
+
+def prove(args: Args) -> dict:
+    torch.set_num_threads(args.threads)
+    train_args = da.Args(
+        **PROOF_ARGS,
+        seed=args.seed,
+        total_timesteps=args.total_timesteps,
+        train_ratio=args.train_ratio,
+        world_model_lr=args.world_model_lr,
+        actor_lr=args.actor_lr,
+        critic_lr=args.critic_lr,
+        save_model=True,
+        exp_name="learning_proof",
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        cwd = os.getcwd()
+        os.chdir(work)
+        try:
+            started = time.perf_counter()
+            result = da.main(train_args)
+            seconds = time.perf_counter() - started
+            run_dir = str(work / result["run_dir"])
+            curve = training_curve(run_dir, args.curve_bin)
+            started_eval = time.perf_counter()
+            policy = trained_policy(os.path.join(run_dir, "checkpoint.pt"), train_args)
+            final = play(da.CATCH_ID, args.eval_episodes, args.seed, policy)
+            rng = np.random.default_rng(args.seed)
+            random_returns = play(da.CATCH_ID, args.eval_episodes, args.seed, lambda o, f, e: int(rng.integers(3)))
+            optimal = play(da.CATCH_ID, args.eval_episodes, args.seed, scripted_policy)
+            eval_seconds = time.perf_counter() - started_eval
+        finally:
+            os.chdir(cwd)
+    return {
+        "final_return": float(np.mean(final)),
+        "optimal_return": float(np.mean(optimal)),
+        "random_return": float(np.mean(random_returns)),
+        "env_steps": result["global_step"],
+        "updates": result["updates"],
+        "behavior_updates": result["behavior_updates"],
+        "seconds": seconds,
+        "eval_seconds": eval_seconds,
+        "eval_episodes": args.eval_episodes,
+        "final_returns": final,
+        "curve": curve,
+        "seed": args.seed,
+        "config": {key: value for key, value in dataclasses.asdict(train_args).items()},
+        "proof_args": dataclasses.asdict(args),
+        "command": " ".join(["python", "benchmark/learning_proof.py", *sys.argv[1:]]),
+        "machine": bench_utils.machine(),
+    }
+
+
+def main(args: Args) -> dict:
+    out = prove(args)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    print(f"seed {args.seed}: final return {out['final_return']:.2f} (optimal {out['optimal_return']:.2f}, random "
+          f"{out['random_return']:.2f}) after {out['env_steps']} env steps, {out['updates']} updates, "
+          f"{out['seconds']:.0f} s of training")
+    return out
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

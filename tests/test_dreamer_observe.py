@@ -1,0 +1,153 @@
+"""What a dreamer_atari.py user looks at to trust a run: open-loop predictions, reward-prediction quality, the
+start-up check that actions change frames, the Catch task, and an ETA that follows the recent rate."""
+
+import io
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import dreamer_atari as da
+import dreamer_tiny
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.set_num_threads(1)
+    return tmp_path
+
+
+def catch_args(**overrides) -> da.Args:
+    schedule = dict(env_id=da.CATCH_ID, num_envs=1, total_timesteps=300, learning_starts=100, train_ratio=8.0,
+                    log_interval=100, sequence_length=12)
+    return dreamer_tiny.tiny_args(**{**schedule, **overrides})
+
+
+def test_catch_is_a_gymnasium_env_with_the_stated_rules():
+    env = gym.make(da.CATCH_ID)
+    obs, _ = env.reset(seed=3)
+    assert obs.shape == (84, 84) and obs.dtype == np.uint8 and env.action_space.n == 3
+    catch = env.unwrapped
+    rewards, steps = [], 0
+    while True:  # walk under the ball: a catch
+        action = 0 if catch.paddle == catch.ball_col else (1 if catch.paddle > catch.ball_col else 2)
+        obs, reward, terminated, truncated, _ = env.step(action)
+        rewards.append(reward)
+        steps += 1
+        if terminated:
+            break
+    assert steps == catch.rows - 1 and rewards[-1] == 1.0 and rewards[:-1] == [0.0] * (steps - 1)
+    env.reset(seed=3)
+    catch.paddle = (catch.ball_col + 2) % catch.columns  # two columns away, never moving: a miss
+    for _ in range(catch.rows - 1):
+        obs, reward, terminated, _, _ = env.step(0)
+    assert terminated and reward == -1.0
+
+
+def test_reward_prediction_counts_and_rates():
+    reward = torch.tensor([[1.0, -1.0, 0.0, 0.0, 1.0, 0.0]])
+    predicted = torch.tensor([[0.9, 0.3, 0.6, -0.1, -0.8, 0.0]])  # hit, too small, false alarm, ok, wrong sign
+    counts = {key: value.item() for key, value in da.reward_prediction_counts(predicted, reward).items()}
+    assert counts == {"debug/reward_nonzero": 3.0, "debug/reward_hits": 1.0, "debug/reward_zero": 3.0,
+                      "debug/reward_false_alarms": 1.0}
+    rates = da.reward_quality(dict(counts))
+    assert rates == {"charts/reward_sign_accuracy": pytest.approx(1 / 3),
+                     "charts/reward_false_alarm_rate": pytest.approx(1 / 3)}
+    assert da.reward_quality({"debug/reward_nonzero": 0.0, "debug/reward_zero": 4.0, "debug/reward_hits": 0.0,
+                              "debug/reward_false_alarms": 0.0}) == {"charts/reward_false_alarm_rate": 0.0}
+
+
+def test_a_tiny_run_writes_open_loop_videos_and_reward_quality(in_tmp):
+    args = catch_args(video_every=100, track=True, train_ratio=24.0)  # an update from step 100 on
+    result = da.main(args)
+    run_dir = in_tmp / result["run_dir"]
+    events = EventAccumulator(str(run_dir), size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    videos = events.Images("videos/open_loop")
+    assert [v.step for v in videos] == [100, 200, 300]
+    gif = Image.open(io.BytesIO(videos[-1].encoded_image_string))
+    assert gif.format == "GIF" and gif.n_frames == args.sequence_length
+    assert gif.size == (3 * 84, 4 * 84)  # 4 sequences, each truth | model | error
+    gif.seek(args.sequence_length - 1)
+    frame = np.asarray(gif.convert("L")).astype(float)
+    truth, model, error = frame[:84, :84], frame[:84, 84 : 2 * 84], frame[:84, 2 * 84 :]
+    assert truth.max() == 255 and truth.min() == 0  # Catch's ball and paddle on black
+    assert np.abs(error - ((model - truth) / 2 + 127.5)).max() <= 1.5  # grey = no error
+    assert sorted(p.name for p in (run_dir / "open_loop").iterdir()) == [
+        "step_100.gif", "step_200.gif", "step_300.gif"]
+    scalars = {tag: events.Scalars(tag) for tag in events.Tags()["scalars"]}
+    for key in ("charts/reward_sign_accuracy", "charts/reward_false_alarm_rate"):
+        assert scalars.get(key), f"{key} was not logged"
+        assert all(0.0 <= e.value <= 1.0 for e in scalars[key])
+    assert not any(key.startswith("debug/reward_") for key in scalars), "raw counts are logged as rates only"
+    (wandb_run,) = (in_tmp / "wandb").glob("offline-run-*")
+    assert list(wandb_run.rglob("*.gif")), "the open-loop video did not reach wandb"
+
+
+def test_open_loop_video_does_not_change_training(in_tmp):
+    with_video = da.main(catch_args(video_every=100, save_model=True, exp_name="video"))
+    without = da.main(catch_args(video_every=0, save_model=True, exp_name="plain"))
+    weights = [torch.load(in_tmp / r["run_dir"] / "checkpoint.pt", weights_only=True)["models"]["world_model"]
+               for r in (with_video, without)]
+    for name, value in weights[0].items():
+        torch.testing.assert_close(value, weights[1][name], rtol=0, atol=0, msg=name)
+
+
+class IgnoreActions(gym.ActionWrapper):
+    """What ale-py 0.10.x did: every action becomes a no-op."""
+
+    def action(self, action):
+        return 0
+
+
+def test_action_check_passes_real_envs_and_catches_one_that_ignores_actions():
+    args = dreamer_tiny.tiny_args()
+    for env_id in ("ALE/Pong-v5", da.CATCH_ID):
+        da.check_actions_change_frames(da.make_env(env_id, 0, False, "", args), env_id, seed=1)
+    pong = da.make_env("ALE/Pong-v5", 0, False, "", args)
+    with pytest.raises(da.ArgsError, match="ignores actions"):
+        da.check_actions_change_frames(lambda: IgnoreActions(pong()), "ALE/Pong-v5", seed=1)
+
+
+def test_a_run_on_an_env_that_ignores_actions_stops_before_writing_anything(in_tmp, capsys):
+    if "test/DeadCatch-v0" not in gym.registry:
+        gym.register("test/DeadCatch-v0", entry_point=lambda **kw: IgnoreActions(da.CatchEnv(**kw)))
+    with pytest.raises(SystemExit) as exit_info:
+        da.main(catch_args(env_id="test/DeadCatch-v0"))
+    assert exit_info.value.code == da.EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "test/DeadCatch-v0" in err[0] and "ignores actions" in err[0]
+    assert not (in_tmp / "runs").exists()
+
+
+def test_short_episodes_train_and_a_replay_too_short_for_one_sequence_says_so_once(in_tmp, capsys):
+    """Catch's episodes last 9 steps, shorter than the 12-step sequences: updates run anyway."""
+    result = da.main(catch_args(learning_starts=4, total_timesteps=60, log_interval=20))
+    assert result["updates"] > 0 and result["behavior_updates"] > 0
+    out = capsys.readouterr().out
+    assert out.count("updates wait: the replay holds") == 1
+
+
+def test_eta_follows_the_recent_rate_not_the_prefill():
+    """Prefill at 1,000 steps/s, then training at 2 steps/s: after three log intervals of training the ETA is
+    within a factor of two of the truth (the average since the start would promise it 20x too soon)."""
+    total, prefill, interval = 100_000, 5_000, 100
+    progress = da.ProgressLine(total, torch.device("cpu"), phase_starts=(prefill, prefill))
+    clock, step = 0.0, 0
+    for step in range(0, prefill + 1, 1_000):
+        clock = step / 1_000
+        progress.mark(step, now=clock)
+        assert progress.eta_s(step, now=clock) is None or step >= prefill
+    assert "ETA -- (prefill)" in progress.text(4_000, 1_000.0, None, 100.0, None, now=4.0)
+    for step in range(prefill + interval, prefill + 4 * interval, interval):
+        clock = 5.0 + (step - prefill) / 2.0
+        progress.mark(step, now=clock)
+    eta = progress.eta_s(step, now=clock)
+    truth = (total - step) / 2.0
+    assert eta is not None and truth / 2 <= eta <= 2 * truth, (eta, truth)
+    assert math.isclose(eta, truth, rel_tol=1e-9)
