@@ -436,7 +436,10 @@ def gpu_markdown(result: dict) -> str:
             else:
                 parts.append(f"| {mode} | {fmt(fig['update_ms'])} | {fmt(fig['updates_per_s'])} | "
                              f"{fmt(fig.get('peak_alloc_mb'))} | {fmt(fig.get('peak_reserved_mb'))} |")
-        loop = gpu["loop"]
+        loop = gpu.get("loop")
+    if gpu.get("run", True) and loop is None:
+        parts += ["", f"Training loop past replay capacity: not measured ({gpu.get('loop_reason', 'not run')})."]
+    elif gpu.get("run", True):
         parts += ["", (f"Training loop (`dreamer_atari.main`, seed model, capacity {loop['capacity_steps']:,} steps, "
                        f"{loop['env_steps']:,} env steps, {loop['batch']}, {loop['updates']:,} updates): "
                        f"{fmt(loop['env_steps_per_s'])} env steps/s; GPU allocated after the replay is full: "

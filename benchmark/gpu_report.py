@@ -1,0 +1,231 @@
+"""The GPU results file, assembled from the raw outputs of one GPU session (nothing typed in by hand).
+
+    python benchmark/gpu_report.py benchmark/results/<date>-<gpu>/     # writes <date>-<gpu>.md and .json beside it
+
+The folder holds what each measurement wrote there, under these names (any may be missing; the report says so):
+  profile.json, profile_<amp>.txt   benchmark/gpu_update_profile.py: eager and captured update, kernels, equality
+  prototype_profile.json            the same, of an earlier version of the update (for the before/after)
+  gpu_amp.json                      benchmark/ours_dreamer.py gpu --parts amp: eager update and peak memory per --amp
+  forensics.json                    benchmark/cuda_forensics.py: snapshots, their analysis, induced OOMs
+  pong_events.tfevents, pong_train.log, pong_command.txt, pong_gpu_utilization.csv, open_loop_step_<N>.gif
+                                    a dreamer_atari.py run on ALE/Pong-v5 (the Atari100k recipe)
+  nvidia_smi.csv                    the GPU's name, memory and driver
+  gpu_loop.json or gpu_loop.log     benchmark/ours_dreamer.py gpu --parts loop (the log alone when it did not finish)
+  notes.md                          how the session ran (what shared the GPU when), printed at the top
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmark import pong_curve
+from benchmark.run import fmt, gpu_markdown
+
+# issue targets, to compare against (not measurements)
+TARGET_PONG_RETURN = 18.0
+TARGET_PONG_WALL_MIN = 25.0
+TARGET_UPDATE_MS = 10.0
+TARGET_PEAK_RESERVED_MB = 2048.0
+STRIP_FRAMES = (0, 4, 5, 8, 12, 20, 30, 49)  # context ends after frame 4: 5 onwards is imagined
+
+
+def load(folder: Path, name: str) -> dict | None:
+    path = folder / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def open_loop_strip(gif_path: Path, png_path: Path) -> dict:
+    """Frames of an open-loop GIF side by side (each frame: 4 sequences x truth | model | error)."""
+    from PIL import Image
+
+    gif = Image.open(gif_path)
+    frames = []
+    for index in STRIP_FRAMES:
+        if index < gif.n_frames:
+            gif.seek(index)
+            frames.append(gif.convert("L"))
+    width, height = frames[0].size
+    strip = Image.new("L", (len(frames) * (width + 4), height), 255)
+    for i, frame in enumerate(frames):
+        strip.paste(frame, (i * (width + 4), 0))
+    strip.save(png_path, optimize=True)
+    return {"png": png_path.name, "frames": list(STRIP_FRAMES[: len(frames)]), "gif_frames": gif.n_frames}
+
+
+def pong_section(folder: Path, stem: Path) -> dict | None:
+    events = folder / "pong_events.tfevents"
+    if not events.exists():
+        return None
+    result = pong_curve.curve(pong_curve.read_events(str(events)))
+    points = result["points"]
+    last = points[-1]
+    steady = [p for p in points if p.get("updates_per_s")][-10:]
+    env_rate = sum(p["env_steps_per_s"] for p in steady) / len(steady)
+    utilization = []
+    if (folder / "pong_gpu_utilization.csv").exists():
+        utilization = [int(line.split("%")[0]) for line in (folder / "pong_gpu_utilization.csv").read_text().splitlines()
+                       if "%" in line]
+    pong_curve.plot(result, str(stem.parent / f"{stem.name}_pong_curve.png"),
+                    f"ALE/Pong-v5, Atari100k recipe, --cudagraph, {last['env_step']:,} env steps")
+    strips = [open_loop_strip(gif, stem.parent / f"{stem.name}_{gif.stem}.png")
+              for gif in sorted(folder.glob("open_loop_step_*.gif"))]
+    command = (folder / "pong_command.txt").read_text().strip() if (folder / "pong_command.txt").exists() else None
+    return {
+        "command": command,
+        "pong_curve": [{"env_step": p["env_step"], "mean_return_last_10": p["mean_return_last_10"]} for p in points],
+        "pong_final_return": last["mean_return_last_10"],
+        "pong_env_steps": last["env_step"],
+        "pong_updates": last["updates"],
+        "pong_wall_s": last["wall_s"],
+        "pong_peak_gpu_reserved_mb": max(p["peak_gpu_reserved_mb"] or 0 for p in points),
+        "pong_peak_gpu_alloc_mb": max(p["peak_gpu_alloc_mb"] or 0 for p in points),
+        "pong_peak_host_rss_mb": max(p["host_rss_mb"] or 0 for p in points),
+        "steady_env_steps_per_s": env_rate,
+        "steady_updates_per_s": sum(p["updates_per_s"] for p in steady) / len(steady),
+        "projected_wall_min_for_100k": 100_000 / env_rate / 60,
+        "gpu_utilization_percent_samples": utilization,
+        "open_loop_strips": strips,
+        "points": points,
+        "episode_returns": result["episode_returns"],
+    }
+
+
+def report(folder: Path) -> tuple[dict, str]:
+    stem = folder.parent / folder.name
+    profile, prototype = load(folder, "profile.json"), load(folder, "prototype_profile.json")
+    amp, forensics = load(folder, "gpu_amp.json"), load(folder, "forensics.json")
+    smi = (folder / "nvidia_smi.csv").read_text().strip().splitlines()[-1] if (folder / "nvidia_smi.csv").exists() else None
+    pong = pong_section(folder, stem)
+    machine = (profile or amp or {}).get("machine", {})
+    result = {"folder": folder.name, "machine": machine, "nvidia_smi": smi, "profile": profile,
+              "prototype_profile": prototype, "gpu_amp": amp, "forensics": forensics, "pong": pong}
+
+    lines = [f"# GPU results, {machine.get('gpu', 'unknown GPU')}", "",
+             (f"Machine: {machine.get('gpu')} ({smi}), {machine.get('cpu')}, {machine.get('cpu_count')} CPU cores, "
+              f"Python {machine.get('python')}, torch {machine.get('torch')}. Raw outputs: `{folder.name}/` (every "
+              f"sample); this file is written from them by `python benchmark/gpu_report.py "
+              f"{folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder.name}/`."), ""]
+    if (folder / "notes.md").exists():
+        lines += ["## How the session ran", "", (folder / "notes.md").read_text().strip(), ""]
+
+    lines += ["## Targets", "", "| figure | measured | target | met |", "|---|---:|---:|---|"]
+    targets = {}
+    if pong:
+        targets["Pong return after 100k agent steps"] = (
+            f"{fmt(pong['pong_final_return'])} after {pong['pong_env_steps']:,} steps (the run stopped there)",
+            f">= {TARGET_PONG_RETURN:g}", None)
+        targets["wall time of the 100k-step run"] = (
+            f"{fmt(pong['projected_wall_min_for_100k'])} min projected from the measured rate",
+            f"<= {TARGET_PONG_WALL_MIN:g} min", pong["projected_wall_min_for_100k"] <= TARGET_PONG_WALL_MIN)
+    if profile:
+        best = min(f["graph"]["median_ms"] for f in profile["amp"].values() if "graph" in f)
+        targets[f"one update at the seed config ({profile['batch']}), median"] = (
+            f"{fmt(best)} ms (captured)", f"<= {TARGET_UPDATE_MS:g} ms", best <= TARGET_UPDATE_MS)
+    if amp:
+        for mode, fig in amp["amp"].items():
+            if "peak_reserved_mb" in fig:
+                met = fig["peak_reserved_mb"] < TARGET_PEAK_RESERVED_MB
+                targets[f"peak GPU reserved, seed config, --amp {mode} (eager)"] = (
+                    f"{fmt(fig['peak_reserved_mb'])} MB", "< 2,048 MB", met)
+    if profile:
+        for mode, fig in profile["amp"].items():
+            if "graph_peak_reserved_mb" in fig:
+                targets[f"peak GPU reserved, seed config, --amp {mode} --cudagraph"] = (
+                    f"{fmt(fig['graph_peak_reserved_mb'])} MB", "< 2,048 MB",
+                    fig["graph_peak_reserved_mb"] < TARGET_PEAK_RESERVED_MB)
+    if forensics and "analysis" in forensics:
+        targets["GPU allocated past buffer capacity (forensics run, snapshots)"] = (
+            forensics["analysis"]["printed"].split("slope per 1k steps |")[1].split("|")[1].strip() + " MB per 1k "
+            "steps (active)", "flat", None)
+    for name, (measured, target, met) in targets.items():
+        lines.append(f"| {name} | {measured} | {target} | {fmt(met)} |")
+    result["targets"] = {name: {"measured": m, "target": t, "met": met} for name, (m, t, met) in targets.items()}
+
+    if profile:
+        lines += ["", "## One update, eager and captured in CUDA graphs", "",
+                  (f"`{profile['command']}`: the script's own update as the training loop runs it (batch copied to "
+                   f"the device, world model, behaviour), one real Pong batch ({profile['batch']}), median of "
+                   f"{len(profile['amp']['off']['eager']['samples_ms'])} after warm-up, synchronised after each."),
+                  "", "| --amp | eager ms | captured ms | speed-up | kernels per update | GPU busy share (eager) |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for mode, fig in profile["amp"].items():
+            graph = fig.get("graph", {}).get("median_ms")
+            lines.append(f"| {mode} | {fmt(fig['eager']['median_ms'])} | {fmt(graph)} | "
+                         f"{fmt(fig['eager']['median_ms'] / graph if graph else None)} | {fig['kernels']:,} | "
+                         f"{fmt(fig['gpu_busy_share'])} |")
+        if prototype:
+            for mode, fig in prototype["amp"].items():
+                graph = prototype["variants"].get(f"graph_{mode}", {}).get("graph_replay_ms")
+                lines.append(f"| {mode}, before (prototype) | {fmt(fig['full']['median_ms'])} | {fmt(graph)} | "
+                             f"{fmt(fig['full']['median_ms'] / graph if graph else None)} | {fig['kernels']:,} | "
+                             f"{fmt(fig['gpu_busy_share'])} |")
+        equal = profile.get("eager_vs_graph")
+        if equal:
+            worst = max(equal["max_relative_difference"].values())
+            lines += ["", (f"Captured against eager: two agents from the same weights and random state trained on the "
+                           f"same {equal['updates']} batches (the captured one replays its graphs from update "
+                           f"{equal['captured_from_update']}); the largest relative difference over all "
+                           f"{len(equal['max_relative_difference'])} logged values of all updates: {worst:g}.")]
+
+    if pong:
+        lines += ["", "## Pong, Atari100k recipe", "",
+                  (f"`{pong['command']}`" if pong["command"] else "Command not recorded.") + " (float32).", "",
+                  (f"Reached {pong['pong_env_steps']:,} env steps and {pong['pong_updates']:,} updates in "
+                   f"{fmt(pong['pong_wall_s'])} s, when the GPU time ran out. Steady rate over the last "
+                   f"10 log intervals: {fmt(pong['steady_env_steps_per_s'])} env steps/s, "
+                   f"{fmt(pong['steady_updates_per_s'])} updates/s, so 100k steps would take "
+                   f"{fmt(pong['projected_wall_min_for_100k'])} min. GPU utilisation (nvidia-smi, every 30 s): "
+                   f"{pong['gpu_utilization_percent_samples']} %. Peak GPU reserved {fmt(pong['pong_peak_gpu_reserved_mb'])}"
+                   f" MB, allocated {fmt(pong['pong_peak_gpu_alloc_mb'])} MB; peak host RSS "
+                   f"{fmt(pong['pong_peak_host_rss_mb'])} MB."),
+                  "", f"![curve]({stem.name}_pong_curve.png)", "",
+                  "| env step | wall s | mean return, last 10 episodes | reward sign accuracy | image loss | KL loss | "
+                  "actor entropy | imagined return | updates/s | GPU alloc MB | host RSS MB |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for p in pong["points"]:
+            lines.append(f"| {p['env_step']:,} | {fmt(p['wall_s'])} | {fmt(p['mean_return_last_10'])} | "
+                         f"{fmt(p['reward_sign_accuracy'])} | {fmt(p['image_loss'])} | {fmt(p['kl_loss'])} | "
+                         f"{fmt(p['actor_entropy'])} | {fmt(p['imagined_return'])} | {fmt(p.get('updates_per_s'))} | "
+                         f"{fmt(p['gpu_alloc_mb'])} | {fmt(p['host_rss_mb'])} |")
+        if pong["open_loop_strips"]:
+            lines += ["", (f"Open-loop predictions (4 replayed sequences per image, each truth | model | error; the "
+                           f"model sees frames 0-4 and imagines the rest from the real actions), frames "
+                           f"{pong['open_loop_strips'][0]['frames']}:"), ""]
+            for strip in pong["open_loop_strips"]:
+                lines += [f"![{strip['png']}]({strip['png']})", ""]
+
+    if amp or forensics:
+        loop = load(folder, "gpu_loop.json")
+        reason = ("stopped by its time limit, see gpu_loop.log" if (folder / "gpu_loop.log").exists() and loop is None
+                  else "not run")
+        gpu = {"run": True, "device": (amp or {}).get("device"), "update_batch": (amp or {}).get("update_batch"),
+               "amp": (amp or {}).get("amp", {}), "loop": (loop or {}).get("loop"), "loop_reason": reason}
+        section = gpu_markdown({"gpu": gpu, "forensics": forensics or {"run": False, "reason": "not run"}})
+        lines += ["", section.replace("## GPU\n", "## Eager update and peak memory per --amp\n")]
+    return result, "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder")
+    cli = parser.parse_args()
+    folder = Path(cli.folder).resolve()
+    if not folder.is_dir():
+        print(f"error: {cli.folder!r} is not a folder.", file=sys.stderr)
+        raise SystemExit(2)
+    result, markdown = report(folder)
+    stem = folder.parent / folder.name
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(markdown)
+    print(f"wrote {stem}.md and {stem}.json")
+
+
+if __name__ == "__main__":
+    main()

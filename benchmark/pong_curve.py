@@ -1,0 +1,120 @@
+"""The learning curve of a dreamer_atari.py run, read back from its TensorBoard file.
+
+    python benchmark/pong_curve.py RUN_DIR_OR_EVENT_FILE --json curve.json [--png curve.png]
+
+At every log point: env step, wall seconds since the run started, the mean return of the last 10 finished episodes,
+env steps/s and updates/s over the last interval, peak GPU memory reserved and allocated, host RSS, and the
+world-model and actor figures that say why a run does or does not learn (reward-prediction sign accuracy, image
+loss, KL, actor entropy, imagined return). Every episode's return is kept too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+DIAGNOSTICS = {
+    "reward_sign_accuracy": "charts/reward_sign_accuracy",
+    "image_loss": "losses/image",
+    "reward_loss": "losses/reward",
+    "kl_loss": "losses/kl",
+    "actor_entropy": "losses/entropy",
+    "imagined_return": "debug/imagined_return",
+    "return_scale": "debug/return_scale",
+}
+MEMORY = {"peak_gpu_reserved_mb": "debug/gpu/max_reserved_mb", "peak_gpu_alloc_mb": "debug/gpu/max_alloc_mb",
+          "gpu_alloc_mb": "debug/gpu/alloc_mb", "host_rss_mb": "debug/cpu/rss_mb"}
+
+
+def read_events(path: str) -> dict[str, list[tuple[int, float, float]]]:
+    """{tag: [(step, wall_time, value), ...]} for every scalar tag."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.wall_time, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def curve(scalars: dict[str, list[tuple[int, float, float]]], last_episodes: int = 10) -> dict:
+    """The curve at each log point (the steps where charts/SPS was written)."""
+    sps = scalars["charts/SPS"]
+    updates_rate = {step: value for step, _, value in scalars.get("charts/updates_per_second", [])}
+    episodes = sorted((step, value) for step, _, value in scalars.get("charts/episodic_return", []))
+    by_key = {name: {step: value for step, _, value in scalars.get(tag, [])}
+              for name, tag in {**DIAGNOSTICS, **MEMORY}.items()}
+    points, previous = [], None
+    for step, wall, mean_sps in sps:
+        elapsed = step / mean_sps if mean_sps > 0 else 0.0  # charts/SPS is steps over seconds since the start
+        updates = updates_rate.get(step, 0.0) * elapsed  # likewise charts/updates_per_second
+        finished = [value for episode_step, value in episodes if episode_step <= step][-last_episodes:]
+        point = {"env_step": step, "wall_s": round(elapsed, 1), "updates": round(updates),
+                 "mean_return_last_10": float(np.mean(finished)) if finished else None,
+                 "episodes": sum(1 for episode_step, _ in episodes if episode_step <= step)}
+        if previous is not None and elapsed > previous["wall_s"]:
+            dt = elapsed - previous["wall_s"]
+            point["env_steps_per_s"] = round((step - previous["env_step"]) / dt, 2)
+            point["updates_per_s"] = round((updates - previous["updates"]) / dt, 2)
+        point.update({name: values.get(step) for name, values in by_key.items()})
+        points.append(point)
+        previous = point
+    return {"points": points, "episode_returns": [{"env_step": s, "return": v} for s, v in episodes]}
+
+
+def plot(result: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = result["points"]
+    steps = [p["env_step"] for p in points]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
+    ax = axes[0][0]
+    ax.plot([e["env_step"] for e in result["episode_returns"]], [e["return"] for e in result["episode_returns"]],
+            ".", alpha=0.4, label="episode")
+    ax.plot(steps, [p["mean_return_last_10"] for p in points], label="mean of last 10")
+    ax.set(title="return", xlabel="env step", ylim=(-21.5, 21.5))
+    ax.legend()
+    ax = axes[0][1]
+    ax.plot(steps, [p["reward_sign_accuracy"] for p in points], label="reward sign accuracy")
+    ax.plot(steps, [p["actor_entropy"] for p in points], label="actor entropy (nats)")
+    ax.set(title="world model and actor", xlabel="env step")
+    ax.legend()
+    ax = axes[1][0]
+    ax.plot(steps, [p.get("updates_per_s") for p in points], label="updates/s")
+    ax.plot(steps, [p.get("env_steps_per_s") for p in points], label="env steps/s")
+    ax.set(title="speed (per log interval)", xlabel="env step")
+    ax.legend()
+    ax = axes[1][1]
+    for name in ("peak_gpu_reserved_mb", "gpu_alloc_mb", "host_rss_mb"):
+        ax.plot(steps, [p[name] for p in points], label=name)
+    ax.set(title="memory (MB)", xlabel="env step")
+    ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("events", help="a run directory or one TensorBoard event file")
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--png")
+    parser.add_argument("--title", default="dreamer_atari.py")
+    cli = parser.parse_args()
+    if not Path(cli.events).exists():
+        print(f"error: {cli.events!r} does not exist.", file=sys.stderr)
+        raise SystemExit(2)
+    result = curve(read_events(cli.events))
+    Path(cli.json).write_text(json.dumps(result, indent=1))
+    if cli.png:
+        plot(result, cli.png, cli.title)
+
+
+if __name__ == "__main__":
+    main()
