@@ -32,6 +32,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -201,6 +202,9 @@ class Args:
     amp: Literal["auto", "off", "fp16", "bf16"] = "off"
     """mixed precision: off = float32 (DreamerV3's choice), bf16, fp16 (CUDA, one loss scaler per optimizer),
     auto = fp16 on CUDA and off on CPU"""
+    compile: bool = False
+    """torch.compile the steps an update repeats (one RSSM step, one imagination step) and the encoder, decoder
+    and heads: fewer, fused kernels; the first updates take longer while it compiles"""
     cudagraph: bool = False
     """CUDA only: capture the world-model update and the behaviour update in CUDA graphs after 3 eager updates
     and replay them (the same functions; no Python or kernel-launch cost per op). Takes --amp off or bf16"""
@@ -981,6 +985,16 @@ class RSSM(nn.Module):
         mean_r, std_r = rhs.chunk(2, -1)
         return (torch.log(std_r / std_l) + (std_l**2 + (mean_l - mean_r) ** 2) / (2 * std_r**2) - 0.5).sum(-1)
 
+    def observe_step(self, deter, stoch, action, keep, embed_in) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One posterior step: deter (B, D), stoch (B, S), action (B, A), keep (B, 1) (0 where an episode starts),
+        embed_in (B, H) the embedding's share of the posterior's first layer. Returns deter, stoch, posterior.
+        `--compile` compiles this function once and reuses it at every step."""
+        deter = self.img_step(deter * keep, stoch * keep, action)
+        first = self.posterior_net[0]
+        hidden = F.linear(deter, first.weight[:, : self.deter_dim]) + embed_in  # (B, H)
+        posterior = self._stats(self.posterior_net[1:](hidden))
+        return deter, self.sample(posterior), posterior
+
     def observe(self, embed: torch.Tensor, action: torch.Tensor, is_first: torch.Tensor):
         """Posterior rollout over a sequence.
 
@@ -997,10 +1011,7 @@ class RSSM(nn.Module):
         embed_in = F.linear(embed, first.weight[:, self.deter_dim :], first.bias)  # (B, T, H)
         deters, stochs, posteriors = [], [], []
         for t in range(T):
-            deter = self.img_step(deter * keep[:, t], stoch * keep[:, t], action[:, t])
-            hidden = F.linear(deter, first.weight[:, : self.deter_dim]) + embed_in[:, t]  # (B, H)
-            posterior = self._stats(self.posterior_net[1:](hidden))
-            stoch = self.sample(posterior)
+            deter, stoch, posterior = self.observe_step(deter, stoch, action[:, t], keep[:, t], embed_in[:, t])
             deters.append(deter), stochs.append(stoch), posteriors.append(posterior)
         deter = torch.stack(deters, 1)  # (B, T, D)
         # the prior depends on deter alone: all steps at once, after the loop
@@ -1096,6 +1107,7 @@ class Agent:
     scalers: dict[str, torch.amp.GradScaler]  # "world_model", "actor", "critic"
     device: torch.device
     num_actions: int
+    compiled: dict[str, Callable] = dataclasses.field(default_factory=dict)  # --compile: compiled step functions
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -1371,21 +1383,39 @@ def imagine(agent: Agent, start_states, horizon: int):
     The dynamics run without gradients (the actor learns by REINFORCE, the critic from fixed targets), so
     the only graph kept is the actor's. Returns feat (H+1, N, F) detached, log_prob (H, N), entropy (H, N).
     """
-    rssm = agent.world_model.rssm
     deter, stoch, _ = start_states
+    step = agent.compiled.get("imagine_step", imagine_step)
     feats, log_probs, entropies = [], [], []
     for _ in range(horizon):
-        feat = torch.cat([deter, stoch], -1)  # (N, F)
-        feats.append(feat)
-        policy = agent.actor(feat)
-        action = categorical_draw(policy.probs)  # (N,)
-        log_probs.append(policy.log_prob(action))
-        entropies.append(policy.entropy())
-        with torch.no_grad():
-            deter = rssm.img_step(deter, stoch, F.one_hot(action, agent.num_actions).to(deter.dtype))
-            stoch = rssm.sample(rssm.prior(deter))
+        feat, log_prob, entropy, deter, stoch = step(agent.actor, agent.world_model.rssm, deter, stoch)
+        feats.append(feat), log_probs.append(log_prob), entropies.append(entropy)
     feats.append(torch.cat([deter, stoch], -1))
     return torch.stack(feats), torch.stack(log_probs), torch.stack(entropies)
+
+
+def imagine_step(actor: "Actor", rssm: RSSM, deter: torch.Tensor, stoch: torch.Tensor) -> tuple:
+    """One imagined step from deter (N, D), stoch (N, S): the actor picks an action, the prior moves on without
+    gradients. Returns feat (N, F), log_prob (N,), entropy (N,), next deter and stoch. `--compile` compiles this
+    function once and reuses it at every step."""
+    feat = torch.cat([deter, stoch], -1)  # (N, F)
+    policy = actor(feat)
+    action = categorical_draw(policy.probs)  # (N,)
+    with torch.no_grad():
+        deter = rssm.img_step(deter, stoch, F.one_hot(action, policy.probs.shape[-1]).to(deter.dtype))
+        stoch = rssm.sample(rssm.prior(deter))
+    return feat, policy.log_prob(action), policy.entropy(), deter, stoch
+
+
+def compile_agent(agent: Agent) -> None:
+    """--compile: torch.compile what an update repeats. One RSSM observe step and one imagination step are each
+    compiled once and reused at every step of a sequence (compiling a whole unrolled sequence takes minutes); the
+    encoder, decoder and heads, which run once per update over all steps, are compiled too. The functions are the
+    eager ones, and the modules keep their state_dict keys, so checkpoints are the same either way."""
+    wm = agent.world_model
+    wm.rssm.observe_step = torch.compile(wm.rssm.observe_step, dynamic=False)
+    agent.compiled["imagine_step"] = torch.compile(imagine_step, dynamic=False)
+    for module in (wm.encoder, wm.decoder, wm.reward_head, wm.continue_head, agent.critic, agent.slow_critic):
+        module.forward = torch.compile(module.forward, dynamic=False)
 
 
 def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = True):
@@ -1957,6 +1987,8 @@ def main(args: Args) -> dict:
     obs_shape = envs.single_observation_space.shape  # (4, 84, 84)
     num_actions = int(envs.single_action_space.n)
     agent = build_agent(args, obs_shape, num_actions, device)
+    if args.compile:
+        compile_agent(agent)
     replay = EpisodeReplay(replay_capacity(args), args.num_envs, seed=args.seed)
     say_replay_size(replay.capacity, obs_shape)
     player = Player(agent, args.num_envs)
@@ -1972,6 +2004,7 @@ def main(args: Args) -> dict:
         "updates_owed": 0.0,
         "nonfinite_updates": 0,
         "episodes": 0,
+        "train_seconds": 0.0,  # wall time of this run, summed over its resumed parts
     }
     if resume_state is not None:
         try:
@@ -2004,10 +2037,12 @@ def main(args: Args) -> dict:
         signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
 
     def checkpoint(reason: str) -> None:
+        counters["train_seconds"] = seconds_before + time.time() - start_time
         save_checkpoint(checkpoint_path, agent, counters, run_name, args, replay, rng)
         progress.say(f"checkpoint ({reason}): {checkpoint_path} at step {counters['global_step']}")
 
     start_time, start_step, start_updates = time.time(), counters["global_step"], counters["updates"]
+    seconds_before = counters.get("train_seconds", 0.0)  # a checkpoint from before this counter existed has none
     next_log = (counters["global_step"] // args.log_interval + 1) * args.log_interval
     next_checkpoint = (
         (counters["global_step"] // args.checkpoint_every + 1) * args.checkpoint_every
@@ -2128,6 +2163,8 @@ def main(args: Args) -> dict:
                     **probes.scalars(),
                     "charts/SPS": sps,
                     "charts/updates_per_second": (counters["updates"] - start_updates) / elapsed,
+                    "charts/updates": float(counters["updates"]),
+                    "charts/train_seconds": seconds_before + elapsed,
                     "debug/nonfinite_updates": float(counters["nonfinite_updates"]),
                 }
                 for key, value in scalars.items():

@@ -222,10 +222,8 @@ def cmd_update(reps: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Speed trials: each changes one thing from the outside and times the same update on the same batch.
 # ---------------------------------------------------------------------------------------------------------
-def _compile_conv_nets(agent, args):
-    # the convolutional encoder and decoder hold most of the FLOPs; the RSSM's Python loop over T is left eager
-    agent.world_model.encoder.forward = torch.compile(agent.world_model.encoder.forward)
-    agent.world_model.decoder.forward = torch.compile(agent.world_model.decoder.forward)
+def _compile(agent, args):
+    da.compile_agent(agent)  # what --compile does
 
 
 def _multinomial_sample(self, stats: torch.Tensor) -> torch.Tensor:
@@ -247,8 +245,8 @@ TRIALS = {
     "without_channels_last": (None, {"channels_last": False}),
     "without_inverse_cdf_sampling": (_slow_categorical_sample, {}),
     "bf16_autocast": (None, {"amp": "bf16"}),
-    "torch_compile_conv": (_compile_conv_nets, {}),
-    "bf16+compile": (_compile_conv_nets, {"amp": "bf16"}),
+    "compile": (_compile, {}),
+    "bf16+compile": (_compile, {"amp": "bf16"}),
 }
 
 

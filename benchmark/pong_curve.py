@@ -2,7 +2,7 @@
 
     python benchmark/pong_curve.py RUN_DIR_OR_EVENT_FILE --json curve.json [--png curve.png]
 
-At every log point: env step, wall seconds since the run started, the mean return of the last 10 finished episodes,
+At every log point: env step, wall seconds of training (summed over resumed parts), the mean return of the last 10 finished episodes,
 env steps/s and updates/s over the last interval, peak GPU memory reserved and allocated, host RSS, and the
 world-model and actor figures that say why a run does or does not learn (reward-prediction sign accuracy, image
 loss, KL, actor entropy, imagined return). Every episode's return is kept too.
@@ -43,6 +43,9 @@ def curve(scalars: dict[str, list[tuple[int, float, float]]], last_episodes: int
     """The curve at each log point (the steps where charts/SPS was written)."""
     sps = scalars["charts/SPS"]
     updates_rate = {step: value for step, _, value in scalars.get("charts/updates_per_second", [])}
+    # the run's own totals, which survive --resume; files from before they were logged: derived from the rates
+    train_seconds = {step: value for step, _, value in scalars.get("charts/train_seconds", [])}
+    total_updates = {step: value for step, _, value in scalars.get("charts/updates", [])}
     episodes = sorted((step, value) for step, _, value in scalars.get("charts/episodic_return", []))
     by_key = {name: {step: value for step, _, value in scalars.get(tag, [])}
               for name, tag in {**DIAGNOSTICS, **MEMORY}.items()}
@@ -50,6 +53,7 @@ def curve(scalars: dict[str, list[tuple[int, float, float]]], last_episodes: int
     for step, wall, mean_sps in sps:
         elapsed = step / mean_sps if mean_sps > 0 else 0.0  # charts/SPS is steps over seconds since the start
         updates = updates_rate.get(step, 0.0) * elapsed  # likewise charts/updates_per_second
+        elapsed, updates = train_seconds.get(step, elapsed), total_updates.get(step, updates)
         finished = [value for episode_step, value in episodes if episode_step <= step][-last_episodes:]
         point = {"env_step": step, "wall_s": round(elapsed, 1), "updates": round(updates),
                  "mean_return_last_10": float(np.mean(finished)) if finished else None,

@@ -57,7 +57,16 @@ class Args:
     results_dir: str = str(BENCH_DIR / "results")
     """where a full run writes <date>-<machine>.md and .json"""
     gpu_only: bool = False
-    """CUDA only: the GPU figures and the forensics check (snapshots, analysis, an induced OOM), nothing else"""
+    """the GPU figures, the forensics check (snapshots, analysis, an induced OOM) and the Atari100k Pong run"""
+    device: str = "cuda"
+    """--gpu-only: the device; `cpu` (with --quick) runs the same steps at tiny sizes, to check them without a GPU"""
+    pong_minutes: float = 15.0
+    """--gpu-only: minutes of the Atari100k Pong run (0 = none). It continues from its last checkpoint in
+    --pong-dir, so separate invocations take it to 100k env steps"""
+    pong_dir: str = str(BENCH_DIR / ".work" / "pong")
+    """--gpu-only: where the Pong run lives between invocations (its checkpoints hold the replay)"""
+    pong_only: bool = False
+    """--gpu-only: just continue the Pong run (no other figures)"""
 
 
 def fail(message: str) -> None:
@@ -140,11 +149,12 @@ def measure(args: Args, work: Path) -> dict:
     return result
 
 
-def measure_gpu(args: Args, work: Path, forensics: bool = True) -> dict:
-    """The GPU figures and the forensics check where CUDA is available; elsewhere, why they are missing."""
+def measure_gpu(args: Args, work: Path, forensics: bool = True, device: str = "cuda") -> dict:
+    """The GPU figures and the forensics check where CUDA is available; elsewhere, why they are missing.
+    `device="cpu"` runs the same steps on the CPU (no GPU memory figures), to check them without a GPU."""
     import torch
 
-    if not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         return {"gpu": {"run": False, "reason": "No CUDA device on this machine: the GPU figures (updates/s and "
                                                 "peak GPU memory per --amp mode, env steps/s of the training "
                                                 "loop, GPU-allocated slope past capacity) were not measured"},
@@ -153,9 +163,11 @@ def measure_gpu(args: Args, work: Path, forensics: bool = True) -> dict:
                                                       "induced OOM) did not run"}}
     py = sys.executable
     quick = ["--quick"] if args.quick else []
-    out = {"gpu": run_json([py, str(BENCH_DIR / "ours_dreamer.py"), "gpu", *quick], "ours: GPU", work, timeout=3600)}
+    on = ["--device", device]
+    out = {"gpu": run_json([py, str(BENCH_DIR / "ours_dreamer.py"), "gpu", *quick, *on], "ours: GPU", work,
+                           timeout=3600)}
     if forensics:
-        out["forensics"] = run_json([py, str(BENCH_DIR / "cuda_forensics.py"), *quick], "ours: forensics", work,
+        out["forensics"] = run_json([py, str(BENCH_DIR / "cuda_forensics.py"), *quick, *on], "ours: forensics", work,
                                     timeout=3600)
     else:
         out["forensics"] = {"run": False, "reason": "--quick skips the forensics check (three real training runs); "
@@ -169,10 +181,76 @@ def measure_gpu_only(args: Args, work: Path) -> dict:
     started = time.time()
     result: dict = {"quick": args.quick, "gpu_only": True, "machine": bench_utils.machine(),
                     "load_average_start": os.getloadavg()}
-    result.update(measure_gpu(args, work))
+    if args.device == "cuda":
+        result["gpu_name"] = result["machine"]["gpu"]
+    if not args.pong_only:
+        result.update(measure_gpu(args, work, device=args.device))
+    if args.pong_minutes > 0:
+        result.update(run_pong(args))
     result["load_average_end"] = os.getloadavg()
     result["wall_s"] = time.time() - started
     return result
+
+
+# The Atari100k recipe is the script's defaults: 100k env steps, 1k prefill, world model and behaviour from the
+# start, a replay that keeps the whole run, float32. Checkpoints hold the replay so that the run can continue.
+PONG_RECIPE = {"--exp-name": ["atari100k"], "--total-timesteps": ["100000"], "--checkpoint-every": ["5000"],
+               "--checkpoint-buffer": [], "--log-interval": ["1000"]}
+# --quick: the soak's tiny model on a few hundred steps, only to check the plumbing
+PONG_QUICK = {"--learning-starts": ["100"], "--train-ratio": ["16"], "--checkpoint-every": ["200"],
+              "--log-interval": ["100"], "--video-every": ["200"], "--encoder-channels": ["4", "4", "4"],
+              "--embed-dim": ["16"], "--decoder-base-channels": ["4"], "--decoder-mid-channels": ["4"],
+              "--deterministic-dim": ["16"], "--stochastic-dim": ["4"], "--stochastic-classes": ["4"],
+              "--hidden-dim": ["16"], "--batch-size": ["4"], "--sequence-length": ["16"]}
+
+
+def run_pong(args: Args) -> dict:
+    """Run (or continue) the Atari100k Pong run for --pong-minutes, then stop it with SIGTERM, which makes the
+    script write a checkpoint with the replay and exit 143; read its curve back from TensorBoard."""
+    import signal
+
+    from benchmark import pong_curve
+
+    pong_dir = Path(args.pong_dir)
+    (pong_dir / "runs").mkdir(parents=True, exist_ok=True)
+    checkpoints = sorted(pong_dir.glob("runs/*/checkpoint.pt"), key=lambda p: p.stat().st_mtime)
+    on_cuda = args.device == "cuda"
+    flags = {**PONG_RECIPE, **(PONG_QUICK if args.quick else {}), ("--cudagraph" if on_cuda else "--no-cuda"): []}
+    cmd = [sys.executable, str(ROOT / "dreamer_atari.py"), *(part for flag, values in flags.items()
+                                                            for part in (flag, *values))]
+    if checkpoints:
+        cmd += ["--resume", str(checkpoints[-1])]
+    log_path = pong_dir / "train.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    started = time.time()
+    with open(log_path, "a") as log_file:
+        process = subprocess.Popen(cmd, cwd=pong_dir, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        try:
+            returncode = process.wait(timeout=args.pong_minutes * 60)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGTERM)  # the script checkpoints (replay included) and exits 128 + 15
+            returncode = process.wait()
+    log(f"pong: {time.time() - started:.0f} s, exit {returncode}")
+    if returncode not in (0, 128 + signal.SIGTERM):
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-25:])
+        raise RuntimeError(f"the Pong run failed (exit {returncode}):\n{tail}")
+    (run_dir,) = [p for p in (pong_dir / "runs").iterdir() if p.is_dir()]
+    points = pong_curve.curve(pong_curve.read_events(str(run_dir)))["points"]
+    last = points[-1]
+    return {
+        "pong_command": " ".join(["python", "dreamer_atari.py", *cmd[2:]]).replace(str(pong_dir), "PONG_DIR"),
+        "pong_resumed": bool(checkpoints),
+        "pong_returncode": returncode,
+        "pong_curve": [{"env_step": p["env_step"], "mean_return_last_10": p["mean_return_last_10"]} for p in points],
+        "pong_final_return": last["mean_return_last_10"],
+        "pong_env_steps": last["env_step"],
+        "pong_updates": last["updates"],
+        "pong_wall_s": last["wall_s"],
+        "pong_peak_gpu_reserved_mb": max((p["peak_gpu_reserved_mb"] or 0.0) for p in points) if on_cuda else None,
+        "pong_peak_gpu_alloc_mb": max((p["peak_gpu_alloc_mb"] or 0.0) for p in points) if on_cuda else None,
+        "pong_peak_host_rss_mb": max((p["host_rss_mb"] or 0.0) for p in points),
+        "pong_points": points,
+    }
 
 
 def measure_peer(args: Args, work: Path) -> dict:
@@ -243,19 +321,25 @@ def verdicts(result: dict) -> dict:
 
 
 def gpu_verdicts(result: dict) -> dict:
-    """The GPU targets, where they were measured: the seed config with AMP under 2 GiB of reserved GPU memory (the
-    script's CUDA default is fp16), a flat GPU-allocated slope past capacity, and the forensics check's outcomes."""
+    """The GPU targets, where they were measured: the seed config under 2 GiB of reserved GPU memory in each
+    precision, a flat GPU-allocated slope past capacity, the forensics check's outcomes, and the Pong run's return
+    and wall time once it has reached 100k env steps."""
     out: dict = {}
     gpu, forensics = result.get("gpu") or {}, result.get("forensics") or {}
     if gpu.get("run", True) and gpu.get("amp"):
         at_seed_size = not result["quick"]
-        for mode in ("fp16", "bf16"):
+        for mode in ("off", "bf16", "fp16"):
             peak = gpu["amp"].get(mode, {}).get("peak_reserved_mb")
             if peak is not None:
                 out[f"GPU peak reserved with --amp {mode} < 2 GiB"] = peak < TARGET_GPU_PEAK_MB if at_seed_size else None
         slope = gpu.get("loop", {}).get("gpu_alloc_slope_mb_per_10k")
         if slope is not None:
             out["GPU allocated flat past capacity (<= 1 MB per 10k)"] = abs(slope) <= TARGET_GPU_SLOPE_MB_PER_10K
+    if "pong_env_steps" in result:
+        done = result["pong_env_steps"] >= 100_000
+        out["Pong: mean return of the last 10 episodes >= 18 at 100k env steps"] = (
+            (result["pong_final_return"] or -21) >= 18 if done else None)
+        out["Pong: 100k env steps within 25 minutes of training"] = result["pong_wall_s"] <= 25 * 60 if done else None
     if forensics.get("run", True) and "snapshot_run" in forensics:
         analysis = forensics.get("analysis", {})
         out["forensics: analysis of a real run reads steady"] = None if "skipped" in analysis else (
@@ -489,7 +573,28 @@ def gpu_only_markdown(result: dict, table: str, command: str) -> str:
             (f"Command: `{command}`. Machine: {m.get('gpu')}, {m['cpu']}, {m['cpu_count']} CPU cores, "
              f"{m['platform']}, Python {m['python']}, torch {m['torch']}. The CPU figures are in the CPU results "
              "files."), "", table, ""]
-    return "\n".join(head) + gpu_markdown(result) + "\n"
+    body = gpu_markdown(result) if "gpu" in result else ""
+    return "\n".join(head) + body + "\n" + pong_markdown(result) + "\n"
+
+
+def pong_markdown(result: dict) -> str:
+    """The Atari100k Pong run: its command, where it stands, its curve."""
+    if "pong_curve" not in result:
+        return ""
+    lines = ["## Pong, Atari100k recipe", "",
+             (f"`{result['pong_command']}`" + (" (continued from its last checkpoint)" if result["pong_resumed"] else "")
+              + f": exit {result['pong_returncode']} (143: stopped by its time budget after a checkpoint). "
+              f"{result['pong_env_steps']:,} env steps, {result['pong_updates']:,} updates, "
+              f"{fmt(result['pong_wall_s'])} s of training in all; mean return of the last 10 episodes "
+              f"{fmt(result['pong_final_return'])}. Peak GPU reserved {fmt(result['pong_peak_gpu_reserved_mb'])} MB, "
+              f"allocated {fmt(result['pong_peak_gpu_alloc_mb'])} MB; peak host RSS "
+              f"{fmt(result['pong_peak_host_rss_mb'])} MB."), "",
+             "| env step | training s | updates | mean return, last 10 episodes | env steps/s | updates/s |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for p in result["pong_points"]:
+        lines.append(f"| {p['env_step']:,} | {fmt(p['wall_s'])} | {p['updates']:,} | {fmt(p['mean_return_last_10'])} "
+                     f"| {fmt(p.get('env_steps_per_s'))} | {fmt(p.get('updates_per_s'))} |")
+    return "\n".join(lines) + "\n"
 
 
 def fmt_load(load) -> str:
@@ -536,8 +641,17 @@ def main_gpu_only(args: Args) -> dict:
 
     if args.peer is not None:
         fail("--gpu-only measures our GPU figures alone; drop --peer.")
-    if not torch.cuda.is_available():
-        fail("--gpu-only needs a CUDA device, and torch sees none on this machine.")
+    if args.device not in ("cuda", "cpu"):
+        fail(f"--device must be cuda or cpu, got {args.device!r}.")
+    if args.device == "cpu" and not args.quick:
+        fail("--gpu-only --device cpu checks the steps at tiny sizes: add --quick.")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--gpu-only needs a CUDA device, and torch sees none on this machine (--device cpu --quick checks the "
+             "steps without one).")
+    if args.pong_minutes < 0:
+        fail(f"--pong-minutes must be 0 or more, got {args.pong_minutes}.")
+    if args.pong_only and args.pong_minutes == 0:
+        fail("--pong-only with --pong-minutes 0 would do nothing.")
     (BENCH_DIR / ".work").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="run-", dir=BENCH_DIR / ".work") as work:
         result = measure_gpu_only(args, Path(work))

@@ -88,8 +88,45 @@ def test_gpu_only_without_cuda_is_one_clear_error_and_writes_nothing(tmp_path):
     done = subprocess.run([sys.executable, str(RUN), "--gpu-only", "--results-dir", str(results_dir)],
                           capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
     assert done.returncode == 2
-    assert done.stderr.strip() == "error: --gpu-only needs a CUDA device, and torch sees none on this machine."
+    assert done.stderr.strip() == ("error: --gpu-only needs a CUDA device, and torch sees none on this machine "
+                                   "(--device cpu --quick checks the steps without one).")
     assert not results_dir.exists()
+
+
+@pytest.mark.slow
+def test_gpu_only_pong_run_continues_across_invocations(tmp_path):
+    """`--gpu-only` at tiny sizes on the CPU, the Pong stage alone, twice: the time budget stops the run with a
+    checkpoint that holds the replay, and the second invocation continues the same run from it."""
+    pong_dir = tmp_path / "pong"
+    results = []
+    for invocation in range(2):
+        out = tmp_path / f"gpu_only_{invocation}.json"
+        done = subprocess.run([sys.executable, str(RUN), "--gpu-only", "--device", "cpu", "--quick", "--pong-only",
+                               "--pong-minutes", "0.4", "--pong-dir", str(pong_dir), "--json", str(out)],
+                              capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(json.loads(out.read_text()))
+    first, second = results
+    assert not first["pong_resumed"] and second["pong_resumed"]
+    assert first["pong_returncode"] == second["pong_returncode"] == 143  # stopped by SIGTERM after a checkpoint
+    assert "--resume PONG_DIR/runs/" in second["pong_command"] and "--checkpoint-buffer" in second["pong_command"]
+    (run_dir,) = (pong_dir / "runs").iterdir()  # one run, continued
+    assert second["pong_env_steps"] > first["pong_env_steps"] >= 200
+    assert second["pong_updates"] > first["pong_updates"] > 0
+    assert second["pong_wall_s"] > first["pong_wall_s"]  # training time adds up over the two parts
+    for key in ("pong_curve", "pong_final_return", "pong_peak_host_rss_mb"):
+        assert key in second
+    assert [p["env_step"] for p in second["pong_curve"]][: len(first["pong_curve"])] == [
+        p["env_step"] for p in first["pong_curve"]]
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmark import run as bench_run
+    finally:
+        sys.path.remove(str(ROOT))
+    text = bench_run.pong_markdown(second)
+    assert "(continued from its last checkpoint)" in text and f"| {second['pong_env_steps']:,} |" in text
+    verdicts = bench_run.gpu_verdicts(second)
+    assert verdicts["Pong: mean return of the last 10 episodes >= 18 at 100k env steps"] is None  # not there yet
 
 
 @pytest.mark.slow

@@ -26,7 +26,8 @@ LOSS_KEYS = [
     "losses/critic",
     "losses/entropy",
 ]
-CHART_KEYS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/updates_per_second"]
+CHART_KEYS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/updates_per_second",
+              "charts/updates", "charts/train_seconds"]
 
 
 def tiny_args(**overrides) -> da.Args:
