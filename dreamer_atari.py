@@ -411,12 +411,15 @@ def make_vector_env(args: Args, run_name: str, seed: int) -> gym.vector.VectorEn
     mode = args.vector_mode if args.vector_mode != "auto" else ("async" if args.num_envs > 1 else "sync")
     autoreset = gym.vector.AutoresetMode.SAME_STEP
     if mode == "async":
-        # workers ignore Ctrl-C (they inherit SIG_IGN): the main process catches it and checkpoints first
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # workers ignore Ctrl-C and SIGTERM (they inherit SIG_IGN): `scancel`, `docker stop` and `timeout` signal
+        # the whole process group, and the main process must find its workers alive to checkpoint and close them
+        stop_signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stop_signals}
         try:
             envs = gym.vector.AsyncVectorEnv(fns, autoreset_mode=autoreset)
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     else:
         envs = gym.vector.SyncVectorEnv(fns, autoreset_mode=autoreset)
     assert isinstance(envs.single_action_space, gym.spaces.Discrete), (

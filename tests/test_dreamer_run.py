@@ -117,7 +117,10 @@ def test_resume_with_buffer(in_tmp):
     assert replay.sample(2, 8)["obs"].shape == (2, 8, 4, 84, 84)
 
 
-def test_sigterm_writes_a_checkpoint_and_the_run_resumes(in_tmp):
+@pytest.mark.parametrize("to", ["process", "group"])
+def test_sigterm_writes_a_checkpoint_and_the_run_resumes(in_tmp, to):
+    """SIGTERM to the main process, and to its whole process group as `scancel`, `docker stop` and `timeout` send
+    it (the async env workers get it too): a checkpoint, exit 143, no traceback, and the run resumes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     cmd = [
         sys.executable,
@@ -139,19 +142,23 @@ def test_sigterm_writes_a_checkpoint_and_the_run_resumes(in_tmp):
         "500",
     ]
     proc = subprocess.Popen(
-        cmd, cwd=in_tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, cwd=in_tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # its own process group: the main process and its two env workers
     )
     try:
         for line in proc.stdout:  # the first progress line: training is under way
             if line.startswith("step 200/"):
                 break
-        proc.send_signal(signal.SIGTERM)
+        if to == "group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGTERM, output
-    assert "checkpoint (SIGTERM)" in output
+    assert "checkpoint (SIGTERM)" in output and "Traceback" not in output, output
     (run_dir,) = (in_tmp / "runs").iterdir()
     saved = load_checkpoint(run_dir / "checkpoint.pt")
     stopped_at = saved["counters"]["global_step"]
