@@ -5,7 +5,7 @@ Library:
     gpu_memory_stats / memory_report     CUDA allocator figures and the flat logging dict
     LeakDetector                         robust memory slopes and a plain-English diagnosis
     configure_allocator                  PYTORCH_ALLOC_CONF defaults, set before CUDA starts
-    wait_for_gpu                         poll free GPU memory with a timeout
+    wait_for_gpu, NvmlProbe              poll free GPU memory (NVML: no CUDA context) with a timeout
     preallocate_optimizer_state          materialise optimizer state up front, changing nothing
     amp                                  autocast + GradScaler set-up for off / fp16 / bf16
     StageProbes, MemorySnapshots,
@@ -16,7 +16,8 @@ Library:
 CLI (`python memory_utils.py --help`):
     report      print the memory report of a fresh process (and the CUDA devices it sees)
     allocator   show the allocator settings that `configure_allocator()` would put in force
-    wait        wait for free GPU memory, then run a command (with a fallback environment on timeout)
+    wait        wait for free GPU memory (read through NVML, holding nothing on the card), then run a command
+                (with a fallback environment on timeout), passing stop signals on and returning its status
     analyze     turn a run's memory snapshots (and its TensorBoard events) into a report
 """
 
@@ -467,9 +468,61 @@ def configure_allocator(verbose: bool = True) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Waiting for free GPU memory
 # ---------------------------------------------------------------------------------------------------------
-def _cuda_free_mb(device=None) -> float:
-    free, _ = torch.cuda.mem_get_info(device)
-    return free / MB
+class NvmlUnavailable(RuntimeError):
+    """NVML cannot report on the GPU: nvidia-ml-py missing, no NVIDIA driver, or no such device."""
+
+
+def visible_gpu(index: int) -> str:
+    """The `index`-th GPU this process may use, as CUDA numbers them: that entry of CUDA_VISIBLE_DEVICES (a
+    device index or a GPU-/MIG- UUID) when it is set, else `index` itself (nvidia-smi's numbering)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(index)
+    entries = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    if index >= len(entries):
+        raise NvmlUnavailable(f"GPU {index} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    return entries[index]
+
+
+class NvmlProbe:
+    """Free memory of one GPU as NVML reports it, the whole card with every process's share counted, without
+    creating a CUDA context in this process (`torch.cuda.mem_get_info` creates one: a few hundred MB held on the
+    very card being waited for, for as long as the process lives). `gpu` is an index among the GPUs this process
+    may use (`visible_gpu`). `nvml` is the pynvml module (injectable for tests). Call it for the free MB."""
+
+    def __init__(self, gpu: int = 0, nvml=None):
+        if nvml is None:
+            try:
+                import pynvml as nvml
+            except ImportError:
+                raise NvmlUnavailable("nvidia-ml-py (NVML's Python binding) is not installed") from None
+        self.nvml = nvml
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            raise NvmlUnavailable(f"NVML does not start ({exc}): no NVIDIA driver here?") from None
+        try:
+            self.entry = visible_gpu(gpu)
+            if self.entry.startswith(("GPU-", "MIG-")):
+                self.handle = nvml.nvmlDeviceGetHandleByUUID(self.entry)
+            else:
+                self.handle = nvml.nvmlDeviceGetHandleByIndex(int(self.entry))
+            self.uuid = nvml.nvmlDeviceGetUUID(self.handle)
+        except (nvml.NVMLError, ValueError, NvmlUnavailable) as exc:
+            nvml.nvmlShutdown()
+            raise NvmlUnavailable(f"NVML has no GPU {gpu} ({exc})") from None
+
+    def __call__(self) -> float:
+        return self.nvml.nvmlDeviceGetMemoryInfo(self.handle).free / MB
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.nvml.nvmlShutdown()
+
+
+def _device_index(device) -> int:
+    device = torch.device("cuda" if device is None else device)
+    return 0 if device.index is None else device.index
 
 
 def wait_for_gpu(min_free_mb: float, poll_s: float, timeout_s: float, device=None,
@@ -477,16 +530,27 @@ def wait_for_gpu(min_free_mb: float, poll_s: float, timeout_s: float, device=Non
                  clock: Callable[[], float] = time.monotonic, verbose: bool = True) -> bool:
     """Poll until at least `min_free_mb` MB are free on the GPU; True if seen before `timeout_s`, else False.
 
-    `probe()` returns the free MB (default: `torch.cuda.mem_get_info`); `sleep` and `clock` are injectable so
-    the logic can be tested without a GPU and without waiting.
+    `probe()` returns the free MB; by default NVML's figure for `device` (`NvmlProbe`), which creates no CUDA
+    context, so a process that waits holds nothing on the card it waits for. `sleep` and `clock` are injectable
+    so the logic can be tested without a GPU and without waiting.
     """
     _require(_is_number(min_free_mb) and min_free_mb >= 0, f"min_free_mb must be a number >= 0, got {min_free_mb!r}")
     _require(_is_number(poll_s) and poll_s > 0, f"poll_s must be a number > 0, got {poll_s!r}")
     _require(_is_number(timeout_s) and timeout_s >= 0, f"timeout_s must be a number >= 0, got {timeout_s!r}")
+    nvml_probe = None
     if probe is None:
-        if not _cuda_ready():
-            raise RuntimeError("wait_for_gpu needs CUDA (or a probe), and no CUDA device is available")
-        probe = lambda: _cuda_free_mb(device)  # noqa: E731
+        try:
+            probe = nvml_probe = NvmlProbe(_device_index(device))
+        except NvmlUnavailable as exc:
+            raise RuntimeError(f"wait_for_gpu reads free memory through NVML, and {exc}") from None
+    try:
+        return _poll_free_memory(min_free_mb, poll_s, timeout_s, probe, sleep, clock, verbose)
+    finally:
+        if nvml_probe is not None:
+            nvml_probe.close()
+
+
+def _poll_free_memory(min_free_mb, poll_s, timeout_s, probe, sleep, clock, verbose) -> bool:
     deadline = clock() + timeout_s
     polls = 0
     while True:
@@ -1171,7 +1235,8 @@ def _parse_env_assignment(text: str) -> tuple[str, str]:
 
 def run_wait(min_free_mb: float, poll_s: float, timeout_s: float, command: list[str], gpu: int | None = None,
              fallback_env: Sequence[str] = (), allow_no_gpu: bool = False,
-             probe: Callable[[], float] | None = None, sleep: Callable[[float], None] = time.sleep) -> int:
+             probe: Callable[[], float] | None = None, sleep: Callable[[float], None] = time.sleep,
+             nvml=None) -> int:
     """The `wait` command: wait for free memory, then run `command`; on timeout run it with `fallback_env`."""
     _require(bool(command), "wait needs a command after --, e.g. `-- python dqn_starcraft_split.py`")
     _require(_is_number(min_free_mb) and min_free_mb >= 0, f"--min-free must be a number of MB >= 0, got {min_free_mb!r}")
@@ -1180,17 +1245,24 @@ def run_wait(min_free_mb: float, poll_s: float, timeout_s: float, command: list[
     _require(gpu is None or (isinstance(gpu, int) and gpu >= 0), f"--gpu must be an integer >= 0, got {gpu!r}")
     overrides = dict(_parse_env_assignment(a) for a in fallback_env)
     env = os.environ.copy()
-    if gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # so the probe below sees the same device as the command
-    if probe is None and not _cuda_ready():
-        if not allow_no_gpu:
-            raise _CliError("no CUDA device is available, so there is no GPU memory to wait for "
-                            "(pass --allow-no-gpu to run the command anyway)")
-        print("wait: no CUDA device; running the command without waiting (--allow-no-gpu)")
-    else:
-        ready = wait_for_gpu(min_free_mb, poll_s, timeout_s, device=0 if probe is None else None, probe=probe,
-                             sleep=sleep)
+    with _signals_as_exit() as stopped:
+        nvml_probe = None
+        if probe is None:
+            try:
+                probe = nvml_probe = NvmlProbe(gpu or 0, nvml)
+            except NvmlUnavailable as exc:
+                if not allow_no_gpu:
+                    raise _CliError(f"cannot read the GPU's free memory: {exc} (pass --allow-no-gpu to run the "
+                                    f"command anyway)") from None
+                print(f"wait: {exc}; running the command without waiting (--allow-no-gpu)")
+        if nvml_probe is not None and gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = nvml_probe.uuid  # the very card that was probed, whatever CUDA's order
+        try:
+            ready = probe is None or _poll_free_memory(min_free_mb, poll_s, timeout_s, probe, sleep, time.monotonic,
+                                                       verbose=True)
+        finally:
+            if nvml_probe is not None:
+                nvml_probe.close()
         if not ready:
             if overrides:
                 print("wait: running with the fallback environment " +
@@ -1198,10 +1270,59 @@ def run_wait(min_free_mb: float, poll_s: float, timeout_s: float, command: list[
                 env.update(overrides)
             else:
                 print("wait: no --fallback-env given; running the command as it is")
+    if stopped:
+        return 128 + stopped[0]
+    return run_forwarding_signals(command, env)
+
+
+FORWARDED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+@contextlib.contextmanager
+def _signals_as_exit():
+    """While waiting for memory, a stop signal ends the wait quietly; the list it yields holds the signal."""
+    import signal
+
+    stopped: list[int] = []
+
+    class _Stop(Exception):
+        pass
+
+    def handler(signum, frame):
+        stopped.append(signum)
+        raise _Stop
+
+    previous = {getattr(signal, name): signal.signal(getattr(signal, name), handler) for name in FORWARDED_SIGNALS}
     try:
-        return subprocess.call(command, env=env)
+        yield stopped
+    except _Stop:
+        pass
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def run_forwarding_signals(command: list[str], env: dict) -> int:
+    """Run `command` in its own process group and pass SIGINT, SIGTERM and SIGHUP on to it, exactly once each
+    (a signal to this process's group does not reach it directly); return its exit status as a shell reports
+    it: 128 + N when signal N ended it (137 for SIGKILL)."""
+    import signal
+
+    sys.stdout.flush()  # our lines before the command's
+    try:
+        child = subprocess.Popen(command, env=env, process_group=0)
     except FileNotFoundError:
         raise _CliError(f"command not found: {command[0]}") from None
+    except PermissionError:
+        raise _CliError(f"command is not executable: {command[0]}") from None
+    sigs = [getattr(signal, name) for name in FORWARDED_SIGNALS]
+    previous = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signum)) for sig in sigs}
+    try:
+        returncode = child.wait()
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def _cmd_report(args) -> int:
@@ -1268,8 +1389,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, probe: Callable[[], float] | None = None,
-         sleep: Callable[[float], None] = time.sleep) -> int:
-    """CLI entry point; `probe` and `sleep` are injectable for `wait` (tests run it without a GPU)."""
+         sleep: Callable[[float], None] = time.sleep, nvml=None) -> int:
+    """CLI entry point; `probe`, `sleep` and `nvml` (a pynvml stand-in) are injectable for `wait` (tests run it
+    without a GPU)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -1277,7 +1399,7 @@ def main(argv: list[str] | None = None, probe: Callable[[], float] | None = None
             command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             return run_wait(args.min_free, args.sleep, args.timeout, command, gpu=args.gpu,
                             fallback_env=args.fallback_env, allow_no_gpu=args.allow_no_gpu, probe=probe,
-                            sleep=sleep)
+                            sleep=sleep, nvml=nvml)
         return args.func(args)
     except (_CliError, ValueError, RuntimeError) as exc:
         print(f"memory_utils.py: error: {exc}", file=sys.stderr)

@@ -129,7 +129,9 @@ def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_leaves_a_checkpoint_and_no_results_row(tmp_path):
+@pytest.mark.parametrize("to", ["process", "group"])
+def test_sigterm_leaves_a_checkpoint_and_no_results_row(tmp_path, to):
+    """SIGTERM to the process, and to its whole process group (scancel, docker stop, timeout)."""
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), *TINY, "--num-episodes", "100000", "--run-id", "stopped"],
         cwd=tmp_path,
@@ -137,16 +139,22 @@ def test_sigterm_leaves_a_checkpoint_and_no_results_row(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
     try:
         for line in proc.stdout:  # wait until training is under way (no sleeping)
             if line.startswith("episode=3 "):
                 break
-        proc.send_signal(signal.SIGTERM)
+        if to == "group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
-        proc.kill()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "Traceback" not in stderr
     run = tmp_path / "results" / "stopped"
     checkpoint = torch.load(run / "checkpoint.pt", weights_only=False)
     assert checkpoint["interrupted"] is True and checkpoint["episode"] >= 3

@@ -2,6 +2,7 @@
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -245,9 +246,9 @@ def test_wait_for_gpu_checks_arguments(kwargs, name):
         mu.wait_for_gpu(**args)
 
 
-@pytest.mark.skipif(CUDA, reason="checks the no-CUDA behaviour")
-def test_wait_for_gpu_without_cuda_or_probe():
-    with pytest.raises(RuntimeError, match="CUDA"):
+@pytest.mark.skipif(CUDA, reason="checks the no-driver behaviour")
+def test_wait_for_gpu_without_a_driver_or_probe():
+    with pytest.raises(RuntimeError, match="reads free memory through NVML, and NVML does not start"):
         mu.wait_for_gpu(10, 1, 1)
 
 
@@ -355,11 +356,121 @@ def test_cli_bad_arguments_exit_2_with_one_line(args, needle):
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in result.stderr
 
 
-@pytest.mark.skipif(CUDA, reason="checks the no-CUDA behaviour")
-def test_cli_wait_without_cuda_says_so():
+@pytest.mark.skipif(CUDA, reason="checks the no-driver behaviour")
+def test_cli_wait_without_a_driver_says_so():
     result = _cli("wait", "--min-free", "10", "--", "true")
-    assert result.returncode == 2 and "no CUDA device" in result.stderr and len(result.stderr.splitlines()) == 1
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "cannot read the GPU's free memory: NVML does not start" in result.stderr
+    assert "--allow-no-gpu" in result.stderr and "Traceback" not in result.stderr
     assert _cli("wait", "--min-free", "10", "--allow-no-gpu", "--", "true").returncode == 0
+
+
+class FakeNvml:
+    """A stand-in for the pynvml module: GPUs 0..7 whose free memory reaches 8 GB after `frees_after` polls."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, frees_after=0, driver=True):
+        self.frees_after, self.driver, self.polls, self.running = frees_after, driver, 0, False
+        self.handles = []
+
+    def nvmlInit(self):
+        if not self.driver:
+            raise self.NVMLError("Driver Not Loaded")
+        self.running = True
+
+    def nvmlShutdown(self):
+        self.running = False
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        self.handles.append(index)
+        return f"GPU-fake-{index}"
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        self.handles.append(uuid)
+        return uuid
+
+    def nvmlDeviceGetUUID(self, handle):
+        return handle
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        assert self.running
+        self.polls += 1
+        free = 8000 if self.polls > self.frees_after else 100
+        return type("Memory", (), {"free": free * 1024 * 1024})()
+
+
+def test_cli_wait_reads_nvml_for_the_visible_gpu_and_never_touches_cuda(monkeypatch, tmp_path):
+    """--gpu 1 with CUDA_VISIBLE_DEVICES=3,5 is physical GPU 5: NVML is asked about it, the command gets that card
+    by UUID, and the waiting process never initialises CUDA (which would hold memory on the card it waits for)."""
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("the waiting process touched CUDA")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_cuda)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    nvml, sleeps = FakeNvml(frees_after=2), []
+    seen = tmp_path / "seen"
+    command = [sys.executable, "-c", f"import os; open({str(seen)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])"]
+    code = mu.main(["wait", "--min-free", "4000", "--sleep", "1", "--timeout", "60", "--gpu", "1", "--", *command],
+                   sleep=sleeps.append, nvml=nvml)
+    assert code == 0 and nvml.handles == [5] and nvml.polls == 3 and sleeps == [1, 1]
+    assert seen.read_text() == "GPU-fake-5" and not nvml.running
+    assert not torch.cuda.is_initialized()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc,GPU-def")
+    assert mu.main(["wait", "--min-free", "10", "--gpu", "1", "--", "true"], nvml=FakeNvml()) == 0
+
+
+def test_cli_wait_without_nvml_is_one_line_and_exit_2(capsys):
+    assert mu.main(["wait", "--min-free", "10", "--", "true"], nvml=FakeNvml(driver=False)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("memory_utils.py: error: cannot read the GPU's free memory: NVML does not start (Driver")
+    assert len(err.splitlines()) == 1
+    assert mu.main(["wait", "--min-free", "10", "--allow-no-gpu", "--", "true"], nvml=FakeNvml(driver=False)) == 0
+
+
+def test_cli_wait_reports_a_signal_death_as_the_shell_does():
+    command = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    assert mu.main(["wait", "--min-free", "10", "--", *command], nvml=FakeNvml()) == 128 + signal.SIGKILL
+
+
+def test_cli_wait_stopped_while_waiting_exits_quietly():
+    def probe():
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the memory is still short
+        return 0.0
+
+    assert mu.main(["wait", "--min-free", "10", "--sleep", "1", "--timeout", "60", "--", "true"],
+                   probe=probe, sleep=lambda s: None) == 128 + signal.SIGTERM
+
+
+def test_cli_wait_passes_a_group_signal_to_the_command_once(tmp_path):
+    """`timeout`, `scancel` and `docker stop` signal the whole group: the command gets SIGTERM exactly once (wait
+    passes it on; the command runs in its own group), ends its own way, and wait returns its status."""
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import signal, sys, time\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda n, f: got.append(n))\n"
+        "print('ready', flush=True)\n"
+        "signal.pause()\n"
+        "time.sleep(1)  # a second SIGTERM would arrive by now\n"
+        "print('terms', len(got), flush=True)\n"
+        "sys.exit(143)\n")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "memory_utils.py"), "wait", "--min-free", "10",
+                             "--allow-no-gpu", "--", sys.executable, str(child)],
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # the command is up and has its handler
+            if line.strip() == "ready":
+                break
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err
+    assert out.splitlines() == ["terms 1"] and "Traceback" not in err
 
 
 def test_cli_wait_runs_the_command_when_memory_frees(capfd):
