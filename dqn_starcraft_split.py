@@ -20,6 +20,7 @@ SIGINT/SIGTERM (checkpoint saved, no results row); 3 CUDA out of memory (report 
 checkpoint saved, no results row).
 """
 
+import contextlib
 import csv
 import dataclasses
 import gc
@@ -1119,6 +1120,44 @@ def preallocate(
     return mu.preallocate_optimizer_state(step_fn, optimizer)
 
 
+def preallocate_or_fall_back(
+    q_network, target_network, optimizer, amp, args: Args, sources: dict, batch_size: int, fallback_used: bool,
+    device, run_dir: str, logger,
+) -> tuple[float, int, bool]:
+    """Preallocate optimizer state (the A30 incident: the first step is where memory runs out). If that runs out
+    of memory and the user asked for a fallback (--wait-for-gpu-mb, or --fallback-batch-size set), wait for the
+    memory once more and retry at the fallback batch; otherwise, or if that fails too, write the OOM report and
+    stop with exit 3 before anything is trained. Returns (peak MB, batch size, whether the fallback is used)."""
+    fallback_asked = args.wait_for_gpu_mb > 0 or sources.get("fallback_batch_size", "default") != "default"
+    while True:
+        try:
+            return preallocate(q_network, target_network, optimizer, amp, args, batch_size, device), batch_size, \
+                fallback_used
+        except torch.OutOfMemoryError as exc:
+            where = oom_site(exc)
+            traceback.clear_frames(exc.__traceback__)  # memory: the failed step's tensors go before the report
+            error = exc.with_traceback(None)
+            del exc
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.state.clear()
+        gc.collect()
+        if fallback_asked and batch_size > args.fallback_batch_size:
+            logger.info(f"preallocation: batch {batch_size} does not fit ({str(error).splitlines()[0]}); "
+                        f"retrying with the fallback batch size {args.fallback_batch_size}")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                if args.wait_for_gpu_mb > 0:
+                    mu.wait_for_gpu(args.wait_for_gpu_mb, args.wait_poll_s, args.wait_timeout_s, device=device)
+            batch_size, fallback_used = args.fallback_batch_size, True
+            continue
+        diagnosis = mu.write_oom_report(run_dir, error, None, device=device)
+        logger.info(f"out of memory at start-up ({where}): optimizer-state preallocation at batch {batch_size} "
+                    f"does not fit, so nothing was trained.\n{diagnosis}\n"
+                    + ("" if fallback_asked else "--wait-for-gpu-mb MB (wait for room) or --fallback-batch-size N "
+                                                 "(retry smaller) let the run go on instead."))
+        raise RunInterrupted("out of memory", EXIT_OOM)
+
+
 def make_scheduler(optimizer, args: Args):
     """Per-episode learning-rate schedule (None for `none`)."""
     if args.lr_scheduler == "cosine":
@@ -1217,6 +1256,13 @@ class RunInterrupted(Exception):
     def __init__(self, reason: str, exit_code: int):
         super().__init__(reason)
         self.exit_code = exit_code
+
+
+def oom_site(exc: BaseException) -> str:
+    """Where in this script an out-of-memory error came from: the innermost of its functions on the traceback."""
+    here = os.path.abspath(__file__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == here]
+    return f"in {frames[-1].name}, line {frames[-1].lineno}" if frames else "outside this script"
 
 
 def _raise_interrupted(signum, frame):
@@ -1413,7 +1459,14 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
     target_network.load_state_dict(q_network.state_dict())
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
     scheduler = make_scheduler(optimizer, args)
-    prealloc_mb = preallocate(q_network, target_network, optimizer, amp, args, batch_size, device)
+    prealloc_mb, batch_size, fallback_used = preallocate_or_fall_back(
+        q_network, target_network, optimizer, amp, args, sources, batch_size, fallback_used, device, run_dir, logger
+    )
+    if config["batch_size_used"] != batch_size:  # the fallback batch, after an OOM at preallocation
+        config.update(batch_size_used=batch_size, fallback_used=True,
+                      fallback_reason="optimizer-state preallocation ran out of memory at the full batch")
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
     logger.info(
         f"run {run_id}: device {device}, amp {amp.mode}, batch {batch_size}"
         f"{' (fallback)' if fallback_used else ''}, optimizer state preallocated ({prealloc_mb:.1f} MB peak)"
@@ -1445,6 +1498,23 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
         save_checkpoint(checkpoint_path, q_network, target_network, optimizer, scheduler, episode, global_step, args,
                         interrupted=interrupted)
 
+    @contextlib.contextmanager
+    def out_of_memory_ends_the_run():
+        """A CUDA OOM while acting, copying a batch, updating or testing: the report in oom/, the diagnosis in
+        train.log, then RunInterrupted (checkpoint, exit 3), as a signal would."""
+        try:
+            yield
+        except torch.OutOfMemoryError as exc:
+            where = oom_site(exc)
+            # memory: drop the failed step's tensors before the report looks at what is left
+            traceback.clear_frames(exc.__traceback__)
+            error = exc.with_traceback(None)
+            del exc
+            gc.collect()
+            diagnosis = mu.write_oom_report(run_dir, error, last_report, verdict=last_verdict, device=device)
+            logger.info(f"out of memory at step {global_step} ({where}):\n{diagnosis}")
+            raise RunInterrupted("out of memory", EXIT_OOM) from None
+
     global_step, episode, recent_train_scores = 0, 0, []
     start_time = time.time()
     stopped_by = "num_episodes"
@@ -1455,7 +1525,8 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
             while not done:
                 probes("loop_start")
                 epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
-                action = select_action(q_network, obs, epsilon, rng, device)
+                with out_of_memory_ends_the_run():
+                    action = select_action(q_network, obs, epsilon, rng, device)
                 next_obs, reward, done = env.step(*decode_action(action, args.res))
                 rb.add(obs, action, reward, done)
                 probes("after_collect")
@@ -1466,25 +1537,12 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
 
                 # ALGO LOGIC: training
                 if global_step > args.learning_starts and global_step % args.train_frequency == 0:
-                    batch = batch_to_device(rb.sample(batch_size, rng, args.n_step, args.gamma), device)
+                    with out_of_memory_ends_the_run():
+                        batch = batch_to_device(rb.sample(batch_size, rng, args.n_step, args.gamma), device)
                     probes("after_sample")
-                    try:
+                    with out_of_memory_ends_the_run():
                         metrics = update(q_network, target_network, optimizer, amp, batch, args)
-                        probes("after_optimizer_step")
-                    except torch.OutOfMemoryError as exc:
-                        # memory: drop the failed step's tensors before the report looks at what is left
-                        traceback.clear_frames(exc.__traceback__)
-                        batch = metrics = None
-                        gc.collect()
-                        diagnosis = mu.write_oom_report(
-                            run_dir,
-                            exc.with_traceback(None),
-                            last_report,
-                            verdict=last_verdict,
-                            device=device,
-                        )
-                        logger.info(f"out of memory at step {global_step}:\n{diagnosis}")
-                        raise RunInterrupted("out of memory", EXIT_OOM) from None
+                    probes("after_optimizer_step")
                     if global_step % args.log_every_steps < args.train_frequency:
                         for key, value in metrics.items():
                             writer.add_scalar(
@@ -1535,9 +1593,10 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
 
             over_time = args.time_limit_min > 0 and time.time() - start_time >= 60 * args.time_limit_min
             if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
-                test_scores = run_test_episodes(
-                    q_network, eval_env, args.num_eval_episodes, args.res, device, args.test_epsilon
-                )
+                with out_of_memory_ends_the_run():
+                    test_scores = run_test_episodes(
+                        q_network, eval_env, args.num_eval_episodes, args.res, device, args.test_epsilon
+                    )
                 test_mean = float(np.mean(test_scores))
                 train_mean = float(np.mean(recent_train_scores))
                 writer.add_scalar("charts/test_score", test_mean, global_step)
@@ -1556,15 +1615,16 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
                 logger.info(f"time limit of {args.time_limit_min:g} min reached after {episode} episodes")
                 break
         # Final greedy test of the trained network.
-        test_scores = run_test_episodes(
-            q_network,
-            eval_env,
-            args.num_test_episodes,
-            args.res,
-            device,
-            args.test_epsilon,
-            video_dir=os.path.join(run_dir, "videos") if args.capture_video else None,
-        )
+        with out_of_memory_ends_the_run():
+            test_scores = run_test_episodes(
+                q_network,
+                eval_env,
+                args.num_test_episodes,
+                args.res,
+                device,
+                args.test_epsilon,
+                video_dir=os.path.join(run_dir, "videos") if args.capture_video else None,
+            )
         verdict = leak.check()
         results = {
             "run_id": run_id,

@@ -1222,7 +1222,7 @@ def batch_tensors(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tenso
 def prepare_batch(raw: dict[str, torch.Tensor], num_actions: int) -> dict[str, torch.Tensor]:
     """The conversions a raw batch needs, made on the device: images to float, actions to one-hot."""
     return {
-        "image": raw["obs"].float() / 255.0 - 0.5,  # (B, T, 4, 84, 84) in [-0.5, 0.5]
+        "image": raw["obs"].float().div_(255.0).sub_(0.5),  # (B, T, 4, 84, 84) in [-0.5, 0.5], in place
         "action": F.one_hot(raw["action"].long(), num_actions).float(),  # (B, T, A)
         "reward": raw["reward"],  # (B, T)
         "is_first": raw["is_first"],  # (B, T) bool
@@ -1245,7 +1245,8 @@ def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args, pr
     probe("after_rssm")
     feat = torch.cat([deter, stoch], -1)  # (B, T, D + S)
     reconstruction = wm.decoder(feat.flatten(0, 1)).unflatten(0, (B, T))  # (B, T, 4, 84, 84)
-    image_loss = (reconstruction.float() - image).pow(2).sum((-3, -2, -1)).mean()
+    # squared error summed over each image, averaged over images (one fused kernel each way)
+    image_loss = F.mse_loss(reconstruction.float(), image, reduction="sum") / (B * T)
     reward_logits = wm.reward_head(feat)  # (B, T, K)
     reward_loss = twohot_loss(reward_logits, data["reward"], wm.bins).mean()
     continue_target = (~data["is_terminal"]).float()
@@ -1660,19 +1661,9 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> None:
             actor_loss, critic_loss, _ = behavior_losses(agent, states, args, update_norm=False)
         (actor_loss + critic_loss).backward()
 
-    try:
-        # memory: Adam's moments exist before the first real update (fail now, not hours later); no weight moves
-        peak_mb = mu.preallocate_optimizer_state(step_fn, agent.optimizers)
-    except torch.OutOfMemoryError:
-        free, total = torch.cuda.mem_get_info(agent.device)
-        print(
-            f"preflight: a worst-case update does not fit "
-            f"({free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB). "
-            f"Flags that help: --amp fp16, a smaller --batch-size ({args.batch_size}) or --sequence-length "
-            f"({args.sequence_length}), a shorter --imagination-horizon ({args.imagination_horizon}).",
-            file=sys.stderr,
-        )
-        raise SystemExit(EXIT_OOM)
+    # memory: Adam's moments exist before the first real update (fail now, not hours later); no weight moves.
+    # An OOM here goes to main's start-up handler: a report, no checkpoint (nothing is trained yet), exit 3.
+    peak_mb = mu.preallocate_optimizer_state(step_fn, agent.optimizers)
     if agent.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(agent.device)
         print(f"preflight: peak {peak_mb:.0f} MiB, free {free / 2**20:.0f} MiB of {total / 2**20:.0f} MiB")
@@ -1924,6 +1915,13 @@ class ProgressLine:
         self.pending = False
 
 
+def oom_site(exc: BaseException) -> str:
+    """Where in this script an out-of-memory error came from: the innermost of its functions on the traceback."""
+    here = os.path.abspath(__file__)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == here]
+    return f"in {frames[-1].name}, line {frames[-1].lineno}" if frames else "outside this script"
+
+
 def exit_with(message: str, code: int) -> None:
     print(message, file=sys.stderr, flush=True)
     raise SystemExit(code)
@@ -1989,16 +1987,32 @@ def main(args: Args) -> dict:
     envs = make_vector_env(args, run_name, args.seed)
     obs_shape = envs.single_observation_space.shape  # (4, 84, 84)
     num_actions = int(envs.single_action_space.n)
-    agent = build_agent(args, obs_shape, num_actions, device)
-    if args.compile:
-        compile_agent(agent)
+    if device.type == "cuda":
+        mu.install_oom_observer(run_dir)
+    try:
+        agent = build_agent(args, obs_shape, num_actions, device)
+        if args.compile:
+            compile_agent(agent)
+        if args.preallocate:
+            preflight(agent, args, obs_shape)
+    except torch.OutOfMemoryError as exc:
+        where = oom_site(exc)
+        traceback.clear_frames(exc.__traceback__)  # memory: the failed step's tensors go before the report
+        oom_error = exc.with_traceback(None)
+        del exc
+        agent = None
+        gc.collect()
+        diagnosis = mu.write_oom_report(run_dir, oom_error, {}, device=device, advice=OOM_ADVICE)
+        envs.close()
+        writer.close()
+        exit_with(
+            f"out of memory at start-up ({where}), before any training: a worst-case update (--batch-size "
+            f"{args.batch_size} x --sequence-length {args.sequence_length}) does not fit here.\n{diagnosis}",
+            EXIT_OOM,
+        )
     replay = EpisodeReplay(replay_capacity(args), args.num_envs, seed=args.seed)
     say_replay_size(replay.capacity, obs_shape)
     player = Player(agent, args.num_envs)
-    if device.type == "cuda":
-        mu.install_oom_observer(run_dir)
-    if args.preallocate:
-        preflight(agent, args, obs_shape)
 
     counters = {
         "global_step": 0,
@@ -2099,46 +2113,30 @@ def main(args: Args) -> dict:
                 counters["updates_owed"] += args.num_envs * args.train_ratio / replayed_per_update
                 while counters["updates_owed"] >= 1.0:
                     counters["updates_owed"] -= 1.0
-                    oom_error = None
-                    try:
-                        if staging is not None:
-                            replay.sample(args.batch_size, args.sequence_length, out=staging.host_arrays())
-                            raw = staging.to_device()
-                        else:
-                            raw = batch_tensors(replay.sample(args.batch_size, args.sequence_length), device)
-                        probes("after_sample")
-                        values, healthy, deter, stoch, start_continue = world_model_step(raw)
-                        update_log.add(WORLD_MODEL_KEYS, values, healthy)
-                        if counters["global_step"] >= behavior_starts:
-                            states = {"deter": deter, "stoch": stoch, "continue": start_continue}
-                            behavior_values, behavior_healthy = behavior_step(states)
-                            update_log.add(BEHAVIOR_KEYS, behavior_values, behavior_healthy)
-                            healthy = healthy & behavior_healthy
-                            counters["behavior_updates"] += 1
-                        update_log.end_update(healthy)
-                        del raw, deter, stoch, start_continue
-                        states = None
-                    except torch.OutOfMemoryError as exc:
-                        # memory: clear the failed step's frames so its activations are freed before reporting
-                        traceback.clear_frames(exc.__traceback__)
-                        oom_error = exc.with_traceback(None)
-                    if oom_error is not None:
-                        raw = states = None
-                        gc.collect()
-                        diagnosis = mu.write_oom_report(
-                            run_dir, oom_error, last_report, verdict=last_verdict, device=device, advice=OOM_ADVICE
-                        )
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()  # after the report, so it still shows any fragmentation
-                        checkpoint("out of memory")
-                        exit_with(f"out of memory at step {counters['global_step']}:\n{diagnosis}", EXIT_OOM)
+                    if staging is not None:
+                        replay.sample(args.batch_size, args.sequence_length, out=staging.host_arrays())
+                        raw = staging.to_device()
+                    else:
+                        raw = batch_tensors(replay.sample(args.batch_size, args.sequence_length), device)
+                    probes("after_sample")
+                    values, healthy, deter, stoch, start_continue = world_model_step(raw)
+                    update_log.add(WORLD_MODEL_KEYS, values, healthy)
+                    if counters["global_step"] >= behavior_starts:
+                        states = {"deter": deter, "stoch": stoch, "continue": start_continue}
+                        behavior_values, behavior_healthy = behavior_step(states)
+                        update_log.add(BEHAVIOR_KEYS, behavior_values, behavior_healthy)
+                        healthy = healthy & behavior_healthy
+                        counters["behavior_updates"] += 1
+                    update_log.end_update(healthy)
+                    del raw, deter, stoch, start_continue
+                    states = None
                     counters["updates"] += 1
             if next_video is not None and counters["global_step"] >= next_video and counters["updates"] > 0:
                 next_video = (counters["global_step"] // args.video_every + 1) * args.video_every
                 try:
                     log_open_loop(agent, replay, args, writer, run_dir, counters["global_step"], video_rng)
                 except torch.OutOfMemoryError:
-                    raise
+                    raise  # the loop's OOM handler: a report and a checkpoint, like any other OOM
                 except Exception as exc:  # noqa: BLE001 - diagnostics never break training
                     next_video = None
                     progress.say(f"open-loop video failed ({type(exc).__name__}: {exc}); no more videos this run")
@@ -2202,6 +2200,22 @@ def main(args: Args) -> dict:
             checkpoint("end of training")
         if args.memory_probes:
             progress.say(probes.verdict())
+    except torch.OutOfMemoryError as exc:
+        # acting, sampling, an update, an open-loop video: every OOM of the loop ends here
+        where = oom_site(exc)
+        # memory: clear the failed step's frames so its tensors are freed before the report looks
+        traceback.clear_frames(exc.__traceback__)
+        oom_error = exc.with_traceback(None)
+        del exc
+        raw = states = None
+        gc.collect()
+        diagnosis = mu.write_oom_report(
+            run_dir, oom_error, last_report, verdict=last_verdict, device=device, advice=OOM_ADVICE
+        )
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # after the report, so it still shows any fragmentation
+        checkpoint("out of memory")
+        exit_with(f"out of memory at step {counters['global_step']} ({where}):\n{diagnosis}", EXIT_OOM)
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)

@@ -609,9 +609,23 @@ def preallocate_optimizer_state(step_fn: Callable[[], Any], optimizer, params: I
         base = torch.cuda.memory_allocated()
     for o in optimizers:
         o.zero_grad(set_to_none=True)
-    step_fn()
-    for o in optimizers:
-        o.step()
+    try:
+        step_fn()
+        for o in optimizers:
+            o.step()
+    except BaseException:
+        # an OOM (the very thing this is for) may come after some state or some weights changed: undo all of it,
+        # so that a caller can retry (a smaller batch, after waiting) from the model as it was
+        with torch.no_grad():
+            for p, value, grad in zip(params, saved, saved_grads):
+                p.copy_(value)
+                p.grad = grad
+        for o in optimizers:
+            o.state.clear()
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        raise
     if on_cuda:
         torch.cuda.synchronize()
         peak_mb = (torch.cuda.max_memory_allocated() - base) / MB

@@ -63,15 +63,15 @@ class Args:
     """where to write the result (a JSON object)"""
     seed: int = 1
     """seed of the training run and of the evaluation episodes"""
-    total_timesteps: int = 6_000
+    total_timesteps: int = 3_000
     """env steps of training"""
-    train_ratio: float = 64.0
-    """replayed steps per env step (at batch 8 x 16: one update per 2 env steps)"""
-    world_model_lr: float = 3e-4
+    train_ratio: float = 128.0
+    """replayed steps per env step (at batch 8 x 16: one update per env step)"""
+    world_model_lr: float = 1e-3
     """learning rate of the world model"""
-    actor_lr: float = 3e-4
+    actor_lr: float = 1e-3
     """learning rate of the actor"""
-    critic_lr: float = 3e-4
+    critic_lr: float = 1e-3
     """learning rate of the critic"""
     eval_episodes: int = 100
     """episodes played by each of the trained, random and scripted agents"""

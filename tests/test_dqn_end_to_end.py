@@ -230,3 +230,76 @@ def test_rendered_screen_colours_marine_and_beacon():
     obs, _, _ = env.step(dqn.FUNCTION_IDS["select_army"])
     ys, xs = np.nonzero(obs["feature_screen"][1])
     assert (dqn.render_screen(obs)[ys[0] * 8, xs[0] * 8] == dqn.SELECTED_COLOUR).all()
+
+
+def _run_in_process(tmp_path, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    args, sources = dqn.parse_args(argv, {})
+    threads = torch.get_num_threads()
+    try:
+        return dqn.main(args, sources)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _oom(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+
+@pytest.mark.parametrize("site", ["select_action", "batch_to_device", "run_test_episodes"])
+def test_out_of_memory_while_acting_copying_or_testing_is_handled_like_an_update(tmp_path, monkeypatch, capsys,
+                                                                                 site):
+    real = getattr(dqn, site)
+    calls = {"n": 0}
+
+    def fails_later(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 12:  # once training is under way
+            _oom()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dqn, site, fails_later if site != "run_test_episodes" else _oom)
+    code = _run_in_process(tmp_path, monkeypatch, [*TINY, "--num-episodes", "3", "--run-id", "oom"])
+    assert code == dqn.EXIT_OOM
+    run = tmp_path / "results" / "oom"
+    assert (run / "oom" / "report.json").exists()
+    assert torch.load(run / "checkpoint.pt", weights_only=False)["interrupted"] is True
+    log = (run / "train.log").read_text()
+    # where: the innermost frame in the script (here the call site, as the stand-in lives in this file)
+    assert "out of memory at step" in log and "(in train_one_seed, line" in log
+    assert not (tmp_path / "results" / "results.csv").exists()
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_out_of_memory_at_preallocation_stops_before_training_and_says_how_to_go_on(tmp_path, monkeypatch):
+    """The A30 incident: the first optimizer step runs out of memory. Nothing is trained, nothing to save."""
+    monkeypatch.setattr(torch.optim.Adam, "step", _oom)
+    code = _run_in_process(tmp_path, monkeypatch, [*TINY, "--num-episodes", "3", "--run-id", "oom"])
+    assert code == dqn.EXIT_OOM
+    run = tmp_path / "results" / "oom"
+    assert (run / "oom" / "report.json").exists() and not (run / "checkpoint.pt").exists()
+    log = (run / "train.log").read_text()
+    assert "out of memory at start-up" in log and "optimizer-state preallocation at batch" in log
+    assert "--wait-for-gpu-mb" in log and "--fallback-batch-size" in log
+    assert not (tmp_path / "results" / "results.csv").exists()
+
+
+def test_out_of_memory_at_preallocation_retries_with_the_fallback_batch(tmp_path, monkeypatch):
+    real_step, calls = torch.optim.Adam.step, {"n": 0}
+
+    def first_step_fails(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            _oom()
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", first_step_fails)
+    argv = [*TINY, "--num-episodes", "2", "--run-id", "fb", "--batch-size", "8", "--fallback-batch-size", "2"]
+    assert _run_in_process(tmp_path, monkeypatch, argv) == 0
+    run = tmp_path / "results" / "fb"
+    config = json.loads((run / "config.json").read_text())
+    assert config["batch_size_used"] == 2 and config["fallback_used"] is True
+    assert "preallocation" in config["fallback_reason"]
+    assert "retrying with the fallback batch size 2" in (run / "train.log").read_text()
+    (row,) = csv.DictReader(open(tmp_path / "results" / "results.csv"))
+    assert row["fallback_used"] == "True" and row["batch_size"] == "2"

@@ -292,3 +292,39 @@ def test_resume_with_other_model_sizes_is_refused_before_anything_starts(in_tmp,
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err == "error: --resume checkpoint was trained with --hidden-dim 16, but this run asks for 32."
+
+
+def _oom(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+
+def test_out_of_memory_while_acting_writes_a_report_and_a_checkpoint(in_tmp, monkeypatch, capsys):
+    real_act, calls = da.Player.act, {"n": 0}
+
+    def act(self, obs, is_first):
+        calls["n"] += 1
+        if calls["n"] > 60:  # after learning starts: there is something to save
+            _oom()
+        return real_act(self, obs, is_first)
+
+    monkeypatch.setattr(da.Player, "act", act)
+    with pytest.raises(SystemExit) as exit_info:
+        da.main(tiny_args(vector_mode="sync"))
+    assert exit_info.value.code == da.EXIT_OOM
+    (run_dir,) = (in_tmp / "runs").iterdir()
+    assert (run_dir / "oom" / "report.json").exists()
+    assert load_checkpoint(run_dir / "checkpoint.pt")["counters"]["updates"] > 0
+    err = capsys.readouterr().err
+    assert "out of memory at step" in err and "(in main, line" in err and "Traceback" not in err
+
+
+def test_out_of_memory_at_start_up_writes_a_report_and_stops_before_training(in_tmp, monkeypatch, capsys):
+    """The first optimizer step (the preflight) runs out of memory: a report, no checkpoint, exit 3."""
+    monkeypatch.setattr(torch.optim.Adam, "step", _oom)
+    with pytest.raises(SystemExit) as exit_info:
+        da.main(tiny_args(vector_mode="sync"))
+    assert exit_info.value.code == da.EXIT_OOM
+    (run_dir,) = (in_tmp / "runs").iterdir()
+    assert (run_dir / "oom" / "report.json").exists() and not (run_dir / "checkpoint.pt").exists()
+    err = capsys.readouterr().err
+    assert "out of memory at start-up (in preflight" in err and "--batch-size 2 x --sequence-length 8" in err
