@@ -32,6 +32,7 @@ import dataclasses
 import gc
 import json
 import math
+import numbers
 import os
 import pickle
 import re
@@ -108,7 +109,17 @@ def _require(condition: bool, message: str) -> None:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number, numpy's included (a step counter is often np.int64); a bool is not one."""
+    return isinstance(value, numbers.Real) and not _is_bool(value) and math.isfinite(value)
+
+
+def _is_int(value: Any) -> bool:
+    """An integer, numpy's included; a bool is not one (`every=True` is a mistake, not 1)."""
+    return isinstance(value, numbers.Integral) and not _is_bool(value)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's bool is no subclass of bool
 
 
 def _warn_once(key: str, message: str, _seen: set = set()) -> None:  # noqa: B006 - deliberate process-wide memo
@@ -262,6 +273,9 @@ def memory_report(buffer_stats: dict | None = None, device=None, trim: bool = Tr
         _require(isinstance(buffer_stats, dict), "buffer_stats must be a dict or None")
         missing = [k for k in BUFFER_KEYS if k not in buffer_stats]
         _require(not missing, f"buffer_stats is missing {', '.join(missing)}; it needs {', '.join(BUFFER_KEYS)}")
+        for key in BUFFER_KEYS:
+            _require(_is_number(buffer_stats[key]) and buffer_stats[key] >= 0,
+                     f"buffer_stats[{key!r}] must be a number >= 0, got {buffer_stats[key]!r}")
     report: dict[str, float] = {}
     if trim:
         trim_host_memory()
@@ -332,14 +346,14 @@ class LeakDetector:
 
     def __init__(self, warmup_steps: int = 5_000, window: int = 20, threshold_mb_per_1k: float = 1.0,
                  block_threshold_per_1k: float = 50.0, min_samples: int = 5):
-        _require(isinstance(warmup_steps, int) and warmup_steps >= 0,
+        _require(_is_int(warmup_steps) and warmup_steps >= 0,
                  f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-        _require(isinstance(window, int) and window >= 3, f"window must be an integer >= 3, got {window!r}")
+        _require(_is_int(window) and window >= 3, f"window must be an integer >= 3, got {window!r}")
         _require(_is_number(threshold_mb_per_1k) and threshold_mb_per_1k > 0,
                  f"threshold_mb_per_1k must be a positive number, got {threshold_mb_per_1k!r}")
         _require(_is_number(block_threshold_per_1k) and block_threshold_per_1k > 0,
                  f"block_threshold_per_1k must be a positive number, got {block_threshold_per_1k!r}")
-        _require(isinstance(min_samples, int) and 3 <= min_samples <= window,
+        _require(_is_int(min_samples) and 3 <= min_samples <= window,
                  f"min_samples must be an integer in [3, window={window}], got {min_samples!r}")
         self.warmup_steps = warmup_steps
         self.window = window
@@ -686,6 +700,14 @@ class AmpSetup:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
 
+def _device_type(device) -> str:
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be a torch.device or a device name such as 'cpu' or 'cuda:0', "
+                         f"got {device!r}") from None
+
+
 def amp(mode: str, device) -> AmpSetup:
     """Resolve `mode` (auto/off/fp16/bf16) for `device` into an autocast factory and a GradScaler.
 
@@ -694,7 +716,7 @@ def amp(mode: str, device) -> AmpSetup:
     fp16 without CUDA is refused (CPU fp16 autocast is slow and has no scaler).
     """
     _require(mode in AMP_MODES, f"amp mode must be one of {', '.join(AMP_MODES)}, got {mode!r}")
-    device_type = torch.device(device).type
+    device_type = _device_type(device)
     if mode == "auto":
         mode = "fp16" if device_type == "cuda" else "off"
     if mode == "fp16" and device_type != "cuda":
@@ -724,7 +746,7 @@ class StageProbes:
     SLOPE_KEY = PROBE_KEY_PREFIX + "baseline_slope_mb_per_1k"
 
     def __init__(self, enabled: bool, device="cpu", window: int = 50):
-        _require(isinstance(window, int) and window >= 3, f"window must be an integer >= 3, got {window!r}")
+        _require(_is_int(window) and window >= 3, f"window must be an integer >= 3, got {window!r}")
         self.enabled = bool(enabled)
         self.on_cuda = torch.device(device).type == "cuda" and _cuda_ready()
         self.device = device
@@ -814,8 +836,9 @@ class MemorySnapshots:
     """
 
     def __init__(self, run_dir: str, every: int, max_entries: int = 100_000, device=None):
-        _require(isinstance(every, int) and every >= 0, f"every must be an integer >= 0, got {every!r}")
-        _require(isinstance(max_entries, int) and max_entries > 0,
+        _require(isinstance(run_dir, (str, os.PathLike)), f"run_dir must be a path, got {run_dir!r}")
+        _require(_is_int(every) and every >= 0, f"every must be an integer >= 0, got {every!r}")
+        _require(_is_int(max_entries) and max_entries > 0,
                  f"max_entries must be a positive integer, got {max_entries!r}")
         self.out_dir = Path(run_dir) / "memory_snapshots"
         self.every = every
@@ -1256,7 +1279,7 @@ def run_wait(min_free_mb: float, poll_s: float, timeout_s: float, command: list[
     _require(_is_number(min_free_mb) and min_free_mb >= 0, f"--min-free must be a number of MB >= 0, got {min_free_mb!r}")
     _require(_is_number(poll_s) and poll_s > 0, f"--sleep must be a number of seconds > 0, got {poll_s!r}")
     _require(_is_number(timeout_s) and timeout_s >= 0, f"--timeout must be a number of seconds >= 0, got {timeout_s!r}")
-    _require(gpu is None or (isinstance(gpu, int) and gpu >= 0), f"--gpu must be an integer >= 0, got {gpu!r}")
+    _require(gpu is None or (_is_int(gpu) and gpu >= 0), f"--gpu must be an integer >= 0, got {gpu!r}")
     overrides = dict(_parse_env_assignment(a) for a in fallback_env)
     env = os.environ.copy()
     with _signals_as_exit() as stopped:
@@ -1356,7 +1379,10 @@ def _cmd_analyze(args) -> int:
     out_dir = Path(args.out_dir) if args.out_dir else Path(args.snapshots_dir).parent / "memory_analysis"
     files = _snapshot_files(Path(args.snapshots_dir))
     last = next((p for s, p in reversed(files) if s == analysis.steps[-1]), None)
-    written = write_analysis(analysis, out_dir, last)
+    try:
+        written = write_analysis(analysis, out_dir, last)
+    except OSError as exc:
+        raise _CliError(f"cannot write the report to --out-dir {str(out_dir)!r} ({exc.strerror or exc})") from None
     print(_growth_table(analysis))
     if analysis.top_sites:
         print("\nTop growing allocation sites:")
@@ -1383,9 +1409,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-free", type=float, required=True, metavar="MB", help="free GPU memory to wait for, in MB")
     p.add_argument("--sleep", type=float, default=30.0, metavar="S", help="seconds between polls (default 30)")
     p.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="give up after S seconds (default 3600)")
-    p.add_argument("--gpu", type=int, default=None, metavar="N", help="pin CUDA_VISIBLE_DEVICES=N for the command")
-    p.add_argument("--fallback-env", nargs="*", default=[], metavar="NAME=VALUE",
-                   help="environment for the command when the wait times out")
+    p.add_argument("--gpu", type=int, default=None, metavar="N",
+                   help="wait for the N-th GPU this process may use (the N-th of CUDA_VISIBLE_DEVICES when set) and "
+                        "give the command that GPU alone")
+    p.add_argument("--fallback-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="a variable for the command when the wait times out; repeat the flag for several")
     p.add_argument("--allow-no-gpu", action="store_true", help="without CUDA, run the command instead of exiting 2")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     p.set_defaults(func=None)

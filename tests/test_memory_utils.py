@@ -2,6 +2,7 @@
 
 import gc
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -502,3 +503,49 @@ def test_trim_returns_freed_heap_pages_so_uss_measures_live_memory():
     live = mu.process_uss_mb()
     assert cached - live > 30, (baseline, cached, live)
     del pin
+
+
+def test_cli_wait_small_mistakes_are_one_line(tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text("echo hi\n")  # not executable
+    result = _cli("wait", "--min-free", "10", "--allow-no-gpu", "--", str(script))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().endswith(f"command is not executable: {script}")
+    # --fallback-env takes one NAME=VALUE per flag, so the command after it needs no `--`
+    code = mu.main(["wait", "--min-free", "4000", "--timeout", "0", "--fallback-env", "RL_BATCH_SIZE=3",
+                    sys.executable, "-c", "import os, sys; sys.exit(int(os.environ['RL_BATCH_SIZE']))"],
+                   probe=lambda: 0.0, sleep=lambda s: None)
+    assert code == 3
+
+
+def test_cli_analyze_to_an_unwritable_folder_is_one_line(tmp_path):
+    snapshots = tmp_path / "memory_snapshots"
+    snapshots.mkdir()
+    for step in (1000, 2000):
+        with open(snapshots / f"snapshot_step_{step}.pickle", "wb") as f:
+            pickle.dump({"segments": [], "device_traces": []}, f)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    result = _cli("analyze", "--snapshots-dir", str(snapshots), "--out-dir", str(blocker / "report"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "cannot write the report to --out-dir" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: mu.memory_report(buffer_stats={"obs_bytes": None, "aux_bytes": 1, "total_steps": 1, "num_episodes": 1}),
+     "obs_bytes"),
+    (lambda: mu.amp("auto", "banana"), "device"),
+    (lambda: mu.MemorySnapshots(None, 5), "run_dir"),
+    (lambda: mu.MemorySnapshots("runs/x", every=True), "every"),
+    (lambda: mu.LeakDetector(warmup_steps=True), "warmup_steps"),
+])
+def test_public_functions_refuse_bad_arguments_with_a_value_error_naming_them(call, name):
+    with pytest.raises(ValueError, match=name):
+        call()
+
+
+def test_numpy_numbers_are_steps_and_values_too():
+    detector = mu.LeakDetector(warmup_steps=0, window=5, min_samples=3)
+    for step in np.arange(0, 5000, 1000):
+        detector.observe(step, {mu.KEY_USS_MB: np.float32(100.0)})
+    assert not detector.check().leaking
