@@ -165,8 +165,9 @@ class Args:
     """batch size used when the wait for GPU memory timed out"""
     memory_log_every: int = 1_000
     """agent steps between memory reports (`debug/*`, `buffer/replay/*`) and leak checks"""
-    leak_warmup_steps: int = 5_000
-    """agent steps before the leak detector starts judging"""
+    leak_warmup_steps: int = 30_000
+    """agent steps before the leak detector judges growth (it watches noise and releases from the start; 30k: a
+    sawtooth with a period up to 30k steps has given memory back once by then)"""
     memory_snapshot_every: int = 0
     """dump a CUDA allocator snapshot every this many agent steps into `{run_id}/memory_snapshots/` (0: off);
     read them with `python memory_utils.py analyze`"""

@@ -211,9 +211,11 @@ class Args:
     preallocate: bool = True
     """create optimizer state at start-up with a worst-case batch (fail fast instead of OOM hours later)"""
     abort_on_leak: bool = False
-    """stop with a checkpoint when the leak detector fires"""
-    leak_warmup_steps: int = 10_000
-    """env steps the leak detector ignores at the start"""
+    """stop with a checkpoint when the leak detector has suspected growth at 30 log points in a row (memory that
+    is given back, a level shift, or noise never does; see memory_utils.LeakDetector)"""
+    leak_warmup_steps: int = 30_000
+    """env steps before the leak detector judges growth (it watches noise and releases from the start; 30k: a
+    sawtooth with a period up to 30k steps has given memory back once by then)"""
     memory_snapshot_every: int = 0
     """dump a CUDA allocator snapshot every this many env steps (0 = off) into runs/{run_name}/"""
     snapshot_max_entries: int = 100_000
@@ -2187,7 +2189,7 @@ def main(args: Args) -> dict:
                         f"learning rates.",
                         EXIT_NONFINITE,
                     )
-                if verdict.leaking and args.abort_on_leak:
+                if verdict.abort and args.abort_on_leak:
                     checkpoint("leak detected")
                     exit_with(f"stopping (--abort-on-leak): {verdict.diagnosis}", EXIT_LEAK)
             if next_checkpoint is not None and counters["global_step"] >= next_checkpoint:

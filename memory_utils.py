@@ -29,6 +29,7 @@ import csv
 import ctypes
 import ctypes.util
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -43,6 +44,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 try:
@@ -300,52 +302,183 @@ def memory_report(buffer_stats: dict | None = None, device=None, trim: bool = Tr
 # ---------------------------------------------------------------------------------------------------------
 # Leak detection
 # ---------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.triu_indices(n, k=1)
+
+
 def robust_slope(steps: Sequence[float], values: Sequence[float]) -> float:
     """Theil-Sen slope (median of pairwise slopes): one spike or a GC pause does not move it."""
-    x = [float(s) for s in steps]
-    y = [float(v) for v in values]
-    _require(len(x) == len(y), "steps and values must have the same length")
-    slopes = [
-        (y[j] - y[i]) / (x[j] - x[i]) for i in range(len(x)) for j in range(i + 1, len(x)) if x[j] != x[i]
-    ]
-    if not slopes:
+    x = np.asarray(steps, dtype=np.float64)
+    y = np.asarray(values, dtype=np.float64)
+    _require(x.shape == y.shape and x.ndim == 1, "steps and values must have the same length")
+    i, j = _pairs(len(x))
+    dx = x[j] - x[i]
+    keep = dx != 0
+    if not keep.any():
         return 0.0
-    slopes.sort()
-    mid = len(slopes) // 2
-    return slopes[mid] if len(slopes) % 2 else 0.5 * (slopes[mid - 1] + slopes[mid])
+    return float(np.median((y[j] - y[i])[keep] / dx[keep]))
 
 
 @dataclasses.dataclass
 class LeakVerdict:
-    """What the LeakDetector concluded: `leaking`, the `cause`, a plain-English `diagnosis`, the slopes."""
+    """What the LeakDetector concluded: `leaking` (growth suspected now), `abort` (suspected at `abort_after`
+    checks in a row: what `--abort-on-leak` acts on), the `cause`, a plain-English `diagnosis`, the slopes."""
 
     leaking: bool
     cause: str  # "none" | "warming_up" | "graph_retention" | "gpu_tensors" | "fragmentation" | "host_references"
     diagnosis: str
     slopes: dict[str, float]
+    abort: bool = False
 
     def __str__(self) -> str:
         return self.diagnosis
 
 
 # derived host metric: resident anonymous memory (USS where the system does not report it) minus what the
-# replay buffer accounts for
-HOST_UNEXPLAINED_MB = "host/beyond_buffer_mb"
+# replay buffer holds; this is what the detector judges host memory on
+HOST_UNEXPLAINED_MB = "host_beyond_buffer_mb"
+
+# How sure the detector must be (see `growth_evidence`); the corpus in tests/test_leak_detector.py holds it to
+# its targets: no abort and at most 1 % suspected checks on steady memory, level shifts and released sawtooths,
+# and a leak of 1 MB per 1k steps found within 20k steps of its start.
+GROWTH_Z = 5.0  # slope over its standard error
+SLOPE_FRACTION = 0.5  # a window's slope must reach this share of the threshold: a leak just at the threshold is
+# estimated below it half the time, and the significance test already keeps noise out
+STEP_RATIO = 0.8  # a straight line must fit better than the best single jump
+STAIRCASE_RATIO = 1.2  # and not clearly worse than two jumps (a slow leak's ramp fits two about as well)
+RELEASE_Z = 6.0  # a fall of this many noise units is a release: the memory was given back
+SCALES = (4, 6, 9, 12, 15, 18, 21, 24, 30, 36, 48)  # windows (samples) tried, shortest first: a fast leak shows in a short one
+RELEASE_GRACE = 32  # samples without a release after which a releasing series is judged like any other
+
+
+def noise_scale(values) -> float:
+    """The series' noise, robustly: from the median absolute deviation of its first differences, which a steady
+    slope, a level shift or a release hardly moves."""
+    diffs = np.diff(np.asarray(values, dtype=np.float64))
+    if len(diffs) < 3:
+        return 0.0
+    return float(1.4826 * np.median(np.abs(diffs - np.median(diffs))) / math.sqrt(2.0))
+
+
+@functools.lru_cache(maxsize=64)
+def _two_cuts(n: int) -> tuple[np.ndarray, np.ndarray]:
+    first, second = np.triu_indices(n - 1, k=1)
+    return first + 1, second + 1  # 1 <= i < j <= n - 1
+
+
+def _jumps_ss(y: np.ndarray, jumps: int) -> float:
+    """The least squared error of a piecewise-constant fit to `y` with `jumps` (1 or 2) jumps, every placement
+    tried at once through prefix sums."""
+    n = len(y)
+    s1 = np.concatenate([[0.0], np.cumsum(y)])
+    s2 = np.concatenate([[0.0], np.cumsum(y * y)])
+
+    def piece(a, b):  # squared error of y[a:b] around its mean
+        return s2[b] - s2[a] - (s1[b] - s1[a]) ** 2 / (b - a)
+
+    if jumps == 1:
+        k = np.arange(1, n)
+        return float(np.min(piece(0, k) + piece(k, n)))
+    i, j = _two_cuts(n)
+    return float(np.min(piece(0, i) + piece(i, j) + piece(j, n)))
+
+
+def _window_growth(x: np.ndarray, y: np.ndarray, threshold: float, noise: float) -> tuple[bool, str]:
+    """Sustained growth in one window: a significant slope above `threshold` (per unit of x), fitting as a
+    straight line clearly better than as one jump (a level shift), with every third's median above the last."""
+    n = len(x)
+    dx, dy = x - x.mean(), y - y.mean()
+    sxx = float(dx @ dx)
+    if sxx <= 0:
+        return False, "too_few"
+    slope = float(dx @ dy) / sxx
+    if slope <= SLOPE_FRACTION * threshold:
+        return False, "steady"
+    line_ss = float(((dy - slope * dx) ** 2).sum())
+    sigma = max(noise, math.sqrt(line_ss / max(n - 2, 1)))
+    if slope / (sigma / math.sqrt(sxx)) < GROWTH_Z:
+        return False, "noise"
+    # the best fit with one jump, and with two (a level shift, a staircase of two): each piece at its own level
+    if line_ss > STEP_RATIO * _jumps_ss(y, 1) or (n >= 9 and line_ss > STAIRCASE_RATIO * _jumps_ss(y, 2)):
+        return False, "level_shift"
+    if n >= 6:
+        # every third of the window above the one before, by more than the noise of a third's median
+        thirds = np.array_split(y, 3)
+        medians = [float(np.median(part)) for part in thirds]
+        margin = 1.25 * noise * math.sqrt(2.0 / min(len(part) for part in thirds))
+        if any(b - a <= margin for a, b in zip(medians, medians[1:])):
+            return False, "level_shift"
+    return True, "growth"
+
+
+def growth_evidence(steps: Sequence[float], values: Sequence[float], threshold_per_1k: float,
+                    noise_floor: float = 0.01, scales: Sequence[int] = SCALES,
+                    judge_from: float = 0.0) -> tuple[bool, str, float]:
+    """Is this memory series growing for good? Returns (growing, why, slope per 1k steps).
+
+    Told apart, on the samples given (oldest first; growth is judged on those at `judge_from` steps or later, the
+    earlier ones only show the noise and the releases):
+    - sustained growth (a leak): in some recent window (`scales`, shortest first, so a fast leak is caught in
+      a few samples and a slow one in more) the slope is above SLOPE_FRACTION of the threshold and GROWTH_Z standard
+      errors above zero, a straight line fits better (by 1/STEP_RATIO) than one jump and not clearly worse than
+      two (STAIRCASE_RATIO), and the median of
+      every third of the window is above the one before by more than the noise;
+    - a level shift (one jump up, then flat: the first evaluation, a checkpoint's buffers, a CUDA graph's pool),
+      or two close together: one or two jumps fit as well as a line, or the thirds are not all rising;
+    - a sawtooth (memory grows, then is given back): once a release (a fall of RELEASE_Z noise units) has been
+      seen, growth is judged on the troughs after each release (a leak under a sawtooth raises them), until
+      no release has come for 1.5 times the longest gap between releases (RELEASE_GRACE samples after a single
+      one): then the part since the last release is judged like any other;
+    - noise: the slope is not significant.
+    The noise is `noise_scale` of the whole series, floored at `noise_floor`.
+    """
+    x = np.asarray(steps, dtype=np.float64) / 1000.0
+    y = np.asarray(values, dtype=np.float64)
+    noise = max(noise_scale(y), noise_floor)
+    first = int(np.searchsorted(x, judge_from / 1000.0))
+    release_at = (np.flatnonzero(np.diff(y) < -max(RELEASE_Z * noise, 2.0 * threshold_per_1k)) + 1).tolist()
+    if release_at:
+        gaps = np.diff(release_at)
+        expected = 1.5 * (float(gaps.max()) if len(gaps) else RELEASE_GRACE)
+        if len(y) - release_at[-1] <= expected:
+            bounds = [0, *release_at, len(y)]
+            troughs = [a + int(np.argmin(y[a:b])) for a, b in zip(bounds, bounds[1:]) if b > a]
+            troughs = [i for i in troughs if i >= first]
+            trough_x, trough_y = x[troughs], y[troughs]
+            slope = robust_slope(trough_x, trough_y) if len(troughs) >= 2 else 0.0
+            rising = len(troughs) >= 3 and bool(np.all(np.diff(trough_y) > 3 * noise))
+            return (rising and slope > threshold_per_1k), "releases", slope
+        first = max(first, release_at[-1])  # no release for long: judge the part since the last one
+    x, y = x[first:], y[first:]
+    sizes = [size for size in scales if size <= len(y)]
+    if not sizes:
+        return False, "too_few", robust_slope(x, y) if len(y) >= 2 else 0.0
+    why = "steady"
+    for size in sizes:
+        grows, why = _window_growth(x[-size:], y[-size:], threshold_per_1k, noise)
+        if grows:
+            return True, why, robust_slope(x[-size:], y[-size:])
+    return False, why, robust_slope(x[-sizes[-1]:], y[-sizes[-1]:])
 
 
 class LeakDetector:
-    """Watches memory over steps and names the likely cause when something grows.
+    """Watches memory over steps and names the likely cause when it grows for good.
 
-    Feed it `observe(step, memory_report(...))` every log interval (or `add(metric, step, value)`).
-    After `warmup_steps`, `check()` fits a robust slope (MB, or blocks, per 1k steps) over the last
-    `window` samples of each metric. Host memory is judged after subtracting the replay buffer's bytes,
-    so a buffer filling toward capacity is never mistaken for a leak, and on resident anonymous memory
-    (`debug/cpu/anon_mb`) rather than USS, so another process starting or ending beside this one is not
-    either (see `process_anon_mb`). USS is the basis only where anonymous memory is not reported.
+    Feed it `observe(step, memory_report(...))` every log interval (or `add(metric, step, value)`). After
+    `warmup_steps`, `check()` asks `growth_evidence` about each metric over its last `window` samples: sustained
+    growth is told from noise, level shifts and sawtooths that give memory back. Host memory is judged after
+    subtracting the replay buffer's bytes, so a buffer filling toward capacity is never mistaken for a leak, and
+    on resident anonymous memory (`debug/cpu/anon_mb`) rather than USS, so another process starting or ending
+    beside this one is not either (see `process_anon_mb`). USS is the basis only where anonymous memory is not
+    reported. A verdict is `leaking` as soon as growth is suspected, and `abort` once it has been suspected at
+    `abort_after` checks in a row (longer than a sawtooth's growing phase lasts, so `--abort-on-leak` never
+    stops a run whose memory comes back).
     """
 
-    def __init__(self, warmup_steps: int = 5_000, window: int = 20, threshold_mb_per_1k: float = 1.0,
-                 block_threshold_per_1k: float = 50.0, min_samples: int = 5):
+    def __init__(self, warmup_steps: int = 5_000, window: int = 96, threshold_mb_per_1k: float = 1.0,
+                 block_threshold_per_1k: float = 50.0, min_samples: int | None = None, abort_after: int = 30):
+        min_samples = min(6, window) if min_samples is None and _is_int(window) else min_samples
         _require(_is_int(warmup_steps) and warmup_steps >= 0,
                  f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         _require(_is_int(window) and window >= 3, f"window must be an integer >= 3, got {window!r}")
@@ -355,20 +488,22 @@ class LeakDetector:
                  f"block_threshold_per_1k must be a positive number, got {block_threshold_per_1k!r}")
         _require(_is_int(min_samples) and 3 <= min_samples <= window,
                  f"min_samples must be an integer in [3, window={window}], got {min_samples!r}")
+        _require(_is_int(abort_after) and abort_after >= 1, f"abort_after must be an integer >= 1, got {abort_after!r}")
         self.warmup_steps = warmup_steps
         self.window = window
         self.threshold = float(threshold_mb_per_1k)
         self.block_threshold = float(block_threshold_per_1k)
         self.min_samples = min_samples
+        self.scales = tuple(size for size in SCALES if size < window) + (window,)
+        self.abort_after = abort_after
         self.samples: dict[str, deque] = {}
+        self.suspected_in_a_row = 0
 
     def add(self, metric: str, step: int, value: float) -> None:
         _require(isinstance(metric, str) and metric, "metric must be a non-empty string")
         _require(_is_number(step) and step >= 0, f"step must be a number >= 0, got {step!r}")
         _require(_is_number(value), f"value for {metric} must be a finite number, got {value!r}")
-        if step < self.warmup_steps:
-            return
-        series = self.samples.setdefault(metric, deque(maxlen=self.window))
+        series = self.samples.setdefault(metric, deque(maxlen=self.window))  # warm-up samples show noise, releases
         if series and step <= series[-1][0]:
             series.clear()  # the step counter went backwards (a resumed run): start the window again
         series.append((float(step), float(value)))
@@ -384,25 +519,43 @@ class LeakDetector:
             buffer_mb = (report.get(BUFFER_KEYS["obs_bytes"], 0.0) + report.get(BUFFER_KEYS["aux_bytes"], 0.0)) / MB
             self.add(HOST_UNEXPLAINED_MB, step, host - buffer_mb)
 
-    def slopes(self) -> dict[str, float]:
-        """Slope per 1k steps of every metric with enough samples."""
+    JUDGED = (HOST_UNEXPLAINED_MB, KEY_GPU_ALLOC_MB, KEY_GPU_RESERVED_MB, KEY_GPU_SMALL_POOL_ACTIVE_MB,
+              KEY_GPU_ACTIVE_BLOCKS)  # what `check` decides on; the other metrics get a slope for the record
+
+    def evidence(self) -> dict[str, tuple[bool, str, float]]:
+        """(growing, why, slope per 1k steps) of every metric with enough samples after warm-up: from
+        `growth_evidence` for the metrics `check` decides on, a robust slope over the recent samples for the rest."""
         out = {}
         for metric, series in self.samples.items():
-            if len(series) >= self.min_samples:
-                steps, values = zip(*series)
-                out[metric] = 1000.0 * robust_slope(steps, values)
+            judged = [(step, value) for step, value in series if step >= self.warmup_steps]
+            if len(judged) < self.min_samples:
+                continue
+            if metric not in self.JUDGED:
+                steps, values = zip(*judged[-24:])
+                out[metric] = (False, "not judged", 1000.0 * robust_slope(steps, values))
+                continue
+            steps, values = zip(*series)
+            threshold = self.block_threshold if metric == KEY_GPU_ACTIVE_BLOCKS else self.threshold
+            out[metric] = growth_evidence(steps, values, threshold, noise_floor=0.01 * threshold,
+                                          scales=self.scales, judge_from=self.warmup_steps)
         return out
 
+    def slopes(self) -> dict[str, float]:
+        """Slope per 1k steps of every metric with enough samples (robust, over the window that decided)."""
+        return {metric: slope for metric, (_, _, slope) in self.evidence().items()}
+
     def check(self) -> LeakVerdict:
-        s = self.slopes()
+        evidence = self.evidence()
+        s = {metric: slope for metric, (_, _, slope) in evidence.items()}
         if not s:
+            self.suspected_in_a_row = 0
             return LeakVerdict(False, "warming_up", "leak check: not enough samples after warm-up yet", s)
-        grows = lambda key: s.get(key, 0.0) > self.threshold  # noqa: E731
+        grows = lambda key: evidence.get(key, (False,))[0]  # noqa: E731
         small, blocks = s.get(KEY_GPU_SMALL_POOL_ACTIVE_MB, 0.0), s.get(KEY_GPU_ACTIVE_BLOCKS, 0.0)
         alloc, reserved = s.get(KEY_GPU_ALLOC_MB, 0.0), s.get(KEY_GPU_RESERVED_MB, 0.0)
         host = s.get(HOST_UNEXPLAINED_MB, 0.0)
         findings: list[tuple[str, str]] = []
-        if grows(KEY_GPU_SMALL_POOL_ACTIVE_MB) and blocks > self.block_threshold:
+        if grows(KEY_GPU_SMALL_POOL_ACTIVE_MB) and grows(KEY_GPU_ACTIVE_BLOCKS):
             findings.append(("graph_retention",
                 f"GPU small-pool active memory grows {small:.2f} MB and {blocks:.0f} active blocks per 1k steps: "
                 "autograd graphs are being kept alive. Usual causes: acting in the environment with autograd on "
@@ -412,21 +565,25 @@ class LeakDetector:
             findings.append(("gpu_tensors",
                 f"GPU allocated memory grows {alloc:.2f} MB per 1k steps: tensors on the GPU are kept alive "
                 "(appended to a list, logged as tensors instead of .item() floats, or held by a cache)."))
-        if grows(KEY_GPU_RESERVED_MB) and alloc <= self.threshold:
+        if grows(KEY_GPU_RESERVED_MB) and not grows(KEY_GPU_ALLOC_MB):
             findings.append(("fragmentation",
                 f"GPU reserved memory grows {reserved:.2f} MB per 1k steps while allocated memory is flat "
                 f"({alloc:.2f} MB per 1k): the caching allocator is fragmenting. Set "
                 "PYTORCH_ALLOC_CONF=expandable_segments:True (configure_allocator() does this by default)."))
-        if host > self.threshold:
+        if grows(HOST_UNEXPLAINED_MB):
             findings.append(("host_references",
                 f"host memory beyond what the replay buffer holds grows {host:.2f} MB per 1k steps: something "
                 "on the host keeps references (views of evicted replay data, tensors or arrays kept in lists, "
                 "per-step logs that are never trimmed)."))
         if not findings:
+            self.suspected_in_a_row = 0
             parts = ", ".join(f"{k} {v:+.2f}" for k, v in sorted(s.items()))
             return LeakVerdict(False, "none", f"memory is steady (per 1k steps: {parts})", s)
+        self.suspected_in_a_row += 1
         cause = findings[0][0]
-        return LeakVerdict(True, cause, "memory leak suspected: " + " ".join(text for _, text in findings), s)
+        return LeakVerdict(True, cause, "memory leak suspected: " + " ".join(text for _, text in findings), s,
+                           abort=self.suspected_in_a_row >= self.abort_after)
+
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -273,7 +273,7 @@ def test_a_run_of_non_finite_updates_stops_with_the_last_finite_weights(in_tmp, 
 
 
 def test_abort_on_leak_stops_with_a_checkpoint(in_tmp, monkeypatch, capsys):
-    leaking = mu.LeakVerdict(True, "host_references", "memory leak suspected: test", {})
+    leaking = mu.LeakVerdict(True, "host_references", "memory leak suspected: test", {}, abort=True)
     monkeypatch.setattr(mu.LeakDetector, "check", lambda self: leaking)
     with pytest.raises(SystemExit) as exit_info:
         da.main(tiny_args(vector_mode="sync", abort_on_leak=True))
