@@ -183,10 +183,36 @@ def prove(args: Args) -> dict:
     }
 
 
+def summary_markdown(results: list[dict]) -> str:
+    """A results table (and each run's curve) from learning_proof JSON files."""
+    lines = ["# Learning proof: dreamer_atari.py on Catch-v0, on a CPU", "",
+             ("Each row is one `benchmark/learning_proof.py` run (its JSON file beside this one holds the "
+              "configuration, the machine, every evaluation episode and the curve). Final return: the mean over the "
+              "evaluation episodes played by the trained agent acting as it acts in training; random and optimal "
+              "(a scripted paddle) are measured the same way. Target: at least 0.8 of the optimal return within 5 "
+              "minutes of training."), "",
+             "| seed | final return | optimal | random | env steps | updates | training s | machine |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in sorted(results, key=lambda r: r["seed"]):
+        m = r["machine"]
+        lines.append(f"| {r['seed']} | {r['final_return']:.2f} | {r['optimal_return']:.2f} | {r['random_return']:.2f} | "
+                     f"{r['env_steps']:,} | {r['updates']:,} | {r['seconds']:.0f} | {m['cpu']}, {m['cpu_count']} "
+                     f"cores, torch {m['torch']} |")
+    lines += ["", "Training curve (mean return of the episodes in each bin of env steps):", "",
+              "| seed | " + " | ".join(str(p["env_step"]) for p in results[0]["curve"]) + " |",
+              "|---:|" + "---:|" * len(results[0]["curve"])]
+    for r in sorted(results, key=lambda r: r["seed"]):
+        lines.append(f"| {r['seed']} | " + " | ".join(f"{p['mean_return']:.2f}" for p in r["curve"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(args: Args) -> dict:
     out = prove(args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
+    runs = [json.loads(p.read_text()) for p in sorted(Path(args.json).parent.glob("catch_seed_*.json"))]
+    if runs:  # the results folder's summary, rewritten from every run in it
+        (Path(args.json).parent / "README.md").write_text(summary_markdown(runs))
     print(f"seed {args.seed}: final return {out['final_return']:.2f} (optimal {out['optimal_return']:.2f}, random "
           f"{out['random_return']:.2f}) after {out['env_steps']} env steps, {out['updates']} updates, "
           f"{out['seconds']:.0f} s of training")

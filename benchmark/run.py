@@ -321,14 +321,14 @@ def verdicts(result: dict) -> dict:
 
 
 def gpu_verdicts(result: dict) -> dict:
-    """The GPU targets, where they were measured: the seed config under 2 GiB of reserved GPU memory in each
-    precision, a flat GPU-allocated slope past capacity, the forensics check's outcomes, and the Pong run's return
-    and wall time once it has reached 100k env steps."""
+    """The GPU targets, where they were measured: the seed config under 2 GiB of reserved GPU memory with bf16 and
+    fp16, a flat GPU-allocated slope past capacity, the forensics check's outcomes, and the Pong run's return and
+    wall time once it has reached 100k env steps."""
     out: dict = {}
     gpu, forensics = result.get("gpu") or {}, result.get("forensics") or {}
     if gpu.get("run", True) and gpu.get("amp"):
         at_seed_size = not result["quick"]
-        for mode in ("off", "bf16", "fp16"):
+        for mode in ("fp16", "bf16"):  # the target: the seed config with mixed precision fits a 6 GB card
             peak = gpu["amp"].get(mode, {}).get("peak_reserved_mb")
             if peak is not None:
                 out[f"GPU peak reserved with --amp {mode} < 2 GiB"] = peak < TARGET_GPU_PEAK_MB if at_seed_size else None

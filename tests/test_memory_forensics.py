@@ -123,8 +123,8 @@ def test_analyze_cli_writes_the_report_and_compares_with_logged_scalars(tmp_path
     _write_series(snaps, blocks)
     writer = SummaryWriter(str(run_dir))
     for step, n in zip((1000, 2000, 3000, 4000, 5000), blocks):
-        active = mu.summarize_snapshot(_snapshot(n))["totals"]["active_mb"]
-        writer.add_scalar(mu.KEY_GPU_ALLOC_MB, active, step)
+        allocated = mu.summarize_snapshot(_snapshot(n))["totals"]["allocated_mb"]  # what memory_allocated() says
+        writer.add_scalar(mu.KEY_GPU_ALLOC_MB, allocated, step)
         writer.add_scalar(mu.KEY_GPU_RESERVED_MB, 1.0, step)  # deliberately disagrees
     writer.close()
     out = tmp_path / "analysis"
@@ -134,8 +134,13 @@ def test_analyze_cli_writes_the_report_and_compares_with_logged_scalars(tmp_path
     assert result.returncode == 0, result.stderr
     assert "slope per 1k steps" in result.stdout and "dreamer_atari.py:412:observe" in result.stdout
     assert "leak:" in result.stdout
-    for name in ("report.md", "growth.csv", "memory.png", "segments.txt", "timeline.html"):
+    for name in ("report.md", "report.html", "growth.csv", "memory.png", "segments.txt", "timeline.html"):
         assert (out / name).stat().st_size > 0, name
+    page = (out / "report.html").read_text()
+    assert "<script" not in page and "http" not in page and "data:image/png;base64," in page  # opens offline
+    assert "dreamer_atari.py:412:observe" in page
+    # every segment is listed, the 2 MiB small-pool ones too (torch's segsum leaves out those under 20 MiB)
+    assert (out / "segments.txt").read_text().count(" small ") == len(mu.load_snapshot(snaps / "snapshot_step_5000.pickle")["segments"]) - 1
     rows = (out / "growth.csv").read_text().strip().splitlines()
     assert rows[0].startswith("step,active_mb") and len(rows) == 6
     report = (out / "report.md").read_text()
@@ -143,7 +148,7 @@ def test_analyze_cli_writes_the_report_and_compares_with_logged_scalars(tmp_path
     assert "NO" in alloc_row  # the reserved column disagrees, the allocated one agrees
 
 
-def test_analyze_cli_bad_directory_is_one_line(tmp_path):
+def test_analyze_cli_bad_path_is_one_line(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "memory_utils.py"), "analyze", "--snapshots-dir",
                              str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
@@ -270,3 +275,131 @@ def test_probe_scalars_keep_stages_an_iteration_skipped():
     probes("loop_start")  # prefill: no update this time
     probes.end_iteration(2)
     assert {"debug/probe/loop_start_mb", "debug/probe/after_encoder_mb"} <= set(probes.scalars())
+
+
+def _memo_bomb() -> bytes:
+    """Nine bytes: an empty dict, then a memo index of 2**27, which makes CPython's unpickler allocate a memo of
+    that size (1 GiB of pointers) before it notices anything (gh-115952)."""
+    return b"\x80\x04}r" + (2**27).to_bytes(4, "little") + b"."
+
+
+def _empty_sets_bomb() -> bytes:
+    """5 MB of empty sets in one list: about 1.2 GB once built."""
+    return b"\x80\x04]" + b"(" + b"\x8f" * 5_000_000 + b"e."
+
+
+def _shared_blocks_bomb() -> bytes:
+    """A few dozen KB whose memo references describe 10^4 segments sharing one list of 10^4 blocks, each with the
+    same 10^3 frames: 10^8 blocks for an analysis that walks them."""
+    frames = [{"filename": "/usr/lib/python3.11/site-packages/torch/x.py", "line": 1, "name": "f"}] * 1000
+    block = {"size": 512, "requested_size": 512, "state": "active_allocated", "frames": frames}
+    blocks = [block] * 10_000
+    segment = {"total_size": 2**21, "segment_type": "small", "blocks": blocks}
+    return pickle.dumps({"segments": [segment] * 10_000, "device_traces": []})
+
+
+@pytest.mark.parametrize("bomb, why", [(_memo_bomb, "memo index"), (_empty_sets_bomb, "containers"),
+                                       (_shared_blocks_bomb, "share one list of blocks")])
+def test_snapshot_bombs_are_refused_in_one_line_with_bounded_memory(tmp_path, bomb, why):
+    snaps = tmp_path / "memory_snapshots"
+    snaps.mkdir()
+    (snaps / "snapshot_step_1000.pickle").write_bytes(bomb())
+    assert (snaps / "snapshot_step_1000.pickle").stat().st_size < 6_000_000
+    script = ("import resource, runpy, sys\n"
+              "sys.argv = ['memory_utils.py', 'analyze', '--snapshots-dir', sys.argv[1]]\n"
+              "try:\n    runpy.run_path(sys.argv[0] if False else %r, run_name='__main__')\n"
+              "finally:\n    print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+              % str(ROOT / "memory_utils.py"))
+    done = subprocess.run([sys.executable, "-c", script, str(snaps)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("maxrss_kb")]
+    assert lines[0].startswith("warning: skipped snapshot_step_1000.pickle: refused (") and why in lines[0], lines
+    assert "no readable snapshot_step_<N>.pickle files" in lines[1] and len(lines) == 2
+    maxrss_mb = int(done.stderr.split("maxrss_kb ")[1].split()[0]) / 1024
+    assert maxrss_mb < 1024, f"the refusal itself took {maxrss_mb:.0f} MB"
+
+
+def test_a_real_snapshot_passes_the_stream_check(tmp_path):
+    path = tmp_path / "snapshot_step_1000.pickle"
+    path.write_bytes(pickle.dumps(_snapshot(500)))
+    mu.check_snapshot_stream(path)
+    assert mu.summarize_snapshot(mu.load_snapshot(path))["totals"]["active_blocks"] > 500
+
+
+def _holders_snapshot(expandable=False, cpp_first=False):
+    """One OOM-time snapshot: optimizer state, parameters, a replay batch and activations, as torch records them."""
+    def frames(*python):
+        out = [{"filename": "/usr/lib/python3.11/site-packages/torch/" + f, "line": 1, "name": n} for f, n in python]
+        out += [{"filename": "/home/user/project/dreamer_atari.py", "line": 1000, "name": "main"}]
+        if cpp_first:  # torch's default stacks="all": C++ frames first, the allocator's own innermost
+            out = [{"filename": "c10/cuda/CUDACachingAllocator.cpp", "line": 1, "name": "malloc"},
+                   {"filename": "??", "line": 0, "name": "at::empty"}] + out
+        return out
+
+    blocks = [
+        (300, frames(("optim/adam.py", "_init_group"))),
+        (120, frames(("nn/modules/module.py", "_apply"))),
+        (40, [{"filename": "/home/user/project/dreamer_atari.py", "line": 1210, "name": "batch_tensors"}]
+         + frames()),
+        (500, frames(("nn/modules/linear.py", "forward"))),
+    ]
+    segments = []
+    for i, (mb, block_frames) in enumerate(blocks):
+        size = mb * 1024 * 1024
+        segments.append({"device": 0, "address": i << 40, "total_size": size, "allocated_size": size,
+                         "active_size": size, "requested_size": size, "stream": 0, "segment_type": "large",
+                         "is_expandable": expandable,
+                         "blocks": [{"address": i << 40, "size": size, "requested_size": size,
+                                     "state": "active_allocated", "frames": block_frames}]})
+    return {"segments": segments, "device_traces": [[]]}
+
+
+def test_analyze_reads_one_oom_snapshot_and_says_what_holds_the_memory(tmp_path):
+    path = tmp_path / "oom" / "snapshot_at_oom.pickle"
+    path.parent.mkdir()
+    path.write_bytes(pickle.dumps(_holders_snapshot(cpp_first=True)))
+    outputs = []
+    for hash_seed in ("0", "1"):  # the order is by size, never by hashing
+        done = subprocess.run([sys.executable, str(ROOT / "memory_utils.py"), "analyze", str(path)],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        assert done.returncode == 0, done.stderr
+        outputs.append(done.stdout)
+    assert outputs[0] == outputs[1]
+    held = outputs[0].split("What holds the memory at that moment:")[1].splitlines()[1:5]
+    assert [line.split(":")[0].strip() for line in held] == [
+        "activations (forward)", "optimizer state", "parameters (model built or moved)",
+        "replay batches (copied to the device)"]
+    # C++ frames first (stacks="all"): still attributed to the user's innermost Python frame
+    assert "dreamer_atari.py:1210:batch_tensors: 40.00 MB" in outputs[0]
+    assert "CUDACachingAllocator" not in outputs[0]
+    assert "one snapshot (snapshot_at_oom.pickle): 960 MB active" in outputs[0]
+    assert (path.parent / "snapshot_at_oom_analysis" / "report.html").exists()
+
+
+def test_a_single_jump_in_reserved_memory_is_not_fragmentation(tmp_path):
+    """The H100 forensics run: reserved went 782 -> 824 MB once (a new segment) and stayed: no growth."""
+    snaps = tmp_path / "memory_snapshots"
+    _write_series(snaps, [1500] * 6, steps=(500, 1000, 1500, 2000, 2500, 3000))
+    for step in (1500, 2000, 2500, 3000):
+        path = snaps / f"snapshot_step_{step}.pickle"
+        data = mu.load_snapshot(path)
+        data["segments"].append({"device": 0, "address": 1 << 45, "total_size": 42 * 1024 * 1024,
+                                 "segment_type": "large", "blocks": []})
+        path.write_bytes(pickle.dumps(data))
+    analysis = mu.analyze_snapshots(snaps)
+    assert analysis.verdict.startswith("steady"), analysis.verdict
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_fragmentation_advice_knows_whether_expandable_segments_are_on(tmp_path, expandable):
+    snaps = tmp_path / "memory_snapshots"
+    snaps.mkdir()
+    for i, step in enumerate(range(1000, 7000, 1000)):
+        data = _holders_snapshot(expandable=expandable)
+        data["segments"].append({"device": 0, "address": 1 << 45, "total_size": (10 + 20 * i) * 1024 * 1024,
+                                 "segment_type": "large", "is_expandable": expandable, "blocks": []})
+        (snaps / f"snapshot_step_{step}.pickle").write_bytes(pickle.dumps(data))
+    verdict = mu.analyze_snapshots(snaps).verdict
+    assert verdict.startswith("fragmentation"), verdict
+    assert ("expandable_segments:True" in verdict) is not expandable
