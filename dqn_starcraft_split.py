@@ -1118,7 +1118,7 @@ def preallocate(
         amp.scaler.scale(loss).backward()
 
     # memory: fail now, not at the first update hours later, if the optimizer state does not fit
-    return mu.preallocate_optimizer_state(step_fn, optimizer)
+    return mu.preallocate_optimizer_state(step_fn, optimizer, modules=[q_network, target_network])
 
 
 def preallocate_or_fall_back(

@@ -1665,7 +1665,7 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> None:
 
     # memory: Adam's moments exist before the first real update (fail now, not hours later); no weight moves.
     # An OOM here goes to main's start-up handler: a report, no checkpoint (nothing is trained yet), exit 3.
-    peak_mb = mu.preallocate_optimizer_state(step_fn, agent.optimizers)
+    peak_mb = mu.preallocate_optimizer_state(step_fn, agent.optimizers, modules=agent.modules().values())
     if agent.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(agent.device)
         print(f"preflight: peak {peak_mb:.0f} MiB, free {free / 2**20:.0f} MiB of {total / 2**20:.0f} MiB")

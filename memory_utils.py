@@ -745,27 +745,64 @@ def _poll_free_memory(min_free_mb, poll_s, timeout_s, probe, sleep, clock, verbo
 # ---------------------------------------------------------------------------------------------------------
 # Optimizer-state preallocation
 # ---------------------------------------------------------------------------------------------------------
-def preallocate_optimizer_state(step_fn: Callable[[], Any], optimizer, params: Iterable[torch.Tensor] | None = None
-                                ) -> float:
+# How each state entry of torch.optim's optimizers starts when the first step creates it: zero unless listed in
+# _FRESH_STATE (value from the entry's param group). An entry this table does not know is refused, not guessed.
+_ZERO_STATE = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg", "acc_delta",
+               "momentum_buffer", "grad_avg", "prev", "ax", "row_var", "col_var", "variance"}
+_FRESH_STATE = {
+    "mu_product": lambda group: 1.0,  # NAdam
+    "step_size": lambda group: group["lr"],  # Rprop
+    "eta": lambda group: group["lr"],  # ASGD
+    "mu": lambda group: 1.0,  # ASGD
+}
+_NO_PREALLOCATION = {
+    "LBFGS": "LBFGS steps with a closure that re-evaluates the loss, several times per step",
+    "SparseAdam": "SparseAdam takes sparse gradients only",
+}
+
+
+def _fresh_value(optimizer: torch.optim.Optimizer, group: dict, key: str, value):
+    """What `value`, a state entry the first step created, would hold in a fresh optimizer; None: no entry."""
+    if key == "momentum_buffer" and isinstance(optimizer, torch.optim.SGD) and group.get("dampening", 0) != 0:
+        return None  # SGD starts its buffer as a copy of the first gradient: only "absent" is exact with dampening
+    if key in _FRESH_STATE:
+        return _FRESH_STATE[key](group)
+    if key in _ZERO_STATE:
+        return 0
+    raise ValueError(f"preallocate_optimizer_state does not know how {type(optimizer).__name__}'s state entry "
+                     f"{key!r} starts, so it cannot undo the step exactly; preallocate without it")
+
+
+def preallocate_optimizer_state(step_fn: Callable[[], Any], optimizer, params: Iterable[torch.Tensor] | None = None,
+                                modules: Iterable[torch.nn.Module] = ()) -> float:
     """Materialise optimizer state (Adam moments etc.) now, with a worst-case step, and change nothing.
 
-    `step_fn()` runs one worst-case forward and backward (it calls `.backward()` itself). This function
-    then calls `optimizer.step()` once, so every lazily created state tensor exists and the peak memory of a
-    real step has been reached (fail fast, before hours of training, instead of at the first update on a
-    contended GPU). Afterwards it restores the parameters, zeroes the state tensors (moments 0, step 0),
-    sets gradients to None and restores torch's RNG state, so training is bit-identical to not calling it.
+    `step_fn()` runs one worst-case forward and backward (it calls `.backward()` itself). This function then
+    calls `optimizer.step()` once, so every lazily created state tensor exists and the peak memory of a real step
+    has been reached (fail fast, before hours of training, instead of at the first update on a contended GPU).
+    Afterwards everything is as a fresh start would have it: parameters and gradients as they were, each state
+    entry the step created at the value a fresh optimizer gives it (zero moments and counters, NAdam's
+    mu_product 1, Rprop's step sizes and ASGD's eta at the learning rate; SGD's momentum buffer removed where
+    dampening would make a zero buffer differ), state that existed before (Adagrad's sums, a resumed run's
+    moments) exactly as it was, the buffers of `modules` (BatchNorm's running statistics: pass the modules whose
+    forward changes buffers) and torch's RNG state. Training is then bit-identical to not calling it (tested for
+    every optimizer in torch.optim). LBFGS and SparseAdam are refused, and so is a step that creates no state
+    (a `step_fn` that never calls backward, or SGD without momentum: nothing to preallocate).
     Returns the peak MB of that step: the GPU peak on CUDA, the host RSS increase on CPU.
     """
     _require(callable(step_fn), "step_fn must be callable (one forward + backward)")
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     _require(optimizers and all(isinstance(o, torch.optim.Optimizer) for o in optimizers),
              "optimizer must be a torch.optim.Optimizer or a non-empty list of them")
+    for o in optimizers:
+        _require(type(o).__name__ not in _NO_PREALLOCATION,
+                 f"cannot preallocate for {type(o).__name__}: {_NO_PREALLOCATION.get(type(o).__name__)}")
     if params is None:
         params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
     params = list(params)
     _require(params and all(isinstance(p, torch.Tensor) for p in params), "params must be a non-empty list of tensors")
-    for o in optimizers:
-        _require(not o.state, "optimizer already has state: call preallocate_optimizer_state before training")
+    modules = list(modules)
+    _require(all(isinstance(m, torch.nn.Module) for m in modules), "modules must be torch.nn.Module objects")
 
     devices = {p.device for p in params}
     on_cuda = any(d.type == "cuda" for d in devices)
@@ -773,6 +810,45 @@ def preallocate_optimizer_state(step_fn: Callable[[], Any], optimizer, params: I
     cuda_rng = torch.cuda.get_rng_state_all() if on_cuda else None
     saved = [p.detach().clone() for p in params]
     saved_grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    saved_buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
+    saved_state = [{p: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+                    for p, st in o.state.items()} for o in optimizers]
+
+    def restore_model() -> None:
+        with torch.no_grad():
+            for p, value, grad in zip(params, saved, saved_grads):
+                p.copy_(value)
+                p.grad = grad
+            for buffer, value in saved_buffers:
+                buffer.copy_(value)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+    def restore_state(o, before: dict) -> None:
+        """The state entries that existed before, as they were; the others as a fresh optimizer starts them."""
+        group_of = {p: g for g in o.param_groups for p in g["params"]}
+        for p, state in list(o.state.items()):
+            for key, value in list(state.items()):
+                if p in before and key in before[p]:
+                    old = before[p][key]
+                    if isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor):
+                        with torch.no_grad():
+                            value.copy_(old)
+                    else:
+                        state[key] = old
+                    continue
+                fresh = _fresh_value(o, group_of[p], key, value)
+                if fresh is None:
+                    del state[key]
+                elif isinstance(value, torch.Tensor):
+                    with torch.no_grad():
+                        value.fill_(fresh)
+                else:
+                    state[key] = type(value)(fresh)
+            if not state and p not in before:
+                del o.state[p]
+
     rss_before = process_rss_mb()
     if on_cuda:
         torch.cuda.synchronize()
@@ -782,49 +858,37 @@ def preallocate_optimizer_state(step_fn: Callable[[], Any], optimizer, params: I
         o.zero_grad(set_to_none=True)
     try:
         step_fn()
+        got_gradients = any(p.grad is not None for p in params)
         for o in optimizers:
             o.step()
     except BaseException:
         # an OOM (the very thing this is for) may come after some state or some weights changed: undo all of it,
         # so that a caller can retry (a smaller batch, after waiting) from the model as it was
-        with torch.no_grad():
-            for p, value, grad in zip(params, saved, saved_grads):
-                p.copy_(value)
-                p.grad = grad
-        for o in optimizers:
+        restore_model()
+        for o, before in zip(optimizers, saved_state):
             o.state.clear()
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+            o.state.update(before)
         raise
     if on_cuda:
         torch.cuda.synchronize()
         peak_mb = (torch.cuda.max_memory_allocated() - base) / MB
     else:
         peak_mb = max(0.0, process_rss_mb() - rss_before)
-    with torch.no_grad():
-        for p, value, grad in zip(params, saved, saved_grads):
-            p.copy_(value)
-            p.grad = grad
-        for o in optimizers:
-            for state in o.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        value.zero_()
-    for o in optimizers:
-        _reset_step_counters(o)
-    torch.set_rng_state(cpu_rng)
-    if cuda_rng is not None:
-        torch.cuda.set_rng_state_all(cuda_rng)
+    created = sum(len(st) for o in optimizers for st in o.state.values()) - sum(
+        len(st) for before in saved_state for st in before.values())
+    restore_model()
+    try:
+        for o, before in zip(optimizers, saved_state):
+            restore_state(o, before)
+    except ValueError:
+        for o, before in zip(optimizers, saved_state):
+            o.state.clear()
+            o.state.update(before)
+        raise
+    _require(got_gradients, "step_fn gave these parameters no gradients: it must call backward on a loss of them")
+    _require(created > 0 or any(saved_state), "the preallocation step created no optimizer state (SGD without "
+                                              "momentum keeps none): there is nothing to preallocate")
     return float(peak_mb)
-
-
-def _reset_step_counters(optimizer: torch.optim.Optimizer) -> None:
-    """Non-tensor counters (e.g. an integer `step`) go back to 0 as well."""
-    for state in optimizer.state.values():
-        for key, value in list(state.items()):
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                state[key] = type(value)(0)
 
 
 # ---------------------------------------------------------------------------------------------------------
