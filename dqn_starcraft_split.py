@@ -31,6 +31,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -78,7 +79,9 @@ class Args:
     """folder holding one sub-folder per run and the `results.csv` across runs"""
     run_id: str | None = None
     """name of the run folder; default `{map_name}__{exp_name}__{seed}__{unix time}` (`-seed{n}` is appended
-    when several seeds run)"""
+    when several seeds run). A run id whose folder already holds a run is refused unless `--overwrite`"""
+    overwrite: bool = False
+    """replace the results of an earlier run with the same `--run-id` (its folder, its TensorBoard events)"""
     log_dir: str = "runs"
     """TensorBoard events go to `{log_dir}/{run_id}`"""
     time_limit_min: float = 0.0
@@ -215,6 +218,15 @@ class Args:
         )
         need(0 < self.gamma <= 1, "gamma", f"gamma must be in (0, 1], got {self.gamma}")
         need(1 <= self.n_step <= 100, "n_step", f"n_step must be between 1 and 100, got {self.n_step}")
+        need(self.buffer_size > self.n_step, "buffer_size",
+             f"buffer_size must be larger than n_step ({self.n_step}) so that an n-step return fits, got "
+             f"{self.buffer_size}")
+        need(self.learning_starts > self.n_step, "learning_starts",
+             f"learning_starts must be larger than n_step ({self.n_step}): the first updates would bootstrap from "
+             f"transitions not yet stored, got {self.learning_starts}")
+        need(self.fallback_batch_size <= self.batch_size, "fallback_batch_size",
+             f"fallback_batch_size must not be larger than batch_size ({self.batch_size}): it is the smaller batch "
+             f"to fall back to, got {self.fallback_batch_size}")
         need(
             0 <= self.test_epsilon <= 1,
             "test_epsilon",
@@ -404,6 +416,14 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> tu
     argv = sys.argv[1:] if argv is None else list(argv)
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(Args)
+    known = {env_var_name(field.name) for field in dataclasses.fields(Args)}
+    for name in sorted(environ):
+        if name.startswith("RL_") and name not in known:  # a typo would silently train with the default
+            import difflib
+
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+            hint = f"; did you mean {close[0]}?" if close else "; see --help for the settings"
+            raise ConfigError(f"{name} is not a setting of this script{hint}")
     from_env = {}
     for field in dataclasses.fields(Args):
         name = env_var_name(field.name)
@@ -1694,17 +1714,39 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
     }
 
 
+def drop_results_rows(path: str, run_id: str) -> None:
+    """Remove an earlier run's row from the CSV across runs (`--overwrite`), atomically."""
+    if not os.path.exists(path):
+        return
+    with open(path, newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("run_id") != run_id]
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=RESULTS_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_bytes(path, text.getvalue().encode())
+
+
 def main(args: Args, sources: dict) -> int:
     seeds = list(args.seeds) or [args.seed]
     base_id = args.run_id or f"{args.map_name}__{args.exp_name}__{{seed}}__{int(time.time())}"
+    run_ids = {seed: (args.run_id if len(seeds) == 1 else f"{args.run_id}-seed{seed}") if args.run_id
+               else base_id.format(seed=seed) for seed in seeds}
+    for run_id in run_ids.values():  # before anything is written: an earlier run is never overwritten by accident
+        folder = os.path.join(args.save_path, run_id)
+        if os.path.exists(os.path.join(folder, "config.json")):
+            if not args.overwrite:
+                print(f"error: run id {run_id!r} already holds a run in {folder}; pass --overwrite to replace it, "
+                      f"or choose another --run-id.", file=sys.stderr)
+                return 2
+            shutil.rmtree(folder)
+            shutil.rmtree(os.path.join(args.log_dir, run_id), ignore_errors=True)
+            drop_results_rows(os.path.join(args.save_path, "results.csv"), run_id)
     signal.signal(signal.SIGTERM, _raise_interrupted)
     signal.signal(signal.SIGINT, _raise_interrupted)
     os.makedirs(args.save_path, exist_ok=True)
     for seed in seeds:
-        if args.run_id:
-            run_id = args.run_id if len(seeds) == 1 else f"{args.run_id}-seed{seed}"
-        else:
-            run_id = base_id.format(seed=seed)
+        run_id = run_ids[seed]
         try:
             row = train_one_seed(dataclasses.replace(args, seed=seed), sources, seed, run_id)
         except RunInterrupted as exc:

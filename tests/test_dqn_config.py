@@ -123,3 +123,42 @@ def test_gpu_wait_timeout_continues_with_the_fallback_batch(monkeypatch):
     batch, fallback, line = dqn.wait_for_memory(args, dqn.torch.device("cuda"))
     assert (batch, fallback) == (2, True) and "fallback batch size 2" in line
     assert calls[0][0] == (1000, 1, 5)
+
+
+@pytest.mark.parametrize("name, closest", [("RL_BATCHSIZE", "RL_BATCH_SIZE"), ("RL_EPS_DECAY", None)])
+def test_an_unknown_rl_variable_is_refused_like_a_mistyped_flag(name, closest):
+    with pytest.raises(dqn.ConfigError) as info:
+        dqn.parse_args([], {name: "16"})
+    message = str(info.value)
+    assert message.startswith(f"{name} is not a setting of this script")
+    assert (f"did you mean {closest}?" in message) if closest else ("see --help" in message)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--learning-starts", "0"], "learning_starts"),  # 3-step returns would bootstrap from an empty slot
+    (["--buffer-size", "3", "--n-step", "3"], "buffer_size"),
+    (["--batch-size", "4", "--fallback-batch-size", "8"], "fallback_batch_size"),
+])
+def test_settings_that_cannot_work_together_are_refused(argv, field):
+    with pytest.raises(dqn.ConfigError, match=field):
+        dqn.parse_args(argv, {})
+
+
+def test_a_reused_run_id_is_refused_unless_overwrite(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RL_")}
+    tiny = ["--res", "8", "--step-mul", "128", "--buffer-size", "200", "--learning-starts", "10",
+            "--num-episodes", "1", "--num-test-episodes", "1", "--eval-every-episodes", "0", "--run-id", "same"]
+    first = subprocess.run([sys.executable, str(SCRIPT), *tiny], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    config = (tmp_path / "results" / "same" / "config.json").read_text()
+    again = subprocess.run([sys.executable, str(SCRIPT), *tiny], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert again.stderr.strip().startswith("error: run id 'same' already holds a run") and "--overwrite" in again.stderr
+    assert (tmp_path / "results" / "same" / "config.json").read_text() == config  # nothing touched
+    replaced = subprocess.run([sys.executable, str(SCRIPT), *tiny, "--overwrite", "--seed", "2"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+    assert replaced.returncode == 0, replaced.stderr[-2000:]
+    rows = (tmp_path / "results" / "results.csv").read_text().strip().splitlines()
+    assert len(rows) == 2 and rows[1].split(",")[1] == "2"  # one row, the new run's (seed 2)
