@@ -26,13 +26,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmark import pong_curve
-from benchmark.run import fmt, gpu_markdown
+from benchmark.run import (TARGET_GPU_PEAK_MB, TARGET_PONG_RETURN, TARGET_PONG_WALL_MIN, TARGET_UPDATE_MS, fmt,
+                           gpu_markdown)
 
-# issue targets, to compare against (not measurements)
-TARGET_PONG_RETURN = 18.0
-TARGET_PONG_WALL_MIN = 25.0
-TARGET_UPDATE_MS = 10.0
-TARGET_PEAK_RESERVED_MB = 2048.0
+TARGET_PEAK_RESERVED_MB = float(TARGET_GPU_PEAK_MB)
 STRIP_FRAMES = (0, 4, 5, 8, 12, 20, 30, 49)  # context ends after frame 4: 5 onwards is imagined
 
 

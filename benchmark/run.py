@@ -38,6 +38,9 @@ TARGET_SOAK_MB_PER_10K = 1.0
 TARGET_UPDATE_SPEEDUP = 1.5
 TARGET_GPU_PEAK_MB = 2_048  # the seed config with AMP fits a 6 GB laptop card with room to spare
 TARGET_GPU_SLOPE_MB_PER_10K = 1.0
+TARGET_PONG_RETURN = 18.0  # Atari100k Pong: mean return of the last 10 episodes at 100k env steps
+TARGET_PONG_WALL_MIN = 25.0  # minutes of training for those 100k env steps on one H100
+TARGET_UPDATE_MS = 10.0  # one update at the seed config on that GPU
 REQUIRED_KEYS = ("buffer_bytes_per_step", "buffer_bytes_limit", "sample_ms", "update_ms", "sample_to_update_ratio",
                  "soak_uss_slope_mb_per_10k", "soak_turnovers")
 PEER_KEYS = ("buffer_bytes_per_step", "sample_ms", "update_ms", "sample_to_update_ratio",
@@ -338,8 +341,9 @@ def gpu_verdicts(result: dict) -> dict:
     if "pong_env_steps" in result:
         done = result["pong_env_steps"] >= 100_000
         out["Pong: mean return of the last 10 episodes >= 18 at 100k env steps"] = (
-            (result["pong_final_return"] or -21) >= 18 if done else None)
-        out["Pong: 100k env steps within 25 minutes of training"] = result["pong_wall_s"] <= 25 * 60 if done else None
+            (result["pong_final_return"] or -21) >= TARGET_PONG_RETURN if done else None)
+        out["Pong: 100k env steps within 25 minutes of training"] = (
+            result["pong_wall_s"] <= TARGET_PONG_WALL_MIN * 60 if done else None)
     if forensics.get("run", True) and "snapshot_run" in forensics:
         analysis = forensics.get("analysis", {})
         out["forensics: analysis of a real run reads steady"] = None if "skipped" in analysis else (
