@@ -17,7 +17,8 @@ per finished run in `{save_path}/results.csv`.
 
 Exit status: 0 done; 2 a bad value (one sentence on stderr, nothing written); 130/143 stopped by
 SIGINT/SIGTERM (checkpoint saved, no results row); 3 CUDA out of memory (report in `{run_id}/oom/`,
-checkpoint saved, no results row).
+checkpoint saved, no results row). `--resume {save_path}/{run_id}/checkpoint.pt` continues a stopped run in its
+folder (networks, optimizer, scheduler, loss scaler, counters, RNG states; the replay with `--checkpoint-buffer`).
 """
 
 import contextlib
@@ -75,6 +76,11 @@ class Args:
     """the entity (team) of the wandb project"""
     save_model: bool = True
     """if toggled, the final model is saved to `{save_path}/{run_id}/checkpoint.pt`"""
+    checkpoint_buffer: bool = False
+    """whether checkpoints also hold the replay buffer (so that `--resume` continues with it)"""
+    resume: str | None = None
+    """path of a checkpoint to continue from (networks, optimizer, scheduler, loss scaler, counters, RNG states;
+    the replay too if it was saved with `--checkpoint-buffer`): the run goes on in the same folder"""
     save_path: str = "results"
     """folder holding one sub-folder per run and the `results.csv` across runs"""
     run_id: str | None = None
@@ -863,6 +869,25 @@ class SplitReplayBuffer:
             "dones": dones.astype(np.float32),
         }
 
+    def state_dict(self) -> dict:
+        """Every array as a tensor (loads with weights_only=True), and the ring's position."""
+        arrays = {"player": self.player, "mask": self.mask, "actions": self.actions, "rewards": self.rewards,
+                  "dones": self.dones}
+        return {"screen": {k: torch.from_numpy(v) for k, v in self.screen.items()},
+                "minimap": {k: torch.from_numpy(v) for k, v in self.minimap.items()},
+                **{k: torch.from_numpy(v) for k, v in arrays.items()}, "pos": self.pos, "size": self.size}
+
+    def load_state_dict(self, state: dict) -> None:
+        for group in ("screen", "minimap"):
+            for name, value in state[group].items():
+                getattr(self, group)[name][...] = value.numpy()
+        for name in ("player", "mask", "actions", "rewards", "dones"):
+            getattr(self, name)[...] = state[name].numpy()
+        self.pos, self.size = int(state["pos"]), int(state["size"])
+        if self.size:
+            # the interrupted episode's last transition has no next state in the buffer: it ends there
+            self.dones[(self.pos - 1) % self.capacity] = True
+
     def bytes_per_step(self) -> tuple[int, int]:
         obs = sum(a.itemsize * self.res * self.res for a in [*self.screen.values(), *self.minimap.values()])
         aux = (
@@ -1303,6 +1328,10 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
             os.remove(tmp)
 
 
+CHECKPOINT_FORMAT = "dqn_starcraft_split/1"
+RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "n_step")  # what shapes the networks and the data
+
+
 def save_checkpoint(
     path: str,
     q_network,
@@ -1313,10 +1342,14 @@ def save_checkpoint(
     global_step: int,
     args: Args,
     interrupted: bool,
+    extra: dict | None = None,
 ) -> None:
+    """Tensors and plain containers only (loads with weights_only=True); `extra`: the scaler, RNG states,
+    recent scores and, with --checkpoint-buffer, the replay."""
     buffer = io.BytesIO()
     torch.save(
         {
+            "format": CHECKPOINT_FORMAT,
             "q_network": q_network.state_dict(),
             "target_network": target_network.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -1325,10 +1358,30 @@ def save_checkpoint(
             "global_step": global_step,
             "args": dataclasses.asdict(args),
             "interrupted": interrupted,
+            **(extra or {}),
         },
         buffer,
     )
     atomic_write_bytes(path, buffer.getvalue())
+
+
+def load_checkpoint(path: str, args: Args) -> dict:
+    """A checkpoint to resume from, checked against this run's settings; any problem is one ConfigError."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--resume {path!r} does not exist or is not a file.")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - corrupt, truncated, or not a checkpoint at all
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"--resume {path!r} is not a readable checkpoint ({first_line[:160]}).") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT or "rng" not in state:
+        raise ConfigError(f"--resume {path!r} is not a {CHECKPOINT_FORMAT} checkpoint that can be resumed.")
+    for name in RESUME_MUST_MATCH:
+        saved, wanted = state["args"].get(name), getattr(args, name)
+        if saved != wanted:
+            raise ConfigError(f"--resume checkpoint was trained with --{name.replace('_', '-')} {saved}, but this run "
+                              f"asks for {wanted}.")
+    return state
 
 
 RESULTS_COLUMNS = (
@@ -1408,8 +1461,9 @@ def wait_for_memory(args: Args, device) -> tuple[int, bool, str | None]:
 # ---------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------
-def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
-    """One complete run; returns its results row. Raises RunInterrupted (after checkpointing) on a signal."""
+def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_state: dict | None = None) -> dict:
+    """One complete run (or the rest of one, from `resume_state`); returns its results row. Raises RunInterrupted
+    (after checkpointing) on a signal."""
     wall_start = time.time()
     allocator = mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
     device = resolve_device(args)
@@ -1510,14 +1564,24 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
     memory_probe_failed = False
 
     curve_path = os.path.join(run_dir, "eval", "curve.csv")
-    with open(curve_path, "w") as f:
-        f.write("episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n")
+    if resume_state is None or not os.path.exists(curve_path):
+        with open(curve_path, "w") as f:
+            f.write("episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n")
     checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
 
     def checkpoint(interrupted: bool) -> None:
-        """Save the run as it is now (the counters are read when called)."""
+        """Save the run as it is now (the counters are read when called), with what --resume needs."""
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()  # keys as a tensor: weights_only loads it
+        rngs = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+                "actions": rng.bit_generator.state}
+        for name, game in (("env", env), ("eval_env", eval_env)):
+            if hasattr(game, "rng"):
+                rngs[name] = game.rng.bit_generator.state
+        extra = {"rng": rngs, "scaler": amp.scaler.state_dict(), "recent_train_scores": list(recent_train_scores),
+                 "replay": rb.state_dict() if args.checkpoint_buffer else None}
         save_checkpoint(checkpoint_path, q_network, target_network, optimizer, scheduler, episode, global_step, args,
-                        interrupted=interrupted)
+                        interrupted=interrupted, extra=extra)
 
     @contextlib.contextmanager
     def out_of_memory_ends_the_run():
@@ -1536,12 +1600,38 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str) -> dict:
             logger.info(f"out of memory at step {global_step} ({where}):\n{diagnosis}")
             raise RunInterrupted("out of memory", EXIT_OOM) from None
 
-    global_step, episode, recent_train_scores = 0, 0, []
+    global_step, episode, recent_train_scores, first_episode = 0, 0, [], 1
+    if resume_state is not None:
+        # an interrupted episode starts again; a finished one is followed by the next
+        first_episode = resume_state["episode"] + (0 if resume_state["interrupted"] else 1)
+        global_step, episode = resume_state["global_step"], resume_state["episode"]
+        recent_train_scores = list(resume_state.get("recent_train_scores", []))
+        q_network.load_state_dict(resume_state["q_network"])
+        target_network.load_state_dict(resume_state["target_network"])
+        optimizer.load_state_dict(resume_state["optimizer"])
+        if scheduler is not None and resume_state["scheduler"] is not None:
+            scheduler.load_state_dict(resume_state["scheduler"])
+        if resume_state.get("scaler"):
+            amp.scaler.load_state_dict(resume_state["scaler"])
+        rngs = resume_state["rng"]
+        torch.set_rng_state(rngs["torch"])
+        random.setstate(rngs["python"])
+        kind, keys, pos, has_gauss, gauss = rngs["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        rng.bit_generator.state = rngs["actions"]
+        for name, game in (("env", env), ("eval_env", eval_env)):
+            if name in rngs and hasattr(game, "rng"):
+                game.rng.bit_generator.state = rngs[name]
+        if resume_state.get("replay") is not None:
+            rb.load_state_dict(resume_state["replay"])
+        logger.info(f"resumed {run_id} at episode {first_episode}, step {global_step}"
+                    f"{' with its replay' if resume_state.get('replay') is not None else ' (replay not saved)'}")
+        resume_state = None  # memory: the loaded tensors live in the networks now
     start_time = time.time()
     stopped_by = "num_episodes"
     metrics = {}
     try:
-        for episode in range(1, args.num_episodes + 1):
+        for episode in range(first_episode, args.num_episodes + 1):
             obs, done, score, length = env.reset(), False, 0.0, 0
             while not done:
                 probes("loop_start")
@@ -1732,9 +1822,24 @@ def main(args: Args, sources: dict) -> int:
     base_id = args.run_id or f"{args.map_name}__{args.exp_name}__{{seed}}__{int(time.time())}"
     run_ids = {seed: (args.run_id if len(seeds) == 1 else f"{args.run_id}-seed{seed}") if args.run_id
                else base_id.format(seed=seed) for seed in seeds}
+    resume_state = None
+    if args.resume is not None:
+        try:
+            resume_state = load_checkpoint(args.resume, args)
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        if len(seeds) != 1:
+            print("error: --resume continues one run; give no --seeds with it.", file=sys.stderr)
+            return 2
+        # the run goes on in its own folder: {save_path}/{run_id}/checkpoint.pt
+        args = dataclasses.replace(args, save_path=os.path.dirname(os.path.dirname(os.path.abspath(args.resume))),
+                                   seed=int(resume_state["args"]["seed"]))
+        seeds = [args.seed]
+        run_ids = {args.seed: os.path.basename(os.path.dirname(os.path.abspath(args.resume)))}
     for run_id in run_ids.values():  # before anything is written: an earlier run is never overwritten by accident
         folder = os.path.join(args.save_path, run_id)
-        if os.path.exists(os.path.join(folder, "config.json")):
+        if resume_state is None and os.path.exists(os.path.join(folder, "config.json")):
             if not args.overwrite:
                 print(f"error: run id {run_id!r} already holds a run in {folder}; pass --overwrite to replace it, "
                       f"or choose another --run-id.", file=sys.stderr)
@@ -1748,7 +1853,7 @@ def main(args: Args, sources: dict) -> int:
     for seed in seeds:
         run_id = run_ids[seed]
         try:
-            row = train_one_seed(dataclasses.replace(args, seed=seed), sources, seed, run_id)
+            row = train_one_seed(dataclasses.replace(args, seed=seed), sources, seed, run_id, resume_state)
         except RunInterrupted as exc:
             print(f"stopped by {exc}; remaining seeds not run", file=sys.stderr)
             return exc.exit_code

@@ -303,3 +303,52 @@ def test_out_of_memory_at_preallocation_retries_with_the_fallback_batch(tmp_path
     assert "retrying with the fallback batch size 2" in (run / "train.log").read_text()
     (row,) = csv.DictReader(open(tmp_path / "results" / "results.csv"))
     assert row["fallback_used"] == "True" and row["batch_size"] == "2"
+
+
+@pytest.mark.slow
+def test_a_stopped_run_resumes_with_its_replay_and_finishes(tmp_path):
+    """SIGTERM at episode 3 of a run that checkpoints its replay; `--resume` goes on in the same folder from the
+    same episode, with the same counters, and writes the one results row at the end."""
+    argv = [*TINY, "--num-episodes", "6", "--run-id", "stopped", "--checkpoint-buffer"]
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *argv], cwd=tmp_path, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("episode=3 "):
+                break
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    run = tmp_path / "results" / "stopped"
+    saved = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert saved["interrupted"] and saved["replay"]["size"] > 0
+    done = subprocess.run([sys.executable, str(SCRIPT), *argv, "--resume", str(run / "checkpoint.pt")],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    log = (run / "train.log").read_text()
+    assert f"resumed stopped at episode {saved['episode']}, step {saved['global_step']} with its replay" in log
+    episodes = [int(line.split()[0].split("=")[1]) for line in done.stdout.splitlines() if line.startswith("episode=")]
+    assert episodes == list(range(saved["episode"], 7))
+    rows = list(csv.DictReader(open(tmp_path / "results" / "results.csv")))
+    assert len(rows) == 1 and rows[0]["run_id"] == "stopped" and rows[0]["episodes"] == "6"
+    final = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert final["global_step"] > saved["global_step"] and not final["interrupted"]
+
+
+@pytest.mark.parametrize("extra, needle", [(["--res", "16"], "--res 8, but this run asks for 16"),
+                                           ([], "does not exist")])
+def test_a_resume_that_cannot_work_is_one_line(tmp_path, extra, needle):
+    checkpoint = tmp_path / "results" / "x" / "checkpoint.pt"
+    if extra:
+        args, sources = dqn.parse_args([*TINY, "--num-episodes", "1", "--run-id", "x"], {})
+        cwd = os.getcwd()
+        os.chdir(tmp_path)
+        try:
+            assert dqn.main(args, sources) == 0
+        finally:
+            os.chdir(cwd)
+    done = subprocess.run([sys.executable, str(SCRIPT), *TINY, *extra, "--resume", str(checkpoint)], cwd=tmp_path,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().startswith("error: --resume") and needle in done.stderr
