@@ -49,6 +49,8 @@ PROOF_ARGS = dict(
     batch_size=8,
     sequence_length=16,
     imagination_horizon=10,
+    entropy_coef=3e-3,  # 10x DreamerV3's: at these learning rates the actor's entropy collapses otherwise (0.12 nats
+    # at 1,500 steps with 3e-4) before the reward head has learned Catch's rare +-1 rewards
     learning_starts=500,
     amp="off",
     log_interval=500,
@@ -63,13 +65,13 @@ class Args:
     """where to write the result (a JSON object)"""
     seed: int = 1
     """seed of the training run and of the evaluation episodes"""
-    total_timesteps: int = 3_000
+    total_timesteps: int = 2_500
     """env steps of training"""
     train_ratio: float = 128.0
     """replayed steps per env step (at batch 8 x 16: one update per env step)"""
     world_model_lr: float = 1e-3
     """learning rate of the world model"""
-    actor_lr: float = 1e-3
+    actor_lr: float = 3e-4
     """learning rate of the actor"""
     critic_lr: float = 1e-3
     """learning rate of the critic"""
