@@ -1797,15 +1797,26 @@ def run_forwarding_signals(command: list[str], env: dict) -> int:
     import signal
 
     sys.stdout.flush()  # our lines before the command's
-    try:
-        child = subprocess.Popen(command, env=env, process_group=0)
-    except FileNotFoundError:
-        raise _CliError(f"command not found: {command[0]}") from None
-    except PermissionError:
-        raise _CliError(f"command is not executable: {command[0]}") from None
+    child: subprocess.Popen | None = None
+    pending: list[int] = []  # a signal that arrives while the command is starting is passed on once it runs
+
+    def forward(signum, frame):
+        if child is None:
+            pending.append(signum)
+        else:
+            child.send_signal(signum)
+
     sigs = [getattr(signal, name) for name in FORWARDED_SIGNALS]
-    previous = {sig: signal.signal(sig, lambda signum, frame: child.send_signal(signum)) for sig in sigs}
+    previous = {sig: signal.signal(sig, forward) for sig in sigs}
     try:
+        try:
+            child = subprocess.Popen(command, env=env, process_group=0)
+        except FileNotFoundError:
+            raise _CliError(f"command not found: {command[0]}") from None
+        except PermissionError:
+            raise _CliError(f"command is not executable: {command[0]}") from None
+        for signum in pending:
+            child.send_signal(signum)
         returncode = child.wait()
     finally:
         for sig, old in previous.items():

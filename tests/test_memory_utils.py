@@ -506,7 +506,9 @@ def test_cli_wait_passes_a_group_signal_to_the_command_once(tmp_path):
         "got = []\n"
         "signal.signal(signal.SIGTERM, lambda n, f: got.append(n))\n"
         "print('ready', flush=True)\n"
-        "signal.pause()\n"
+        "deadline = time.time() + 30\n"
+        "while not got and time.time() < deadline:  # not signal.pause(): the signal may come before it\n"
+        "    time.sleep(0.01)\n"
         "time.sleep(1)  # a second SIGTERM would arrive by now\n"
         "print('terms', len(got), flush=True)\n"
         "sys.exit(143)\n")
