@@ -108,6 +108,9 @@ class Args:
     """at most this many no-op actions at the start of an episode"""
     max_episode_steps: int = 0
     """truncate episodes after this many agent steps (0 = the game's own limit)"""
+    image_size: int = 84
+    """side of the square grey frames in pixels (Atari frames are resized to it; DreamerV3's own Atari setting is
+    64); the encoder and decoder follow it"""
 
     # replay
     buffer_capacity: int | None = None
@@ -126,7 +129,8 @@ class Args:
     decoder_base_channels: int = 32
     """channels of the decoder's last hidden map (the one before it has twice this)"""
     decoder_mid_channels: int = 16
-    """channels of the decoder's 7x7 bottleneck map (small: it sets the size of the decoder's linear layer)"""
+    """channels of the decoder's bottleneck map (7x7 at 84 pixels; small: it sets the size of the decoder's linear
+    layer)"""
     deterministic_dim: int = 200
     """size of the RSSM's deterministic (GRU) state `deter`"""
     stochastic_dim: int = 32
@@ -303,12 +307,18 @@ def check_args(args: Args) -> None:
             f"--env-id {args.env_id!r} is not a registered environment; ALE ids look like ALE/Pong-v5, "
             f"and {CATCH_ID} is the built-in test task."
         )
+    if not MIN_IMAGE_SIZE <= args.image_size <= MAX_IMAGE_SIZE:
+        raise ArgsError(f"--image-size must be between {MIN_IMAGE_SIZE} and {MAX_IMAGE_SIZE} pixels (the encoder's "
+                        f"three convolutions need at least {MIN_IMAGE_SIZE}), got {args.image_size}.")
     if not is_atari(args.env_id):
-        space = gym.make(spec).observation_space  # builds the env once, before anything is written
-        if space.shape != (84, 84) or space.dtype != np.uint8:
+        side = args.image_size
+        # builds the env once, before anything is written
+        space = gym.make(spec, **env_kwargs(args)).observation_space
+        if space.shape != (side, side) or space.dtype != np.uint8:
             raise ArgsError(
                 f"--env-id {args.env_id!r} gives observations of shape {space.shape} {space.dtype}; this script "
-                f"takes Atari ids (ALE/...) or environments that give 84x84 grey uint8 frames."
+                f"takes Atari ids (ALE/...) or environments that give {side}x{side} grey uint8 frames "
+                f"(--image-size {side})."
             )
     if args.cudagraph and args.amp in ("fp16", "auto"):
         raise ArgsError(f"--cudagraph takes --amp off or bf16, got --amp {args.amp} (fp16's loss scaling is not "
@@ -325,22 +335,22 @@ class CatchEnv(gym.Env):
     A ball starts in a random column of the top row of a `rows` x `columns` grid and falls one row per step;
     the paddle on the bottom row moves left, stays or moves right. When the ball reaches the bottom row the
     episode ends: +1 if the paddle is under it, -1 if not (every ball can be caught: the optimal return is 1).
-    Observations are 84x84 grey uint8 images, like preprocessed Atari frames. Actions: 0 stay, 1 left, 2 right.
+    Observations are `size` x `size` grey uint8 images (84 by default), like preprocessed Atari frames.
+    Actions: 0 stay, 1 left, 2 right.
     """
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 8}
-    SIZE = 84
 
-    def __init__(self, rows: int = 10, columns: int = 5, render_mode: str | None = None):
-        self.rows, self.columns, self.render_mode = rows, columns, render_mode
-        self.observation_space = gym.spaces.Box(0, 255, (self.SIZE, self.SIZE), np.uint8)
+    def __init__(self, rows: int = 10, columns: int = 5, size: int = 84, render_mode: str | None = None):
+        self.rows, self.columns, self.size, self.render_mode = rows, columns, size, render_mode
+        self.observation_space = gym.spaces.Box(0, 255, (size, size), np.uint8)
         self.action_space = gym.spaces.Discrete(3)
-        self.cell_h, self.cell_w = self.SIZE // rows, self.SIZE // columns
-        self.top = (self.SIZE - rows * self.cell_h) // 2
-        self.left = (self.SIZE - columns * self.cell_w) // 2
+        self.cell_h, self.cell_w = size // rows, size // columns
+        self.top = (size - rows * self.cell_h) // 2
+        self.left = (size - columns * self.cell_w) // 2
 
     def _frame(self) -> np.ndarray:
-        frame = np.zeros((self.SIZE, self.SIZE), np.uint8)  # (84, 84)
+        frame = np.zeros((self.size, self.size), np.uint8)  # (size, size)
         for (row, col), height in (((self.ball_row, self.ball_col), self.cell_h), ((self.rows - 1, self.paddle), 3)):
             y = self.top + (row + 1) * self.cell_h - height
             x = self.left + col * self.cell_w
@@ -361,7 +371,7 @@ class CatchEnv(gym.Env):
         return self._frame(), reward, terminated, False, {}
 
     def render(self) -> np.ndarray:
-        return np.repeat(self._frame()[..., None], 3, axis=-1)  # (84, 84, 3)
+        return np.repeat(self._frame()[..., None], 3, axis=-1)  # (size, size, 3)
 
 
 CATCH_ID = "Catch-v0"
@@ -380,14 +390,20 @@ def is_atari(env_id: str) -> bool:
     return "ale_py" in str(gym.spec(env_id).entry_point)
 
 
+def env_kwargs(args: Args) -> dict:
+    """What `gym.make` gets besides the id: the emulator's settings for Atari, the frame size for Catch-v0."""
+    if is_atari(args.env_id):
+        return dict(frameskip=1, repeat_action_probability=args.repeat_action_probability)
+    return dict(size=args.image_size) if args.env_id == CATCH_ID else {}
+
+
 def make_env(env_id: str, idx: int, capture_video: bool, run_name: str, args: Args) -> Callable[[], gym.Env]:
-    """Atari ids get the usual preprocessing (frame skip 4, 84x84 grey, no-op starts); other ids must give
-    84x84 grey uint8 frames themselves (Catch-v0 does). Either way 4 frames are stacked."""
+    """Atari ids get the usual preprocessing (frame skip 4, `--image-size` grey, no-op starts); other ids must
+    give grey uint8 frames of that size themselves (Catch-v0 does). Either way 4 frames are stacked."""
 
     def thunk():
         register_catch()
-        kwargs = dict(frameskip=1, repeat_action_probability=args.repeat_action_probability)
-        kwargs = kwargs if is_atari(env_id) else {}
+        kwargs = env_kwargs(dataclasses.replace(args, env_id=env_id))
         if capture_video and idx == 0:
             env = gym.make(env_id, render_mode="rgb_array", **kwargs)
             env = gym.wrappers.RecordVideo(env, f"videos/{run_name}")
@@ -395,15 +411,24 @@ def make_env(env_id: str, idx: int, capture_video: bool, run_name: str, args: Ar
             env = gym.make(env_id, **kwargs)
         if is_atari(env_id):
             env = gym.wrappers.AtariPreprocessing(
-                env, frame_skip=4, screen_size=84, grayscale_obs=True, noop_max=args.noop_max
+                env, frame_skip=4, screen_size=args.image_size, grayscale_obs=True, noop_max=args.noop_max
             )
         if args.max_episode_steps > 0:
             env = gym.wrappers.TimeLimit(env, args.max_episode_steps)
         env = gym.wrappers.RecordEpisodeStatistics(env)
-        env = gym.wrappers.FrameStackObservation(env, 4)  # (4, 84, 84) uint8
+        env = gym.wrappers.FrameStackObservation(env, 4)  # (4, S, S) uint8, S = --image-size
         return env
 
     return thunk
+
+
+def env_spaces(args: Args) -> tuple[tuple, int]:
+    """The stacked observation shape (4, S, S) and the number of actions, from one env opened and closed."""
+    env = make_env(args.env_id, 0, False, "", args)()
+    try:
+        return env.observation_space.shape, int(env.action_space.n)
+    finally:
+        env.close()
 
 
 def make_vector_env(args: Args, run_name: str, seed: int) -> gym.vector.VectorEnv:
@@ -871,12 +896,24 @@ def mlp(in_dim: int, out_dim: int, hidden_dim: int, zero_output: bool = False) -
     return layers
 
 
-class NatureCNNEncoder(nn.Module):
-    """(N, 4, 84, 84) float in [-0.5, 0.5] -> (N, E)."""
+MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 36, 256
 
-    def __init__(self, in_channels: int, channels: tuple[int, int, int], embed_dim: int):
+
+def nature_cnn_sizes(image_size: int) -> tuple[int, int, int]:
+    """Sides of the NatureCNN's three maps (8x8 stride 4, 4x4 stride 2, 3x3 stride 1): 84 gives 20, 9, 7 and
+    64 gives 15, 6, 4."""
+    s1 = (image_size - 8) // 4 + 1
+    s2 = (s1 - 4) // 2 + 1
+    return s1, s2, s2 - 2
+
+
+class NatureCNNEncoder(nn.Module):
+    """(N, 4, S, S) float in [-0.5, 0.5] -> (N, E); S = --image-size, 84 in the shape comments."""
+
+    def __init__(self, in_channels: int, channels: tuple[int, int, int], embed_dim: int, image_size: int = 84):
         super().__init__()
         c1, c2, c3 = channels
+        side = nature_cnn_sizes(image_size)[2]
         self.net = nn.Sequential(
             nn.Conv2d(in_channels, c1, 8, stride=4),
             nn.ReLU(),  # (N, c1, 20, 20)
@@ -885,7 +922,7 @@ class NatureCNNEncoder(nn.Module):
             nn.Conv2d(c2, c3, 3, stride=1),
             nn.ReLU(),  # (N, c3, 7, 7)
             nn.Flatten(),
-            nn.Linear(c3 * 7 * 7, embed_dim),
+            nn.Linear(c3 * side * side, embed_dim),
             nn.ReLU(),
         )
 
@@ -894,22 +931,26 @@ class NatureCNNEncoder(nn.Module):
 
 
 class AtariConvDecoder(nn.Module):
-    """(N, F) latent features -> (N, 4, 84, 84) image mean; NatureCNN reversed (7 -> 9 -> 20 -> 84)."""
+    """(N, F) latent features -> (N, 4, S, S) image mean; NatureCNN reversed (7 -> 9 -> 20 -> 84 at S = 84).
+    `output_padding` restores the rows a strided convolution of the encoder dropped (none at 84; 64 needs one)."""
 
-    def __init__(self, feat_dim: int, out_channels: int, base_channels: int, mid_channels: int):
+    def __init__(
+        self, feat_dim: int, out_channels: int, base_channels: int, mid_channels: int, image_size: int = 84
+    ):
         super().__init__()
         self.mid_channels = mid_channels
-        self.linear = nn.Linear(feat_dim, mid_channels * 7 * 7)
+        s1, s2, self.side = nature_cnn_sizes(image_size)
+        self.linear = nn.Linear(feat_dim, mid_channels * self.side * self.side)
         self.net = nn.Sequential(
             nn.ConvTranspose2d(mid_channels, 2 * base_channels, 3, stride=1),
             nn.ReLU(),  # (N, 2b, 9, 9)
-            nn.ConvTranspose2d(2 * base_channels, base_channels, 4, stride=2),
+            nn.ConvTranspose2d(2 * base_channels, base_channels, 4, stride=2, output_padding=(s1 - 4) % 2),
             nn.ReLU(),  # (N, b, 20, 20)
-            nn.ConvTranspose2d(base_channels, out_channels, 8, stride=4),  # (N, 4, 84, 84)
-        )
+            nn.ConvTranspose2d(base_channels, out_channels, 8, stride=4, output_padding=(image_size - 8) % 4),
+        )  # (N, 4, 84, 84)
 
     def forward(self, feat: torch.Tensor) -> torch.Tensor:
-        return self.net(self.linear(feat).unflatten(-1, (self.mid_channels, 7, 7)))
+        return self.net(self.linear(feat).unflatten(-1, (self.mid_channels, self.side, self.side)))
 
 
 class RSSM(nn.Module):
@@ -1026,7 +1067,7 @@ class RSSM(nn.Module):
 class WorldModel(nn.Module):
     def __init__(self, args: Args, obs_shape: tuple, num_actions: int):
         super().__init__()
-        self.encoder = NatureCNNEncoder(obs_shape[0], args.encoder_channels, args.embed_dim)
+        self.encoder = NatureCNNEncoder(obs_shape[0], args.encoder_channels, args.embed_dim, obs_shape[-1])
         self.rssm = RSSM(
             args.embed_dim,
             num_actions,
@@ -1038,7 +1079,7 @@ class WorldModel(nn.Module):
         )
         feat_dim = args.deterministic_dim + self.rssm.stoch_flat
         self.decoder = AtariConvDecoder(
-            feat_dim, obs_shape[0], args.decoder_base_channels, args.decoder_mid_channels
+            feat_dim, obs_shape[0], args.decoder_base_channels, args.decoder_mid_channels, obs_shape[-1]
         )
         self.reward_head = mlp(feat_dim, args.reward_bins, args.hidden_dim, zero_output=True)
         self.continue_head = mlp(feat_dim, 1, args.hidden_dim)
@@ -1736,6 +1777,7 @@ def load_checkpoint(path: str) -> dict:
 
 MODEL_FLAGS = (
     "env_id",
+    "image_size",
     "encoder_channels",
     "embed_dim",
     "decoder_base_channels",
@@ -1751,7 +1793,8 @@ MODEL_FLAGS = (
 def check_checkpoint_matches(state: dict, args: Args) -> None:
     """The flags that shape the networks must be the ones the checkpoint was trained with."""
     for name in MODEL_FLAGS:
-        saved, wanted = state["args"].get(name), getattr(args, name)
+        # checkpoints written before --image-size existed were trained on 84-pixel frames
+        saved, wanted = state["args"].get(name, 84 if name == "image_size" else None), getattr(args, name)
         if isinstance(wanted, tuple):
             saved = tuple(saved) if saved is not None else None
         if saved != wanted:
@@ -1986,9 +2029,9 @@ def main(args: Args) -> dict:
     torch.backends.cudnn.deterministic = args.torch_deterministic
     rng = np.random.default_rng(args.seed)
 
-    envs = make_vector_env(args, run_name, args.seed)
-    obs_shape = envs.single_observation_space.shape  # (4, 84, 84)
-    num_actions = int(envs.single_action_space.n)
+    # the env workers start with the loop, where one `finally` closes them whatever happens; until then one env
+    # gives the shapes (an async worker left open would block this process's exit: workers ignore SIGTERM)
+    obs_shape, num_actions = env_spaces(args)  # (4, 84, 84), number of actions
     if device.type == "cuda":
         mu.install_oom_observer(run_dir)
     try:
@@ -2005,7 +2048,6 @@ def main(args: Args) -> dict:
         agent = None
         gc.collect()
         diagnosis = mu.write_oom_report(run_dir, oom_error, {}, device=device, advice=OOM_ADVICE)
-        envs.close()
         writer.close()
         exit_with(
             f"out of memory at start-up ({where}), before any training: a worst-case update (--batch-size "
@@ -2029,7 +2071,7 @@ def main(args: Args) -> dict:
         try:
             counters.update(restore_checkpoint(resume_state, agent, replay, rng))
         except ArgsError as exc:
-            envs.close()
+            writer.close()
             exit_with(f"error: {exc}", EXIT_BAD_INPUT)
         print(f"resumed {run_name} at step {counters['global_step']} ({counters['updates']} updates)")
         resume_state = None  # memory: the loaded tensors are now inside the modules; drop the copies
@@ -2071,11 +2113,12 @@ def main(args: Args) -> dict:
     next_video = (counters["global_step"] // args.video_every + 1) * args.video_every if args.video_every else None
     video_rng = np.random.default_rng([args.seed, counters["global_step"]])
     progress.mark(counters["global_step"])
-    obs, _ = envs.reset(seed=args.seed + counters["global_step"])
-    for i in range(args.num_envs):
-        replay.start_episode(i, obs[i])
-    is_first = np.ones(args.num_envs, np.bool_)
+    envs = make_vector_env(args, run_name, args.seed)
     try:
+        obs, _ = envs.reset(seed=args.seed + counters["global_step"])
+        for i in range(args.num_envs):
+            replay.start_episode(i, obs[i])
+        is_first = np.ones(args.num_envs, np.bool_)
         while counters["global_step"] < args.total_timesteps:
             probes("loop_start")
             if stop_signal:
@@ -2218,6 +2261,13 @@ def main(args: Args) -> dict:
             torch.cuda.empty_cache()  # after the report, so it still shows any fragmentation
         checkpoint("out of memory")
         exit_with(f"out of memory at step {counters['global_step']} ({where}):\n{diagnosis}", EXIT_OOM)
+    except Exception as exc:
+        # anything else (an env that crashed, a bug): keep what was trained, then show the traceback
+        try:
+            checkpoint(f"crashed with {type(exc).__name__}")
+        except Exception as save_error:  # noqa: BLE001 - the original error is the one to show
+            progress.say(f"could not write a checkpoint after the crash ({save_error})")
+        raise
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)

@@ -65,7 +65,7 @@ class Args:
     """where to write the result (a JSON object)"""
     seed: int = 1
     """seed of the training run and of the evaluation episodes"""
-    total_timesteps: int = 2_500
+    total_timesteps: int = 3_000
     """env steps of training"""
     train_ratio: float = 128.0
     """replayed steps per env step (at batch 8 x 16: one update per env step)"""
@@ -107,7 +107,8 @@ def play(env_id: str, episodes: int, seed: int, policy) -> list[float]:
 def trained_policy(checkpoint: str, train_args: da.Args):
     """The trained agent acting as it acts in training: `Player.act`, actions sampled from the policy."""
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    agent = da.build_agent(train_args, (4, 84, 84), 3, "cpu")
+    side = train_args.image_size
+    agent = da.build_agent(train_args, (4, side, side), 3, "cpu")
     for name, module in agent.modules().items():
         module.load_state_dict(state["models"][name])
     player = da.Player(agent, num_envs=1)

@@ -170,6 +170,46 @@ def test_sigterm_writes_a_checkpoint_and_the_run_resumes(in_tmp, to):
     assert result["updates"] > saved["counters"]["updates"]
 
 
+CRASHING_RUN = """
+import sys
+sys.path[:0] = [{tests!r}, {root!r}]
+import dreamer_atari as da
+import test_dreamer_run as t
+
+calls = []
+real = da.{target}
+
+def crash(*args, **kwargs):
+    calls.append(1)
+    if len(calls) > {after}:
+        raise RuntimeError("a bug in the code")
+    return real(*args, **kwargs)
+
+da.{target} = crash
+da.main(t.tiny_args(total_timesteps=400, vector_mode="async"))
+"""
+
+
+@pytest.mark.parametrize("target, after, checkpointed", [("train_world_model", 3, True), ("preflight", 0, False)],
+                         ids=["in the loop", "at start-up"])
+def test_an_unexpected_error_shows_its_traceback_keeps_what_was_trained_and_the_process_ends(
+    in_tmp, target, after, checkpointed
+):
+    """A bug or a crashed env is not an incident we can explain: its traceback is shown, a run that has trained
+    writes a checkpoint first, and the process ends (async env workers ignore SIGTERM, so a worker left open
+    would block the interpreter's exit forever)."""
+    script = CRASHING_RUN.format(tests=str(ROOT / "tests"), root=str(ROOT), target=target, after=after)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=in_tmp, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.rstrip().endswith("RuntimeError: a bug in the code"), proc.stderr[-2000:]
+    (run_dir,) = (in_tmp / "runs").iterdir()
+    assert (run_dir / "checkpoint.pt").exists() == checkpointed
+    if checkpointed:
+        assert "checkpoint (crashed with RuntimeError)" in proc.stdout
+        assert load_checkpoint(run_dir / "checkpoint.pt")["counters"]["updates"] == after
+
+
 BAD_ARGS = {
     "capacity below sequence": dict(buffer_capacity=4, sequence_length=8),
     "batch below one": dict(batch_size=0),
@@ -177,6 +217,7 @@ BAD_ARGS = {
     "fp16 without CUDA": dict(amp="fp16", cuda=False),
     "missing resume file": dict(resume="nowhere.pt"),
     "bad gamma": dict(gamma=1.5),
+    "image too small for the encoder": dict(image_size=32),
 }
 
 
@@ -292,6 +333,23 @@ def test_resume_with_other_model_sizes_is_refused_before_anything_starts(in_tmp,
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err == "error: --resume checkpoint was trained with --hidden-dim 16, but this run asks for 32."
+
+
+def test_image_size_64_trains_on_pong_and_resuming_at_84_is_refused(in_tmp, capsys):
+    """DreamerV3's 64x64 Atari frames: the emulator's frames are resized, the decoder draws 64x64 (one row of
+    output padding), the replay stores 64x64 frames, and the checkpoint remembers the size."""
+    first = da.main(tiny_args(total_timesteps=120, learning_starts=60, image_size=64, save_model=True))
+    assert first["updates"] > 0
+    path = in_tmp / first["run_dir"] / "checkpoint.pt"
+    saved = load_checkpoint(path)
+    assert saved["models"]["world_model"]["decoder.net.4.weight"].shape[-1] == 8
+    assert saved["models"]["world_model"]["encoder.net.7.weight"].shape[-1] == 8 * 4 * 4  # c3 x 4 x 4
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        da.main(tiny_args(total_timesteps=200, resume=str(path)))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --resume checkpoint was trained with --image-size 64, but this run asks for 84."
 
 
 def _oom(*args, **kwargs):

@@ -190,3 +190,14 @@ def test_compile_gives_the_eager_values_on_the_same_batches(monkeypatch):
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(values[True], values[False], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [da.MIN_IMAGE_SIZE, 64, 84, 96, 101])
+def test_encoder_and_decoder_follow_the_image_size(size):
+    """The decoder undoes the encoder's three convolutions whatever the side: strides that drop rows get them
+    back as output padding."""
+    encoder = da.NatureCNNEncoder(4, (4, 8, 8), 16, size)
+    decoder = da.AtariConvDecoder(16, 4, 4, 4, size)
+    image = torch.zeros(3, 4, size, size)
+    assert encoder(image).shape == (3, 16)
+    assert decoder(torch.zeros(3, 16)).shape == (3, 4, size, size)
