@@ -1,7 +1,8 @@
 """Split-head Double DQN for the StarCraft II minigames MoveToBeacon and CollectMineralShards.
 
 The network reads the screen and minimap feature layers and the player vector and has two Q heads:
-one over non-spatial functions (no_op, select_army) and one over screen points (Move_screen(x, y)).
+one over non-spatial functions (no_op, select_army) and one over screen points, a map for each spatial
+function (Move_screen(x, y), select_point(x, y): the latter lets the two marines of CollectMineralShards split).
 
     python dqn_starcraft_split.py --map-name MoveToBeacon            # built-in numpy minigame (CPU is fine)
     python dqn_starcraft_split.py --backend pysc2 --map-name MoveToBeacon  # the real game (SC2PATH)
@@ -479,42 +480,77 @@ MINIMAP_LAYERS = (
 )
 PLAYER_SIZE = 11  # player_id, minerals, vespene, food_used, food_cap, food_army, food_workers,
 #                   idle_worker_count, army_count, warp_gate_count, larva_count
-# pysc2 function ids of the action split. The non-spatial head scores NONSPATIAL_FUNCTIONS, the spatial head
-# scores Move_screen at each of the res x res screen points.
-FUNCTION_IDS = {"no_op": 0, "select_army": 7, "Move_screen": 331}
+# pysc2 function ids (pysc2/lib/actions.py) of the action split. The non-spatial head scores
+# NONSPATIAL_FUNCTIONS; the spatial head has one res x res map per SPATIAL_FUNCTIONS entry and gives the point
+# argument of that function. Acting picks the best available (function, point) over both heads, so the choice
+# among no_op, select_army, Move_screen and select_point is made by comparing their values.
+FUNCTION_IDS = {"no_op": 0, "select_point": 2, "select_army": 7, "Move_screen": 331}
 NONSPATIAL_FUNCTIONS = ("no_op", "select_army")
+SPATIAL_FUNCTIONS = ("Move_screen", "select_point")  # Move_screen first: its flat action indices stay F + point
+FUNCTIONS = NONSPATIAL_FUNCTIONS + SPATIAL_FUNCTIONS  # the order of the action mask
 MOVE_SCREEN = FUNCTION_IDS["Move_screen"]
+SELECT_POINT = FUNCTION_IDS["select_point"]
 
 # Game time. The minigame maps' 120-second timers count game seconds at "normal" speed, 16 game loops each
 # (pysc2 runs the game at "faster", 22.4 loops per real second, but the map's clock ticks per 16 loops), so
 # an episode is 1,920 game loops: 120 agent steps at step_mul 16, 240 at pysc2's default 8 (the episode
-# length reported for pysc2's MoveToBeacon).
+# length reported for pysc2's MoveToBeacon). Source: both maps' MapScript.galaxy (inside the .SC2Map archives
+# in pysc2/maps/mini_games) start a 120.0 s countdown with c_timeGame; docs/mini_games.md: "120 seconds".
 GAME_LOOPS_PER_SECOND = 16
 EPISODE_SECONDS = 120.0
-# Units. The game data gives a marine's speed as 3.15 world units per second at "faster" (LotV quotes
-# speeds at that speed), that is 2.25 per normal-speed game second: 0.1406 units per game loop, 2.25 per
-# agent step at step_mul 16. Its footprint radius is 0.375. The beacon's radius is 1 unit (its disc is
-# about 2 units across); the map's trigger fires when the marine's footprint touches it. A mineral shard is
-# smaller (radius 0.5).
-MARINE_SPEED_PER_LOOP = 3.15 / 22.4
+# The marine. Speed 2.25 world units per normal-speed game second and radius 0.375: the game's unit data
+# (the "Marine" entry of BurnySc2/sc2-techtree data/data.json, read from the game through its API); Liquipedia
+# lists the same speed as 3.15 because it quotes "faster" real seconds (2.25 x 1.4). Per game loop:
+# 2.25 / 16 = 3.15 / 22.4 = 0.1406 units, 2.25 units per agent step at step_mul 16.
+MARINE_SPEED_PER_LOOP = 2.25 / GAME_LOOPS_PER_SECOND
 MARINE_RADIUS = 0.375
-MARINE_HIT_POINTS = 45
-BEACON_RADIUS = 1.0
+MARINE_HIT_POINTS = 45  # max_health 45 in the same unit data
+# Space. pysc2's feature screen spans `camera_width_world_units` across, 24 by default
+# (AgentInterfaceFormat in pysc2/lib/features.py), which our pysc2 backend keeps, and is centred on the
+# camera: res / 24 pixels per world unit (at res 32 a marine walks 3.0 pixels per step at step_mul 16).
+SCREEN_WORLD_UNITS = 24.0
+# Where things are, in the maps' own world coordinates (x east, y north), from the files inside
+# pysc2/maps/mini_games/{MoveToBeacon,CollectMineralShards}.SC2Map: `Regions` and `MapScript.galaxy`.
+# Both maps: "Playable Space" is the rectangle (22, 20)-(44, 36), the marines spawn at uniform random points
+# in it, and the camera is panned to that rectangle's centre offset 3 units at 270 degrees (south).
+PLAYABLE_WORLD = (22.0, 20.0, 44.0, 36.0)
+CAMERA_CENTRE_WORLD = (33.0, 25.0)
+# MoveToBeacon: the beacon spawns at a uniform random point of "Beacon Spawn Region", the rectangle
+# (23.5, 21.5)-(42.5, 34.5) less a disc of radius 4 around (33, 28), drawn again until it is at least 5 units
+# from the marine, at the start and after every pickup (the map script's `< 5.0` loops; docs/mini_games.md
+# says "at least 4 units" for the start, the script uses 5 both times). A pickup is scored when the marine's
+# position is inside "Beacon Area", a circle of radius 1.25 kept centred on the beacon (checked every 0.0625
+# game seconds, i.e. every game loop). We draw the beacon with that radius: the Beacon_Terran model's own
+# footprint radius is not in a source we could find.
+BEACON_SPAWN_WORLD = (23.5, 21.5, 42.5, 34.5)
+BEACON_SPAWN_HOLE_WORLD = (33.0, 28.0, 4.0)  # (x, y, radius) cut out of the spawn rectangle
+BEACON_MIN_DISTANCE = 5.0
+BEACON_RADIUS = 1.25
+# CollectMineralShards: 20 shards ("NaturalMinerals") at uniform random points of "Mineral Area", the
+# rectangle (23, 21)-(43, 35), each at least 2 units from the closest marine; a new field of 20 when all are
+# collected (map script; docs/mini_games.md says the same). A marine collects a shard by touching it. The
+# shard's pickup radius is an assumption (0.5 units): we found no source for it.
+SHARD_SPAWN_WORLD = (23.0, 21.0, 43.0, 35.0)
+SHARD_MIN_DISTANCE = 2.0
 SHARD_RADIUS = 0.5
 NUM_SHARDS = 20
-# Space. How many world units the screen spans is the one constant not in the game data (it depends on the
-# map's camera). We chose 28 units (0.875 units per pixel at res 32) because with it a scripted agent that
-# clicks on the beacon every step scores 29 per MoveToBeacon episode at step_mul 8 (27 at step_mul 16)
-# and a random agent about 1 (1.5 drawing like pysc2's random agent, 0.7 uniformly over all actions): the
-# best score and the random score reported for the real map (StarCraft grandmaster 28, random policy 1;
-# SC2LE paper). With 40 units the scripted agent scored only 19, with pysc2's default 24 units 35.
-SCREEN_WORLD_UNITS = 28.0
-# Things spawn in the middle of the screen: this rectangle, as fractions of the screen (x0, y0, x1, y1),
-# wider than tall like the dark playable area of the real maps.
-PLAYABLE = (0.125, 0.2, 0.875, 0.8)
-# The minimap shows the whole map: here 48 units across with the camera fixed at its centre (minigame maps
-# never scroll).
-MAP_WORLD_UNITS = 48.0
+# The minimap: we assume it shows the playable area, scaled so that its longer side (22 units) fills the
+# minimap, centred (the minigames never move the camera, so it carries little beyond the screen).
+MAP_WORLD_UNITS = PLAYABLE_WORLD[2] - PLAYABLE_WORLD[0]
+
+
+def world_to_screen_units(x: float, y: float) -> tuple[float, float]:
+    """Map world coordinates -> screen units (x right, y down from the screen's top-left corner), as pysc2's
+    feature-screen transform does for the camera at CAMERA_CENTRE_WORLD."""
+    cx, cy = CAMERA_CENTRE_WORLD
+    return x - (cx - SCREEN_WORLD_UNITS / 2), (cy + SCREEN_WORLD_UNITS / 2) - y
+
+
+def screen_rect(world_rect: tuple[float, float, float, float]) -> tuple[float, float, float, float]:
+    """A world rectangle (x0, y0, x1, y1) -> the same rectangle in screen units (x0, y0, x1, y1), y down."""
+    x0, y1 = world_to_screen_units(world_rect[0], world_rect[1])
+    x1, y0 = world_to_screen_units(world_rect[2], world_rect[3])
+    return x0, y0, x1, y1
 
 
 def episode_steps(step_mul: int) -> int:
@@ -531,11 +567,14 @@ class BuiltinMiniGame:
     """MoveToBeacon / CollectMineralShards in numpy, with pysc2-shaped observations.
 
     `reset() -> obs`; `step(function_id, point) -> (obs, reward, done)` where point is (x, y) in screen
-    pixels for Move_screen and None otherwise. obs: feature_screen (len(SCREEN_LAYERS), res, res) and
-    feature_minimap (len(MINIMAP_LAYERS), res, res) int32 indexed [layer, y, x], player (11,) int64,
+    pixels for Move_screen and select_point and None otherwise. obs: feature_screen (len(SCREEN_LAYERS), res,
+    res) and feature_minimap (len(MINIMAP_LAYERS), res, res) int32 indexed [layer, y, x], player (11,) int64,
     available_actions (function ids). An unavailable function raises ValueError, as pysc2 does.
+    Positions are kept in screen units (24 across, y down; `world_to_screen_units`).
     Marines keep walking to their last Move target while the agent no-ops, as units in the game do.
-    Simplification: in CollectMineralShards both marines walk to the clicked point (no formation offsets).
+    select_point selects the marine drawn at the clicked pixel (the nearer one if both are), or nothing on bare
+    ground. Simplification: marines that are moved together all walk to the clicked point (no formation
+    offsets, no collisions).
     """
 
     def __init__(self, map_name: str, res: int, step_mul: int, seed: int):
@@ -545,47 +584,54 @@ class BuiltinMiniGame:
         self.move_per_step = MARINE_SPEED_PER_LOOP * step_mul  # world units per agent step
         pixel = SCREEN_WORLD_UNITS / res
         centres = (np.arange(res) + 0.5) * pixel
-        self.screen_x, self.screen_y = np.meshgrid(
-            centres, centres
-        )  # (res, res) world coords of pixel centres
+        self.screen_x, self.screen_y = np.meshgrid(centres, centres)  # (res, res) screen units of pixel centres
+        x0, y0, x1, y1 = screen_rect(PLAYABLE_WORLD)
         mini_pixel = MAP_WORLD_UNITS / res
-        offset = (MAP_WORLD_UNITS - SCREEN_WORLD_UNITS) / 2  # screen origin in map coords
-        mini_centres = (np.arange(res) + 0.5) * mini_pixel - offset
-        self.mini_x, self.mini_y = np.meshgrid(mini_centres, mini_centres)
-        camera = np.zeros((res, res), np.int32)
-        inside = (mini_centres >= 0) & (mini_centres < SCREEN_WORLD_UNITS)
-        camera[np.ix_(inside, inside)] = 1
-        self.camera = camera
+        mini_x = (x0 + x1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
+        mini_y = (y0 + y1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
+        self.mini_x, self.mini_y = np.meshgrid(mini_x, mini_y)  # (res, res) screen units of minimap pixels
+        inside = lambda c: (c >= 0) & (c < SCREEN_WORLD_UNITS)  # noqa: E731
+        self.camera = (inside(self.mini_x) & inside(self.mini_y)).astype(np.int32)
         self.num_marines = 1 if map_name == "MoveToBeacon" else 2
 
     # -- world ------------------------------------------------------------------------------------------
-    def _random_points(self, n: int) -> np.ndarray:
-        x0, y0, x1, y1 = (SCREEN_WORLD_UNITS * f for f in PLAYABLE)
-        return np.stack([self.rng.uniform(x0, x1, n), self.rng.uniform(y0, y1, n)], axis=1)  # (n, 2)
+    def _uniform_points(self, rect: tuple[float, float, float, float], n: int) -> np.ndarray:
+        """n uniform random points of a world rectangle, in screen units: (n, 2)."""
+        x0, y0, x1, y1 = screen_rect(rect)
+        return np.stack([self.rng.uniform(x0, x1, n), self.rng.uniform(y0, y1, n)], axis=1)
+
+    def _spawn_beacon(self) -> None:
+        hole_x, hole_y, hole_radius = BEACON_SPAWN_HOLE_WORLD
+        hole = np.array(world_to_screen_units(hole_x, hole_y))
+        while True:  # the map script draws again until both conditions hold
+            p = self._uniform_points(BEACON_SPAWN_WORLD, 1)[0]
+            far = np.linalg.norm(p - self.marines[0]) >= BEACON_MIN_DISTANCE
+            if far and np.linalg.norm(p - hole) >= hole_radius:
+                break
+        self.pickups, self.pickup_radius = p[None], BEACON_RADIUS
+
+    def _spawn_shards(self) -> None:
+        points = []
+        while len(points) < NUM_SHARDS:
+            p = self._uniform_points(SHARD_SPAWN_WORLD, 1)[0]
+            if np.min(np.linalg.norm(self.marines - p, axis=1)) >= SHARD_MIN_DISTANCE:
+                points.append(p)
+        self.pickups, self.pickup_radius = np.array(points), SHARD_RADIUS
 
     def _spawn_pickups(self) -> None:
-        radius = BEACON_RADIUS if self.map_name == "MoveToBeacon" else SHARD_RADIUS
-        count = 1 if self.map_name == "MoveToBeacon" else NUM_SHARDS
-        clear = MARINE_RADIUS + radius + 1.0  # never spawn on top of a marine
-        points = np.empty((count, 2))
-        for i in range(count):
-            while True:
-                p = self._random_points(1)[0]
-                if np.min(np.linalg.norm(self.marines - p, axis=1)) > clear:
-                    points[i] = p
-                    break
-        self.pickups, self.pickup_radius = points, radius
+        self._spawn_beacon() if self.map_name == "MoveToBeacon" else self._spawn_shards()
 
     def reset(self) -> dict:
         self.steps = 0
-        self.marines = self._random_points(self.num_marines)  # (M, 2) world units
+        self.marines = self._uniform_points(PLAYABLE_WORLD, self.num_marines)  # (M, 2) screen units
         self.targets = self.marines.copy()  # where each marine is walking to
         self.selected = np.zeros(self.num_marines, bool)
         self._spawn_pickups()
         return self._observe()
 
     def available_actions(self) -> np.ndarray:
-        ids = [FUNCTION_IDS["no_op"], FUNCTION_IDS["select_army"]]
+        # select_point is always available in pysc2, select_army whenever there is an army (always here)
+        ids = [FUNCTION_IDS["no_op"], SELECT_POINT, FUNCTION_IDS["select_army"]]
         if self.selected.any():
             ids.append(MOVE_SCREEN)
         return np.array(ids, np.int64)
@@ -595,17 +641,33 @@ class BuiltinMiniGame:
             raise ValueError(
                 f"function {function_id} is not available now (available: {self.available_actions()})"
             )
-        if function_id == FUNCTION_IDS["select_army"]:
-            self.selected[:] = True
-        elif function_id == MOVE_SCREEN:
+        if function_id in (MOVE_SCREEN, SELECT_POINT):
             x, y = point
             if not (0 <= x < self.res and 0 <= y < self.res):
-                raise ValueError(f"Move_screen point {point} is outside the {self.res}x{self.res} screen")
+                raise ValueError(
+                    f"point {point} of function {function_id} is outside the {self.res}x{self.res} screen"
+                )
+        if function_id == FUNCTION_IDS["select_army"]:
+            self.selected[:] = True
+        elif function_id == SELECT_POINT:
+            self.selected[:] = False
+            under = self._discs(self.screen_x, self.screen_y, self.marines, MARINE_RADIUS)[:, y, x]  # (M,)
+            if under.any():
+                clicked = np.array([self.screen_x[y, x], self.screen_y[y, x]])
+                distance = np.where(under, np.linalg.norm(self.marines - clicked, axis=1), np.inf)
+                self.selected[int(distance.argmin())] = True
+        elif function_id == MOVE_SCREEN:
             target = np.array([(x + 0.5), (y + 0.5)]) * SCREEN_WORLD_UNITS / self.res
             self.targets[self.selected] = target
         reward = self._advance()
         self.steps += 1
         return self._observe(), reward, self.steps >= self.max_steps
+
+    def _reach(self) -> float:
+        """Distance between a marine's centre and a pickup's centre at which the pickup is scored."""
+        if self.map_name == "MoveToBeacon":
+            return BEACON_RADIUS  # the marine's position inside the "Beacon Area" circle
+        return MARINE_RADIUS + SHARD_RADIUS  # the marine touches the shard
 
     def _advance(self) -> float:
         """Walk every marine up to one step's distance toward its target; collect what its path touches."""
@@ -620,17 +682,15 @@ class BuiltinMiniGame:
         rel = self.pickups[None, :, :] - start[:, None, :]
         t = np.clip((rel * seg[:, None, :]).sum(-1) / seg_len2, 0.0, 1.0)
         closest = start[:, None, :] + t[..., None] * seg[:, None, :]
-        touched = (
-            np.linalg.norm(self.pickups[None] - closest, axis=-1) < MARINE_RADIUS + self.pickup_radius
-        ).any(0)
+        touched = (np.linalg.norm(self.pickups[None] - closest, axis=-1) < self._reach()).any(0)
         reward = float(touched.sum())
         if touched.any():
             if self.map_name == "MoveToBeacon":
-                self._spawn_pickups()  # the beacon moves somewhere new
+                self._spawn_beacon()  # the beacon moves somewhere new
             else:
                 self.pickups = self.pickups[~touched]
                 if len(self.pickups) == 0:
-                    self._spawn_pickups()  # all shards collected: a new field of 20
+                    self._spawn_shards()  # all shards collected: a new field of 20
         return reward
 
     # -- observation ------------------------------------------------------------------------------------
@@ -738,7 +798,8 @@ class Pysc2MiniGame:
             map_name=map_name,
             players=[sc2_env.Agent(sc2_env.Race.terran)],
             agent_interface_format=sc2_env.AgentInterfaceFormat(
-                feature_dimensions=sc2_env.Dimensions(screen=res, minimap=res)
+                feature_dimensions=sc2_env.Dimensions(screen=res, minimap=res),
+                camera_width_world_units=SCREEN_WORLD_UNITS,  # the built-in screen's scale (pysc2's default)
             ),
             step_mul=step_mul,
             game_steps_per_episode=0,  # the minigame's own 120 s timer ends the episode
@@ -761,14 +822,18 @@ class Pysc2MiniGame:
     def reset(self) -> dict:
         return self._convert(self.env.reset()[0])[0]
 
-    def step(self, function_id: int, point: tuple[int, int] | None = None):
+    def function_call(self, function_id: int, point: tuple[int, int] | None = None):
+        """The pysc2 FunctionCall of one of FUNCTIONS, with the arguments pysc2's actions.py defines for it."""
         if function_id == MOVE_SCREEN:
-            call = self.actions.FunctionCall(function_id, [[0], list(point)])  # queued=now, (x, y)
-        elif function_id == FUNCTION_IDS["select_army"]:
-            call = self.actions.FunctionCall(function_id, [[0]])  # select, not add
-        else:
-            call = self.actions.FunctionCall(function_id, [])
-        return self._convert(self.env.step([call])[0])
+            return self.actions.FunctionCall(function_id, [[0], list(point)])  # queued=now, (x, y)
+        if function_id == SELECT_POINT:
+            return self.actions.FunctionCall(function_id, [[0], list(point)])  # select_point_act=select, (x, y)
+        if function_id == FUNCTION_IDS["select_army"]:
+            return self.actions.FunctionCall(function_id, [[0]])  # select, not add
+        return self.actions.FunctionCall(function_id, [])
+
+    def step(self, function_id: int, point: tuple[int, int] | None = None):
+        return self._convert(self.env.step([self.function_call(function_id, point)])[0])
 
     def close(self) -> None:
         self.env.close()
@@ -781,17 +846,26 @@ def make_env(args: Args, seed: int):
 
 
 def action_mask(available_actions: np.ndarray) -> np.ndarray:
-    """(F + 1,) bool: which non-spatial functions are allowed, then whether Move_screen is."""
-    ids = [FUNCTION_IDS[name] for name in NONSPATIAL_FUNCTIONS] + [MOVE_SCREEN]
-    return np.isin(ids, available_actions)
+    """(F + S,) bool: which of FUNCTIONS (non-spatial, then spatial) are available."""
+    return np.isin([FUNCTION_IDS[name] for name in FUNCTIONS], available_actions)
 
 
 def decode_action(index: int, res: int) -> tuple[int, tuple[int, int] | None]:
-    """Flat action index -> (function id, point): 0..F-1 non-spatial functions, F + y*res + x Move_screen."""
+    """Flat action index -> (function id, point): 0..F-1 non-spatial functions, then F + k*res*res + y*res + x
+    for the k-th spatial function at (x, y)."""
     if index < len(NONSPATIAL_FUNCTIONS):
         return FUNCTION_IDS[NONSPATIAL_FUNCTIONS[index]], None
-    point = index - len(NONSPATIAL_FUNCTIONS)
-    return MOVE_SCREEN, (point % res, point // res)
+    spatial, point = divmod(index - len(NONSPATIAL_FUNCTIONS), res * res)
+    return FUNCTION_IDS[SPATIAL_FUNCTIONS[spatial]], (point % res, point // res)
+
+
+def encode_action(function_id: int, point: tuple[int, int] | None, res: int) -> int:
+    """(function id, point) -> flat action index; the inverse of decode_action."""
+    name = next(name for name in FUNCTIONS if FUNCTION_IDS[name] == function_id)
+    if name in NONSPATIAL_FUNCTIONS:
+        return NONSPATIAL_FUNCTIONS.index(name)
+    x, y = point
+    return len(NONSPATIAL_FUNCTIONS) + SPATIAL_FUNCTIONS.index(name) * res * res + y * res + x
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -810,7 +884,7 @@ class SplitReplayBuffer:
         self.screen = {l.name: np.zeros((capacity, res, res), storage_dtype(l)) for l in SCREEN_LAYERS}
         self.minimap = {l.name: np.zeros((capacity, res, res), storage_dtype(l)) for l in MINIMAP_LAYERS}
         self.player = np.zeros((capacity, PLAYER_SIZE), np.float32)
-        self.mask = np.zeros((capacity, len(NONSPATIAL_FUNCTIONS) + 1), bool)
+        self.mask = np.zeros((capacity, len(FUNCTIONS)), bool)
         self.actions = np.zeros(capacity, np.int32)
         self.rewards = np.zeros(capacity, np.float32)
         self.dones = np.zeros(capacity, bool)
@@ -841,7 +915,7 @@ class SplitReplayBuffer:
             "screen": np.stack([self.screen[l.name][idx] for l in SCREEN_LAYERS], 1),  # (B, Ls, H, W) int16
             "minimap": np.stack([self.minimap[l.name][idx] for l in MINIMAP_LAYERS], 1),  # (B, Lm, H, W)
             "player": self.player[idx],  # (B, 11)
-            "mask": self.mask[idx],  # (B, F + 1)
+            "mask": self.mask[idx],  # (B, F + S)
         }
 
     def sample(self, batch_size: int, rng: np.random.Generator, n_step: int = 1, gamma: float = 1.0) -> dict:
@@ -935,7 +1009,7 @@ def preprocess_layers(x: torch.Tensor, layers) -> torch.Tensor:
 
 class SplitQNetwork(nn.Module):
     """Screen and minimap conv towers + the tiled embedding of the player vector and the available actions,
-    fused; two Q heads.
+    fused; two Q heads: one value per non-spatial function, and one res x res map per spatial function.
 
     The towers work at half resolution (a stride-2 first conv) to keep an update cheap on a CPU. The spatial
     head adds two terms: the fused features upsampled back to res x res (context: where the marines are,
@@ -960,17 +1034,17 @@ class SplitQNetwork(nn.Module):
             nn.Conv2d(tower_channels, tower_channels, 3, padding=1),
             nn.ReLU(),
         )
-        num_available = len(NONSPATIAL_FUNCTIONS) + 1
+        num_available, num_spatial = len(FUNCTIONS), len(SPATIAL_FUNCTIONS)
         self.player_embed = nn.Sequential(nn.Linear(PLAYER_SIZE + num_available, player_channels), nn.ReLU())
         self.fuse = nn.Sequential(
             nn.Conv2d(2 * tower_channels + player_channels, fused_channels, 1), nn.ReLU()
         )
-        self.spatial_coarse = nn.Conv2d(fused_channels, 1, 1)
+        self.spatial_coarse = nn.Conv2d(fused_channels, num_spatial, 1)
         # The fine term alone can say "the beacon is here", but Adam moves each weight by about lr per update:
         # at lr 5e-5, after a 20-minute run its value at the beacon was only 0.3 and greedy agents got stuck
         # clicking a corner. A fixed gain (a learning-rate multiplier for this layer) lets it move ten times
         # faster, and a zero start keeps that gain from amplifying initial noise.
-        self.spatial_fine = nn.Conv2d(screen_in, 1, 3, padding=1)
+        self.spatial_fine = nn.Conv2d(screen_in, num_spatial, 3, padding=1)
         nn.init.zeros_(self.spatial_fine.weight)
         nn.init.zeros_(self.spatial_fine.bias)
         self.fine_gain = 10.0
@@ -987,9 +1061,9 @@ class SplitQNetwork(nn.Module):
         )
 
     def forward(self, screen, minimap, player, available):
-        """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, 11); available (B, F + 1) bool, the
-        action mask -> Q (B, F), Q (B, H*W)."""
-        available = available.float()  # (B, F + 1)
+        """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, 11); available (B, F + S) bool, the
+        action mask -> Q (B, F), Q (B, S*H*W) (spatial function k's point y*W + x at k*H*W + y*W + x)."""
+        available = available.float()  # (B, F + S)
         screen = preprocess_layers(screen, SCREEN_LAYERS)  # (B, Cs, H, W)
         minimap = preprocess_layers(minimap, MINIMAP_LAYERS)  # (B, Cm, H, W)
         s = self.screen_tower(screen)  # (B, T, H/2, W/2)
@@ -1000,16 +1074,19 @@ class SplitQNetwork(nn.Module):
         pooled = torch.cat([fused.mean((2, 3)), fused.amax((2, 3))], 1)  # (B, 2E)
         q_nonspatial = self.nonspatial_head(torch.cat([pooled, available], 1))  # (B, F)
         coarse = F.interpolate(self.spatial_coarse(fused), size=(self.res, self.res), mode="nearest")
-        q_spatial = (coarse + self.fine_gain * self.spatial_fine(screen)).flatten(1)  # (B, H*W)
+        q_spatial = (coarse + self.fine_gain * self.spatial_fine(screen)).flatten(1)  # (B, S*H*W)
         return q_nonspatial, q_spatial
 
 
 def masked_q(q_nonspatial, q_spatial, mask):
-    """Concatenate both heads into one flat Q (B, F + H*W); unavailable actions get -inf."""
+    """Concatenate both heads into one flat Q (B, F + S*H*W); unavailable actions get -inf."""
+    num_nonspatial = q_nonspatial.shape[1]
+    num_spatial = mask.shape[1] - num_nonspatial
     neg_inf = torch.finfo(q_nonspatial.dtype).min
-    q_nonspatial = q_nonspatial.masked_fill(~mask[:, :-1], neg_inf)
-    q_spatial = q_spatial.masked_fill(~mask[:, -1:], neg_inf)
-    return torch.cat([q_nonspatial, q_spatial], 1)
+    q_nonspatial = q_nonspatial.masked_fill(~mask[:, :num_nonspatial], neg_inf)
+    q_spatial = q_spatial.unflatten(1, (num_spatial, -1))  # (B, S, H*W)
+    q_spatial = q_spatial.masked_fill(~mask[:, num_nonspatial:, None], neg_inf)
+    return torch.cat([q_nonspatial, q_spatial.flatten(1)], 1)
 
 
 def to_tensors(states: dict, device) -> dict:
@@ -1037,27 +1114,31 @@ def obs_to_states(obs: dict) -> dict:
 # Losses and the update step
 # ---------------------------------------------------------------------------------------------------------
 def next_state_value(next_q_online, next_q_target, next_mask, use_double_dqn: bool) -> torch.Tensor:
-    """V(s') = max(non-spatial value, spatial value), each over the actions available in s'.
+    """V(s') = the largest value over the available functions: a non-spatial function's Q, or a spatial function's
+    value at its best point.
 
-    next_q_*: (Q_nonspatial (B, F), Q_spatial (B, H*W)); next_mask (B, F + 1) bool.
-    Double DQN: the online network selects the next function (argmax of its non-spatial head) and the next
-    point (argmax of its spatial head); the target network evaluates both; the larger value is V(s').
-    Plain DQN: the target network both selects and evaluates.
+    next_q_*: (Q_nonspatial (B, F), Q_spatial (B, S*H*W)); next_mask (B, F + S) bool.
+    Double DQN: the online network selects the next non-spatial function (argmax of its non-spatial head) and,
+    per spatial function, the next point (argmax of that function's map); the target network evaluates them;
+    the largest value among the available functions is V(s'). Plain DQN: the target network both selects and
+    evaluates.
     """
-    nonspatial_mask, move_available = next_mask[:, :-1], next_mask[:, -1]
+    num_nonspatial = next_q_target[0].shape[1]
+    nonspatial_mask, spatial_mask = next_mask[:, :num_nonspatial], next_mask[:, num_nonspatial:]  # (B, F), (B, S)
     neg_inf = torch.finfo(next_q_target[0].dtype).min
     target_ns = next_q_target[0].masked_fill(~nonspatial_mask, neg_inf)
-    target_sp = next_q_target[1]
+    target_sp = next_q_target[1].unflatten(1, (spatial_mask.shape[1], -1))  # (B, S, H*W)
     if use_double_dqn:
         online_ns = next_q_online[0].masked_fill(~nonspatial_mask, neg_inf)
         best_fn = online_ns.argmax(1, keepdim=True)  # (B, 1)
-        best_point = next_q_online[1].argmax(1, keepdim=True)  # (B, 1)
+        online_sp = next_q_online[1].unflatten(1, (spatial_mask.shape[1], -1))  # (B, S, H*W)
+        best_point = online_sp.argmax(2, keepdim=True)  # (B, S, 1)
         value_ns = target_ns.gather(1, best_fn).squeeze(1)
-        value_sp = target_sp.gather(1, best_point).squeeze(1)
+        value_sp = target_sp.gather(2, best_point).squeeze(2)  # (B, S)
     else:
         value_ns = target_ns.max(1).values
-        value_sp = target_sp.max(1).values
-    value_sp = torch.where(move_available, value_sp, torch.full_like(value_sp, neg_inf))
+        value_sp = target_sp.max(2).values  # (B, S)
+    value_sp = value_sp.masked_fill(~spatial_mask, neg_inf).max(1).values
     return torch.maximum(value_ns, value_sp)  # (B,)
 
 
@@ -1137,7 +1218,7 @@ def dummy_batch(batch_size: int, res: int, device) -> dict:
             "screen": np.zeros((batch_size, len(SCREEN_LAYERS), res, res), np.int16),
             "minimap": np.zeros((batch_size, len(MINIMAP_LAYERS), res, res), np.int16),
             "player": np.zeros((batch_size, PLAYER_SIZE), np.float32),
-            "mask": np.ones((batch_size, len(NONSPATIAL_FUNCTIONS) + 1), bool),
+            "mask": np.ones((batch_size, len(FUNCTIONS)), bool),
         }
 
     return batch_to_device(
@@ -1225,15 +1306,16 @@ def select_action(q_network, obs: dict, epsilon: float, rng: np.random.Generator
     """Epsilon-greedy over the flat action space (functions, then points), available actions only.
 
     A random action is drawn like pysc2's random agent (the SC2LE "random policy"): a function uniformly
-    among the available ones, then a point uniformly. Drawing uniformly over all res*res + 2 flat actions
-    instead would almost never no-op, so a random walk would be redirected every step and rarely arrive.
+    among the available ones, then a point uniformly. Drawing uniformly over all flat actions instead would
+    almost never no-op, so a random walk would be redirected every step and rarely arrive.
     """
     mask = action_mask(obs["available_actions"])
     if rng.random() < epsilon:
-        function = int(rng.choice(np.flatnonzero(mask)))  # index into NONSPATIAL_FUNCTIONS + [Move_screen]
+        function = int(rng.choice(np.flatnonzero(mask)))  # index into FUNCTIONS
         if function < len(NONSPATIAL_FUNCTIONS):
             return function
-        return len(NONSPATIAL_FUNCTIONS) + int(rng.integers(0, q_network.res * q_network.res))
+        points, spatial = q_network.res * q_network.res, function - len(NONSPATIAL_FUNCTIONS)
+        return len(NONSPATIAL_FUNCTIONS) + spatial * points + int(rng.integers(0, points))
     states = to_tensors(obs_to_states(obs), device)
     # memory: acting builds no graph
     with torch.no_grad():
@@ -1328,7 +1410,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
             os.remove(tmp)
 
 
-CHECKPOINT_FORMAT = "dqn_starcraft_split/1"
+CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial map), 24-unit screen
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "n_step")  # what shapes the networks and the data
 
 

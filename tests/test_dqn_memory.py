@@ -27,7 +27,8 @@ def filled_buffer(capacity=64, steps=50, res=8, step_mul=128, seed=0):
         obs = {**obs, "player": obs["player"].copy()}
         obs["player"][1] = t  # a stamp (the minerals entry) that names the step
         mask = dqn.action_mask(obs["available_actions"])
-        action = int(rng.integers(0, 2 + (res * res if mask[-1] else 0)))
+        move_available = mask[dqn.FUNCTIONS.index("Move_screen")]
+        action = int(rng.integers(0, 2 + (res * res if move_available else 0)))
         next_obs, reward, done = env.step(*dqn.decode_action(action, res))
         rb.add(obs, action, reward, done)
         history.append((obs, action, done))

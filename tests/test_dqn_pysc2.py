@@ -24,12 +24,13 @@ CHILD = textwrap.dedent("""
     import dqn_starcraft_split as dqn
     sc2_env, actions = dqn.import_pysc2()
     from pysc2.env import mock_sc2_env
+    from pysc2.lib import features
 
     res = 16
-    mock = mock_sc2_env.SC2TestEnv(
-        map_name="MoveToBeacon",
-        agent_interface_format=sc2_env.AgentInterfaceFormat(
-            feature_dimensions=sc2_env.Dimensions(screen=res, minimap=res)))
+    interface = sc2_env.AgentInterfaceFormat(
+        feature_dimensions=sc2_env.Dimensions(screen=res, minimap=res),
+        camera_width_world_units=dqn.SCREEN_WORLD_UNITS)
+    mock = mock_sc2_env.SC2TestEnv(map_name="MoveToBeacon", agent_interface_format=interface)
     mock.episode_length = 3
     env = dqn.Pysc2MiniGame(mock, res)
     obs = env.reset()
@@ -37,7 +38,8 @@ CHILD = textwrap.dedent("""
     assert obs["feature_minimap"].shape == (len(dqn.MINIMAP_LAYERS), res, res)
     assert obs["player"].shape == (11,)
     mask = dqn.action_mask(obs["available_actions"])
-    assert mask.tolist() == [True, True, 331 in obs["available_actions"]], mask
+    # no_op, select_army, Move_screen (only with a selection), select_point (always offered by pysc2)
+    assert mask.tolist() == [True, True, 331 in obs["available_actions"], True], mask
 
     # the real pysc2 layer order differs from ours: the adapter picks layers by name
     names = [f.name for f in sc2_env.features.SCREEN_FEATURES]
@@ -54,11 +56,21 @@ CHILD = textwrap.dedent("""
         obs, steps = next_obs, steps + 1
     assert steps == 3 and rb.num_transitions() == 3
 
-    # every call of the action split is a valid pysc2 FunctionCall for its function
-    for function_id, point in [(0, None), (7, None), (331, (3, 5))]:
+    # every function of the action split by its pysc2 name, and each call is one that pysc2 turns into a game
+    # action with the intended arguments
+    for name in dqn.FUNCTIONS:
+        assert actions.FUNCTIONS[dqn.FUNCTION_IDS[name]].name == name
+    for function_id, point in [(0, None), (7, None), (331, (3, 5)), (2, (3, 5))]:
         env.step(function_id, point)
-    call = actions.FunctionCall(331, [[0], [3, 5]])
-    assert actions.FUNCTIONS[331].name == "Move_screen" and actions.FUNCTIONS[7].name == "select_army"
+    game = features.Features(agent_interface_format=interface, map_size=(64, 64))
+    click = game.transform_action(None, env.function_call(2, (3, 5)), skip_available=True)
+    selection = click.action_feature_layer.unit_selection_point
+    assert (selection.selection_screen_coord.x, selection.selection_screen_coord.y) == (3, 5)
+    assert selection.type == 1  # select (replace the selection), not toggle or all-of-type
+    move = game.transform_action(None, env.function_call(331, (3, 5)), skip_available=True)
+    assert move.action_feature_layer.unit_command.target_screen_coord.x == 3
+    army = game.transform_action(None, env.function_call(7), skip_available=True)
+    assert army.action_ui.select_army.selection_add is False
     print("adapter ok")
 """)
 

@@ -39,6 +39,31 @@ def test_unavailable_actions_never_bootstrap():
     assert value.tolist() == [7.0, 6.0]
 
 
+# Two spatial functions (Move_screen, select_point) of 2 points each: the spatial head gives a map per function.
+ONLINE_SP2 = torch.tensor([[0.0, 9.0, 1.0, 0.0], [3.0, 0.0, 0.0, 4.0]])  # (B, S*H*W): Move 0..1, select 2..3
+TARGET_SP2 = torch.tensor([[8.0, 3.0, 0.0, 2.0], [0.0, 1.0, 10.0, 5.0]])
+
+
+def test_each_spatial_function_bootstraps_from_its_own_map():
+    mask = torch.tensor([[True, True, True, True], [True, True, False, True]])  # s1: no Move_screen
+    value = dqn.next_state_value((ONLINE_NS, ONLINE_SP2), (TARGET_NS, TARGET_SP2), mask, True)
+    # s0: select_army -> 2; Move: online point 1 (9) -> 3; select_point: online point 0 (1) -> 0; max = 3
+    # s1: no_op -> 6; Move unavailable (its target 1 never counts); select_point: online point 1 (4) -> 5; max = 6
+    assert value.tolist() == [3.0, 6.0]
+    mask = torch.tensor([[True, True, False, False], [False, False, False, True]])
+    value = dqn.next_state_value((ONLINE_NS, ONLINE_SP2), (TARGET_NS, TARGET_SP2), mask, True)
+    assert value.tolist() == [2.0, 5.0]  # s0: select_army only; s1: select_point only
+    plain = dqn.next_state_value(None, (TARGET_NS, TARGET_SP2), torch.ones(2, 4, dtype=torch.bool), False)
+    assert plain.tolist() == [8.0, 10.0]
+
+
+def test_masked_q_masks_each_spatial_map_by_its_function():
+    mask = torch.tensor([[True, False, False, True]])
+    q = dqn.masked_q(torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0, 5.0, 6.0]]), mask)
+    low = torch.finfo(q.dtype).min
+    assert q.tolist() == [[1.0, low, low, low, 5.0, 6.0]]
+
+
 def test_td_target_hand_computed():
     value = dqn.next_state_value((ONLINE_NS, ONLINE_SP), (TARGET_NS, TARGET_SP), ALL_AVAILABLE, True)
     target = dqn.td_targets(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), 0.9, value)
@@ -124,6 +149,6 @@ def test_nonspatial_head_reads_the_available_actions():
     minimap = torch.zeros(1, len(dqn.MINIMAP_LAYERS), 8, 8, dtype=torch.int16)
     player = torch.zeros(1, dqn.PLAYER_SIZE)
     with torch.no_grad():
-        unselected, _ = net(screen, minimap, player, torch.tensor([[True, True, False]]))
-        selected, _ = net(screen, minimap, player, torch.tensor([[True, True, True]]))
+        unselected, _ = net(screen, minimap, player, torch.tensor([[True, True, False, True]]))
+        selected, _ = net(screen, minimap, player, torch.tensor([[True, True, True, True]]))
     assert not torch.allclose(unselected, selected)
