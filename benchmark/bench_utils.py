@@ -32,6 +32,71 @@ def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 1) -> dict:
     return {"median_ms": statistics.median(samples), "samples_ms": [round(s, 3) for s in samples]}
 
 
+# Alternating updates: each contender is a process (ours and the peer's live in different environments) that
+# times one update per `update` line it reads and answers on a line of its own, which the driver tells apart
+# from whatever else the process prints by this prefix.
+SERVE_PREFIX = "@serve "
+
+
+def serve_updates(update: Callable[[], Any], info: dict) -> None:
+    """Answer `ready` with `info`, then time one call of `update` per `update` line on stdin (after a gc, as
+    `time_ms` does), until stdin closes."""
+    import json
+    import sys
+
+    print(SERVE_PREFIX + json.dumps({"ready": info}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "update":
+            continue
+        gc.collect()
+        start = time.perf_counter()
+        update()
+        print(SERVE_PREFIX + json.dumps({"ms": (time.perf_counter() - start) * 1e3}), flush=True)
+
+
+def _serve_reply(proc) -> dict:
+    import json
+
+    for line in proc.stdout:
+        if line.startswith(SERVE_PREFIX):
+            return json.loads(line[len(SERVE_PREFIX):])
+    raise RuntimeError(f"a contender ended before answering (exit status {proc.wait()})")
+
+
+def alternate_updates(commands: dict[str, list[str]], rounds: int, warmup: int, env: dict | None = None,
+                      cwd: str | None = None) -> dict:
+    """Start every contender, wait until all are ready, then `warmup` untimed and `rounds` timed rounds of one
+    update each, one contender at a time (the order rotates every round). Returns, per contender, its `info`,
+    every sample and the median, in ms."""
+    import subprocess
+
+    procs = {name: subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd)
+             for name, cmd in commands.items()}
+    try:
+        out = {name: {"info": _serve_reply(proc)["ready"], "samples_ms": []} for name, proc in procs.items()}
+        names = list(procs)
+        for round_ in range(warmup + rounds):
+            for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+                procs[name].stdin.write("update\n")
+                procs[name].stdin.flush()
+                ms = _serve_reply(procs[name])["ms"]
+                if round_ >= warmup:
+                    out[name]["samples_ms"].append(round(ms, 3))
+    finally:
+        for proc in procs.values():
+            if proc.stdin:
+                proc.stdin.close()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    for result in out.values():
+        result["update_ms"] = statistics.median(result["samples_ms"])
+        result["min_ms"], result["max_ms"] = min(result["samples_ms"]), max(result["samples_ms"])
+    return out
+
+
 trim_host_memory = mu.trim_host_memory  # live memory only: gc, then glibc's malloc_trim(0)
 
 

@@ -284,6 +284,19 @@ def cmd_trials(names: list[str], reps: int) -> dict:
     return {"trials": results, "trial_batch": f"B{args.batch_size} x T{args.sequence_length}"}
 
 
+def cmd_serve(image_size: int) -> None:
+    """The seed model at `--image-size`, one update per `update` line on stdin (see bench_utils.alternate_updates)."""
+    args = seed_args(buffer_capacity=3_000, image_size=image_size)
+    replay, obs_shape, num_actions = fill_replay(args, 3_000)
+    batch = replay.sample(args.batch_size, args.sequence_length)
+    torch.manual_seed(args.seed)
+    agent = da.build_agent(args, obs_shape, num_actions, "cpu")
+    info = {**agent_params(agent), "image_size": image_size, "obs": f"{tuple(batch['obs'].shape)} uint8",
+            "update_includes": "world model (batch to float on the device included), actor and critic updates, "
+                               "slow-critic EMA, on one sampled batch"}
+    bench_utils.serve_updates(functools.partial(_update, agent, batch, args), info)
+
+
 def _update(agent, batch: dict, args: da.Args) -> None:
     """One whole update from a numpy batch, as the training loop runs it (the copy to the device included)."""
     _, _, states = da.train_world_model(agent, da.batch_tensors(batch, agent.device), args)
@@ -419,11 +432,12 @@ def cmd_gpu(quick: bool, device_name: str, parts: tuple[str, ...] = ("amp", "loo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["measure", "update", "trials", "soak", "gpu"])
+    parser.add_argument("command", choices=["measure", "update", "trials", "soak", "gpu", "serve"])
     parser.add_argument("--reps", type=int, default=5, help="update: timed repetitions")
     parser.add_argument("--device", default="cuda", help="gpu: the device (cpu checks the code path)")
     parser.add_argument("--parts", nargs="+", default=["amp", "loop"], choices=["amp", "loop"], help="gpu: which parts")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--image-size", type=int, default=84, help="serve: frame side of the seed model")
+    parser.add_argument("--out", help="where the JSON result goes (all but serve)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--trials", nargs="+", default=list(TRIALS), choices=list(TRIALS))
@@ -433,6 +447,10 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=250, help="soak: env steps between memory samples")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.command == "serve":
+        return cmd_serve(args.image_size)
+    if args.out is None:
+        parser.error("--out is required")
     if args.command == "measure":
         result = cmd_measure(args.quick)
     elif args.command == "update":

@@ -122,12 +122,29 @@ def buffer_figures(rb) -> dict:
     }
 
 
-def measure_updates(version: str, rb, reps: int, warmup: int) -> dict:
-    """Median time of one batch sampled from `rb` and of one full update (world model + actor + critic)."""
+# DreamerV3 at our seed model's size (deter 200, 32 latents of 32 classes, 200-unit MLPs of 2 layers, encoder
+# channels 16-32-64-128): 5.45M parameters against our 4.99M. Its decoder mirrors its encoder, so the channel
+# multiplier 32 of our encoder's first layer would double its decoder; 16 is the closest match in total.
+MATCHED_V3_OVERRIDES = [
+    "algo.world_model.recurrent_model.recurrent_state_size=200",
+    "algo.world_model.stochastic_size=32",
+    "algo.world_model.discrete_size=32",
+    "algo.dense_units=200",
+    "algo.mlp_layers=2",
+    "algo.world_model.transition_model.hidden_size=200",
+    "algo.world_model.representation_model.hidden_size=200",
+    "algo.world_model.encoder.cnn_channels_multiplier=16",
+]
+
+
+def setup_update(version: str, rb, model_overrides: list[str] = ()) -> tuple:
+    """SheepRL's agent and optimizers for `version`, built as its training entry point builds them; returns
+    (sample, update, info): one batch sampled from `rb`, one full update (world model + actor + critic) on a
+    fixed batch, and the model's sizes."""
     from sheeprl.algos.dreamer_v2.utils import sample_batches
     from sheeprl.utils.env import make_env
 
-    cfg = compose_cfg([f"exp=dreamer_{version}", *SEED_OVERRIDES, *RUN_OVERRIDES])
+    cfg = compose_cfg([f"exp=dreamer_{version}", *SEED_OVERRIDES, *RUN_OVERRIDES, *model_overrides])
     cfg.env.frame_stack = -1 if version == "v3" else 1
     fabric = hydra.utils.instantiate(cfg.fabric, strategy="auto", callbacks=[], _convert_="all")
     fabric.seed_everything(cfg.seed)
@@ -175,14 +192,9 @@ def measure_updates(version: str, rb, reps: int, warmup: int) -> dict:
         else:
             train(fabric, world_model, actor, critic, *optimizers, batch, None, cfg)
 
-    sampling = bench_utils.time_ms(sample, reps=max(5, reps), warmup=1)
-    updating = bench_utils.time_ms(update, reps=reps, warmup=warmup)
-    return {
-        "sample_ms": sampling["median_ms"],
-        "sample_samples_ms": sampling["samples_ms"],
-        "update_ms": updating["median_ms"],
-        "update_samples_ms": updating["samples_ms"],
+    info = {
         "update_includes": "world model, actor and critic updates and the slow-critic EMA, on one sampled batch",
+        "overrides": [f"exp=dreamer_{version}", *SEED_OVERRIDES, *RUN_OVERRIDES, *model_overrides],
         "params_world_model": bench_utils.param_count(world_model),
         "params_actor": bench_utils.param_count(actor),
         "params_critic": bench_utils.param_count(critic),
@@ -201,6 +213,30 @@ def measure_updates(version: str, rb, reps: int, warmup: int) -> dict:
             "fused_adam": bool(cfg.algo.world_model.optimizer.get("fused", False)),
         },
     }
+    return sample, update, info
+
+
+def measure_updates(version: str, rb, reps: int, warmup: int) -> dict:
+    """Median time of one batch sampled from `rb` and of one full update (world model + actor + critic)."""
+    sample, update, info = setup_update(version, rb)
+    sampling = bench_utils.time_ms(sample, reps=max(5, reps), warmup=1)
+    updating = bench_utils.time_ms(update, reps=reps, warmup=warmup)
+    return {
+        "sample_ms": sampling["median_ms"],
+        "sample_samples_ms": sampling["samples_ms"],
+        "update_ms": updating["median_ms"],
+        "update_samples_ms": updating["samples_ms"],
+        **info,
+    }
+
+
+def cmd_serve(args) -> None:
+    """One update per `update` line on stdin, its time on stdout: `benchmark/run.py` alternates these updates
+    with ours, so that a change in the machine's load hits both alike."""
+    with tempfile.TemporaryDirectory(prefix="peer-", dir=args.work_dir) as log_root:
+        rb = fill_buffer(args.fill_steps, log_root)
+        _, update, info = setup_update("v3", rb, MATCHED_V3_OVERRIDES if args.matched else [])
+        bench_utils.serve_updates(update, {**info, "size": "matched" if args.matched else "S"})
 
 
 def cmd_measure(args) -> dict:
@@ -266,13 +302,19 @@ def main() -> None:
     soak.add_argument("--batch-size", type=int, default=4)
     soak.add_argument("--seq-len", type=int, default=16)
     soak.add_argument("--bytes-per-step", type=float, required=True)
-    for p in (measure, soak):
-        p.add_argument("--out", required=True)
+    serve = sub.add_parser("serve")
+    serve.add_argument("--fill-steps", type=int, default=2_000)
+    serve.add_argument("--matched", action="store_true", help="DreamerV3 at our seed model's size")
+    for p in (measure, soak, serve):
         p.add_argument("--threads", type=int, default=os.cpu_count())
         p.add_argument("--work-dir", default=None)
+    for p in (measure, soak):
+        p.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     np.random.seed(0)
+    if args.command == "serve":
+        return cmd_serve(args)
     result = cmd_measure(args) if args.command == "measure" else cmd_soak(args)
     result["machine"] = bench_utils.machine()
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -250,3 +250,72 @@ def test_gpu_results_render_and_are_judged_against_the_targets():
     verdicts = bench_run.gpu_verdicts(result)
     assert verdicts["GPU peak reserved with --amp fp16 < 2 GiB"] is False
     assert verdicts["forensics: oom in preflight exits 3"] is False
+
+
+CONTENDER = """
+import sys, time
+sys.path[:0] = [{root!r}]
+from benchmark import bench_utils
+print("chatter that is not an answer", flush=True)  # SheepRL prints while it fills its buffer
+seconds = float(sys.argv[1])
+bench_utils.serve_updates(lambda: time.sleep(seconds), {{"name": sys.argv[2]}})
+"""
+
+
+def test_alternating_updates_time_each_contender_in_turn_and_rotate_the_order(tmp_path):
+    """The matched-size comparison's driver: every contender answers ready, then each timed round gets one update
+    from each, so a slow contender's samples are its own; warm-up rounds are not counted."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmark import bench_utils
+    finally:
+        sys.path.remove(str(ROOT))
+    script = tmp_path / "contender.py"
+    script.write_text(CONTENDER.format(root=str(ROOT)))
+    commands = {name: [sys.executable, str(script), str(seconds), name]
+                for name, seconds in (("slow", 0.06), ("fast", 0.02))}
+    out = bench_utils.alternate_updates(commands, rounds=4, warmup=1)
+    assert out["slow"]["info"] == {"name": "slow"} and out["fast"]["info"] == {"name": "fast"}
+    for name, low, high in (("slow", 55, 200), ("fast", 18, 55)):
+        assert len(out[name]["samples_ms"]) == 4
+        assert all(low <= ms <= high for ms in out[name]["samples_ms"]), (name, out[name])
+        assert out[name]["min_ms"] <= out[name]["update_ms"] <= out[name]["max_ms"]
+
+
+def test_a_contender_that_dies_is_one_clear_error(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmark import bench_utils
+    finally:
+        sys.path.remove(str(ROOT))
+    with pytest.raises(RuntimeError, match="ended before answering"):
+        bench_utils.alternate_updates({"dead": [sys.executable, "-c", "raise SystemExit(1)"]}, rounds=1, warmup=0)
+
+
+def test_matched_size_ratios_render_and_are_judged():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmark import run as bench_run
+    finally:
+        sys.path.remove(str(ROOT))
+    samples = {"peer": [4000.0, 4200.0, 3900.0], "ours_84": [2800.0, 2900.0, 2600.0], "ours_64": [2000.0, 2100.0, 1900.0]}
+    info = {"peer": {"params_total": 5_450_000, "overrides": ["exp=dreamer_v3"], "batch": {"rgb": "(50, 16, 3, 64, 64)"},
+                     "model": {"cnn_channels_multiplier": 16, "fused_adam": False}},
+            "ours_84": {"params_total": 4_985_769, "obs": "(16, 50, 4, 84, 84) uint8"},
+            "ours_64": {"params_total": 4_900_000, "obs": "(16, 50, 4, 64, 64) uint8"}}
+    matched = {name: {"info": info[name], "samples_ms": s, "update_ms": sorted(s)[1], "min_ms": min(s),
+                      "max_ms": max(s)} for name, s in samples.items()}
+    result = {"peer": "sheeprl", "matched": {**matched, "rounds": 3, "warmup_rounds": 2},
+              "matched_peer_update_ms": 4000.0, "matched_update_ms": 2800.0, "matched_update_ms_64": 2000.0,
+              "matched_params_total": 4_985_769, "matched_peer_params_total": 5_450_000,
+              "matched_params_total_64": 4_900_000, "update_ms": 2800.0, "soak_uss_slope_mb_per_10k": 0.1,
+              **{f"peer_{k}": 1.0 for k in bench_run.PEER_KEYS}, **{k: 1.0 for k in bench_run.PEER_KEYS}}
+    bench_run.add_ratios(result)
+    assert result["ratio_update_ms_matched"] == pytest.approx(4000 / 2800)
+    assert result["ratio_update_ms_matched_64"] == pytest.approx(2.0)
+    assert result["matched"]["ours_64"]["ratio_by_round"] == [2.0, 2.0, 2.053]
+    text = "\n".join(bench_run.matched_markdown(result))
+    assert "5,450,000 parameters" in text and "at 84 1.429-1.5, at 64 2.0-2.053" in text
+    judged = {k: v for k, v in bench_run.verdicts({**result, "quick": True, "sample_to_update_ratio": 0.0,
+                                                    "buffer_bytes_per_step": 0.0}).items() if "matched" in k}
+    assert list(judged.values()) == [False, True]
