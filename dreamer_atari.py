@@ -1262,10 +1262,20 @@ def batch_tensors(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tenso
     return {key: torch.from_numpy(value).to(device) for key, value in batch.items()}
 
 
-def prepare_batch(raw: dict[str, torch.Tensor], num_actions: int) -> dict[str, torch.Tensor]:
-    """The conversions a raw batch needs, made on the device: images to float, actions to one-hot."""
+def prepare_batch(
+    raw: dict[str, torch.Tensor], num_actions: int, channels_last: bool = False
+) -> dict[str, torch.Tensor]:
+    """The conversions a raw batch needs, made on the device: images to float, actions to one-hot.
+
+    With `channels_last` the float images are laid out as the channels-last encoder and decoder use them: the
+    encoder reads them and the image loss compares them with the decoder's output without a layout copy
+    (three copies of the whole batch per update otherwise, and a strided loss)."""
+    obs = raw["obs"]  # (B, T, 4, 84, 84) uint8
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    image = obs.flatten(0, 1).to(torch.float32, memory_format=layout).div_(255.0).sub_(0.5)
+    image = image.unflatten(0, obs.shape[:2])
     return {
-        "image": raw["obs"].float().div_(255.0).sub_(0.5),  # (B, T, 4, 84, 84) in [-0.5, 0.5], in place
+        "image": image,  # (B, T, 4, 84, 84) in [-0.5, 0.5]
         "action": F.one_hot(raw["action"].long(), num_actions).float(),  # (B, T, A)
         "reward": raw["reward"],  # (B, T)
         "is_first": raw["is_first"],  # (B, T) bool
@@ -1273,8 +1283,10 @@ def prepare_batch(raw: dict[str, torch.Tensor], num_actions: int) -> dict[str, t
     }
 
 
-def batch_to_device(batch: dict[str, np.ndarray], num_actions: int, device) -> dict[str, torch.Tensor]:
-    return prepare_batch(batch_tensors(batch, device), num_actions)
+def batch_to_device(
+    batch: dict[str, np.ndarray], num_actions: int, device, channels_last: bool = False
+) -> dict[str, torch.Tensor]:
+    return prepare_batch(batch_tensors(batch, device), num_actions, channels_last)
 
 
 def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args, probe: Callable[[str], None]):
@@ -1405,7 +1417,7 @@ def train_world_model(
     from, detached: deter (B*T, D), stoch (B*T, S), continue flags (B*T,).
     """
     probe = probe or _no_probe
-    data = prepare_batch(raw, agent.num_actions)
+    data = prepare_batch(raw, agent.num_actions, args.channels_last)
     with agent.amp.autocast():
         loss, parts, (deter, stoch) = world_model_loss(agent, data, args, probe)
     optimizer, scaler = agent.world_model_optimizer, agent.scalers["world_model"]
@@ -1694,7 +1706,8 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> None:
     """Create all optimizer state now with a worst-case batch; weights and moments are left untouched."""
 
     def step_fn():
-        data = batch_to_device(synthetic_batch(args, obs_shape), agent.num_actions, agent.device)
+        batch = synthetic_batch(args, obs_shape)
+        data = batch_to_device(batch, agent.num_actions, agent.device, args.channels_last)
         with agent.amp.autocast():
             loss, _, (deter, stoch) = world_model_loss(agent, data, args, _no_probe)
         loss.backward()

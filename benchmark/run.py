@@ -70,6 +70,9 @@ class Args:
     """--gpu-only: where the Pong run lives between invocations (its checkpoints hold the replay)"""
     pong_only: bool = False
     """--gpu-only: just continue the Pong run (no other figures)"""
+    matched_only: bool = False
+    """with --peer sheeprl: only the matched-size comparison (SheepRL's DreamerV3 at our model's size against
+    ours at 84 and 64 pixels, taking turns update by update), written to <date>-<machine>-matched.md and .json"""
 
 
 def fail(message: str) -> None:
@@ -334,6 +337,10 @@ def add_ratios(result: dict) -> None:
     if abs(result["soak_uss_slope_mb_per_10k"]) < TARGET_SOAK_MB_PER_10K:
         result["ratio_soak_uss_slope_mb_per_10k"] = None
     result["ratio_update_ms_v1"] = ratio(result.get("peer_v1_update_ms"), result["update_ms"])
+    add_matched_ratios(result)
+
+
+def add_matched_ratios(result: dict) -> None:
     result["ratio_update_ms_matched"] = ratio(result.get("matched_peer_update_ms"), result.get("matched_update_ms"))
     result["ratio_update_ms_matched_64"] = ratio(result.get("matched_peer_update_ms"),
                                                  result.get("matched_update_ms_64"))
@@ -512,7 +519,8 @@ def matched_markdown(result: dict) -> list[str]:
          f"has 4 convolutions whose channels double from the multiplier "
          f"({peer['info']['model']['cnn_channels_multiplier']}) and a decoder that mirrors it; ours has "
          f"NatureCNN's 3. Both train in float32 with Adam (SheepRL fused: {peer['info']['model']['fused_adam']}; "
-         f"ours fused). The unmatched rows below compare our seed model with SheepRL's Atari size S."),
+         f"ours fused)." + (" The unmatched rows below compare our seed model with SheepRL's Atari size S."
+                            if result.get("peer_v3") else "")),
     ]
 
 
@@ -704,6 +712,8 @@ def main(args: Args) -> dict:
         fail(f"--json {args.json!r}: its folder does not exist.")
     if args.gpu_only:
         return main_gpu_only(args)
+    if args.matched_only:
+        return main_matched_only(args)
     (BENCH_DIR / ".work").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="run-", dir=BENCH_DIR / ".work") as work:
         result = measure(args, Path(work))
@@ -725,6 +735,53 @@ def main(args: Args) -> dict:
         stem.with_suffix(".md").write_text(results_markdown(result, table, command))
         stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
         log(f"wrote {stem}.md and {stem}.json")
+    return result
+
+
+def main_matched_only(args: Args) -> dict:
+    from benchmark import bench_utils
+
+    if args.peer != "sheeprl":
+        fail("--matched-only compares with the peer: add --peer sheeprl.")
+    if args.quick:
+        fail("--matched-only has no --quick form (it measures the seed model's update).")
+    from benchmark import peer_venv
+
+    result: dict = {"threads": args.threads, "load_average_start": os.getloadavg(), "peer": "sheeprl",
+                    "peer_versions": peer_venv.ensure(log=log), "machine": bench_utils.machine()}
+    started = time.time()
+    (BENCH_DIR / ".work").mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="run-", dir=BENCH_DIR / ".work") as work:
+        result.update(measure_matched(args, Path(work)))
+    result["load_average_end"] = os.getloadavg()
+    result["wall_s"] = time.time() - started
+    result["date"] = time.strftime("%Y-%m-%d")
+    add_matched_ratios(result)
+    result["targets_met"] = {key: value for key, value in verdicts({**result, "quick": True}).items()
+                             if "matched" in key}
+    m = result["machine"]
+    command = "python benchmark/run.py --peer sheeprl --matched-only"
+    table = "\n".join([
+        "| figure | ours | SheepRL DreamerV3 | peer / ours | target |", "|---|---:|---:|---:|---|",
+        f"| one update at matched model size, ms (B16 x T50; ours 84x84x4, its 64x64) | "
+        f"{fmt(result['matched_update_ms'])} | {fmt(result['matched_peer_update_ms'])} | "
+        f"**{fmt(result['ratio_update_ms_matched'])}** | ≥ 1.5 |",
+        f"| one update at matched size and pixels, ms (ours 64x64x4) | {fmt(result['matched_update_ms_64'])} | "
+        f"{fmt(result['matched_peer_update_ms'])} | **{fmt(result['ratio_update_ms_matched_64'])}** | ≥ 1.5 |",
+        "", targets_table(result["targets_met"])])
+    print(table)
+    text = "\n".join([
+        f"# Matched-size update time, {result['date']}, {m['cpu']}", "",
+        (f"Command: `{command}`. Machine: {m['cpu']}, {m['cpu_count']} CPU cores, {m['platform']}, Python "
+         f"{m['python']}, torch {m['torch']}; {args.threads} torch thread(s) for each side. Load average (1, 5, "
+         f"15 min) at the start {fmt_load(result['load_average_start'])}, at the end "
+         f"{fmt_load(result['load_average_end'])}. Every sample is in the JSON file."), "",
+        table, "", "## Configuration", "", *matched_markdown(result), ""])
+    stem = Path(args.results_dir) / f"{result['date']}-{slug(m.get('gpu') or m['cpu'])}-matched"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".md").write_text(text)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    log(f"wrote {stem}.md and {stem}.json")
     return result
 
 

@@ -319,3 +319,33 @@ def test_matched_size_ratios_render_and_are_judged():
     judged = {k: v for k, v in bench_run.verdicts({**result, "quick": True, "sample_to_update_ratio": 0.0,
                                                     "buffer_bytes_per_step": 0.0}).items() if "matched" in k}
     assert list(judged.values()) == [False, True]
+
+
+def test_matched_only_writes_its_own_results_file(tmp_path, monkeypatch):
+    """`--peer sheeprl --matched-only`: just the alternating matched-size updates (stood in for here: the peer's
+    environment is not installed in CI), judged and written to <date>-<machine>-matched.md and .json."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmark import peer_venv
+        from benchmark import run as bench_run
+    finally:
+        sys.path.remove(str(ROOT))
+    samples = {"peer": [4500.0, 4600.0, 4400.0], "ours_84": [3000.0, 3100.0, 2900.0],
+               "ours_64": [2200.0, 2300.0, 2100.0]}
+    info = {"peer": {"params_total": 5_451_272, "overrides": ["exp=dreamer_v3"], "batch": {},
+                     "model": {"cnn_channels_multiplier": 16, "fused_adam": True}},
+            "ours_84": {"params_total": 4_985_769, "obs": "(16, 50, 4, 84, 84) uint8"},
+            "ours_64": {"params_total": 3_257_625, "obs": "(16, 50, 4, 64, 64) uint8"}}
+    duel = {n: {"info": info[n], "samples_ms": s, "update_ms": sorted(s)[1], "min_ms": min(s), "max_ms": max(s)}
+            for n, s in samples.items()}
+    monkeypatch.setattr(peer_venv, "ensure", lambda log: {"sheeprl": "0.8.4"})
+    monkeypatch.setattr(bench_run, "measure_matched", lambda args, work: {
+        "matched": {**duel, "rounds": 3, "warmup_rounds": 2}, "matched_peer_update_ms": 4500.0,
+        "matched_update_ms": 3000.0, "matched_update_ms_64": 2200.0, "matched_peer_params_total": 5_451_272,
+        "matched_params_total": 4_985_769, "matched_params_total_64": 3_257_625})
+    result = bench_run.main(bench_run.Args(peer="sheeprl", matched_only=True, results_dir=str(tmp_path)))
+    assert result["ratio_update_ms_matched"] == pytest.approx(1.5)
+    assert list(result["targets_met"].values()) == [True, True]
+    (md,) = tmp_path.glob("*-matched.md")
+    assert "**1.5**" in md.read_text() and "SheepRL DreamerV3 with `exp=dreamer_v3`" in md.read_text()
+    assert json.loads(md.with_suffix(".json").read_text())["matched"]["ours_84"]["ratio_by_round"] == [1.5, 1.484, 1.517]

@@ -201,3 +201,38 @@ def test_encoder_and_decoder_follow_the_image_size(size):
     image = torch.zeros(3, 4, size, size)
     assert encoder(image).shape == (3, 16)
     assert decoder(torch.zeros(3, 16)).shape == (3, 4, size, size)
+
+
+def test_channels_last_images_give_the_same_update_without_layout_copies():
+    """The float images laid out channels-last (as the channels-last encoder and decoder use them) change no
+    logged value of two updates from the same weights on the same batches, and the image loss then compares two
+    tensors of one layout: no copy of the whole batch into another layout."""
+    args = tiny_args()
+    batch = da.synthetic_batch(args, (4, 84, 84))
+    batch["obs"] = np.random.default_rng(0).integers(0, 255, batch["obs"].shape, dtype=np.uint8)
+    batch["reward"][:, 3] = 1.0
+    values = {}
+    for layout in (False, True):
+        torch.manual_seed(0)
+        agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
+        real = da.prepare_batch
+        da.prepare_batch = lambda raw, num_actions, channels_last=False: real(raw, num_actions, layout)
+        try:
+            torch.manual_seed(1)
+            updates = []
+            for _ in range(2):
+                world, _, states = da.train_world_model(agent, da.batch_tensors(batch, "cpu"), args)
+                behavior, _ = da.train_behavior(agent, states, args)
+                updates.append(torch.cat([world, behavior]))
+            values[layout] = torch.stack(updates)
+        finally:
+            da.prepare_batch = real
+    torch.testing.assert_close(values[True], values[False], rtol=1e-4, atol=1e-5)
+
+    data = da.prepare_batch(da.batch_tensors(batch, "cpu"), 6, channels_last=True)
+    image = data["image"].flatten(0, 1)
+    assert image.is_contiguous(memory_format=torch.channels_last)
+    agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
+    feat = torch.zeros(image.shape[0], args.deterministic_dim + agent.world_model.rssm.stoch_flat)
+    reconstruction = agent.world_model.decoder(feat)
+    assert reconstruction.stride() == image.stride()  # the loss reads both in one order: no layout copy
