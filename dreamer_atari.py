@@ -313,7 +313,7 @@ def check_args(args: Args) -> None:
     if not is_atari(args.env_id):
         side = args.image_size
         # builds the env once, before anything is written
-        space = gym.make(spec, **env_kwargs(args)).observation_space
+        space = gym.make(spec, **env_kwargs(args.env_id, args)).observation_space
         if space.shape != (side, side) or space.dtype != np.uint8:
             raise ArgsError(
                 f"--env-id {args.env_id!r} gives observations of shape {space.shape} {space.dtype}; this script "
@@ -390,11 +390,11 @@ def is_atari(env_id: str) -> bool:
     return "ale_py" in str(gym.spec(env_id).entry_point)
 
 
-def env_kwargs(args: Args) -> dict:
+def env_kwargs(env_id: str, args: Args) -> dict:
     """What `gym.make` gets besides the id: the emulator's settings for Atari, the frame size for Catch-v0."""
-    if is_atari(args.env_id):
+    if is_atari(env_id):
         return dict(frameskip=1, repeat_action_probability=args.repeat_action_probability)
-    return dict(size=args.image_size) if args.env_id == CATCH_ID else {}
+    return dict(size=args.image_size) if env_id == CATCH_ID else {}
 
 
 def make_env(env_id: str, idx: int, capture_video: bool, run_name: str, args: Args) -> Callable[[], gym.Env]:
@@ -403,7 +403,7 @@ def make_env(env_id: str, idx: int, capture_video: bool, run_name: str, args: Ar
 
     def thunk():
         register_catch()
-        kwargs = env_kwargs(dataclasses.replace(args, env_id=env_id))
+        kwargs = env_kwargs(env_id, args)
         if capture_video and idx == 0:
             env = gym.make(env_id, render_mode="rgb_array", **kwargs)
             env = gym.wrappers.RecordVideo(env, f"videos/{run_name}")

@@ -7,9 +7,12 @@ Imported in two environments (ours and the peer's virtual environment): standard
 from __future__ import annotations
 
 import gc
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,9 +44,6 @@ SERVE_PREFIX = "@serve "
 def serve_updates(update: Callable[[], Any], info: dict) -> None:
     """Answer `ready` with `info`, then time one call of `update` per `update` line on stdin (after a gc, as
     `time_ms` does), until stdin closes."""
-    import json
-    import sys
-
     print(SERVE_PREFIX + json.dumps({"ready": info}), flush=True)
     for line in sys.stdin:
         if line.strip() != "update":
@@ -55,8 +55,6 @@ def serve_updates(update: Callable[[], Any], info: dict) -> None:
 
 
 def _serve_reply(proc) -> dict:
-    import json
-
     for line in proc.stdout:
         if line.startswith(SERVE_PREFIX):
             return json.loads(line[len(SERVE_PREFIX):])
@@ -68,8 +66,6 @@ def alternate_updates(commands: dict[str, list[str]], rounds: int, warmup: int, 
     """Start every contender, wait until all are ready, then `warmup` untimed and `rounds` timed rounds of one
     update each, one contender at a time (the order rotates every round). Returns, per contender, its `info`,
     every sample and the median, in ms."""
-    import subprocess
-
     procs = {name: subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd)
              for name, cmd in commands.items()}
     try:

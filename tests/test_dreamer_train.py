@@ -160,6 +160,25 @@ def test_observe_matches_a_step_by_step_rollout_of_prior_and_posterior():
         torch.testing.assert_close(stoch[:, t], z)
 
 
+def random_batch(args) -> dict:
+    """A synthetic batch with random frames and one rewarded step, so that every loss has something to learn."""
+    batch = da.synthetic_batch(args, (4, 84, 84))
+    batch["obs"] = np.random.default_rng(0).integers(0, 255, batch["obs"].shape, dtype=np.uint8)
+    batch["reward"][:, 3] = 1.0
+    return batch
+
+
+def two_updates(agent, batch, args) -> torch.Tensor:
+    """Every logged value of two whole updates on the same batch, (2, K), from torch seed 1."""
+    torch.manual_seed(1)
+    updates = []
+    for _ in range(2):
+        world, _, states = da.train_world_model(agent, da.batch_tensors(batch, "cpu"), args)
+        behavior, _ = da.train_behavior(agent, states, args)
+        updates.append(torch.cat([world, behavior]))
+    return torch.stack(updates)
+
+
 def test_compile_gives_the_eager_values_on_the_same_batches(monkeypatch):
     """--compile against eager, two updates on the same batches from the same weights: every logged value agrees
     within 1e-3 relative (inductor may sum in another order). Inductor keeps torch's random numbers here
@@ -169,9 +188,7 @@ def test_compile_gives_the_eager_values_on_the_same_batches(monkeypatch):
 
     monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
     args = tiny_args()
-    batch = da.synthetic_batch(args, (4, 84, 84))
-    batch["obs"] = np.random.default_rng(0).integers(0, 255, batch["obs"].shape, dtype=np.uint8)
-    batch["reward"][:, 3] = 1.0
+    batch = random_batch(args)
     values = {}
     try:
         for compiled in (False, True):
@@ -180,13 +197,7 @@ def test_compile_gives_the_eager_values_on_the_same_batches(monkeypatch):
             if compiled:
                 da.compile_agent(agent)
                 assert set(agent.world_model.state_dict()) == set(da.WorldModel(args, (4, 84, 84), 6).state_dict())
-            torch.manual_seed(1)
-            updates = []
-            for _ in range(2):
-                world, _, states = da.train_world_model(agent, da.batch_tensors(batch, "cpu"), args)
-                behavior, _ = da.train_behavior(agent, states, args)
-                updates.append(torch.cat([world, behavior]))
-            values[compiled] = torch.stack(updates)
+            values[compiled] = two_updates(agent, batch, args)
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(values[True], values[False], rtol=1e-3, atol=1e-5)
@@ -203,30 +214,19 @@ def test_encoder_and_decoder_follow_the_image_size(size):
     assert decoder(torch.zeros(3, 16)).shape == (3, 4, size, size)
 
 
-def test_channels_last_images_give_the_same_update_without_layout_copies():
+def test_channels_last_images_give_the_same_update_without_layout_copies(monkeypatch):
     """The float images laid out channels-last (as the channels-last encoder and decoder use them) change no
     logged value of two updates from the same weights on the same batches, and the image loss then compares two
     tensors of one layout: no copy of the whole batch into another layout."""
     args = tiny_args()
-    batch = da.synthetic_batch(args, (4, 84, 84))
-    batch["obs"] = np.random.default_rng(0).integers(0, 255, batch["obs"].shape, dtype=np.uint8)
-    batch["reward"][:, 3] = 1.0
+    batch = random_batch(args)
+    real = da.prepare_batch
     values = {}
-    for layout in (False, True):
+    for layout in (False, True):  # the model is channels-last both times; only the images' layout differs
+        monkeypatch.setattr(da, "prepare_batch", lambda raw, actions, channels_last=False: real(raw, actions, layout))
         torch.manual_seed(0)
-        agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
-        real = da.prepare_batch
-        da.prepare_batch = lambda raw, num_actions, channels_last=False: real(raw, num_actions, layout)
-        try:
-            torch.manual_seed(1)
-            updates = []
-            for _ in range(2):
-                world, _, states = da.train_world_model(agent, da.batch_tensors(batch, "cpu"), args)
-                behavior, _ = da.train_behavior(agent, states, args)
-                updates.append(torch.cat([world, behavior]))
-            values[layout] = torch.stack(updates)
-        finally:
-            da.prepare_batch = real
+        values[layout] = two_updates(da.build_agent(args, (4, 84, 84), 6, "cpu"), batch, args)
+    monkeypatch.undo()
     torch.testing.assert_close(values[True], values[False], rtol=1e-4, atol=1e-5)
 
     data = da.prepare_batch(da.batch_tensors(batch, "cpu"), 6, channels_last=True)
