@@ -67,8 +67,8 @@ class Args:
     cuda: bool = True
     """if toggled, CUDA is used when available"""
     torch_num_threads: int = 1
-    """CPU threads for torch: these batch-8 convolutions run fastest on one (9 ms an update, against 35 ms on
-    two busy cores)"""
+    """CPU threads for torch: batch-8 convolutions this small gain nothing from a second thread, and one thread
+    leaves the other cores to the environment or to a second seed"""
     track: bool = False
     """if toggled, the run is tracked with Weights and Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "sc2-split-dqn"
@@ -106,10 +106,26 @@ class Args:
     """screen and minimap resolution (pixels per side)"""
     step_mul: int = 16
     """game loops per agent step (16 loops are one game second of the map's timer)"""
+    screen_world_units: float = 24.0
+    """world units across the feature screen, on both backends: pysc2's default `camera_width_world_units`
+    (AgentInterfaceFormat in pysc2/lib/features.py), so a marine walks res / 24 * 2.25 pixels per game second"""
 
     # replay
     buffer_size: int = 100_000
     """replay capacity in agent steps"""
+
+    # model
+    tower_channels: int = 16
+    """channels of the screen and minimap convolution towers"""
+    fused_channels: int = 32
+    """channels of the fused features that both Q heads read"""
+    player_channels: int = 8
+    """channels of the embedding of the player vector and the available actions, tiled over the screen"""
+    nonspatial_hidden: int = 64
+    """hidden units of the non-spatial head"""
+    fine_gain: float = 10.0
+    """learning-rate multiplier of the spatial head's full-resolution term: Adam moves a weight about lr per
+    update, so at lr 5e-5 the layer that says "click exactly here" would need ~10x more updates than the rest"""
 
     # training
     num_episodes: int = 10_000
@@ -119,11 +135,11 @@ class Args:
     batch_size: int = 8
     """transitions per update"""
     gamma: float = 0.95
-    """discount factor (not in the seed recipe: the next pickup is at most ~12 steps away, so a 20-step
-    horizon suffices, and it keeps Q values small enough for lr 5e-5 to fit quickly)"""
+    """discount factor: the next pickup is at most ~12 steps away, so a 20-step horizon suffices, and it keeps
+    Q values small enough for lr 5e-5 to fit quickly"""
     n_step: int = 3
-    """n-step returns (not in the seed recipe, which bootstraps after one step): a beacon reached k steps
-    after the click that sent the marine credits that click after k/n target updates instead of k"""
+    """n-step returns: a pickup reached k steps after the click that sent the marine credits that click after
+    k/n target updates instead of k"""
     start_e: float = 1.0
     """epsilon at the first step"""
     end_e: float = 0.01
@@ -153,7 +169,7 @@ class Args:
     num_test_episodes: int = 20
     """greedy test episodes at the end of the run (`eval/test_results.json`)"""
     test_epsilon: float = 0.0
-    """epsilon of the test episodes (0: greedy, as the seed's test defines them)"""
+    """epsilon of the test episodes (0: greedy)"""
     eval_every_episodes: int = 25
     """run `num_eval_episodes` greedy episodes every this many episodes (`eval/curve.csv`); 0: never"""
     num_eval_episodes: int = 5
@@ -187,273 +203,61 @@ class Args:
     """record memory at each stage of the loop (`debug/probe/*`) to name the stage that keeps memory"""
 
     def problems(self) -> list[tuple[str, str]]:
-        """Every invalid value as (field, sentence); empty when all is well."""
-        out = []
-
-        def need(ok: bool, field: str, sentence: str) -> None:
-            if not ok:
-                out.append((field, sentence))
-
-        need(
-            self.num_episodes >= 1,
-            "num_episodes",
-            f"num_episodes must be at least 1, got {self.num_episodes}",
-        )
-        need(8 <= self.res <= 256, "res", f"res must be between 8 and 256 pixels, got {self.res}")
-        need(self.step_mul >= 1, "step_mul", f"step_mul must be at least 1 game loop, got {self.step_mul}")
-        need(self.buffer_size >= 2, "buffer_size", f"buffer_size must be at least 2, got {self.buffer_size}")
-        need(
-            self.learning_rate > 0,
-            "learning_rate",
-            f"learning_rate must be positive, got {self.learning_rate}",
-        )
-        need(self.batch_size >= 1, "batch_size", f"batch_size must be at least 1, got {self.batch_size}")
-        need(
-            self.memory_snapshot_every >= 0,
-            "memory_snapshot_every",
-            f"memory_snapshot_every must be 0 (off) or more, got {self.memory_snapshot_every}",
-        )
-        need(
-            self.snapshot_max_entries >= 1,
-            "snapshot_max_entries",
-            f"snapshot_max_entries must be at least 1, got {self.snapshot_max_entries}",
-        )
-        need(
-            self.fallback_batch_size >= 1,
-            "fallback_batch_size",
-            f"fallback_batch_size must be at least 1, got {self.fallback_batch_size}",
-        )
-        need(0 < self.gamma <= 1, "gamma", f"gamma must be in (0, 1], got {self.gamma}")
-        need(1 <= self.n_step <= 100, "n_step", f"n_step must be between 1 and 100, got {self.n_step}")
-        need(self.buffer_size > self.n_step, "buffer_size",
-             f"buffer_size must be larger than n_step ({self.n_step}) so that an n-step return fits, got "
-             f"{self.buffer_size}")
-        need(self.learning_starts > self.n_step, "learning_starts",
-             f"learning_starts must be larger than n_step ({self.n_step}): the first updates would bootstrap from "
-             f"transitions not yet stored, got {self.learning_starts}")
-        need(self.fallback_batch_size <= self.batch_size, "fallback_batch_size",
-             f"fallback_batch_size must not be larger than batch_size ({self.batch_size}): it is the smaller batch "
-             f"to fall back to, got {self.fallback_batch_size}")
-        need(
-            0 <= self.test_epsilon <= 1,
-            "test_epsilon",
-            f"test_epsilon must be in [0, 1], got {self.test_epsilon}",
-        )
-        need(
-            0 <= self.end_e <= self.start_e <= 1,
-            "end_e",
-            f"epsilon needs 0 <= end_e <= start_e <= 1, got start_e={self.start_e}, end_e={self.end_e}",
-        )
-        need(
-            self.exploration_steps >= 1,
-            "exploration_steps",
-            f"exploration_steps must be at least 1, got {self.exploration_steps}",
-        )
-        need(
-            self.learning_starts >= 0,
-            "learning_starts",
-            f"learning_starts must be >= 0, got {self.learning_starts}",
-        )
-        need(
-            self.train_frequency >= 1,
-            "train_frequency",
-            f"train_frequency must be at least 1, got {self.train_frequency}",
-        )
-        need(
-            self.target_network_frequency >= 1,
-            "target_network_frequency",
-            f"target_network_frequency must be at least 1, got {self.target_network_frequency}",
-        )
-        need(
-            self.max_grad_norm > 0,
-            "max_grad_norm",
-            f"max_grad_norm must be positive, got {self.max_grad_norm}",
-        )
-        need(
-            self.scheduler_tmax is None or self.scheduler_tmax >= 1,
-            "scheduler_tmax",
-            f"scheduler_tmax must be at least 1 episode, got {self.scheduler_tmax}",
-        )
-        need(
-            0 <= self.min_lr <= self.learning_rate,
-            "min_lr",
-            f"min_lr must be between 0 and learning_rate ({self.learning_rate}), got {self.min_lr}",
-        )
-        need(
-            self.step_lr_step_size >= 1,
-            "step_lr_step_size",
-            f"step_lr_step_size must be at least 1 episode, got {self.step_lr_step_size}",
-        )
-        need(
-            0 < self.step_lr_gamma <= 1,
-            "step_lr_gamma",
-            f"step_lr_gamma must be in (0, 1], got {self.step_lr_gamma}",
-        )
-        need(
-            self.num_test_episodes >= 1,
-            "num_test_episodes",
-            f"num_test_episodes must be at least 1, got {self.num_test_episodes}",
-        )
-        need(
-            self.eval_every_episodes >= 0,
-            "eval_every_episodes",
-            f"eval_every_episodes must be >= 0, got {self.eval_every_episodes}",
-        )
-        need(
-            self.num_eval_episodes >= 1,
-            "num_eval_episodes",
-            f"num_eval_episodes must be at least 1, got {self.num_eval_episodes}",
-        )
-        need(
-            self.torch_num_threads >= 1,
-            "torch_num_threads",
-            f"torch_num_threads must be at least 1, got {self.torch_num_threads}",
-        )
-        need(
-            self.log_every_steps >= 1,
-            "log_every_steps",
-            f"log_every_steps must be at least 1, got {self.log_every_steps}",
-        )
-        need(
-            self.time_limit_min >= 0,
-            "time_limit_min",
-            f"time_limit_min must be >= 0, got {self.time_limit_min}",
-        )
-        need(
-            self.wait_for_gpu_mb >= 0,
-            "wait_for_gpu_mb",
-            f"wait_for_gpu_mb must be >= 0, got {self.wait_for_gpu_mb}",
-        )
-        need(self.wait_poll_s > 0, "wait_poll_s", f"wait_poll_s must be positive, got {self.wait_poll_s}")
-        need(
-            self.wait_timeout_s >= 0,
-            "wait_timeout_s",
-            f"wait_timeout_s must be >= 0, got {self.wait_timeout_s}",
-        )
-        need(
-            self.memory_log_every >= 1,
-            "memory_log_every",
-            f"memory_log_every must be at least 1, got {self.memory_log_every}",
-        )
-        need(
-            self.leak_warmup_steps >= 0,
-            "leak_warmup_steps",
-            f"leak_warmup_steps must be >= 0, got {self.leak_warmup_steps}",
-        )
-        need(
-            self.run_id is None or (self.run_id.strip() != "" and os.sep not in self.run_id),
-            "run_id",
-            f"run_id must be a non-empty folder name without '{os.sep}', got {self.run_id!r}",
-        )
-        need(
-            len(set(self.seeds)) == len(self.seeds), "seeds", f"seeds must not repeat, got {list(self.seeds)}"
-        )
-        return out
+        """Every invalid value as (field, one sentence); empty when all is well. The rules are RULES below."""
+        values = dataclasses.asdict(self)
+        return [(field, f"{field} must be {allowed.format(**values)}, got {values[field]!r}")
+                for field, ok, allowed in RULES if not ok(self)]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Configuration: RL_* environment variables under the command line
-# ---------------------------------------------------------------------------------------------------------
-class ConfigError(Exception):
-    """A bad value from the command line, an RL_* variable or the machine: one sentence, exit status 2."""
-
-
-def env_var_name(field: str) -> str:
-    return "RL_" + field.upper()
-
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def parse_env_value(name: str, raw: str, annotation) -> typing.Any:
-    """Convert the text of one RL_* variable to the field's type, or raise ConfigError naming it."""
-    origin, type_args = typing.get_origin(annotation), typing.get_args(annotation)
-    text = raw.strip()
-    if origin in (typing.Union, types.UnionType) and type(None) in type_args:
-        if text.lower() in ("", "none", "null"):
-            return None
-        (annotation,) = [a for a in type_args if a is not type(None)]
-        origin, type_args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is Literal:
-        if text not in type_args:
-            raise ConfigError(f"{name}={raw!r} is not allowed; use one of {', '.join(map(str, type_args))}.")
-        return text
-    if origin is tuple:
-        try:
-            return tuple(int(part) for part in text.replace(",", " ").split())
-        except ValueError:
-            raise ConfigError(f"{name}={raw!r} is not a list of integers; write them like '4 6 8'.") from None
-    if annotation is bool:
-        if text.lower() in _TRUE:
-            return True
-        if text.lower() in _FALSE:
-            return False
-        raise ConfigError(f"{name}={raw!r} is not a boolean; use true/false (or 1/0).")
-    if annotation is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(f"{name}={raw!r} is not an integer; give a whole number such as 8.") from None
-    if annotation is float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise ConfigError(f"{name}={raw!r} is not a number; give a value such as 5e-5.") from None
-        if not math.isfinite(value):
-            raise ConfigError(f"{name}={raw!r} is not a finite number.")
-        return value
-    return raw
-
-
-def cli_fields(argv: list[str], bool_fields: set[str]) -> set[str]:
-    """Fields named on the command line (tyro spells `batch_size` as --batch-size, booleans also --no-...)."""
-    named = set()
-    for token in argv:
-        if not token.startswith("--"):
-            continue
-        name = token[2:].split("=", 1)[0].replace("-", "_")
-        if name.startswith("no_") and name[3:] in bool_fields:
-            name = name[3:]
-        named.add(name)
-    return named
-
-
-def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> tuple[Args, dict[str, str]]:
-    """Command line > RL_* variable > default. Returns the Args and, per field, where its value came from."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    environ = os.environ if environ is None else environ
-    hints = typing.get_type_hints(Args)
-    known = {env_var_name(field.name) for field in dataclasses.fields(Args)}
-    for name in sorted(environ):
-        if name.startswith("RL_") and name not in known:  # a typo would silently train with the default
-            import difflib
-
-            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
-            hint = f"; did you mean {close[0]}?" if close else "; see --help for the settings"
-            raise ConfigError(f"{name} is not a setting of this script{hint}")
-    from_env = {}
-    for field in dataclasses.fields(Args):
-        name = env_var_name(field.name)
-        if name in environ:
-            from_env[field.name] = parse_env_value(name, environ[name], hints[field.name])
-    args = tyro.cli(Args, args=argv, default=Args(**from_env))
-    named = cli_fields(argv, {f.name for f in dataclasses.fields(Args) if hints[f.name] is bool})
-    sources = {}
-    for field in dataclasses.fields(Args):
-        if field.name in named:
-            sources[field.name] = "command line"
-        elif field.name in from_env:
-            sources[field.name] = env_var_name(field.name)
-        else:
-            sources[field.name] = "default"
-    for field, sentence in args.problems():
-        where = f" (from {sources[field]})" if sources[field].startswith("RL_") else ""
-        raise ConfigError(sentence + where + ".")
-    if args.amp == "fp16" and not (args.cuda and torch.cuda.is_available()):
-        raise ConfigError("amp=fp16 needs a CUDA device and none is in use; use --amp auto, bf16 or off.")
-    if args.backend == "pysc2":
-        check_sc2_installed()
-    return args, sources
+# What each field allows: (field, test, the allowed values in words). A value that fails its test is refused in
+# one sentence, "{field} must be {allowed}, got {value}", before anything is written.
+RULES = (
+    ("num_episodes", lambda a: a.num_episodes >= 1, "at least 1"),
+    ("res", lambda a: 8 <= a.res <= 256, "between 8 and 256 pixels"),
+    ("step_mul", lambda a: a.step_mul >= 1, "at least 1 game loop"),
+    ("screen_world_units", lambda a: 0 < a.screen_world_units <= 256, "between 0 and 256 world units (pysc2: 24)"),
+    ("buffer_size", lambda a: a.buffer_size > a.n_step, "larger than n_step ({n_step}) so that an n-step return fits"),
+    ("tower_channels", lambda a: a.tower_channels >= 1, "at least 1"),
+    ("fused_channels", lambda a: a.fused_channels >= 1, "at least 1"),
+    ("player_channels", lambda a: a.player_channels >= 1, "at least 1"),
+    ("nonspatial_hidden", lambda a: a.nonspatial_hidden >= 1, "at least 1"),
+    ("fine_gain", lambda a: 0 <= a.fine_gain < math.inf, "0 or more"),
+    ("learning_rate", lambda a: a.learning_rate > 0, "positive"),
+    ("batch_size", lambda a: a.batch_size >= 1, "at least 1"),
+    ("gamma", lambda a: 0 < a.gamma <= 1, "in (0, 1]"),
+    ("n_step", lambda a: 1 <= a.n_step <= 100, "between 1 and 100"),
+    ("start_e", lambda a: 0 <= a.start_e <= 1, "in [0, 1]"),
+    ("end_e", lambda a: 0 <= a.end_e <= a.start_e, "between 0 and start_e ({start_e})"),
+    ("exploration_steps", lambda a: a.exploration_steps >= 1, "at least 1"),
+    ("learning_starts", lambda a: a.learning_starts > a.n_step,
+     "larger than n_step ({n_step}): the first updates would bootstrap from transitions not yet stored"),
+    ("train_frequency", lambda a: a.train_frequency >= 1, "at least 1"),
+    ("target_network_frequency", lambda a: a.target_network_frequency >= 1, "at least 1"),
+    ("max_grad_norm", lambda a: a.max_grad_norm > 0, "positive"),
+    ("scheduler_tmax", lambda a: a.scheduler_tmax is None or a.scheduler_tmax >= 1, "at least 1 episode"),
+    ("min_lr", lambda a: 0 <= a.min_lr <= a.learning_rate, "between 0 and learning_rate ({learning_rate})"),
+    ("step_lr_step_size", lambda a: a.step_lr_step_size >= 1, "at least 1 episode"),
+    ("step_lr_gamma", lambda a: 0 < a.step_lr_gamma <= 1, "in (0, 1]"),
+    ("num_test_episodes", lambda a: a.num_test_episodes >= 1, "at least 1"),
+    ("test_epsilon", lambda a: 0 <= a.test_epsilon <= 1, "in [0, 1]"),
+    ("eval_every_episodes", lambda a: a.eval_every_episodes >= 0, "0 (never) or more"),
+    ("num_eval_episodes", lambda a: a.num_eval_episodes >= 1, "at least 1"),
+    ("log_every_steps", lambda a: a.log_every_steps >= 1, "at least 1"),
+    ("torch_num_threads", lambda a: a.torch_num_threads >= 1, "at least 1"),
+    ("time_limit_min", lambda a: a.time_limit_min >= 0, "0 (no limit) or more"),
+    ("run_id", lambda a: a.run_id is None or (a.run_id.strip() != "" and os.sep not in a.run_id),
+     "a non-empty folder name without '" + os.sep + "'"),
+    ("seeds", lambda a: len(set(a.seeds)) == len(a.seeds), "distinct"),
+    ("wait_for_gpu_mb", lambda a: a.wait_for_gpu_mb >= 0, "0 (don't wait) or more"),
+    ("wait_poll_s", lambda a: a.wait_poll_s > 0, "positive"),
+    ("wait_timeout_s", lambda a: a.wait_timeout_s >= 0, "0 or more"),
+    ("fallback_batch_size", lambda a: 1 <= a.fallback_batch_size <= a.batch_size,
+     "between 1 and batch_size ({batch_size}): it is the smaller batch to fall back to"),
+    ("memory_log_every", lambda a: a.memory_log_every >= 1, "at least 1"),
+    ("leak_warmup_steps", lambda a: a.leak_warmup_steps >= 0, "0 or more"),
+    ("memory_snapshot_every", lambda a: a.memory_snapshot_every >= 0, "0 (off) or more"),
+    ("snapshot_max_entries", lambda a: a.snapshot_max_entries >= 1, "at least 1"),
+)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -480,16 +284,44 @@ MINIMAP_LAYERS = (
 )
 PLAYER_SIZE = 11  # player_id, minerals, vespene, food_used, food_cap, food_army, food_workers,
 #                   idle_worker_count, army_count, warp_gate_count, larva_count
-# pysc2 function ids (pysc2/lib/actions.py) of the action split. The non-spatial head scores
-# NONSPATIAL_FUNCTIONS; the spatial head has one res x res map per SPATIAL_FUNCTIONS entry and gives the point
-# argument of that function. Acting picks the best available (function, point) over both heads, so the choice
-# among no_op, select_army, Move_screen and select_point is made by comparing their values.
+# The action space: pysc2 functions (ids from pysc2/lib/actions.py) split over the two Q heads. The non-spatial
+# head scores NONSPATIAL_FUNCTIONS; the spatial head has one res x res map per SPATIAL_FUNCTIONS entry, its value
+# at (x, y) being that function called at that point. One flat action index, used by acting, the replay buffer
+# and the TD target alike, numbers them all (F = len(NONSPATIAL_FUNCTIONS)):
+#     0 .. F-1                       the non-spatial function NONSPATIAL_FUNCTIONS[index]
+#     F + k * res * res + y * res + x  the k-th spatial function at screen point (x, y)
+# which is the column order of torch.cat([q_nonspatial, q_spatial], 1). Acting takes the best available index
+# over both heads, so choosing a function is comparing values. The action mask has one entry per FUNCTIONS.
 FUNCTION_IDS = {"no_op": 0, "select_point": 2, "select_army": 7, "Move_screen": 331}
 NONSPATIAL_FUNCTIONS = ("no_op", "select_army")
-SPATIAL_FUNCTIONS = ("Move_screen", "select_point")  # Move_screen first: its flat action indices stay F + point
-FUNCTIONS = NONSPATIAL_FUNCTIONS + SPATIAL_FUNCTIONS  # the order of the action mask
+SPATIAL_FUNCTIONS = ("Move_screen", "select_point")
+FUNCTIONS = NONSPATIAL_FUNCTIONS + SPATIAL_FUNCTIONS
 MOVE_SCREEN = FUNCTION_IDS["Move_screen"]
 SELECT_POINT = FUNCTION_IDS["select_point"]
+
+
+def action_mask(available_actions: np.ndarray) -> np.ndarray:
+    """(F + S,) bool: which of FUNCTIONS (non-spatial, then spatial) are available."""
+    return np.isin([FUNCTION_IDS[name] for name in FUNCTIONS], available_actions)
+
+
+def decode_action(index: int, res: int) -> tuple[int, tuple[int, int] | None]:
+    """Flat action index -> (function id, point or None)."""
+    if index < len(NONSPATIAL_FUNCTIONS):
+        return FUNCTION_IDS[NONSPATIAL_FUNCTIONS[index]], None
+    spatial, point = divmod(index - len(NONSPATIAL_FUNCTIONS), res * res)
+    return FUNCTION_IDS[SPATIAL_FUNCTIONS[spatial]], (point % res, point // res)
+
+
+def encode_action(function_id: int, point: tuple[int, int] | None, res: int) -> int:
+    """(function id, point or None) -> flat action index; the inverse of decode_action."""
+    name = next(name for name in FUNCTIONS if FUNCTION_IDS[name] == function_id)
+    if name in NONSPATIAL_FUNCTIONS:
+        return NONSPATIAL_FUNCTIONS.index(name)
+    x, y = point
+    return len(NONSPATIAL_FUNCTIONS) + SPATIAL_FUNCTIONS.index(name) * res * res + y * res + x
+
+
 
 # Game time. The minigame maps' 120-second timers count game seconds at "normal" speed, 16 game loops each
 # (pysc2 runs the game at "faster", 22.4 loops per real second, but the map's clock ticks per 16 loops), so
@@ -505,10 +337,8 @@ EPISODE_SECONDS = 120.0
 MARINE_SPEED_PER_LOOP = 2.25 / GAME_LOOPS_PER_SECOND
 MARINE_RADIUS = 0.375
 MARINE_HIT_POINTS = 45  # max_health 45 in the same unit data
-# Space. pysc2's feature screen spans `camera_width_world_units` across, 24 by default
-# (AgentInterfaceFormat in pysc2/lib/features.py), which our pysc2 backend keeps, and is centred on the
-# camera: res / 24 pixels per world unit (at res 32 a marine walks 3.0 pixels per step at step_mul 16).
-SCREEN_WORLD_UNITS = 24.0
+# Space. pysc2's feature screen spans `camera_width_world_units` across (`Args.screen_world_units`, pysc2's
+# default 24 on both backends) and is centred on the camera: res / width pixels per world unit.
 # Where things are, in the maps' own world coordinates (x east, y north), from the files inside
 # pysc2/maps/mini_games/{MoveToBeacon,CollectMineralShards}.SC2Map: `Regions` and `MapScript.galaxy`.
 # Both maps: "Playable Space" is the rectangle (22, 20)-(44, 36), the marines spawn at uniform random points
@@ -539,17 +369,17 @@ NUM_SHARDS = 20
 MAP_WORLD_UNITS = PLAYABLE_WORLD[2] - PLAYABLE_WORLD[0]
 
 
-def world_to_screen_units(x: float, y: float) -> tuple[float, float]:
-    """Map world coordinates -> screen units (x right, y down from the screen's top-left corner), as pysc2's
-    feature-screen transform does for the camera at CAMERA_CENTRE_WORLD."""
+def world_to_screen_units(x: float, y: float, width: float) -> tuple[float, float]:
+    """Map world coordinates -> screen units (x right, y down from the top-left corner of a screen `width`
+    world units across), as pysc2's feature-screen transform does for the camera at CAMERA_CENTRE_WORLD."""
     cx, cy = CAMERA_CENTRE_WORLD
-    return x - (cx - SCREEN_WORLD_UNITS / 2), (cy + SCREEN_WORLD_UNITS / 2) - y
+    return x - (cx - width / 2), (cy + width / 2) - y
 
 
-def screen_rect(world_rect: tuple[float, float, float, float]) -> tuple[float, float, float, float]:
+def screen_rect(world_rect: tuple[float, float, float, float], width: float) -> tuple[float, float, float, float]:
     """A world rectangle (x0, y0, x1, y1) -> the same rectangle in screen units (x0, y0, x1, y1), y down."""
-    x0, y1 = world_to_screen_units(world_rect[0], world_rect[1])
-    x1, y0 = world_to_screen_units(world_rect[2], world_rect[3])
+    x0, y1 = world_to_screen_units(world_rect[0], world_rect[1], width)
+    x1, y0 = world_to_screen_units(world_rect[2], world_rect[3], width)
     return x0, y0, x1, y1
 
 
@@ -570,39 +400,40 @@ class BuiltinMiniGame:
     pixels for Move_screen and select_point and None otherwise. obs: feature_screen (len(SCREEN_LAYERS), res,
     res) and feature_minimap (len(MINIMAP_LAYERS), res, res) int32 indexed [layer, y, x], player (11,) int64,
     available_actions (function ids). An unavailable function raises ValueError, as pysc2 does.
-    Positions are kept in screen units (24 across, y down; `world_to_screen_units`).
+    Positions are kept in screen units (`world_units` across, y down; `world_to_screen_units`).
     Marines keep walking to their last Move target while the agent no-ops, as units in the game do.
     select_point selects the marine drawn at the clicked pixel (the nearer one if both are), or nothing on bare
     ground. Simplification: marines that are moved together all walk to the clicked point (no formation
     offsets, no collisions).
     """
 
-    def __init__(self, map_name: str, res: int, step_mul: int, seed: int):
-        self.map_name, self.res, self.step_mul = map_name, res, step_mul
+    def __init__(self, map_name: str, res: int, step_mul: int, seed: int,
+                 world_units: float = Args.screen_world_units):
+        self.map_name, self.res, self.step_mul, self.world_units = map_name, res, step_mul, world_units
         self.max_steps = episode_steps(step_mul)
         self.rng = np.random.default_rng(seed)
         self.move_per_step = MARINE_SPEED_PER_LOOP * step_mul  # world units per agent step
-        pixel = SCREEN_WORLD_UNITS / res
+        pixel = world_units / res
         centres = (np.arange(res) + 0.5) * pixel
         self.screen_x, self.screen_y = np.meshgrid(centres, centres)  # (res, res) screen units of pixel centres
-        x0, y0, x1, y1 = screen_rect(PLAYABLE_WORLD)
+        x0, y0, x1, y1 = screen_rect(PLAYABLE_WORLD, world_units)
         mini_pixel = MAP_WORLD_UNITS / res
         mini_x = (x0 + x1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
         mini_y = (y0 + y1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
         self.mini_x, self.mini_y = np.meshgrid(mini_x, mini_y)  # (res, res) screen units of minimap pixels
-        inside = lambda c: (c >= 0) & (c < SCREEN_WORLD_UNITS)  # noqa: E731
+        inside = lambda c: (c >= 0) & (c < world_units)  # noqa: E731
         self.camera = (inside(self.mini_x) & inside(self.mini_y)).astype(np.int32)
         self.num_marines = 1 if map_name == "MoveToBeacon" else 2
 
     # -- world ------------------------------------------------------------------------------------------
     def _uniform_points(self, rect: tuple[float, float, float, float], n: int) -> np.ndarray:
         """n uniform random points of a world rectangle, in screen units: (n, 2)."""
-        x0, y0, x1, y1 = screen_rect(rect)
+        x0, y0, x1, y1 = screen_rect(rect, self.world_units)
         return np.stack([self.rng.uniform(x0, x1, n), self.rng.uniform(y0, y1, n)], axis=1)
 
     def _spawn_beacon(self) -> None:
         hole_x, hole_y, hole_radius = BEACON_SPAWN_HOLE_WORLD
-        hole = np.array(world_to_screen_units(hole_x, hole_y))
+        hole = np.array(world_to_screen_units(hole_x, hole_y, self.world_units))
         while True:  # the map script draws again until both conditions hold
             p = self._uniform_points(BEACON_SPAWN_WORLD, 1)[0]
             far = np.linalg.norm(p - self.marines[0]) >= BEACON_MIN_DISTANCE
@@ -657,7 +488,7 @@ class BuiltinMiniGame:
                 distance = np.where(under, np.linalg.norm(self.marines - clicked, axis=1), np.inf)
                 self.selected[int(distance.argmin())] = True
         elif function_id == MOVE_SCREEN:
-            target = np.array([(x + 0.5), (y + 0.5)]) * SCREEN_WORLD_UNITS / self.res
+            target = np.array([(x + 0.5), (y + 0.5)]) * self.world_units / self.res
             self.targets[self.selected] = target
         reward = self._advance()
         self.steps += 1
@@ -792,14 +623,15 @@ class Pysc2MiniGame:
         self.max_steps = None  # the map's own timer ends the episode
 
     @classmethod
-    def make(cls, map_name: str, res: int, step_mul: int, seed: int) -> "Pysc2MiniGame":
+    def make(cls, map_name: str, res: int, step_mul: int, seed: int,
+             world_units: float = Args.screen_world_units) -> "Pysc2MiniGame":
         sc2_env, _ = import_pysc2()
         env = sc2_env.SC2Env(
             map_name=map_name,
             players=[sc2_env.Agent(sc2_env.Race.terran)],
             agent_interface_format=sc2_env.AgentInterfaceFormat(
                 feature_dimensions=sc2_env.Dimensions(screen=res, minimap=res),
-                camera_width_world_units=SCREEN_WORLD_UNITS,  # the built-in screen's scale (pysc2's default)
+                camera_width_world_units=world_units,  # the built-in screen's scale
             ),
             step_mul=step_mul,
             game_steps_per_episode=0,  # the minigame's own 120 s timer ends the episode
@@ -841,31 +673,8 @@ class Pysc2MiniGame:
 
 def make_env(args: Args, seed: int):
     if args.backend == "pysc2":
-        return Pysc2MiniGame.make(args.map_name, args.res, args.step_mul, seed)
-    return BuiltinMiniGame(args.map_name, args.res, args.step_mul, seed)
-
-
-def action_mask(available_actions: np.ndarray) -> np.ndarray:
-    """(F + S,) bool: which of FUNCTIONS (non-spatial, then spatial) are available."""
-    return np.isin([FUNCTION_IDS[name] for name in FUNCTIONS], available_actions)
-
-
-def decode_action(index: int, res: int) -> tuple[int, tuple[int, int] | None]:
-    """Flat action index -> (function id, point): 0..F-1 non-spatial functions, then F + k*res*res + y*res + x
-    for the k-th spatial function at (x, y)."""
-    if index < len(NONSPATIAL_FUNCTIONS):
-        return FUNCTION_IDS[NONSPATIAL_FUNCTIONS[index]], None
-    spatial, point = divmod(index - len(NONSPATIAL_FUNCTIONS), res * res)
-    return FUNCTION_IDS[SPATIAL_FUNCTIONS[spatial]], (point % res, point // res)
-
-
-def encode_action(function_id: int, point: tuple[int, int] | None, res: int) -> int:
-    """(function id, point) -> flat action index; the inverse of decode_action."""
-    name = next(name for name in FUNCTIONS if FUNCTION_IDS[name] == function_id)
-    if name in NONSPATIAL_FUNCTIONS:
-        return NONSPATIAL_FUNCTIONS.index(name)
-    x, y = point
-    return len(NONSPATIAL_FUNCTIONS) + SPATIAL_FUNCTIONS.index(name) * res * res + y * res + x
+        return Pysc2MiniGame.make(args.map_name, args.res, args.step_mul, seed, args.screen_world_units)
+    return BuiltinMiniGame(args.map_name, args.res, args.step_mul, seed, args.screen_world_units)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -918,29 +727,21 @@ class SplitReplayBuffer:
             "mask": self.mask[idx],  # (B, F + S)
         }
 
-    def sample(self, batch_size: int, rng: np.random.Generator, n_step: int = 1, gamma: float = 1.0) -> dict:
-        """n-step transitions: (state i, action i, sum of gamma^j * reward i+j, done within n, state i+n).
-
-        The reward sum stops at the end of an episode (then `dones` is 1 and the next state is never read),
-        so the TD target is rewards + gamma^n * (1 - dones) * V(state i+n). Only slots whose n following
-        transitions are all known are drawn.
-        """
+    def sample(self, batch_size: int, rng: np.random.Generator, n_step: int = 1) -> dict:
+        """n-step transitions: state i, action i, the n rewards and dones i .. i+n-1, and state i+n (read by
+        `td_target` only if no episode ended in between). Only slots whose n following transitions are all known
+        are drawn."""
         oldest = self.pos if self.size == self.capacity else 0
         idx = (
             oldest + rng.integers(0, max(self.num_transitions() - n_step + 1, 1), batch_size)
         ) % self.capacity
-        rewards = np.zeros(batch_size, np.float32)
-        dones = np.zeros(batch_size, bool)
-        for j in range(n_step):  # ALGO LOGIC: n-step return, cut at the episode's end
-            slot = (idx + j) % self.capacity
-            rewards += np.where(dones, 0.0, gamma**j * self.rewards[slot]).astype(np.float32)
-            dones |= self.dones[slot]
+        slots = (idx[:, None] + np.arange(n_step)) % self.capacity  # (B, n)
         return {
             "obs": self._states(idx),
             "next_obs": self._states((idx + n_step) % self.capacity),
             "actions": self.actions[idx].astype(np.int64),
-            "rewards": rewards,  # (B,) float32, a fresh array
-            "dones": dones.astype(np.float32),
+            "rewards": self.rewards[slots],  # (B, n) float32, a fresh array
+            "dones": self.dones[slots].astype(np.float32),  # (B, n)
         }
 
     def state_dict(self) -> dict:
@@ -1017,7 +818,13 @@ class SplitQNetwork(nn.Module):
     """
 
     def __init__(
-        self, res: int, tower_channels: int = 16, fused_channels: int = 32, player_channels: int = 8
+        self,
+        res: int,
+        tower_channels: int = Args.tower_channels,
+        fused_channels: int = Args.fused_channels,
+        player_channels: int = Args.player_channels,
+        nonspatial_hidden: int = Args.nonspatial_hidden,
+        fine_gain: float = Args.fine_gain,
     ):
         super().__init__()
         self.res = res
@@ -1040,29 +847,25 @@ class SplitQNetwork(nn.Module):
             nn.Conv2d(2 * tower_channels + player_channels, fused_channels, 1), nn.ReLU()
         )
         self.spatial_coarse = nn.Conv2d(fused_channels, num_spatial, 1)
-        # The fine term alone can say "the beacon is here", but Adam moves each weight by about lr per update:
-        # at lr 5e-5, after a 20-minute run its value at the beacon was only 0.3 and greedy agents got stuck
-        # clicking a corner. A fixed gain (a learning-rate multiplier for this layer) lets it move ten times
-        # faster, and a zero start keeps that gain from amplifying initial noise.
+        # The fine term alone can say "the target is at this pixel". Its output is multiplied by a fixed gain,
+        # which is a learning-rate multiplier for this one layer (see Args.fine_gain); its zero start keeps the
+        # gain from amplifying initial noise.
         self.spatial_fine = nn.Conv2d(screen_in, num_spatial, 3, padding=1)
         nn.init.zeros_(self.spatial_fine.weight)
         nn.init.zeros_(self.spatial_fine.bias)
-        self.fine_gain = 10.0
+        self.fine_gain = fine_gain
         # The available actions are an input too, as in SC2LE's agents: "is Move_screen available" (is the army
         # selected) is one clean bit for the head that chooses between no_op and select_army, which do the same
         # in every state but the first, unselected one of an episode (there no_op leaves the marine standing).
-        # Measured on one seed it neither helped nor hurt (benchmark/results/dqn_movetobeacon_learning.md):
-        # while epsilon is high, greedy tests of either network sometimes no-op in that first state for the
-        # whole episode, because under a near-random behaviour policy the two actions are worth about the same.
         self.nonspatial_head = nn.Sequential(
-            nn.Linear(2 * fused_channels + num_available, 64),
+            nn.Linear(2 * fused_channels + num_available, nonspatial_hidden),
             nn.ReLU(),
-            nn.Linear(64, len(NONSPATIAL_FUNCTIONS)),
+            nn.Linear(nonspatial_hidden, len(NONSPATIAL_FUNCTIONS)),
         )
 
     def forward(self, screen, minimap, player, available):
         """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, 11); available (B, F + S) bool, the
-        action mask -> Q (B, F), Q (B, S*H*W) (spatial function k's point y*W + x at k*H*W + y*W + x)."""
+        action mask -> Q (B, F), Q (B, S*H*W): together, one value per flat action index."""
         available = available.float()  # (B, F + S)
         screen = preprocess_layers(screen, SCREEN_LAYERS)  # (B, Cs, H, W)
         minimap = preprocess_layers(minimap, MINIMAP_LAYERS)  # (B, Cm, H, W)
@@ -1078,8 +881,13 @@ class SplitQNetwork(nn.Module):
         return q_nonspatial, q_spatial
 
 
+def make_q_network(args: Args) -> SplitQNetwork:
+    return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.player_channels,
+                         args.nonspatial_hidden, args.fine_gain)
+
+
 def masked_q(q_nonspatial, q_spatial, mask):
-    """Concatenate both heads into one flat Q (B, F + S*H*W); unavailable actions get -inf."""
+    """Both heads as one Q per flat action index (B, F + S*H*W); unavailable functions get -inf."""
     num_nonspatial = q_nonspatial.shape[1]
     num_spatial = mask.shape[1] - num_nonspatial
     neg_inf = torch.finfo(q_nonspatial.dtype).min
@@ -1113,71 +921,59 @@ def obs_to_states(obs: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Losses and the update step
 # ---------------------------------------------------------------------------------------------------------
-def next_state_value(next_q_online, next_q_target, next_mask, use_double_dqn: bool) -> torch.Tensor:
-    """V(s') = the largest value over the available functions: a non-spatial function's Q, or a spatial function's
-    value at its best point.
+def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSetup) -> torch.Tensor:
+    """The n-step Double-DQN target of each sampled transition, (B,):
 
-    next_q_*: (Q_nonspatial (B, F), Q_spatial (B, S*H*W)); next_mask (B, F + S) bool.
-    Double DQN: the online network selects the next non-spatial function (argmax of its non-spatial head) and,
-    per spatial function, the next point (argmax of that function's map); the target network evaluates them;
-    the largest value among the available functions is V(s'). Plain DQN: the target network both selects and
-    evaluates.
+        y = sum_{j<n} gamma^j r_{i+j}  +  gamma^n * V(s_{i+n}),   summed only up to the end of the episode,
+        V(s') = the best available function in s': a non-spatial function's value, or a spatial function's value
+                at its best point,
+
+    where V is 0 if the episode ended within the n steps (the map's timer is a true terminal: pysc2 gives
+    discount 0). Double DQN: the online network selects (the non-spatial function; per spatial function, its
+    point) and the target network evaluates what was selected; plain DQN: the target network does both. An
+    unavailable function in s' is never selected and never counts.
     """
-    num_nonspatial = next_q_target[0].shape[1]
-    nonspatial_mask, spatial_mask = next_mask[:, :num_nonspatial], next_mask[:, num_nonspatial:]  # (B, F), (B, S)
-    neg_inf = torch.finfo(next_q_target[0].dtype).min
-    target_ns = next_q_target[0].masked_fill(~nonspatial_mask, neg_inf)
-    target_sp = next_q_target[1].unflatten(1, (spatial_mask.shape[1], -1))  # (B, S, H*W)
-    if use_double_dqn:
-        online_ns = next_q_online[0].masked_fill(~nonspatial_mask, neg_inf)
-        best_fn = online_ns.argmax(1, keepdim=True)  # (B, 1)
-        online_sp = next_q_online[1].unflatten(1, (spatial_mask.shape[1], -1))  # (B, S, H*W)
-        best_point = online_sp.argmax(2, keepdim=True)  # (B, S, 1)
-        value_ns = target_ns.gather(1, best_fn).squeeze(1)
-        value_sp = target_sp.gather(2, best_point).squeeze(2)  # (B, S)
-    else:
-        value_ns = target_ns.max(1).values
-        value_sp = target_sp.max(2).values  # (B, S)
-    value_sp = value_sp.masked_fill(~spatial_mask, neg_inf).max(1).values
-    return torch.maximum(value_ns, value_sp)  # (B,)
+    # ALGO LOGIC: the learning target, all of it in this function
+    rewards, dones = batch["rewards"], batch["dones"]  # (B, n) each
+    next_obs = batch["next_obs"]
+    next_inputs = (next_obs["screen"], next_obs["minimap"], next_obs["player"], next_obs["mask"])
+    with torch.no_grad():
+        # the n-step return, cut at the end of the episode (later rewards belong to the next one)
+        returns, ended = torch.zeros_like(rewards[:, 0]), torch.zeros_like(dones[:, 0], dtype=torch.bool)  # (B,)
+        for j in range(rewards.shape[1]):
+            returns = returns + torch.where(ended, 0.0, args.gamma**j * rewards[:, j])
+            ended = ended | (dones[:, j] > 0)
+        # V(s'): selection by the online network, evaluation by the target network
+        with amp.autocast():
+            target_ns, target_sp = target_network(*next_inputs)  # (B, F), (B, S*H*W)
+            online_ns, online_sp = q_network(*next_inputs) if args.use_double_dqn else (target_ns, target_sp)
+        online_ns, online_sp, target_ns, target_sp = (q.float() for q in (online_ns, online_sp, target_ns, target_sp))
+        num_nonspatial = target_ns.shape[1]
+        nonspatial_ok, spatial_ok = next_obs["mask"][:, :num_nonspatial], next_obs["mask"][:, num_nonspatial:]
+        neg_inf = torch.finfo(target_ns.dtype).min
+        best_function = online_ns.masked_fill(~nonspatial_ok, neg_inf).argmax(1, keepdim=True)  # (B, 1)
+        best_point = online_sp.unflatten(1, (spatial_ok.shape[1], -1)).argmax(2, keepdim=True)  # (B, S, 1)
+        value_ns = target_ns.masked_fill(~nonspatial_ok, neg_inf).gather(1, best_function).squeeze(1)  # (B,)
+        value_sp = target_sp.unflatten(1, (spatial_ok.shape[1], -1)).gather(2, best_point).squeeze(2)  # (B, S)
+        value_sp = value_sp.masked_fill(~spatial_ok, neg_inf).max(1).values  # the best available spatial function
+        next_value = torch.maximum(value_ns, value_sp)  # (B,)
+        next_value = torch.where(ended, torch.zeros_like(next_value), next_value)  # -inf never leaks through
+        return returns + args.gamma ** rewards.shape[1] * (~ended).float() * next_value
 
 
-def td_targets(rewards, dones, gamma: float, next_value) -> torch.Tensor:
-    """r + gamma * (1 - done) * V(s'), (B,)."""
-    next_value = torch.where(dones > 0, torch.zeros_like(next_value), next_value)  # -inf never leaks through
-    return rewards + gamma * (1.0 - dones) * next_value
-
-
-def td_loss(q_network, target_network, batch: dict, gamma: float, use_double_dqn: bool, amp: mu.AmpSetup):
+def td_loss(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSetup):
     """Huber loss between Q(s, a) and the TD target, and the Q values, for a batch on the device.
 
-    How the two heads' TD errors combine: every transition's action came from exactly one head (a function
-    from the non-spatial head or a point from the spatial head), so each transition contributes one TD error,
-    Q_head(s, a) - target, where the target bootstraps from the better of the two heads in s'. The errors of
-    both heads are averaged together over the batch into one loss: a batch mostly of Move_screen steps mostly
-    trains the spatial head, and no head is weighted by hand.
+    Every transition's action came from exactly one head (a function from the non-spatial head or a point from
+    the spatial head), so each transition contributes one TD error, Q_head(s, a) - y, where y bootstraps from
+    the better of the two heads in s'. The errors of both heads are averaged together over the batch: a batch
+    mostly of Move_screen steps mostly trains the spatial head, and no head is weighted by hand.
     """
-    obs, next_obs = batch["obs"], batch["next_obs"]
+    obs = batch["obs"]
     with amp.autocast():
         q_ns, q_sp = q_network(obs["screen"], obs["minimap"], obs["player"], obs["mask"])
-        with torch.no_grad():
-            next_online = (
-                q_network(next_obs["screen"], next_obs["minimap"], next_obs["player"], next_obs["mask"])
-                if use_double_dqn
-                else None
-            )
-            next_target = target_network(
-                next_obs["screen"], next_obs["minimap"], next_obs["player"], next_obs["mask"]
-            )
-    q_all = torch.cat([q_ns, q_sp], 1).float()  # (B, F + H*W)
-    q_taken = q_all.gather(1, batch["actions"][:, None]).squeeze(1)  # (B,)
-    with torch.no_grad():
-        next_online = None if next_online is None else tuple(q.float() for q in next_online)
-        next_target = tuple(q.float() for q in next_target)
-        value = next_state_value(next_online, next_target, next_obs["mask"], use_double_dqn)
-        target = td_targets(batch["rewards"], batch["dones"], gamma, value)
-    loss = F.smooth_l1_loss(q_taken, target)
-    return loss, q_taken
+    q_taken = torch.cat([q_ns, q_sp], 1).float().gather(1, batch["actions"][:, None]).squeeze(1)  # (B,)
+    return F.smooth_l1_loss(q_taken, td_target(q_network, target_network, batch, args, amp)), q_taken
 
 
 def batch_to_device(sample: dict, device) -> dict:
@@ -1192,10 +988,7 @@ def batch_to_device(sample: dict, device) -> dict:
 
 def update(q_network, target_network, optimizer, amp: mu.AmpSetup, batch: dict, args: Args) -> dict:
     """One gradient step; returns detached 0-d tensors (turned into floats only when logged)."""
-    # the batch holds n-step returns, so the bootstrap value is discounted by gamma^n
-    loss, q_taken = td_loss(
-        q_network, target_network, batch, args.gamma**args.n_step, args.use_double_dqn, amp
-    )
+    loss, q_taken = td_loss(q_network, target_network, batch, args, amp)
     optimizer.zero_grad(set_to_none=True)
     amp.scaler.scale(loss).backward()
     amp.scaler.unscale_(optimizer)
@@ -1210,7 +1003,7 @@ def update(q_network, target_network, optimizer, amp: mu.AmpSetup, batch: dict, 
     }
 
 
-def dummy_batch(batch_size: int, res: int, device) -> dict:
+def dummy_batch(batch_size: int, res: int, n_step: int, device) -> dict:
     """A worst-case-sized batch (all actions available) for optimizer-state preallocation."""
 
     def states():
@@ -1226,8 +1019,8 @@ def dummy_batch(batch_size: int, res: int, device) -> dict:
             "obs": states(),
             "next_obs": states(),
             "actions": np.zeros(batch_size, np.int64),
-            "rewards": np.zeros(batch_size, np.float32),
-            "dones": np.zeros(batch_size, np.float32),
+            "rewards": np.zeros((batch_size, n_step), np.float32),
+            "dones": np.zeros((batch_size, n_step), np.float32),
         },
         device,
     )
@@ -1237,10 +1030,10 @@ def preallocate(
     q_network, target_network, optimizer, amp: mu.AmpSetup, args: Args, batch_size: int, device
 ) -> float:
     """Adam's moments exist before the first real update, and not one weight changes."""
-    batch = dummy_batch(batch_size, args.res, device)
+    batch = dummy_batch(batch_size, args.res, args.n_step, device)
 
     def step_fn():
-        loss, _ = td_loss(q_network, target_network, batch, args.gamma**args.n_step, args.use_double_dqn, amp)
+        loss, _ = td_loss(q_network, target_network, batch, args, amp)
         amp.scaler.scale(loss).backward()
 
     # memory: fail now, not at the first update hours later, if the optimizer state does not fit
@@ -1314,8 +1107,9 @@ def select_action(q_network, obs: dict, epsilon: float, rng: np.random.Generator
         function = int(rng.choice(np.flatnonzero(mask)))  # index into FUNCTIONS
         if function < len(NONSPATIAL_FUNCTIONS):
             return function
-        points, spatial = q_network.res * q_network.res, function - len(NONSPATIAL_FUNCTIONS)
-        return len(NONSPATIAL_FUNCTIONS) + spatial * points + int(rng.integers(0, points))
+        res = q_network.res
+        point = int(rng.integers(0, res * res))
+        return encode_action(FUNCTION_IDS[FUNCTIONS[function]], (point % res, point // res), res)
     states = to_tensors(obs_to_states(obs), device)
     # memory: acting builds no graph
     with torch.no_grad():
@@ -1373,6 +1167,111 @@ def run_test_episodes(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Configuration: RL_* environment variables under the command line
+# ---------------------------------------------------------------------------------------------------------
+class ConfigError(Exception):
+    """A bad value from the command line, an RL_* variable or the machine: one sentence, exit status 2."""
+
+
+def env_var_name(field: str) -> str:
+    return "RL_" + field.upper()
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_env_value(name: str, raw: str, annotation) -> typing.Any:
+    """Convert the text of one RL_* variable to the field's type, or raise ConfigError naming it."""
+    origin, type_args = typing.get_origin(annotation), typing.get_args(annotation)
+    text = raw.strip()
+    if origin in (typing.Union, types.UnionType) and type(None) in type_args:
+        if text.lower() in ("", "none", "null"):
+            return None
+        (annotation,) = [a for a in type_args if a is not type(None)]
+        origin, type_args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Literal:
+        if text not in type_args:
+            raise ConfigError(f"{name}={raw!r} is not allowed; use one of {', '.join(map(str, type_args))}.")
+        return text
+    if origin is tuple:
+        try:
+            return tuple(int(part) for part in text.replace(",", " ").split())
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not a list of integers; write them like '4 6 8'.") from None
+    if annotation is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ConfigError(f"{name}={raw!r} is not a boolean; use true/false (or 1/0).")
+    if annotation is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not an integer; give a whole number such as 8.") from None
+    if annotation is float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not a number; give a value such as 5e-5.") from None
+        if not math.isfinite(value):
+            raise ConfigError(f"{name}={raw!r} is not a finite number.")
+        return value
+    return raw
+
+
+def cli_fields(argv: list[str], bool_fields: set[str]) -> set[str]:
+    """Fields named on the command line (tyro spells `batch_size` as --batch-size, booleans also --no-...)."""
+    named = set()
+    for token in argv:
+        if not token.startswith("--"):
+            continue
+        name = token[2:].split("=", 1)[0].replace("-", "_")
+        if name.startswith("no_") and name[3:] in bool_fields:
+            name = name[3:]
+        named.add(name)
+    return named
+
+
+def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> tuple[Args, dict[str, str]]:
+    """Command line > RL_* variable > default. Returns the Args and, per field, where its value came from."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(Args)
+    known = {env_var_name(field.name) for field in dataclasses.fields(Args)}
+    for name in sorted(environ):
+        if name.startswith("RL_") and name not in known:  # a typo would silently train with the default
+            import difflib
+
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+            hint = f"; did you mean {close[0]}?" if close else "; see --help for the settings"
+            raise ConfigError(f"{name} is not a setting of this script{hint}")
+    from_env = {}
+    for field in dataclasses.fields(Args):
+        name = env_var_name(field.name)
+        if name in environ:
+            from_env[field.name] = parse_env_value(name, environ[name], hints[field.name])
+    args = tyro.cli(Args, args=argv, default=Args(**from_env))
+    named = cli_fields(argv, {f.name for f in dataclasses.fields(Args) if hints[f.name] is bool})
+    sources = {}
+    for field in dataclasses.fields(Args):
+        if field.name in named:
+            sources[field.name] = "command line"
+        elif field.name in from_env:
+            sources[field.name] = env_var_name(field.name)
+        else:
+            sources[field.name] = "default"
+    for field, sentence in args.problems():
+        where = f" (from {sources[field]})" if sources[field].startswith("RL_") else ""
+        raise ConfigError(sentence + where + ".")
+    if args.amp == "fp16" and not (args.cuda and torch.cuda.is_available()):
+        raise ConfigError("amp=fp16 needs a CUDA device and none is in use; use --amp auto, bf16 or off.")
+    if args.backend == "pysc2":
+        check_sc2_installed()
+    return args, sources
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Run plumbing: files, signals, results row
 # ---------------------------------------------------------------------------------------------------------
 EXIT_OOM = 3
@@ -1411,7 +1310,9 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 
 CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial map), 24-unit screen
-RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "n_step")  # what shapes the networks and the data
+# what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
+RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
+                     "fused_channels", "player_channels", "nonspatial_hidden", "fine_gain")
 
 
 def save_checkpoint(
@@ -1611,8 +1512,8 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
 
     env = make_env(args, seed)
     eval_env = make_env(args, seed + 10_000) if args.backend == "builtin" else env
-    q_network = SplitQNetwork(args.res).to(device)
-    target_network = SplitQNetwork(args.res).to(device)
+    q_network = make_q_network(args).to(device)
+    target_network = make_q_network(args).to(device)
     target_network.load_state_dict(q_network.state_dict())
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
     scheduler = make_scheduler(optimizer, args)
@@ -1731,7 +1632,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 # ALGO LOGIC: training
                 if global_step > args.learning_starts and global_step % args.train_frequency == 0:
                     with out_of_memory_ends_the_run():
-                        batch = batch_to_device(rb.sample(batch_size, rng, args.n_step, args.gamma), device)
+                        batch = batch_to_device(rb.sample(batch_size, rng, args.n_step), device)
                     probes("after_sample")
                     with out_of_memory_ends_the_run():
                         metrics = update(q_network, target_network, optimizer, amp, batch, args)

@@ -47,7 +47,7 @@ SETTINGS = {"paper": {"res": 64, "step_mul": 8}, "dqn_defaults": {"res": 32, "st
 
 def pixel(env: dqn.BuiltinMiniGame, position: np.ndarray) -> tuple[int, int]:
     """The screen pixel (x, y) that holds a position in screen units (the marine is drawn on it)."""
-    x, y = np.clip((np.asarray(position) * env.res / dqn.SCREEN_WORLD_UNITS).astype(int), 0, env.res - 1)
+    x, y = np.clip((np.asarray(position) * env.res / env.world_units).astype(int), 0, env.res - 1)
     return int(x), int(y)
 
 
@@ -140,10 +140,10 @@ def measure(res: int, step_mul: int, episodes: int, seed: int) -> dict:
 def configuration() -> dict:
     """The replica's constants that the figures depend on (each with its source in dqn_starcraft_split.py)."""
     names = ["GAME_LOOPS_PER_SECOND", "EPISODE_SECONDS", "MARINE_SPEED_PER_LOOP", "MARINE_RADIUS",
-             "SCREEN_WORLD_UNITS", "PLAYABLE_WORLD", "CAMERA_CENTRE_WORLD", "BEACON_SPAWN_WORLD",
+             "PLAYABLE_WORLD", "CAMERA_CENTRE_WORLD", "BEACON_SPAWN_WORLD",
              "BEACON_SPAWN_HOLE_WORLD", "BEACON_MIN_DISTANCE", "BEACON_RADIUS", "SHARD_SPAWN_WORLD",
              "SHARD_MIN_DISTANCE", "SHARD_RADIUS", "NUM_SHARDS", "FUNCTIONS"]
-    return {name: getattr(dqn, name) for name in names}
+    return {"screen_world_units": dqn.Args.screen_world_units, **{name: getattr(dqn, name) for name in names}}
 
 
 def write_markdown(path: Path, report: dict) -> None:

@@ -71,7 +71,7 @@ def measure(quick: bool) -> dict:
     amp = mu.amp(args.amp, "cpu")
 
     def learner_step():
-        batch = dqn.batch_to_device(rb.sample(args.batch_size, rng), "cpu")
+        batch = dqn.batch_to_device(rb.sample(args.batch_size, rng, args.n_step), "cpu")
         dqn.update(q_network, target_network, optimizer, amp, batch, args)
 
     timing = bench_utils.time_ms(learner_step, reps=20 if quick else 200, warmup=3)

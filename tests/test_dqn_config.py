@@ -162,3 +162,36 @@ def test_a_reused_run_id_is_refused_unless_overwrite(tmp_path):
     assert replaced.returncode == 0, replaced.stderr[-2000:]
     rows = (tmp_path / "results" / "results.csv").read_text().strip().splitlines()
     assert len(rows) == 2 and rows[1].split(",")[1] == "2"  # one row, the new run's (seed 2)
+
+
+# One value per rule of dqn.RULES that breaks that rule.
+BAD_VALUES = {
+    "num_episodes": 0, "res": 4, "step_mul": 0, "screen_world_units": 0.0, "buffer_size": 3, "tower_channels": 0,
+    "fused_channels": 0, "player_channels": 0, "nonspatial_hidden": 0, "fine_gain": -1.0, "learning_rate": 0.0,
+    "batch_size": 0, "gamma": 1.5, "n_step": 0, "start_e": 1.5, "end_e": 2.0, "exploration_steps": 0,
+    "learning_starts": 3, "train_frequency": 0, "target_network_frequency": 0, "max_grad_norm": 0.0,
+    "scheduler_tmax": 0, "min_lr": 1.0, "step_lr_step_size": 0, "step_lr_gamma": 0.0, "num_test_episodes": 0,
+    "test_epsilon": -0.1, "eval_every_episodes": -1, "num_eval_episodes": 0, "log_every_steps": 0,
+    "torch_num_threads": 0, "time_limit_min": -1.0, "run_id": "a/b", "seeds": (1, 1), "wait_for_gpu_mb": -1.0,
+    "wait_poll_s": 0.0, "wait_timeout_s": -1.0, "fallback_batch_size": 9, "memory_log_every": 0,
+    "leak_warmup_steps": -1, "memory_snapshot_every": -1, "snapshot_max_entries": 0,
+}
+
+
+def test_each_rule_refuses_its_bad_value_in_one_sentence():
+    assert set(BAD_VALUES) == {field for field, _, _ in dqn.RULES}  # every rule is tried here
+    assert dqn.Args().problems() == []
+    for field, value in BAD_VALUES.items():
+        problems = dict(dqn.Args(**{field: value}).problems())
+        assert list(problems)[0] == field, (field, problems)  # (a zero learning rate also breaks min_lr's rule)
+        sentence = problems[field]
+        assert sentence.startswith(f"{field} must be ") and sentence.endswith(f", got {value!r}")
+    assert "larger than n_step (3)" in dqn.Args(buffer_size=3).problems()[0][1]  # cross-field rules name the other
+
+
+def test_model_settings_reach_the_network():
+    net = dqn.make_q_network(dqn.Args(res=8, tower_channels=4, fused_channels=6, player_channels=2,
+                                      nonspatial_hidden=5, fine_gain=3.0))
+    assert net.screen_tower[0].out_channels == 4 and net.minimap_tower[2].out_channels == 4
+    assert net.fuse[0].out_channels == 6 and net.player_embed[0].out_features == 2
+    assert net.nonspatial_head[0].out_features == 5 and net.fine_gain == 3.0

@@ -11,7 +11,7 @@ SELECT_POINT = dqn.SELECT_POINT
 
 def to_pixel(env, world_xy):
     return tuple(
-        int(v) for v in np.clip(np.asarray(world_xy) * env.res / dqn.SCREEN_WORLD_UNITS, 0, env.res - 1)
+        int(v) for v in np.clip(np.asarray(world_xy) * env.res / env.world_units, 0, env.res - 1)
     )
 
 
@@ -71,6 +71,20 @@ def test_marine_walks_at_its_game_speed_on_pysc2s_screen_scale(res, step_mul):
     assert walked / pixel_size == pytest.approx(3.0)
 
 
+def test_screen_world_units_setting_sets_the_scale_of_the_builtin_screen():
+    """--screen-world-units 12 (a camera zoomed in twice) makes the same walk twice as many pixels."""
+    env = dqn.make_env(dqn.Args(res=32, step_mul=16, screen_world_units=12.0), seed=0)
+    env.reset()
+    env.marines[:] = [1.0, 5.0]
+    env.targets[:] = env.marines
+    env.pickups[:] = [[30.0, 30.0]]
+    env.step(SELECT_ARMY)
+    env.step(MOVE, (31, 13))
+    pixel_size = env.screen_x[0, 1] - env.screen_x[0, 0]
+    assert pixel_size == pytest.approx(12.0 / 32)
+    assert np.linalg.norm(env.marines[0] - [1.0, 5.0]) / pixel_size == pytest.approx(6.0)
+
+
 def test_reaching_the_beacon_scores_and_respawns_it():
     env = dqn.BuiltinMiniGame("MoveToBeacon", res=32, step_mul=16, seed=3)
     env.reset()
@@ -86,14 +100,14 @@ def test_reaching_the_beacon_scores_and_respawns_it():
     assert not np.allclose(env.pickups[0], [10.0, 9.0])  # a new beacon elsewhere
     assert np.linalg.norm(env.pickups[0] - env.marines[0]) >= dqn.BEACON_MIN_DISTANCE
     ys, xs = np.nonzero(obs["feature_screen"][0] == 3)
-    assert abs(xs.mean() - env.pickups[0][0] * 32 / dqn.SCREEN_WORLD_UNITS) < 2  # drawn where it now is
+    assert abs(xs.mean() - env.pickups[0][0] * 32 / env.world_units) < 2  # drawn where it now is
 
 
 def test_beacon_spawns_where_the_map_script_puts_it():
     """At least 5 units from the marine, at the start and after every pickup, inside the map's spawn region."""
     env = dqn.BuiltinMiniGame("MoveToBeacon", res=32, step_mul=16, seed=0)
-    x0, y0, x1, y1 = dqn.screen_rect(dqn.BEACON_SPAWN_WORLD)
-    hole = np.array(dqn.world_to_screen_units(*dqn.BEACON_SPAWN_HOLE_WORLD[:2]))
+    x0, y0, x1, y1 = dqn.screen_rect(dqn.BEACON_SPAWN_WORLD, env.world_units)
+    hole = np.array(dqn.world_to_screen_units(*dqn.BEACON_SPAWN_HOLE_WORLD[:2], env.world_units))
     distances = []
     for episode in range(100):
         env.reset()
@@ -110,7 +124,7 @@ def test_beacon_spawns_where_the_map_script_puts_it():
 
 def test_shards_spawn_at_least_2_units_from_every_marine():
     env = dqn.BuiltinMiniGame("CollectMineralShards", res=32, step_mul=16, seed=0)
-    x0, y0, x1, y1 = dqn.screen_rect(dqn.SHARD_SPAWN_WORLD)
+    x0, y0, x1, y1 = dqn.screen_rect(dqn.SHARD_SPAWN_WORLD, env.world_units)
     closest = []
     for episode in range(30):
         env.reset()
@@ -123,7 +137,7 @@ def test_shards_spawn_at_least_2_units_from_every_marine():
 
 def test_pysc2_minigame_geometry_on_the_screen():
     """The map's playable area lies on pysc2's 24-unit screen, shifted up by the camera's 3-unit pan south."""
-    assert dqn.screen_rect(dqn.PLAYABLE_WORLD) == (1.0, 1.0, 23.0, 17.0)
+    assert dqn.screen_rect(dqn.PLAYABLE_WORLD, dqn.Args.screen_world_units) == (1.0, 1.0, 23.0, 17.0)
     env = dqn.BuiltinMiniGame("CollectMineralShards", res=64, step_mul=8, seed=0)
     for _ in range(20):
         env.reset()

@@ -55,7 +55,7 @@ def test_next_state_is_the_following_slot_and_terminals_do_not_leak_across_episo
         i = int(sample["obs"]["player"][b, 1])
         assert np.array_equal(sample["obs"]["screen"][b], history[i][0]["feature_screen"])
         assert sample["actions"][b] == history[i][1]
-        assert bool(sample["dones"][b]) == history[i][2]
+        assert bool(sample["dones"][b, 0]) == history[i][2]
         if not history[i][2]:
             assert sample["next_obs"]["player"][b, 1] == i + 1
             assert np.array_equal(sample["next_obs"]["screen"][b], history[i + 1][0]["feature_screen"])
@@ -70,7 +70,7 @@ def test_ring_overwrites_the_oldest_and_never_samples_the_newest_half_transition
     assert stamps == set(range(40 - 16, 39))  # the last 16 steps but the newest, whose successor is unknown
 
 
-def test_n_step_returns_sum_discounted_rewards_and_stop_at_the_episode_end():
+def test_n_step_samples_hold_the_next_n_rewards_and_dones_and_the_state_n_later():
     env = dqn.BuiltinMiniGame("MoveToBeacon", res=8, step_mul=128, seed=0)
     rb, obs = dqn.SplitReplayBuffer(32, 8), env.reset()
     rewards, dones = [float(t) for t in range(10)], [t in (4, 9) for t in range(10)]
@@ -78,19 +78,13 @@ def test_n_step_returns_sum_discounted_rewards_and_stop_at_the_episode_end():
         stamped = {**obs, "player": obs["player"].copy()}
         stamped["player"][1] = t
         rb.add(stamped, 0, rewards[t], dones[t])
-    sample = rb.sample(500, np.random.default_rng(0), n_step=3, gamma=0.5)
+    sample = rb.sample(500, np.random.default_rng(0), n_step=3)
     stamps = sample["obs"]["player"][:, 1].astype(int)
     assert set(stamps.tolist()) == set(range(8))  # 8 and 9 lack 3 known successors
     for b, i in enumerate(stamps):
-        expected, done = 0.0, False
-        for j in range(3):
-            expected += 0.5**j * rewards[i + j]
-            if dones[i + j]:
-                done = True
-                break
-        assert sample["rewards"][b] == pytest.approx(expected)  # e.g. stamp 3: 3 + 0.5 * 4, then the end
-        assert bool(sample["dones"][b]) == done
-        if not done:
+        assert sample["rewards"][b].tolist() == rewards[i : i + 3]  # td_target cuts them at the episode's end
+        assert sample["dones"][b].tolist() == [float(d) for d in dones[i : i + 3]]
+        if i + 3 < 10:
             assert sample["next_obs"]["player"][b, 1] == i + 3
 
 
@@ -185,8 +179,8 @@ def test_bf16_autocast_runs_every_forward_on_cpu():
     dtypes = []
     for net in (q, target):
         net.spatial_coarse.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
-    loss, _ = dqn.td_loss(q, target, real_batch(), 0.99, True, setup)
-    assert dtypes == [torch.bfloat16] * 3  # online on s, online on s' (double DQN), target on s'
+    loss, _ = dqn.td_loss(q, target, real_batch(), dqn.Args(res=8), setup)
+    assert dtypes == [torch.bfloat16] * 3  # online on s, target on s', online on s' (double DQN)
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
 
 

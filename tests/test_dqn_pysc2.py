@@ -29,7 +29,7 @@ CHILD = textwrap.dedent("""
     res = 16
     interface = sc2_env.AgentInterfaceFormat(
         feature_dimensions=sc2_env.Dimensions(screen=res, minimap=res),
-        camera_width_world_units=dqn.SCREEN_WORLD_UNITS)
+        camera_width_world_units=dqn.Args.screen_world_units)
     mock = mock_sc2_env.SC2TestEnv(map_name="MoveToBeacon", agent_interface_format=interface)
     mock.episode_length = 3
     env = dqn.Pysc2MiniGame(mock, res)

@@ -1,4 +1,4 @@
-"""Double-DQN targets across the two heads, the TD loss, and the per-episode learning-rate schedules."""
+"""The n-step Double-DQN target across the two heads, the TD loss, and the per-episode learning-rate schedules."""
 
 import math
 
@@ -19,21 +19,50 @@ TARGET_SP = torch.tensor([[8.0, 3.0, 0.0, 0.0], [0.0, 0.0, 10.0, 5.0]])
 ALL_AVAILABLE = torch.tensor([[True, True, True], [True, True, True]])
 
 
+class FixedQ(torch.nn.Module):
+    """A 'network' returning fixed Q values, so the TD target and loss can be checked by hand."""
+
+    def __init__(self, q_ns, q_sp):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.q_ns, self.q_sp, self.res = q_ns, q_sp, 2
+
+    def forward(self, screen, minimap, player, available):
+        return self.q_ns * self.scale, self.q_sp * self.scale
+
+
+class NeverCalled(torch.nn.Module):
+    def forward(self, *inputs):
+        raise AssertionError("plain DQN must not ask the online network about the next state")
+
+
+def states(mask):
+    return {"screen": torch.zeros(2), "minimap": torch.zeros(2), "player": torch.zeros(2), "mask": mask}
+
+
+def target_of(online, target, mask, rewards=None, dones=None, gamma=1.0, double=True):
+    """dqn.td_target of two next states; with the default zero rewards and gamma 1 it is V(s')."""
+    batch = {"next_obs": states(mask),
+             "rewards": torch.zeros(2, 1) if rewards is None else torch.tensor(rewards),
+             "dones": torch.zeros(2, 1) if dones is None else torch.tensor(dones)}
+    return dqn.td_target(online, target, batch, dqn.Args(gamma=gamma, use_double_dqn=double), mu.amp("off", "cpu"))
+
+
 def test_double_dqn_online_selects_target_evaluates_both_heads():
-    value = dqn.next_state_value((ONLINE_NS, ONLINE_SP), (TARGET_NS, TARGET_SP), ALL_AVAILABLE, True)
+    value = target_of(FixedQ(ONLINE_NS, ONLINE_SP), FixedQ(TARGET_NS, TARGET_SP), ALL_AVAILABLE)
     # state 0: online picks select_army (5) -> target 2; online picks point 1 (9) -> target 3; max = 3
     # state 1: online picks no_op (2) -> target 6; online picks point 3 (4) -> target 5; max = 6
     assert value.tolist() == [3.0, 6.0]
 
 
 def test_plain_dqn_takes_the_target_maximum_of_both_heads():
-    value = dqn.next_state_value(None, (TARGET_NS, TARGET_SP), ALL_AVAILABLE, False)
+    value = target_of(NeverCalled(), FixedQ(TARGET_NS, TARGET_SP), ALL_AVAILABLE, double=False)
     assert value.tolist() == [8.0, 10.0]  # max(7, 8) and max(6, 10)
 
 
 def test_unavailable_actions_never_bootstrap():
     mask = torch.tensor([[True, False, True], [True, True, False]])  # s0: no select_army; s1: no Move_screen
-    value = dqn.next_state_value((ONLINE_NS, ONLINE_SP), (TARGET_NS, TARGET_SP), mask, True)
+    value = target_of(FixedQ(ONLINE_NS, ONLINE_SP), FixedQ(TARGET_NS, TARGET_SP), mask)
     # s0: online restricted to no_op -> target 7; spatial point 1 -> 3; max = 7
     # s1: non-spatial only: online picks no_op -> 6
     assert value.tolist() == [7.0, 6.0]
@@ -45,15 +74,14 @@ TARGET_SP2 = torch.tensor([[8.0, 3.0, 0.0, 2.0], [0.0, 1.0, 10.0, 5.0]])
 
 
 def test_each_spatial_function_bootstraps_from_its_own_map():
+    online, target = FixedQ(ONLINE_NS, ONLINE_SP2), FixedQ(TARGET_NS, TARGET_SP2)
     mask = torch.tensor([[True, True, True, True], [True, True, False, True]])  # s1: no Move_screen
-    value = dqn.next_state_value((ONLINE_NS, ONLINE_SP2), (TARGET_NS, TARGET_SP2), mask, True)
     # s0: select_army -> 2; Move: online point 1 (9) -> 3; select_point: online point 0 (1) -> 0; max = 3
     # s1: no_op -> 6; Move unavailable (its target 1 never counts); select_point: online point 1 (4) -> 5; max = 6
-    assert value.tolist() == [3.0, 6.0]
+    assert target_of(online, target, mask).tolist() == [3.0, 6.0]
     mask = torch.tensor([[True, True, False, False], [False, False, False, True]])
-    value = dqn.next_state_value((ONLINE_NS, ONLINE_SP2), (TARGET_NS, TARGET_SP2), mask, True)
-    assert value.tolist() == [2.0, 5.0]  # s0: select_army only; s1: select_point only
-    plain = dqn.next_state_value(None, (TARGET_NS, TARGET_SP2), torch.ones(2, 4, dtype=torch.bool), False)
+    assert target_of(online, target, mask).tolist() == [2.0, 5.0]  # s0: select_army only; s1: select_point only
+    plain = target_of(NeverCalled(), target, torch.ones(2, 4, dtype=torch.bool), double=False)
     assert plain.tolist() == [8.0, 10.0]
 
 
@@ -65,21 +93,18 @@ def test_masked_q_masks_each_spatial_map_by_its_function():
 
 
 def test_td_target_hand_computed():
-    value = dqn.next_state_value((ONLINE_NS, ONLINE_SP), (TARGET_NS, TARGET_SP), ALL_AVAILABLE, True)
-    target = dqn.td_targets(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), 0.9, value)
+    target = target_of(FixedQ(ONLINE_NS, ONLINE_SP), FixedQ(TARGET_NS, TARGET_SP), ALL_AVAILABLE,
+                       rewards=[[1.0], [0.0]], dones=[[0.0], [1.0]], gamma=0.9)
     assert target.tolist() == pytest.approx([1.0 + 0.9 * 3.0, 0.0])  # the terminal state does not bootstrap
 
 
-class FixedQ(torch.nn.Module):
-    """A 'network' returning fixed Q values, so td_loss can be checked by hand."""
-
-    def __init__(self, q_ns, q_sp):
-        super().__init__()
-        self.scale = torch.nn.Parameter(torch.ones(()))
-        self.q_ns, self.q_sp, self.res = q_ns, q_sp, 2
-
-    def forward(self, screen, minimap, player, available):
-        return self.q_ns * self.scale, self.q_sp * self.scale
+def test_n_step_target_sums_discounted_rewards_and_stops_at_the_episode_end():
+    rewards = [[1.0, 2.0, 4.0], [1.0, 2.0, 4.0]]
+    dones = [[0.0, 0.0, 0.0], [0.0, 1.0, 0.0]]  # state 1's episode ends after its second step
+    target = target_of(FixedQ(ONLINE_NS, ONLINE_SP), FixedQ(TARGET_NS, TARGET_SP), ALL_AVAILABLE,
+                       rewards=rewards, dones=dones, gamma=0.5)
+    # V(s') = 3 and 6 as in the double-DQN example; s1's third reward belongs to the next episode
+    assert target.tolist() == pytest.approx([1 + 0.5 * 2 + 0.25 * 4 + 0.125 * 3.0, 1 + 0.5 * 2])
 
 
 def test_td_loss_takes_each_transition_from_the_head_its_action_came_from():
@@ -87,20 +112,14 @@ def test_td_loss_takes_each_transition_from_the_head_its_action_came_from():
         torch.tensor([[1.0, 5.0], [2.0, 0.0]]), torch.tensor([[0.0, 9.0, 1.0, 0.0], [3.0, 0.0, 0.0, 4.0]])
     )
     target = FixedQ(TARGET_NS, TARGET_SP)
-    empty = {
-        "screen": torch.zeros(2),
-        "minimap": torch.zeros(2),
-        "player": torch.zeros(2),
-        "mask": ALL_AVAILABLE,
-    }
     batch = {
-        "obs": empty,
-        "next_obs": empty,
+        "obs": states(ALL_AVAILABLE),
+        "next_obs": states(ALL_AVAILABLE),
         "actions": torch.tensor([1, 2 + 3]),  # select_army; point 3
-        "rewards": torch.tensor([1.0, 0.0]),
-        "dones": torch.tensor([0.0, 0.0]),
+        "rewards": torch.tensor([[1.0], [0.0]]),
+        "dones": torch.tensor([[0.0], [0.0]]),
     }
-    loss, q_taken = dqn.td_loss(online, target, batch, 0.5, True, mu.amp("off", "cpu"))
+    loss, q_taken = dqn.td_loss(online, target, batch, dqn.Args(gamma=0.5), mu.amp("off", "cpu"))
     assert q_taken.tolist() == [5.0, 4.0]
     targets = [1.0 + 0.5 * 3.0, 0.0 + 0.5 * 6.0]  # V(s') as in the double-DQN example above
     errors = [5.0 - targets[0], 4.0 - targets[1]]  # 2.5 and 1.0: Huber = |e| - 0.5 for |e| >= 1
