@@ -1,93 +1,274 @@
-"""Write benchmark/results/dqn_movetobeacon_learning.{md,csv} from one learning run's own files.
+"""Seeded learning runs of dqn_starcraft_split.py on one built-in minigame -> one results file (.json, .md, .png).
 
-Usage: python benchmark/dqn_learning_report.py RUN_DIR benchmark/results "COMMAND"
-(RUN_DIR is {save_path}/{run_id} of the run; every figure comes from its config.json and eval/ files.)
+    python benchmark/dqn_learning_report.py --out benchmark/results/dqn_collectmineralshards_learning \
+        --command "python dqn_starcraft_split.py --map-name CollectMineralShards --time-limit-min 60 --seed N" \
+        --conditions "how the runs shared the machine" --runs results/shards_s1 results/shards_s2 results/shards_s3
+
+Every figure comes from the runs' own files ({save_path}/{run_id}/config.json, eval/curve.csv,
+eval/test_results.json) and from benchmark/results/dqn_replica_calibration.json (the scripted and random agents
+at the runs' res and step_mul); nothing is typed in.
 """
-import csv, json, os, shutil, sys
 
-run = sys.argv[1]  # the run folder: {save_path}/{run_id}
-out = sys.argv[2]  # benchmark/results
-command = sys.argv[3]
-cfg = json.load(open(os.path.join(run, "config.json")))
-test = json.load(open(os.path.join(run, "eval", "test_results.json")))
-rows = list(csv.DictReader(open(os.path.join(run, "eval", "curve.csv"))))
-shutil.copyfile(os.path.join(run, "eval", "curve.csv"), os.path.join(out, "dqn_movetobeacon_learning.csv"))
-shutil.copyfile(os.path.join(run, "eval", "test_results.json"),
-                os.path.join(out, "dqn_movetobeacon_learning_test_results.json"))
-history = json.load(open(os.path.join(out, "dqn_movetobeacon_learning_history.json")))
-cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "unknown")
-a = cfg["args"]
-tests = [float(r["test_score_mean"]) for r in rows]
-first20 = next((r for r in rows if float(r["test_score_mean"]) >= 20), None)
-late = [r for r in rows if float(r["epsilon"]) <= a["end_e"] + 1e-9]
-late_tests = [float(r["test_score_mean"]) for r in late]
-L = []
-L.append("# Built-in MoveToBeacon, split-head Double DQN, default hyperparameters\n")
-L.append("Command (from the repository root; `--time-limit-min 20` stops training after 20 minutes of wall time, "
-         "then runs the final greedy test; every other value is the default):\n")
-L.append("```\n" + command + "\n```\n")
-L.append(f"Machine: {os.cpu_count()} CPU cores ({cpu}), no GPU, Python {cfg['python']}, torch {cfg['torch']}, "
-         f"`--torch-num-threads {a['torch_num_threads']}`. The two cores were shared with other jobs "
-         "(training runs and test suites) during the run, for its first 15 minutes also with the run of the last "
-         "history line below, and in its last 4 minutes with a short diagnostic run, so the wall times are "
-         "pessimistic.\n")
-L.append(f"Episodes are {cfg['episode_steps']} agent steps (120 game seconds of 16 game loops at step_mul "
-         f"{a['step_mul']}); n-step returns with n = {a['n_step']}, gamma {a['gamma']}, lr {a['learning_rate']:g}, "
-         f"batch {cfg['batch_size_used']}, replay {a['buffer_size']}, epsilon {a['start_e']:g} -> {a['end_e']:g} "
-         f"over {a['exploration_steps']} steps, target update every {a['target_network_frequency']} steps.\n")
-L.append(f"Final greedy test ({test['num_test_episodes']} episodes, epsilon {test.get('test_epsilon', 0.0):g}): "
-         f"mean **{test['mean']:.2f}** (std {test['std']:.2f}, min {test['min']:g}, max {test['max']:g}) after "
-         f"{test['episodes']} training episodes, {test['global_steps']} agent steps, "
-         f"{test['train_wall_time_s'] / 60:.1f} min of training (stopped by {test['stopped_by']}).\n")
-if first20:
-    L.append(f"First periodic greedy test at or above 20: episode {first20['episode']} "
-             f"({float(first20['wall_time_s']) / 60:.1f} min, epsilon {float(first20['epsilon']):.3f}).\n")
-else:
-    L.append("First periodic greedy test at or above 20: none within the run.\n")
-L.append(f"Periodic greedy tests (5 episodes each): {sum(t >= 20 for t in tests)} of {len(tests)} at or above 20; "
-         + (f"after epsilon reached {a['end_e']:g}: mean {sum(late_tests) / len(late_tests):.2f} over "
-            f"{len(late_tests)} tests, lowest {min(late_tests):.2f}.\n" if late_tests else
-            f"epsilon did not reach {a['end_e']:g} within the run.\n"))
-zeros = sum(t == 0 for t in tests)
-nomask = [float(r["test_score_mean"]) for r in csv.DictReader(open(os.path.join(out, "dqn_movetobeacon_learning_nomask.csv")))]
-late_zeros = sum(float(r["test_score_mean"]) == 0 for r in late)
-L.append(f"Periodic greedy tests that scored 0: {zeros} of {len(tests)}, {late_zeros} of them after epsilon reached "
-         f"{a['end_e']:g} (without the available actions as a network input, last history line: "
-         f"{sum(t == 0 for t in nomask)} of {len(nomask)}).\n")
-L.append("For scale: on this built-in map a scripted agent that clicks on the beacon scores about 27 at step_mul 16 "
-         "and a random agent about 1 (tests/test_dqn_env.py); SC2LE FullyConv scored 26 on the real map.\n")
-ok = test["mean"] >= 20 and test["train_wall_time_s"] <= 20 * 60 + 60
-L.append("Verdict: the target of a mean greedy test score of at least 20 within 20 minutes was "
-         + ("**reached**.\n" if ok else "**not reached**.\n"))
-L.append("Changes since the first attempt (history below): (1) episodes follow the map's timer in normal-speed "
-         "game seconds (16 game loops each): 120 agent steps at step_mul 16 instead of 168, with the screen "
-         "re-calibrated to 28 world units so that the scripted beacon-clicker still scores about 27 and a random "
-         "agent about 1; (2) 3-step returns (`--n-step 3`); (3) the available-actions mask is an input of the "
-         "network (player embedding and non-spatial head). (1) and (2) were not measured separately. (3) made no "
-         "clear difference on this one seed (compare the last history line, run without it). The seed recipe's "
-         "values (lr 5e-5, batch 8, replay 100k, epsilon 1 -> 0.01 over 100k steps, target update every 300 "
-         "steps, step_mul 16, res 32, 10000 episodes) are unchanged.\n")
-L.append("Why some periodic greedy tests score 0: the network chose no_op in the first state of the episode, "
-         "before the marine is selected, and stood still for all 120 steps (checked on the checkpoints of "
-         "reproductions of the first 100 episodes without (3) and 125 episodes with (3): every greedy episode "
-         "was 120 no_ops). Under a near-random behaviour policy no_op and select_army are worth almost the same "
-         "there; once epsilon is low the trained network selects first (20 greedy episodes replayed from each "
-         "run's final checkpoint all start with select_army and never no-op).\n")
-L.append(f"Curve (`dqn_movetobeacon_learning.csv`, copied from the run's `eval/curve.csv`; the final test is "
-         f"`dqn_movetobeacon_learning_test_results.json`): every {a['eval_every_episodes']} episodes, the mean "
-         "training score over those episodes (epsilon-greedy) and the mean of 5 greedy test episodes.\n")
-L.append("| episode | agent steps | wall min | epsilon | train score | greedy test score |")
-L.append("|---:|---:|---:|---:|---:|---:|")
-for r in rows:
-    L.append(f"| {r['episode']} | {r['global_step']} | {float(r['wall_time_s']) / 60:.1f} | {float(r['epsilon']):.3f} | "
-             f"{float(r['train_score_mean']):.2f} | {float(r['test_score_mean']):.2f} |")
-L.append("\n## Earlier attempts (same command and machine)\n")
-for h in history:
-    c = list(csv.DictReader(open(os.path.join(out, h["curve"]))))
-    best = max(c, key=lambda r: float(r["test_score_mean"]))
-    L.append(f"- {h['name']}; {h['episode_steps']}-step episodes: final greedy test mean {h['final_mean']:.2f} "
-             f"(std {h['final_std']:.2f}, min {h['final_min']:g}, max {h['final_max']:g}, {h['test_episodes']} "
-             f"episodes) after {h['episodes']} episodes, {h['steps']} agent steps, {h['minutes']:.1f} min; best "
-             f"periodic test {float(best['test_score_mean']):.2f} at episode {best['episode']}. Curve: `{h['curve']}`.")
-open(os.path.join(out, "dqn_movetobeacon_learning.md"), "w").write("\n".join(L) + "\n")
-print("\n".join(L[:12]))
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import dqn_starcraft_split as dqn  # noqa: E402
+
+CALIBRATION = Path(__file__).parent / "results" / "dqn_replica_calibration.json"
+# What each map's runs must reach: (calibration figure, fraction of it, wall-time limit in minutes or None).
+TARGETS = {
+    "MoveToBeacon": ("scripted_beacon", 0.9, None),
+    "CollectMineralShards": ("scripted_shards_together", 1.0, 60.0),
+}
+RANDOM = {"MoveToBeacon": "random_beacon", "CollectMineralShards": "random_shards"}
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def read_run(folder: Path) -> dict:
+    for name in ("config.json", "eval/curve.csv", "eval/test_results.json"):
+        if not (folder / name).is_file():
+            fail(f"{folder} has no {name}; give the folders of finished runs ({{save_path}}/{{run_id}}).")
+    config = json.loads((folder / "config.json").read_text())
+    test = json.loads((folder / "eval" / "test_results.json").read_text())
+    with open(folder / "eval" / "curve.csv", newline="") as f:
+        curve = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    return {
+        "run_id": config["run_id"],
+        "seed": config["seed"],
+        # where the run wrote its files is this machine's business, not the result's
+        "args": {k: v for k, v in config["args"].items() if k not in ("save_path", "log_dir", "resume")},
+        "python": config["python"],
+        "torch": config["torch"],
+        "greedy_test": {k: test[k] for k in ("num_test_episodes", "mean", "std", "min", "max", "scores")},
+        "episodes": test["episodes"],
+        "global_steps": test["global_steps"],
+        "stopped_by": test["stopped_by"],
+        "train_wall_minutes": test["train_wall_time_s"] / 60,
+        "curve": curve,
+    }
+
+
+def greedy_behaviour(folder: Path, episodes: int) -> dict:
+    """What the trained network does: `episodes` greedy episodes from the run's final checkpoint on a fresh
+    built-in environment (seed 20,000 + k): how often it picks each function, and where its clicks land."""
+    state = torch.load(folder / "checkpoint.pt", map_location="cpu", weights_only=True)
+    args = dqn.Args(**{k: (tuple(v) if k == "seeds" else v) for k, v in state["args"].items()
+                       if k in dqn.Args.__dataclass_fields__})
+    net = dqn.make_q_network(args)
+    net.load_state_dict(state["q_network"])
+    net.eval()
+    counts = {name: 0 for name in dqn.FUNCTIONS}
+    on_target = clicks = 0
+    click_distance, nearest_distance = [], []  # world units from the selected marines to the click / the nearest pickup
+    scores = []
+    rng = np.random.default_rng(0)
+    for k in range(episodes):
+        env = dqn.make_env(args, 20_000 + k)
+        obs, done, score = env.reset(), False, 0.0
+        while not done:
+            function_id, point = dqn.decode_action(dqn.select_action(net, obs, 0.0, rng, "cpu"), args.res)
+            name = next(n for n in dqn.FUNCTIONS if dqn.FUNCTION_IDS[n] == function_id)
+            counts[name] += 1
+            if function_id == dqn.MOVE_SCREEN:
+                x, y = point
+                clicks += 1
+                on_target += int(obs["feature_screen"][0][y, x] == 3)  # player_relative 3: beacon or shard
+                if env.selected.any():
+                    centre = env.marines[env.selected].mean(0)
+                    click = (np.array([x, y]) + 0.5) * env.world_units / args.res
+                    click_distance.append(float(np.linalg.norm(click - centre)))
+                    nearest_distance.append(float(np.linalg.norm(env.pickups - centre, axis=1).min()))
+            obs, reward, done = env.step(function_id, point)
+            score += reward
+        scores.append(score)
+    total = sum(counts.values())
+    return {"episodes": episodes, "scores": scores, "function_share": {n: c / total for n, c in counts.items()},
+            "move_clicks_on_a_pickup": on_target / max(clicks, 1),
+            "mean_click_distance": statistics.fmean(click_distance) if click_distance else None,
+            "mean_nearest_pickup_distance": statistics.fmean(nearest_distance) if nearest_distance else None}
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in report["runs"]:
+        steps = [row["global_step"] for row in run["curve"]]
+        ax.plot(steps, [row["test_score_mean"] for row in run["curve"]], lw=1, label=f"seed {run['seed']} greedy")
+    ax.axhline(report["reference_mean"], color="k", ls="--", label=f"{report['reference']} {report['reference_mean']:.1f}")
+    ax.axhline(report["random_mean"], color="grey", ls=":", label=f"random {report['random_mean']:.1f}")
+    ax.set_xlabel("agent steps")
+    ax.set_ylabel("episode score (5 greedy episodes)")
+    ax.set_title(f"{report['map_name']} (built-in), split-head Double DQN, defaults")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def markdown(r: dict) -> str:
+    L = [f"# Built-in {r['map_name']}: split-head Double DQN with the default settings, {len(r['runs'])} seeds\n"]
+    L.append("Command (from the repository root), once per seed:\n")
+    L.append("```\n" + r["command"] + "\n```\n")
+    L.append(f"Machine: {r['machine']['cpu_count']} CPU cores ({r['machine']['cpu']}), no GPU, Python "
+             f"{r['machine']['python']}, torch {r['machine']['torch']}, one torch thread per run. "
+             f"{r['conditions']}\n")
+    a = r["settings"]
+    L.append(f"Settings (the defaults): res {a['res']}, step_mul {a['step_mul']} ({r['episode_steps']} agent steps "
+             f"an episode), lr {a['learning_rate']:g} (cosine over {a['num_episodes']} episodes), batch "
+             f"{a['batch_size']}, replay {a['buffer_size']}, gamma {a['gamma']}, {a['n_step']}-step returns, "
+             f"epsilon {a['start_e']:g} -> {a['end_e']:g} over {a['exploration_steps']} steps, target copy every "
+             f"{a['target_network_frequency']} steps, one update every {a['train_frequency']} steps. Every value "
+             "of every run is in the JSON (`runs[].args`).\n")
+    L.append("## Result\n")
+    L.append(f"Final greedy test ({r['runs'][0]['greedy_test']['num_test_episodes']} episodes per seed, epsilon 0): "
+             f"**{r['greedy_test_mean']:.2f}** mean over seeds (seed means {', '.join(f'{m:.2f}' for m in r['seed_means'])};"
+             f" spread: std {r['greedy_test_seed_std']:.2f}, min {min(r['seed_means']):.2f}, max "
+             f"{max(r['seed_means']):.2f}).\n")
+    L.append(f"Reference at the same settings (`dqn_replica_calibration.json`): {r['reference']} "
+             f"{r['reference_mean']:.2f}, random agent {r['random_mean']:.2f}.\n")
+    limit = f" within {r['time_limit_minutes']:g} minutes" if r["time_limit_minutes"] else ""
+    wall = [run["train_wall_minutes"] for run in r["runs"]]
+    L.append(f"Target: {r['target']}{limit}. Verdict: **{'reached' if r['target_reached'] else 'not reached'}** "
+             f"(training wall time per seed: {', '.join(f'{m:.1f}' for m in wall)} min).\n")
+    L.append("| seed | episodes | agent steps | training min | greedy test mean | std | min | max | "
+             "best periodic test |")
+    L.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for run in r["runs"]:
+        t = run["greedy_test"]
+        best = max(run["curve"], key=lambda row: row["test_score_mean"])
+        L.append(f"| {run['seed']} | {run['episodes']} | {run['global_steps']} | {run['train_wall_minutes']:.1f} | "
+                 f"{t['mean']:.2f} | {t['std']:.2f} | {t['min']:g} | {t['max']:g} | "
+                 f"{best['test_score_mean']:.2f} (step {int(best['global_step'])}) |")
+    L.append("")
+    L.append(f"What the trained networks do ({r['runs'][0]['greedy_behaviour']['episodes']} greedy episodes per seed "
+             "from the final checkpoint, on fresh episodes): share of each function among the agent's steps, and "
+             "the share of Move_screen clicks that land on a pixel of a beacon or shard, and how far (world units) "
+             "the click is from the selected marines' centre against how far the nearest pickup was.\n")
+    L.append("| seed | score | " + " | ".join(dqn.FUNCTIONS) + " | Move clicks on a pickup | click distance | "
+             "nearest pickup distance |")
+    L.append("|---:|---:|" + "---:|" * (len(dqn.FUNCTIONS) + 3))
+    for run in r["runs"]:
+        b = run["greedy_behaviour"]
+        L.append(f"| {run['seed']} | {statistics.fmean(b['scores']):.1f} | "
+                 + " | ".join(f"{b['function_share'][n]:.0%}" for n in dqn.FUNCTIONS)
+                 + f" | {b['move_clicks_on_a_pickup']:.0%} | {b['mean_click_distance'] or 0:.2f} | "
+                   f"{b['mean_nearest_pickup_distance'] or 0:.2f} |")
+    L.append("")
+    L.append(f"Curves: `{r['png']}` and, every row, in the JSON (`runs[].curve`: every "
+             f"{a['eval_every_episodes']} episodes the mean epsilon-greedy training score of those episodes and "
+             f"the mean of {a['num_eval_episodes']} greedy test episodes).\n")
+    L.append("| agent steps | " + " | ".join(f"seed {run['seed']} greedy (train)" for run in r["runs"]) + " |")
+    L.append("|---:|" + "---:|" * len(r["runs"]))
+    longest = max(r["runs"], key=lambda run: len(run["curve"]))
+    stride = max(1, len(longest["curve"]) // 20)
+    for k in range(stride - 1, len(longest["curve"]), stride):
+        cells = []
+        for run in r["runs"]:
+            row = run["curve"][k] if k < len(run["curve"]) else None
+            cells.append(f"{row['test_score_mean']:.1f} ({row['train_score_mean']:.1f})" if row else "")
+        L.append(f"| {int(longest['curve'][k]['global_step'])} | " + " | ".join(cells) + " |")
+    L.append("")
+    L.append("What a replica score can be compared with: other runs on the replica, and the scripted and random "
+             "agents above, measured on the same replica at the same settings. It is not a StarCraft II score: "
+             "the replica follows the real maps' spawn rules, timer, marine speed and screen scale, but has no "
+             "unit collisions or formations, an assumed shard pickup radius and only four functions, so the SC2LE "
+             "paper's figures (FullyConv 26 on MoveToBeacon, 103 on CollectMineralShards, at 64 px and step_mul 8 "
+             "after hundreds of millions of steps) are for scale only.\n")
+    return "\n".join(L)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="+", required=True, help="the runs' folders, {save_path}/{run_id}")
+    parser.add_argument("--out", required=True, help="path without extension; writes .json, .md and .png")
+    parser.add_argument("--command", required=True, help="the command each run used")
+    parser.add_argument("--conditions", default="", help="how the runs shared the machine, in words")
+    parser.add_argument("--behaviour-episodes", type=int, default=5,
+                        help="greedy episodes per run, from its final checkpoint, to describe what it does")
+    cli = parser.parse_args()
+    torch.set_num_threads(1)
+    runs = [read_run(Path(folder)) for folder in cli.runs]
+    for run, folder in zip(runs, cli.runs):
+        run["greedy_behaviour"] = greedy_behaviour(Path(folder), cli.behaviour_episodes)
+    maps = {run["args"]["map_name"] for run in runs}
+    settings = {(run["args"]["res"], run["args"]["step_mul"]) for run in runs}
+    if len(maps) != 1 or len(settings) != 1:
+        fail(f"the runs must share one map and one res/step_mul, got maps {sorted(maps)} and {sorted(settings)}.")
+    (map_name,), ((res, step_mul),) = maps, settings
+    if map_name not in TARGETS:
+        fail(f"no target is defined for map {map_name!r}; use one of {', '.join(TARGETS)}.")
+    calibration = json.loads(CALIBRATION.read_text())
+    names = [k for k, v in calibration["settings"].items() if (v["res"], v["step_mul"]) == (res, step_mul)]
+    if not names:
+        fail(f"dqn_replica_calibration.json has no figures at res {res}, step_mul {step_mul}.")
+    figures = calibration["results"][names[0]]
+    reference, fraction, limit = TARGETS[map_name]
+    seed_means = [run["greedy_test"]["mean"] for run in runs]
+    mean = statistics.fmean(seed_means)
+    reference_mean = figures[reference]["mean"]
+    in_time = limit is None or all(run["train_wall_minutes"] <= limit + 1.0 for run in runs)  # + the last episode
+    out = Path(cli.out)
+    report = {
+        "map_name": map_name,
+        "command": cli.command,
+        "conditions": cli.conditions,
+        "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "python": runs[0]["python"],
+                    "torch": runs[0]["torch"], "platform": platform.platform(terse=True)},
+        "settings": {k: v for k, v in runs[0]["args"].items() if k not in ("seed", "run_id", "save_path", "log_dir")},
+        "episode_steps": int(round(runs[0]["curve"][0]["global_step"] / runs[0]["curve"][0]["episode"])),
+        "greedy_test_mean": mean,
+        "greedy_test_seed_std": statistics.pstdev(seed_means),
+        "seed_means": seed_means,
+        "wall_minutes": max(run["train_wall_minutes"] for run in runs),
+        "reference": reference,
+        "reference_mean": reference_mean,
+        "random_mean": figures[RANDOM[map_name]]["mean"],
+        "target": (f"greedy_test_mean above {reference} ({reference_mean:.2f})" if fraction == 1.0 else
+                   f"greedy_test_mean >= {fraction:.0%} of {reference} ({fraction * reference_mean:.2f})"),
+        "time_limit_minutes": limit,
+        "target_reached": bool((mean > reference_mean if fraction == 1.0 else mean >= fraction * reference_mean)
+                               and in_time),
+        "png": out.name + ".png",
+        "runs": runs,
+    }
+    if map_name == "CollectMineralShards":
+        report["scripted_together_mean"] = reference_mean
+        report["scripted_split_mean"] = figures["scripted_shards_split"]["mean"]
+    else:
+        report["scripted_beacon_mean"] = reference_mean
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    plot(report, out.with_suffix(".png"))
+    out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report).split("## Result")[1][:1200])
+
+
+if __name__ == "__main__":
+    main()
