@@ -958,7 +958,7 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
         value_sp = value_sp.masked_fill(~spatial_ok, neg_inf).max(1).values  # the best available spatial function
         next_value = torch.maximum(value_ns, value_sp)  # (B,)
         next_value = torch.where(ended, torch.zeros_like(next_value), next_value)  # -inf never leaks through
-        return returns + args.gamma ** rewards.shape[1] * (~ended).float() * next_value
+        return returns + args.gamma ** rewards.shape[1] * next_value
 
 
 def td_loss(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSetup):

@@ -49,6 +49,7 @@ def read_run(folder: Path) -> dict:
     return {
         "run_id": config["run_id"],
         "seed": config["seed"],
+        "episode_steps": config["episode_steps"],
         # where the run wrote its files is this machine's business, not the result's
         "args": {k: v for k, v in config["args"].items() if k not in ("save_path", "log_dir", "resume")},
         "python": config["python"],
@@ -242,7 +243,7 @@ def main() -> None:
         "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "python": runs[0]["python"],
                     "torch": runs[0]["torch"], "platform": platform.platform(terse=True)},
         "settings": {k: v for k, v in runs[0]["args"].items() if k not in ("seed", "run_id", "save_path", "log_dir")},
-        "episode_steps": int(round(runs[0]["curve"][0]["global_step"] / runs[0]["curve"][0]["episode"])),
+        "episode_steps": runs[0]["episode_steps"],
         "greedy_test_mean": mean,
         "greedy_test_seed_std": statistics.pstdev(seed_means),
         "seed_means": seed_means,
