@@ -822,6 +822,7 @@ class SplitQNetwork(nn.Module):
     The towers work at half resolution (a stride-2 first conv) to keep an update cheap on a CPU. The spatial
     head adds two terms: the fused features upsampled back to res x res (context: where the marines are,
     what is selected) and a 3x3 conv over the full-resolution screen (so a click can land on an exact pixel).
+    The context layers widen what the fused features see from a few pixels to the whole screen.
     """
 
     def __init__(
@@ -1330,6 +1331,8 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial map), 24-unit screen
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
+# Settings that checkpoints written before they existed do not record, with the value those were trained with.
+ADDED_SETTINGS = {"context_layers": 0}
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
                      "fused_channels", "context_layers", "player_channels", "nonspatial_hidden", "fine_gain")
 
@@ -1379,7 +1382,7 @@ def load_checkpoint(path: str, args: Args) -> dict:
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT or "rng" not in state:
         raise ConfigError(f"--resume {path!r} is not a {CHECKPOINT_FORMAT} checkpoint that can be resumed.")
     for name in RESUME_MUST_MATCH:
-        saved, wanted = state["args"].get(name), getattr(args, name)
+        saved, wanted = state["args"].get(name, ADDED_SETTINGS.get(name)), getattr(args, name)
         if saved != wanted:
             raise ConfigError(f"--resume checkpoint was trained with --{name.replace('_', '-')} {saved}, but this run "
                               f"asks for {wanted}.")

@@ -67,8 +67,8 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
     """What the trained network does: `episodes` greedy episodes from the run's final checkpoint on a fresh
     built-in environment (seed 20,000 + k): how often it picks each function, and where its clicks land."""
     state = torch.load(folder / "checkpoint.pt", map_location="cpu", weights_only=True)
-    args = dqn.Args(**{k: (tuple(v) if k == "seeds" else v) for k, v in state["args"].items()
-                       if k in dqn.Args.__dataclass_fields__})
+    saved = {**dqn.ADDED_SETTINGS, **state["args"]}
+    args = dqn.Args(**{k: (tuple(v) if k == "seeds" else v) for k, v in saved.items() if k in dqn.Args.__dataclass_fields__})
     net = dqn.make_q_network(args)
     net.load_state_dict(state["q_network"])
     net.eval()

@@ -167,7 +167,8 @@ def test_a_reused_run_id_is_refused_unless_overwrite(tmp_path):
 # One value per rule of dqn.RULES that breaks that rule.
 BAD_VALUES = {
     "num_episodes": 0, "res": 4, "step_mul": 0, "screen_world_units": 0.0, "buffer_size": 3, "tower_channels": 0,
-    "fused_channels": 0, "player_channels": 0, "nonspatial_hidden": 0, "fine_gain": -1.0, "learning_rate": 0.0,
+    "context_layers": -1, "fused_channels": 0, "player_channels": 0, "nonspatial_hidden": 0, "fine_gain": -1.0,
+    "learning_rate": 0.0,
     "batch_size": 0, "gamma": 1.5, "n_step": 0, "start_e": 1.5, "end_e": 2.0, "exploration_steps": 0,
     "learning_starts": 3, "train_frequency": 0, "target_network_frequency": 0, "max_grad_norm": 0.0,
     "scheduler_tmax": 0, "min_lr": 1.0, "step_lr_step_size": 0, "step_lr_gamma": 0.0, "num_test_episodes": 0,
@@ -190,8 +191,30 @@ def test_each_rule_refuses_its_bad_value_in_one_sentence():
 
 
 def test_model_settings_reach_the_network():
-    net = dqn.make_q_network(dqn.Args(res=8, tower_channels=4, fused_channels=6, player_channels=2,
-                                      nonspatial_hidden=5, fine_gain=3.0))
+    net = dqn.make_q_network(dqn.Args(res=8, tower_channels=4, fused_channels=6, context_layers=2,
+                                      player_channels=2, nonspatial_hidden=5, fine_gain=3.0))
     assert net.screen_tower[0].out_channels == 4 and net.minimap_tower[2].out_channels == 4
     assert net.fuse[0].out_channels == 6 and net.player_embed[0].out_features == 2
+    assert [conv.dilation for conv in net.context] == [(1, 1), (2, 2)]
     assert net.nonspatial_head[0].out_features == 5 and net.fine_gain == 3.0
+
+
+@pytest.mark.parametrize("res", [32, 30])
+def test_context_layers_let_a_click_see_marines_across_the_screen(res):
+    """The value of clicking the top-left pixel changes when a marine appears 24 pixels away only with the
+    context layers; without them a click sees about 4 pixels. (The change is small at initialisation, 1e-5 of
+    a value of 0.1, but float32 rounding at that size is 1e-8.)"""
+    torch = pytest.importorskip("torch")
+    change = {}
+    for layers in (0, 3):
+        torch.manual_seed(0)
+        net = dqn.SplitQNetwork(res, context_layers=layers)
+        env = dqn.BuiltinMiniGame("CollectMineralShards", res=res, step_mul=16, seed=0)
+        states = dqn.to_tensors(dqn.obs_to_states(env.reset()), "cpu")
+        screen = states["screen"].clone()
+        screen[:, :, :6, :6] = 0  # empty ground around the clicked pixel ...
+        moved = screen.clone()
+        moved[0, 0, 24:26, 24:26] = 1  # ... and a unit of ours appears far away: player_relative 1
+        q = [net(s, states["minimap"], states["player"], states["mask"])[1][0, 0].item() for s in (screen, moved)]
+        change[layers] = abs(q[1] - q[0])
+    assert change[0] == 0.0 and change[3] > 1e-6, change

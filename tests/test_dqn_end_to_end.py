@@ -1,5 +1,6 @@
 """Tiny complete runs of dqn_starcraft_split.py: every output file, and what an interrupted run leaves."""
 
+import dataclasses
 import csv
 import json
 import os
@@ -352,3 +353,15 @@ def test_a_resume_that_cannot_work_is_one_line(tmp_path, extra, needle):
                           env=clean_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().startswith("error: --resume") and needle in done.stderr
+
+
+def test_a_checkpoint_from_before_the_context_layers_resumes_only_without_them(tmp_path):
+    """Checkpoints written before --context-layers existed do not record it; their networks had none, so
+    resuming one asks for --context-layers 0 instead of failing to load the weights later."""
+    args = dqn.Args(res=8)
+    saved = {"format": dqn.CHECKPOINT_FORMAT, "rng": {}, "args": dataclasses.asdict(args)}
+    del saved["args"]["context_layers"]
+    torch.save(saved, tmp_path / "old.pt")
+    with pytest.raises(dqn.ConfigError, match="--context-layers 0, but this run asks for 3"):
+        dqn.load_checkpoint(str(tmp_path / "old.pt"), args)
+    assert dqn.load_checkpoint(str(tmp_path / "old.pt"), dqn.Args(res=8, context_layers=0))["args"] == saved["args"]
