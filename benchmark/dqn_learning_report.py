@@ -51,7 +51,9 @@ def read_run(folder: Path) -> dict:
         "seed": config["seed"],
         "episode_steps": config["episode_steps"],
         # where the run wrote its files is this machine's business, not the result's
-        "args": {k: v for k, v in config["args"].items() if k not in ("save_path", "log_dir", "resume")},
+        # (runs from before a setting existed ran with the value dqn.ADDED_SETTINGS gives it)
+        "args": {k: v for k, v in {**dqn.ADDED_SETTINGS, **config["args"]}.items()
+                 if k not in ("save_path", "log_dir", "resume")},
         "python": config["python"],
         "torch": config["torch"],
         "greedy_test": {k: test[k] for k in ("num_test_episodes", "mean", "std", "min", "max", "scores")},
@@ -134,18 +136,19 @@ def plot(report: dict, path: Path) -> None:
 
 
 def markdown(r: dict) -> str:
-    L = [f"# Built-in {r['map_name']}: split-head Double DQN with the default settings, {len(r['runs'])} seeds\n"]
+    L = [f"# Built-in {r['map_name']}: split-head Double DQN, {len(r['runs'])} seeds\n"]
     L.append("Command (from the repository root), once per seed:\n")
     L.append("```\n" + r["command"] + "\n```\n")
     L.append(f"Machine: {r['machine']['cpu_count']} CPU cores ({r['machine']['cpu']}), no GPU, Python "
              f"{r['machine']['python']}, torch {r['machine']['torch']}, one torch thread per run. "
              f"{r['conditions']}\n")
     a = r["settings"]
-    L.append(f"Settings (the defaults): res {a['res']}, step_mul {a['step_mul']} ({r['episode_steps']} agent steps "
+    L.append(f"Settings: res {a['res']}, step_mul {a['step_mul']} ({r['episode_steps']} agent steps "
              f"an episode), lr {a['learning_rate']:g} (cosine over {a['num_episodes']} episodes), batch "
              f"{a['batch_size']}, replay {a['buffer_size']}, gamma {a['gamma']}, {a['n_step']}-step returns, "
              f"epsilon {a['start_e']:g} -> {a['end_e']:g} over {a['exploration_steps']} steps, target copy every "
-             f"{a['target_network_frequency']} steps, one update every {a['train_frequency']} steps. Every value "
+             f"{a['target_network_frequency']} steps, one update every {a['train_frequency']} steps, "
+             f"{a['context_layers']} context layers. Every value "
              "of every run is in the JSON (`runs[].args`).\n")
     L.append("## Result\n")
     L.append(f"Final greedy test ({r['runs'][0]['greedy_test']['num_test_episodes']} episodes per seed, epsilon 0): "

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import dqn_starcraft_split as dqn
 
@@ -204,7 +205,6 @@ def test_context_layers_let_a_click_see_marines_across_the_screen(res):
     """The value of clicking the top-left pixel changes when a marine appears 24 pixels away only with the
     context layers; without them a click sees about 4 pixels. (The change is small at initialisation, 1e-5 of
     a value of 0.1, but float32 rounding at that size is 1e-8.)"""
-    torch = pytest.importorskip("torch")
     change = {}
     for layers in (0, 3):
         torch.manual_seed(0)
