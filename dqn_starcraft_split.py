@@ -125,11 +125,6 @@ class Args:
     of a click can depend on where the marines are; 0 leaves a click's value blind to anything more than 4
     pixels away. Quarter resolution keeps them cheap: at half resolution they would halve the agent steps a CPU
     makes per second"""
-    selection_offsets: bool = True
-    """the click head also reads, at every pixel, its offset (dx, dy) from the centre of the selected units and
-    its distance from it, computed from the `selected` screen layer (both backends have it). Convolutions see a
-    few pixels, so without it a click's value knows how far the marines are only to a few pixels; with it,
-    "the nearest shard" is one weight away"""
     player_channels: int = 8
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
@@ -820,25 +815,6 @@ def preprocess_layers(x: torch.Tensor, layers) -> torch.Tensor:
     return torch.cat(channels, 1)
 
 
-SELECTED = [layer.name for layer in SCREEN_LAYERS].index("selected")
-
-
-def selection_offsets(selected: torch.Tensor) -> torch.Tensor:
-    """(B, H, W) integer `selected` layer -> (B, 3, H, W) float: each pixel's offset (dx, dy) from the centre of
-    the selected pixels and its distance from it, in screen widths; all zero where nothing is selected."""
-    B, H, W = selected.shape
-    mask = (selected > 0).float()
-    count = mask.sum((1, 2))  # (B,)
-    ys = torch.arange(H, dtype=torch.float32, device=selected.device)
-    xs = torch.arange(W, dtype=torch.float32, device=selected.device)
-    centre_y = (mask.sum(2) * ys).sum(1) / count.clamp(min=1)  # (B,)
-    centre_x = (mask.sum(1) * xs).sum(1) / count.clamp(min=1)
-    dx = ((xs[None, None, :] - centre_x[:, None, None]) / W).expand(B, H, W)
-    dy = ((ys[None, :, None] - centre_y[:, None, None]) / H).expand(B, H, W)
-    offsets = torch.stack([dx, dy, torch.sqrt(dx * dx + dy * dy)], 1)  # (B, 3, H, W)
-    return offsets * (count > 0).float()[:, None, None, None]
-
-
 class SplitQNetwork(nn.Module):
     """Screen and minimap conv towers + the tiled embedding of the player vector and the available actions,
     fused; two Q heads: one value per non-spatial function, and one res x res map per spatial function.
@@ -855,7 +831,6 @@ class SplitQNetwork(nn.Module):
         tower_channels: int = Args.tower_channels,
         fused_channels: int = Args.fused_channels,
         context_layers: int = Args.context_layers,
-        selection_offsets: bool = Args.selection_offsets,
         player_channels: int = Args.player_channels,
         nonspatial_hidden: int = Args.nonspatial_hidden,
         fine_gain: float = Args.fine_gain,
@@ -884,8 +859,7 @@ class SplitQNetwork(nn.Module):
         # The fine term alone can say "the target is at this pixel". Its output is multiplied by a fixed gain,
         # which is a learning-rate multiplier for this one layer (see Args.fine_gain); its zero start keeps the
         # gain from amplifying initial noise.
-        self.selection_offsets = selection_offsets
-        self.spatial_fine = nn.Conv2d(screen_in + 3 * selection_offsets, num_spatial, 3, padding=1)
+        self.spatial_fine = nn.Conv2d(screen_in, num_spatial, 3, padding=1)
         nn.init.zeros_(self.spatial_fine.weight)
         nn.init.zeros_(self.spatial_fine.bias)
         self.fine_gain = fine_gain
@@ -907,11 +881,7 @@ class SplitQNetwork(nn.Module):
         """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, 11); available (B, F + S) bool, the
         action mask -> Q (B, F), Q (B, S*H*W): together, one value per flat action index."""
         available = available.float()  # (B, F + S)
-        selected = screen[:, SELECTED]  # (B, H, W)
         screen = preprocess_layers(screen, SCREEN_LAYERS)  # (B, Cs, H, W)
-        fine_input = screen
-        if self.selection_offsets:
-            fine_input = torch.cat([screen, selection_offsets(selected)], 1)  # (B, Cs + 3, H, W)
         minimap = preprocess_layers(minimap, MINIMAP_LAYERS)  # (B, Cm, H, W)
         s = self.screen_tower(screen)  # (B, T, H/2, W/2)
         m = self.minimap_tower(minimap)  # (B, T, H/2, W/2)
@@ -927,13 +897,13 @@ class SplitQNetwork(nn.Module):
         pooled = torch.cat([fused.mean((2, 3)), fused.amax((2, 3))], 1)  # (B, 2E)
         q_nonspatial = self.nonspatial_head(torch.cat([pooled, available], 1))  # (B, F)
         coarse = F.interpolate(self.spatial_coarse(fused), size=(self.res, self.res), mode="nearest")
-        q_spatial = (coarse + self.fine_gain * self.spatial_fine(fine_input)).flatten(1)  # (B, S*H*W)
+        q_spatial = (coarse + self.fine_gain * self.spatial_fine(screen)).flatten(1)  # (B, S*H*W)
         return q_nonspatial, q_spatial
 
 
 def make_q_network(args: Args) -> SplitQNetwork:
     return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers,
-                         args.selection_offsets, args.player_channels, args.nonspatial_hidden, args.fine_gain)
+                         args.player_channels, args.nonspatial_hidden, args.fine_gain)
 
 
 def masked_q(q_nonspatial, q_spatial, mask):
@@ -1362,10 +1332,9 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial map), 24-unit screen
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
 # Settings that checkpoints written before they existed do not record, with the value those were trained with.
-ADDED_SETTINGS = {"context_layers": 0, "selection_offsets": False}
+ADDED_SETTINGS = {"context_layers": 0}
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
-                     "fused_channels", "context_layers", "selection_offsets", "player_channels", "nonspatial_hidden",
-                     "fine_gain")
+                     "fused_channels", "context_layers", "player_channels", "nonspatial_hidden", "fine_gain")
 
 
 def save_checkpoint(
@@ -1401,14 +1370,6 @@ def save_checkpoint(
     atomic_write_bytes(path, buffer.getvalue())
 
 
-def flag_text(name: str, value) -> str:
-    """A setting as it is given on the command line: `--res 32`, `--no-selection-offsets`."""
-    flag = name.replace("_", "-")
-    if isinstance(value, bool):
-        return f"--{flag}" if value else f"--no-{flag}"
-    return f"--{flag} {value}"
-
-
 def load_checkpoint(path: str, args: Args) -> dict:
     """A checkpoint to resume from, checked against this run's settings; any problem is one ConfigError."""
     if not os.path.isfile(path):
@@ -1423,8 +1384,8 @@ def load_checkpoint(path: str, args: Args) -> dict:
     for name in RESUME_MUST_MATCH:
         saved, wanted = state["args"].get(name, ADDED_SETTINGS.get(name)), getattr(args, name)
         if saved != wanted:
-            raise ConfigError(f"--resume checkpoint was trained with {flag_text(name, saved)}, but this run asks "
-                              f"for {flag_text(name, wanted)}.")
+            raise ConfigError(f"--resume checkpoint was trained with --{name.replace('_', '-')} {saved}, but this run "
+                              f"asks for {wanted}.")
     return state
 
 

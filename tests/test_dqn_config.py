@@ -198,44 +198,6 @@ def test_model_settings_reach_the_network():
     assert net.fuse[0].out_channels == 6 and net.player_embed[0].out_features == 2
     assert [conv.dilation for conv in net.context] == [(1, 1), (2, 2)]
     assert net.nonspatial_head[0].out_features == 5 and net.fine_gain == 3.0
-    screen_in = dqn.layer_channels(dqn.SCREEN_LAYERS)
-    assert net.selection_offsets and net.spatial_fine.in_channels == screen_in + 3
-    assert dqn.make_q_network(dqn.Args(res=8, selection_offsets=False)).spatial_fine.in_channels == screen_in
-
-
-def test_selection_offsets_measure_from_the_centre_of_the_selected_units():
-    selected = torch.zeros(2, 8, 8, dtype=torch.int32)
-    selected[0, 5, 3] = 1  # one selected pixel at x 3, y 5; nothing selected in the second screen
-    offsets = dqn.selection_offsets(selected)  # (2, 3, 8, 8): dx, dy, distance in screen widths
-    assert offsets.shape == (2, 3, 8, 8)
-    assert offsets[0, :, 5, 7].tolist() == [0.5, 0.0, 0.5]  # 4 pixels to the right
-    assert offsets[0, :, 1, 3].tolist() == [0.0, -0.5, 0.5]  # 4 pixels up
-    assert offsets[0, :, 5, 3].tolist() == [0.0, 0.0, 0.0]
-    assert torch.allclose(offsets[0, :, 2, 7], torch.tensor([0.5, -0.375, 0.625]))
-    assert offsets[1].abs().sum() == 0
-    two = torch.zeros(1, 8, 8, dtype=torch.int32)
-    two[0, 2, 2] = two[0, 2, 6] = 1  # two selected marines: the centre is between them, at x 4
-    assert dqn.selection_offsets(two)[0, :, 2, 4].tolist() == [0.0, 0.0, 0.0]
-
-
-def test_with_selection_offsets_a_click_knows_how_far_away_the_selected_marine_is():
-    """The value of clicking the top-left pixel changes when the selected marine moves from 12 to 24 pixels
-    away only with the offsets (the fine layer's weights made nonzero, as training makes them; it starts at
-    zero); without them, and without context layers, a click sees about 4 pixels."""
-    change = {}
-    for offsets in (False, True):
-        torch.manual_seed(0)
-        net = dqn.SplitQNetwork(32, context_layers=0, selection_offsets=offsets)
-        torch.nn.init.normal_(net.spatial_fine.weight)
-        env = dqn.BuiltinMiniGame("CollectMineralShards", res=32, step_mul=16, seed=0)
-        states = dqn.to_tensors(dqn.obs_to_states(env.reset()), "cpu")
-        q = []
-        for corner in (12, 24):
-            screen = torch.zeros_like(states["screen"])
-            screen[0, :2, corner:corner + 2, corner:corner + 2] = 1  # player_relative 1 (ours), selected
-            q.append(net(screen, states["minimap"], states["player"], states["mask"])[1][0, 0].item())
-        change[offsets] = abs(q[1] - q[0])
-    assert change[False] == 0.0 and change[True] > 1e-3, change
 
 
 @pytest.mark.parametrize("res", [32, 30])

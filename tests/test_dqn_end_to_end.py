@@ -337,7 +337,7 @@ def test_a_stopped_run_resumes_with_its_replay_and_finishes(tmp_path):
     assert final["global_step"] > saved["global_step"] and not final["interrupted"]
 
 
-@pytest.mark.parametrize("extra, needle", [(["--res", "16"], "--res 8, but this run asks for --res 16"),
+@pytest.mark.parametrize("extra, needle", [(["--res", "16"], "--res 8, but this run asks for 16"),
                                            ([], "does not exist")])
 def test_a_resume_that_cannot_work_is_one_line(tmp_path, extra, needle):
     checkpoint = tmp_path / "results" / "x" / "checkpoint.pt"
@@ -355,15 +355,13 @@ def test_a_resume_that_cannot_work_is_one_line(tmp_path, extra, needle):
     assert done.stderr.strip().startswith("error: --resume") and needle in done.stderr
 
 
-def test_a_checkpoint_from_before_the_context_layers_and_offsets_resumes_only_without_them(tmp_path):
-    """Checkpoints written before --context-layers and --selection-offsets existed record neither; their
-    networks had neither, so resuming one asks for them off instead of failing to load the weights later."""
-    saved = {"format": dqn.CHECKPOINT_FORMAT, "rng": {}, "args": dataclasses.asdict(dqn.Args(res=8))}
-    del saved["args"]["context_layers"], saved["args"]["selection_offsets"]
+def test_a_checkpoint_from_before_the_context_layers_resumes_only_without_them(tmp_path):
+    """Checkpoints written before --context-layers existed do not record it; their networks had none, so
+    resuming one asks for --context-layers 0 instead of failing to load the weights later."""
+    args = dqn.Args(res=8)
+    saved = {"format": dqn.CHECKPOINT_FORMAT, "rng": {}, "args": dataclasses.asdict(args)}
+    del saved["args"]["context_layers"]
     torch.save(saved, tmp_path / "old.pt")
-    with pytest.raises(dqn.ConfigError, match="--context-layers 0, but this run asks for --context-layers 3"):
-        dqn.load_checkpoint(str(tmp_path / "old.pt"), dqn.Args(res=8))
-    with pytest.raises(dqn.ConfigError, match="--no-selection-offsets, but this run asks for --selection-offsets"):
-        dqn.load_checkpoint(str(tmp_path / "old.pt"), dqn.Args(res=8, context_layers=0))
-    old = dqn.Args(res=8, context_layers=0, selection_offsets=False)
-    assert dqn.load_checkpoint(str(tmp_path / "old.pt"), old)["args"] == saved["args"]
+    with pytest.raises(dqn.ConfigError, match="--context-layers 0, but this run asks for 3"):
+        dqn.load_checkpoint(str(tmp_path / "old.pt"), args)
+    assert dqn.load_checkpoint(str(tmp_path / "old.pt"), dqn.Args(res=8, context_layers=0))["args"] == saved["args"]
