@@ -75,13 +75,14 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
     net.load_state_dict(state["q_network"])
     net.eval()
     counts = {name: 0 for name in dqn.FUNCTIONS}
-    on_target = clicks = 0
+    on_target = clicks = on_nearest = switches = 0
     click_distance, nearest_distance = [], []  # world units from the selected marines to the click / the nearest pickup
     scores = []
     rng = np.random.default_rng(0)
     for k in range(episodes):
         env = dqn.make_env(args, 20_000 + k)
         obs, done, score = env.reset(), False, 0.0
+        heading = None  # the pickup the last click sent the marines to
         while not done:
             function_id, point = dqn.decode_action(dqn.select_action(net, obs, 0.0, rng, "cpu"), args.res)
             name = next(n for n in dqn.FUNCTIONS if dqn.FUNCTION_IDS[n] == function_id)
@@ -94,15 +95,27 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
                     centre = env.marines[env.selected].mean(0)
                     click = (np.array([x, y]) + 0.5) * env.world_units / args.res
                     click_distance.append(float(np.linalg.norm(click - centre)))
-                    nearest_distance.append(float(np.linalg.norm(env.pickups - centre, axis=1).min()))
+                    from_marines = np.linalg.norm(env.pickups - centre, axis=1)
+                    nearest_distance.append(float(from_marines.min()))
+                    aimed = env.pickups[np.linalg.norm(env.pickups - click, axis=1).argmin()].copy()
+                    on_nearest += int(np.array_equal(aimed, env.pickups[from_marines.argmin()]))
+                    still_there = heading is not None and any(np.array_equal(p, heading) for p in env.pickups)
+                    switches += int(still_there and not np.array_equal(aimed, heading))
+                    heading = aimed
             obs, reward, done = env.step(function_id, point)
             score += reward
         scores.append(score)
     total = sum(counts.values())
     return {"episodes": episodes, "scores": scores, "function_share": {n: c / total for n, c in counts.items()},
             "move_clicks_on_a_pickup": on_target / max(clicks, 1),
+            "move_clicks_nearest_the_nearest_pickup": on_nearest / max(clicks, 1),
+            "move_clicks_switching_pickup": switches / max(clicks, 1),
             "mean_click_distance": statistics.fmean(click_distance) if click_distance else None,
             "mean_nearest_pickup_distance": statistics.fmean(nearest_distance) if nearest_distance else None}
+
+
+def fraction(value: float | None) -> str:
+    return "" if value is None else f"{value:.0%}"
 
 
 def cpu_name() -> str:
@@ -129,7 +142,7 @@ def plot(report: dict, path: Path) -> None:
     ax.axhline(report["random_mean"], color="grey", ls=":", label=f"random {report['random_mean']:.1f}")
     ax.set_xlabel("agent steps")
     ax.set_ylabel("episode score (5 greedy episodes)")
-    ax.set_title(f"{report['map_name']} (built-in), split-head Double DQN, defaults")
+    ax.set_title(f"{report['map_name']} (built-in), split-head Double DQN")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
@@ -174,16 +187,20 @@ def markdown(r: dict) -> str:
     L.append(f"What the trained networks do ({r['runs'][0]['greedy_behaviour']['episodes']} greedy episodes per seed "
              "from the final checkpoint, on fresh episodes): share of each function among the agent's steps, and "
              "the share of Move_screen clicks that land on a pixel of a beacon or shard, and how far (world units) "
-             "the click is from the selected marines' centre against how far the nearest pickup was.\n")
+             "the click is from the selected marines' centre against how far the nearest pickup was; the share of "
+             "clicks aimed at (nearest to) the pickup nearest to the selected marines, and the share that aim at "
+             "another pickup while the one the last click aimed at is still there (switching targets).\n")
     L.append("| seed | score | " + " | ".join(dqn.FUNCTIONS) + " | Move clicks on a pickup | click distance | "
-             "nearest pickup distance |")
-    L.append("|---:|---:|" + "---:|" * (len(dqn.FUNCTIONS) + 3))
+             "nearest pickup distance | aimed at the nearest | switching |")
+    L.append("|---:|---:|" + "---:|" * (len(dqn.FUNCTIONS) + 5))
     for run in r["runs"]:
         b = run["greedy_behaviour"]
         L.append(f"| {run['seed']} | {statistics.fmean(b['scores']):.1f} | "
                  + " | ".join(f"{b['function_share'][n]:.0%}" for n in dqn.FUNCTIONS)
                  + f" | {b['move_clicks_on_a_pickup']:.0%} | {b['mean_click_distance'] or 0:.2f} | "
-                   f"{b['mean_nearest_pickup_distance'] or 0:.2f} |")
+                   f"{b['mean_nearest_pickup_distance'] or 0:.2f} | "
+                   f"{fraction(b.get('move_clicks_nearest_the_nearest_pickup'))} | "
+                   f"{fraction(b.get('move_clicks_switching_pickup'))} |")
     L.append("")
     L.append(f"Curves: `{r['png']}` and, every row, in the JSON (`runs[].curve`: every "
              f"{a['eval_every_episodes']} episodes the mean epsilon-greedy training score of those episodes and "
