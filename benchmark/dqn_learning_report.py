@@ -114,10 +114,6 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
             "mean_nearest_pickup_distance": statistics.fmean(nearest_distance) if nearest_distance else None}
 
 
-def fraction(value: float | None) -> str:
-    return "" if value is None else f"{value:.0%}"
-
-
 def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -199,8 +195,7 @@ def markdown(r: dict) -> str:
                  + " | ".join(f"{b['function_share'][n]:.0%}" for n in dqn.FUNCTIONS)
                  + f" | {b['move_clicks_on_a_pickup']:.0%} | {b['mean_click_distance'] or 0:.2f} | "
                    f"{b['mean_nearest_pickup_distance'] or 0:.2f} | "
-                   f"{fraction(b.get('move_clicks_nearest_the_nearest_pickup'))} | "
-                   f"{fraction(b.get('move_clicks_switching_pickup'))} |")
+                   f"{b['move_clicks_nearest_the_nearest_pickup']:.0%} | {b['move_clicks_switching_pickup']:.0%} |")
     L.append("")
     L.append(f"Curves: `{r['png']}` and, every row, in the JSON (`runs[].curve`: every "
              f"{a['eval_every_episodes']} episodes the mean epsilon-greedy training score of those episodes and "
