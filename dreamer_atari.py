@@ -23,7 +23,6 @@ detected leak with `--abort-on-leak`, and a run of non-finite losses. `--resume 
 """
 
 import gc
-import math
 import os
 import random
 import signal
@@ -1481,13 +1480,15 @@ def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = 
     """Actor and critic losses on an imagined rollout. Returns (actor_loss, critic_loss, parts)."""
     wm = agent.world_model
     feat, log_prob, entropy = imagine(agent, start_states, args.imagination_horizon)  # (H+1, N, F), (H, N)
+    # one critic pass gives both the values the targets bootstrap from (detached) and the logits its loss trains
+    critic_logits = agent.critic(feat)  # (H+1, N, K)
     with torch.no_grad():
         reward = twohot_mean(wm.reward_head(feat), wm.bins)  # (H+1, N)
         continues = torch.sigmoid(wm.continue_head(feat).squeeze(-1).float())
         continues[0] = start_states[2]  # the start state's own continue flag is known
         discount = args.gamma * continues
-        value = agent.critic.value(feat)  # (H+1, N)
-        slow_value = agent.slow_critic.value(feat)
+        value = twohot_mean(critic_logits.detach(), agent.critic.bins)  # (H+1, N)
+        slow_value = agent.slow_critic.value(feat[:-1])  # (H, N): the critic regresses states s_0..s_{H-1}
         returns = lambda_returns(reward, value, discount, args.return_lambda)  # (H, N)
         weight = torch.cumprod(torch.cat([torch.ones_like(discount[:1]), discount[:-2]]), 0)  # (H, N)
         if update_norm:
@@ -1495,12 +1496,11 @@ def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = 
         advantage = (returns - value[:-1]) / agent.return_norm.scale()
     # ALGO LOGIC: REINFORCE on normalised advantages + entropy; the critic is pulled toward the slow critic
     actor_loss = -(weight * (log_prob * advantage + args.entropy_coef * entropy)).mean()
-    critic_logits = agent.critic(feat[:-1])  # (H, N, K)
     critic_loss = (
         weight
         * (
-            twohot_loss(critic_logits, returns, agent.critic.bins)
-            + twohot_loss(critic_logits, slow_value[:-1], agent.critic.bins)
+            twohot_loss(critic_logits[:-1], returns, agent.critic.bins)
+            + twohot_loss(critic_logits[:-1], slow_value, agent.critic.bins)
         )
     ).mean()
     parts = {

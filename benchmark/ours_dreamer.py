@@ -284,14 +284,17 @@ def cmd_trials(names: list[str], reps: int) -> dict:
     return {"trials": results, "trial_batch": f"B{args.batch_size} x T{args.sequence_length}"}
 
 
-def cmd_serve(image_size: int) -> None:
-    """The seed model at `--image-size`, one update per `update` line on stdin (see bench_utils.alternate_updates)."""
-    args = seed_args(buffer_capacity=3_000, image_size=image_size)
+def cmd_serve(image_size: int, decoder_mid_channels: int | None = None) -> None:
+    """The seed model at `--image-size` (and `--decoder-mid-channels` where given), one update per `update` line
+    on stdin (see bench_utils.alternate_updates)."""
+    model = {} if decoder_mid_channels is None else {"decoder_mid_channels": decoder_mid_channels}
+    args = seed_args(buffer_capacity=3_000, image_size=image_size, **model)
     replay, obs_shape, num_actions = fill_replay(args, 3_000)
     batch = replay.sample(args.batch_size, args.sequence_length)
     torch.manual_seed(args.seed)
     agent = da.build_agent(args, obs_shape, num_actions, "cpu")
     info = {**agent_params(agent), "image_size": image_size, "obs": f"{tuple(batch['obs'].shape)} uint8",
+            "decoder_mid_channels": args.decoder_mid_channels,
             "update_includes": "world model (batch to float on the device included), actor and critic updates, "
                                "slow-critic EMA, on one sampled batch"}
     bench_utils.serve_updates(functools.partial(_update, agent, batch, args), info)
@@ -437,6 +440,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="gpu: the device (cpu checks the code path)")
     parser.add_argument("--parts", nargs="+", default=["amp", "loop"], choices=["amp", "loop"], help="gpu: which parts")
     parser.add_argument("--image-size", type=int, default=84, help="serve: frame side of the seed model")
+    parser.add_argument("--decoder-mid-channels", type=int, help="serve: channels of the decoder's bottleneck")
     parser.add_argument("--out", help="where the JSON result goes (all but serve)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
@@ -448,7 +452,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.command == "serve":
-        return cmd_serve(args.image_size)
+        return cmd_serve(args.image_size, args.decoder_mid_channels)
     if args.out is None:
         parser.error("--out is required")
     if args.command == "measure":

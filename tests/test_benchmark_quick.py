@@ -292,33 +292,62 @@ def test_a_contender_that_dies_is_one_clear_error(tmp_path):
         bench_utils.alternate_updates({"dead": [sys.executable, "-c", "raise SystemExit(1)"]}, rounds=1, warmup=0)
 
 
+def matched_duel(samples: dict, params: dict) -> dict:
+    """What `measure_matched` returns, for these samples (ms) and parameter counts of peer and ours."""
+    info = {"peer": {"params_total": params["peer"], "overrides": ["exp=dreamer_v3"],
+                     "batch": {"rgb": "(50, 16, 3, 64, 64)"}, "model": {"cnn_channels_multiplier": 16,
+                                                                         "fused_adam": True}},
+            "ours": {"params_total": params["ours"], "obs": "(16, 50, 4, 64, 64) uint8"},
+            "ours_84": {"params_total": params["ours_84"], "obs": "(16, 50, 4, 84, 84) uint8"},
+            "ours_64_seed": {"params_total": params["ours_64_seed"], "obs": "(16, 50, 4, 64, 64) uint8"}}
+    duel = {name: {"info": info[name], "samples_ms": s, "update_ms": sorted(s)[1], "min_ms": min(s),
+                   "max_ms": max(s)} for name, s in samples.items()}
+    out = {"matched": {**duel, "rounds": 3, "warmup_rounds": 2}, "matched_peer_update_ms": duel["peer"]["update_ms"],
+           "matched_peer_params_total": params["peer"]}
+    for suffix in ("", "_84", "_64_seed"):
+        out[f"matched_update_ms{suffix}"] = duel[f"ours{suffix}"]["update_ms"]
+        out[f"matched_params_total{suffix}"] = params[f"ours{suffix}"]
+    return out
+
+
+SAMPLES = {"peer": [4000.0, 4200.0, 3900.0], "ours": [2500.0, 2600.0, 2400.0], "ours_84": [2800.0, 2900.0, 2600.0],
+           "ours_64_seed": [2000.0, 2100.0, 1900.0]}
+PARAMS = {"peer": 5_451_272, "ours": 5_517_337, "ours_84": 4_985_769, "ours_64_seed": 3_257_625}
+
+
 def test_matched_size_ratios_render_and_are_judged():
+    """Each of our contenders gets peer / ours overall and round by round; the like-for-like row leads the table;
+    a row is held to 1.5x only where its parameter count is within 10 % of the peer's."""
     sys.path.insert(0, str(ROOT))
     try:
         from benchmark import run as bench_run
     finally:
         sys.path.remove(str(ROOT))
-    samples = {"peer": [4000.0, 4200.0, 3900.0], "ours_84": [2800.0, 2900.0, 2600.0], "ours_64": [2000.0, 2100.0, 1900.0]}
-    info = {"peer": {"params_total": 5_450_000, "overrides": ["exp=dreamer_v3"], "batch": {"rgb": "(50, 16, 3, 64, 64)"},
-                     "model": {"cnn_channels_multiplier": 16, "fused_adam": False}},
-            "ours_84": {"params_total": 4_985_769, "obs": "(16, 50, 4, 84, 84) uint8"},
-            "ours_64": {"params_total": 4_900_000, "obs": "(16, 50, 4, 64, 64) uint8"}}
-    matched = {name: {"info": info[name], "samples_ms": s, "update_ms": sorted(s)[1], "min_ms": min(s),
-                      "max_ms": max(s)} for name, s in samples.items()}
-    result = {"peer": "sheeprl", "matched": {**matched, "rounds": 3, "warmup_rounds": 2},
-              "matched_peer_update_ms": 4000.0, "matched_update_ms": 2800.0, "matched_update_ms_64": 2000.0,
-              "matched_params_total": 4_985_769, "matched_peer_params_total": 5_450_000,
-              "matched_params_total_64": 4_900_000, "update_ms": 2800.0, "soak_uss_slope_mb_per_10k": 0.1,
+    result = {"peer": "sheeprl", **matched_duel(SAMPLES, PARAMS), "update_ms": 2800.0,
+              "soak_uss_slope_mb_per_10k": 0.1,
               **{f"peer_{k}": 1.0 for k in bench_run.PEER_KEYS}, **{k: 1.0 for k in bench_run.PEER_KEYS}}
     bench_run.add_ratios(result)
-    assert result["ratio_update_ms_matched"] == pytest.approx(4000 / 2800)
-    assert result["ratio_update_ms_matched_64"] == pytest.approx(2.0)
-    assert result["matched"]["ours_64"]["ratio_by_round"] == [2.0, 2.0, 2.053]
+    assert result["ratio_update_ms_matched"] == pytest.approx(4000 / 2500)
+    assert result["ratio_update_ms_matched_84"] == pytest.approx(4000 / 2800)
+    assert result["ratio_update_ms_matched_64_seed"] == pytest.approx(2.0)
+    assert result["matched"]["ours_64_seed"]["ratio_by_round"] == [2.0, 2.0, 2.053]
+    assert result["matched"]["ours"]["params_to_peer"] == pytest.approx(1.0121, abs=1e-4)
     text = "\n".join(bench_run.matched_markdown(result))
-    assert "5,450,000 parameters" in text and "at 84 1.429-1.5, at 64 2.0-2.053" in text
-    judged = {k: v for k, v in bench_run.verdicts({**result, "quick": True, "sample_to_update_ratio": 0.0,
-                                                    "buffer_bytes_per_step": 0.0}).items() if "matched" in k}
-    assert list(judged.values()) == [False, True]
+    assert "5,451,272 parameters" in text and "peer / ours round by round 1.429-1.5" in text
+    table = "\n".join(bench_run.matched_rows(result))
+    assert table.index("matched size and pixels") < table.index("ours at 84 pixels") < table.index("seed model at 64")
+
+    def judged(params):
+        res = {**result, **matched_duel(SAMPLES, params)}
+        bench_run.add_ratios(res)
+        verdicts = bench_run.verdicts({**res, "quick": True, "sample_to_update_ratio": 0.0,
+                                       "buffer_bytes_per_step": 0.0})
+        return [v for k, v in verdicts.items() if "SheepRL" in k]
+
+    # 64 pixels: size matched and 1.6x; 84 pixels: size matched, 1.43x
+    assert judged(PARAMS) == [True, True, True, False]
+    # the 64-pixel contender 20 % bigger than the peer: not matched, so not judged fast whatever its time
+    assert judged({**PARAMS, "ours": 6_600_000}) == [False, False, True, False]
 
 
 def test_matched_only_writes_its_own_results_file(tmp_path, monkeypatch):
@@ -330,22 +359,20 @@ def test_matched_only_writes_its_own_results_file(tmp_path, monkeypatch):
         from benchmark import run as bench_run
     finally:
         sys.path.remove(str(ROOT))
-    samples = {"peer": [4500.0, 4600.0, 4400.0], "ours_84": [3000.0, 3100.0, 2900.0],
-               "ours_64": [2200.0, 2300.0, 2100.0]}
-    info = {"peer": {"params_total": 5_451_272, "overrides": ["exp=dreamer_v3"], "batch": {},
-                     "model": {"cnn_channels_multiplier": 16, "fused_adam": True}},
-            "ours_84": {"params_total": 4_985_769, "obs": "(16, 50, 4, 84, 84) uint8"},
-            "ours_64": {"params_total": 3_257_625, "obs": "(16, 50, 4, 64, 64) uint8"}}
-    duel = {n: {"info": info[n], "samples_ms": s, "update_ms": sorted(s)[1], "min_ms": min(s), "max_ms": max(s)}
-            for n, s in samples.items()}
+    samples = {"peer": [4500.0, 4600.0, 4400.0], "ours": [2800.0, 2900.0, 2700.0], "ours_84": [3000.0, 3100.0, 2900.0],
+               "ours_64_seed": [2200.0, 2300.0, 2100.0]}
     monkeypatch.setattr(peer_venv, "ensure", lambda log: {"sheeprl": "0.8.4"})
-    monkeypatch.setattr(bench_run, "measure_matched", lambda args, work: {
-        "matched": {**duel, "rounds": 3, "warmup_rounds": 2}, "matched_peer_update_ms": 4500.0,
-        "matched_update_ms": 3000.0, "matched_update_ms_64": 2200.0, "matched_peer_params_total": 5_451_272,
-        "matched_params_total": 4_985_769, "matched_params_total_64": 3_257_625})
+    monkeypatch.setattr(bench_run, "measure_matched", lambda args, work: matched_duel(samples, PARAMS))
     result = bench_run.main(bench_run.Args(peer="sheeprl", matched_only=True, results_dir=str(tmp_path)))
-    assert result["ratio_update_ms_matched"] == pytest.approx(1.5)
-    assert list(result["targets_met"].values()) == [True, True]
+    assert result["ratio_update_ms_matched"] == pytest.approx(4500 / 2800)
+    assert result["ratio_update_ms_matched_84"] == pytest.approx(1.5)
+    assert list(result["targets_met"].values()) == [True, True, True, True]
     (md,) = tmp_path.glob("*-matched.md")
-    assert "**1.5**" in md.read_text() and "SheepRL DreamerV3 with `exp=dreamer_v3`" in md.read_text()
+    assert "| 1.61 |" in md.read_text() and "SheepRL DreamerV3 with `exp=dreamer_v3`" in md.read_text()
     assert json.loads(md.with_suffix(".json").read_text())["matched"]["ours_84"]["ratio_by_round"] == [1.5, 1.484, 1.517]
+    first = md.read_text()
+    samples["ours"] = [4000.0, 4100.0, 3900.0]  # a second run the same day: its own files, the first one's kept
+    bench_run.main(bench_run.Args(peer="sheeprl", matched_only=True, results_dir=str(tmp_path)))
+    assert md.read_text() == first
+    (second,) = tmp_path.glob("*-matched-2.md")
+    assert json.loads(second.with_suffix(".json").read_text())["matched_update_ms"] == 4000.0

@@ -236,3 +236,53 @@ def test_channels_last_images_give_the_same_update_without_layout_copies(monkeyp
     feat = torch.zeros(image.shape[0], args.deterministic_dim + agent.world_model.rssm.stoch_flat)
     reconstruction = agent.world_model.decoder(feat)
     assert reconstruction.stride() == image.stride()  # the loss reads both in one order: no layout copy
+
+
+def test_one_critic_pass_gives_the_losses_and_gradients_of_separate_value_and_loss_passes():
+    """The critic runs once over the imagined rollout: its detached output gives the values the targets bootstrap
+    from, and the same logits its loss trains. Losses and every actor and critic gradient equal those of the
+    definition written out with a no-grad value pass and a separate loss pass (the slow critic on all H+1 states)."""
+    args = tiny_args()
+    torch.manual_seed(0)
+    agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
+    _, _, states = da.train_world_model(agent, da.batch_tensors(random_batch(args), "cpu"), args)
+    with torch.no_grad():  # a slow critic apart from the critic, so that both of its loss terms matter
+        for p in agent.slow_critic.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    calls = []
+    agent.critic.register_forward_hook(lambda module, inputs, output: calls.append(inputs[0].shape))
+
+    def losses_and_grads(fn):
+        torch.manual_seed(3)
+        actor_loss, critic_loss = fn()
+        agent.actor.zero_grad(), agent.critic.zero_grad()
+        (actor_loss + critic_loss).backward()
+        grads = [p.grad.clone() for p in [*agent.actor.parameters(), *agent.critic.parameters()]]
+        return torch.stack([actor_loss.detach(), critic_loss.detach()]), grads
+
+    def reference():
+        wm, bins = agent.world_model, agent.critic.bins
+        feat, log_prob, entropy = da.imagine(agent, states, args.imagination_horizon)
+        with torch.no_grad():
+            reward = da.twohot_mean(wm.reward_head(feat), wm.bins)
+            continues = torch.sigmoid(wm.continue_head(feat).squeeze(-1))
+            continues[0] = states[2]
+            discount = args.gamma * continues
+            value = agent.critic.value(feat)
+            slow_value = agent.slow_critic.value(feat)
+            returns = da.lambda_returns(reward, value, discount, args.return_lambda)
+            weight = torch.cumprod(torch.cat([torch.ones_like(discount[:1]), discount[:-2]]), 0)
+            advantage = (returns - value[:-1]) / agent.return_norm.scale()
+        actor_loss = -(weight * (log_prob * advantage + args.entropy_coef * entropy)).mean()
+        logits = agent.critic(feat[:-1])
+        critic_loss = (weight * (da.twohot_loss(logits, returns, bins)
+                                 + da.twohot_loss(logits, slow_value[:-1], bins))).mean()
+        return actor_loss, critic_loss
+
+    expected, expected_grads = losses_and_grads(reference)
+    calls.clear()
+    got, got_grads = losses_and_grads(lambda: da.behavior_losses(agent, states, args, update_norm=False)[:2])
+    assert len(calls) == 1 and calls[0][0] == args.imagination_horizon + 1  # one pass, over s_0..s_H
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
