@@ -85,7 +85,7 @@ def _run_loop(steps_per_iter, iters, keep, buffer=None, buffer_capacity=None, pa
                 buffer.pop(0)
             nbytes = sum(a.nbytes for a in buffer)
             stats = {"total_steps": len(buffer), "num_episodes": 1, "obs_bytes": nbytes, "aux_bytes": 0}
-        gc.collect()
+        # memory_report collects garbage and trims the heap first: the figures are of live memory
         detector.observe(i * steps_per_iter, mu.memory_report(stats if pass_buffer_stats else None))
     assert (hidden.grad_fn is not None) == keep
     return detector.check()
