@@ -129,11 +129,6 @@ class Args:
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
     """hidden units of the non-spatial head"""
-    fine_scales: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
-    """widths (Gaussian sigma, screen pixels) of fixed blurs of the screen's unit layers that the spatial head's
-    full-resolution term also reads: a click's value can then rise with how near it is to the selected marines,
-    pixel by pixel, which the coarse term's quarter-resolution context cannot resolve when two shards are a few
-    pixels apart. Fixed, not learned; empty: the raw screen only"""
     fine_gain: float = 10.0
     """learning-rate multiplier of the spatial head's full-resolution term: Adam moves a weight about lr per
     update, so at lr 5e-5 the layer that says "click exactly here" would need ~10x more updates than the rest"""
@@ -234,8 +229,6 @@ RULES = (
     ("player_channels", lambda a: a.player_channels >= 1, "at least 1"),
     ("nonspatial_hidden", lambda a: a.nonspatial_hidden >= 1, "at least 1"),
     ("fine_gain", lambda a: 0 <= a.fine_gain < math.inf, "0 or more"),
-    ("fine_scales", lambda a: len(a.fine_scales) <= 8 and all(0 < s <= a.res for s in a.fine_scales),
-     "at most 8 widths, each above 0 and at most res ({res}) pixels"),
     ("learning_rate", lambda a: a.learning_rate > 0, "positive"),
     ("batch_size", lambda a: a.batch_size >= 1, "at least 1"),
     ("gamma", lambda a: 0 < a.gamma <= 1, "in (0, 1]"),
@@ -806,18 +799,6 @@ def layer_channels(layers) -> int:
     return sum(l.scale if (l.categorical and l.scale > 2) else 1 for l in layers)
 
 
-def unit_channels(layers) -> list[int]:
-    """Indices of the channels of `preprocess_layers` that say what is at a pixel: every class but "nothing" (0)
-    of each categorical layer (amount layers such as unit_density repeat where the units are)."""
-    indices, start = [], 0
-    for layer in layers:
-        width = layer.scale if (layer.categorical and layer.scale > 2) else 1
-        if layer.categorical:
-            indices += list(range(start + 1, start + width)) if width > 1 else [start]
-        start += width
-    return indices
-
-
 def preprocess_layers(x: torch.Tensor, layers) -> torch.Tensor:
     """(B, L, H, W) integer -> (B, C, H, W) float: one-hot for categorical layers, log scale for amounts."""
     channels = []
@@ -853,7 +834,6 @@ class SplitQNetwork(nn.Module):
         player_channels: int = Args.player_channels,
         nonspatial_hidden: int = Args.nonspatial_hidden,
         fine_gain: float = Args.fine_gain,
-        fine_scales: tuple[float, ...] = Args.fine_scales,
     ):
         super().__init__()
         self.res = res
@@ -882,20 +862,6 @@ class SplitQNetwork(nn.Module):
         self.spatial_fine = nn.Conv2d(screen_in, num_spatial, 3, padding=1)
         nn.init.zeros_(self.spatial_fine.weight)
         nn.init.zeros_(self.spatial_fine.bias)
-        # A second full-resolution term reads the screen's unit channels blurred at each of `fine_scales`
-        # (Args.fine_scales): blur = G X G^T with G[i, j] = exp(-(i - j)^2 / 2 sigma^2), a Gaussian of peak 1,
-        # so a blurred layer counts the units within about sigma pixels (log1p keeps a dense field of shards
-        # near the scale of one). The blurs are smooth already, so a 1x1 convolution reads them; fixed, not
-        # learned, computed from the observation on every forward pass, not stored.
-        self.unit_channels = unit_channels(SCREEN_LAYERS)
-        offsets = torch.arange(res, dtype=torch.float32)
-        offsets = offsets[:, None] - offsets[None, :]  # (H, H)
-        blur = torch.stack([torch.exp(-offsets**2 / (2 * sigma**2)) for sigma in fine_scales]) if fine_scales else None
-        self.register_buffer("blur", blur, persistent=False)  # (K, H, H)
-        self.spatial_near = nn.Conv2d(len(fine_scales) * len(self.unit_channels), num_spatial, 1) if fine_scales else None
-        if self.spatial_near is not None:
-            nn.init.zeros_(self.spatial_near.weight)
-            nn.init.zeros_(self.spatial_near.bias)
         self.fine_gain = fine_gain
         # The available actions are an input too, as in SC2LE's agents: "is Move_screen available" (is the army
         # selected) is one clean bit for the head that chooses between no_op and select_army, which do the same
@@ -931,26 +897,13 @@ class SplitQNetwork(nn.Module):
         pooled = torch.cat([fused.mean((2, 3)), fused.amax((2, 3))], 1)  # (B, 2E)
         q_nonspatial = self.nonspatial_head(torch.cat([pooled, available], 1))  # (B, F)
         coarse = F.interpolate(self.spatial_coarse(fused), size=(self.res, self.res), mode="nearest")
-        fine = self.spatial_fine(screen)  # (B, S, H, W)
-        if self.spatial_near is not None:
-            fine = fine + self.spatial_near(torch.log1p(self.blurred_units(screen)))
-        q_spatial = (coarse + self.fine_gain * fine).flatten(1)  # (B, S*H*W)
+        q_spatial = (coarse + self.fine_gain * self.spatial_fine(screen)).flatten(1)  # (B, S*H*W)
         return q_nonspatial, q_spatial
-
-    def blurred_units(self, screen: torch.Tensor) -> torch.Tensor:
-        """(B, Cs, H, W) preprocessed screen -> (B, U*K, H, W): each unit channel blurred at each scale."""
-        units = screen[:, self.unit_channels]  # (B, U, H, W)
-        (b, u, h, w), k = units.shape, self.blur.shape[0]
-        # G X G^T as two matrix products over the whole batch: along x for every scale at once, then along y
-        along_x = units.reshape(-1, w) @ self.blur.permute(2, 0, 1).reshape(w, k * w)  # (B*U*H, K*W)
-        along_x = along_x.reshape(b, u, h, k, w).permute(3, 2, 0, 1, 4).reshape(k, h, b * u * w)  # (K, H, B*U*W)
-        both = torch.bmm(self.blur, along_x).reshape(k, h, b, u, w)  # (K, H, B, U, W)
-        return both.permute(2, 3, 0, 1, 4).reshape(b, u * k, h, w)
 
 
 def make_q_network(args: Args) -> SplitQNetwork:
     return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers,
-                         args.player_channels, args.nonspatial_hidden, args.fine_gain, args.fine_scales)
+                         args.player_channels, args.nonspatial_hidden, args.fine_gain)
 
 
 def masked_q(q_nonspatial, q_spatial, mask):
@@ -1379,10 +1332,9 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial map), 24-unit screen
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
 # Settings that checkpoints written before they existed do not record, with the value those were trained with.
-ADDED_SETTINGS = {"context_layers": 0, "fine_scales": ()}
+ADDED_SETTINGS = {"context_layers": 0}
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
-                     "fused_channels", "context_layers", "player_channels", "nonspatial_hidden", "fine_gain",
-                     "fine_scales")
+                     "fused_channels", "context_layers", "player_channels", "nonspatial_hidden", "fine_gain")
 
 
 def save_checkpoint(
@@ -1431,7 +1383,6 @@ def load_checkpoint(path: str, args: Args) -> dict:
         raise ConfigError(f"--resume {path!r} is not a {CHECKPOINT_FORMAT} checkpoint that can be resumed.")
     for name in RESUME_MUST_MATCH:
         saved, wanted = state["args"].get(name, ADDED_SETTINGS.get(name)), getattr(args, name)
-        saved = tuple(saved) if isinstance(saved, list) else saved
         if saved != wanted:
             raise ConfigError(f"--resume checkpoint was trained with --{name.replace('_', '-')} {saved}, but this run "
                               f"asks for {wanted}.")

@@ -157,8 +157,7 @@ def markdown(r: dict) -> str:
              f"{a['batch_size']}, replay {a['buffer_size']}, gamma {a['gamma']}, {a['n_step']}-step returns, "
              f"epsilon {a['start_e']:g} -> {a['end_e']:g} over {a['exploration_steps']} steps, target copy every "
              f"{a['target_network_frequency']} steps, one update every {a['train_frequency']} steps, "
-             f"{a['context_layers']} context layers, blurs of the screen at sigma "
-             f"{', '.join(f'{x:g}' for x in a['fine_scales']) or 'none'}. Every value "
+             f"{a['context_layers']} context layers. Every value "
              "of every run is in the JSON (`runs[].args`).\n")
     L.append("## Result\n")
     L.append(f"Final greedy test ({r['runs'][0]['greedy_test']['num_test_episodes']} episodes per seed, epsilon 0): "

@@ -169,7 +169,6 @@ def test_a_reused_run_id_is_refused_unless_overwrite(tmp_path):
 BAD_VALUES = {
     "num_episodes": 0, "res": 4, "step_mul": 0, "screen_world_units": 0.0, "buffer_size": 3, "tower_channels": 0,
     "context_layers": -1, "fused_channels": 0, "player_channels": 0, "nonspatial_hidden": 0, "fine_gain": -1.0,
-    "fine_scales": (0.0,),
     "learning_rate": 0.0,
     "batch_size": 0, "gamma": 1.5, "n_step": 0, "start_e": 1.5, "end_e": 2.0, "exploration_steps": 0,
     "learning_starts": 3, "train_frequency": 0, "target_network_frequency": 0, "max_grad_norm": 0.0,
@@ -194,55 +193,11 @@ def test_each_rule_refuses_its_bad_value_in_one_sentence():
 
 def test_model_settings_reach_the_network():
     net = dqn.make_q_network(dqn.Args(res=8, tower_channels=4, fused_channels=6, context_layers=2,
-                                      player_channels=2, nonspatial_hidden=5, fine_gain=3.0,
-                                      fine_scales=(1.0, 2.0, 3.0)))
+                                      player_channels=2, nonspatial_hidden=5, fine_gain=3.0))
     assert net.screen_tower[0].out_channels == 4 and net.minimap_tower[2].out_channels == 4
     assert net.fuse[0].out_channels == 6 and net.player_embed[0].out_features == 2
     assert [conv.dilation for conv in net.context] == [(1, 1), (2, 2)]
     assert net.nonspatial_head[0].out_features == 5 and net.fine_gain == 3.0
-    assert net.blur.shape == (3, 8, 8) and net.spatial_near.in_channels == 3 * len(net.unit_channels)
-    assert dqn.SplitQNetwork(8, fine_scales=()).spatial_near is None
-
-
-def test_blurred_units_count_each_class_within_sigma_and_skip_nothing():
-    """Channel (u, k) of the blur is unit channel u under a Gaussian of peak 1 and width fine_scales[k]: one
-    marine pixel gives exp(-d^2 / 2 sigma^2) at distance d, everywhere on the screen, and the "nothing" class of
-    player_relative (a field of ones) is not blurred at all."""
-    res, scales = 16, (1.0, 3.0)
-    net = dqn.SplitQNetwork(res, fine_scales=scales)
-    raw = torch.zeros(2, len(dqn.SCREEN_LAYERS), res, res, dtype=torch.int16)
-    raw[1, 0, 5, 9] = 1  # a unit of ours (player_relative 1) at x 9, y 5 in the second sample
-    raw[1, 0, 12, 2] = 3  # and a shard (neutral) at x 2, y 12
-    screen = dqn.preprocess_layers(raw, dqn.SCREEN_LAYERS)
-    assert net.unit_channels == [1, 2, 3, 4, 5]  # player_relative 1..4, selected; not class 0, not the amounts
-    blurred = net.blurred_units(screen).unflatten(1, (len(net.unit_channels), len(scales)))  # (B, U, K, H, W)
-    y, x = torch.meshgrid(torch.arange(res), torch.arange(res), indexing="ij")
-    for k, sigma in enumerate(scales):
-        for u, (cy, cx) in ((0, (5, 9)), (2, (12, 2))):
-            expected = torch.exp(-((y - cy) ** 2 + (x - cx) ** 2) / (2 * sigma**2))
-            torch.testing.assert_close(blurred[1, u, k], expected, atol=1e-5, rtol=1e-4)
-    assert blurred[0].abs().max() == 0 and blurred[1, [1, 3, 4]].abs().max() == 0  # nothing else anywhere
-
-
-def test_fine_scales_let_a_click_feel_a_marine_move_a_pixel_far_away():
-    """With the context layers off, a click 12 pixels from a marine is blind to the marine moving one pixel;
-    with the blurs the full-resolution term sees it (weights drawn at random, as after some training)."""
-    change = {}
-    for scales in ((), (2.0, 8.0)):
-        torch.manual_seed(0)
-        net = dqn.SplitQNetwork(32, context_layers=0, fine_scales=scales)
-        for p in (net.spatial_near.parameters() if scales else ()):
-            torch.nn.init.normal_(p)
-        env = dqn.BuiltinMiniGame("MoveToBeacon", res=32, step_mul=16, seed=0)
-        states = dqn.to_tensors(dqn.obs_to_states(env.reset()), "cpu")
-        screen = torch.zeros_like(states["screen"])
-        screen[0, 0, 20, 20] = 1
-        moved = torch.zeros_like(screen)
-        moved[0, 0, 20, 21] = 1
-        q = [net(s, states["minimap"], states["player"], states["mask"])[1][0, 8 * 32 + 8].item()
-             for s in (screen, moved)]
-        change[scales] = abs(q[1] - q[0])
-    assert change[()] == 0.0 and change[(2.0, 8.0)] > 1e-3, change
 
 
 @pytest.mark.parametrize("res", [32, 30])

@@ -365,18 +365,3 @@ def test_a_checkpoint_from_before_the_context_layers_resumes_only_without_them(t
     with pytest.raises(dqn.ConfigError, match="--context-layers 0, but this run asks for 3"):
         dqn.load_checkpoint(str(tmp_path / "old.pt"), args)
     assert dqn.load_checkpoint(str(tmp_path / "old.pt"), dqn.Args(res=8, context_layers=0))["args"] == saved["args"]
-
-
-def test_a_checkpoint_from_before_the_fine_scales_resumes_only_without_them(tmp_path):
-    """Checkpoints written before --fine-scales existed had no blurred inputs; resuming one asks for an empty
-    --fine-scales. A list (as config.json would hold it) matches the same tuple."""
-    args = dqn.Args(res=8)
-    saved = {"format": dqn.CHECKPOINT_FORMAT, "rng": {}, "args": dataclasses.asdict(args)}
-    del saved["args"]["fine_scales"]
-    torch.save(saved, tmp_path / "old.pt")
-    with pytest.raises(dqn.ConfigError, match=r"--fine-scales \(\), but this run asks for \(1.0, 2.0, 4.0, 8.0\)"):
-        dqn.load_checkpoint(str(tmp_path / "old.pt"), args)
-    assert dqn.load_checkpoint(str(tmp_path / "old.pt"), dqn.Args(res=8, fine_scales=()))["args"] == saved["args"]
-    saved["args"]["fine_scales"] = [1.0, 2.0, 4.0, 8.0]
-    torch.save(saved, tmp_path / "listed.pt")
-    assert dqn.load_checkpoint(str(tmp_path / "listed.pt"), args)["args"]["fine_scales"] == [1.0, 2.0, 4.0, 8.0]
