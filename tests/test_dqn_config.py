@@ -171,7 +171,7 @@ BAD_VALUES = {
     "context_layers": -1, "fused_channels": 0, "player_channels": 0, "nonspatial_hidden": 0, "fine_gain": -1.0,
     "learning_rate": 0.0,
     "batch_size": 0, "gamma": 1.5, "n_step": 0, "start_e": 1.5, "end_e": 2.0, "exploration_steps": 0,
-    "learning_starts": 3, "train_frequency": 0, "target_network_frequency": 0, "max_grad_norm": 0.0, "action_gap_alpha": 1.0,
+    "learning_starts": 3, "train_frequency": 0, "target_network_frequency": 0, "max_grad_norm": 0.0,
     "scheduler_tmax": 0, "min_lr": 1.0, "step_lr_step_size": 0, "step_lr_gamma": 0.0, "num_test_episodes": 0,
     "test_epsilon": -0.1, "eval_every_episodes": -1, "num_eval_episodes": 0, "log_every_steps": 0,
     "torch_num_threads": 0, "time_limit_min": -1.0, "run_id": "a/b", "seeds": (1, 1), "wait_for_gpu_mb": -1.0,

@@ -126,25 +126,6 @@ def test_td_loss_takes_each_transition_from_the_head_its_action_came_from():
     assert loss.item() == pytest.approx(sum(abs(e) - 0.5 for e in errors) / 2)
 
 
-def test_advantage_learning_lowers_each_target_by_alpha_times_the_gap_to_the_best_action_now():
-    """--action-gap-alpha: y - alpha * (V(s) - Q(s, a)), both under the target network and over the functions
-    available in s; the best action's target is the plain one."""
-    online, target = FixedQ(ONLINE_NS, ONLINE_SP), FixedQ(TARGET_NS, TARGET_SP)  # the same Q for s and s'
-    batch = {
-        "obs": states(torch.tensor([[True, True, False], [True, True, True]])),  # s0: Move_screen unavailable
-        "next_obs": states(ALL_AVAILABLE),
-        "actions": torch.tensor([1, 2 + 2]),  # s0: select_army (2); s1: point 2 (10, the best in s1)
-        "rewards": torch.zeros(2, 1),
-        "dones": torch.zeros(2, 1),
-    }
-    amp = mu.amp("off", "cpu")
-    plain = dqn.td_target(online, target, batch, dqn.Args(gamma=1.0), amp)
-    assert plain.tolist() == [3.0, 6.0]  # V(s') as in the double-DQN example above
-    gapped = dqn.td_target(online, target, batch, dqn.Args(gamma=1.0, action_gap_alpha=0.5), amp)
-    # s0: V(s0) = max(no_op 7, select_army 2) = 7 (Move's 8 is unavailable): 3 - 0.5 * (7 - 2); s1: no gap
-    assert gapped.tolist() == [0.5, 6.0]
-
-
 def lrs_per_episode(args, episodes):
     optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
     scheduler = dqn.make_scheduler(optimizer, args)
