@@ -119,12 +119,12 @@ class Args:
     """channels of the screen and minimap convolution towers"""
     fused_channels: int = 32
     """channels of the fused features that both Q heads read"""
-    context_layers: int = 3
+    context_layers: int | None = None
     """3x3 convolutions, dilated 1, 2, 4, ..., over the fused features pooled to quarter resolution and added
     back: each layer doubles how far a pixel's value can see (3 layers: the whole screen at res 32), so the value
     of a click can depend on where the marines are; 0 leaves a click's value blind to anything more than 4
     pixels away. Quarter resolution keeps them cheap: at half resolution they would halve the agent steps a CPU
-    makes per second"""
+    makes per second. None: the map's own default, MAP_CONTEXT_LAYERS"""
     player_channels: int = 8
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
@@ -225,7 +225,8 @@ RULES = (
     ("buffer_size", lambda a: a.buffer_size > a.n_step, "larger than n_step ({n_step}) so that an n-step return fits"),
     ("tower_channels", lambda a: a.tower_channels >= 1, "at least 1"),
     ("fused_channels", lambda a: a.fused_channels >= 1, "at least 1"),
-    ("context_layers", lambda a: 0 <= a.context_layers <= 8, "between 0 and 8"),
+    ("context_layers", lambda a: a.context_layers is None or 0 <= a.context_layers <= 8,
+     "between 0 and 8 (or left out: the map's default)"),
     ("player_channels", lambda a: a.player_channels >= 1, "at least 1"),
     ("nonspatial_hidden", lambda a: a.nonspatial_hidden >= 1, "at least 1"),
     ("fine_gain", lambda a: 0 <= a.fine_gain < math.inf, "0 or more"),
@@ -266,6 +267,19 @@ RULES = (
     ("snapshot_max_entries", lambda a: a.snapshot_max_entries >= 1, "at least 1"),
 )
 
+
+# Context layers per map, where --context-layers is left out. On CollectMineralShards the best click depends on
+# where the marines stand and where the other shards lie, across the screen; on MoveToBeacon there is one pickup,
+# which the full-resolution term finds on its own, and there the layers slowed learning and made it less
+# reliable (benchmark/results/dqn_movetobeacon_defaults_seeds_1_2.md against dqn_movetobeacon_learning.md).
+MAP_CONTEXT_LAYERS = {"MoveToBeacon": 0, "CollectMineralShards": 3}
+
+
+def with_map_defaults(args: Args) -> Args:
+    """`args` with each setting left to the map (None) filled in, so config.json and checkpoints record numbers."""
+    if args.context_layers is None:
+        return dataclasses.replace(args, context_layers=MAP_CONTEXT_LAYERS[args.map_name])
+    return args
 
 # ---------------------------------------------------------------------------------------------------------
 # Environments. Both backends return the same observation dict and take the same actions.
@@ -830,7 +844,7 @@ class SplitQNetwork(nn.Module):
         res: int,
         tower_channels: int = Args.tower_channels,
         fused_channels: int = Args.fused_channels,
-        context_layers: int = Args.context_layers,
+        context_layers: int = 3,
         player_channels: int = Args.player_channels,
         nonspatial_hidden: int = Args.nonspatial_hidden,
         fine_gain: float = Args.fine_gain,
@@ -902,6 +916,7 @@ class SplitQNetwork(nn.Module):
 
 
 def make_q_network(args: Args) -> SplitQNetwork:
+    args = with_map_defaults(args)
     return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers,
                          args.player_channels, args.nonspatial_hidden, args.fine_gain)
 
@@ -1381,6 +1396,7 @@ def load_checkpoint(path: str, args: Args) -> dict:
         raise ConfigError(f"--resume {path!r} is not a readable checkpoint ({first_line[:160]}).") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT or "rng" not in state:
         raise ConfigError(f"--resume {path!r} is not a {CHECKPOINT_FORMAT} checkpoint that can be resumed.")
+    args = with_map_defaults(args)
     for name in RESUME_MUST_MATCH:
         saved, wanted = state["args"].get(name, ADDED_SETTINGS.get(name)), getattr(args, name)
         if saved != wanted:
@@ -1823,6 +1839,7 @@ def drop_results_rows(path: str, run_id: str) -> None:
 
 
 def main(args: Args, sources: dict) -> int:
+    args = with_map_defaults(args)
     seeds = list(args.seeds) or [args.seed]
     base_id = args.run_id or f"{args.map_name}__{args.exp_name}__{{seed}}__{int(time.time())}"
     run_ids = {seed: (args.run_id if len(seeds) == 1 else f"{args.run_id}-seed{seed}") if args.run_id

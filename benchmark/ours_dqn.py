@@ -2,7 +2,8 @@
 
     python benchmark/ours_dqn.py --out PATH [--quick]
 
-The configuration is `dqn_starcraft_split.Args()` as it is (res 32, step_mul 16, batch 8, Adam), on the CPU.
+The configuration is `dqn_starcraft_split.Args()` as it is (res 32, step_mul 16, batch 8, Adam), on the CPU,
+with CollectMineralShards's network (its 3 context layers; MoveToBeacon's default has none) on both maps.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def measure(quick: bool) -> dict:
     args = dqn.Args(cuda=False)
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
-    q_network = dqn.SplitQNetwork(args.res)
-    target_network = dqn.SplitQNetwork(args.res)
+    # the larger of the two maps' default networks: CollectMineralShards's, with its context layers
+    q_network = dqn.make_q_network(dataclasses.replace(args, map_name="CollectMineralShards"))
+    target_network = dqn.make_q_network(dataclasses.replace(args, map_name="CollectMineralShards"))
     target_network.load_state_dict(q_network.state_dict())
     steps = 500 if quick else 5_000
     out: dict = {"dqn_config": {"res": args.res, "step_mul": args.step_mul, "batch_size": args.batch_size,

@@ -200,6 +200,19 @@ def test_model_settings_reach_the_network():
     assert net.nonspatial_head[0].out_features == 5 and net.fine_gain == 3.0
 
 
+def test_context_layers_default_to_the_maps_own_and_a_given_value_wins():
+    for map_name, layers in dqn.MAP_CONTEXT_LAYERS.items():
+        args = dqn.Args(res=8, map_name=map_name)
+        assert args.context_layers is None and args.problems() == []
+        assert dqn.with_map_defaults(args).context_layers == layers
+        assert len(dqn.make_q_network(args).context) == layers
+        given = dqn.Args(res=8, map_name=map_name, context_layers=1)
+        assert dqn.with_map_defaults(given) == given and len(dqn.make_q_network(given).context) == 1
+    assert dqn.MAP_CONTEXT_LAYERS == {"MoveToBeacon": 0, "CollectMineralShards": 3}
+    parsed, sources = dqn.parse_args(["--map-name", "CollectMineralShards"], environ={})
+    assert parsed.context_layers is None and sources["context_layers"] == "default"
+
+
 @pytest.mark.parametrize("res", [32, 30])
 def test_context_layers_let_a_click_see_marines_across_the_screen(res):
     """The value of clicking the top-left pixel changes when a marine appears 24 pixels away only with the

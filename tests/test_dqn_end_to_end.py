@@ -104,7 +104,8 @@ def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
     assert curve[0].startswith("episode,global_step") and len(curve) == 3
     checkpoint = torch.load(run / "checkpoint.pt", weights_only=False)
     assert checkpoint["interrupted"] is False and checkpoint["global_step"] == 30
-    net = dqn.SplitQNetwork(8)
+    assert config["args"]["context_layers"] == dqn.MAP_CONTEXT_LAYERS["MoveToBeacon"]  # the map's, as a number
+    net = dqn.SplitQNetwork(8, context_layers=config["args"]["context_layers"])
     net.load_state_dict(checkpoint["q_network"])
 
     events = EventAccumulator(str(tmp_path / "runs" / "tiny-seed4"))
@@ -358,10 +359,11 @@ def test_a_resume_that_cannot_work_is_one_line(tmp_path, extra, needle):
 def test_a_checkpoint_from_before_the_context_layers_resumes_only_without_them(tmp_path):
     """Checkpoints written before --context-layers existed do not record it; their networks had none, so
     resuming one asks for --context-layers 0 instead of failing to load the weights later."""
-    args = dqn.Args(res=8)
-    saved = {"format": dqn.CHECKPOINT_FORMAT, "rng": {}, "args": dataclasses.asdict(args)}
+    args = dqn.Args(res=8, map_name="CollectMineralShards")  # its default: 3 context layers
+    saved = {"format": dqn.CHECKPOINT_FORMAT, "rng": {}, "args": dataclasses.asdict(dqn.with_map_defaults(args))}
     del saved["args"]["context_layers"]
     torch.save(saved, tmp_path / "old.pt")
     with pytest.raises(dqn.ConfigError, match="--context-layers 0, but this run asks for 3"):
         dqn.load_checkpoint(str(tmp_path / "old.pt"), args)
-    assert dqn.load_checkpoint(str(tmp_path / "old.pt"), dqn.Args(res=8, context_layers=0))["args"] == saved["args"]
+    resumed = dataclasses.replace(args, context_layers=0)
+    assert dqn.load_checkpoint(str(tmp_path / "old.pt"), resumed)["args"] == saved["args"]
