@@ -158,10 +158,6 @@ class Args:
     """one update every this many agent steps"""
     target_network_frequency: int = 300
     """agent steps between copies of the online network into the target network"""
-    action_gap_alpha: float = 0.0
-    """advantage learning (Bellemare et al. 2016): each target is lowered by alpha * (V(s) - Q(s, a)) under the
-    target network, which leaves the best action's value and widens the gap to every other by about
-    1 / (1 - alpha); 0: the plain (Double) DQN target"""
     max_grad_norm: float = 10.0
     """gradient norm clip"""
     use_double_dqn: bool = True
@@ -246,7 +242,6 @@ RULES = (
     ("train_frequency", lambda a: a.train_frequency >= 1, "at least 1"),
     ("target_network_frequency", lambda a: a.target_network_frequency >= 1, "at least 1"),
     ("max_grad_norm", lambda a: a.max_grad_norm > 0, "positive"),
-    ("action_gap_alpha", lambda a: 0 <= a.action_gap_alpha < 1, "in [0, 1)"),
     ("scheduler_tmax", lambda a: a.scheduler_tmax is None or a.scheduler_tmax >= 1, "at least 1 episode"),
     ("min_lr", lambda a: 0 <= a.min_lr <= a.learning_rate, "between 0 and learning_rate ({learning_rate})"),
     ("step_lr_step_size", lambda a: a.step_lr_step_size >= 1, "at least 1 episode"),
@@ -971,13 +966,7 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
     where V is 0 if the episode ended within the n steps (the map's timer is a true terminal: pysc2 gives
     discount 0). Double DQN: the online network selects (the non-spatial function; per spatial function, its
     point) and the target network evaluates what was selected; plain DQN: the target network does both. An
-    unavailable function in s' is never selected and never counts. With advantage learning (alpha > 0):
-
-        y_AL = y - alpha * (max_b Q_target(s, b) - Q_target(s, a)),   b over the functions available in s,
-
-    whose fixed point keeps the best action's value and multiplies every other action's gap to it by
-    1 / (1 - alpha). Two clicks on shards one world unit apart in distance differ by about 2 % of their value
-    (the farther is reached 0.44 steps later: 1 - 0.95^0.44), a gap easily lost in the errors of a fitted Q map.
+    unavailable function in s' is never selected and never counts.
     """
     # ALGO LOGIC: the learning target, all of it in this function
     rewards, dones = batch["rewards"], batch["dones"]  # (B, n) each
@@ -1004,15 +993,7 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
         value_sp = value_sp.masked_fill(~spatial_ok, neg_inf).max(1).values  # the best available spatial function
         next_value = torch.maximum(value_ns, value_sp)  # (B,)
         next_value = torch.where(ended, torch.zeros_like(next_value), next_value)  # -inf never leaks through
-        target = returns + args.gamma ** rewards.shape[1] * next_value
-        if args.action_gap_alpha > 0 and batch.get("alpha_scale", 1.0) > 0:  # advantage learning: minus alpha * (V(s) - Q(s, a)), target network
-            obs = batch["obs"]
-            with amp.autocast():
-                now_ns, now_sp = target_network(obs["screen"], obs["minimap"], obs["player"], obs["mask"])
-            now = masked_q(now_ns.float(), now_sp.float(), obs["mask"])  # (B, F + S*H*W)
-            gap = now.max(1).values - now.gather(1, batch["actions"][:, None]).squeeze(1)  # (B,) >= 0
-            target = target - args.action_gap_alpha * batch.get("alpha_scale", 1.0) * gap
-        return target
+        return returns + args.gamma ** rewards.shape[1] * next_value
 
 
 def td_loss(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSetup):
@@ -1690,8 +1671,6 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 if global_step > args.learning_starts and global_step % args.train_frequency == 0:
                     with out_of_memory_ends_the_run():
                         batch = batch_to_device(rb.sample(batch_size, rng, args.n_step), device)
-                    # trial: alpha annealed to 0 with epsilon's schedule
-                    batch["alpha_scale"] = max(0.0, (epsilon - args.end_e) / max(args.start_e - args.end_e, 1e-9))
                     probes("after_sample")
                     with out_of_memory_ends_the_run():
                         metrics = update(q_network, target_network, optimizer, amp, batch, args)
