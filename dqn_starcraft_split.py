@@ -130,10 +130,6 @@ class Args:
     nonspatial_hidden: int = 64
     """hidden units of the non-spatial head"""
     fine_gain: float = 10.0
-    fine_hidden: int = 8
-    """hidden channels of a nonlinear full-resolution click term that reads each pixel's 3x3 screen patch
-    together with the fused features (where the marines are) under it, so "a shard here" and "the marines near"
-    can combine per pixel; 0: off (the linear term alone)"""
     """learning-rate multiplier of the spatial head's full-resolution term: Adam moves a weight about lr per
     update, so at lr 5e-5 the layer that says "click exactly here" would need ~10x more updates than the rest"""
 
@@ -234,7 +230,6 @@ RULES = (
     ("player_channels", lambda a: a.player_channels >= 1, "at least 1"),
     ("nonspatial_hidden", lambda a: a.nonspatial_hidden >= 1, "at least 1"),
     ("fine_gain", lambda a: 0 <= a.fine_gain < math.inf, "0 or more"),
-    ("fine_hidden", lambda a: 0 <= a.fine_hidden <= 64, "between 0 and 64"),
     ("learning_rate", lambda a: a.learning_rate > 0, "positive"),
     ("batch_size", lambda a: a.batch_size >= 1, "at least 1"),
     ("gamma", lambda a: 0 < a.gamma <= 1, "in (0, 1]"),
@@ -853,7 +848,6 @@ class SplitQNetwork(nn.Module):
         player_channels: int = Args.player_channels,
         nonspatial_hidden: int = Args.nonspatial_hidden,
         fine_gain: float = Args.fine_gain,
-        fine_hidden: int = 0,
     ):
         super().__init__()
         self.res = res
@@ -896,13 +890,6 @@ class SplitQNetwork(nn.Module):
         self.context = nn.ModuleList(
             nn.Conv2d(fused_channels, fused_channels, 3, padding=2**i, dilation=2**i) for i in range(context_layers)
         )
-        self.fine_hidden = fine_hidden
-        if fine_hidden:  # created after all else: the other weights are those of a network without it
-            self.fine_screen = nn.Conv2d(screen_in, fine_hidden, 3, padding=1)
-            self.fine_fused = nn.Conv2d(fused_channels, fine_hidden, 1)
-            self.fine_out = nn.Conv2d(fine_hidden, num_spatial, 1)
-            nn.init.zeros_(self.fine_out.weight)  # starts as the network without it, output for output
-            nn.init.zeros_(self.fine_out.bias)
 
     def forward(self, screen, minimap, player, available):
         """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, 11); available (B, F + S) bool, the
@@ -924,18 +911,14 @@ class SplitQNetwork(nn.Module):
         pooled = torch.cat([fused.mean((2, 3)), fused.amax((2, 3))], 1)  # (B, 2E)
         q_nonspatial = self.nonspatial_head(torch.cat([pooled, available], 1))  # (B, F)
         coarse = F.interpolate(self.spatial_coarse(fused), size=(self.res, self.res), mode="nearest")
-        fine = self.spatial_fine(screen)  # (B, S, H, W)
-        if self.fine_hidden:
-            under = F.interpolate(self.fine_fused(fused), size=(self.res, self.res), mode="nearest")
-            fine = fine + self.fine_out(F.relu(self.fine_screen(screen) + under))
-        q_spatial = (coarse + self.fine_gain * fine).flatten(1)  # (B, S*H*W)
+        q_spatial = (coarse + self.fine_gain * self.spatial_fine(screen)).flatten(1)  # (B, S*H*W)
         return q_nonspatial, q_spatial
 
 
 def make_q_network(args: Args) -> SplitQNetwork:
     args = with_map_defaults(args)
     return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers,
-                         args.player_channels, args.nonspatial_hidden, args.fine_gain, args.fine_hidden)
+                         args.player_channels, args.nonspatial_hidden, args.fine_gain)
 
 
 def masked_q(q_nonspatial, q_spatial, mask):
@@ -1366,7 +1349,7 @@ CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial
 # Settings that checkpoints written before they existed do not record, with the value those were trained with.
 ADDED_SETTINGS = {"context_layers": 0}
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
-                     "fused_channels", "context_layers", "player_channels", "nonspatial_hidden", "fine_gain", "fine_hidden")
+                     "fused_channels", "context_layers", "player_channels", "nonspatial_hidden", "fine_gain")
 
 
 def save_checkpoint(
