@@ -281,6 +281,7 @@ def with_map_defaults(args: Args) -> Args:
         return dataclasses.replace(args, context_layers=MAP_CONTEXT_LAYERS[args.map_name])
     return args
 
+
 # ---------------------------------------------------------------------------------------------------------
 # Environments. Both backends return the same observation dict and take the same actions.
 # ---------------------------------------------------------------------------------------------------------
@@ -844,7 +845,7 @@ class SplitQNetwork(nn.Module):
         res: int,
         tower_channels: int = Args.tower_channels,
         fused_channels: int = Args.fused_channels,
-        context_layers: int = 3,
+        context_layers: int = MAP_CONTEXT_LAYERS["CollectMineralShards"],
         player_channels: int = Args.player_channels,
         nonspatial_hidden: int = Args.nonspatial_hidden,
         fine_gain: float = Args.fine_gain,
