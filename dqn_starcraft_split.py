@@ -129,10 +129,6 @@ class Args:
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
     """hidden units of the non-spatial head"""
-    selection_distance: bool = False
-    """if toggled, the screen gets one more channel: each pixel's distance from the centre of the selected units
-    (from the `selected` layer), so the value of a click can weigh how far the selected marines must walk there
-    at full resolution, in the layer that already says "a shard is here" """
     fine_gain: float = 10.0
     """learning-rate multiplier of the spatial head's full-resolution term: Adam moves a weight about lr per
     update, so at lr 5e-5 the layer that says "click exactly here" would need ~10x more updates than the rest"""
@@ -834,20 +830,6 @@ def preprocess_layers(x: torch.Tensor, layers) -> torch.Tensor:
     return torch.cat(channels, 1)
 
 
-def selection_distance(selected: torch.Tensor) -> torch.Tensor:
-    """(B, H, W) `selected` layer -> (B, 1, H, W): each pixel's distance from the centre of the selected pixels,
-    in screen widths; 0 everywhere when nothing is selected."""
-    sel = (selected > 0).float()
-    h, w = sel.shape[1:]
-    ys = torch.arange(h, device=sel.device, dtype=sel.dtype)
-    xs = torch.arange(w, device=sel.device, dtype=sel.dtype)
-    count = sel.sum((1, 2))  # (B,)
-    cy = (sel.sum(2) * ys).sum(1) / count.clamp(min=1)  # (B,)
-    cx = (sel.sum(1) * xs).sum(1) / count.clamp(min=1)
-    d2 = (ys[None, :, None] - cy[:, None, None]) ** 2 + (xs[None, None, :] - cx[:, None, None]) ** 2
-    return (d2.sqrt() / w * (count > 0)[:, None, None])[:, None]
-
-
 class SplitQNetwork(nn.Module):
     """Screen and minimap conv towers + the tiled embedding of the player vector and the available actions,
     fused; two Q heads: one value per non-spatial function, and one res x res map per spatial function.
@@ -867,13 +849,10 @@ class SplitQNetwork(nn.Module):
         player_channels: int = Args.player_channels,
         nonspatial_hidden: int = Args.nonspatial_hidden,
         fine_gain: float = Args.fine_gain,
-        with_selection_distance: bool = Args.selection_distance,
     ):
         super().__init__()
         self.res = res
-        self.with_selection_distance = with_selection_distance
-        screen_in = layer_channels(SCREEN_LAYERS) + int(with_selection_distance)
-        minimap_in = layer_channels(MINIMAP_LAYERS)
+        screen_in, minimap_in = layer_channels(SCREEN_LAYERS), layer_channels(MINIMAP_LAYERS)
         self.screen_tower = nn.Sequential(
             nn.Conv2d(screen_in, tower_channels, 4, stride=2, padding=1),
             nn.ReLU(),
@@ -917,10 +896,7 @@ class SplitQNetwork(nn.Module):
         """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, 11); available (B, F + S) bool, the
         action mask -> Q (B, F), Q (B, S*H*W): together, one value per flat action index."""
         available = available.float()  # (B, F + S)
-        selected = screen[:, [layer.name for layer in SCREEN_LAYERS].index("selected")]  # (B, H, W)
         screen = preprocess_layers(screen, SCREEN_LAYERS)  # (B, Cs, H, W)
-        if self.with_selection_distance:
-            screen = torch.cat([screen, selection_distance(selected)], 1)
         minimap = preprocess_layers(minimap, MINIMAP_LAYERS)  # (B, Cm, H, W)
         s = self.screen_tower(screen)  # (B, T, H/2, W/2)
         m = self.minimap_tower(minimap)  # (B, T, H/2, W/2)
@@ -943,7 +919,7 @@ class SplitQNetwork(nn.Module):
 def make_q_network(args: Args) -> SplitQNetwork:
     args = with_map_defaults(args)
     return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers,
-                         args.player_channels, args.nonspatial_hidden, args.fine_gain, args.selection_distance)
+                         args.player_channels, args.nonspatial_hidden, args.fine_gain)
 
 
 def masked_q(q_nonspatial, q_spatial, mask):
@@ -1372,10 +1348,9 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial map), 24-unit screen
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
 # Settings that checkpoints written before they existed do not record, with the value those were trained with.
-ADDED_SETTINGS = {"context_layers": 0, "selection_distance": False}
+ADDED_SETTINGS = {"context_layers": 0}
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
-                     "fused_channels", "context_layers", "player_channels", "nonspatial_hidden", "fine_gain",
-                     "selection_distance")
+                     "fused_channels", "context_layers", "player_channels", "nonspatial_hidden", "fine_gain")
 
 
 def save_checkpoint(
