@@ -129,10 +129,6 @@ class Args:
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
     """hidden units of the non-spatial head"""
-    dueling: bool = False
-    """if toggled, Q = V(s) + A(s, a) - mean of A over the available actions (Wang et al. 2016): a TD error that
-    is the state's value moving goes into V and leaves the order of the clicks alone, which matters where many
-    clicks have nearly the same value"""
     fine_gain: float = 10.0
     """learning-rate multiplier of the spatial head's full-resolution term: Adam moves a weight about lr per
     update, so at lr 5e-5 the layer that says "click exactly here" would need ~10x more updates than the rest"""
@@ -853,7 +849,6 @@ class SplitQNetwork(nn.Module):
         player_channels: int = Args.player_channels,
         nonspatial_hidden: int = Args.nonspatial_hidden,
         fine_gain: float = Args.fine_gain,
-        dueling: bool = Args.dueling,
     ):
         super().__init__()
         self.res = res
@@ -891,11 +886,6 @@ class SplitQNetwork(nn.Module):
             nn.ReLU(),
             nn.Linear(nonspatial_hidden, len(NONSPATIAL_FUNCTIONS)),
         )
-        self.value_head = (
-            nn.Sequential(nn.Linear(2 * fused_channels + num_available, nonspatial_hidden), nn.ReLU(),
-                          nn.Linear(nonspatial_hidden, 1))
-            if dueling else None
-        )
         # Created last so that context_layers=0 builds, from the same seed, the same weights as a network
         # without them.
         self.context = nn.ModuleList(
@@ -923,21 +913,13 @@ class SplitQNetwork(nn.Module):
         q_nonspatial = self.nonspatial_head(torch.cat([pooled, available], 1))  # (B, F)
         coarse = F.interpolate(self.spatial_coarse(fused), size=(self.res, self.res), mode="nearest")
         q_spatial = (coarse + self.fine_gain * self.spatial_fine(screen)).flatten(1)  # (B, S*H*W)
-        if self.value_head is not None:  # the heads' outputs are advantages: centre them on the available actions
-            num_nonspatial = q_nonspatial.shape[1]
-            ok_ns, ok_sp = available[:, :num_nonspatial], available[:, num_nonspatial:]  # (B, F), (B, S)
-            total = (q_nonspatial * ok_ns).sum(1) + (q_spatial.unflatten(1, (ok_sp.shape[1], -1)).sum(2) * ok_sp).sum(1)
-            count = ok_ns.sum(1) + ok_sp.sum(1) * self.res * self.res
-            value = self.value_head(torch.cat([pooled, available], 1))  # (B, 1)
-            shift = value - (total / count.clamp(min=1))[:, None]  # (B, 1)
-            q_nonspatial, q_spatial = q_nonspatial + shift, q_spatial + shift
         return q_nonspatial, q_spatial
 
 
 def make_q_network(args: Args) -> SplitQNetwork:
     args = with_map_defaults(args)
     return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers,
-                         args.player_channels, args.nonspatial_hidden, args.fine_gain, args.dueling)
+                         args.player_channels, args.nonspatial_hidden, args.fine_gain)
 
 
 def masked_q(q_nonspatial, q_spatial, mask):
@@ -1366,10 +1348,9 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial map), 24-unit screen
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
 # Settings that checkpoints written before they existed do not record, with the value those were trained with.
-ADDED_SETTINGS = {"context_layers": 0, "dueling": False}
+ADDED_SETTINGS = {"context_layers": 0}
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
-                     "fused_channels", "context_layers", "player_channels", "nonspatial_hidden", "fine_gain",
-                     "dueling")
+                     "fused_channels", "context_layers", "player_channels", "nonspatial_hidden", "fine_gain")
 
 
 def save_checkpoint(
