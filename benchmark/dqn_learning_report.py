@@ -65,6 +65,15 @@ def read_run(folder: Path) -> dict:
     }
 
 
+def lr_schedule_words(a: dict) -> str:
+    """The learning-rate schedule of a run's settings, in words."""
+    if a["lr_scheduler"] == "cosine":
+        return f"cosine down to {a['min_lr']:g} over {a.get('scheduler_tmax') or a['num_episodes']} episodes"
+    if a["lr_scheduler"] == "step":
+        return f"times {a['step_lr_gamma']:g} every {a['step_lr_step_size']} episodes"
+    return "constant"
+
+
 def greedy_behaviour(folder: Path, episodes: int) -> dict:
     """What the trained network does: `episodes` greedy episodes from the run's final checkpoint on a fresh
     built-in environment (seed 20,000 + k): how often it picks each function, and where its clicks land."""
@@ -153,7 +162,7 @@ def markdown(r: dict) -> str:
              f"{r['conditions']}\n")
     a = r["settings"]
     L.append(f"Settings: res {a['res']}, step_mul {a['step_mul']} ({r['episode_steps']} agent steps "
-             f"an episode), lr {a['learning_rate']:g} (cosine over {a['num_episodes']} episodes), batch "
+             f"an episode), lr {a['learning_rate']:g} ({lr_schedule_words(a)}), batch "
              f"{a['batch_size']}, replay {a['buffer_size']}, gamma {a['gamma']}, {a['n_step']}-step returns, "
              f"epsilon {a['start_e']:g} -> {a['end_e']:g} over {a['exploration_steps']} steps, target copy every "
              f"{a['target_network_frequency']} steps, one update every {a['train_frequency']} steps, "
