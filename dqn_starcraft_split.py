@@ -150,10 +150,6 @@ class Args:
     """epsilon at the first step"""
     end_e: float = 0.01
     """epsilon after `exploration_steps`"""
-    temperature: float = 0.05
-    """training steps that do not explore at random draw their action from softmax(Q / temperature) over the
-    available actions (0: the best action); the clicks this tries are the near-best ones, whose order greedy
-    data alone never tests"""
     exploration_steps: int = 100_000
     """agent steps over which epsilon goes linearly from `start_e` to `end_e`"""
     learning_starts: int = 1_000
@@ -247,7 +243,6 @@ RULES = (
     ("target_network_frequency", lambda a: a.target_network_frequency >= 1, "at least 1"),
     ("max_grad_norm", lambda a: a.max_grad_norm > 0, "positive"),
     ("scheduler_tmax", lambda a: a.scheduler_tmax is None or a.scheduler_tmax >= 1, "at least 1 episode"),
-    ("temperature", lambda a: a.temperature >= 0, "at least 0"),
     ("min_lr", lambda a: 0 <= a.min_lr <= a.learning_rate, "between 0 and learning_rate ({learning_rate})"),
     ("step_lr_step_size", lambda a: a.step_lr_step_size >= 1, "at least 1 episode"),
     ("step_lr_gamma", lambda a: 0 < a.step_lr_gamma <= 1, "in (0, 1]"),
@@ -1136,10 +1131,8 @@ def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> floa
     return max(slope * t + start_e, end_e)
 
 
-def select_action(q_network, obs: dict, epsilon: float, rng: np.random.Generator, device,
-                  temperature: float = 0.0) -> int:
-    """Epsilon-greedy over the flat action space (functions, then points), available actions only; with a
-    temperature, the non-random steps sample softmax(Q / temperature) instead of taking the best action.
+def select_action(q_network, obs: dict, epsilon: float, rng: np.random.Generator, device) -> int:
+    """Epsilon-greedy over the flat action space (functions, then points), available actions only.
 
     A random action is drawn like pysc2's random agent (the SC2LE "random policy"): a function uniformly
     among the available ones, then a point uniformly. Drawing uniformly over all flat actions instead would
@@ -1157,11 +1150,7 @@ def select_action(q_network, obs: dict, epsilon: float, rng: np.random.Generator
     # memory: acting builds no graph
     with torch.no_grad():
         q_ns, q_sp = q_network(states["screen"], states["minimap"], states["player"], states["mask"])
-        q = masked_q(q_ns.float(), q_sp.float(), states["mask"])[0]  # (F + S*H*W,)
-    if temperature > 0:
-        p = torch.softmax((q.double() - q.max()) / temperature, 0).cpu().numpy()
-        return int(rng.choice(len(p), p=p / p.sum()))
-    return int(q.argmax().item())
+        return int(masked_q(q_ns.float(), q_sp.float(), states["mask"]).argmax(1).item())
 
 
 # Colours of the video frames, by player_relative value: background, self (marines), ally, neutral (beacon,
@@ -1670,7 +1659,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 probes("loop_start")
                 epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
                 with out_of_memory_ends_the_run():
-                    action = select_action(q_network, obs, epsilon, rng, device, args.temperature)
+                    action = select_action(q_network, obs, epsilon, rng, device)
                 next_obs, reward, done = env.step(*decode_action(action, args.res))
                 rb.add(obs, action, reward, done)
                 probes("after_collect")
