@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmark import pong_curve
-from benchmark.run import (TARGET_GPU_PEAK_MB, TARGET_PONG_RETURN, TARGET_PONG_WALL_MIN, TARGET_UPDATE_MS, fmt,
+from benchmark.run import (TARGET_GPU_PEAK_MB, TARGET_GPU_SLOPE_MB_PER_10K, TARGET_PONG_RETURN, TARGET_PONG_WALL_MIN, TARGET_UPDATE_MS, fmt,
                            gpu_markdown)
 
 TARGET_PEAK_RESERVED_MB = float(TARGET_GPU_PEAK_MB)
@@ -98,11 +98,14 @@ def report(folder: Path) -> tuple[dict, str]:
     stem = folder.parent / folder.name
     profile, prototype = load(folder, "profile.json"), load(folder, "prototype_profile.json")
     amp, forensics = load(folder, "gpu_amp.json"), load(folder, "forensics.json")
+    loop_file = load(folder, "gpu_loop.json")
+    loop = (loop_file or {}).get("loop")
     smi = (folder / "nvidia_smi.csv").read_text().strip().splitlines()[-1] if (folder / "nvidia_smi.csv").exists() else None
     pong = pong_section(folder, stem)
     machine = (profile or amp or {}).get("machine", {})
     result = {"folder": folder.name, "machine": machine, "nvidia_smi": smi, "profile": profile,
-              "prototype_profile": prototype, "gpu_amp": amp, "forensics": forensics, "pong": pong}
+              "prototype_profile": prototype, "gpu_amp": amp, "forensics": forensics, "gpu_loop": loop,
+              "pong": pong}
 
     lines = [f"# GPU results, {machine.get('gpu', 'unknown GPU')}", "",
              (f"Machine: {machine.get('gpu')} ({smi}), {machine.get('cpu')}, {machine.get('cpu_count')} CPU cores, "
@@ -137,6 +140,11 @@ def report(folder: Path) -> tuple[dict, str]:
                 targets[f"peak GPU reserved, seed config, --amp {mode} --cudagraph"] = (
                     f"{fmt(fig['graph_peak_reserved_mb'])} MB", "< 2,048 MB",
                     fig["graph_peak_reserved_mb"] < TARGET_PEAK_RESERVED_MB)
+    if loop and "gpu_alloc_slope_mb_per_10k" in loop:
+        slope = loop["gpu_alloc_slope_mb_per_10k"]
+        targets["GPU allocated past buffer capacity (training loop)"] = (
+            f"{fmt(slope)} MB per 10k env steps", f"flat (within {TARGET_GPU_SLOPE_MB_PER_10K:g} MB per 10k)",
+            abs(slope) <= TARGET_GPU_SLOPE_MB_PER_10K)
     if forensics and "analysis" in forensics:
         targets["GPU allocated past buffer capacity (forensics run, snapshots)"] = (
             forensics["analysis"]["printed"].split("slope per 1k steps |")[1].split("|")[1].strip() + " MB per 1k "
@@ -198,12 +206,12 @@ def report(folder: Path) -> tuple[dict, str]:
             for strip in pong["open_loop_strips"]:
                 lines += [f"![{strip['png']}]({strip['png']})", ""]
 
-    if amp or forensics:
-        loop = load(folder, "gpu_loop.json")
+    if amp or forensics or loop:
         reason = ("stopped by its time limit, see gpu_loop.log" if (folder / "gpu_loop.log").exists() and loop is None
                   else "not run")
-        gpu = {"run": True, "device": (amp or {}).get("device"), "update_batch": (amp or {}).get("update_batch"),
-               "amp": (amp or {}).get("amp", {}), "loop": (loop or {}).get("loop"), "loop_reason": reason}
+        source = amp or loop_file or {}
+        gpu = {"run": True, "device": source.get("device"), "update_batch": source.get("update_batch"),
+               "amp": (amp or {}).get("amp", {}), "loop": loop, "loop_reason": reason}
         section = gpu_markdown({"gpu": gpu, "forensics": forensics or {"run": False, "reason": "not run"}})
         lines += ["", section.replace("## GPU\n", "## Eager update and peak memory per --amp\n")]
     return result, "\n".join(lines) + "\n"

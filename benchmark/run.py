@@ -641,6 +641,9 @@ def gpu_markdown(result: dict) -> str:
     parts = ["## GPU", ""]
     if not gpu.get("run", True):
         parts.append(gpu["reason"] + ".")
+    elif not gpu["amp"]:
+        parts.append(f"Device: {gpu['device']}. Eager update and peak memory per --amp: not measured.")
+        loop = gpu.get("loop")
     else:
         parts += [(f"Device: {gpu['device']}. One update of the seed model on one batch ({gpu['update_batch']}), "
                    "medians after two warm-up updates; peaks are torch's allocator peaks over those updates."), "",

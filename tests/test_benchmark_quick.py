@@ -378,3 +378,29 @@ def test_matched_only_writes_its_own_results_file(tmp_path, monkeypatch):
     assert md.read_text() == first
     (second,) = tmp_path.glob("*-matched-2.md")
     assert json.loads(second.with_suffix(".json").read_text())["matched_update_ms"] == 4000.0
+
+
+def test_gpu_report_renders_a_session_that_measured_only_the_training_loop(tmp_path):
+    # a session's folder may hold gpu_loop.json alone: its slope is a target row and the loop is described
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmark import gpu_report
+    finally:
+        sys.path.remove(str(ROOT))
+    folder = tmp_path / "2026-01-01-gpu"
+    folder.mkdir()
+    loop = {"capacity_steps": 1000, "cudagraph": True, "amp": "off", "env_steps": 4000, "batch": "B16 x T50",
+            "updates": 4482, "env_steps_per_s": 25.7, "gpu_alloc_slope_mb_per_10k": 0.0,
+            "gpu_alloc_mb_first_last": [347.5, 347.5]}
+    shape = {"run": True, "device": "Some GPU", "update_batch": "B16 x T50", "amp": {}, "loop": loop,
+             "machine": {"gpu": "Some GPU"}}
+    (folder / "gpu_loop.json").write_text(json.dumps(shape))
+    result, text = gpu_report.report(folder)
+    assert result["gpu_loop"] == loop
+    assert "| GPU allocated past buffer capacity (training loop) | 0 MB per 10k env steps |" in text
+    assert text.split("(training loop) |")[1].splitlines()[0].endswith("| yes |")
+    assert "4,482 updates): 25.7 env steps/s" in text and "per --amp: not measured" in text
+    loop["gpu_alloc_slope_mb_per_10k"] = 5.0  # growing past capacity: the target is not met
+    (folder / "gpu_loop.json").write_text(json.dumps(shape))
+    _, text = gpu_report.report(folder)
+    assert text.split("(training loop) |")[1].splitlines()[0].endswith("| no |")
