@@ -639,11 +639,11 @@ def gpu_markdown(result: dict) -> str:
     """The GPU figures and the forensics check, or why they are missing."""
     gpu, forensics = result["gpu"], result["forensics"]
     parts = ["## GPU", ""]
+    loop = gpu.get("loop")
     if not gpu.get("run", True):
         parts.append(gpu["reason"] + ".")
     elif not gpu["amp"]:
         parts.append(f"Device: {gpu['device']}. Eager update and peak memory per --amp: not measured.")
-        loop = gpu.get("loop")
     else:
         parts += [(f"Device: {gpu['device']}. One update of the seed model on one batch ({gpu['update_batch']}), "
                    "medians after two warm-up updates; peaks are torch's allocator peaks over those updates."), "",
@@ -654,7 +654,6 @@ def gpu_markdown(result: dict) -> str:
             else:
                 parts.append(f"| {mode} | {fmt(fig['update_ms'])} | {fmt(fig['updates_per_s'])} | "
                              f"{fmt(fig.get('peak_alloc_mb'))} | {fmt(fig.get('peak_reserved_mb'))} |")
-        loop = gpu.get("loop")
     if gpu.get("run", True) and loop is None:
         parts += ["", f"Training loop past replay capacity: not measured ({gpu.get('loop_reason', 'not run')})."]
     elif gpu.get("run", True):
