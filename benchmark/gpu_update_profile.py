@@ -10,6 +10,9 @@ eager update under torch.profiler: how many kernels it launches and how long the
 against the wall time; a GPU busy a small share of the time waits for Python and kernel launches, which graph
 capture removes. Last, whether capture changes the results: two agents from the same weights and random state
 train on the same batches, one eagerly and one captured, and every logged value of every update is compared.
+With `--compile` it also times the update with `--compile` (torch.compile of the steps an update repeats), alone
+and captured, and compares the compiled and captured agent's values with the eager ones the same way (inductor
+then draws torch's own random numbers, `fallback_random`, so that both agents sample the same latents).
 
 Writes DIR/profile.json (every sample, the machine, the command) and DIR/profile_<amp>.txt (the profiler's table).
 """
@@ -29,6 +32,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch
+import torch._dynamo
+import torch._inductor.config
 
 import dreamer_atari as da
 from benchmark import bench_utils
@@ -87,13 +92,22 @@ def update_fn(agent: da.Agent, args: da.Args, batch: dict, device):
     return update
 
 
-def compare_eager_and_graph(args: da.Args, obs_shape, num_actions, device, batches: list[dict]) -> dict:
-    """Same weights, same random state, same batches: every logged value of every update, eager against captured."""
+def build(args: da.Args, obs_shape, num_actions, device, compiled: bool) -> da.Agent:
+    torch.manual_seed(args.seed)
+    agent = da.build_agent(args, obs_shape, num_actions, device)
+    if compiled:
+        da.compile_agent(agent)
+    return agent
+
+
+def compare_with_eager(args: da.Args, obs_shape, num_actions, device, batches: list[dict],
+                       compiled: bool = False) -> dict:
+    """Same weights, same random state, same batches: every logged value of every update, eager against captured
+    (and compiled, with `compiled`)."""
     runs = {}
-    for cudagraph in (False, True):
-        run_args = dataclasses.replace(args, cudagraph=cudagraph)
-        torch.manual_seed(args.seed)
-        agent = da.build_agent(run_args, obs_shape, num_actions, device)
+    for variant in (False, True):
+        run_args = dataclasses.replace(args, cudagraph=variant, compile=compiled and variant)
+        agent = build(run_args, obs_shape, num_actions, device, compiled and variant)
         world_model_step, behavior_step = da.make_update_steps(agent, run_args, None)
         torch.manual_seed(args.seed + 1)
         values = []
@@ -101,14 +115,35 @@ def compare_eager_and_graph(args: da.Args, obs_shape, num_actions, device, batch
             v, _, deter, stoch, start_continue = world_model_step(da.batch_tensors(batch, device))
             b, _ = behavior_step({"deter": deter, "stoch": stoch, "continue": start_continue})
             values.append(torch.cat([v, b]).tolist())
-        runs[cudagraph] = values
+        runs[variant] = values
     keys = list(da.WORLD_MODEL_KEYS) + list(da.BEHAVIOR_KEYS)
     worst: dict[str, float] = {}
-    for eager, graph in zip(runs[False], runs[True]):
-        for key, e, g in zip(keys, eager, graph):
+    for eager, other in zip(runs[False], runs[True]):
+        for key, e, g in zip(keys, eager, other):
             worst[key] = max(worst.get(key, 0.0), abs(e - g) / max(abs(e), 1e-6))
     return {"updates": len(batches), "captured_from_update": 4, "max_relative_difference": worst,
-            "eager": runs[False], "graph": runs[True]}
+            "eager": runs[False], "compiled_graph" if compiled else "graph": runs[True]}
+
+
+def time_compiled(args: da.Args, obs_shape, num_actions, device, batch: dict, reps: int) -> dict:
+    """The update with --compile (and --cudagraph when `args` asks for it): the warm-up calls, which compile (and
+    capture), are timed apart from the steady updates."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    agent = build(args, obs_shape, num_actions, device, compiled=True)
+    fn = update_fn(agent, args, batch, device)
+    start = time.perf_counter()
+    try:
+        for _ in range(5):
+            fn()
+        sync(device)
+    except Exception as exc:  # a variant that cannot run is a finding, not the end of the profile
+        return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
+    figures = {"warmup_s": time.perf_counter() - start, **timed(fn, device, reps, warmup=0)}
+    if device.type == "cuda":
+        figures["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
+    return figures
 
 
 def main() -> None:
@@ -118,6 +153,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--amp", nargs="+", default=["off", "bf16"])
+    parser.add_argument("--compile", action="store_true", help="also time the update with --compile, alone and "
+                        "captured (compiling takes minutes)")
     cli = parser.parse_args()
     out_dir = Path(cli.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -152,17 +189,35 @@ def main() -> None:
             figures["graph"] = timed(update_fn(agent, graph_args, batch, device), device, reps, warmup=5)
             figures["graph_peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
             del agent
+        if cli.compile:
+            figures["compiled"] = time_compiled(dataclasses.replace(amp_args, compile=True), obs_shape, num_actions,
+                                                device, batch, reps)
+            if on_cuda and mode != "fp16":
+                figures["compiled_graph"] = time_compiled(dataclasses.replace(amp_args, compile=True, cudagraph=True),
+                                                          obs_shape, num_actions, device, batch, reps)
         result["amp"][mode] = figures
         save()
         print(f"{mode}: eager {figures['eager']['median_ms']:.2f} ms, graph "
-              f"{figures.get('graph', {}).get('median_ms')} ms, {figures['kernels']} kernels, GPU busy "
-              f"{figures['gpu_busy_share']}", flush=True)
+              f"{figures.get('graph', {}).get('median_ms')} ms, compiled {figures.get('compiled', {}).get('median_ms')}"
+              f" ms, compiled and captured {figures.get('compiled_graph', {}).get('median_ms')} ms, "
+              f"{figures['kernels']} kernels, GPU busy {figures['gpu_busy_share']}", flush=True)
+        for variant in ("compiled", "compiled_graph"):
+            if "error" in figures.get(variant, {}):
+                print(f"{mode}, {variant}: {figures[variant]['error']}", flush=True)
+    batches = [replay.sample(args.batch_size, args.sequence_length) for _ in range(8)]
     if on_cuda:
-        batches = [replay.sample(args.batch_size, args.sequence_length) for _ in range(8)]
-        result["eager_vs_graph"] = compare_eager_and_graph(args, obs_shape, num_actions, device, batches)
+        result["eager_vs_graph"] = compare_with_eager(args, obs_shape, num_actions, device, batches)
         save()
         worst = result["eager_vs_graph"]["max_relative_difference"]
         print("eager vs graph, worst relative difference per key:", json.dumps(worst), flush=True)
+    if on_cuda and cli.compile and "median_ms" in result["amp"].get("off", {}).get("compiled_graph", {}):
+        torch._dynamo.reset()
+        torch._inductor.config.fallback_random = True  # the compiled agent draws the eager agent's latents
+        result["eager_vs_compiled_graph"] = compare_with_eager(args, obs_shape, num_actions, device, batches,
+                                                               compiled=True)
+        save()
+        worst = result["eager_vs_compiled_graph"]["max_relative_difference"]
+        print("eager vs compiled and captured, worst relative difference per key:", json.dumps(worst), flush=True)
 
 
 if __name__ == "__main__":
