@@ -32,7 +32,8 @@ REFILL_STEPS = 1_000
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        print("usage: python benchmark/dqn_continue.py CHECKPOINT [dqn_starcraft_split.py settings]: the first "
+              "argument must be a checkpoint path.", file=sys.stderr)
         return 2
     path, flags = argv[0], argv[1:]
     if not os.path.isfile(path):

@@ -380,8 +380,8 @@ def test_matched_only_writes_its_own_results_file(tmp_path, monkeypatch):
     assert json.loads(second.with_suffix(".json").read_text())["matched_update_ms"] == 4000.0
 
 
-def test_gpu_report_renders_a_session_that_measured_only_the_training_loop(tmp_path):
-    # a session's folder may hold gpu_loop.json alone: its slope is a target row and the loop is described
+def gpu_report_and_session_folder(tmp_path):
+    """benchmark/gpu_report.py and an empty folder named like a GPU session's raw outputs."""
     sys.path.insert(0, str(ROOT))
     try:
         from benchmark import gpu_report
@@ -389,6 +389,12 @@ def test_gpu_report_renders_a_session_that_measured_only_the_training_loop(tmp_p
         sys.path.remove(str(ROOT))
     folder = tmp_path / "2026-01-01-gpu"
     folder.mkdir()
+    return gpu_report, folder
+
+
+def test_gpu_report_renders_a_session_that_measured_only_the_training_loop(tmp_path):
+    # a session's folder may hold gpu_loop.json alone: its slope is a target row and the loop is described
+    gpu_report, folder = gpu_report_and_session_folder(tmp_path)
     loop = {"capacity_steps": 1000, "cudagraph": True, "amp": "off", "env_steps": 4000, "batch": "B16 x T50",
             "updates": 4482, "env_steps_per_s": 25.7, "gpu_alloc_slope_mb_per_10k": 0.0,
             "gpu_alloc_mb_first_last": [347.5, 347.5]}
@@ -409,13 +415,7 @@ def test_gpu_report_renders_a_session_that_measured_only_the_training_loop(tmp_p
 def test_gpu_report_renders_compiled_update_variants_and_judges_the_fastest(tmp_path):
     # gpu_update_profile.py --compile adds compiled and compiled + captured timings: they are columns, the update
     # target is judged on the fastest variant of any precision, and their equality with eager is reported
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmark import gpu_report
-    finally:
-        sys.path.remove(str(ROOT))
-    folder = tmp_path / "2026-01-01-gpu"
-    folder.mkdir()
+    gpu_report, folder = gpu_report_and_session_folder(tmp_path)
 
     def timing(ms, warmup_s=None):
         return {"median_ms": ms, "samples_ms": [ms] * 3, **({"warmup_s": warmup_s} if warmup_s else {})}

@@ -399,4 +399,6 @@ def test_continue_goes_on_from_a_trained_network_with_another_n_step(tmp_path, m
     capsys.readouterr()
     assert dqn_continue.main([str(checkpoint), *TINY, "--res", "16", "--num-episodes", "3", "--run-id", "other"]) == 2
     assert "was trained with other res" in capsys.readouterr().err
+    assert dqn_continue.main(["--n-step", "1"]) == 2  # no checkpoint: the usage, not a traceback
+    assert "the first argument must be a checkpoint path" in capsys.readouterr().err
     assert not (tmp_path / "results" / "other").exists()
