@@ -7,7 +7,8 @@ agent that clicks on the beacon and the random agent of the DQN's exploration; o
 CollectMineralShards the random agent, a scripted agent that moves both marines together to the shard nearest
 to them, and one that splits them (select_point on one marine, Move_screen to the shard nearest to it that
 the other marine is not heading for). The same agents are also played at the DQN's defaults (32 x 32,
-step_mul 16). Writes `{out}.json` (machine, command, configuration, every episode's score) and `{out}.md`.
+step_mul 16), with two variants of the together agent that show what the choice of shard is worth: one that
+aims at the second-nearest shard with a given probability, one that clicks past the nearest shard. Writes `{out}.json` (machine, command, configuration, every episode's score) and `{out}.md`.
 
 The scripted agents read unit positions from the game state, as pysc2's `feature_units` would give them; they
 act only through the functions the DQN has (no_op, select_army, select_point, Move_screen).
@@ -81,6 +82,44 @@ class ScriptedShardsTogether:
         return MOVE, pixel(env, nearest)
 
 
+class ScriptedShardsMissing:
+    """The together agent, except that at each step, with probability `miss`, it sends both marines to the
+    shard second nearest to them: how much a learned agent's choice of shard costs."""
+
+    def __init__(self, miss: float):
+        self.miss = miss
+
+    def act(self, env, obs, rng):
+        if MOVE not in obs["available_actions"] or not env.selected.all():
+            return SELECT_ARMY, None
+        order = np.argsort(np.linalg.norm(env.pickups - env.marines.mean(0), axis=1))
+        second = len(order) > 1 and rng.random() < self.miss
+        return MOVE, pixel(env, env.pickups[order[1] if second else order[0]])
+
+
+class ScriptedShardsPast:
+    """The together agent clicking `beyond` world units past the nearest shard, on the line from the marines'
+    centre (kept on the screen): the marines walk through the shard instead of stopping on it."""
+
+    def __init__(self, beyond: float):
+        self.beyond = beyond
+
+    def act(self, env, obs, rng):
+        if MOVE not in obs["available_actions"] or not env.selected.all():
+            return SELECT_ARMY, None
+        centre = env.marines.mean(0)
+        nearest = env.pickups[np.linalg.norm(env.pickups - centre, axis=1).argmin()]
+        way = nearest - centre
+        length = np.linalg.norm(way)
+        point = nearest + (way / length * self.beyond if length > 1e-9 else 0.0)
+        return MOVE, pixel(env, np.clip(point, 0.0, env.world_units))
+
+
+# The choices of shard measured at each setting: the probability of aiming at the second-nearest shard
+MISSES = (0.1, 0.3, 0.5)
+PAST_WORLD_UNITS = 3.0
+
+
 class ScriptedShardsSplit:
     """Each marine walks its own nearest-shard tour: when a marine's shard is gone, pick the shard nearest to it
     that the other marine is not heading to, select that marine alone (select_point on its pixel) and move it."""
@@ -134,6 +173,11 @@ def measure(res: int, step_mul: int, episodes: int, seed: int) -> dict:
             play(ScriptedShardsTogether(), "CollectMineralShards", res, step_mul, episodes, seed)),
         "scripted_shards_split": summary(
             play(ScriptedShardsSplit(), "CollectMineralShards", res, step_mul, episodes, seed)),
+        **{f"scripted_shards_together_miss_{miss:g}": summary(
+            play(ScriptedShardsMissing(miss), "CollectMineralShards", res, step_mul, episodes, seed))
+           for miss in MISSES},
+        "scripted_shards_together_past": summary(
+            play(ScriptedShardsPast(PAST_WORLD_UNITS), "CollectMineralShards", res, step_mul, episodes, seed)),
     }
 
 
@@ -192,6 +236,20 @@ def write_markdown(path: Path, report: dict) -> None:
         "pysc2 function, not four. A replica score is a score on the replica: it says whether an agent learns "
         "the task, and the scripted agents show what simple policies reach on it. It is not a measurement on "
         "StarCraft II, and the paper's numbers are quoted for scale only.\n",
+    ]
+    text += [
+        "## What the choice of shard costs, at the DQN's defaults\n",
+        "The together agent above, changed in one thing, to show what the choice of shard is worth (the DQN "
+        "learning reports give the share of a trained agent's clicks aimed at the shard nearest to the "
+        "marines).\n",
+        "| agent | key | mean score |",
+        "|---|---|---|",
+        *[f"| together, aiming at the second-nearest shard with probability {miss:g} at each step | "
+          f"`scripted_shards_together_miss_{miss:g}` | {line(f'scripted_shards_together_miss_{miss:g}', d)} |"
+          for miss in MISSES],
+        f"| together, clicking {PAST_WORLD_UNITS:g} world units past the nearest shard (walks through it) | "
+        f"`scripted_shards_together_past` | {line('scripted_shards_together_past', d)} |",
+        "",
     ]
     split, together = d["scripted_shards_split"]["mean"], d["scripted_shards_together"]["mean"]
     if split < together:

@@ -248,3 +248,30 @@ def test_exploration_draws_like_pysc2_random_agent():
     assert abs(np.mean(draws == 0) - 1 / 4) < 0.04 and abs(np.mean(move) - 1 / 4) < 0.04
     assert abs(np.mean(select_point) - 1 / 4) < 0.04
     assert draws.max() < 2 + 2 * 8 * 8 and len(set(draws[move].tolist())) > 50
+
+
+def test_calibration_variants_of_the_together_agent_aim_where_they_say():
+    """benchmark/dqn_calibration.py: the agent that misses aims at the second-nearest shard exactly as often as
+    asked (never at 0, always at 1), and the agent that clicks past the nearest shard clicks on the far side of
+    it, on the line from the marines."""
+    from benchmark.dqn_calibration import ScriptedShardsMissing, ScriptedShardsPast, ScriptedShardsTogether, pixel
+
+    env = dqn.BuiltinMiniGame("CollectMineralShards", res=32, step_mul=16, seed=3)
+    obs = env.reset()
+    obs, _, _ = env.step(SELECT_ARMY)
+    rng = np.random.default_rng(0)
+    centre = env.marines.mean(0)
+    order = np.argsort(np.linalg.norm(env.pickups - centre, axis=1))
+    nearest, second = pixel(env, env.pickups[order[0]]), pixel(env, env.pickups[order[1]])
+    assert nearest != second
+    assert ScriptedShardsTogether().act(env, obs, rng) == (MOVE, nearest)
+    assert all(ScriptedShardsMissing(0.0).act(env, obs, rng) == (MOVE, nearest) for _ in range(20))
+    assert all(ScriptedShardsMissing(1.0).act(env, obs, rng) == (MOVE, second) for _ in range(20))
+    shares = [ScriptedShardsMissing(0.3).act(env, obs, rng)[1] == second for _ in range(2000)]
+    assert abs(np.mean(shares) - 0.3) < 0.04
+    function, (x, y) = ScriptedShardsPast(3.0).act(env, obs, rng)
+    click = (np.array([x, y]) + 0.5) * env.world_units / env.res
+    way, shard = env.pickups[order[0]] - centre, env.pickups[order[0]]
+    along = np.dot(click - centre, way) / np.linalg.norm(way)
+    assert function == MOVE and along > np.linalg.norm(way) + 1.5  # beyond the shard (pixels round by < 1 unit)
+    assert np.linalg.norm(click - shard) < 3.0 + env.world_units / env.res  # by about 3 units, not anywhere
