@@ -311,11 +311,6 @@ MINIMAP_LAYERS = (
 )
 PLAYER_SIZE = 11  # player_id, minerals, vespene, food_used, food_cap, food_army, food_workers,
 #                   idle_worker_count, army_count, warp_gate_count, larva_count
-# What the network reads besides the feature layers: the player vector and the share of the map's timer gone
-# (pysc2's game_loop over the episode's loops). The timer ends the episode and the screen does not show it; a
-# value blind to it cannot tell a state with 5 s left from one with 100 s left, so near the end its targets
-# fall toward 0 where its estimates cannot follow, and early on it underestimates.
-PLAYER_INPUT_SIZE = PLAYER_SIZE + 1
 # The action space: pysc2 functions (ids from pysc2/lib/actions.py) split over the two Q heads. The non-spatial
 # head scores NONSPATIAL_FUNCTIONS; the spatial head has one res x res map per SPATIAL_FUNCTIONS entry, its value
 # at (x, y) being that function called at that point. One flat action index, used by acting, the replay buffer
@@ -362,7 +357,6 @@ def encode_action(function_id: int, point: tuple[int, int] | None, res: int) -> 
 # in pysc2/maps/mini_games) start a 120.0 s countdown with c_timeGame; docs/mini_games.md: "120 seconds".
 GAME_LOOPS_PER_SECOND = 16
 EPISODE_SECONDS = 120.0
-EPISODE_LOOPS = EPISODE_SECONDS * GAME_LOOPS_PER_SECOND
 # The marine. Speed 2.25 world units per normal-speed game second and radius 0.375: the game's unit data
 # (the "Marine" entry of BurnySc2/sc2-techtree data/data.json, read from the game through its API); Liquipedia
 # lists the same speed as 3.15 because it quotes "faster" real seconds (2.25 x 1.4). Per game loop:
@@ -418,11 +412,6 @@ def screen_rect(world_rect: tuple[float, float, float, float], width: float) -> 
 
 def episode_steps(step_mul: int) -> int:
     return int(round(EPISODE_SECONDS * GAME_LOOPS_PER_SECOND / step_mul))
-
-
-def player_input(obs: dict) -> np.ndarray:
-    """The player vector and the share of the map's timer gone: (PLAYER_INPUT_SIZE,) float32."""
-    return np.append(np.asarray(obs["player"], np.float32), np.float32(obs["game_loop"] / EPISODE_LOOPS))
 
 
 def storage_dtype(layer: Layer) -> np.dtype:
@@ -591,7 +580,6 @@ class BuiltinMiniGame:
             "feature_screen": np.stack([pr, sel, density, hp.astype(np.int32)]),  # (4, res, res)
             "feature_minimap": np.stack([mpr, msel, self.camera]),  # (3, res, res)
             "player": player,
-            "game_loop": self.steps * self.step_mul,
             "available_actions": self.available_actions(),
         }
 
@@ -686,7 +674,6 @@ class Pysc2MiniGame:
             "feature_screen": np.stack([np.asarray(screen[layer.name]) for layer in SCREEN_LAYERS]),
             "feature_minimap": np.stack([np.asarray(minimap[layer.name]) for layer in MINIMAP_LAYERS]),
             "player": np.asarray(o["player"], np.int64),
-            "game_loop": int(np.asarray(o["game_loop"]).reshape(-1)[0]),
             "available_actions": np.asarray(o["available_actions"], np.int64),
         }
         return obs, float(timestep.reward), bool(timestep.last())
@@ -732,7 +719,7 @@ class SplitReplayBuffer:
         self.capacity, self.res = capacity, res
         self.screen = {l.name: np.zeros((capacity, res, res), storage_dtype(l)) for l in SCREEN_LAYERS}
         self.minimap = {l.name: np.zeros((capacity, res, res), storage_dtype(l)) for l in MINIMAP_LAYERS}
-        self.player = np.zeros((capacity, PLAYER_INPUT_SIZE), np.float32)
+        self.player = np.zeros((capacity, PLAYER_SIZE), np.float32)
         self.mask = np.zeros((capacity, len(FUNCTIONS)), bool)
         self.actions = np.zeros(capacity, np.int32)
         self.rewards = np.zeros(capacity, np.float32)
@@ -745,7 +732,7 @@ class SplitReplayBuffer:
             self.screen[layer.name][i] = obs["feature_screen"][k]
         for k, layer in enumerate(MINIMAP_LAYERS):
             self.minimap[layer.name][i] = obs["feature_minimap"][k]
-        self.player[i] = player_input(obs)
+        self.player[i] = obs["player"]
         self.mask[i] = action_mask(obs["available_actions"])
         self.actions[i], self.rewards[i], self.dones[i] = action, reward, done
         self.pos = (i + 1) % self.capacity
@@ -763,7 +750,7 @@ class SplitReplayBuffer:
         return {
             "screen": np.stack([self.screen[l.name][idx] for l in SCREEN_LAYERS], 1),  # (B, Ls, H, W) int16
             "minimap": np.stack([self.minimap[l.name][idx] for l in MINIMAP_LAYERS], 1),  # (B, Lm, H, W)
-            "player": self.player[idx],  # (B, PLAYER_INPUT_SIZE)
+            "player": self.player[idx],  # (B, 11)
             "mask": self.mask[idx],  # (B, F + S)
         }
 
@@ -806,7 +793,7 @@ class SplitReplayBuffer:
     def bytes_per_step(self) -> tuple[int, int]:
         obs = sum(a.itemsize * self.res * self.res for a in [*self.screen.values(), *self.minimap.values()])
         aux = (
-            self.player.itemsize * PLAYER_INPUT_SIZE
+            self.player.itemsize * PLAYER_SIZE
             + self.mask.shape[1]
             + self.actions.itemsize
             + self.rewards.itemsize
@@ -905,7 +892,7 @@ class SplitQNetwork(nn.Module):
             nn.ReLU(),
         )
         num_available, num_spatial = len(FUNCTIONS), len(SPATIAL_FUNCTIONS)
-        self.player_embed = nn.Sequential(nn.Linear(PLAYER_INPUT_SIZE + num_available, player_channels), nn.ReLU())
+        self.player_embed = nn.Sequential(nn.Linear(PLAYER_SIZE + num_available, player_channels), nn.ReLU())
         self.fuse = nn.Sequential(
             nn.Conv2d(2 * tower_channels + player_channels, fused_channels, 1), nn.ReLU()
         )
@@ -933,9 +920,8 @@ class SplitQNetwork(nn.Module):
         )
 
     def forward(self, screen, minimap, player, available):
-        """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, PLAYER_INPUT_SIZE), `player_input`;
-        available (B, F + S) bool, the action mask -> Q (B, F), Q (B, S*H*W): together, one value per flat action
-        index."""
+        """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, 11); available (B, F + S) bool, the
+        action mask -> Q (B, F), Q (B, S*H*W): together, one value per flat action index."""
         available = available.float()  # (B, F + S)
         selected = screen[:, SELECTED_LAYER]  # (B, H, W)
         screen = preprocess_layers(screen, SCREEN_LAYERS)  # (B, Cs, H, W)
@@ -994,7 +980,7 @@ def obs_to_states(obs: dict) -> dict:
     return {
         "screen": obs["feature_screen"][None].astype(np.int16),
         "minimap": obs["feature_minimap"][None].astype(np.int16),
-        "player": player_input(obs)[None],
+        "player": obs["player"][None].astype(np.float32),
         "mask": action_mask(obs["available_actions"])[None],
     }
 
@@ -1091,7 +1077,7 @@ def dummy_batch(batch_size: int, res: int, n_step: int, device) -> dict:
         return {
             "screen": np.zeros((batch_size, len(SCREEN_LAYERS), res, res), np.int16),
             "minimap": np.zeros((batch_size, len(MINIMAP_LAYERS), res, res), np.int16),
-            "player": np.zeros((batch_size, PLAYER_INPUT_SIZE), np.float32),
+            "player": np.zeros((batch_size, PLAYER_SIZE), np.float32),
             "mask": np.ones((batch_size, len(FUNCTIONS)), bool),
         }
 
