@@ -125,11 +125,6 @@ class Args:
     of a click can depend on where the marines are; 0 leaves a click's value blind to anything more than 4
     pixels away. Quarter resolution keeps them cheap: at half resolution they would halve the agent steps a CPU
     makes per second. None: the map's own default, MAP_CONTEXT_LAYERS"""
-    click_distance: bool = True
-    """the full-resolution click term also reads each unit class (player_relative, one-hot) multiplied by the
-    pixel's distance from the centre of the selected units: "a shard, this far from the marines" is then one
-    weight, where the convolutions alone resolve that distance only to the few world units of a quarter-resolution
-    cell, and a click on a farther shard looks as good as one on the nearest"""
     player_channels: int = 8
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
@@ -835,26 +830,6 @@ def preprocess_layers(x: torch.Tensor, layers) -> torch.Tensor:
     return torch.cat(channels, 1)
 
 
-SELECTED_LAYER = [layer.name for layer in SCREEN_LAYERS].index("selected")
-CLASS_CHANNELS = SCREEN_LAYERS[0].scale  # player_relative's one-hot channels come first in preprocess_layers
-
-
-def class_distance(selected: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
-    """`selected` (B, H, W) integer layer, `classes` (B, K, H, W) one-hot -> (B, K, H, W): each class channel
-    times the pixel's distance from the centre of the selected pixels, in screen widths; zero if none is selected."""
-    B, H, W = selected.shape
-    mask = (selected > 0).float()
-    count = mask.sum((1, 2))  # (B,)
-    ys = torch.arange(H, dtype=torch.float32, device=selected.device)
-    xs = torch.arange(W, dtype=torch.float32, device=selected.device)
-    centre_y = (mask.sum(2) * ys).sum(1) / count.clamp(min=1)  # (B,)
-    centre_x = (mask.sum(1) * xs).sum(1) / count.clamp(min=1)
-    dx = (xs[None, None, :] - centre_x[:, None, None]) / W  # (B, 1, W)
-    dy = (ys[None, :, None] - centre_y[:, None, None]) / H  # (B, H, 1)
-    distance = torch.sqrt(dx * dx + dy * dy) * (count > 0).float()[:, None, None]  # (B, H, W)
-    return classes * distance[:, None]
-
-
 class SplitQNetwork(nn.Module):
     """Screen and minimap conv towers + the tiled embedding of the player vector and the available actions,
     fused; two Q heads: one value per non-spatial function, and one res x res map per spatial function.
@@ -871,7 +846,6 @@ class SplitQNetwork(nn.Module):
         tower_channels: int = Args.tower_channels,
         fused_channels: int = Args.fused_channels,
         context_layers: int = MAP_CONTEXT_LAYERS["CollectMineralShards"],
-        click_distance: bool = Args.click_distance,
         player_channels: int = Args.player_channels,
         nonspatial_hidden: int = Args.nonspatial_hidden,
         fine_gain: float = Args.fine_gain,
@@ -900,8 +874,7 @@ class SplitQNetwork(nn.Module):
         # The fine term alone can say "the target is at this pixel". Its output is multiplied by a fixed gain,
         # which is a learning-rate multiplier for this one layer (see Args.fine_gain); its zero start keeps the
         # gain from amplifying initial noise.
-        self.click_distance = click_distance
-        self.spatial_fine = nn.Conv2d(screen_in + CLASS_CHANNELS * click_distance, num_spatial, 3, padding=1)
+        self.spatial_fine = nn.Conv2d(screen_in, num_spatial, 3, padding=1)
         nn.init.zeros_(self.spatial_fine.weight)
         nn.init.zeros_(self.spatial_fine.bias)
         self.fine_gain = fine_gain
@@ -923,11 +896,7 @@ class SplitQNetwork(nn.Module):
         """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, 11); available (B, F + S) bool, the
         action mask -> Q (B, F), Q (B, S*H*W): together, one value per flat action index."""
         available = available.float()  # (B, F + S)
-        selected = screen[:, SELECTED_LAYER]  # (B, H, W)
         screen = preprocess_layers(screen, SCREEN_LAYERS)  # (B, Cs, H, W)
-        fine_input = screen
-        if self.click_distance:
-            fine_input = torch.cat([screen, class_distance(selected, screen[:, :CLASS_CHANNELS])], 1)  # (B, Cs+K, H, W)
         minimap = preprocess_layers(minimap, MINIMAP_LAYERS)  # (B, Cm, H, W)
         s = self.screen_tower(screen)  # (B, T, H/2, W/2)
         m = self.minimap_tower(minimap)  # (B, T, H/2, W/2)
@@ -943,14 +912,14 @@ class SplitQNetwork(nn.Module):
         pooled = torch.cat([fused.mean((2, 3)), fused.amax((2, 3))], 1)  # (B, 2E)
         q_nonspatial = self.nonspatial_head(torch.cat([pooled, available], 1))  # (B, F)
         coarse = F.interpolate(self.spatial_coarse(fused), size=(self.res, self.res), mode="nearest")
-        q_spatial = (coarse + self.fine_gain * self.spatial_fine(fine_input)).flatten(1)  # (B, S*H*W)
+        q_spatial = (coarse + self.fine_gain * self.spatial_fine(screen)).flatten(1)  # (B, S*H*W)
         return q_nonspatial, q_spatial
 
 
 def make_q_network(args: Args) -> SplitQNetwork:
     args = with_map_defaults(args)
     return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers,
-                         args.click_distance, args.player_channels, args.nonspatial_hidden, args.fine_gain)
+                         args.player_channels, args.nonspatial_hidden, args.fine_gain)
 
 
 def masked_q(q_nonspatial, q_spatial, mask):
@@ -1379,10 +1348,9 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial map), 24-unit screen
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
 # Settings that checkpoints written before they existed do not record, with the value those were trained with.
-ADDED_SETTINGS = {"context_layers": 0, "click_distance": False}
+ADDED_SETTINGS = {"context_layers": 0}
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
-                     "fused_channels", "context_layers", "click_distance", "player_channels", "nonspatial_hidden",
-                     "fine_gain")
+                     "fused_channels", "context_layers", "player_channels", "nonspatial_hidden", "fine_gain")
 
 
 def save_checkpoint(
