@@ -8,7 +8,8 @@ CollectMineralShards the random agent, a scripted agent that moves both marines 
 to them, and one that splits them (select_point on one marine, Move_screen to the shard nearest to it that
 the other marine is not heading for). The same agents are also played at the DQN's defaults (32 x 32,
 step_mul 16), with two variants of the together agent that show what the choice of shard is worth: one that
-aims at the second-nearest shard with a given probability, one that clicks past the nearest shard. Writes `{out}.json` (machine, command, configuration, every episode's score) and `{out}.md`.
+aims at the second-nearest shard with a given probability, one that clicks past the nearest shard. Writes
+`{out}.json` (machine, command, configuration, every episode's score) and `{out}.md`.
 
 The scripted agents read unit positions from the game state, as pysc2's `feature_units` would give them; they
 act only through the functions the DQN has (no_op, select_army, select_point, Move_screen).
@@ -115,7 +116,8 @@ class ScriptedShardsPast:
         return MOVE, pixel(env, np.clip(point, 0.0, env.world_units))
 
 
-# The choices of shard measured at each setting: the probability of aiming at the second-nearest shard
+# The variants played at each setting: probabilities of aiming at the second-nearest shard, and how far past
+# the nearest shard to click (world units)
 MISSES = (0.1, 0.3, 0.5)
 PAST_WORLD_UNITS = 3.0
 
@@ -176,8 +178,8 @@ def measure(res: int, step_mul: int, episodes: int, seed: int) -> dict:
         **{f"scripted_shards_together_miss_{miss:g}": summary(
             play(ScriptedShardsMissing(miss), "CollectMineralShards", res, step_mul, episodes, seed))
            for miss in MISSES},
-        "scripted_shards_together_past": summary(
-            play(ScriptedShardsPast(PAST_WORLD_UNITS), "CollectMineralShards", res, step_mul, episodes, seed)),
+        "scripted_shards_together_past": summary(play(
+            ScriptedShardsPast(PAST_WORLD_UNITS), "CollectMineralShards", res, step_mul, episodes, seed)),
     }
 
 

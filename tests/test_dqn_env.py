@@ -251,10 +251,11 @@ def test_exploration_draws_like_pysc2_random_agent():
 
 
 def test_calibration_variants_of_the_together_agent_aim_where_they_say():
-    """benchmark/dqn_calibration.py: the agent that misses aims at the second-nearest shard exactly as often as
-    asked (never at 0, always at 1), and the agent that clicks past the nearest shard clicks on the far side of
-    it, on the line from the marines."""
-    from benchmark.dqn_calibration import ScriptedShardsMissing, ScriptedShardsPast, ScriptedShardsTogether, pixel
+    """benchmark/dqn_calibration.py: the agent that misses aims at the second-nearest shard as often as asked
+    (never at 0, always at 1), and the agent that clicks past the nearest shard clicks on its far side, on the
+    line from the marines."""
+    from benchmark.dqn_calibration import (ScriptedShardsMissing, ScriptedShardsPast, ScriptedShardsTogether,
+                                           pixel)
 
     env = dqn.BuiltinMiniGame("CollectMineralShards", res=32, step_mul=16, seed=3)
     obs = env.reset()
@@ -273,5 +274,5 @@ def test_calibration_variants_of_the_together_agent_aim_where_they_say():
     click = (np.array([x, y]) + 0.5) * env.world_units / env.res
     way, shard = env.pickups[order[0]] - centre, env.pickups[order[0]]
     along = np.dot(click - centre, way) / np.linalg.norm(way)
-    assert function == MOVE and along > np.linalg.norm(way) + 1.5  # beyond the shard (pixels round by < 1 unit)
+    assert function == MOVE and along > np.linalg.norm(way) + 1.5  # past the shard; a pixel rounds by < 1 unit
     assert np.linalg.norm(click - shard) < 3.0 + env.world_units / env.res  # by about 3 units, not anywhere
