@@ -72,15 +72,18 @@ class RandomAgent:
         return dqn.decode_action(dqn.select_action(self.net, obs, 1.0, rng, "cpu"), env.res)
 
 
+def shards_by_distance(env: dqn.BuiltinMiniGame) -> np.ndarray:
+    """The shards, nearest to the marines' mean position first: (P, 2) screen units."""
+    return env.pickups[np.argsort(np.linalg.norm(env.pickups - env.marines.mean(0), axis=1))]
+
+
 class ScriptedShardsTogether:
     """Select the army once, then send both marines to the shard nearest to their mean position, every step."""
 
     def act(self, env, obs, rng):
         if MOVE not in obs["available_actions"] or not env.selected.all():
             return SELECT_ARMY, None
-        centre = env.marines.mean(0)
-        nearest = env.pickups[np.linalg.norm(env.pickups - centre, axis=1).argmin()]
-        return MOVE, pixel(env, nearest)
+        return MOVE, pixel(env, shards_by_distance(env)[0])
 
 
 class ScriptedShardsMissing:
@@ -93,9 +96,9 @@ class ScriptedShardsMissing:
     def act(self, env, obs, rng):
         if MOVE not in obs["available_actions"] or not env.selected.all():
             return SELECT_ARMY, None
-        order = np.argsort(np.linalg.norm(env.pickups - env.marines.mean(0), axis=1))
-        second = len(order) > 1 and rng.random() < self.miss
-        return MOVE, pixel(env, env.pickups[order[1] if second else order[0]])
+        shards = shards_by_distance(env)
+        second = len(shards) > 1 and rng.random() < self.miss
+        return MOVE, pixel(env, shards[1 if second else 0])
 
 
 class ScriptedShardsPast:
@@ -108,9 +111,8 @@ class ScriptedShardsPast:
     def act(self, env, obs, rng):
         if MOVE not in obs["available_actions"] or not env.selected.all():
             return SELECT_ARMY, None
-        centre = env.marines.mean(0)
-        nearest = env.pickups[np.linalg.norm(env.pickups - centre, axis=1).argmin()]
-        way = nearest - centre
+        nearest = shards_by_distance(env)[0]
+        way = nearest - env.marines.mean(0)
         length = np.linalg.norm(way)
         point = nearest + (way / length * self.beyond if length > 1e-9 else 0.0)
         return MOVE, pixel(env, np.clip(point, 0.0, env.world_units))
