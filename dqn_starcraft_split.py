@@ -124,7 +124,16 @@ class Args:
     back: each layer doubles how far a pixel's value can see (3 layers: the whole screen at res 32), so the value
     of a click can depend on where the marines are; 0 leaves a click's value blind to anything more than 4
     pixels away. Quarter resolution keeps them cheap: at half resolution they would halve the agent steps a CPU
-    makes per second. None: the map's own default, MAP_CONTEXT_LAYERS"""
+    makes per second. None: the map's own default (MAP_DEFAULTS)"""
+    click_distance: bool | None = None
+    """the full-resolution click term also reads each unit class (player_relative, one-hot) multiplied by the
+    pixel's distance from the centre of the selected units: "a shard, this far from the marines" is then one
+    weight, where the convolutions alone resolve that distance only to the few world units of a quarter-resolution
+    cell, and a click on a farther shard looks as good as one on the nearest. None: the map's default"""
+    timer_input: bool | None = None
+    """the network also reads the share of the map's timer gone (pysc2's game_loop over the episode's 1,920
+    loops) beside the player vector: the screen does not show the timer, and a value blind to it cannot follow
+    the return left as it falls to 0 near the end. None: the map's default"""
     player_channels: int = 8
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
@@ -268,18 +277,22 @@ RULES = (
 )
 
 
-# Context layers per map, where --context-layers is left out. On CollectMineralShards the best click depends on
-# where the marines stand and where the other shards lie, across the screen; on MoveToBeacon there is one pickup,
-# which the full-resolution term finds on its own, and there the layers slowed learning and made it less
-# reliable (benchmark/results/dqn_movetobeacon_defaults_seeds_1_2.md against dqn_movetobeacon_learning.md).
-MAP_CONTEXT_LAYERS = {"MoveToBeacon": 0, "CollectMineralShards": 3}
+# The network settings each map uses where they are left out (None). On CollectMineralShards the best click
+# depends on where the marines stand and where the other shards lie, across the screen, and on how many seconds
+# are left; the three raised its greedy test mean (benchmark/results/dqn_collectmineralshards_learning.md). On
+# MoveToBeacon there is one pickup, which the full-resolution term finds on its own; there the context layers
+# slowed learning and made it less reliable (benchmark/results/dqn_movetobeacon_defaults_seeds_1_2.md against
+# dqn_movetobeacon_learning.md), and its learning file was measured without the other two.
+MAP_DEFAULTS = {
+    "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False},
+    "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True},
+}
 
 
 def with_map_defaults(args: Args) -> Args:
-    """`args` with each setting left to the map (None) filled in, so config.json and checkpoints record numbers."""
-    if args.context_layers is None:
-        return dataclasses.replace(args, context_layers=MAP_CONTEXT_LAYERS[args.map_name])
-    return args
+    """`args` with each setting left to the map (None) filled in, so config.json and checkpoints record values."""
+    left_out = {name: value for name, value in MAP_DEFAULTS[args.map_name].items() if getattr(args, name) is None}
+    return dataclasses.replace(args, **left_out)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -306,6 +319,11 @@ MINIMAP_LAYERS = (
 )
 PLAYER_SIZE = 11  # player_id, minerals, vespene, food_used, food_cap, food_army, food_workers,
 #                   idle_worker_count, army_count, warp_gate_count, larva_count
+# What the replay stores besides the feature layers: the player vector and the share of the map's timer gone
+# (pysc2's game_loop over the episode's loops), which the network reads with --timer-input. The timer ends the
+# episode and the screen does not show it; a value blind to it cannot tell a state with 5 s left from one with
+# 100 s left, so near the end its targets fall toward 0 where its estimates cannot follow.
+PLAYER_INPUT_SIZE = PLAYER_SIZE + 1
 # The action space: pysc2 functions (ids from pysc2/lib/actions.py) split over the two Q heads. The non-spatial
 # head scores NONSPATIAL_FUNCTIONS; the spatial head has one res x res map per SPATIAL_FUNCTIONS entry, its value
 # at (x, y) being that function called at that point. One flat action index, used by acting, the replay buffer
@@ -352,6 +370,7 @@ def encode_action(function_id: int, point: tuple[int, int] | None, res: int) -> 
 # in pysc2/maps/mini_games) start a 120.0 s countdown with c_timeGame; docs/mini_games.md: "120 seconds".
 GAME_LOOPS_PER_SECOND = 16
 EPISODE_SECONDS = 120.0
+EPISODE_LOOPS = EPISODE_SECONDS * GAME_LOOPS_PER_SECOND
 # The marine. Speed 2.25 world units per normal-speed game second and radius 0.375: the game's unit data
 # (the "Marine" entry of BurnySc2/sc2-techtree data/data.json, read from the game through its API); Liquipedia
 # lists the same speed as 3.15 because it quotes "faster" real seconds (2.25 x 1.4). Per game loop:
@@ -407,6 +426,11 @@ def screen_rect(world_rect: tuple[float, float, float, float], width: float) -> 
 
 def episode_steps(step_mul: int) -> int:
     return int(round(EPISODE_SECONDS * GAME_LOOPS_PER_SECOND / step_mul))
+
+
+def player_input(obs: dict) -> np.ndarray:
+    """The player vector and the share of the map's timer gone: (PLAYER_INPUT_SIZE,) float32."""
+    return np.append(np.asarray(obs["player"], np.float32), np.float32(obs["game_loop"] / EPISODE_LOOPS))
 
 
 def storage_dtype(layer: Layer) -> np.dtype:
@@ -575,6 +599,7 @@ class BuiltinMiniGame:
             "feature_screen": np.stack([pr, sel, density, hp.astype(np.int32)]),  # (4, res, res)
             "feature_minimap": np.stack([mpr, msel, self.camera]),  # (3, res, res)
             "player": player,
+            "game_loop": self.steps * self.step_mul,
             "available_actions": self.available_actions(),
         }
 
@@ -669,6 +694,7 @@ class Pysc2MiniGame:
             "feature_screen": np.stack([np.asarray(screen[layer.name]) for layer in SCREEN_LAYERS]),
             "feature_minimap": np.stack([np.asarray(minimap[layer.name]) for layer in MINIMAP_LAYERS]),
             "player": np.asarray(o["player"], np.int64),
+            "game_loop": int(np.asarray(o["game_loop"]).reshape(-1)[0]),
             "available_actions": np.asarray(o["available_actions"], np.int64),
         }
         return obs, float(timestep.reward), bool(timestep.last())
@@ -714,7 +740,7 @@ class SplitReplayBuffer:
         self.capacity, self.res = capacity, res
         self.screen = {l.name: np.zeros((capacity, res, res), storage_dtype(l)) for l in SCREEN_LAYERS}
         self.minimap = {l.name: np.zeros((capacity, res, res), storage_dtype(l)) for l in MINIMAP_LAYERS}
-        self.player = np.zeros((capacity, PLAYER_SIZE), np.float32)
+        self.player = np.zeros((capacity, PLAYER_INPUT_SIZE), np.float32)
         self.mask = np.zeros((capacity, len(FUNCTIONS)), bool)
         self.actions = np.zeros(capacity, np.int32)
         self.rewards = np.zeros(capacity, np.float32)
@@ -727,7 +753,7 @@ class SplitReplayBuffer:
             self.screen[layer.name][i] = obs["feature_screen"][k]
         for k, layer in enumerate(MINIMAP_LAYERS):
             self.minimap[layer.name][i] = obs["feature_minimap"][k]
-        self.player[i] = obs["player"]
+        self.player[i] = player_input(obs)
         self.mask[i] = action_mask(obs["available_actions"])
         self.actions[i], self.rewards[i], self.dones[i] = action, reward, done
         self.pos = (i + 1) % self.capacity
@@ -745,7 +771,7 @@ class SplitReplayBuffer:
         return {
             "screen": np.stack([self.screen[l.name][idx] for l in SCREEN_LAYERS], 1),  # (B, Ls, H, W) int16
             "minimap": np.stack([self.minimap[l.name][idx] for l in MINIMAP_LAYERS], 1),  # (B, Lm, H, W)
-            "player": self.player[idx],  # (B, 11)
+            "player": self.player[idx],  # (B, PLAYER_INPUT_SIZE)
             "mask": self.mask[idx],  # (B, F + S)
         }
 
@@ -778,8 +804,12 @@ class SplitReplayBuffer:
         for group in ("screen", "minimap"):
             for name, value in state[group].items():
                 getattr(self, group)[name][...] = value.numpy()
-        for name in ("player", "mask", "actions", "rewards", "dones"):
+        for name in ("mask", "actions", "rewards", "dones"):
             getattr(self, name)[...] = state[name].numpy()
+        # a checkpoint from before the timer column holds PLAYER_SIZE columns: it resumes only without
+        # --timer-input (ADDED_SETTINGS), and then the network never reads that column
+        player = state["player"].numpy()
+        self.player[:, : player.shape[1]] = player
         self.pos, self.size = int(state["pos"]), int(state["size"])
         if self.size:
             # the interrupted episode's last transition has no next state in the buffer: it ends there
@@ -788,7 +818,7 @@ class SplitReplayBuffer:
     def bytes_per_step(self) -> tuple[int, int]:
         obs = sum(a.itemsize * self.res * self.res for a in [*self.screen.values(), *self.minimap.values()])
         aux = (
-            self.player.itemsize * PLAYER_SIZE
+            self.player.itemsize * PLAYER_INPUT_SIZE
             + self.mask.shape[1]
             + self.actions.itemsize
             + self.rewards.itemsize
@@ -830,6 +860,26 @@ def preprocess_layers(x: torch.Tensor, layers) -> torch.Tensor:
     return torch.cat(channels, 1)
 
 
+SELECTED_LAYER = [layer.name for layer in SCREEN_LAYERS].index("selected")
+CLASS_CHANNELS = SCREEN_LAYERS[0].scale  # player_relative's one-hot channels come first in preprocess_layers
+
+
+def class_distance(selected: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
+    """`selected` (B, H, W) integer layer, `classes` (B, K, H, W) one-hot -> (B, K, H, W): each class channel
+    times the pixel's distance from the centre of the selected pixels, in screen widths; zero if none is selected."""
+    B, H, W = selected.shape
+    mask = (selected > 0).float()
+    count = mask.sum((1, 2))  # (B,)
+    ys = torch.arange(H, dtype=torch.float32, device=selected.device)
+    xs = torch.arange(W, dtype=torch.float32, device=selected.device)
+    centre_y = (mask.sum(2) * ys).sum(1) / count.clamp(min=1)  # (B,)
+    centre_x = (mask.sum(1) * xs).sum(1) / count.clamp(min=1)
+    dx = (xs[None, None, :] - centre_x[:, None, None]) / W  # (B, 1, W)
+    dy = (ys[None, :, None] - centre_y[:, None, None]) / H  # (B, H, 1)
+    distance = torch.sqrt(dx * dx + dy * dy) * (count > 0).float()[:, None, None]  # (B, H, W)
+    return classes * distance[:, None]
+
+
 class SplitQNetwork(nn.Module):
     """Screen and minimap conv towers + the tiled embedding of the player vector and the available actions,
     fused; two Q heads: one value per non-spatial function, and one res x res map per spatial function.
@@ -845,7 +895,9 @@ class SplitQNetwork(nn.Module):
         res: int,
         tower_channels: int = Args.tower_channels,
         fused_channels: int = Args.fused_channels,
-        context_layers: int = MAP_CONTEXT_LAYERS["CollectMineralShards"],
+        context_layers: int = MAP_DEFAULTS["CollectMineralShards"]["context_layers"],
+        click_distance: bool = MAP_DEFAULTS["CollectMineralShards"]["click_distance"],
+        timer_input: bool = MAP_DEFAULTS["CollectMineralShards"]["timer_input"],
         player_channels: int = Args.player_channels,
         nonspatial_hidden: int = Args.nonspatial_hidden,
         fine_gain: float = Args.fine_gain,
@@ -866,7 +918,8 @@ class SplitQNetwork(nn.Module):
             nn.ReLU(),
         )
         num_available, num_spatial = len(FUNCTIONS), len(SPATIAL_FUNCTIONS)
-        self.player_embed = nn.Sequential(nn.Linear(PLAYER_SIZE + num_available, player_channels), nn.ReLU())
+        self.player_inputs = PLAYER_SIZE + timer_input  # the timer is the last column of `player_input`
+        self.player_embed = nn.Sequential(nn.Linear(self.player_inputs + num_available, player_channels), nn.ReLU())
         self.fuse = nn.Sequential(
             nn.Conv2d(2 * tower_channels + player_channels, fused_channels, 1), nn.ReLU()
         )
@@ -874,7 +927,8 @@ class SplitQNetwork(nn.Module):
         # The fine term alone can say "the target is at this pixel". Its output is multiplied by a fixed gain,
         # which is a learning-rate multiplier for this one layer (see Args.fine_gain); its zero start keeps the
         # gain from amplifying initial noise.
-        self.spatial_fine = nn.Conv2d(screen_in, num_spatial, 3, padding=1)
+        self.click_distance = click_distance
+        self.spatial_fine = nn.Conv2d(screen_in + CLASS_CHANNELS * click_distance, num_spatial, 3, padding=1)
         nn.init.zeros_(self.spatial_fine.weight)
         nn.init.zeros_(self.spatial_fine.bias)
         self.fine_gain = fine_gain
@@ -893,14 +947,20 @@ class SplitQNetwork(nn.Module):
         )
 
     def forward(self, screen, minimap, player, available):
-        """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, 11); available (B, F + S) bool, the
-        action mask -> Q (B, F), Q (B, S*H*W): together, one value per flat action index."""
+        """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, PLAYER_INPUT_SIZE), `player_input`;
+        available (B, F + S) bool, the action mask -> Q (B, F), Q (B, S*H*W): together, one value per flat action
+        index."""
         available = available.float()  # (B, F + S)
+        selected = screen[:, SELECTED_LAYER]  # (B, H, W)
         screen = preprocess_layers(screen, SCREEN_LAYERS)  # (B, Cs, H, W)
+        fine_input = screen
+        if self.click_distance:
+            fine_input = torch.cat([screen, class_distance(selected, screen[:, :CLASS_CHANNELS])], 1)  # (B, Cs+K, H, W)
         minimap = preprocess_layers(minimap, MINIMAP_LAYERS)  # (B, Cm, H, W)
         s = self.screen_tower(screen)  # (B, T, H/2, W/2)
         m = self.minimap_tower(minimap)  # (B, T, H/2, W/2)
-        p = self.player_embed(torch.cat([torch.log1p(player.float().clamp(min=0)), available], 1))  # (B, P)
+        player = player[:, : self.player_inputs].float()
+        p = self.player_embed(torch.cat([torch.log1p(player.clamp(min=0)), available], 1))  # (B, P)
         p = p[:, :, None, None].expand(-1, -1, s.shape[2], s.shape[3])  # tiled: (B, P, H/2, W/2)
         fused = self.fuse(torch.cat([s, m, p], 1))  # (B, E, H/2, W/2)
         if len(self.context):
@@ -912,14 +972,14 @@ class SplitQNetwork(nn.Module):
         pooled = torch.cat([fused.mean((2, 3)), fused.amax((2, 3))], 1)  # (B, 2E)
         q_nonspatial = self.nonspatial_head(torch.cat([pooled, available], 1))  # (B, F)
         coarse = F.interpolate(self.spatial_coarse(fused), size=(self.res, self.res), mode="nearest")
-        q_spatial = (coarse + self.fine_gain * self.spatial_fine(screen)).flatten(1)  # (B, S*H*W)
+        q_spatial = (coarse + self.fine_gain * self.spatial_fine(fine_input)).flatten(1)  # (B, S*H*W)
         return q_nonspatial, q_spatial
 
 
 def make_q_network(args: Args) -> SplitQNetwork:
     args = with_map_defaults(args)
-    return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers,
-                         args.player_channels, args.nonspatial_hidden, args.fine_gain)
+    return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers, args.click_distance,
+                         args.timer_input, args.player_channels, args.nonspatial_hidden, args.fine_gain)
 
 
 def masked_q(q_nonspatial, q_spatial, mask):
@@ -949,7 +1009,7 @@ def obs_to_states(obs: dict) -> dict:
     return {
         "screen": obs["feature_screen"][None].astype(np.int16),
         "minimap": obs["feature_minimap"][None].astype(np.int16),
-        "player": obs["player"][None].astype(np.float32),
+        "player": player_input(obs)[None],
         "mask": action_mask(obs["available_actions"])[None],
     }
 
@@ -1046,7 +1106,7 @@ def dummy_batch(batch_size: int, res: int, n_step: int, device) -> dict:
         return {
             "screen": np.zeros((batch_size, len(SCREEN_LAYERS), res, res), np.int16),
             "minimap": np.zeros((batch_size, len(MINIMAP_LAYERS), res, res), np.int16),
-            "player": np.zeros((batch_size, PLAYER_SIZE), np.float32),
+            "player": np.zeros((batch_size, PLAYER_INPUT_SIZE), np.float32),
             "mask": np.ones((batch_size, len(FUNCTIONS)), bool),
         }
 
@@ -1348,9 +1408,10 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial map), 24-unit screen
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
 # Settings that checkpoints written before they existed do not record, with the value those were trained with.
-ADDED_SETTINGS = {"context_layers": 0}
+ADDED_SETTINGS = {"context_layers": 0, "click_distance": False, "timer_input": False}
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
-                     "fused_channels", "context_layers", "player_channels", "nonspatial_hidden", "fine_gain")
+                     "fused_channels", "context_layers", "click_distance", "timer_input", "player_channels",
+                     "nonspatial_hidden", "fine_gain")
 
 
 def save_checkpoint(

@@ -200,17 +200,42 @@ def test_model_settings_reach_the_network():
     assert net.nonspatial_head[0].out_features == 5 and net.fine_gain == 3.0
 
 
-def test_context_layers_default_to_the_maps_own_and_a_given_value_wins():
-    for map_name, layers in dqn.MAP_CONTEXT_LAYERS.items():
+def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
+    assert dqn.MAP_DEFAULTS == {
+        "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False},
+        "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True},
+    }
+    for map_name, defaults in dqn.MAP_DEFAULTS.items():
         args = dqn.Args(res=8, map_name=map_name)
-        assert args.context_layers is None and args.problems() == []
-        assert dqn.with_map_defaults(args).context_layers == layers
-        assert len(dqn.make_q_network(args).context) == layers
-        given = dqn.Args(res=8, map_name=map_name, context_layers=1)
+        assert args.problems() == [] and all(getattr(args, name) is None for name in defaults)
+        filled = dqn.with_map_defaults(args)
+        assert {name: getattr(filled, name) for name in defaults} == defaults
+        net = dqn.make_q_network(args)
+        assert len(net.context) == defaults["context_layers"]
+        assert net.click_distance == defaults["click_distance"]
+        assert net.player_embed[0].in_features == dqn.PLAYER_SIZE + defaults["timer_input"] + len(dqn.FUNCTIONS)
+        given = dqn.Args(res=8, map_name=map_name, context_layers=1, click_distance=False, timer_input=True)
         assert dqn.with_map_defaults(given) == given and len(dqn.make_q_network(given).context) == 1
-    assert dqn.MAP_CONTEXT_LAYERS == {"MoveToBeacon": 0, "CollectMineralShards": 3}
     parsed, sources = dqn.parse_args(["--map-name", "CollectMineralShards"], environ={})
     assert parsed.context_layers is None and sources["context_layers"] == "default"
+    parsed, sources = dqn.parse_args(["--click-distance", "False"], environ={"RL_TIMER_INPUT": "1"})
+    assert (parsed.click_distance, parsed.timer_input) == (False, True)
+    assert (sources["click_distance"], sources["timer_input"]) == ("command line", "RL_TIMER_INPUT")
+
+
+def test_the_timer_input_is_what_separates_two_states_that_differ_only_in_time_left():
+    """The screen does not show the map's timer: with --timer-input the value of the same screen early and late
+    in an episode differs, without it the two are one input."""
+    env = dqn.BuiltinMiniGame("CollectMineralShards", res=8, step_mul=16, seed=0)
+    obs = env.reset()
+    late = {**obs, "game_loop": 1800}
+    assert dqn.player_input(late)[-1] == pytest.approx(1800 / 1920) and dqn.player_input(obs)[-1] == 0.0
+    for timer_input in (False, True):
+        torch.manual_seed(0)
+        net = dqn.SplitQNetwork(8, context_layers=0, timer_input=timer_input)
+        torch.nn.init.normal_(net.player_embed[0].weight)  # a weight on every input, the timer's too
+        q = [net(*dqn.to_tensors(dqn.obs_to_states(o), "cpu").values())[0] for o in (obs, late)]
+        assert torch.equal(q[0], q[1]) != timer_input, timer_input
 
 
 @pytest.mark.parametrize("res", [32, 30])

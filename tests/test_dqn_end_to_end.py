@@ -104,8 +104,9 @@ def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
     assert curve[0].startswith("episode,global_step") and len(curve) == 3
     checkpoint = torch.load(run / "checkpoint.pt", weights_only=False)
     assert checkpoint["interrupted"] is False and checkpoint["global_step"] == 30
-    assert config["args"]["context_layers"] == dqn.MAP_CONTEXT_LAYERS["MoveToBeacon"]  # the map's, as a number
-    net = dqn.SplitQNetwork(8, context_layers=config["args"]["context_layers"])
+    network = {name: config["args"][name] for name in dqn.MAP_DEFAULTS["MoveToBeacon"]}
+    assert network == dqn.MAP_DEFAULTS["MoveToBeacon"]  # the map's, as values
+    net = dqn.SplitQNetwork(8, **network)
     net.load_state_dict(checkpoint["q_network"])
 
     events = EventAccumulator(str(tmp_path / "runs" / "tiny-seed4"))
@@ -367,6 +368,31 @@ def test_a_checkpoint_from_before_the_context_layers_resumes_only_without_them(t
         dqn.load_checkpoint(str(tmp_path / "old.pt"), args)
     resumed = dataclasses.replace(args, context_layers=0)
     assert dqn.load_checkpoint(str(tmp_path / "old.pt"), resumed)["args"] == saved["args"]
+
+
+def test_a_checkpoint_from_before_the_timer_input_resumes_without_it_and_with_its_replay(tmp_path):
+    """Checkpoints from before --click-distance and --timer-input record neither and hold 11 player columns in
+    their replay: resuming one asks for both off, and then its replay loads with the timer column left at 0."""
+    args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0)
+    saved = {"format": dqn.CHECKPOINT_FORMAT, "rng": {}, "args": dataclasses.asdict(dqn.with_map_defaults(args))}
+    del saved["args"]["click_distance"], saved["args"]["timer_input"]
+    torch.save(saved, tmp_path / "old.pt")
+    with pytest.raises(dqn.ConfigError, match="--click-distance False, but this run asks for True"):
+        dqn.load_checkpoint(str(tmp_path / "old.pt"), args)
+    with pytest.raises(dqn.ConfigError, match="--timer-input False, but this run asks for True"):
+        dqn.load_checkpoint(str(tmp_path / "old.pt"), dataclasses.replace(args, click_distance=False))
+    resumed = dataclasses.replace(args, click_distance=False, timer_input=False)
+    assert dqn.load_checkpoint(str(tmp_path / "old.pt"), resumed)["args"] == saved["args"]
+
+    env, rb = dqn.BuiltinMiniGame("CollectMineralShards", res=8, step_mul=16, seed=0), dqn.SplitReplayBuffer(6, 8)
+    for _ in range(4):
+        rb.add(env.reset(), 0, 0.0, False)
+    state = rb.state_dict()
+    state["player"] = state["player"][:, : dqn.PLAYER_SIZE] + 1.0  # the old layout
+    loaded = dqn.SplitReplayBuffer(6, 8)
+    loaded.load_state_dict(state)
+    assert (loaded.player[:, : dqn.PLAYER_SIZE] == state["player"].numpy()).all()
+    assert (loaded.player[:, dqn.PLAYER_SIZE] == 0).all() and loaded.size == 4
 
 
 def test_continue_goes_on_from_a_trained_network_with_another_n_step(tmp_path, monkeypatch, capsys):

@@ -166,7 +166,7 @@ def test_nonspatial_head_reads_the_available_actions():
     net = dqn.SplitQNetwork(8)
     screen = torch.zeros(1, len(dqn.SCREEN_LAYERS), 8, 8, dtype=torch.int16)
     minimap = torch.zeros(1, len(dqn.MINIMAP_LAYERS), 8, 8, dtype=torch.int16)
-    player = torch.zeros(1, dqn.PLAYER_SIZE)
+    player = torch.zeros(1, dqn.PLAYER_INPUT_SIZE)
     with torch.no_grad():
         unselected, _ = net(screen, minimap, player, torch.tensor([[True, True, False, True]]))
         selected, _ = net(screen, minimap, player, torch.tensor([[True, True, True, True]]))
