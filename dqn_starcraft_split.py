@@ -806,8 +806,8 @@ class SplitReplayBuffer:
                 getattr(self, group)[name][...] = value.numpy()
         for name in ("mask", "actions", "rewards", "dones"):
             getattr(self, name)[...] = state[name].numpy()
-        # a checkpoint from before the timer column holds PLAYER_SIZE columns: it resumes only without
-        # --timer-input (ADDED_SETTINGS), and then the network never reads that column
+        # a checkpoint from before the timer column holds PLAYER_SIZE columns: its network has no timer input
+        # (trained_settings), and a run resumed from it never reads that column
         player = state["player"].numpy()
         self.player[:, : player.shape[1]] = player
         self.pos, self.size = int(state["pos"]), int(state["size"])
@@ -1407,8 +1407,6 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial map), 24-unit screen
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
-# Settings that checkpoints written before they existed do not record, with the value those were trained with.
-ADDED_SETTINGS = {"context_layers": 0, "click_distance": False, "timer_input": False}
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
                      "fused_channels", "context_layers", "click_distance", "timer_input", "player_channels",
                      "nonspatial_hidden", "fine_gain")
@@ -1447,6 +1445,18 @@ def save_checkpoint(
     atomic_write_bytes(path, buffer.getvalue())
 
 
+def trained_settings(state: dict) -> dict:
+    """The settings a checkpoint was trained with: those its args record, and each network setting added after it
+    was written read off the shapes of its weights (the timer input, for one, existed before its setting did)."""
+    weights = state["q_network"]
+    read_off = {
+        "context_layers": lambda: len({key.split(".")[1] for key in weights if key.startswith("context.")}),
+        "click_distance": lambda: weights["spatial_fine.weight"].shape[1] > layer_channels(SCREEN_LAYERS),
+        "timer_input": lambda: weights["player_embed.0.weight"].shape[1] > PLAYER_SIZE + len(FUNCTIONS),
+    }
+    return {**{name: read() for name, read in read_off.items() if name not in state["args"]}, **state["args"]}
+
+
 def load_checkpoint(path: str, args: Args) -> dict:
     """A checkpoint to resume from, checked against this run's settings; any problem is one ConfigError."""
     if not os.path.isfile(path):
@@ -1456,11 +1466,11 @@ def load_checkpoint(path: str, args: Args) -> dict:
     except Exception as exc:  # noqa: BLE001 - corrupt, truncated, or not a checkpoint at all
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"--resume {path!r} is not a readable checkpoint ({first_line[:160]}).") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT or "rng" not in state:
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT or not {"rng", "q_network"} <= set(state):
         raise ConfigError(f"--resume {path!r} is not a {CHECKPOINT_FORMAT} checkpoint that can be resumed.")
-    args = with_map_defaults(args)
+    args, trained = with_map_defaults(args), trained_settings(state)
     for name in RESUME_MUST_MATCH:
-        saved, wanted = state["args"].get(name, ADDED_SETTINGS.get(name)), getattr(args, name)
+        saved, wanted = trained[name], getattr(args, name)
         if saved != wanted:
             raise ConfigError(f"--resume checkpoint was trained with --{name.replace('_', '-')} {saved}, but this run "
                               f"asks for {wanted}.")

@@ -47,13 +47,13 @@ def main(argv: list[str]) -> int:
     args = dqn.with_map_defaults(args)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-        saved = state["args"]
+        saved = dqn.trained_settings(state)
     except Exception as exc:  # noqa: BLE001 - corrupt, truncated, or not a checkpoint at all
         print(f"checkpoint {path!r} is not a readable checkpoint of the script ({type(exc).__name__}).",
               file=sys.stderr)
         return 2
     shape = [name for name in dqn.RESUME_MUST_MATCH if name != "n_step"
-             and saved.get(name, dqn.ADDED_SETTINGS.get(name)) != getattr(args, name)]
+             and saved[name] != getattr(args, name)]
     if shape:
         print(f"checkpoint {path!r} was trained with other {', '.join(shape)}; continue it with the same ones.",
               file=sys.stderr)

@@ -39,11 +39,12 @@ def fail(message: str) -> None:
 
 
 def read_run(folder: Path) -> dict:
-    for name in ("config.json", "eval/curve.csv", "eval/test_results.json"):
+    for name in ("config.json", "eval/curve.csv", "eval/test_results.json", "checkpoint.pt"):
         if not (folder / name).is_file():
             fail(f"{folder} has no {name}; give the folders of finished runs ({{save_path}}/{{run_id}}).")
     config = json.loads((folder / "config.json").read_text())
     test = json.loads((folder / "eval" / "test_results.json").read_text())
+    checkpoint = torch.load(folder / "checkpoint.pt", map_location="cpu", weights_only=True)
     with open(folder / "eval" / "curve.csv", newline="") as f:
         curve = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
     return {
@@ -51,8 +52,8 @@ def read_run(folder: Path) -> dict:
         "seed": config["seed"],
         "episode_steps": config["episode_steps"],
         # where the run wrote its files is this machine's business, not the result's
-        # (runs from before a setting existed ran with the value dqn.ADDED_SETTINGS gives it)
-        "args": {k: v for k, v in {**dqn.ADDED_SETTINGS, **config["args"]}.items()
+        # (a setting added after a run is read off its checkpoint's weights)
+        "args": {k: v for k, v in {**dqn.trained_settings(checkpoint), **config["args"]}.items()
                  if k not in ("save_path", "log_dir", "resume")},
         "python": config["python"],
         "torch": config["torch"],
@@ -78,7 +79,7 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
     """What the trained network does: `episodes` greedy episodes from the run's final checkpoint on a fresh
     built-in environment (seed 20,000 + k): how often it picks each function, and where its clicks land."""
     state = torch.load(folder / "checkpoint.pt", map_location="cpu", weights_only=True)
-    saved = {**dqn.ADDED_SETTINGS, **state["args"]}
+    saved = dqn.trained_settings(state)
     args = dqn.Args(**{k: (tuple(v) if k == "seeds" else v) for k, v in saved.items() if k in dqn.Args.__dataclass_fields__})
     net = dqn.make_q_network(args)
     net.load_state_dict(state["q_network"])

@@ -357,32 +357,44 @@ def test_a_resume_that_cannot_work_is_one_line(tmp_path, extra, needle):
     assert done.stderr.strip().startswith("error: --resume") and needle in done.stderr
 
 
+def old_checkpoint(tmp_path, args: dqn.Args, unrecorded: tuple[str, ...], **network) -> str:
+    """A checkpoint whose args lack `unrecorded` (written before those settings existed), with the weights of a
+    network built with `network`."""
+    saved = {"format": dqn.CHECKPOINT_FORMAT, "rng": {}, "args": dataclasses.asdict(dqn.with_map_defaults(args)),
+             "q_network": dqn.SplitQNetwork(8, **network).state_dict()}
+    for name in unrecorded:
+        del saved["args"][name]
+    torch.save(saved, tmp_path / "old.pt")
+    return str(tmp_path / "old.pt")
+
+
 def test_a_checkpoint_from_before_the_context_layers_resumes_only_without_them(tmp_path):
     """Checkpoints written before --context-layers existed do not record it; their networks had none, so
     resuming one asks for --context-layers 0 instead of failing to load the weights later."""
     args = dqn.Args(res=8, map_name="CollectMineralShards")  # its default: 3 context layers
-    saved = {"format": dqn.CHECKPOINT_FORMAT, "rng": {}, "args": dataclasses.asdict(dqn.with_map_defaults(args))}
-    del saved["args"]["context_layers"]
-    torch.save(saved, tmp_path / "old.pt")
+    path = old_checkpoint(tmp_path, args, ("context_layers",), context_layers=0)
     with pytest.raises(dqn.ConfigError, match="--context-layers 0, but this run asks for 3"):
-        dqn.load_checkpoint(str(tmp_path / "old.pt"), args)
+        dqn.load_checkpoint(path, args)
     resumed = dataclasses.replace(args, context_layers=0)
-    assert dqn.load_checkpoint(str(tmp_path / "old.pt"), resumed)["args"] == saved["args"]
+    assert dqn.trained_settings(dqn.load_checkpoint(path, resumed))["context_layers"] == 0
 
 
-def test_a_checkpoint_from_before_the_timer_input_resumes_without_it_and_with_its_replay(tmp_path):
-    """Checkpoints from before --click-distance and --timer-input record neither and hold 11 player columns in
-    their replay: resuming one asks for both off, and then its replay loads with the timer column left at 0."""
+def test_the_settings_a_checkpoint_does_not_record_are_read_off_its_weights(tmp_path):
+    """Checkpoints from before --click-distance and --timer-input record neither. One whose network had neither
+    resumes only with both off, and its replay (11 player columns) loads with the timer column left at 0; one
+    whose network already read the timer (commit 0bcdf39, before the setting) resumes with the defaults."""
     args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0)
-    saved = {"format": dqn.CHECKPOINT_FORMAT, "rng": {}, "args": dataclasses.asdict(dqn.with_map_defaults(args))}
-    del saved["args"]["click_distance"], saved["args"]["timer_input"]
-    torch.save(saved, tmp_path / "old.pt")
+    unrecorded = ("click_distance", "timer_input")
+    path = old_checkpoint(tmp_path, args, unrecorded, context_layers=0, click_distance=False, timer_input=False)
     with pytest.raises(dqn.ConfigError, match="--click-distance False, but this run asks for True"):
-        dqn.load_checkpoint(str(tmp_path / "old.pt"), args)
+        dqn.load_checkpoint(path, args)
     with pytest.raises(dqn.ConfigError, match="--timer-input False, but this run asks for True"):
-        dqn.load_checkpoint(str(tmp_path / "old.pt"), dataclasses.replace(args, click_distance=False))
+        dqn.load_checkpoint(path, dataclasses.replace(args, click_distance=False))
     resumed = dataclasses.replace(args, click_distance=False, timer_input=False)
-    assert dqn.load_checkpoint(str(tmp_path / "old.pt"), resumed)["args"] == saved["args"]
+    state = dqn.load_checkpoint(path, resumed)
+    dqn.make_q_network(resumed).load_state_dict(state["q_network"])
+    path = old_checkpoint(tmp_path, args, ("timer_input",), context_layers=0)  # the network of 0bcdf39
+    assert dqn.trained_settings(dqn.load_checkpoint(path, args))["timer_input"] is True
 
     env, rb = dqn.BuiltinMiniGame("CollectMineralShards", res=8, step_mul=16, seed=0), dqn.SplitReplayBuffer(6, 8)
     for _ in range(4):
