@@ -167,7 +167,9 @@ def markdown(r: dict) -> str:
              f"{a['batch_size']}, replay {a['buffer_size']}, gamma {a['gamma']}, {a['n_step']}-step returns, "
              f"epsilon {a['start_e']:g} -> {a['end_e']:g} over {a['exploration_steps']} steps, target copy every "
              f"{a['target_network_frequency']} steps, one update every {a['train_frequency']} steps, "
-             f"{a['context_layers']} context layers. Every value "
+             f"{a['context_layers']} context layers, the click term's distance input "
+             f"{'on' if a.get('click_distance') else 'off'}, the timer input {'on' if a.get('timer_input') else 'off'}."
+             " Every value "
              "of every run is in the JSON (`runs[].args`).\n")
     L.append("## Result\n")
     L.append(f"Final greedy test ({r['runs'][0]['greedy_test']['num_test_episodes']} episodes per seed, epsilon 0): "

@@ -3,7 +3,8 @@
     python benchmark/ours_dqn.py --out PATH [--quick]
 
 The configuration is `dqn_starcraft_split.Args()` as it is (res 32, step_mul 16, batch 8, Adam), on the CPU,
-with CollectMineralShards's network (its 3 context layers; MoveToBeacon's default has none) on both maps.
+with CollectMineralShards's network (its 3 context layers, click distance and timer input; MoveToBeacon's default
+has none of them) on both maps.
 """
 
 from __future__ import annotations
