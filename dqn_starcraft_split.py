@@ -114,11 +114,6 @@ class Args:
     buffer_size: int = 100_000
     """replay capacity in agent steps"""
 
-    mirror_batches: bool = True
-    """mirror each sampled transition left-right with probability 1/2 (screen, minimap, next state and the
-    click's x): both maps are symmetric about the camera's vertical centre line, so the mirrored transition is
-    one the game could have produced"""
-
     # model
     tower_channels: int = 16
     """channels of the screen and minimap convolution towers"""
@@ -1077,19 +1072,6 @@ def td_loss(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSetup
     return F.smooth_l1_loss(q_taken, td_target(q_network, target_network, batch, args, amp)), q_taken
 
 
-def mirror_half(sample: dict, res: int, rng: np.random.Generator) -> dict:
-    """Mirror a random half of a sampled batch left-right, in place (see Args.mirror_batches)."""
-    flip = rng.random(len(sample["actions"])) < 0.5  # (B,)
-    for key in ("obs", "next_obs"):
-        for part in ("screen", "minimap"):
-            sample[key][part][flip] = sample[key][part][flip][..., ::-1]
-    a = sample["actions"]
-    spatial = flip & (a >= len(NONSPATIAL_FUNCTIONS))
-    x = (a - len(NONSPATIAL_FUNCTIONS)) % res
-    a[spatial] = (a - x + (res - 1 - x))[spatial]
-    return sample
-
-
 def batch_to_device(sample: dict, device) -> dict:
     return {
         "obs": to_tensors(sample["obs"], device),
@@ -1760,10 +1742,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 # ALGO LOGIC: training
                 if global_step > args.learning_starts and global_step % args.train_frequency == 0:
                     with out_of_memory_ends_the_run():
-                        sample = rb.sample(batch_size, rng, args.n_step)
-                        if args.mirror_batches:
-                            mirror_half(sample, args.res, rng)
-                        batch = batch_to_device(sample, device)
+                        batch = batch_to_device(rb.sample(batch_size, rng, args.n_step), device)
                     probes("after_sample")
                     with out_of_memory_ends_the_run():
                         metrics = update(q_network, target_network, optimizer, amp, batch, args)
