@@ -1466,11 +1466,16 @@ def load_checkpoint(path: str, args: Args) -> dict:
     except Exception as exc:  # noqa: BLE001 - corrupt, truncated, or not a checkpoint at all
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"--resume {path!r} is not a readable checkpoint ({first_line[:160]}).") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT or not {"rng", "q_network"} <= set(state):
+    resumable = isinstance(state, dict) and state.get("format") == CHECKPOINT_FORMAT
+    if not resumable or not {"rng", "q_network"} <= set(state):
         raise ConfigError(f"--resume {path!r} is not a {CHECKPOINT_FORMAT} checkpoint that can be resumed.")
-    args, trained = with_map_defaults(args), trained_settings(state)
+    try:
+        trained = trained_settings(state)
+    except (KeyError, IndexError, AttributeError, TypeError):  # args or weights missing or of another shape
+        raise ConfigError(f"--resume {path!r} is not a {CHECKPOINT_FORMAT} checkpoint that can be resumed.") from None
+    args = with_map_defaults(args)
     for name in RESUME_MUST_MATCH:
-        saved, wanted = trained[name], getattr(args, name)
+        saved, wanted = trained.get(name), getattr(args, name)
         if saved != wanted:
             raise ConfigError(f"--resume checkpoint was trained with --{name.replace('_', '-')} {saved}, but this run "
                               f"asks for {wanted}.")

@@ -395,6 +395,11 @@ def test_the_settings_a_checkpoint_does_not_record_are_read_off_its_weights(tmp_
     dqn.make_q_network(resumed).load_state_dict(state["q_network"])
     path = old_checkpoint(tmp_path, args, ("timer_input",), context_layers=0)  # the network of 0bcdf39
     assert dqn.trained_settings(dqn.load_checkpoint(path, args))["timer_input"] is True
+    broken = torch.load(path, weights_only=True)
+    broken["q_network"] = {}  # nothing to read the missing setting off
+    torch.save(broken, tmp_path / "broken.pt")
+    with pytest.raises(dqn.ConfigError, match="checkpoint that can be resumed"):
+        dqn.load_checkpoint(str(tmp_path / "broken.pt"), args)
 
     env, rb = dqn.BuiltinMiniGame("CollectMineralShards", res=8, step_mul=16, seed=0), dqn.SplitReplayBuffer(6, 8)
     for _ in range(4):
