@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     shape = [name for name in dqn.RESUME_MUST_MATCH if name != "n_step"
-             and saved[name] != getattr(args, name)]
+             and saved.get(name) != getattr(args, name)]
     if shape:
         print(f"checkpoint {path!r} was trained with other {', '.join(shape)}; continue it with the same ones.",
               file=sys.stderr)

@@ -445,3 +445,9 @@ def test_continue_goes_on_from_a_trained_network_with_another_n_step(tmp_path, m
     assert dqn_continue.main(["--n-step", "1"]) == 2  # no checkpoint: the usage, not a traceback
     assert "the first argument must be a checkpoint path" in capsys.readouterr().err
     assert not (tmp_path / "results" / "other").exists()
+    older = dict(first, args={k: v for k, v in first["args"].items() if k != "screen_world_units"})
+    torch.save(older, tmp_path / "older.pt")  # a setting the checkpoint does not record and its weights cannot tell
+    capsys.readouterr()
+    assert dqn_continue.main([str(tmp_path / "older.pt"), *TINY, "--num-episodes", "3", "--run-id", "older"]) == 2
+    err = capsys.readouterr().err
+    assert "was trained with other screen_world_units" in err and "Traceback" not in err and len(err.splitlines()) == 1
