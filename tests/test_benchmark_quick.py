@@ -445,3 +445,35 @@ def test_gpu_report_renders_compiled_update_variants_and_judges_the_fastest(tmp_
     _, text = gpu_report.report(folder)
     assert "| bf16 | 296 | 28 | 95 (71) | failed | 10.6 |" in text
     assert "Compiled and captured, --amp bf16, failed: `RuntimeError: capture failed`." in text
+
+
+def test_stopped_trial_report_sets_each_curve_row_beside_the_baseline_row_of_the_same_seed(tmp_path):
+    """benchmark/dqn_stopped_trial.py: every row from the runs' files, the baseline's row at equal agent steps
+    (or none), and a bad baseline is one line, status 2."""
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"run_id": "r", "seed": 2, "python": "3.11", "torch": "2.x",
+                                                 "args": {"map_name": "CollectMineralShards", "save_path": "/x",
+                                                          "torch_num_threads": 1}}))
+    header = "episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n"
+    (run / "eval" / "curve.csv").write_text(header + "".join(
+        f"{25 * k},{3000 * k},{60.0 * k},0.5,{10.0 + k},{20.0 + k}\n" for k in range(1, 8)))
+    baseline_curve = [{"episode": 25 * k, "global_step": 3000.0 * k, "wall_time_s": 30.0 * k, "epsilon": 0.5,
+                       "train_score_mean": 1.0 * k, "test_score_mean": 2.0 * k} for k in range(1, 7)]
+    baseline = tmp_path / "base.json"
+    baseline.write_text(json.dumps({"runs": [{"seed": 2, "curve": baseline_curve}]}))
+    command = [sys.executable, str(ROOT / "benchmark" / "dqn_stopped_trial.py"), "--out", str(tmp_path / "t"),
+               "--runs", str(run), "--trial", "x", "--command", "c", "--conditions", "d", "--every", "3"]
+    done = subprocess.run([*command, "--baseline", str(baseline)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert [row["global_step"] for row in result["comparison"]] == [9000, 18000, 21000]  # every 3rd, and the last
+    assert result["comparison"][0]["baseline"]["train_score_mean"] == 3.0
+    assert result["comparison"][-1]["baseline"] is None  # the baseline's curve ends at 18000
+    assert len(result["runs"][0]["curve"]) == 7 and "save_path" not in result["runs"][0]["args"]
+    table = (tmp_path / "t.md").read_text()
+    assert "| 2 | 18000 | 6.0 | 16.0 | 26.0 | 3.0 | 6.0 | 12.0 |" in table
+    assert "| 2 | 21000 | 7.0 | 17.0 | 27.0 | - | - | - |" in table
+    baseline.write_text(json.dumps({"runs": [{"seed": 1, "curve": baseline_curve}]}))
+    done = subprocess.run([*command, "--baseline", str(baseline)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip() == f"error: --baseline {str(baseline)!r} has no run of seed 2."
