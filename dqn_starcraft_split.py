@@ -169,11 +169,6 @@ class Args:
     """agent steps between copies of the online network into the target network"""
     max_grad_norm: float = 10.0
     """gradient norm clip"""
-    priority_exponent: float = 0.5
-    """prioritized replay: a transition is drawn with probability proportional to (|TD error| + 1e-3) to this
-    power, new ones at the largest priority so far (0: uniform)"""
-    priority_weight: float = 0.4
-    """the importance-sampling exponent at the first update, raised linearly to 1 over --exploration-steps"""
     acting_ema: float = 0.999
     """the network that acts and is tested is an exponential moving average of the online network's weights,
     with this decay per update (0: the online network itself); averaging damps the update-to-update noise that
@@ -260,8 +255,6 @@ RULES = (
     ("train_frequency", lambda a: a.train_frequency >= 1, "at least 1"),
     ("target_network_frequency", lambda a: a.target_network_frequency >= 1, "at least 1"),
     ("max_grad_norm", lambda a: a.max_grad_norm > 0, "positive"),
-    ("priority_exponent", lambda a: 0 <= a.priority_exponent <= 1, "in [0, 1]"),
-    ("priority_weight", lambda a: 0 <= a.priority_weight <= 1, "in [0, 1]"),
     ("acting_ema", lambda a: 0 <= a.acting_ema < 1, "at least 0 and below 1"),
     ("scheduler_tmax", lambda a: a.scheduler_tmax is None or a.scheduler_tmax >= 1, "at least 1 episode"),
     ("min_lr", lambda a: 0 <= a.min_lr <= a.learning_rate, "between 0 and learning_rate ({learning_rate})"),
@@ -757,8 +750,6 @@ class SplitReplayBuffer:
         self.actions = np.zeros(capacity, np.int32)
         self.rewards = np.zeros(capacity, np.float32)
         self.dones = np.zeros(capacity, bool)
-        self.priority = np.zeros(capacity, np.float64)  # (|TD error| + eps) ** exponent, of the last update
-        self.max_priority = 1.0
         self.pos, self.size = 0, 0
 
     def add(self, obs: dict, action: int, reward: float, done: bool) -> None:
@@ -770,7 +761,6 @@ class SplitReplayBuffer:
         self.player[i] = player_input(obs)
         self.mask[i] = action_mask(obs["available_actions"])
         self.actions[i], self.rewards[i], self.dones[i] = action, reward, done
-        self.priority[i] = self.max_priority
         self.pos = (i + 1) % self.capacity
         self.size = min(self.size + 1, self.capacity)
 
@@ -790,23 +780,14 @@ class SplitReplayBuffer:
             "mask": self.mask[idx],  # (B, F + S)
         }
 
-    def sample(self, batch_size: int, rng: np.random.Generator, n_step: int = 1, prioritized: bool = False,
-               weight_exponent: float = 1.0) -> dict:
+    def sample(self, batch_size: int, rng: np.random.Generator, n_step: int = 1) -> dict:
         """n-step transitions: state i, action i, the n rewards and dones i .. i+n-1, and state i+n (read by
         `td_target` only if no episode ended in between). Only slots whose n following transitions are all known
-        are drawn: uniformly, or in proportion to their priorities, with importance-sampling weights."""
+        are drawn."""
         oldest = self.pos if self.size == self.capacity else 0
-        count = max(self.num_transitions() - n_step + 1, 1)
-        weights = np.ones(batch_size, np.float32)
-        if prioritized:
-            order = (oldest + np.arange(count)) % self.capacity
-            priority = self.priority[order]
-            cdf = np.cumsum(priority)
-            k = np.minimum(np.searchsorted(cdf, rng.random(batch_size) * cdf[-1], side="right"), count - 1)
-            idx = order[k]
-            weights = ((priority[k] / priority.min()) ** -weight_exponent).astype(np.float32)  # at most 1
-        else:
-            idx = (oldest + rng.integers(0, count, batch_size)) % self.capacity
+        idx = (
+            oldest + rng.integers(0, max(self.num_transitions() - n_step + 1, 1), batch_size)
+        ) % self.capacity
         slots = (idx[:, None] + np.arange(n_step)) % self.capacity  # (B, n)
         return {
             "obs": self._states(idx),
@@ -814,14 +795,7 @@ class SplitReplayBuffer:
             "actions": self.actions[idx].astype(np.int64),
             "rewards": self.rewards[slots],  # (B, n) float32, a fresh array
             "dones": self.dones[slots].astype(np.float32),  # (B, n)
-            "indices": idx,
-            "weights": weights,
         }
-
-    def set_priorities(self, idx: np.ndarray, td_errors: np.ndarray, exponent: float) -> None:
-        priority = (np.abs(td_errors) + 1e-3) ** exponent
-        self.priority[idx] = priority
-        self.max_priority = max(self.max_priority, float(priority.max()))
 
     def state_dict(self) -> dict:
         """Every array as a tensor (loads with weights_only=True), and the ring's position."""
@@ -842,7 +816,6 @@ class SplitReplayBuffer:
         player = state["player"].numpy()
         self.player[:, : player.shape[1]] = player
         self.pos, self.size = int(state["pos"]), int(state["size"])
-        self.priority[: self.size] = self.max_priority  # priorities are not saved: every loaded slot starts equal
         if self.size:
             # the interrupted episode's last transition has no next state in the buffer: it ends there
             self.dones[(self.pos - 1) % self.capacity] = True
@@ -1101,12 +1074,7 @@ def td_loss(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSetup
     with amp.autocast():
         q_ns, q_sp = q_network(obs["screen"], obs["minimap"], obs["player"], obs["mask"])
     q_taken = torch.cat([q_ns, q_sp], 1).float().gather(1, batch["actions"][:, None]).squeeze(1)  # (B,)
-    target = td_target(q_network, target_network, batch, args, amp)
-    losses = F.smooth_l1_loss(q_taken, target, reduction="none")
-    weights = batch.get("weights")
-    loss = losses.mean() if weights is None else (weights * losses).mean()
-    td_loss.last_errors = (q_taken - target).detach()
-    return loss, q_taken
+    return F.smooth_l1_loss(q_taken, td_target(q_network, target_network, batch, args, amp)), q_taken
 
 
 def batch_to_device(sample: dict, device) -> dict:
@@ -1116,7 +1084,6 @@ def batch_to_device(sample: dict, device) -> dict:
         "actions": torch.as_tensor(sample["actions"], device=device),
         "rewards": torch.as_tensor(sample["rewards"], device=device),
         "dones": torch.as_tensor(sample["dones"], device=device),
-        **({"weights": torch.as_tensor(sample["weights"], device=device)} if "weights" in sample else {}),
     }
 
 
@@ -1792,16 +1759,10 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 # ALGO LOGIC: training
                 if global_step > args.learning_starts and global_step % args.train_frequency == 0:
                     with out_of_memory_ends_the_run():
-                        prioritized = args.priority_exponent > 0
-                        weight_exponent = linear_schedule(args.priority_weight, 1.0, args.exploration_steps, global_step)
-                        sample = rb.sample(batch_size, rng, args.n_step, prioritized, weight_exponent)
-                        batch = batch_to_device(sample, device)
+                        batch = batch_to_device(rb.sample(batch_size, rng, args.n_step), device)
                     probes("after_sample")
                     with out_of_memory_ends_the_run():
                         metrics = update(q_network, target_network, optimizer, amp, batch, args)
-                        if prioritized:
-                            rb.set_priorities(sample["indices"], td_loss.last_errors.float().cpu().numpy(),
-                                              args.priority_exponent)
                         if acting_network is not q_network:
                             with torch.no_grad():
                                 ema_update(list(acting_network.parameters()), list(q_network.parameters()), 1)
