@@ -169,10 +169,6 @@ class Args:
     """agent steps between copies of the online network into the target network"""
     max_grad_norm: float = 10.0
     """gradient norm clip"""
-    acting_ema: float = 0.999
-    """the network that acts and is tested is an exponential moving average of the online network's weights,
-    with this decay per update (0: the online network itself); averaging damps the update-to-update noise that
-    reorders near-equal clicks"""
     use_double_dqn: bool = True
     """if toggled, the online network picks the next function and point and the target network scores them"""
     lr_scheduler: Literal["cosine", "step", "none"] = "cosine"
@@ -255,7 +251,6 @@ RULES = (
     ("train_frequency", lambda a: a.train_frequency >= 1, "at least 1"),
     ("target_network_frequency", lambda a: a.target_network_frequency >= 1, "at least 1"),
     ("max_grad_norm", lambda a: a.max_grad_norm > 0, "positive"),
-    ("acting_ema", lambda a: 0 <= a.acting_ema < 1, "at least 0 and below 1"),
     ("scheduler_tmax", lambda a: a.scheduler_tmax is None or a.scheduler_tmax >= 1, "at least 1 episode"),
     ("min_lr", lambda a: 0 <= a.min_lr <= a.learning_rate, "between 0 and learning_rate ({learning_rate})"),
     ("step_lr_step_size", lambda a: a.step_lr_step_size >= 1, "at least 1 episode"),
@@ -1635,11 +1630,6 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
     q_network = make_q_network(args).to(device)
     target_network = make_q_network(args).to(device)
     target_network.load_state_dict(q_network.state_dict())
-    acting_network = q_network
-    if args.acting_ema > 0:
-        acting_network = make_q_network(args).to(device).requires_grad_(False)
-        acting_network.load_state_dict(q_network.state_dict())
-    ema_update = torch.optim.swa_utils.get_ema_multi_avg_fn(args.acting_ema)
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
     scheduler = make_scheduler(optimizer, args)
     prealloc_mb, batch_size, fallback_used = preallocate_or_fall_back(
@@ -1687,8 +1677,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
             if hasattr(game, "rng"):
                 rngs[name] = game.rng.bit_generator.state
         extra = {"rng": rngs, "scaler": amp.scaler.state_dict(), "recent_train_scores": list(recent_train_scores),
-                 "replay": rb.state_dict() if args.checkpoint_buffer else None,
-                 "acting_network": acting_network.state_dict()}
+                 "replay": rb.state_dict() if args.checkpoint_buffer else None}
         save_checkpoint(checkpoint_path, q_network, target_network, optimizer, scheduler, episode, global_step, args,
                         interrupted=interrupted, extra=extra)
 
@@ -1717,7 +1706,6 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
         recent_train_scores = list(resume_state.get("recent_train_scores", []))
         q_network.load_state_dict(resume_state["q_network"])
         target_network.load_state_dict(resume_state["target_network"])
-        acting_network.load_state_dict(resume_state.get("acting_network", resume_state["q_network"]))
         optimizer.load_state_dict(resume_state["optimizer"])
         if scheduler is not None and resume_state["scheduler"] is not None:
             scheduler.load_state_dict(resume_state["scheduler"])
@@ -1747,7 +1735,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 probes("loop_start")
                 epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
                 with out_of_memory_ends_the_run():
-                    action = select_action(acting_network, obs, epsilon, rng, device)
+                    action = select_action(q_network, obs, epsilon, rng, device)
                 next_obs, reward, done = env.step(*decode_action(action, args.res))
                 rb.add(obs, action, reward, done)
                 probes("after_collect")
@@ -1763,9 +1751,6 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                     probes("after_sample")
                     with out_of_memory_ends_the_run():
                         metrics = update(q_network, target_network, optimizer, amp, batch, args)
-                        if acting_network is not q_network:
-                            with torch.no_grad():
-                                ema_update(list(acting_network.parameters()), list(q_network.parameters()), 1)
                     probes("after_optimizer_step")
                     if global_step % args.log_every_steps < args.train_frequency:
                         for key, value in metrics.items():
@@ -1819,7 +1804,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
             if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
                 with out_of_memory_ends_the_run():
                     test_scores = run_test_episodes(
-                        acting_network, eval_env, args.num_eval_episodes, args.res, device, args.test_epsilon
+                        q_network, eval_env, args.num_eval_episodes, args.res, device, args.test_epsilon
                     )
                 test_mean = float(np.mean(test_scores))
                 train_mean = float(np.mean(recent_train_scores))
@@ -1841,7 +1826,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
         # Final greedy test of the trained network.
         with out_of_memory_ends_the_run():
             test_scores = run_test_episodes(
-                acting_network,
+                q_network,
                 eval_env,
                 args.num_test_episodes,
                 args.res,

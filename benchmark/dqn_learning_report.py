@@ -82,7 +82,7 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
     saved = dqn.trained_settings(state)
     args = dqn.Args(**{k: (tuple(v) if k == "seeds" else v) for k, v in saved.items() if k in dqn.Args.__dataclass_fields__})
     net = dqn.make_q_network(args)
-    net.load_state_dict(state.get("acting_network", state["q_network"]))
+    net.load_state_dict(state["q_network"])
     net.eval()
     counts = {name: 0 for name in dqn.FUNCTIONS}
     on_target = clicks = on_nearest = switches = 0
