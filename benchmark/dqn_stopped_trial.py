@@ -29,20 +29,24 @@ def read_run(folder: Path) -> dict:
     for name in ("config.json", "eval/curve.csv"):
         if not (folder / name).is_file():
             fail(f"{folder} has no {name}; give the folders of runs ({{save_path}}/{{run_id}}).")
-    config = json.loads((folder / "config.json").read_text())
-    with open(folder / "eval" / "curve.csv", newline="") as f:
-        curve = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        with open(folder / "eval" / "curve.csv", newline="") as f:
+            curve = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        run = {
+            "run_id": config["run_id"],
+            "seed": config["seed"],
+            # where the run wrote its files is this machine's business, not the result's
+            "args": {k: v for k, v in config["args"].items() if k not in ("save_path", "log_dir", "resume")},
+            "python": config["python"],
+            "torch": config["torch"],
+            "curve": curve,
+        }
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        fail(f"{folder} does not hold a run of dqn_starcraft_split.py ({type(exc).__name__}: {exc}).")
     if not curve:
         fail(f"{folder}/eval/curve.csv has no rows yet.")
-    return {
-        "run_id": config["run_id"],
-        "seed": config["seed"],
-        # where the run wrote its files is this machine's business, not the result's
-        "args": {k: v for k, v in config["args"].items() if k not in ("save_path", "log_dir", "resume")},
-        "python": config["python"],
-        "torch": config["torch"],
-        "curve": curve,
-    }
+    return run
 
 
 def main() -> None:
@@ -55,6 +59,8 @@ def main() -> None:
     parser.add_argument("--conditions", required=True, help="how the runs shared the machine, why they stopped")
     parser.add_argument("--every", type=int, default=6, help="table: every this many curve rows, and the last")
     args = parser.parse_args()
+    if args.every < 1:
+        fail(f"--every {args.every} must be at least 1 (every this many curve rows).")
 
     runs = [read_run(Path(folder)) for folder in args.runs]
     try:

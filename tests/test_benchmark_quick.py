@@ -477,3 +477,10 @@ def test_stopped_trial_report_sets_each_curve_row_beside_the_baseline_row_of_the
     baseline.write_text(json.dumps({"runs": [{"seed": 1, "curve": baseline_curve}]}))
     done = subprocess.run([*command, "--baseline", str(baseline)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip() == f"error: --baseline {str(baseline)!r} has no run of seed 2."
+    done = subprocess.run([*command, "--baseline", str(baseline), "--every", "0"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stderr.strip() == "error: --every 0 must be at least 1 (every this many curve rows)."
+    (run / "config.json").write_text("{}")
+    done = subprocess.run([*command, "--baseline", str(baseline)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "does not hold a run of dqn_starcraft_split.py (KeyError" in done.stderr
+    assert len(done.stderr.splitlines()) == 1

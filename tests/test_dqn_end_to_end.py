@@ -450,4 +450,4 @@ def test_continue_goes_on_from_a_trained_network_with_another_n_step(tmp_path, m
     capsys.readouterr()
     assert dqn_continue.main([str(tmp_path / "older.pt"), *TINY, "--num-episodes", "3", "--run-id", "older"]) == 2
     err = capsys.readouterr().err
-    assert "was trained with other screen_world_units" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert "was trained with other screen_world_units" in err and len(err.splitlines()) == 1
