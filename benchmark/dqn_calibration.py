@@ -8,7 +8,8 @@ CollectMineralShards the random agent, a scripted agent that moves both marines 
 to them, and one that splits them (select_point on one marine, Move_screen to the shard nearest to it that
 the other marine is not heading for). The same agents are also played at the DQN's defaults (32 x 32,
 step_mul 16), with two variants of the together agent that show what the choice of shard is worth: one that
-aims at the second-nearest shard with a given probability, one that clicks past the nearest shard. Writes
+aims at the second-nearest shard with a given probability, one that clicks past the nearest shard, one that
+prefers shards with other shards near them. Writes
 `{out}.json` (machine, command, configuration, every episode's score) and `{out}.md`.
 
 The scripted agents read unit positions from the game state, as pysc2's `feature_units` would give them; they
@@ -118,10 +119,35 @@ class ScriptedShardsPast:
         return MOVE, pixel(env, np.clip(point, 0.0, env.world_units))
 
 
-# The variants played at each setting: probabilities of aiming at the second-nearest shard, and how far past
-# the nearest shard to click (world units)
+def neighbours(env: dqn.BuiltinMiniGame, within: float) -> np.ndarray:
+    """(P,) for each shard, how many other shards lie within `within` world units of it."""
+    apart = np.linalg.norm(env.pickups[:, None] - env.pickups[None], axis=2)  # (P, P)
+    return (apart < within).sum(1) - 1
+
+
+class ScriptedShardsClustered:
+    """The together agent aiming at the shard that minimises its distance from the marines minus `bonus`
+    world units per other shard within NEIGHBOUR_WORLD_UNITS of it: the pull toward clusters that trained
+    DQN agents show (their learning reports count the aimed shard's neighbours)."""
+
+    def __init__(self, bonus: float):
+        self.bonus = bonus
+
+    def act(self, env, obs, rng):
+        if MOVE not in obs["available_actions"] or not env.selected.all():
+            return SELECT_ARMY, None
+        distance = np.linalg.norm(env.pickups - env.marines.mean(0), axis=1)
+        pull = self.bonus * neighbours(env, NEIGHBOUR_WORLD_UNITS)
+        return MOVE, pixel(env, env.pickups[np.argmin(distance - pull)])
+
+
+# The variants played at each setting: probabilities of aiming at the second-nearest shard, how far past the
+# nearest shard to click (world units), and the clustered agent's bonus per neighbour (world units) within
+# NEIGHBOUR_WORLD_UNITS
 MISSES = (0.1, 0.3, 0.5)
 PAST_WORLD_UNITS = 3.0
+CLUSTER_BONUSES = (1.0, 2.0)
+NEIGHBOUR_WORLD_UNITS = 4.0
 
 
 class ScriptedShardsSplit:
@@ -182,6 +208,9 @@ def measure(res: int, step_mul: int, episodes: int, seed: int) -> dict:
            for miss in MISSES},
         "scripted_shards_together_past": summary(play(
             ScriptedShardsPast(PAST_WORLD_UNITS), "CollectMineralShards", res, step_mul, episodes, seed)),
+        **{f"scripted_shards_together_cluster_{bonus:g}": summary(
+            play(ScriptedShardsClustered(bonus), "CollectMineralShards", res, step_mul, episodes, seed))
+           for bonus in CLUSTER_BONUSES},
     }
 
 
@@ -253,6 +282,10 @@ def write_markdown(path: Path, report: dict) -> None:
           for miss in MISSES],
         f"| together, clicking {PAST_WORLD_UNITS:g} world units past the nearest shard (walks through it) | "
         f"`scripted_shards_together_past` | {line('scripted_shards_together_past', d)} |",
+        *[f"| together, aiming at the shard whose distance (world units) minus {bonus:g} x its neighbours (other "
+          f"shards within {NEIGHBOUR_WORLD_UNITS:g} world units of it) is least: drawn to clusters | "
+          f"`scripted_shards_together_cluster_{bonus:g}` | "
+          f"{line(f'scripted_shards_together_cluster_{bonus:g}', d)} |" for bonus in CLUSTER_BONUSES],
         "",
     ]
     split, together = d["scripted_shards_split"]["mean"], d["scripted_shards_together"]["mean"]

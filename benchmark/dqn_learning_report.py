@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dqn_starcraft_split as dqn  # noqa: E402
+from benchmark.dqn_calibration import NEIGHBOUR_WORLD_UNITS, neighbours  # noqa: E402
 
 CALIBRATION = Path(__file__).parent / "results" / "dqn_replica_calibration.json"
 # What each map's runs must reach: (calibration figure, fraction of it, wall-time limit in minutes or None).
@@ -87,6 +88,7 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
     counts = {name: 0 for name in dqn.FUNCTIONS}
     on_target = clicks = on_nearest = switches = 0
     click_distance, nearest_distance = [], []  # world units from the selected marines to the click / the nearest pickup
+    aimed_neighbours, nearest_neighbours = [], []  # other pickups within NEIGHBOUR_WORLD_UNITS of the aimed / nearest
     scores = []
     rng = np.random.default_rng(0)
     for k in range(episodes):
@@ -107,8 +109,12 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
                     click_distance.append(float(np.linalg.norm(click - centre)))
                     from_marines = np.linalg.norm(env.pickups - centre, axis=1)
                     nearest_distance.append(float(from_marines.min()))
-                    aimed = env.pickups[np.linalg.norm(env.pickups - click, axis=1).argmin()].copy()
+                    aimed_index = np.linalg.norm(env.pickups - click, axis=1).argmin()
+                    aimed = env.pickups[aimed_index].copy()
                     on_nearest += int(np.array_equal(aimed, env.pickups[from_marines.argmin()]))
+                    around = neighbours(env, NEIGHBOUR_WORLD_UNITS)
+                    aimed_neighbours.append(int(around[aimed_index]))
+                    nearest_neighbours.append(int(around[from_marines.argmin()]))
                     still_there = heading is not None and any(np.array_equal(p, heading) for p in env.pickups)
                     switches += int(still_there and not np.array_equal(aimed, heading))
                     heading = aimed
@@ -121,7 +127,10 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
             "move_clicks_nearest_the_nearest_pickup": on_nearest / max(clicks, 1),
             "move_clicks_switching_pickup": switches / max(clicks, 1),
             "mean_click_distance": statistics.fmean(click_distance) if click_distance else None,
-            "mean_nearest_pickup_distance": statistics.fmean(nearest_distance) if nearest_distance else None}
+            "mean_nearest_pickup_distance": statistics.fmean(nearest_distance) if nearest_distance else None,
+            "neighbour_world_units": NEIGHBOUR_WORLD_UNITS,
+            "mean_aimed_pickup_neighbours": statistics.fmean(aimed_neighbours) if aimed_neighbours else None,
+            "mean_nearest_pickup_neighbours": statistics.fmean(nearest_neighbours) if nearest_neighbours else None}
 
 
 def cpu_name() -> str:
@@ -197,17 +206,20 @@ def markdown(r: dict) -> str:
              "the share of Move_screen clicks that land on a pixel of a beacon or shard, and how far (world units) "
              "the click is from the selected marines' centre against how far the nearest pickup was; the share of "
              "clicks aimed at (nearest to) the pickup nearest to the selected marines, and the share that aim at "
-             "another pickup while the one the last click aimed at is still there (switching targets).\n")
+             "another pickup while the one the last click aimed at is still there (switching targets); how many "
+             f"other pickups lie within {NEIGHBOUR_WORLD_UNITS:g} world units of the aimed pickup and of the nearest "
+             "one (`dqn_replica_calibration.md` gives what a pull toward such clusters costs a scripted agent).\n")
     L.append("| seed | score | " + " | ".join(dqn.FUNCTIONS) + " | Move clicks on a pickup | click distance | "
-             "nearest pickup distance | aimed at the nearest | switching |")
-    L.append("|---:|---:|" + "---:|" * (len(dqn.FUNCTIONS) + 5))
+             "nearest pickup distance | aimed at the nearest | switching | aimed's neighbours | nearest's neighbours |")
+    L.append("|---:|---:|" + "---:|" * (len(dqn.FUNCTIONS) + 7))
     for run in r["runs"]:
         b = run["greedy_behaviour"]
         L.append(f"| {run['seed']} | {statistics.fmean(b['scores']):.1f} | "
                  + " | ".join(f"{b['function_share'][n]:.0%}" for n in dqn.FUNCTIONS)
                  + f" | {b['move_clicks_on_a_pickup']:.0%} | {b['mean_click_distance'] or 0:.2f} | "
                    f"{b['mean_nearest_pickup_distance'] or 0:.2f} | "
-                   f"{b['move_clicks_nearest_the_nearest_pickup']:.0%} | {b['move_clicks_switching_pickup']:.0%} |")
+                   f"{b['move_clicks_nearest_the_nearest_pickup']:.0%} | {b['move_clicks_switching_pickup']:.0%} | "
+                   f"{b['mean_aimed_pickup_neighbours'] or 0:.2f} | {b['mean_nearest_pickup_neighbours'] or 0:.2f} |")
     L.append("")
     L.append(f"Curves: `{r['png']}` and, every row, in the JSON (`runs[].curve`: every "
              f"{a['eval_every_episodes']} episodes the mean epsilon-greedy training score of those episodes and "

@@ -484,3 +484,54 @@ def test_stopped_trial_report_sets_each_curve_row_beside_the_baseline_row_of_the
     done = subprocess.run([*command, "--baseline", str(baseline)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "does not hold a run of dqn_starcraft_split.py (KeyError" in done.stderr
     assert len(done.stderr.splitlines()) == 1
+
+
+def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shard(tmp_path, monkeypatch):
+    """benchmark/dqn_learning_report.py's greedy behaviour: with a policy that always clicks the nearest shard,
+    the aimed shard's neighbours are the nearest's and every click aims at the nearest; with one that prefers
+    shards with neighbours, the aimed shard's mean is its own, larger, count."""
+    import dataclasses
+
+    import numpy as np
+
+    import dqn_starcraft_split as dqn
+    from benchmark import dqn_learning_report as report
+    from benchmark.dqn_calibration import ScriptedShardsClustered, neighbours
+
+    args = dqn.with_map_defaults(dqn.Args(map_name="CollectMineralShards", step_mul=64))
+    torch.save({"q_network": dqn.make_q_network(args).state_dict(), "args": dataclasses.asdict(args)},
+               tmp_path / "checkpoint.pt")
+    made, aimed_counts, nearest_counts = [], [], []
+    real_make_env = dqn.make_env
+
+    def make_env(a, seed):
+        made.append(real_make_env(a, seed))
+        return made[-1]
+
+    def policy(bonus):
+        def select_action(net, obs, epsilon, rng, device):
+            env = made[-1]
+            function, point = ScriptedShardsClustered(bonus).act(env, obs, rng)
+            if function == dqn.MOVE_SCREEN:
+                click = (np.array(point) + 0.5) * env.world_units / env.res
+                aimed = np.linalg.norm(env.pickups - click, axis=1).argmin()  # a pixel may hold two shards
+                nearest = np.linalg.norm(env.pickups - env.marines.mean(0), axis=1).argmin()
+                aimed_counts.append(int(neighbours(env, 4.0)[aimed]))
+                nearest_counts.append(int(neighbours(env, 4.0)[nearest]))
+            return dqn.encode_action(function, point, env.res)
+        return select_action
+
+    monkeypatch.setattr(dqn, "make_env", make_env)
+    monkeypatch.setattr(dqn, "select_action", policy(0.0))
+    nearest = report.greedy_behaviour(tmp_path, episodes=2)
+    assert nearest["mean_aimed_pickup_neighbours"] == pytest.approx(np.mean(aimed_counts))
+    assert nearest["mean_nearest_pickup_neighbours"] == pytest.approx(np.mean(nearest_counts))
+    assert nearest["move_clicks_nearest_the_nearest_pickup"] > 0.95
+    assert abs(nearest["mean_aimed_pickup_neighbours"] - nearest["mean_nearest_pickup_neighbours"]) < 0.1
+    aimed_counts.clear(), nearest_counts.clear()
+    monkeypatch.setattr(dqn, "select_action", policy(5.0))
+    clustered = report.greedy_behaviour(tmp_path, episodes=2)
+    assert clustered["mean_aimed_pickup_neighbours"] == pytest.approx(np.mean(aimed_counts))
+    assert clustered["mean_nearest_pickup_neighbours"] == pytest.approx(np.mean(nearest_counts))
+    assert clustered["mean_aimed_pickup_neighbours"] > clustered["mean_nearest_pickup_neighbours"] + 0.5
+    assert clustered["move_clicks_nearest_the_nearest_pickup"] < 0.9

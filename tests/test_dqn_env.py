@@ -276,3 +276,24 @@ def test_calibration_variants_of_the_together_agent_aim_where_they_say():
     along = np.dot(click - centre, way) / np.linalg.norm(way)
     assert function == MOVE and along > np.linalg.norm(way) + 1.5  # past the shard; a pixel rounds by < 1 unit
     assert np.linalg.norm(click - shard) < 3.0 + env.world_units / env.res  # by about 3 units, not anywhere
+
+
+def test_calibration_clustered_agent_trades_distance_for_neighbours():
+    """benchmark/dqn_calibration.py: with no bonus the clustered agent is the together agent; with a bonus it
+    aims at the shard whose distance minus the bonus per neighbour within 4 world units is least, which on this
+    field is not the nearest."""
+    from benchmark.dqn_calibration import ScriptedShardsClustered, ScriptedShardsTogether, neighbours, pixel
+
+    env = dqn.BuiltinMiniGame("CollectMineralShards", res=32, step_mul=16, seed=3)
+    obs = env.reset()
+    obs, _, _ = env.step(SELECT_ARMY)
+    rng = np.random.default_rng(0)
+    # neighbours counts other shards closer than 4 units, never the shard itself
+    apart = np.linalg.norm(env.pickups[:, None] - env.pickups[None], axis=2)
+    assert neighbours(env, 4.0).tolist() == [int(((row < 4.0) & (row > 0)).sum()) for row in apart]
+    assert ScriptedShardsClustered(0.0).act(env, obs, rng) == ScriptedShardsTogether().act(env, obs, rng)
+    distance = np.linalg.norm(env.pickups - env.marines.mean(0), axis=1)
+    bonus = 5.0
+    aimed = int(np.argmin(distance - bonus * neighbours(env, 4.0)))
+    assert aimed != int(distance.argmin())
+    assert ScriptedShardsClustered(bonus).act(env, obs, rng) == (MOVE, pixel(env, env.pickups[aimed]))
