@@ -535,3 +535,80 @@ def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shar
     assert clustered["mean_nearest_pickup_neighbours"] == pytest.approx(np.mean(nearest_counts))
     assert clustered["mean_aimed_pickup_neighbours"] > clustered["mean_nearest_pickup_neighbours"] + 0.5
     assert clustered["move_clicks_nearest_the_nearest_pickup"] < 0.9
+
+
+def test_value_probe_rollouts_follow_the_policy_on_a_copy_and_bootstrap_at_the_horizon():
+    """benchmark/dqn_value_probe.py: a rollout's return is the first click's reward, then the policy's, discounted,
+    plus gamma^horizon times the value where it was cut; it plays on the environment it is given, so the probe
+    hands it copies and the state it probes is left as it was."""
+    import copy
+
+    import numpy as np
+
+    import dqn_starcraft_split as dqn
+    from benchmark.dqn_calibration import ScriptedShardsTogether
+    from benchmark.dqn_value_probe import rollout_return
+
+    env = dqn.BuiltinMiniGame("CollectMineralShards", res=32, step_mul=16, seed=5)
+    env.reset()
+    obs, _, _ = env.step(dqn.FUNCTION_IDS["select_army"])
+    together, rng = ScriptedShardsTogether(), np.random.default_rng(0)
+    first = together.act(env, obs, rng)
+    before = (env.marines.copy(), env.pickups.copy(), env.steps)
+    by_hand = copy.deepcopy(env)
+    rewards, o = [], obs
+    action = first
+    for _ in range(6):
+        o, r, _ = by_hand.step(*action)
+        rewards.append(r)
+        action = together.act(by_hand, o, rng)
+    assert sum(rewards) > 0  # the together agent picks shards up within 6 steps here, so the sum says something
+    expected = sum(0.9**t * r for t, r in enumerate(rewards)) + 0.9**6 * 7.0
+    copied = copy.deepcopy(env)
+    got = rollout_return(copied, obs, first, lambda o: together.act(copied, o, rng), lambda o: 7.0, 0.9, 6)
+    assert got == pytest.approx(expected)
+    assert np.array_equal(env.marines, before[0]) and np.array_equal(env.pickups, before[1]) and env.steps == before[2]
+
+
+@pytest.mark.slow
+def test_value_probe_writes_every_pair_and_refuses_bad_input(tmp_path):
+    """benchmark/dqn_value_probe.py end to end on an untrained network's checkpoint: every probed pair in the JSON
+    with both gaps, the summary computed from them; a folder without a checkpoint or a MoveToBeacon run is one
+    line, status 2, nothing written."""
+    import dataclasses
+
+    import dqn_starcraft_split as dqn
+
+    for name, map_name in (("shards", "CollectMineralShards"), ("beacon", "MoveToBeacon")):
+        args = dqn.with_map_defaults(dqn.Args(map_name=map_name, step_mul=64, seed=3))
+        (tmp_path / name).mkdir()
+        torch.manual_seed(0)
+        net = dqn.make_q_network(args)
+        with torch.no_grad():  # untrained, but it selects the army and then moves: select_army 5, Move_screen 10
+            net.nonspatial_head[-1].bias[dqn.NONSPATIAL_FUNCTIONS.index("select_army")] = 5.0
+            net.spatial_fine.bias[dqn.SPATIAL_FUNCTIONS.index("Move_screen")] = 10.0 / net.fine_gain
+        torch.save({"q_network": net.state_dict(), "args": dataclasses.asdict(args)}, tmp_path / name / "checkpoint.pt")
+
+    def command(out, *runs, horizon="3"):
+        return [sys.executable, str(ROOT / "benchmark" / "dqn_value_probe.py"), "--out", str(tmp_path / out),
+                "--episodes", "1", "--every", "1", "--horizon", horizon, "--runs", *map(str, runs)]
+
+    done = subprocess.run(command("p", tmp_path / "shards"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "p.json").read_text())
+    (run,) = report["runs"]
+    assert run["seed"] == 3 and len(run["samples"]) > 0
+    more = [s for s in run["samples"] if s["second_neighbours"] > s["nearest_neighbours"]]
+    assert run["summary"]["all"]["pairs"] == len(run["samples"])
+    assert run["summary"]["second_has_more_neighbours"]["pairs"] == len(more)
+    assert run["summary"]["second_has_no_more_neighbours"]["pairs"] == len(run["samples"]) - len(more)
+    assert run["summary"]["all"]["mean_bias"] == pytest.approx(
+        sum(s["q_gap"] - s["mc_gap"] for s in run["samples"]) / len(run["samples"]))
+    assert any(s["mc_gap"] != 0 for s in run["samples"])  # the two clicks lead to different returns
+    assert f"| shards | 3 | all pairs: {len(run['samples'])} |" in (tmp_path / "p.md").read_text()
+    for runs, horizon, words in (((tmp_path / "shards", tmp_path / "missing"), "3", "has no checkpoint.pt"),
+                                 ((tmp_path / "beacon",), "3", "the probe needs the built-in CollectMineralShards"),
+                                 ((tmp_path / "shards",), "0", "--horizon must be at least 1, got 0")):
+        done = subprocess.run(command("bad", *runs, horizon=horizon), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and words in done.stderr and len(done.stderr.splitlines()) == 1
+        assert not list(tmp_path.glob("bad*"))

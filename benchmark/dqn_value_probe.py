@@ -1,0 +1,203 @@
+"""Does a trained CollectMineralShards network value shards right? -> one results file (.json, .md).
+
+    python benchmark/dqn_value_probe.py --out benchmark/results/dqn_collectmineralshards_value_probe \
+        --runs results/shards_s1 results/shards_s2 [--episodes 4] [--every 3] [--horizon 40]
+
+For each run's final checkpoint it plays greedy episodes on fresh built-in environments (seed 40,000 + k) and, at
+every `--every`-th step where the network clicks Move_screen with marines selected, compares two clicks that the
+geometry fixes, not the network: on the shard nearest to the marines and on the second-nearest. For each pair:
+
+- the network's Q gap, Q(nearest) - Q(second-nearest);
+- the Monte Carlo gap: the discounted return of each first click followed by the network's greedy policy, cut
+  after `--horizon` steps and finished with gamma^horizon times the network's best Q there. Both rollouts play on
+  copies of the environment as it is, random generator included, so the shards that respawn are the same;
+- each shard's neighbours (other shards within NEIGHBOUR_WORLD_UNITS) and whether the network aimed at the nearest.
+
+Bias is the Q gap minus the Monte Carlo gap. Neither click is the network's pick, so a bias is not the winner's
+curse of an argmax; split by which shard has more neighbours, it shows whether the network's values lean toward
+clusters. Every pair is in the JSON; nothing is typed in.
+"""
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import dqn_starcraft_split as dqn  # noqa: E402
+from benchmark import bench_utils  # noqa: E402
+from benchmark.dqn_calibration import NEIGHBOUR_WORLD_UNITS, neighbours, pixel  # noqa: E402
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def load_network(folder: Path) -> tuple[dqn.SplitQNetwork, dqn.Args]:
+    if not (folder / "checkpoint.pt").is_file():
+        fail(f"{folder} has no checkpoint.pt; give the folders of runs ({{save_path}}/{{run_id}}).")
+    try:
+        state = torch.load(folder / "checkpoint.pt", map_location="cpu", weights_only=True)
+        saved = dqn.trained_settings(state)
+        args = dqn.Args(**{k: (tuple(v) if k == "seeds" else v) for k, v in saved.items()
+                           if k in dqn.Args.__dataclass_fields__})
+        net = dqn.make_q_network(args)
+        net.load_state_dict(state["q_network"])
+    except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is one line, status 2
+        fail(f"{folder}/checkpoint.pt is not a checkpoint of dqn_starcraft_split.py ({type(exc).__name__}: {exc}).")
+    if args.map_name != "CollectMineralShards" or args.backend != "builtin":
+        fail(f"{folder} is a run of {args.backend} {args.map_name}; the probe needs the built-in CollectMineralShards.")
+    net.eval()
+    return net, args
+
+
+def q_values(net, obs: dict) -> torch.Tensor:
+    """Q of every flat action of one observation, unavailable ones at the dtype's minimum: (A,)."""
+    states = dqn.to_tensors(dqn.obs_to_states(obs), "cpu")
+    with torch.no_grad():
+        q_ns, q_sp = net(states["screen"], states["minimap"], states["player"], states["mask"])
+    return dqn.masked_q(q_ns, q_sp, states["mask"])[0]
+
+
+def rollout_return(env, obs: dict, first: tuple[int, tuple[int, int] | None], policy, value, gamma: float,
+                   horizon: int) -> float:
+    """The discounted return of `first` and then `policy(obs) -> (function, point)` on `env` (changed in place), cut
+    after `horizon` steps and finished with gamma^horizon * value(obs) unless the episode ended."""
+    total, discount, done = 0.0, 1.0, False
+    action = first
+    for _ in range(horizon):
+        obs, reward, done = env.step(*action)
+        total += discount * reward
+        discount *= gamma
+        if done:
+            return total
+        action = policy(obs)
+    return total + discount * value(obs)
+
+
+def probe(net, args: dqn.Args, episodes: int, every: int, horizon: int) -> list[dict]:
+    """Every compared pair of clicks of `episodes` greedy episodes (see the module's docstring)."""
+    res = args.res
+
+    def policy(obs):
+        return dqn.decode_action(int(q_values(net, obs).argmax()), res)
+
+    def value(obs):
+        return float(q_values(net, obs).max())
+
+    samples = []
+    for k in range(episodes):
+        env = dqn.make_env(args, 40_000 + k)
+        obs, done = env.reset(), False
+        while not done:
+            q = q_values(net, obs)
+            function, point = dqn.decode_action(int(q.argmax()), res)
+            if (function == dqn.MOVE_SCREEN and env.selected.any() and len(env.pickups) > 1
+                    and env.steps % every == 0):
+                centre = env.marines[env.selected].mean(0)
+                click = (np.array(point) + 0.5) * env.world_units / res
+                aimed = int(np.linalg.norm(env.pickups - click, axis=1).argmin())
+                nearest, second = np.argsort(np.linalg.norm(env.pickups - centre, axis=1))[:2]
+                around = neighbours(env, NEIGHBOUR_WORLD_UNITS)
+                points = [pixel(env, env.pickups[i]) for i in (nearest, second)]
+                qs = [float(q[dqn.encode_action(dqn.MOVE_SCREEN, p, res)]) for p in points]
+                mc = [rollout_return(copy.deepcopy(env), obs, (dqn.MOVE_SCREEN, p), policy, value, args.gamma, horizon)
+                      for p in points]
+                samples.append({"episode": k, "step": env.steps, "aims_at_nearest": bool(aimed == nearest),
+                                "nearest_neighbours": int(around[nearest]), "second_neighbours": int(around[second]),
+                                "q_gap": qs[0] - qs[1], "mc_gap": mc[0] - mc[1]})
+            obs, _, done = env.step(function, point)
+    return samples
+
+
+GROUPS = {  # name: (words, which pairs)
+    "all": ("all pairs", lambda s: True),
+    "second_has_more_neighbours": ("the second-nearest has more neighbours",
+                                   lambda s: s["second_neighbours"] > s["nearest_neighbours"]),
+    "second_has_no_more_neighbours": ("the second-nearest has no more neighbours",
+                                      lambda s: s["second_neighbours"] <= s["nearest_neighbours"]),
+}
+
+
+def summarise(samples: list[dict]) -> dict:
+    out = {}
+    for name, (_, keep) in GROUPS.items():
+        group = [s for s in samples if keep(s)]
+        out[name] = {"pairs": len(group)}
+        if group:
+            out[name].update({
+                "mean_q_gap": statistics.fmean(s["q_gap"] for s in group),
+                "mean_mc_gap": statistics.fmean(s["mc_gap"] for s in group),
+                "share_nearest_really_better": statistics.fmean(s["mc_gap"] > 0 for s in group),
+                "share_aimed_at_nearest": statistics.fmean(s["aims_at_nearest"] for s in group),
+                "mean_bias": statistics.fmean(s["q_gap"] - s["mc_gap"] for s in group)})
+    return out
+
+
+def markdown(report: dict) -> str:
+    L = ["# Does a trained CollectMineralShards network value shards right?\n",
+         "Command (from the repository root):\n", "```\n" + report["command"] + "\n```\n",
+         f"Machine: {report['machine']['cpu']}, {report['machine']['cpu_count']} cores, Python "
+         f"{report['machine']['python']}, torch {report['machine']['torch']}. Written in {report['wall_time_s']:.0f} s.\n",
+         f"Greedy episodes from each run's final checkpoint ({report['episodes']} per run, environment seeds 40,000 + "
+         f"k); at every {report['every']}th step where the network clicks Move_screen, a click on the shard nearest "
+         "to the marines set against a click on the second-nearest. Q gap: Q(nearest) - Q(second), from the "
+         "network. Monte Carlo gap: the same difference of discounted returns, each click followed by the "
+         f"network's greedy policy for up to {report['horizon']} steps on copies of the environment (same "
+         "respawns), then the network's best Q. Bias: Q gap minus Monte Carlo gap; negative means the network "
+         f"undervalues the nearest shard. Neighbours: other shards within {report['neighbour_world_units']:g} world "
+         "units. Every pair is in the JSON (`runs[].samples`).\n",
+         "| run | seed | pairs | network aimed at the nearest | mean Q gap | mean Monte Carlo gap | nearest really "
+         "better | mean bias |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for run in report["runs"]:
+        for name, (words, _) in GROUPS.items():
+            s = run["summary"][name]
+            if not s["pairs"]:
+                L.append(f"| {run['run_id']} | {run['seed']} | {words}: 0 | | | | | |")
+                continue
+            L.append(f"| {run['run_id']} | {run['seed']} | {words}: {s['pairs']} | {s['share_aimed_at_nearest']:.0%} | "
+                     f"{s['mean_q_gap']:+.3f} | {s['mean_mc_gap']:+.3f} | {s['share_nearest_really_better']:.0%} | "
+                     f"{s['mean_bias']:+.3f} |")
+    L.append("")
+    return "\n".join(L)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="+", required=True, help="run folders, {save_path}/{run_id}")
+    parser.add_argument("--out", required=True, help="path without extension: writes .json and .md")
+    parser.add_argument("--episodes", type=int, default=4, help="greedy episodes per run (at least 1)")
+    parser.add_argument("--every", type=int, default=3, help="probe every this many agent steps (at least 1)")
+    parser.add_argument("--horizon", type=int, default=40, help="Monte Carlo steps before bootstrapping (>= 1)")
+    cli = parser.parse_args()
+    for name in ("episodes", "every", "horizon"):
+        if getattr(cli, name) < 1:
+            fail(f"--{name} must be at least 1, got {getattr(cli, name)}.")
+    out = Path(cli.out)
+    if not out.parent.is_dir():
+        fail(f"--out {cli.out!r}: its folder does not exist.")
+    torch.set_num_threads(1)
+    loaded = [(Path(folder), *load_network(Path(folder))) for folder in cli.runs]  # every bad folder before any work
+    start = time.perf_counter()
+    runs = []
+    for folder, net, args in loaded:
+        samples = probe(net, args, cli.episodes, cli.every, cli.horizon)
+        runs.append({"run_id": folder.name, "seed": args.seed, "res": args.res, "step_mul": args.step_mul,
+                     "gamma": args.gamma, "summary": summarise(samples), "samples": samples})
+    report = {"command": " ".join(["python", "benchmark/dqn_value_probe.py", *sys.argv[1:]]),
+              "machine": bench_utils.machine(), "episodes": cli.episodes, "every": cli.every,
+              "horizon": cli.horizon, "neighbour_world_units": NEIGHBOUR_WORLD_UNITS, "wall_time_s": time.perf_counter() - start, "runs": runs}
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
