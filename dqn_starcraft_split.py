@@ -976,18 +976,6 @@ class SplitQNetwork(nn.Module):
         return q_nonspatial, q_spatial
 
 
-class MeanQ(nn.Module):
-    """Acting and testing with two independently initialised Q networks: the mean of their Q values."""
-
-    def __init__(self, a: SplitQNetwork, b: SplitQNetwork):
-        super().__init__()
-        self.a, self.b, self.res = a, b, a.res
-
-    def forward(self, *inputs):
-        (a_ns, a_sp), (b_ns, b_sp) = self.a(*inputs), self.b(*inputs)
-        return (a_ns + b_ns) / 2, (a_sp + b_sp) / 2
-
-
 def make_q_network(args: Args) -> SplitQNetwork:
     args = with_map_defaults(args)
     return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers, args.click_distance,
@@ -1643,13 +1631,6 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
     target_network = make_q_network(args).to(device)
     target_network.load_state_dict(q_network.state_dict())
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
-    # ALGO LOGIC: double Q-learning with two networks: each one's target evaluates its own argmax with the other's
-    # target network, so that the approximation errors that select an action are not those that value it
-    q_network2 = make_q_network(args).to(device)
-    target_network2 = make_q_network(args).to(device)
-    target_network2.load_state_dict(q_network2.state_dict())
-    optimizer2 = torch.optim.Adam(q_network2.parameters(), lr=args.learning_rate)
-    actor = MeanQ(q_network, q_network2)
     scheduler = make_scheduler(optimizer, args)
     prealloc_mb, batch_size, fallback_used = preallocate_or_fall_back(
         q_network, target_network, optimizer, amp, args, sources, batch_size, fallback_used, device, run_dir, logger
@@ -1754,7 +1735,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 probes("loop_start")
                 epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
                 with out_of_memory_ends_the_run():
-                    action = select_action(actor, obs, epsilon, rng, device)
+                    action = select_action(q_network, obs, epsilon, rng, device)
                 next_obs, reward, done = env.step(*decode_action(action, args.res))
                 rb.add(obs, action, reward, done)
                 probes("after_collect")
@@ -1769,10 +1750,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                         batch = batch_to_device(rb.sample(batch_size, rng, args.n_step), device)
                     probes("after_sample")
                     with out_of_memory_ends_the_run():
-                        if (global_step // args.train_frequency) % 2 == 0:
-                            metrics = update(q_network, target_network2, optimizer, amp, batch, args)
-                        else:
-                            metrics = update(q_network2, target_network, optimizer2, amp, batch, args)
+                        metrics = update(q_network, target_network, optimizer, amp, batch, args)
                     probes("after_optimizer_step")
                     if global_step % args.log_every_steps < args.train_frequency:
                         for key, value in metrics.items():
@@ -1782,7 +1760,6 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                         writer.add_scalar("charts/SPS", global_step / (time.time() - start_time), global_step)
                 if global_step % args.target_network_frequency == 0:
                     target_network.load_state_dict(q_network.state_dict())
-                    target_network2.load_state_dict(q_network2.state_dict())
                 probes.end_iteration(global_step)
                 snapshots.maybe_dump(global_step)
 
@@ -1827,7 +1804,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
             if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
                 with out_of_memory_ends_the_run():
                     test_scores = run_test_episodes(
-                        actor, eval_env, args.num_eval_episodes, args.res, device, args.test_epsilon
+                        q_network, eval_env, args.num_eval_episodes, args.res, device, args.test_epsilon
                     )
                 test_mean = float(np.mean(test_scores))
                 train_mean = float(np.mean(recent_train_scores))
@@ -1849,7 +1826,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
         # Final greedy test of the trained network.
         with out_of_memory_ends_the_run():
             test_scores = run_test_episodes(
-                actor,
+                q_network,
                 eval_env,
                 args.num_test_episodes,
                 args.res,
