@@ -147,8 +147,8 @@ def markdown(report: dict) -> str:
          f"Machine: {report['machine']['cpu']}, {report['machine']['cpu_count']} cores, Python "
          f"{report['machine']['python']}, torch {report['machine']['torch']}. Written in {report['wall_time_s']:.0f} s.\n",
          f"Greedy episodes from each run's final checkpoint ({report['episodes']} per run, environment seeds 40,000 + "
-         f"k); at every {report['every']}th step where the network clicks Move_screen, a click on the shard nearest "
-         "to the marines set against a click on the second-nearest. Q gap: Q(nearest) - Q(second), from the "
+         f"k); every {report['every']} agent steps, if the network clicks Move_screen there, a click on the shard "
+         "nearest to the marines set against a click on the second-nearest. Q gap: Q(nearest) - Q(second), from the "
          "network. Monte Carlo gap: the same difference of discounted returns, each click followed by the "
          f"network's greedy policy for up to {report['horizon']} steps on copies of the environment (same "
          "respawns), then the network's best Q. Bias: Q gap minus Monte Carlo gap; negative means the network "
@@ -167,6 +167,15 @@ def markdown(report: dict) -> str:
                      f"{s['mean_bias']:+.3f} |")
     L.append("")
     return "\n".join(L)
+
+
+def portable_command(cli: argparse.Namespace, run_ids: list[str]) -> str:
+    """The command as a reader would type it: each run in the training script's default folder (results/{run_id}),
+    not where this machine kept it."""
+    out = Path(cli.out)
+    return " ".join(["python", "benchmark/dqn_value_probe.py", "--out", f"benchmark/results/{out.name}",
+                     "--episodes", str(cli.episodes), "--every", str(cli.every), "--horizon", str(cli.horizon),
+                     "--runs", *(f"{dqn.Args.save_path}/{run_id}" for run_id in run_ids)])
 
 
 def main() -> None:
@@ -191,7 +200,7 @@ def main() -> None:
         samples = probe(net, args, cli.episodes, cli.every, cli.horizon)
         runs.append({"run_id": folder.name, "seed": args.seed, "res": args.res, "step_mul": args.step_mul,
                      "gamma": args.gamma, "summary": summarise(samples), "samples": samples})
-    report = {"command": " ".join(["python", "benchmark/dqn_value_probe.py", *sys.argv[1:]]),
+    report = {"command": portable_command(cli, [folder.name for folder, _, _ in loaded]),
               "machine": bench_utils.machine(), "episodes": cli.episodes, "every": cli.every,
               "horizon": cli.horizon, "neighbour_world_units": NEIGHBOUR_WORLD_UNITS, "wall_time_s": time.perf_counter() - start, "runs": runs}
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")

@@ -598,6 +598,7 @@ def test_value_probe_writes_every_pair_and_refuses_bad_input(tmp_path):
     report = json.loads((tmp_path / "p.json").read_text())
     (run,) = report["runs"]
     assert run["seed"] == 3 and len(run["samples"]) > 0
+    assert report["command"].endswith("--runs results/shards") and str(tmp_path) not in report["command"]
     more = [s for s in run["samples"] if s["second_neighbours"] > s["nearest_neighbours"]]
     assert run["summary"]["all"]["pairs"] == len(run["samples"])
     assert run["summary"]["second_has_more_neighbours"]["pairs"] == len(more)
