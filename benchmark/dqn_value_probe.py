@@ -66,12 +66,10 @@ def q_values(net, obs: dict) -> torch.Tensor:
     return dqn.masked_q(q_ns, q_sp, states["mask"])[0]
 
 
-def rollout_return(env, obs: dict, first: tuple[int, tuple[int, int] | None], policy, value, gamma: float,
-                   horizon: int) -> float:
+def rollout_return(env, first: tuple[int, tuple[int, int] | None], policy, value, gamma: float, horizon: int) -> float:
     """The discounted return of `first` and then `policy(obs) -> (function, point)` on `env` (changed in place), cut
     after `horizon` steps and finished with gamma^horizon * value(obs) unless the episode ended."""
-    total, discount, done = 0.0, 1.0, False
-    action = first
+    total, discount, action = 0.0, 1.0, first
     for _ in range(horizon):
         obs, reward, done = env.step(*action)
         total += discount * reward
@@ -108,7 +106,7 @@ def probe(net, args: dqn.Args, episodes: int, every: int, horizon: int) -> list[
                 around = neighbours(env, NEIGHBOUR_WORLD_UNITS)
                 points = [pixel(env, env.pickups[i]) for i in (nearest, second)]
                 qs = [float(q[dqn.encode_action(dqn.MOVE_SCREEN, p, res)]) for p in points]
-                mc = [rollout_return(copy.deepcopy(env), obs, (dqn.MOVE_SCREEN, p), policy, value, args.gamma, horizon)
+                mc = [rollout_return(copy.deepcopy(env), (dqn.MOVE_SCREEN, p), policy, value, args.gamma, horizon)
                       for p in points]
                 samples.append({"episode": k, "step": env.steps, "aims_at_nearest": bool(aimed == nearest),
                                 "nearest_neighbours": int(around[nearest]), "second_neighbours": int(around[second]),
@@ -145,7 +143,8 @@ def markdown(report: dict) -> str:
     L = ["# Does a trained CollectMineralShards network value shards right?\n",
          "Command (from the repository root):\n", "```\n" + report["command"] + "\n```\n",
          f"Machine: {report['machine']['cpu']}, {report['machine']['cpu_count']} cores, Python "
-         f"{report['machine']['python']}, torch {report['machine']['torch']}. Written in {report['wall_time_s']:.0f} s.\n",
+         f"{report['machine']['python']}, torch {report['machine']['torch']}. "
+         f"Written in {report['wall_time_s']:.0f} s.\n",
          f"Greedy episodes from each run's final checkpoint ({report['episodes']} per run, environment seeds 40,000 + "
          f"k); every {report['every']} agent steps, if the network clicks Move_screen there, a click on the shard "
          "nearest to the marines set against a click on the second-nearest. Q gap: Q(nearest) - Q(second), from the "
@@ -202,7 +201,8 @@ def main() -> None:
                      "gamma": args.gamma, "summary": summarise(samples), "samples": samples})
     report = {"command": portable_command(cli, [folder.name for folder, _, _ in loaded]),
               "machine": bench_utils.machine(), "episodes": cli.episodes, "every": cli.every,
-              "horizon": cli.horizon, "neighbour_world_units": NEIGHBOUR_WORLD_UNITS, "wall_time_s": time.perf_counter() - start, "runs": runs}
+              "horizon": cli.horizon, "neighbour_world_units": NEIGHBOUR_WORLD_UNITS,
+              "wall_time_s": time.perf_counter() - start, "runs": runs}
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))

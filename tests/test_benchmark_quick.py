@@ -565,7 +565,7 @@ def test_value_probe_rollouts_follow_the_policy_on_a_copy_and_bootstrap_at_the_h
     assert sum(rewards) > 0  # the together agent picks shards up within 6 steps here, so the sum says something
     expected = sum(0.9**t * r for t, r in enumerate(rewards)) + 0.9**6 * 7.0
     copied = copy.deepcopy(env)
-    got = rollout_return(copied, obs, first, lambda o: together.act(copied, o, rng), lambda o: 7.0, 0.9, 6)
+    got = rollout_return(copied, first, lambda o: together.act(copied, o, rng), lambda o: 7.0, 0.9, 6)
     assert got == pytest.approx(expected)
     assert np.array_equal(env.marines, before[0]) and np.array_equal(env.pickups, before[1]) and env.steps == before[2]
 
