@@ -76,15 +76,20 @@ def lr_schedule_words(a: dict) -> str:
     return "constant"
 
 
-def greedy_behaviour(folder: Path, episodes: int) -> dict:
-    """What the trained network does: `episodes` greedy episodes from the run's final checkpoint on a fresh
-    built-in environment (seed 20,000 + k): how often it picks each function, and where its clicks land."""
+def trained_network(folder: Path) -> tuple[dqn.SplitQNetwork, dqn.Args]:
+    """The online network of a run's checkpoint.pt, in eval mode, and the settings it was trained with."""
     state = torch.load(folder / "checkpoint.pt", map_location="cpu", weights_only=True)
     saved = dqn.trained_settings(state)
     args = dqn.Args(**{k: (tuple(v) if k == "seeds" else v) for k, v in saved.items() if k in dqn.Args.__dataclass_fields__})
     net = dqn.make_q_network(args)
     net.load_state_dict(state["q_network"])
-    net.eval()
+    return net.eval(), args
+
+
+def greedy_behaviour(folder: Path, episodes: int) -> dict:
+    """What the trained network does: `episodes` greedy episodes from the run's final checkpoint on a fresh
+    built-in environment (seed 20,000 + k): how often it picks each function, and where its clicks land."""
+    net, args = trained_network(folder)
     counts = {name: 0 for name in dqn.FUNCTIONS}
     on_target = clicks = on_nearest = switches = 0
     click_distance, nearest_distance = [], []  # world units from the selected marines to the click / the nearest pickup

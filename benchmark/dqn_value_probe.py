@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dqn_starcraft_split as dqn  # noqa: E402
 from benchmark import bench_utils  # noqa: E402
 from benchmark.dqn_calibration import NEIGHBOUR_WORLD_UNITS, neighbours, pixel  # noqa: E402
+from benchmark.dqn_learning_report import trained_network  # noqa: E402
 
 
 def fail(message: str) -> None:
@@ -44,17 +45,11 @@ def load_network(folder: Path) -> tuple[dqn.SplitQNetwork, dqn.Args]:
     if not (folder / "checkpoint.pt").is_file():
         fail(f"{folder} has no checkpoint.pt; give the folders of runs ({{save_path}}/{{run_id}}).")
     try:
-        state = torch.load(folder / "checkpoint.pt", map_location="cpu", weights_only=True)
-        saved = dqn.trained_settings(state)
-        args = dqn.Args(**{k: (tuple(v) if k == "seeds" else v) for k, v in saved.items()
-                           if k in dqn.Args.__dataclass_fields__})
-        net = dqn.make_q_network(args)
-        net.load_state_dict(state["q_network"])
+        net, args = trained_network(folder)
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is one line, status 2
         fail(f"{folder}/checkpoint.pt is not a checkpoint of dqn_starcraft_split.py ({type(exc).__name__}: {exc}).")
     if args.map_name != "CollectMineralShards" or args.backend != "builtin":
         fail(f"{folder} is a run of {args.backend} {args.map_name}; the probe needs the built-in CollectMineralShards.")
-    net.eval()
     return net, args
 
 
@@ -70,13 +65,14 @@ def rollout_return(env, first: tuple[int, tuple[int, int] | None], policy, value
     """The discounted return of `first` and then `policy(obs) -> (function, point)` on `env` (changed in place), cut
     after `horizon` steps and finished with gamma^horizon * value(obs) unless the episode ended."""
     total, discount, action = 0.0, 1.0, first
-    for _ in range(horizon):
+    for step in range(horizon):
         obs, reward, done = env.step(*action)
         total += discount * reward
         discount *= gamma
         if done:
             return total
-        action = policy(obs)
+        if step + 1 < horizon:  # no action is taken where the rollout is cut
+            action = policy(obs)
     return total + discount * value(obs)
 
 

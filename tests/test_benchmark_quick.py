@@ -564,20 +564,26 @@ def test_value_probe_rollouts_follow_the_policy_on_a_copy_and_bootstrap_at_the_h
         action = together.act(by_hand, o, rng)
     assert sum(rewards) > 0  # the together agent picks shards up within 6 steps here, so the sum says something
     expected = sum(0.9**t * r for t, r in enumerate(rewards)) + 0.9**6 * 7.0
-    copied = copy.deepcopy(env)
-    got = rollout_return(copied, first, lambda o: together.act(copied, o, rng), lambda o: 7.0, 0.9, 6)
+    copied, calls = copy.deepcopy(env), []
+
+    def policy(o):
+        calls.append(1)
+        return together.act(copied, o, rng)
+
+    got = rollout_return(copied, first, policy, lambda o: 7.0, 0.9, 6)
     assert got == pytest.approx(expected)
+    assert len(calls) == 5  # an action after each of the first 5 steps; none where the rollout is cut
     assert np.array_equal(env.marines, before[0]) and np.array_equal(env.pickups, before[1]) and env.steps == before[2]
 
 
-@pytest.mark.slow
-def test_value_probe_writes_every_pair_and_refuses_bad_input(tmp_path):
-    """benchmark/dqn_value_probe.py end to end on an untrained network's checkpoint: every probed pair in the JSON
-    with both gaps, the summary computed from them; a folder without a checkpoint or a MoveToBeacon run is one
-    line, status 2, nothing written."""
+def test_value_probe_writes_every_pair_and_refuses_bad_input(tmp_path, monkeypatch, capsys):
+    """benchmark/dqn_value_probe.py end to end (in this process) on an untrained network's checkpoint: every probed
+    pair in the JSON with both gaps, the summary computed from them; a folder without a checkpoint, a MoveToBeacon
+    run or a horizon of 0 is one line, status 2, nothing written."""
     import dataclasses
 
     import dqn_starcraft_split as dqn
+    from benchmark import dqn_value_probe
 
     for name, map_name in (("shards", "CollectMineralShards"), ("beacon", "MoveToBeacon")):
         args = dqn.with_map_defaults(dqn.Args(map_name=map_name, step_mul=64, seed=3))
@@ -589,12 +595,16 @@ def test_value_probe_writes_every_pair_and_refuses_bad_input(tmp_path):
             net.spatial_fine.bias[dqn.SPATIAL_FUNCTIONS.index("Move_screen")] = 10.0 / net.fine_gain
         torch.save({"q_network": net.state_dict(), "args": dataclasses.asdict(args)}, tmp_path / name / "checkpoint.pt")
 
-    def command(out, *runs, horizon="3"):
-        return [sys.executable, str(ROOT / "benchmark" / "dqn_value_probe.py"), "--out", str(tmp_path / out),
-                "--episodes", "1", "--every", "1", "--horizon", horizon, "--runs", *map(str, runs)]
+    def probe(out, *runs, horizon="3"):
+        monkeypatch.setattr(sys, "argv", ["dqn_value_probe.py", "--out", str(tmp_path / out), "--episodes", "1",
+                                          "--every", "1", "--horizon", horizon, "--runs", *map(str, runs)])
+        threads = torch.get_num_threads()
+        try:
+            dqn_value_probe.main()
+        finally:
+            torch.set_num_threads(threads)  # main() runs on one thread; the tests after this one do not
 
-    done = subprocess.run(command("p", tmp_path / "shards"), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    probe("p", tmp_path / "shards")
     report = json.loads((tmp_path / "p.json").read_text())
     (run,) = report["runs"]
     assert run["seed"] == 3 and len(run["samples"]) > 0
@@ -607,9 +617,12 @@ def test_value_probe_writes_every_pair_and_refuses_bad_input(tmp_path):
         sum(s["q_gap"] - s["mc_gap"] for s in run["samples"]) / len(run["samples"]))
     assert any(s["mc_gap"] != 0 for s in run["samples"])  # the two clicks lead to different returns
     assert f"| shards | 3 | all pairs: {len(run['samples'])} |" in (tmp_path / "p.md").read_text()
+    capsys.readouterr()
     for runs, horizon, words in (((tmp_path / "shards", tmp_path / "missing"), "3", "has no checkpoint.pt"),
                                  ((tmp_path / "beacon",), "3", "the probe needs the built-in CollectMineralShards"),
                                  ((tmp_path / "shards",), "0", "--horizon must be at least 1, got 0")):
-        done = subprocess.run(command("bad", *runs, horizon=horizon), capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2 and words in done.stderr and len(done.stderr.splitlines()) == 1
+        with pytest.raises(SystemExit) as stopped:
+            probe("bad", *runs, horizon=horizon)
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and words in err and len(err.splitlines()) == 1
         assert not list(tmp_path.glob("bad*"))
