@@ -923,10 +923,7 @@ class SplitQNetwork(nn.Module):
         self.fuse = nn.Sequential(
             nn.Conv2d(2 * tower_channels + player_channels, fused_channels, 1), nn.ReLU()
         )
-        # trial: one level per spatial function from the pooled features, the same at every pixel, so that where
-        # to click is decided by the full-resolution term alone and no half-resolution context blurs neighbouring
-        # shards into one value
-        self.spatial_coarse = nn.Linear(2 * fused_channels, num_spatial)
+        self.spatial_coarse = nn.Conv2d(fused_channels, num_spatial, 1)
         # The fine term alone can say "the target is at this pixel". Its output is multiplied by a fixed gain,
         # which is a learning-rate multiplier for this one layer (see Args.fine_gain); its zero start keeps the
         # gain from amplifying initial noise.
@@ -974,7 +971,7 @@ class SplitQNetwork(nn.Module):
             fused = fused + context  # (B, E, H/2, W/2)
         pooled = torch.cat([fused.mean((2, 3)), fused.amax((2, 3))], 1)  # (B, 2E)
         q_nonspatial = self.nonspatial_head(torch.cat([pooled, available], 1))  # (B, F)
-        coarse = self.spatial_coarse(pooled)[:, :, None, None]  # (B, S, 1, 1): a level per spatial function
+        coarse = F.interpolate(self.spatial_coarse(fused), size=(self.res, self.res), mode="nearest")
         q_spatial = (coarse + self.fine_gain * self.spatial_fine(fine_input)).flatten(1)  # (B, S*H*W)
         return q_nonspatial, q_spatial
 
