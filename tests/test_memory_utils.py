@@ -114,22 +114,32 @@ def test_leak_detector_does_not_flag_a_buffer_filling_to_capacity():
     assert unexplained.leaking and unexplained.cause == "host_references"
 
 
-NEIGHBOUR = ("import sys, torch\n"
-             "y = torch.nn.Conv2d(4, 32, 3)(torch.randn(8, 4, 84, 84)).sum()\n"
-             "y.backward()\n"
+# The neighbour maps and reads every page of the same file, as a second torch process does with the libraries.
+NEIGHBOUR = ("import mmap, sys\n"
+             "f = open(sys.argv[1], 'rb')\n"
+             "pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
+             "sum(pages[i] for i in range(0, len(pages), mmap.PAGESIZE))\n"
              "print('ready', flush=True)\n"
              "sys.stdin.read()\n")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="USS and RssAnon as Linux reports them")
-def test_a_neighbour_torch_process_starting_and_ending_is_not_a_leak():
+def test_a_neighbour_process_sharing_library_pages_starting_and_ending_is_not_a_leak(tmp_path):
     # A second run on the same machine (another seed, a test suite) maps the same torch libraries: while it
-    # lives, their pages count as shared, so this process's USS drops; when it ends, USS jumps back up.
-    torch.nn.Conv2d(4, 32, 3)(torch.randn(8, 4, 84, 84)).sum().backward()  # touch the libraries it will share
+    # lives, their pages count as shared, so this process's USS drops; when it ends, USS jumps back up. A file of
+    # this test's own stands in for the libraries, which any other torch process on the machine (a second test
+    # worker) may already share and so hide the effect.
+    import mmap
+
+    library = tmp_path / "library.so"
+    library.write_bytes(os.urandom(48 * 1024 * 1024))
+    with open(library, "rb") as f:
+        pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    sum(pages[i] for i in range(0, len(pages), mmap.PAGESIZE))  # resident, and this process's alone
     detector = mu.LeakDetector(warmup_steps=0, window=10, threshold_mb_per_1k=1.0)
     uss = []
-    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True)
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(library)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
     try:
         assert neighbour.stdout.readline().strip() == "ready"
         for i in range(10):
@@ -141,6 +151,7 @@ def test_a_neighbour_torch_process_starting_and_ending_is_not_a_leak():
             detector.observe(1000 * i, report)
     finally:
         neighbour.kill()
+        pages.close()
     # the hazard is real: USS stepped up when the neighbour left, with nothing changed here
     assert min(uss[5:]) - max(uss[:5]) > 10, uss
     verdict = detector.check()
