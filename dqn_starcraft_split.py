@@ -1611,7 +1611,9 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
         SummaryWriter,
     )  # imported here: pysc2 must pick protobuf's runtime first
 
-    writer = SummaryWriter(os.path.join(args.log_dir, run_id))
+    # absolute: wandb's service process resolves a relative path against its own folder, which is that of the
+    # first tracked run of this Python process
+    writer = SummaryWriter(os.path.abspath(os.path.join(args.log_dir, run_id)))
     writer.add_text(
         "hyperparameters",
         "|param|value|source|\n|-|-|-|\n"

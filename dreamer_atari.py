@@ -2030,7 +2030,9 @@ def main(args: Args) -> dict:
             monitor_gym=True,
             save_code=True,
         )
-    writer = SummaryWriter(run_dir)
+    # absolute: wandb's service process resolves a relative path against its own folder, which is that of the
+    # first tracked run of this Python process
+    writer = SummaryWriter(os.path.abspath(run_dir))
     writer.add_text(
         "hyperparameters",
         "|param|value|\n|-|-|\n%s" % "\n".join(f"|{key}|{value}|" for key, value in vars(args).items()),

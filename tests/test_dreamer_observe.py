@@ -62,7 +62,13 @@ def test_reward_prediction_counts_and_rates():
                               "debug/reward_false_alarms": 0.0}) == {"charts/reward_false_alarm_rate": 0.0}
 
 
-def test_a_tiny_run_writes_open_loop_videos_and_reward_quality(in_tmp):
+def test_a_tiny_run_writes_open_loop_videos_and_reward_quality(in_tmp, monkeypatch):
+    # An earlier tracked run of this process, started from another folder: wandb's service process outlives it,
+    # and this run's TensorBoard files must still be the ones it syncs.
+    (in_tmp / "earlier").mkdir()
+    monkeypatch.chdir(in_tmp / "earlier")
+    da.main(catch_args(track=True, total_timesteps=20, log_interval=10))
+    monkeypatch.chdir(in_tmp)
     args = catch_args(video_every=100, track=True, train_ratio=24.0)  # an update from step 100 on
     result = da.main(args)
     run_dir = in_tmp / result["run_dir"]
