@@ -954,12 +954,14 @@ def amp(mode: str, device) -> AmpSetup:
 class StageProbes:
     """Memory at fixed points of the training loop, to name the stage that ratchets memory up.
 
-    Call `probes(stage)` at each stage (GPU allocated MB on CUDA, USS MB on CPU) and `end_iteration(step)` once
-    per loop iteration. Two things come out: the slope of the loop-start baseline over steps (is memory
-    ratcheting at all?), and, per stage, the memory it adds that is never given back before the next loop
-    start (which stage does it?). Transient activations that the backward pass frees count as zero.
-    On CPU the figure is USS, so it follows the allocator's pages: glibc's moving mmap threshold can shift a
-    few MB between neighbouring stages (MALLOC_MMAP_THRESHOLD_=131072 pins it). On CUDA it is exact.
+    Call `probes(stage)` at each stage (GPU allocated MB on CUDA, resident anonymous MB on CPU) and
+    `end_iteration(step)` once per loop iteration. Two things come out: the slope of the loop-start baseline over
+    steps (is memory ratcheting at all?), and, per stage, the memory it adds that is never given back before the
+    next loop start (which stage does it?). Transient activations that the backward pass frees count as zero.
+    On CPU the figure is RssAnon (USS where the system has no such figure): unlike USS, it does not move when
+    another torch process maps or unmaps the same libraries, as a second seed or a test beside this one does. It
+    follows the allocator's pages, so glibc's moving mmap threshold can shift a few MB between neighbouring
+    stages (MALLOC_MMAP_THRESHOLD_=131072 pins it). On CUDA it is exact.
     """
 
     STAGES = ("loop_start", "after_collect", "after_sample", "after_encoder", "after_rssm",
@@ -978,7 +980,8 @@ class StageProbes:
     def _measure(self) -> float:
         if self.on_cuda:
             return torch.cuda.memory_allocated(self.device) / MB
-        return process_uss_mb()
+        anon = process_anon_mb()
+        return process_uss_mb() if anon is None else anon
 
     def __call__(self, stage: str) -> None:
         if not self.enabled:

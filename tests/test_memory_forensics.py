@@ -157,7 +157,7 @@ def test_analyze_cli_bad_path_is_one_line(tmp_path):
 
 # --------------------------------------------------------------------------------------- stage probes
 def test_probes_name_the_stage_that_keeps_memory():
-    # conftest pins glibc's mmap threshold, so each array here is its own mapping and USS follows it exactly
+    # conftest pins glibc's mmap threshold, so each array here is its own mapping, which RssAnon follows exactly
     probes = mu.StageProbes(enabled=True, device="cpu")
     kept = []
     for i in range(12):
