@@ -134,6 +134,11 @@ class Args:
     """the network also reads the share of the map's timer gone (pysc2's game_loop over the episode's 1,920
     loops) beside the player vector: the screen does not show the timer, and a value blind to it cannot follow
     the return left as it falls to 0 near the end. None: the map's default"""
+    coarse_level: bool | None = None
+    """the spatial head's coarse term is one level per spatial function, read from the pooled features and the
+    same at every pixel, so that the full-resolution term alone decides where to click; off, it is the fused
+    features' half-resolution map upsampled, which also ranks the pixels, at the resolution of a 2x2 cell, where
+    neighbouring shards share one value. None: the map's default"""
     player_channels: int = 8
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
@@ -284,8 +289,8 @@ RULES = (
 # slowed learning and made it less reliable (benchmark/results/dqn_movetobeacon_defaults_seeds_1_2.md against
 # dqn_movetobeacon_learning.md), and its learning file was measured without the other two.
 MAP_DEFAULTS = {
-    "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False},
-    "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True},
+    "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False},
+    "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True, "coarse_level": False},
 }
 
 
@@ -885,8 +890,9 @@ class SplitQNetwork(nn.Module):
     fused; two Q heads: one value per non-spatial function, and one res x res map per spatial function.
 
     The towers work at half resolution (a stride-2 first conv) to keep an update cheap on a CPU. The spatial
-    head adds two terms: the fused features upsampled back to res x res (context: where the marines are,
-    what is selected) and a 3x3 conv over the full-resolution screen (so a click can land on an exact pixel).
+    head adds two terms: a coarse one from the fused features (context: where the marines are, what is
+    selected), either upsampled back to res x res or one level per function (`coarse_level`), and a 3x3 conv
+    over the full-resolution screen (so a click can land on an exact pixel).
     The context layers widen what the fused features see from a few pixels to the whole screen.
     """
 
@@ -901,6 +907,7 @@ class SplitQNetwork(nn.Module):
         player_channels: int = Args.player_channels,
         nonspatial_hidden: int = Args.nonspatial_hidden,
         fine_gain: float = Args.fine_gain,
+        coarse_level: bool = MAP_DEFAULTS["CollectMineralShards"]["coarse_level"],
     ):
         super().__init__()
         self.res = res
@@ -923,7 +930,11 @@ class SplitQNetwork(nn.Module):
         self.fuse = nn.Sequential(
             nn.Conv2d(2 * tower_channels + player_channels, fused_channels, 1), nn.ReLU()
         )
-        self.spatial_coarse = nn.Conv2d(fused_channels, num_spatial, 1)
+        self.coarse_level = coarse_level
+        if coarse_level:
+            self.spatial_coarse = nn.Linear(2 * fused_channels, num_spatial)  # from the pooled features
+        else:
+            self.spatial_coarse = nn.Conv2d(fused_channels, num_spatial, 1)  # from each half-resolution cell
         # The fine term alone can say "the target is at this pixel". Its output is multiplied by a fixed gain,
         # which is a learning-rate multiplier for this one layer (see Args.fine_gain); its zero start keeps the
         # gain from amplifying initial noise.
@@ -971,7 +982,10 @@ class SplitQNetwork(nn.Module):
             fused = fused + context  # (B, E, H/2, W/2)
         pooled = torch.cat([fused.mean((2, 3)), fused.amax((2, 3))], 1)  # (B, 2E)
         q_nonspatial = self.nonspatial_head(torch.cat([pooled, available], 1))  # (B, F)
-        coarse = F.interpolate(self.spatial_coarse(fused), size=(self.res, self.res), mode="nearest")
+        if self.coarse_level:
+            coarse = self.spatial_coarse(pooled)[:, :, None, None]  # (B, S, 1, 1): one level per spatial function
+        else:
+            coarse = F.interpolate(self.spatial_coarse(fused), size=(self.res, self.res), mode="nearest")
         q_spatial = (coarse + self.fine_gain * self.spatial_fine(fine_input)).flatten(1)  # (B, S*H*W)
         return q_nonspatial, q_spatial
 
@@ -979,7 +993,8 @@ class SplitQNetwork(nn.Module):
 def make_q_network(args: Args) -> SplitQNetwork:
     args = with_map_defaults(args)
     return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers, args.click_distance,
-                         args.timer_input, args.player_channels, args.nonspatial_hidden, args.fine_gain)
+                         args.timer_input, args.player_channels, args.nonspatial_hidden, args.fine_gain,
+                         args.coarse_level)
 
 
 def masked_q(q_nonspatial, q_spatial, mask):
@@ -1409,7 +1424,7 @@ CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
                      "fused_channels", "context_layers", "click_distance", "timer_input", "player_channels",
-                     "nonspatial_hidden", "fine_gain")
+                     "nonspatial_hidden", "fine_gain", "coarse_level")
 
 
 def save_checkpoint(
@@ -1453,6 +1468,7 @@ def trained_settings(state: dict) -> dict:
         "context_layers": lambda: len({key.split(".")[1] for key in weights if key.startswith("context.")}),
         "click_distance": lambda: weights["spatial_fine.weight"].shape[1] > layer_channels(SCREEN_LAYERS),
         "timer_input": lambda: weights["player_embed.0.weight"].shape[1] > PLAYER_SIZE + len(FUNCTIONS),
+        "coarse_level": lambda: weights["spatial_coarse.weight"].dim() == 2,  # Linear, not a 1x1 Conv2d
     }
     return {**{name: read() for name, read in read_off.items() if name not in state["args"]}, **state["args"]}
 

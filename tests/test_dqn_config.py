@@ -202,8 +202,9 @@ def test_model_settings_reach_the_network():
 
 def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
     assert dqn.MAP_DEFAULTS == {
-        "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False},
-        "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True},
+        "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False},
+        "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True,
+                                 "coarse_level": False},
     }
     for map_name, defaults in dqn.MAP_DEFAULTS.items():
         args = dqn.Args(res=8, map_name=map_name)
@@ -214,7 +215,9 @@ def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
         assert len(net.context) == defaults["context_layers"]
         assert net.click_distance == defaults["click_distance"]
         assert net.player_embed[0].in_features == dqn.PLAYER_SIZE + defaults["timer_input"] + len(dqn.FUNCTIONS)
-        given = dqn.Args(res=8, map_name=map_name, context_layers=1, click_distance=False, timer_input=True)
+        assert net.coarse_level == defaults["coarse_level"]
+        given = dqn.Args(res=8, map_name=map_name, context_layers=1, click_distance=False, timer_input=True,
+                         coarse_level=True)
         assert dqn.with_map_defaults(given) == given and len(dqn.make_q_network(given).context) == 1
     parsed, sources = dqn.parse_args(["--map-name", "CollectMineralShards"], environ={})
     assert parsed.context_layers is None and sources["context_layers"] == "default"
@@ -236,6 +239,26 @@ def test_the_timer_input_is_what_separates_two_states_that_differ_only_in_time_l
         torch.nn.init.normal_(net.player_embed[0].weight)  # a weight on every input, the timer's too
         q = [net(*dqn.to_tensors(dqn.obs_to_states(o), "cpu").values())[0] for o in (obs, late)]
         assert torch.equal(q[0], q[1]) != timer_input, timer_input
+
+
+@pytest.mark.parametrize("res", [32, 30])
+def test_with_coarse_level_the_full_resolution_term_alone_decides_where_to_click(res):
+    """The fine term starts at zero, so a new network's spatial Q is its coarse term. With --coarse-level that is one
+    value per spatial function, the same at every pixel, which still follows the state (a marine moved); without
+    it the upsampled half-resolution map ranks the pixels too."""
+    env = dqn.BuiltinMiniGame("CollectMineralShards", res=res, step_mul=16, seed=0)
+    states = dqn.to_tensors(dqn.obs_to_states(env.reset()), "cpu")
+    moved = states["screen"].clone()
+    moved[0, 0, 20:22, 20:22] = 1  # a unit of ours appears: player_relative 1
+    for coarse_level in (False, True):
+        torch.manual_seed(0)
+        net = dqn.SplitQNetwork(res, coarse_level=coarse_level)
+        with torch.no_grad():
+            q = [net(screen, states["minimap"], states["player"], states["mask"])[1]
+                 for screen in (states["screen"], moved)]
+        q = [x.unflatten(1, (len(dqn.SPATIAL_FUNCTIONS), res * res)) for x in q]
+        assert (q[0].amax(2) == q[0].amin(2)).all().item() == coarse_level, coarse_level
+        assert not torch.equal(q[0], q[1])
 
 
 @pytest.mark.parametrize("res", [32, 30])

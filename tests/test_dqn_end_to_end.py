@@ -451,3 +451,19 @@ def test_continue_goes_on_from_a_trained_network_with_another_n_step(tmp_path, m
     assert dqn_continue.main([str(tmp_path / "older.pt"), *TINY, "--num-episodes", "3", "--run-id", "older"]) == 2
     err = capsys.readouterr().err
     assert "was trained with other screen_world_units" in err and len(err.splitlines()) == 1
+
+
+def test_a_checkpoint_resumes_only_with_the_coarse_term_it_was_trained_with(tmp_path):
+    """--coarse-level changes the shape of the coarse term's weights; a checkpoint from before the setting existed
+    (its network upsampled) reads as off, and one trained with it refuses a run without it."""
+    args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0)
+    path = old_checkpoint(tmp_path, args, ("coarse_level",), context_layers=0)
+    assert dqn.trained_settings(dqn.load_checkpoint(path, args))["coarse_level"] is False
+    with pytest.raises(dqn.ConfigError, match="--coarse-level False, but this run asks for True"):
+        dqn.load_checkpoint(path, dataclasses.replace(args, coarse_level=True))
+    level = dataclasses.replace(args, coarse_level=True)
+    path = old_checkpoint(tmp_path, level, ("coarse_level",), context_layers=0, coarse_level=True)
+    state = dqn.load_checkpoint(path, level)
+    dqn.make_q_network(level).load_state_dict(state["q_network"])
+    with pytest.raises(dqn.ConfigError, match="--coarse-level True, but this run asks for False"):
+        dqn.load_checkpoint(path, args)
