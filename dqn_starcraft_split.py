@@ -143,6 +143,10 @@ class Args:
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
     """hidden units of the non-spatial head"""
+    fine_kernel: int = 3
+    """kernel size of the full-resolution click term: 3 lets a pixel's value read its neighbours (a click beside a
+    shard, a pixel inside a cluster); 1 makes it a function of that pixel alone, so with --click-distance "the
+    nearest pixel of this class" is two weights and no neighbourhood pulls the click toward clusters"""
     fine_gain: float = 10.0
     """learning-rate multiplier of the spatial head's full-resolution term: Adam moves a weight about lr per
     update, so at lr 5e-5 the layer that says "click exactly here" would need ~10x more updates than the rest"""
@@ -243,6 +247,7 @@ RULES = (
      "between 0 and 8 (or left out: the map's default)"),
     ("player_channels", lambda a: a.player_channels >= 1, "at least 1"),
     ("nonspatial_hidden", lambda a: a.nonspatial_hidden >= 1, "at least 1"),
+    ("fine_kernel", lambda a: a.fine_kernel in (1, 3, 5, 7), "1, 3, 5 or 7 (odd, so that it centres on the pixel)"),
     ("fine_gain", lambda a: 0 <= a.fine_gain < math.inf, "0 or more"),
     ("learning_rate", lambda a: a.learning_rate > 0, "positive"),
     ("batch_size", lambda a: a.batch_size >= 1, "at least 1"),
@@ -891,8 +896,8 @@ class SplitQNetwork(nn.Module):
 
     The towers work at half resolution (a stride-2 first conv) to keep an update cheap on a CPU. The spatial
     head adds two terms: a coarse one from the fused features (context: where the marines are, what is
-    selected), either upsampled back to res x res or one level per function (`coarse_level`), and a 3x3 conv
-    over the full-resolution screen (so a click can land on an exact pixel).
+    selected), either upsampled back to res x res or one level per function (`coarse_level`), and a small conv
+    over the full-resolution screen (`fine_kernel`: so a click can land on an exact pixel).
     The context layers widen what the fused features see from a few pixels to the whole screen.
     """
 
@@ -907,6 +912,7 @@ class SplitQNetwork(nn.Module):
         player_channels: int = Args.player_channels,
         nonspatial_hidden: int = Args.nonspatial_hidden,
         fine_gain: float = Args.fine_gain,
+        fine_kernel: int = Args.fine_kernel,
         coarse_level: bool = MAP_DEFAULTS["CollectMineralShards"]["coarse_level"],
     ):
         super().__init__()
@@ -939,7 +945,8 @@ class SplitQNetwork(nn.Module):
         # which is a learning-rate multiplier for this one layer (see Args.fine_gain); its zero start keeps the
         # gain from amplifying initial noise.
         self.click_distance = click_distance
-        self.spatial_fine = nn.Conv2d(screen_in + CLASS_CHANNELS * click_distance, num_spatial, 3, padding=1)
+        self.spatial_fine = nn.Conv2d(screen_in + CLASS_CHANNELS * click_distance, num_spatial, fine_kernel,
+                                      padding=fine_kernel // 2)
         nn.init.zeros_(self.spatial_fine.weight)
         nn.init.zeros_(self.spatial_fine.bias)
         self.fine_gain = fine_gain
@@ -994,7 +1001,7 @@ def make_q_network(args: Args) -> SplitQNetwork:
     args = with_map_defaults(args)
     return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers, args.click_distance,
                          args.timer_input, args.player_channels, args.nonspatial_hidden, args.fine_gain,
-                         args.coarse_level)
+                         args.fine_kernel, args.coarse_level)
 
 
 def masked_q(q_nonspatial, q_spatial, mask):
@@ -1424,7 +1431,7 @@ CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
                      "fused_channels", "context_layers", "click_distance", "timer_input", "player_channels",
-                     "nonspatial_hidden", "fine_gain", "coarse_level")
+                     "nonspatial_hidden", "fine_gain", "fine_kernel", "coarse_level")
 
 
 def save_checkpoint(
@@ -1468,6 +1475,7 @@ def trained_settings(state: dict) -> dict:
         "context_layers": lambda: len({key.split(".")[1] for key in weights if key.startswith("context.")}),
         "click_distance": lambda: weights["spatial_fine.weight"].shape[1] > layer_channels(SCREEN_LAYERS),
         "timer_input": lambda: weights["player_embed.0.weight"].shape[1] > PLAYER_SIZE + len(FUNCTIONS),
+        "fine_kernel": lambda: weights["spatial_fine.weight"].shape[-1],
         "coarse_level": lambda: weights["spatial_coarse.weight"].dim() == 2,  # Linear, not a 1x1 Conv2d
     }
     return {**{name: read() for name, read in read_off.items() if name not in state["args"]}, **state["args"]}

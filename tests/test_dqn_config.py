@@ -169,7 +169,7 @@ def test_a_reused_run_id_is_refused_unless_overwrite(tmp_path):
 BAD_VALUES = {
     "num_episodes": 0, "res": 4, "step_mul": 0, "screen_world_units": 0.0, "buffer_size": 3, "tower_channels": 0,
     "context_layers": -1, "fused_channels": 0, "player_channels": 0, "nonspatial_hidden": 0, "fine_gain": -1.0,
-    "learning_rate": 0.0,
+    "fine_kernel": 2, "learning_rate": 0.0,
     "batch_size": 0, "gamma": 1.5, "n_step": 0, "start_e": 1.5, "end_e": 2.0, "exploration_steps": 0,
     "learning_starts": 3, "train_frequency": 0, "target_network_frequency": 0, "max_grad_norm": 0.0,
     "scheduler_tmax": 0, "min_lr": 1.0, "step_lr_step_size": 0, "step_lr_gamma": 0.0, "num_test_episodes": 0,
@@ -193,11 +193,12 @@ def test_each_rule_refuses_its_bad_value_in_one_sentence():
 
 def test_model_settings_reach_the_network():
     net = dqn.make_q_network(dqn.Args(res=8, tower_channels=4, fused_channels=6, context_layers=2,
-                                      player_channels=2, nonspatial_hidden=5, fine_gain=3.0))
+                                      player_channels=2, nonspatial_hidden=5, fine_gain=3.0, fine_kernel=5))
     assert net.screen_tower[0].out_channels == 4 and net.minimap_tower[2].out_channels == 4
     assert net.fuse[0].out_channels == 6 and net.player_embed[0].out_features == 2
     assert [conv.dilation for conv in net.context] == [(1, 1), (2, 2)]
     assert net.nonspatial_head[0].out_features == 5 and net.fine_gain == 3.0
+    assert net.spatial_fine.kernel_size == (5, 5) and net.spatial_fine.padding == (2, 2)
 
 
 def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
@@ -259,6 +260,27 @@ def test_with_coarse_level_the_full_resolution_term_alone_decides_where_to_click
         q = [x.unflatten(1, (len(dqn.SPATIAL_FUNCTIONS), res * res)) for x in q]
         assert (q[0].amax(2) == q[0].amin(2)).all().item() == coarse_level, coarse_level
         assert not torch.equal(q[0], q[1])
+
+
+@pytest.mark.parametrize("fine_kernel", [1, 3])
+def test_a_one_pixel_click_term_values_each_pixel_by_that_pixel_alone(fine_kernel):
+    """With --fine-kernel 1 and the coarse term a level, a shard appearing beside a clicked pixel leaves that
+    click's value alone; with 3 the neighbour counts."""
+    env = dqn.BuiltinMiniGame("CollectMineralShards", res=16, step_mul=16, seed=0)
+    states = dqn.to_tensors(dqn.obs_to_states(env.reset()), "cpu")
+    screen = states["screen"].clone()
+    screen[:, :, 2:7, 2:7] = 0  # empty ground around the clicked pixel (4, 4) ...
+    beside = screen.clone()
+    beside[0, 0, 4, 5] = 3  # ... and a shard (player_relative 3) on the next pixel
+    torch.manual_seed(0)
+    net = dqn.SplitQNetwork(16, coarse_level=True, fine_kernel=fine_kernel)
+    torch.nn.init.normal_(net.spatial_fine.weight)
+    with torch.no_grad():
+        q = [net(s, states["minimap"], states["player"], states["mask"])[1].unflatten(1, (2, 16, 16))
+             - net(s, states["minimap"], states["player"], states["mask"])[1].unflatten(1, (2, 16, 16))[:, :, :1, :1]
+             for s in (screen, beside)]  # relative to pixel (0, 0): the coarse level drops out
+    change = (q[1][0, :, 4, 4] - q[0][0, :, 4, 4]).abs().max().item()  # a normal weight times the gain: ~10
+    assert change < 1e-4 if fine_kernel == 1 else change > 0.1, change
 
 
 @pytest.mark.parametrize("res", [32, 30])

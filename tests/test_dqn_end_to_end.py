@@ -453,12 +453,16 @@ def test_continue_goes_on_from_a_trained_network_with_another_n_step(tmp_path, m
     assert "was trained with other screen_world_units" in err and len(err.splitlines()) == 1
 
 
-def test_a_checkpoint_resumes_only_with_the_coarse_term_it_was_trained_with(tmp_path):
-    """--coarse-level changes the shape of the coarse term's weights; a checkpoint from before the setting existed
-    (its network upsampled) reads as off, and one trained with it refuses a run without it."""
+def test_a_checkpoint_resumes_only_with_the_spatial_head_it_was_trained_with(tmp_path):
+    """--coarse-level and --fine-kernel change the shapes of the spatial head's weights; a checkpoint from before
+    the settings existed (its network upsampled, with a 3x3 click term) reads as off and 3, and one trained with
+    the level refuses a run without it."""
     args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0)
-    path = old_checkpoint(tmp_path, args, ("coarse_level",), context_layers=0)
-    assert dqn.trained_settings(dqn.load_checkpoint(path, args))["coarse_level"] is False
+    path = old_checkpoint(tmp_path, args, ("coarse_level", "fine_kernel"), context_layers=0)
+    trained = dqn.trained_settings(dqn.load_checkpoint(path, args))
+    assert trained["coarse_level"] is False and trained["fine_kernel"] == 3
+    with pytest.raises(dqn.ConfigError, match="--fine-kernel 3, but this run asks for 1"):
+        dqn.load_checkpoint(path, dataclasses.replace(args, fine_kernel=1))
     with pytest.raises(dqn.ConfigError, match="--coarse-level False, but this run asks for True"):
         dqn.load_checkpoint(path, dataclasses.replace(args, coarse_level=True))
     level = dataclasses.replace(args, coarse_level=True)
