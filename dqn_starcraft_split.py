@@ -292,7 +292,9 @@ RULES = (
 # are left; the three raised its greedy test mean (benchmark/results/dqn_collectmineralshards_learning.md). On
 # MoveToBeacon there is one pickup, which the full-resolution term finds on its own; there the context layers
 # slowed learning and made it less reliable (benchmark/results/dqn_movetobeacon_defaults_seeds_1_2.md against
-# dqn_movetobeacon_learning.md), and its learning file was measured without the other two.
+# dqn_movetobeacon_learning.md), and its learning file was measured without the other two. The coarse level
+# stays off on both until a map's learning file is measured with it (its trials so far are two seeds each:
+# benchmark/results/dqn_collectmineralshards_trial_coarse_level_*.md).
 MAP_DEFAULTS = {
     "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False},
     "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True, "coarse_level": False},
