@@ -143,13 +143,15 @@ class Args:
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
     """hidden units of the non-spatial head"""
-    fine_kernel: int = 3
+    fine_kernel: int | None = None
     """kernel size of the full-resolution click term: 3 lets a pixel's value read its neighbours (a click beside a
     shard, a pixel inside a cluster); 1 makes it a function of that pixel alone, so with --click-distance "the
-    nearest pixel of this class" is two weights and no neighbourhood pulls the click toward clusters"""
-    fine_gain: float = 10.0
+    nearest pixel of this class" is two weights and no neighbourhood pulls the click toward clusters. None: the
+    map's default"""
+    fine_gain: float | None = None
     """learning-rate multiplier of the spatial head's full-resolution term: Adam moves a weight about lr per
-    update, so at lr 5e-5 the layer that says "click exactly here" would need ~10x more updates than the rest"""
+    update, so at lr 5e-5 the layer that says "click exactly here" would need ~10x more updates than the rest.
+    None: the map's default"""
 
     # training
     num_episodes: int = 10_000
@@ -168,8 +170,8 @@ class Args:
     """epsilon at the first step"""
     end_e: float = 0.01
     """epsilon after `exploration_steps`"""
-    exploration_steps: int = 100_000
-    """agent steps over which epsilon goes linearly from `start_e` to `end_e`"""
+    exploration_steps: int | None = None
+    """agent steps over which epsilon goes linearly from `start_e` to `end_e`. None: the map's default"""
     learning_starts: int = 1_000
     """agent steps of experience collected before the first update"""
     train_frequency: int = 2
@@ -247,15 +249,18 @@ RULES = (
      "between 0 and 8 (or left out: the map's default)"),
     ("player_channels", lambda a: a.player_channels >= 1, "at least 1"),
     ("nonspatial_hidden", lambda a: a.nonspatial_hidden >= 1, "at least 1"),
-    ("fine_kernel", lambda a: a.fine_kernel in (1, 3, 5, 7), "1, 3, 5 or 7 (odd, so that it centres on the pixel)"),
-    ("fine_gain", lambda a: 0 <= a.fine_gain < math.inf, "0 or more"),
+    ("fine_kernel", lambda a: a.fine_kernel in (None, 1, 3, 5, 7),
+     "1, 3, 5 or 7 (odd, so that it centres on the pixel; or left out: the map's default)"),
+    ("fine_gain", lambda a: a.fine_gain is None or 0 <= a.fine_gain < math.inf,
+     "0 or more (or left out: the map's default)"),
     ("learning_rate", lambda a: a.learning_rate > 0, "positive"),
     ("batch_size", lambda a: a.batch_size >= 1, "at least 1"),
     ("gamma", lambda a: 0 < a.gamma <= 1, "in (0, 1]"),
     ("n_step", lambda a: 1 <= a.n_step <= 100, "between 1 and 100"),
     ("start_e", lambda a: 0 <= a.start_e <= 1, "in [0, 1]"),
     ("end_e", lambda a: 0 <= a.end_e <= a.start_e, "between 0 and start_e ({start_e})"),
-    ("exploration_steps", lambda a: a.exploration_steps >= 1, "at least 1"),
+    ("exploration_steps", lambda a: a.exploration_steps is None or a.exploration_steps >= 1,
+     "at least 1 (or left out: the map's default)"),
     ("learning_starts", lambda a: a.learning_starts > a.n_step,
      "larger than n_step ({n_step}): the first updates would bootstrap from transitions not yet stored"),
     ("train_frequency", lambda a: a.train_frequency >= 1, "at least 1"),
@@ -287,17 +292,21 @@ RULES = (
 )
 
 
-# The network settings each map uses where they are left out (None). On CollectMineralShards the best click
-# depends on where the marines stand and where the other shards lie, across the screen, and on how many seconds
-# are left; the three raised its greedy test mean (benchmark/results/dqn_collectmineralshards_learning.md). On
-# MoveToBeacon there is one pickup, which the full-resolution term finds on its own; there the context layers
+# The settings each map uses where they are left out (None). On CollectMineralShards the best click depends on
+# where the marines stand and where the other shards lie, across the screen, and on how many seconds are left:
+# hence the context layers, the distance input and the timer. Its click is then decided by the full-resolution
+# term alone (the coarse level), which reads one pixel (kernel 1: "the nearest shard pixel" is two weights, with
+# no neighbourhood to pull the click toward clusters) and learns faster than the rest (fine_gain); epsilon
+# reaches its floor sooner, as that term learns its one job early. Together they raised the greedy test mean
+# (benchmark/results/dqn_collectmineralshards_learning.md, and the trials the README lists).
+# On MoveToBeacon there is one pickup, which the full-resolution term finds on its own; there the context layers
 # slowed learning and made it less reliable (benchmark/results/dqn_movetobeacon_defaults_seeds_1_2.md against
-# dqn_movetobeacon_learning.md), and its learning file was measured without the other two. The coarse level
-# stays off on both until a map's learning file is measured with it (its trials so far are two seeds each:
-# benchmark/results/dqn_collectmineralshards_trial_coarse_level_*.md).
+# dqn_movetobeacon_learning.md), and its learning file was measured with the values below.
 MAP_DEFAULTS = {
-    "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False},
-    "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True, "coarse_level": False},
+    "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False,
+                     "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000},
+    "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True, "coarse_level": True,
+                             "fine_kernel": 1, "fine_gain": 30.0, "exploration_steps": 50_000},
 }
 
 
@@ -913,8 +922,8 @@ class SplitQNetwork(nn.Module):
         timer_input: bool = MAP_DEFAULTS["CollectMineralShards"]["timer_input"],
         player_channels: int = Args.player_channels,
         nonspatial_hidden: int = Args.nonspatial_hidden,
-        fine_gain: float = Args.fine_gain,
-        fine_kernel: int = Args.fine_kernel,
+        fine_gain: float = MAP_DEFAULTS["CollectMineralShards"]["fine_gain"],
+        fine_kernel: int = MAP_DEFAULTS["CollectMineralShards"]["fine_kernel"],
         coarse_level: bool = MAP_DEFAULTS["CollectMineralShards"]["coarse_level"],
     ):
         super().__init__()

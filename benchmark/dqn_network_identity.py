@@ -5,6 +5,9 @@ one commit holds for the other.
 
     python benchmark/dqn_network_identity.py --map-name CollectMineralShards --commits 0bcdf39 HEAD \
         --out benchmark/results/dqn_collectmineralshards_default_network_identity
+
+A commit whose script needs flags to train what another trains by default gets them with --flags COMMIT=FLAGS
+(for one, the flags a trial ran with, against the commit that made them the defaults).
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ def adam_tensors(optimizer_state: dict):
                 yield f"{index}.{key}", value
 
 
+SETTINGS = ("context_layers", "click_distance", "timer_input", "coarse_level", "fine_kernel", "fine_gain",
+            "exploration_steps")
+
+
 def run_commit(commit: str, script_args: list[str], workdir: Path) -> dict:
     """Train with the script of `commit` in a fresh folder; the hashes of its final checkpoint."""
     full = subprocess.run(["git", "rev-parse", "--short", commit], cwd=REPO, capture_output=True, text=True,
@@ -62,7 +69,7 @@ def run_commit(commit: str, script_args: list[str], workdir: Path) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"the script of {full} failed ({done.returncode}): {done.stderr.strip()[-400:]}")
     state = torch.load(folder / "results" / "ident" / "checkpoint.pt", map_location="cpu", weights_only=False)
-    network = {k: state["args"].get(k) for k in ("context_layers", "click_distance", "timer_input")}
+    network = {k: state["args"].get(k) for k in SETTINGS}
     return {
         "script_commit": full,
         "command": "python dqn_starcraft_split.py " + " ".join(script_args) + " --run-id ident",
@@ -83,13 +90,18 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", required=True, help="output path without extension (.json and .md are written)")
     parser.add_argument("--what", default="", help="one sentence: why these commits are compared")
+    parser.add_argument("--flags", nargs="*", default=[], metavar="COMMIT=FLAGS",
+                        help="flags one commit's script gets on top of the common ones")
     opts = parser.parse_args()
     if len(opts.commits) < 2:
         parser.error("--commits needs at least two commits")
+    extra = dict(item.split("=", 1) for item in opts.flags if "=" in item)
+    if len(extra) != len(opts.flags) or not set(extra) <= set(opts.commits):
+        parser.error("--flags takes COMMIT=FLAGS, with COMMIT one of --commits")
     script_args = ["--map-name", opts.map_name, "--num-episodes", str(opts.episodes), "--scheduler-tmax", "10000",
                    "--seed", str(opts.seed)]
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [run_commit(commit, script_args, Path(tmp)) for commit in opts.commits]
+        runs = [run_commit(commit, script_args + extra.get(commit, "").split(), Path(tmp)) for commit in opts.commits]
     keys = ("q_network_sha256", "target_network_sha256", "adam_state_sha256")
     identical = all(run[k] == runs[0][k] for run in runs for k in keys)
     result = {
@@ -103,8 +115,9 @@ def main() -> int:
     out = Path(opts.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# {opts.map_name}: do these commits train the same network?", "", result["what"] + ".", "",
-             f"Each script ran, from its own commit: `{runs[0]['command']}`. Hashes: sha256 over every tensor's "
-             "name, shape, dtype and bytes.", "",
+             "Each script ran from its own commit: "
+             + "; ".join(f"{run['script_commit']}: `{run['command']}`" for run in runs)
+             + ". Hashes: sha256 over every tensor's name, shape, dtype and bytes.", "",
              "| commit | network settings | agent steps | online network | target network | Adam state |",
              "|---|---|---:|---|---|---|"]
     for run in runs:

@@ -37,7 +37,7 @@ def test_every_field_has_an_rl_variable_and_the_command_line_wins():
 
 
 def test_seed_defaults_are_the_long_run_recipe():
-    args, _ = dqn.parse_args([], {})
+    args = dqn.with_map_defaults(dqn.parse_args([], {})[0])  # MoveToBeacon
     assert (args.num_episodes, args.buffer_size, args.exploration_steps, args.target_network_frequency) == (
         10_000,
         100_000,
@@ -203,9 +203,11 @@ def test_model_settings_reach_the_network():
 
 def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
     assert dqn.MAP_DEFAULTS == {
-        "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False},
+        "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False,
+                         "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000},
         "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True,
-                                 "coarse_level": False},
+                                 "coarse_level": True, "fine_kernel": 1, "fine_gain": 30.0,
+                                 "exploration_steps": 50_000},
     }
     for map_name, defaults in dqn.MAP_DEFAULTS.items():
         args = dqn.Args(res=8, map_name=map_name)
@@ -217,9 +219,12 @@ def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
         assert net.click_distance == defaults["click_distance"]
         assert net.player_embed[0].in_features == dqn.PLAYER_SIZE + defaults["timer_input"] + len(dqn.FUNCTIONS)
         assert net.coarse_level == defaults["coarse_level"]
+        assert net.spatial_fine.kernel_size == (defaults["fine_kernel"],) * 2
+        assert net.fine_gain == defaults["fine_gain"]
         given = dqn.Args(res=8, map_name=map_name, context_layers=1, click_distance=False, timer_input=True,
-                         coarse_level=True)
+                         coarse_level=True, fine_kernel=5, fine_gain=2.0, exploration_steps=7)
         assert dqn.with_map_defaults(given) == given and len(dqn.make_q_network(given).context) == 1
+        assert dqn.make_q_network(given).spatial_fine.kernel_size == (5, 5)
     parsed, sources = dqn.parse_args(["--map-name", "CollectMineralShards"], environ={})
     assert parsed.context_layers is None and sources["context_layers"] == "default"
     parsed, sources = dqn.parse_args(["--click-distance", "False"], environ={"RL_TIMER_INPUT": "1"})
@@ -291,7 +296,7 @@ def test_context_layers_let_a_click_see_marines_across_the_screen(res):
     change = {}
     for layers in (0, 3):
         torch.manual_seed(0)
-        net = dqn.SplitQNetwork(res, context_layers=layers)
+        net = dqn.SplitQNetwork(res, context_layers=layers, coarse_level=False)  # a coarse term per pixel
         env = dqn.BuiltinMiniGame("CollectMineralShards", res=res, step_mul=16, seed=0)
         states = dqn.to_tensors(dqn.obs_to_states(env.reset()), "cpu")
         screen = states["screen"].clone()

@@ -106,8 +106,7 @@ def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
     assert checkpoint["interrupted"] is False and checkpoint["global_step"] == 30
     network = {name: config["args"][name] for name in dqn.MAP_DEFAULTS["MoveToBeacon"]}
     assert network == dqn.MAP_DEFAULTS["MoveToBeacon"]  # the map's, as values
-    net = dqn.SplitQNetwork(8, **network)
-    net.load_state_dict(checkpoint["q_network"])
+    dqn.make_q_network(dqn.Args(res=8, map_name="MoveToBeacon")).load_state_dict(checkpoint["q_network"])
 
     events = EventAccumulator(str(tmp_path / "runs" / "tiny-seed4"))
     events.Reload()
@@ -457,8 +456,9 @@ def test_a_checkpoint_resumes_only_with_the_spatial_head_it_was_trained_with(tmp
     """--coarse-level and --fine-kernel change the shapes of the spatial head's weights; a checkpoint from before
     the settings existed (its network upsampled, with a 3x3 click term) reads as off and 3, and one trained with
     the level refuses a run without it."""
-    args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0)
-    path = old_checkpoint(tmp_path, args, ("coarse_level", "fine_kernel"), context_layers=0)
+    args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0, coarse_level=False, fine_kernel=3)
+    path = old_checkpoint(tmp_path, args, ("coarse_level", "fine_kernel"), context_layers=0, coarse_level=False,
+                          fine_kernel=3)
     trained = dqn.trained_settings(dqn.load_checkpoint(path, args))
     assert trained["coarse_level"] is False and trained["fine_kernel"] == 3
     with pytest.raises(dqn.ConfigError, match="--fine-kernel 3, but this run asks for 1"):
@@ -466,7 +466,7 @@ def test_a_checkpoint_resumes_only_with_the_spatial_head_it_was_trained_with(tmp
     with pytest.raises(dqn.ConfigError, match="--coarse-level False, but this run asks for True"):
         dqn.load_checkpoint(path, dataclasses.replace(args, coarse_level=True))
     level = dataclasses.replace(args, coarse_level=True)
-    path = old_checkpoint(tmp_path, level, ("coarse_level",), context_layers=0, coarse_level=True)
+    path = old_checkpoint(tmp_path, level, ("coarse_level",), context_layers=0, coarse_level=True, fine_kernel=3)
     state = dqn.load_checkpoint(path, level)
     dqn.make_q_network(level).load_state_dict(state["q_network"])
     with pytest.raises(dqn.ConfigError, match="--coarse-level True, but this run asks for False"):
