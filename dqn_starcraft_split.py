@@ -139,6 +139,11 @@ class Args:
     same at every pixel, so that the full-resolution term alone decides where to click; off, it is the fused
     features' half-resolution map upsampled, which also ranks the pixels, at the resolution of a 2x2 cell, where
     neighbouring shards share one value. None: the map's default"""
+    path_input: bool | None = None
+    """the full-resolution click term also reads, for each unit class, how many of its pixels lie within a pixel
+    of the straight walk from the selected units' centre to the clicked pixel: a marine picks up every shard it
+    walks over, so a click past a shard, or through a line of them, is worth more than a click that stops on the
+    nearest, which a value reading the clicked pixel alone cannot tell. None: the map's default"""
     player_channels: int = 8
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
@@ -304,9 +309,9 @@ RULES = (
 # dqn_movetobeacon_learning.md), and its learning file was measured with the values below.
 MAP_DEFAULTS = {
     "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False,
-                     "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000},
+                     "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000, "path_input": False},
     "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True, "coarse_level": True,
-                             "fine_kernel": 1, "fine_gain": 30.0, "exploration_steps": 50_000},
+                             "fine_kernel": 1, "fine_gain": 30.0, "exploration_steps": 50_000, "path_input": False},
 }
 
 
@@ -885,20 +890,60 @@ SELECTED_LAYER = [layer.name for layer in SCREEN_LAYERS].index("selected")
 CLASS_CHANNELS = SCREEN_LAYERS[0].scale  # player_relative's one-hot channels come first in preprocess_layers
 
 
-def class_distance(selected: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
-    """`selected` (B, H, W) integer layer, `classes` (B, K, H, W) one-hot -> (B, K, H, W): each class channel
-    times the pixel's distance from the centre of the selected pixels, in screen widths; zero if none is selected."""
+def selection_centre(selected: torch.Tensor):
+    """`selected` (B, H, W) integer layer -> the centre of the selected pixels, y and x (B,) each in pixels, and
+    whether any is selected (B,) float."""
     B, H, W = selected.shape
     mask = (selected > 0).float()
     count = mask.sum((1, 2))  # (B,)
     ys = torch.arange(H, dtype=torch.float32, device=selected.device)
     xs = torch.arange(W, dtype=torch.float32, device=selected.device)
-    centre_y = (mask.sum(2) * ys).sum(1) / count.clamp(min=1)  # (B,)
+    centre_y = (mask.sum(2) * ys).sum(1) / count.clamp(min=1)
     centre_x = (mask.sum(1) * xs).sum(1) / count.clamp(min=1)
+    return centre_y, centre_x, (count > 0).float()
+
+
+def class_distance(selected: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
+    """`selected` (B, H, W) integer layer, `classes` (B, K, H, W) one-hot -> (B, K, H, W): each class channel
+    times the pixel's distance from the centre of the selected pixels, in screen widths; zero if none is selected."""
+    B, H, W = selected.shape
+    centre_y, centre_x, any_selected = selection_centre(selected)
+    ys = torch.arange(H, dtype=torch.float32, device=selected.device)
+    xs = torch.arange(W, dtype=torch.float32, device=selected.device)
     dx = (xs[None, None, :] - centre_x[:, None, None]) / W  # (B, 1, W)
     dy = (ys[None, :, None] - centre_y[:, None, None]) / H  # (B, H, 1)
-    distance = torch.sqrt(dx * dx + dy * dy) * (count > 0).float()[:, None, None]  # (B, H, W)
+    distance = torch.sqrt(dx * dx + dy * dy) * any_selected[:, None, None]  # (B, H, W)
     return classes * distance[:, None]
+
+
+def class_on_path(selected: torch.Tensor, classes: torch.Tensor, reach: float = 1.0) -> torch.Tensor:
+    """`selected` (B, H, W) integer layer, `classes` (B, K, H, W) one-hot -> (B, K-1, H, W): for each class but
+    the background (channel 0), the number of its unselected pixels within `reach` pixels of the segment from the
+    centre of the selected pixels to this pixel, divided by 4 to stay near the scale of the other inputs (a shard
+    covers a pixel or two at res 32; a walk along a line of them passes a dozen); zero if none is selected. A reach
+    of 1 pixel is about the 0.875 world units at which a marine touches a shard, at res 32. Only the pixels of units
+    enter the pairwise distances (B, H*W, M), M the most unit pixels on one screen of the batch."""
+    B, K, H, W = classes.shape
+    centre_y, centre_x, any_selected = selection_centre(selected)
+    units = (classes[:, 1:] * (selected[:, None] == 0)).flatten(2)  # (B, K-1, HW)
+    occupied = units.sum(1) > 0  # (B, HW)
+    most = int(occupied.sum(1).max())
+    if most == 0:
+        return classes.new_zeros(B, K - 1, H, W)
+    index = occupied.float().topk(most, dim=1).indices  # (B, M): every unit pixel, then empty ones as padding
+    unit_class = units.gather(2, index[:, None].expand(-1, K - 1, -1)) * occupied.gather(1, index)[:, None]
+    uy = (index // W).float() - centre_y[:, None]  # (B, M): unit pixels relative to the centre
+    ux = (index % W).float() - centre_x[:, None]
+    grid = torch.arange(H * W, device=selected.device)
+    py = (grid // W).float()[None] - centre_y[:, None]  # (B, HW): clicked pixels relative to the centre
+    px = (grid % W).float()[None] - centre_x[:, None]
+    py, px, uy, ux = py[:, :, None], px[:, :, None], uy[:, None], ux[:, None]  # to (B, HW, M) by broadcasting
+    # the point of the walk nearest each unit pixel, a share in [0, 1] of the way to the clicked pixel
+    along = ((py * uy + px * ux) / (py * py + px * px).clamp(min=1e-6)).clamp(0, 1)  # (B, HW, M)
+    gap2 = (along * py - uy) ** 2 + (along * px - ux) ** 2
+    on_path = (gap2 <= reach * reach).float()  # (B, HW, M)
+    counts = torch.einsum("bpm,bkm->bkp", on_path, unit_class).view(B, K - 1, H, W)
+    return counts / 4 * any_selected[:, None, None, None]
 
 
 class SplitQNetwork(nn.Module):
@@ -925,6 +970,7 @@ class SplitQNetwork(nn.Module):
         fine_gain: float = MAP_DEFAULTS["CollectMineralShards"]["fine_gain"],
         fine_kernel: int = MAP_DEFAULTS["CollectMineralShards"]["fine_kernel"],
         coarse_level: bool = MAP_DEFAULTS["CollectMineralShards"]["coarse_level"],
+        path_input: bool = MAP_DEFAULTS["CollectMineralShards"]["path_input"],
     ):
         super().__init__()
         self.res = res
@@ -955,9 +1001,9 @@ class SplitQNetwork(nn.Module):
         # The fine term alone can say "the target is at this pixel". Its output is multiplied by a fixed gain,
         # which is a learning-rate multiplier for this one layer (see Args.fine_gain); its zero start keeps the
         # gain from amplifying initial noise.
-        self.click_distance = click_distance
-        self.spatial_fine = nn.Conv2d(screen_in + CLASS_CHANNELS * click_distance, num_spatial, fine_kernel,
-                                      padding=fine_kernel // 2)
+        self.click_distance, self.path_input = click_distance, path_input
+        fine_in = screen_in + CLASS_CHANNELS * click_distance + (CLASS_CHANNELS - 1) * path_input
+        self.spatial_fine = nn.Conv2d(fine_in, num_spatial, fine_kernel, padding=fine_kernel // 2)
         nn.init.zeros_(self.spatial_fine.weight)
         nn.init.zeros_(self.spatial_fine.bias)
         self.fine_gain = fine_gain
@@ -982,9 +1028,12 @@ class SplitQNetwork(nn.Module):
         available = available.float()  # (B, F + S)
         selected = screen[:, SELECTED_LAYER]  # (B, H, W)
         screen = preprocess_layers(screen, SCREEN_LAYERS)  # (B, Cs, H, W)
-        fine_input = screen
+        fine_input = [screen]
         if self.click_distance:
-            fine_input = torch.cat([screen, class_distance(selected, screen[:, :CLASS_CHANNELS])], 1)  # (B, Cs+K, H, W)
+            fine_input.append(class_distance(selected, screen[:, :CLASS_CHANNELS]))  # (B, K, H, W)
+        if self.path_input:
+            fine_input.append(class_on_path(selected, screen[:, :CLASS_CHANNELS]))  # (B, K-1, H, W)
+        fine_input = torch.cat(fine_input, 1)
         minimap = preprocess_layers(minimap, MINIMAP_LAYERS)  # (B, Cm, H, W)
         s = self.screen_tower(screen)  # (B, T, H/2, W/2)
         m = self.minimap_tower(minimap)  # (B, T, H/2, W/2)
@@ -1012,7 +1061,7 @@ def make_q_network(args: Args) -> SplitQNetwork:
     args = with_map_defaults(args)
     return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers, args.click_distance,
                          args.timer_input, args.player_channels, args.nonspatial_hidden, args.fine_gain,
-                         args.fine_kernel, args.coarse_level)
+                         args.fine_kernel, args.coarse_level, args.path_input)
 
 
 def masked_q(q_nonspatial, q_spatial, mask):
@@ -1442,7 +1491,7 @@ CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
                      "fused_channels", "context_layers", "click_distance", "timer_input", "player_channels",
-                     "nonspatial_hidden", "fine_gain", "fine_kernel", "coarse_level")
+                     "nonspatial_hidden", "fine_gain", "fine_kernel", "coarse_level", "path_input")
 
 
 def save_checkpoint(
@@ -1488,6 +1537,7 @@ def trained_settings(state: dict) -> dict:
         "timer_input": lambda: weights["player_embed.0.weight"].shape[1] > PLAYER_SIZE + len(FUNCTIONS),
         "fine_kernel": lambda: weights["spatial_fine.weight"].shape[-1],
         "coarse_level": lambda: weights["spatial_coarse.weight"].dim() == 2,  # Linear, not a 1x1 Conv2d
+        "path_input": lambda: False,  # a checkpoint that does not record it predates it
     }
     return {**{name: read() for name, read in read_off.items() if name not in state["args"]}, **state["args"]}
 
