@@ -182,7 +182,10 @@ def markdown(r: dict) -> str:
              f"epsilon {a['start_e']:g} -> {a['end_e']:g} over {a['exploration_steps']} steps, target copy every "
              f"{a['target_network_frequency']} steps, one update every {a['train_frequency']} steps, "
              f"{a['context_layers']} context layers, the click term's distance input "
-             f"{'on' if a.get('click_distance') else 'off'}, the timer input {'on' if a.get('timer_input') else 'off'}."
+             f"{'on' if a.get('click_distance') else 'off'}, the timer input {'on' if a.get('timer_input') else 'off'}"
+             f", the spatial head's coarse term {'one level per function' if a.get('coarse_level') else 'upsampled'}"
+             f", a {a.get('fine_kernel', 3)}x{a.get('fine_kernel', 3)} click term at gain {a.get('fine_gain', 10):g}"
+             f", the path input {'on' if a.get('path_input') else 'off'}."
              " Every value "
              "of every run is in the JSON (`runs[].args`).\n")
     L.append("## Result\n")
