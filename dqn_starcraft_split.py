@@ -144,6 +144,10 @@ class Args:
     of the straight walk from the selected units' centre to the clicked pixel: a marine picks up every shard it
     walks over, so a click past a shard, or through a line of them, is worth more than a click that stops on the
     nearest, which a value reading the clicked pixel alone cannot tell. None: the map's default"""
+    select_own_only: bool | None = None
+    """select_point only on pixels of our own units. Anywhere else it selects nothing, which no step of these maps
+    needs, and a greedy policy that overvalued it can loop: deselect on bare ground, select a marine, deselect
+    again, until the episode ends. None: the map's default"""
     player_channels: int = 8
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
@@ -309,9 +313,11 @@ RULES = (
 # dqn_movetobeacon_learning.md), and its learning file was measured with the values below.
 MAP_DEFAULTS = {
     "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False,
-                     "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000, "path_input": False},
+                     "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000, "path_input": False,
+                     "select_own_only": False},
     "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True, "coarse_level": True,
-                             "fine_kernel": 1, "fine_gain": 30.0, "exploration_steps": 50_000, "path_input": False},
+                             "fine_kernel": 1, "fine_gain": 30.0, "exploration_steps": 50_000, "path_input": False,
+                             "select_own_only": False},
 }
 
 
@@ -357,7 +363,8 @@ PLAYER_INPUT_SIZE = PLAYER_SIZE + 1
 #     0 .. F-1                       the non-spatial function NONSPATIAL_FUNCTIONS[index]
 #     F + k * res * res + y * res + x  the k-th spatial function at screen point (x, y)
 # which is the column order of torch.cat([q_nonspatial, q_spatial], 1). Acting takes the best available index
-# over both heads, so choosing a function is comparing values. The action mask has one entry per FUNCTIONS.
+# over both heads, so choosing a function is comparing values. The action mask has one entry per FUNCTIONS;
+# with --select-own-only, `point_mask` also limits select_point's points to our own units.
 FUNCTION_IDS = {"no_op": 0, "select_point": 2, "select_army": 7, "Move_screen": 331}
 NONSPATIAL_FUNCTIONS = ("no_op", "select_army")
 SPATIAL_FUNCTIONS = ("Move_screen", "select_point")
@@ -1064,14 +1071,30 @@ def make_q_network(args: Args) -> SplitQNetwork:
                          args.fine_kernel, args.coarse_level, args.path_input)
 
 
-def masked_q(q_nonspatial, q_spatial, mask):
-    """Both heads as one Q per flat action index (B, F + S*H*W); unavailable functions get -inf."""
+SELF = 1  # player_relative of our own units
+
+
+def point_mask(screen: torch.Tensor, select_own_only: bool) -> torch.Tensor | None:
+    """screen (B, Ls, H, W) integer -> (B, S, H*W) bool: the points at which each spatial function may be
+    called, or None for everywhere. With `select_own_only`, select_point only at our own units' pixels."""
+    if not select_own_only:
+        return None
+    own = (screen[:, 0] == SELF).flatten(1)  # (B, H*W); player_relative is screen layer 0
+    anywhere = torch.ones_like(own)
+    return torch.stack([own if name == "select_point" else anywhere for name in SPATIAL_FUNCTIONS], 1)
+
+
+def masked_q(q_nonspatial, q_spatial, mask, points=None):
+    """Both heads as one Q per flat action index (B, F + S*H*W); unavailable functions, and points outside
+    `points` (from `point_mask`), get -inf."""
     num_nonspatial = q_nonspatial.shape[1]
     num_spatial = mask.shape[1] - num_nonspatial
     neg_inf = torch.finfo(q_nonspatial.dtype).min
     q_nonspatial = q_nonspatial.masked_fill(~mask[:, :num_nonspatial], neg_inf)
     q_spatial = q_spatial.unflatten(1, (num_spatial, -1))  # (B, S, H*W)
     q_spatial = q_spatial.masked_fill(~mask[:, num_nonspatial:, None], neg_inf)
+    if points is not None:
+        q_spatial = q_spatial.masked_fill(~points, neg_inf)
     return torch.cat([q_nonspatial, q_spatial.flatten(1)], 1)
 
 
@@ -1109,7 +1132,7 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
     where V is 0 if the episode ended within the n steps (the map's timer is a true terminal: pysc2 gives
     discount 0). Double DQN: the online network selects (the non-spatial function; per spatial function, its
     point) and the target network evaluates what was selected; plain DQN: the target network does both. An
-    unavailable function in s' is never selected and never counts.
+    unavailable function in s' is never selected and never counts, nor is a point outside `point_mask`.
     """
     # ALGO LOGIC: the learning target, all of it in this function
     rewards, dones = batch["rewards"], batch["dones"]  # (B, n) each
@@ -1130,7 +1153,12 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
         nonspatial_ok, spatial_ok = next_obs["mask"][:, :num_nonspatial], next_obs["mask"][:, num_nonspatial:]
         neg_inf = torch.finfo(target_ns.dtype).min
         best_function = online_ns.masked_fill(~nonspatial_ok, neg_inf).argmax(1, keepdim=True)  # (B, 1)
-        best_point = online_sp.unflatten(1, (spatial_ok.shape[1], -1)).argmax(2, keepdim=True)  # (B, S, 1)
+        online_sp = online_sp.unflatten(1, (spatial_ok.shape[1], -1))  # (B, S, H*W)
+        points = point_mask(next_obs["screen"], args.select_own_only)
+        if points is not None:
+            online_sp = online_sp.masked_fill(~points, neg_inf)
+            spatial_ok = spatial_ok & points.any(2)  # a function with no point left is not available
+        best_point = online_sp.argmax(2, keepdim=True)  # (B, S, 1)
         value_ns = target_ns.masked_fill(~nonspatial_ok, neg_inf).gather(1, best_function).squeeze(1)  # (B,)
         value_sp = target_sp.unflatten(1, (spatial_ok.shape[1], -1)).gather(2, best_point).squeeze(2)  # (B, S)
         value_sp = value_sp.masked_fill(~spatial_ok, neg_inf).max(1).values  # the best available spatial function
@@ -1273,26 +1301,35 @@ def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> floa
     return max(slope * t + start_e, end_e)
 
 
-def select_action(q_network, obs: dict, epsilon: float, rng: np.random.Generator, device) -> int:
-    """Epsilon-greedy over the flat action space (functions, then points), available actions only.
+def select_action(q_network, obs: dict, epsilon: float, rng: np.random.Generator, device,
+                  select_own_only: bool = False) -> int:
+    """Epsilon-greedy over the flat action space (functions, then points), available actions only (and, with
+    `select_own_only`, select_point only on our own units).
 
     A random action is drawn like pysc2's random agent (the SC2LE "random policy"): a function uniformly
-    among the available ones, then a point uniformly. Drawing uniformly over all flat actions instead would
-    almost never no-op, so a random walk would be redirected every step and rarely arrive.
+    among the available ones, then a point uniformly among its allowed points. Drawing uniformly over all flat
+    actions instead would almost never no-op, so a random walk would be redirected every step and rarely arrive.
     """
     mask = action_mask(obs["available_actions"])
+    own = np.flatnonzero(obs["feature_screen"][0] == SELF) if select_own_only else None
+    if own is not None and own.size == 0:
+        mask[FUNCTIONS.index("select_point")] = False  # nothing of ours on the screen to select
     if rng.random() < epsilon:
         function = int(rng.choice(np.flatnonzero(mask)))  # index into FUNCTIONS
         if function < len(NONSPATIAL_FUNCTIONS):
             return function
         res = q_network.res
-        point = int(rng.integers(0, res * res))
+        if own is not None and FUNCTIONS[function] == "select_point":
+            point = int(rng.choice(own))
+        else:
+            point = int(rng.integers(0, res * res))
         return encode_action(FUNCTION_IDS[FUNCTIONS[function]], (point % res, point // res), res)
     states = to_tensors(obs_to_states(obs), device)
     # memory: acting builds no graph
     with torch.no_grad():
         q_ns, q_sp = q_network(states["screen"], states["minimap"], states["player"], states["mask"])
-        return int(masked_q(q_ns.float(), q_sp.float(), states["mask"]).argmax(1).item())
+        points = point_mask(states["screen"], select_own_only)
+        return int(masked_q(q_ns.float(), q_sp.float(), states["mask"], points).argmax(1).item())
 
 
 # Colours of the video frames, by player_relative value: background, self (marines), ally, neutral (beacon,
@@ -1322,7 +1359,8 @@ def write_video(frames: list[np.ndarray], path: str) -> None:
 
 
 def run_test_episodes(
-    q_network, env, num_episodes: int, res: int, device, epsilon: float = 0.0, video_dir: str | None = None
+    q_network, env, num_episodes: int, res: int, device, epsilon: float = 0.0, video_dir: str | None = None,
+    select_own_only: bool = False,
 ) -> list[float]:
     """Test episodes (greedy at epsilon 0); returns each episode's score. With `video_dir`, each episode's
     screen is written to `{video_dir}/test-episode-{k}.mp4`."""
@@ -1332,7 +1370,7 @@ def run_test_episodes(
         obs, done, score = env.reset(), False, 0.0
         frames = [render_screen(obs)] if video_dir else None
         while not done:
-            action = select_action(q_network, obs, epsilon, rng, device)
+            action = select_action(q_network, obs, epsilon, rng, device, select_own_only)
             obs, reward, done = env.step(*decode_action(action, res))
             score += reward
             if frames is not None:
@@ -1822,7 +1860,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 probes("loop_start")
                 epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
                 with out_of_memory_ends_the_run():
-                    action = select_action(q_network, obs, epsilon, rng, device)
+                    action = select_action(q_network, obs, epsilon, rng, device, args.select_own_only)
                 next_obs, reward, done = env.step(*decode_action(action, args.res))
                 rb.add(obs, action, reward, done)
                 probes("after_collect")
@@ -1891,7 +1929,8 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
             if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
                 with out_of_memory_ends_the_run():
                     test_scores = run_test_episodes(
-                        q_network, eval_env, args.num_eval_episodes, args.res, device, args.test_epsilon
+                        q_network, eval_env, args.num_eval_episodes, args.res, device, args.test_epsilon,
+                        select_own_only=args.select_own_only,
                     )
                 test_mean = float(np.mean(test_scores))
                 train_mean = float(np.mean(recent_train_scores))
@@ -1920,6 +1959,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 device,
                 args.test_epsilon,
                 video_dir=os.path.join(run_dir, "videos") if args.capture_video else None,
+                select_own_only=args.select_own_only,
             )
         verdict = leak.check()
         results = {

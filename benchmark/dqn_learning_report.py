@@ -92,6 +92,7 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
     net, args = trained_network(folder)
     counts = {name: 0 for name in dqn.FUNCTIONS}
     on_target = clicks = on_nearest = switches = 0
+    selects = selects_off_own = 0  # select_point calls, and those on a pixel without a unit of ours (they deselect)
     click_distance, nearest_distance = [], []  # world units from the selected marines to the click / the nearest pickup
     aimed_neighbours, nearest_neighbours = [], []  # other pickups within NEIGHBOUR_WORLD_UNITS of the aimed / nearest
     scores = []
@@ -101,9 +102,13 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
         obs, done, score = env.reset(), False, 0.0
         heading = None  # the pickup the last click sent the marines to
         while not done:
-            function_id, point = dqn.decode_action(dqn.select_action(net, obs, 0.0, rng, "cpu"), args.res)
+            action = dqn.select_action(net, obs, 0.0, rng, "cpu", bool(args.select_own_only))
+            function_id, point = dqn.decode_action(action, args.res)
             name = next(n for n in dqn.FUNCTIONS if dqn.FUNCTION_IDS[n] == function_id)
             counts[name] += 1
+            if function_id == dqn.SELECT_POINT:
+                selects += 1
+                selects_off_own += int(obs["feature_screen"][0][point[1], point[0]] != dqn.SELF)
             if function_id == dqn.MOVE_SCREEN:
                 x, y = point
                 clicks += 1
@@ -131,6 +136,7 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
             "move_clicks_on_a_pickup": on_target / max(clicks, 1),
             "move_clicks_nearest_the_nearest_pickup": on_nearest / max(clicks, 1),
             "move_clicks_switching_pickup": switches / max(clicks, 1),
+            "select_points_off_own_units": selects_off_own / selects if selects else None,
             "mean_click_distance": statistics.fmean(click_distance) if click_distance else None,
             "mean_nearest_pickup_distance": statistics.fmean(nearest_distance) if nearest_distance else None,
             "neighbour_world_units": NEIGHBOUR_WORLD_UNITS,
@@ -185,7 +191,8 @@ def markdown(r: dict) -> str:
              f"{'on' if a.get('click_distance') else 'off'}, the timer input {'on' if a.get('timer_input') else 'off'}"
              f", the spatial head's coarse term {'one level per function' if a.get('coarse_level') else 'upsampled'}"
              f", a {a.get('fine_kernel', 3)}x{a.get('fine_kernel', 3)} click term at gain {a.get('fine_gain', 10):g}"
-             f", the path input {'on' if a.get('path_input') else 'off'}."
+             f", the path input {'on' if a.get('path_input') else 'off'}"
+             f", select_point {'on our units only' if a.get('select_own_only') else 'anywhere'}."
              " Every value "
              "of every run is in the JSON (`runs[].args`).\n")
     L.append("## Result\n")
@@ -216,10 +223,12 @@ def markdown(r: dict) -> str:
              "clicks aimed at (nearest to) the pickup nearest to the selected marines, and the share that aim at "
              "another pickup while the one the last click aimed at is still there (switching targets); how many "
              f"other pickups lie within {NEIGHBOUR_WORLD_UNITS:g} world units of the aimed pickup and of the nearest "
-             "one (`dqn_replica_calibration.md` gives what a pull toward such clusters costs a scripted agent).\n")
+             "one (`dqn_replica_calibration.md` gives what a pull toward such clusters costs a scripted agent); the "
+             "share of select_point calls on a pixel with no unit of ours, which deselect everything.\n")
     L.append("| seed | score | " + " | ".join(dqn.FUNCTIONS) + " | Move clicks on a pickup | click distance | "
-             "nearest pickup distance | aimed at the nearest | switching | aimed's neighbours | nearest's neighbours |")
-    L.append("|---:|---:|" + "---:|" * (len(dqn.FUNCTIONS) + 7))
+             "nearest pickup distance | aimed at the nearest | switching | aimed's neighbours | nearest's neighbours | "
+             "select_point off our units |")
+    L.append("|---:|---:|" + "---:|" * (len(dqn.FUNCTIONS) + 8))
     for run in r["runs"]:
         b = run["greedy_behaviour"]
         L.append(f"| {run['seed']} | {statistics.fmean(b['scores']):.1f} | "
@@ -227,7 +236,9 @@ def markdown(r: dict) -> str:
                  + f" | {b['move_clicks_on_a_pickup']:.0%} | {b['mean_click_distance'] or 0:.2f} | "
                    f"{b['mean_nearest_pickup_distance'] or 0:.2f} | "
                    f"{b['move_clicks_nearest_the_nearest_pickup']:.0%} | {b['move_clicks_switching_pickup']:.0%} | "
-                   f"{b['mean_aimed_pickup_neighbours'] or 0:.2f} | {b['mean_nearest_pickup_neighbours'] or 0:.2f} |")
+                   f"{b['mean_aimed_pickup_neighbours'] or 0:.2f} | {b['mean_nearest_pickup_neighbours'] or 0:.2f} | "
+                   + ("-" if b["select_points_off_own_units"] is None else f"{b['select_points_off_own_units']:.0%}")
+                   + " |")
     L.append("")
     L.append(f"Curves: `{r['png']}` and, every row, in the JSON (`runs[].curve`: every "
              f"{a['eval_every_episodes']} episodes the mean epsilon-greedy training score of those episodes and "

@@ -509,8 +509,11 @@ def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shar
         return made[-1]
 
     def policy(bonus):
-        def select_action(net, obs, epsilon, rng, device):
+        def select_action(net, obs, epsilon, rng, device, select_own_only=False):
             env = made[-1]
+            if env.steps == 0:  # a select_point on bare ground first, which the report counts
+                bare = np.argwhere(obs["feature_screen"][0] == 0)[0]
+                return dqn.encode_action(dqn.SELECT_POINT, (int(bare[1]), int(bare[0])), env.res)
             function, point = ScriptedShardsClustered(bonus).act(env, obs, rng)
             if function == dqn.MOVE_SCREEN:
                 click = (np.array(point) + 0.5) * env.world_units / env.res
@@ -527,6 +530,7 @@ def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shar
     assert nearest["mean_aimed_pickup_neighbours"] == pytest.approx(np.mean(aimed_counts))
     assert nearest["mean_nearest_pickup_neighbours"] == pytest.approx(np.mean(nearest_counts))
     assert nearest["move_clicks_nearest_the_nearest_pickup"] > 0.95
+    assert nearest["select_points_off_own_units"] == 1.0 and nearest["function_share"]["select_point"] > 0
     assert abs(nearest["mean_aimed_pickup_neighbours"] - nearest["mean_nearest_pickup_neighbours"]) < 0.1
     aimed_counts.clear(), nearest_counts.clear()
     monkeypatch.setattr(dqn, "select_action", policy(5.0))

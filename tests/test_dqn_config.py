@@ -204,10 +204,11 @@ def test_model_settings_reach_the_network():
 def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
     assert dqn.MAP_DEFAULTS == {
         "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False,
-                         "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000, "path_input": False},
+                         "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000, "path_input": False,
+                         "select_own_only": False},
         "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True,
                                  "coarse_level": True, "fine_kernel": 1, "fine_gain": 30.0,
-                                 "exploration_steps": 50_000, "path_input": False},
+                                 "exploration_steps": 50_000, "path_input": False, "select_own_only": False},
     }
     for map_name, defaults in dqn.MAP_DEFAULTS.items():
         args = dqn.Args(res=8, map_name=map_name)
@@ -222,7 +223,8 @@ def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
         assert net.spatial_fine.kernel_size == (defaults["fine_kernel"],) * 2
         assert net.fine_gain == defaults["fine_gain"] and net.path_input == defaults["path_input"]
         given = dqn.Args(res=8, map_name=map_name, context_layers=1, click_distance=False, timer_input=True,
-                         coarse_level=True, fine_kernel=5, fine_gain=2.0, exploration_steps=7, path_input=True)
+                         coarse_level=True, fine_kernel=5, fine_gain=2.0, exploration_steps=7, path_input=True,
+                         select_own_only=True)
         assert dqn.with_map_defaults(given) == given and len(dqn.make_q_network(given).context) == 1
         assert dqn.make_q_network(given).spatial_fine.kernel_size == (5, 5)
     parsed, sources = dqn.parse_args(["--map-name", "CollectMineralShards"], environ={})

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 import dqn_starcraft_split as dqn
 
@@ -297,3 +298,29 @@ def test_calibration_clustered_agent_trades_distance_for_neighbours():
     aimed = int(np.argmin(distance - bonus * neighbours(env, 4.0)))
     assert aimed != int(distance.argmin())
     assert ScriptedShardsClustered(bonus).act(env, obs, rng) == (MOVE, pixel(env, env.pickups[aimed]))
+
+
+def test_select_own_only_draws_and_picks_select_point_on_our_marines_alone():
+    """--select-own-only: a random select_point lands on a marine's pixel, and a greedy one too, even where the
+    network values a click on bare ground (which would deselect everything) most."""
+    env = dqn.BuiltinMiniGame("CollectMineralShards", res=16, step_mul=16, seed=1)
+    obs = env.reset()
+    own = set(np.flatnonzero(obs["feature_screen"][0] == dqn.SELF).tolist())
+    assert 0 < len(own) < 16 * 16
+    net = dqn.SplitQNetwork(16)
+    rng = np.random.default_rng(0)
+    select_base = 2 + 16 * 16  # select_point's map follows Move_screen's
+    draws = [dqn.select_action(net, obs, 1.0, rng, "cpu", select_own_only=True) for _ in range(600)]
+    clicked = {draw - select_base for draw in draws if draw >= select_base}
+    assert len(clicked) > 1 and clicked <= own
+    free = [draw - select_base for draw in (dqn.select_action(net, obs, 1.0, rng, "cpu") for _ in range(600))
+            if draw >= select_base]
+    assert not set(free) <= own  # without the flag the points are drawn over the whole screen
+    none_of_ours = {**obs, "feature_screen": np.where(obs["feature_screen"] == dqn.SELF, 0, obs["feature_screen"])}
+    draws = [dqn.select_action(net, none_of_ours, 1.0, rng, "cpu", select_own_only=True) for _ in range(300)]
+    assert set(draws) == {0, 1}  # no_op and select_army; nothing selected yet, so no Move_screen either
+    with torch.no_grad():
+        net.spatial_fine.bias[1] = 5.0  # select_point scores 150 (gain 30) at every pixel,
+        net.spatial_fine.weight[1, 0, 0, 0] = 1.0  # and 30 more on bare ground (player_relative's channel 0)
+    assert dqn.select_action(net, obs, 0.0, rng, "cpu") - select_base not in own
+    assert dqn.select_action(net, obs, 0.0, rng, "cpu", select_own_only=True) - select_base in own

@@ -171,3 +171,35 @@ def test_nonspatial_head_reads_the_available_actions():
         unselected, _ = net(screen, minimap, player, torch.tensor([[True, True, False, True]]))
         selected, _ = net(screen, minimap, player, torch.tensor([[True, True, True, True]]))
     assert not torch.allclose(unselected, selected)
+
+
+def test_select_own_only_keeps_select_point_off_pixels_without_our_units():
+    """With --select-own-only, select_point bootstraps and acts only at pixels of our own units (player_relative
+    1); Move_screen everywhere; a state with none of ours on the screen has no select_point at all."""
+    screen = torch.zeros(2, 4, 1, 2, dtype=torch.int16)  # res 2, laid out as 1 x 2 so that pixel k is x = k
+    screen[0, 0, 0, 0] = dqn.SELF  # s0: our unit on pixel 0, a shard (neutral, 3) on pixel 1
+    screen[0, 0, 0, 1] = 3
+    screen[1, 0, 0, 1] = 3  # s1: a shard and nothing of ours
+    points = dqn.point_mask(screen, True)
+    assert points.tolist() == [[[True, True], [True, False]], [[True, True], [False, False]]]
+    assert dqn.point_mask(screen, False) is None
+
+    # 2 non-spatial functions, then Move_screen's 2 points, then select_point's 2 points
+    online_ns, target_ns = torch.tensor([[0.0, 0.0], [0.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 1.0]])
+    online_sp = torch.tensor([[0.0, 1.0, 2.0, 9.0], [0.0, 1.0, 0.0, 9.0]])
+    target_sp = torch.tensor([[0.0, 3.0, 4.0, 50.0], [0.0, 2.0, 70.0, 60.0]])
+    batch = {"next_obs": {"screen": screen, "minimap": torch.zeros(2), "player": torch.zeros(2),
+                          "mask": torch.ones(2, 4, dtype=torch.bool)},
+             "rewards": torch.zeros(2, 1), "dones": torch.zeros(2, 1)}
+    online, target = FixedQ(online_ns, online_sp), FixedQ(target_ns, target_sp)
+
+    def value(select_own_only):
+        args = dqn.Args(gamma=1.0, select_own_only=select_own_only)
+        return dqn.td_target(online, target, batch, args, mu.amp("off", "cpu")).tolist()
+
+    assert value(False) == [50.0, 60.0]  # select_point on the shard pixel, which would deselect everything
+    # s0: Move's point 1 -> 3, select_point only on pixel 0 -> 4; s1: Move -> 2, and no select_point at all
+    assert value(True) == [4.0, 2.0]
+    q = dqn.masked_q(online_ns, online_sp, torch.ones(2, 4, dtype=torch.bool), points)
+    low = torch.finfo(q.dtype).min
+    assert q.tolist() == [[0.0, 0.0, 0.0, 1.0, 2.0, low], [0.0, 0.0, 0.0, 1.0, low, low]]
