@@ -191,16 +191,17 @@ class Args:
     """gradient norm clip"""
     use_double_dqn: bool = True
     """if toggled, the online network picks the next function and point and the target network scores them"""
-    lr_scheduler: Literal["cosine", "step", "none"] = "cosine"
-    """learning-rate schedule, stepped once per episode"""
+    lr_scheduler: Literal["cosine", "step", "none"] | None = None
+    """learning-rate schedule, stepped once per episode: cosine, step, or none (a constant rate). Left out
+    (None): the map's default"""
     scheduler_tmax: int | None = None
     """episodes of one cosine half-period (default: `num_episodes`)"""
     min_lr: float = 1e-6
     """the cosine schedule's floor"""
-    step_lr_step_size: int = 1000
-    """episodes between multiplications by `step_lr_gamma` (step schedule)"""
-    step_lr_gamma: float = 0.5
-    """factor of the step schedule"""
+    step_lr_step_size: int | None = None
+    """episodes between multiplications by `step_lr_gamma` (step schedule). None: the map's default"""
+    step_lr_gamma: float | None = None
+    """factor of the step schedule. None: the map's default"""
     num_test_episodes: int = 20
     """greedy test episodes at the end of the run (`eval/test_results.json`)"""
     test_epsilon: float = 0.0
@@ -277,8 +278,10 @@ RULES = (
     ("max_grad_norm", lambda a: a.max_grad_norm > 0, "positive"),
     ("scheduler_tmax", lambda a: a.scheduler_tmax is None or a.scheduler_tmax >= 1, "at least 1 episode"),
     ("min_lr", lambda a: 0 <= a.min_lr <= a.learning_rate, "between 0 and learning_rate ({learning_rate})"),
-    ("step_lr_step_size", lambda a: a.step_lr_step_size >= 1, "at least 1 episode"),
-    ("step_lr_gamma", lambda a: 0 < a.step_lr_gamma <= 1, "in (0, 1]"),
+    ("step_lr_step_size", lambda a: a.step_lr_step_size is None or a.step_lr_step_size >= 1,
+     "at least 1 episode (or left out: the map's default)"),
+    ("step_lr_gamma", lambda a: a.step_lr_gamma is None or 0 < a.step_lr_gamma <= 1,
+     "in (0, 1] (or left out: the map's default)"),
     ("num_test_episodes", lambda a: a.num_test_episodes >= 1, "at least 1"),
     ("test_epsilon", lambda a: 0 <= a.test_epsilon <= 1, "in [0, 1]"),
     ("eval_every_episodes", lambda a: a.eval_every_episodes >= 0, "0 (never) or more"),
@@ -314,10 +317,12 @@ RULES = (
 MAP_DEFAULTS = {
     "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False,
                      "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000, "path_input": False,
-                     "select_own_only": False},
+                     "select_own_only": False, "lr_scheduler": "cosine", "step_lr_step_size": 1000,
+                     "step_lr_gamma": 0.5},
     "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True, "coarse_level": True,
                              "fine_kernel": 1, "fine_gain": 30.0, "exploration_steps": 50_000, "path_input": False,
-                             "select_own_only": False},
+                             "select_own_only": False, "lr_scheduler": "cosine", "step_lr_step_size": 1000,
+                             "step_lr_gamma": 0.5},
 }
 
 
@@ -1286,6 +1291,7 @@ def preallocate_or_fall_back(
 
 def make_scheduler(optimizer, args: Args):
     """Per-episode learning-rate schedule (None for `none`)."""
+    args = with_map_defaults(args)
     if args.lr_scheduler == "cosine":
         t_max = args.scheduler_tmax or args.num_episodes
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=t_max, eta_min=args.min_lr)
