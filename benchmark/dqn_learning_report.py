@@ -23,7 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dqn_starcraft_split as dqn  # noqa: E402
-from benchmark.dqn_calibration import NEIGHBOUR_WORLD_UNITS, neighbours  # noqa: E402
+from benchmark.dqn_calibration import (  # noqa: E402
+    NEIGHBOUR_WORLD_UNITS,
+    ScriptedBeacon,
+    ScriptedShardsTogether,
+    neighbours,
+)
 
 CALIBRATION = Path(__file__).parent / "results" / "dqn_replica_calibration.json"
 # What each map's runs must reach: (calibration figure, fraction of it, wall-time limit in minutes or None).
@@ -32,6 +37,9 @@ TARGETS = {
     "CollectMineralShards": ("scripted_shards_together", 1.0, 60.0),
 }
 RANDOM = {"MoveToBeacon": "random_beacon", "CollectMineralShards": "random_shards"}
+# The scripted agent of each target, played on the very episodes of the greedy behaviour runs: a paired
+# comparison, free of the episode-to-episode spread that separate samples of episodes carry.
+SCRIPTED = {"MoveToBeacon": ScriptedBeacon, "CollectMineralShards": ScriptedShardsTogether}
 
 
 def fail(message: str) -> None:
@@ -88,17 +96,24 @@ def trained_network(folder: Path) -> tuple[dqn.SplitQNetwork, dqn.Args]:
 
 def greedy_behaviour(folder: Path, episodes: int) -> dict:
     """What the trained network does: `episodes` greedy episodes from the run's final checkpoint on a fresh
-    built-in environment (seed 20,000 + k): how often it picks each function, and where its clicks land."""
+    built-in environment (seed 20,000 + k): how often it picks each function, and where its clicks land; and the
+    map's scripted agent (SCRIPTED) on the same episodes."""
     net, args = trained_network(folder)
     counts = {name: 0 for name in dqn.FUNCTIONS}
     on_target = clicks = on_nearest = switches = 0
     selects = selects_off_own = 0  # select_point calls, and those on a pixel without a unit of ours (they deselect)
     click_distance, nearest_distance = [], []  # world units from the selected marines to the click / the nearest pickup
     aimed_neighbours, nearest_neighbours = [], []  # other pickups within NEIGHBOUR_WORLD_UNITS of the aimed / nearest
-    scores = []
+    scores, scripted_scores = [], []
     rng = np.random.default_rng(0)
     for k in range(episodes):
         env = dqn.make_env(args, 20_000 + k)
+        obs, done, score, scripted = env.reset(), False, 0.0, SCRIPTED[args.map_name]()
+        while not done:
+            obs, reward, done = env.step(*scripted.act(env, obs, rng))
+            score += reward
+        scripted_scores.append(score)
+        env = dqn.make_env(args, 20_000 + k)  # the same episode again, for the network
         obs, done, score = env.reset(), False, 0.0
         heading = None  # the pickup the last click sent the marines to
         while not done:
@@ -132,7 +147,7 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
             score += reward
         scores.append(score)
     total = sum(counts.values())
-    return {"episodes": episodes, "scores": scores, "function_share": {n: c / total for n, c in counts.items()},
+    return {"episodes": episodes, "scores": scores, "scripted_scores": scripted_scores, "function_share": {n: c / total for n, c in counts.items()},
             "move_clicks_on_a_pickup": on_target / max(clicks, 1),
             "move_clicks_nearest_the_nearest_pickup": on_nearest / max(clicks, 1),
             "move_clicks_switching_pickup": switches / max(clicks, 1),
@@ -240,6 +255,7 @@ def markdown(r: dict) -> str:
                    + ("-" if b["select_points_off_own_units"] is None else f"{b['select_points_off_own_units']:.0%}")
                    + " |")
     L.append("")
+    L.append(paired_comparison(r))
     L.append(f"Curves: `{r['png']}` and, every row, in the JSON (`runs[].curve`: every "
              f"{a['eval_every_episodes']} episodes the mean epsilon-greedy training score of those episodes and "
              f"the mean of {a['num_eval_episodes']} greedy test episodes).\n")
@@ -263,19 +279,44 @@ def markdown(r: dict) -> str:
     return "\n".join(L)
 
 
+def paired(pairs: list[tuple[float, float]]) -> dict:
+    """(network, scripted) scores of the same episodes -> their means, the mean difference and its standard error."""
+    differences = [net - scripted for net, scripted in pairs]
+    return {"episodes": len(pairs), "network_mean": statistics.fmean(n for n, _ in pairs),
+            "scripted_mean": statistics.fmean(s for _, s in pairs), "difference": statistics.fmean(differences),
+            "standard_error": statistics.stdev(differences) / len(pairs) ** 0.5 if len(pairs) > 1 else None}
+
+
+def paired_comparison(r: dict) -> str:
+    """The networks against the map's scripted agent on the same greedy behaviour episodes, per seed and over all
+    seeds' episodes."""
+    L = [f"The same greedy episodes played by the scripted agent of the target (`{SCRIPTED[r['map_name']].__name__}`"
+         " of `benchmark/dqn_calibration.py`), episode for episode: the network's score minus the scripted agent's, "
+         "with the standard error of that mean difference.\n",
+         "| seed | episodes | network | scripted | difference | standard error |", "|---:|---:|---:|---:|---:|---:|"]
+    rows = [(str(run["seed"]), run["greedy_behaviour"]["paired"]) for run in r["runs"]]
+    for label, p in rows + [("all", r["paired_with_scripted"])]:
+        error = "-" if p["standard_error"] is None else f"{p['standard_error']:.2f}"
+        L.append(f"| {label} | {p['episodes']} | {p['network_mean']:.2f} | {p['scripted_mean']:.2f} | "
+                 f"{p['difference']:+.2f} | {error} |")
+    return "\n".join(L) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", required=True, help="the runs' folders, {save_path}/{run_id}")
     parser.add_argument("--out", required=True, help="path without extension; writes .json, .md and .png")
     parser.add_argument("--command", required=True, help="the command each run used")
     parser.add_argument("--conditions", default="", help="how the runs shared the machine, in words")
-    parser.add_argument("--behaviour-episodes", type=int, default=5,
+    parser.add_argument("--behaviour-episodes", type=int, default=30,
                         help="greedy episodes per run, from its final checkpoint, to describe what it does")
     cli = parser.parse_args()
     torch.set_num_threads(1)
     runs = [read_run(Path(folder)) for folder in cli.runs]
     for run, folder in zip(runs, cli.runs):
         run["greedy_behaviour"] = greedy_behaviour(Path(folder), cli.behaviour_episodes)
+        behaviour = run["greedy_behaviour"]
+        behaviour["paired"] = paired(list(zip(behaviour["scores"], behaviour["scripted_scores"])))
     maps = {run["args"]["map_name"] for run in runs}
     settings = {(run["args"]["res"], run["args"]["step_mul"]) for run in runs}
     if len(maps) != 1 or len(settings) != 1:
@@ -314,6 +355,8 @@ def main() -> None:
         "time_limit_minutes": limit,
         "target_reached": bool((mean > reference_mean if fraction == 1.0 else mean >= fraction * reference_mean)
                                and in_time),
+        "paired_with_scripted": paired([pair for run in runs for pair in
+                                        zip(run["greedy_behaviour"]["scores"], run["greedy_behaviour"]["scripted_scores"])]),
         "png": out.name + ".png",
         "runs": runs,
     }

@@ -501,7 +501,7 @@ def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shar
     args = dqn.with_map_defaults(dqn.Args(map_name="CollectMineralShards", step_mul=64))
     torch.save({"q_network": dqn.make_q_network(args).state_dict(), "args": dataclasses.asdict(args)},
                tmp_path / "checkpoint.pt")
-    made, aimed_counts, nearest_counts = [], [], []
+    made, aimed_counts, nearest_counts, starts = [], [], [], []
     real_make_env = dqn.make_env
 
     def make_env(a, seed):
@@ -512,6 +512,7 @@ def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shar
         def select_action(net, obs, epsilon, rng, device, select_own_only=False):
             env = made[-1]
             if env.steps == 0:  # a select_point on bare ground first, which the report counts
+                starts.append(env.pickups.copy())
                 bare = np.argwhere(obs["feature_screen"][0] == 0)[0]
                 return dqn.encode_action(dqn.SELECT_POINT, (int(bare[1]), int(bare[0])), env.res)
             function, point = ScriptedShardsClustered(bonus).act(env, obs, rng)
@@ -531,6 +532,19 @@ def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shar
     assert nearest["mean_nearest_pickup_neighbours"] == pytest.approx(np.mean(nearest_counts))
     assert nearest["move_clicks_nearest_the_nearest_pickup"] > 0.95
     assert nearest["select_points_off_own_units"] == 1.0 and nearest["function_share"]["select_point"] > 0
+    together = []  # the scripted agent of the target, on the same two episodes as the network
+    for k in range(2):
+        env, agent, rng = real_make_env(args, 20_000 + k), report.SCRIPTED[args.map_name](), np.random.default_rng(0)
+        obs, done, score = env.reset(), False, 0.0
+        assert np.array_equal(env.pickups, starts[k])
+        while not done:
+            obs, reward, done = env.step(*agent.act(env, obs, rng))
+            score += reward
+        together.append(score)
+    assert nearest["scripted_scores"] == together and min(together) > 0
+    pairs = report.paired([(3.0, 1.0), (5.0, 2.0), (4.0, 4.0)])  # differences 2, 3, 0
+    assert pairs["difference"] == pytest.approx(5 / 3) and pairs["scripted_mean"] == pytest.approx(7 / 3)
+    assert pairs["standard_error"] == pytest.approx(np.std([2, 3, 0], ddof=1) / 3**0.5)
     assert abs(nearest["mean_aimed_pickup_neighbours"] - nearest["mean_nearest_pickup_neighbours"]) < 0.1
     aimed_counts.clear(), nearest_counts.clear()
     monkeypatch.setattr(dqn, "select_action", policy(5.0))
