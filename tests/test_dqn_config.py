@@ -209,8 +209,8 @@ def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
                          "step_lr_gamma": 0.5},
         "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True,
                                  "coarse_level": True, "fine_kernel": 1, "fine_gain": 30.0,
-                                 "exploration_steps": 50_000, "path_input": False, "select_own_only": False,
-                                 "lr_scheduler": "cosine", "step_lr_step_size": 1000, "step_lr_gamma": 0.5},
+                                 "exploration_steps": 50_000, "path_input": False, "select_own_only": True,
+                                 "lr_scheduler": "step", "step_lr_step_size": 600, "step_lr_gamma": 0.2},
     }
     for map_name, defaults in dqn.MAP_DEFAULTS.items():
         args = dqn.Args(res=8, map_name=map_name)
@@ -226,7 +226,8 @@ def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
         assert net.fine_gain == defaults["fine_gain"] and net.path_input == defaults["path_input"]
         given = dqn.Args(res=8, map_name=map_name, context_layers=1, click_distance=False, timer_input=True,
                          coarse_level=True, fine_kernel=5, fine_gain=2.0, exploration_steps=7, path_input=True,
-                         select_own_only=True, lr_scheduler="none", step_lr_step_size=3, step_lr_gamma=0.9)
+                         select_own_only=not defaults["select_own_only"], lr_scheduler="none", step_lr_step_size=3,
+                         step_lr_gamma=0.9)
         assert dqn.with_map_defaults(given) == given and len(dqn.make_q_network(given).context) == 1
         assert dqn.make_q_network(given).spatial_fine.kernel_size == (5, 5)
     parsed, sources = dqn.parse_args(["--map-name", "CollectMineralShards"], environ={})
