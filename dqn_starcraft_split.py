@@ -1539,6 +1539,9 @@ CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
                      "fused_channels", "context_layers", "click_distance", "timer_input", "player_channels",
                      "nonspatial_hidden", "fine_gain", "fine_kernel", "coarse_level", "path_input")
+# what the saved scheduler state holds: loaded into another schedule it would not fit, or would silently override
+# the values this run records
+RESUME_SAME_SCHEDULE = ("lr_scheduler", "step_lr_step_size", "step_lr_gamma")
 
 
 def save_checkpoint(
@@ -1606,7 +1609,7 @@ def load_checkpoint(path: str, args: Args) -> dict:
     except (KeyError, IndexError, AttributeError, TypeError):  # args or weights missing or of another shape
         raise ConfigError(f"--resume {path!r} is not a {CHECKPOINT_FORMAT} checkpoint that can be resumed.") from None
     args = with_map_defaults(args)
-    for name in RESUME_MUST_MATCH:
+    for name in RESUME_MUST_MATCH + RESUME_SAME_SCHEDULE:
         saved, wanted = trained.get(name), getattr(args, name)
         if saved != wanted:
             raise ConfigError(f"--resume checkpoint was trained with --{name.replace('_', '-')} {saved}, but this run "

@@ -452,6 +452,21 @@ def test_continue_goes_on_from_a_trained_network_with_another_n_step(tmp_path, m
     assert "was trained with other screen_world_units" in err and len(err.splitlines()) == 1
 
 
+def test_a_checkpoint_resumes_only_with_the_learning_rate_schedule_it_was_trained_with(tmp_path):
+    """The scheduler's saved state belongs to its schedule: a CollectMineralShards checkpoint trained with the
+    cosine schedule (the map's default before the step schedule) refuses the step schedule, naming both."""
+    args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0, lr_scheduler="cosine")
+    path = old_checkpoint(tmp_path, args, (), context_layers=0)
+    assert dqn.trained_settings(dqn.load_checkpoint(path, args))["lr_scheduler"] == "cosine"
+    with pytest.raises(dqn.ConfigError, match="--lr-scheduler cosine, but this run asks for step"):
+        dqn.load_checkpoint(path, dataclasses.replace(args, lr_scheduler=None))  # the map's default: step
+    stepped = dataclasses.replace(args, lr_scheduler="step", step_lr_step_size=600, step_lr_gamma=0.2)
+    path = old_checkpoint(tmp_path, stepped, (), context_layers=0)
+    with pytest.raises(dqn.ConfigError, match="--step-lr-gamma 0.2, but this run asks for 0.5"):
+        dqn.load_checkpoint(path, dataclasses.replace(stepped, step_lr_gamma=0.5))
+    assert dqn.load_checkpoint(path, dataclasses.replace(stepped, num_episodes=50_000))  # a longer run is fine
+
+
 def test_a_checkpoint_resumes_only_with_the_spatial_head_it_was_trained_with(tmp_path):
     """--coarse-level, --fine-kernel and --path-input change the shapes of the spatial head's weights; a
     checkpoint from before the settings existed (its network upsampled, with a 3x3 click term and no path input)
