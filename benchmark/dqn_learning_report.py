@@ -287,12 +287,23 @@ def paired(pairs: list[tuple[float, float]]) -> dict:
             "standard_error": statistics.stdev(differences) / len(pairs) ** 0.5 if len(pairs) > 1 else None}
 
 
+def paired_over_seeds(runs: list[dict]) -> dict:
+    """Every seed plays the same episodes: each episode's network score is the mean over the seeds, so that the
+    standard error counts episodes, not seeds times episodes."""
+    behaviours = [run["greedy_behaviour"] for run in runs]
+    scripted = behaviours[0]["scripted_scores"]
+    if any(b["scripted_scores"] != scripted for b in behaviours):
+        fail("the runs' behaviour episodes differ; run them with the same --behaviour-episodes.")
+    return paired([(statistics.fmean(b["scores"][k] for b in behaviours), scripted[k]) for k in range(len(scripted))])
+
+
 def paired_comparison(r: dict) -> str:
     """The networks against the map's scripted agent on the same greedy behaviour episodes, per seed and over all
     seeds' episodes."""
     L = [f"The same greedy episodes played by the scripted agent of the target (`{SCRIPTED[r['map_name']].__name__}`"
          " of `benchmark/dqn_calibration.py`), episode for episode: the network's score minus the scripted agent's, "
-         "with the standard error of that mean difference.\n",
+         "with the standard error of that mean difference. Every seed plays the same episodes; in the last row each "
+         "episode's network score is the mean over the seeds, and the standard error counts episodes.\n",
          "| seed | episodes | network | scripted | difference | standard error |", "|---:|---:|---:|---:|---:|---:|"]
     rows = [(str(run["seed"]), run["greedy_behaviour"]["paired"]) for run in r["runs"]]
     for label, p in rows + [("all", r["paired_with_scripted"])]:
@@ -355,8 +366,7 @@ def main() -> None:
         "time_limit_minutes": limit,
         "target_reached": bool((mean > reference_mean if fraction == 1.0 else mean >= fraction * reference_mean)
                                and in_time),
-        "paired_with_scripted": paired([pair for run in runs for pair in
-                                        zip(run["greedy_behaviour"]["scores"], run["greedy_behaviour"]["scripted_scores"])]),
+        "paired_with_scripted": paired_over_seeds(runs),
         "png": out.name + ".png",
         "runs": runs,
     }

@@ -545,6 +545,11 @@ def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shar
     pairs = report.paired([(3.0, 1.0), (5.0, 2.0), (4.0, 4.0)])  # differences 2, 3, 0
     assert pairs["difference"] == pytest.approx(5 / 3) and pairs["scripted_mean"] == pytest.approx(7 / 3)
     assert pairs["standard_error"] == pytest.approx(np.std([2, 3, 0], ddof=1) / 3**0.5)
+    seeds = [{"greedy_behaviour": {"scores": [3.0, 5.0], "scripted_scores": [1.0, 4.0]}},
+             {"greedy_behaviour": {"scores": [5.0, 3.0], "scripted_scores": [1.0, 4.0]}}]
+    over = report.paired_over_seeds(seeds)  # each episode's mean over the seeds: 4 and 4; differences 3 and 0
+    assert over["episodes"] == 2 and over["difference"] == pytest.approx(1.5)
+    assert over["standard_error"] == pytest.approx(1.5)  # stdev(3, 0) / sqrt(2), over 2 episodes, not 4
     assert abs(nearest["mean_aimed_pickup_neighbours"] - nearest["mean_nearest_pickup_neighbours"]) < 0.1
     aimed_counts.clear(), nearest_counts.clear()
     monkeypatch.setattr(dqn, "select_action", policy(5.0))
