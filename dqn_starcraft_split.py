@@ -1319,11 +1319,11 @@ def select_action(q_network, obs: dict, epsilon: float, rng: np.random.Generator
     among the available ones, then a point uniformly among its allowed points. Drawing uniformly over all flat
     actions instead would almost never no-op, so a random walk would be redirected every step and rarely arrive.
     """
-    mask = action_mask(obs["available_actions"])
-    own = np.flatnonzero(obs["feature_screen"][0] == SELF) if select_own_only else None
-    if own is not None and own.size == 0:
-        mask[FUNCTIONS.index("select_point")] = False  # nothing of ours on the screen to select
     if rng.random() < epsilon:
+        mask = action_mask(obs["available_actions"])
+        own = np.flatnonzero(obs["feature_screen"][0] == SELF) if select_own_only else None
+        if own is not None and own.size == 0:
+            mask[FUNCTIONS.index("select_point")] = False  # nothing of ours on the screen to select
         function = int(rng.choice(np.flatnonzero(mask)))  # index into FUNCTIONS
         if function < len(NONSPATIAL_FUNCTIONS):
             return function

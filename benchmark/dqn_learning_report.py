@@ -147,7 +147,8 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
             score += reward
         scores.append(score)
     total = sum(counts.values())
-    return {"episodes": episodes, "scores": scores, "scripted_scores": scripted_scores, "function_share": {n: c / total for n, c in counts.items()},
+    return {"episodes": episodes, "scores": scores, "scripted_scores": scripted_scores,
+            "function_share": {n: c / total for n, c in counts.items()},
             "move_clicks_on_a_pickup": on_target / max(clicks, 1),
             "move_clicks_nearest_the_nearest_pickup": on_nearest / max(clicks, 1),
             "move_clicks_switching_pickup": switches / max(clicks, 1),
