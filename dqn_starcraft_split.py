@@ -144,6 +144,12 @@ class Args:
     of the straight walk from the selected units' centre to the clicked pixel: a marine picks up every shard it
     walks over, so a click past a shard, or through a line of them, is worth more than a click that stops on the
     nearest, which a value reading the clicked pixel alone cannot tell. None: the map's default"""
+    past_input: bool | None = None
+    """the full-resolution click term also reads, for each unit class, the pixels one pixel beyond its unselected
+    pixels, on the straight line from the selected units' centre: the marines stop where they are sent, so a click
+    on a shard wastes the rest of the step in which they reach it, where a click just past it walks them through
+    and on. "Just past the nearest shard" is then a few weights, as "on the nearest shard" is with the distance
+    input. None: the map's default"""
     select_own_only: bool | None = None
     """select_point only on pixels of our own units. Anywhere else it selects nothing, which no step of these maps
     needs, and a greedy policy that overvalued it can loop: deselect on bare ground, select a marine, deselect
@@ -320,12 +326,12 @@ RULES = (
 MAP_DEFAULTS = {
     "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False,
                      "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000, "path_input": False,
-                     "select_own_only": False, "lr_scheduler": "cosine", "step_lr_step_size": 1000,
-                     "step_lr_gamma": 0.5},
+                     "past_input": False, "select_own_only": False, "lr_scheduler": "cosine",
+                     "step_lr_step_size": 1000, "step_lr_gamma": 0.5},
     "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True, "coarse_level": True,
                              "fine_kernel": 1, "fine_gain": 30.0, "exploration_steps": 50_000, "path_input": False,
-                             "select_own_only": True, "lr_scheduler": "step", "step_lr_step_size": 600,
-                             "step_lr_gamma": 0.2},
+                             "past_input": False, "select_own_only": True, "lr_scheduler": "step",
+                             "step_lr_step_size": 600, "step_lr_gamma": 0.2},
 }
 
 
@@ -961,6 +967,25 @@ def class_on_path(selected: torch.Tensor, classes: torch.Tensor, reach: float = 
     return counts / 4 * any_selected[:, None, None, None]
 
 
+def class_past(selected: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
+    """`selected` (B, H, W) integer layer, `classes` (B, K, H, W) one-hot -> (B, K-1, H, W): for each class but
+    the background, 1 at each pixel that lies one pixel beyond one of its unselected pixels, on the straight line
+    from the centre of the selected pixels through that pixel (a click there walks the selection through it);
+    zero if none is selected."""
+    B, K, H, W = classes.shape
+    centre_y, centre_x, any_selected = selection_centre(selected)
+    ys = torch.arange(H, dtype=torch.float32, device=selected.device)[None, :, None]
+    xs = torch.arange(W, dtype=torch.float32, device=selected.device)[None, None, :]
+    dy, dx = ys - centre_y[:, None, None], xs - centre_x[:, None, None]  # (B, H, W): away from the centre
+    length = torch.sqrt(dy * dy + dx * dx).clamp(min=1e-6)
+    past_y = (ys + 0.5 + dy / length).floor().clamp(0, H - 1).long()  # the pixel holding the point one pixel on
+    past_x = (xs + 0.5 + dx / length).floor().clamp(0, W - 1).long()
+    index = (past_y * W + past_x).flatten(1)[:, None].expand(-1, K - 1, -1)  # (B, K-1, HW)
+    units = (classes[:, 1:] * (selected[:, None] == 0)).flatten(2)  # (B, K-1, HW)
+    past = torch.zeros_like(units).scatter_add_(2, index, units).clamp(max=1)
+    return past.view(B, K - 1, H, W) * any_selected[:, None, None, None]
+
+
 class SplitQNetwork(nn.Module):
     """Screen and minimap conv towers + the tiled embedding of the player vector and the available actions,
     fused; two Q heads: one value per non-spatial function, and one res x res map per spatial function.
@@ -986,6 +1011,7 @@ class SplitQNetwork(nn.Module):
         fine_kernel: int = MAP_DEFAULTS["CollectMineralShards"]["fine_kernel"],
         coarse_level: bool = MAP_DEFAULTS["CollectMineralShards"]["coarse_level"],
         path_input: bool = MAP_DEFAULTS["CollectMineralShards"]["path_input"],
+        past_input: bool = MAP_DEFAULTS["CollectMineralShards"]["past_input"],
     ):
         super().__init__()
         self.res = res
@@ -1016,8 +1042,9 @@ class SplitQNetwork(nn.Module):
         # The fine term alone can say "the target is at this pixel". Its output is multiplied by a fixed gain,
         # which is a learning-rate multiplier for this one layer (see Args.fine_gain); its zero start keeps the
         # gain from amplifying initial noise.
-        self.click_distance, self.path_input = click_distance, path_input
-        fine_in = screen_in + CLASS_CHANNELS * click_distance + (CLASS_CHANNELS - 1) * path_input
+        self.click_distance, self.path_input, self.past_input = click_distance, path_input, past_input
+        unit_classes = CLASS_CHANNELS - 1  # the path and past inputs leave out the background
+        fine_in = screen_in + CLASS_CHANNELS * click_distance + unit_classes * (path_input + past_input)
         self.spatial_fine = nn.Conv2d(fine_in, num_spatial, fine_kernel, padding=fine_kernel // 2)
         nn.init.zeros_(self.spatial_fine.weight)
         nn.init.zeros_(self.spatial_fine.bias)
@@ -1048,6 +1075,8 @@ class SplitQNetwork(nn.Module):
             fine_input.append(class_distance(selected, screen[:, :CLASS_CHANNELS]))  # (B, K, H, W)
         if self.path_input:
             fine_input.append(class_on_path(selected, screen[:, :CLASS_CHANNELS]))  # (B, K-1, H, W)
+        if self.past_input:
+            fine_input.append(class_past(selected, screen[:, :CLASS_CHANNELS]))  # (B, K-1, H, W)
         fine_input = torch.cat(fine_input, 1)
         minimap = preprocess_layers(minimap, MINIMAP_LAYERS)  # (B, Cm, H, W)
         s = self.screen_tower(screen)  # (B, T, H/2, W/2)
@@ -1076,7 +1105,7 @@ def make_q_network(args: Args) -> SplitQNetwork:
     args = with_map_defaults(args)
     return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers, args.click_distance,
                          args.timer_input, args.player_channels, args.nonspatial_hidden, args.fine_gain,
-                         args.fine_kernel, args.coarse_level, args.path_input)
+                         args.fine_kernel, args.coarse_level, args.path_input, args.past_input)
 
 
 SELF = 1  # player_relative of our own units
@@ -1538,7 +1567,8 @@ CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
                      "fused_channels", "context_layers", "click_distance", "timer_input", "player_channels",
-                     "nonspatial_hidden", "fine_gain", "fine_kernel", "coarse_level", "path_input")
+                     "nonspatial_hidden", "fine_gain", "fine_kernel", "coarse_level", "path_input",
+                     "past_input")
 # what the saved scheduler state holds: loaded into another schedule it would not fit, or would silently override
 # the values this run records
 RESUME_SAME_SCHEDULE = ("lr_scheduler", "step_lr_step_size", "step_lr_gamma")
@@ -1588,6 +1618,7 @@ def trained_settings(state: dict) -> dict:
         "fine_kernel": lambda: weights["spatial_fine.weight"].shape[-1],
         "coarse_level": lambda: weights["spatial_coarse.weight"].dim() == 2,  # Linear, not a 1x1 Conv2d
         "path_input": lambda: False,  # a checkpoint that does not record it predates it
+        "past_input": lambda: False,
     }
     return {**{name: read() for name, read in read_off.items() if name not in state["args"]}, **state["args"]}
 

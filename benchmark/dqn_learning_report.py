@@ -208,6 +208,7 @@ def markdown(r: dict) -> str:
              f", the spatial head's coarse term {'one level per function' if a.get('coarse_level') else 'upsampled'}"
              f", a {a.get('fine_kernel', 3)}x{a.get('fine_kernel', 3)} click term at gain {a.get('fine_gain', 10):g}"
              f", the path input {'on' if a.get('path_input') else 'off'}"
+             f", the past input {'on' if a.get('past_input') else 'off'}"
              f", select_point {'on our units only' if a.get('select_own_only') else 'anywhere'}."
              " Every value "
              "of every run is in the JSON (`runs[].args`).\n")

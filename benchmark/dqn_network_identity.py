@@ -50,7 +50,8 @@ def adam_tensors(optimizer_state: dict):
 
 
 SETTINGS = ("context_layers", "click_distance", "timer_input", "coarse_level", "fine_kernel", "fine_gain",
-            "exploration_steps", "path_input", "select_own_only", "lr_scheduler", "step_lr_step_size", "step_lr_gamma")
+            "exploration_steps", "path_input", "past_input", "select_own_only", "lr_scheduler", "step_lr_step_size",
+            "step_lr_gamma")
 
 
 def run_commit(commit: str, script_args: list[str], workdir: Path) -> dict:

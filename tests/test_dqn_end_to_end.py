@@ -469,16 +469,19 @@ def test_a_checkpoint_resumes_only_with_the_learning_rate_schedule_it_was_traine
 
 
 def test_a_checkpoint_resumes_only_with_the_spatial_head_it_was_trained_with(tmp_path):
-    """--coarse-level, --fine-kernel and --path-input change the shapes of the spatial head's weights; a
-    checkpoint from before the settings existed (its network upsampled, with a 3x3 click term and no path input)
-    reads as off, 3 and off, and one trained with the level refuses a run without it."""
+    """--coarse-level, --fine-kernel, --path-input and --past-input change the shapes of the spatial head's
+    weights; a checkpoint from before the settings existed (its network upsampled, with a 3x3 click term and no
+    path or past input) reads as off, 3, off and off, and one trained with the level refuses a run without it."""
     args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0, coarse_level=False, fine_kernel=3)
-    path = old_checkpoint(tmp_path, args, ("coarse_level", "fine_kernel", "path_input"), context_layers=0,
-                          coarse_level=False, fine_kernel=3)
+    path = old_checkpoint(tmp_path, args, ("coarse_level", "fine_kernel", "path_input", "past_input"),
+                          context_layers=0, coarse_level=False, fine_kernel=3)
     trained = dqn.trained_settings(dqn.load_checkpoint(path, args))
     assert trained["coarse_level"] is False and trained["fine_kernel"] == 3 and trained["path_input"] is False
+    assert trained["past_input"] is False
     with pytest.raises(dqn.ConfigError, match="--path-input False, but this run asks for True"):
         dqn.load_checkpoint(path, dataclasses.replace(args, path_input=True))
+    with pytest.raises(dqn.ConfigError, match="--past-input False, but this run asks for True"):
+        dqn.load_checkpoint(path, dataclasses.replace(args, past_input=True))
     with pytest.raises(dqn.ConfigError, match="--fine-kernel 3, but this run asks for 1"):
         dqn.load_checkpoint(path, dataclasses.replace(args, fine_kernel=1))
     with pytest.raises(dqn.ConfigError, match="--coarse-level False, but this run asks for True"):
