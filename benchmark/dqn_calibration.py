@@ -9,7 +9,8 @@ to them, and one that splits them (select_point on one marine, Move_screen to th
 the other marine is not heading for). The same agents are also played at the DQN's defaults (32 x 32,
 step_mul 16), with two variants of the together agent that show what the choice of shard is worth: one that
 aims at the second-nearest shard with a given probability, one that clicks past the nearest shard, one that
-prefers shards with other shards near them. Writes
+prefers shards with other shards near them, and two that click where the DQN's one-pixel click term would with
+hand-set weights over its inputs (the distance input; the past input). Writes
 `{out}.json` (machine, command, configuration, every episode's score) and `{out}.md`.
 
 The scripted agents read unit positions from the game state, as pysc2's `feature_units` would give them; they
@@ -141,6 +142,29 @@ class ScriptedShardsClustered:
         return MOVE, pixel(env, env.pickups[np.argmin(distance - pull)])
 
 
+class ScriptedClickTerm:
+    """The together agent clicking where the DQN's one-pixel click term would with weights set by hand, over the
+    network's own inputs: 2 on the target channel and -1 on every class's distance input, so that the value of a
+    pixel is highest on the nearest target pixel. The target channel is the shard class (the nearest shard pixel)
+    or, with `past`, the shard channel of the past input (the pixel one pixel past a shard on the line from the
+    selected marines): what those inputs let a greedy click express."""
+
+    def __init__(self, past: bool):
+        self.past = past
+
+    def act(self, env, obs, rng):
+        if MOVE not in obs["available_actions"] or not env.selected.all():
+            return SELECT_ARMY, None
+        screen = torch.as_tensor(obs["feature_screen"])[None]
+        selected = screen[:, dqn.SELECTED_LAYER]
+        classes = dqn.preprocess_layers(screen, dqn.SCREEN_LAYERS)[:, : dqn.CLASS_CHANNELS]
+        neutral = 3  # player_relative of shards
+        target = dqn.class_past(selected, classes)[0, neutral - 1] if self.past else classes[0, neutral]
+        value = 2 * target - dqn.class_distance(selected, classes)[0].sum(0)  # distances are below 1.5 widths
+        y, x = divmod(int(value.flatten().argmax()), env.res)
+        return MOVE, (x, y)
+
+
 # The variants played at each setting: probabilities of aiming at the second-nearest shard, how far past the
 # nearest shard to click (world units), and the clustered agent's bonus per neighbour (world units) within
 # NEIGHBOUR_WORLD_UNITS
@@ -211,6 +235,9 @@ def measure(res: int, step_mul: int, episodes: int, seed: int) -> dict:
         **{f"scripted_shards_together_cluster_{bonus:g}": summary(
             play(ScriptedShardsClustered(bonus), "CollectMineralShards", res, step_mul, episodes, seed))
            for bonus in CLUSTER_BONUSES},
+        **{f"scripted_shards_click_term_{name}": summary(
+            play(ScriptedClickTerm(past), "CollectMineralShards", res, step_mul, episodes, seed))
+           for name, past in (("distance", False), ("past", True))},
     }
 
 
@@ -286,6 +313,12 @@ def write_markdown(path: Path, report: dict) -> None:
           f"shards within {NEIGHBOUR_WORLD_UNITS:g} world units of it) is least: drawn to clusters | "
           f"`scripted_shards_together_cluster_{bonus:g}` | "
           f"{line(f'scripted_shards_together_cluster_{bonus:g}', d)} |" for bonus in CLUSTER_BONUSES],
+        "| together, clicking where the DQN's one-pixel click term would with hand-set weights on the distance "
+        "input: the nearest shard pixel, from what the screen shows | `scripted_shards_click_term_distance` | "
+        f"{line('scripted_shards_click_term_distance', d)} |",
+        "| the same with the past input: the nearest pixel one pixel past a shard, on the line from the selected "
+        "marines (`--past-input`) | `scripted_shards_click_term_past` | "
+        f"{line('scripted_shards_click_term_past', d)} |",
         "",
     ]
     split, together = d["scripted_shards_split"]["mean"], d["scripted_shards_together"]["mean"]

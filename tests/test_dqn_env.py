@@ -300,6 +300,31 @@ def test_calibration_clustered_agent_trades_distance_for_neighbours():
     assert ScriptedShardsClustered(bonus).act(env, obs, rng) == (MOVE, pixel(env, env.pickups[aimed]))
 
 
+def test_calibration_click_term_agents_click_the_nearest_shard_pixel_or_one_pixel_past_it():
+    """benchmark/dqn_calibration.py: the click-term agent on the distance input clicks the shard pixel nearest to
+    the selected marines' centre; on the past input, a pixel next to that shard pixel, farther from the marines,
+    on the line from them through it."""
+    from benchmark.dqn_calibration import ScriptedClickTerm
+
+    env = dqn.BuiltinMiniGame("CollectMineralShards", res=32, step_mul=16, seed=3)
+    obs = env.reset()
+    rng = np.random.default_rng(0)
+    assert ScriptedClickTerm(True).act(env, obs, rng) == (SELECT_ARMY, None)
+    obs, _, _ = env.step(SELECT_ARMY)
+    sel = np.argwhere(obs["feature_screen"][dqn.SELECTED_LAYER] > 0).mean(0)  # (y, x) in pixels
+    shards = np.argwhere(obs["feature_screen"][0] == 3)
+    nearest = shards[np.linalg.norm(shards - sel, axis=1).argmin()]
+    function, (x, y) = ScriptedClickTerm(False).act(env, obs, rng)
+    assert function == MOVE and (y, x) == tuple(nearest)
+    function, (x, y) = ScriptedClickTerm(True).act(env, obs, rng)
+    click = np.array([y, x])
+    assert function == MOVE and np.abs(click - nearest).max() == 1  # the next pixel ...
+    assert np.linalg.norm(click - sel) > np.linalg.norm(nearest - sel)  # ... beyond the shard ...
+    way = (nearest - sel) / np.linalg.norm(nearest - sel)
+    off_line = click - sel - np.dot(click - sel, way) * way
+    assert np.linalg.norm(off_line) < 1.0  # ... within a pixel of the line through it
+
+
 def test_select_own_only_draws_and_picks_select_point_on_our_marines_alone():
     """--select-own-only: a random select_point lands on a marine's pixel, and a greedy one too, even where the
     network values a click on bare ground (which would deselect everything) most."""
