@@ -100,7 +100,7 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
     map's scripted agent (SCRIPTED) on the same episodes."""
     net, args = trained_network(folder)
     counts = {name: 0 for name in dqn.FUNCTIONS}
-    on_target = clicks = on_nearest = switches = 0
+    on_target = past_target = clicks = on_nearest = switches = 0
     selects = selects_off_own = 0  # select_point calls, and those on a pixel without a unit of ours (they deselect)
     click_distance, nearest_distance = [], []  # world units from the selected marines to the click / the nearest pickup
     aimed_neighbours, nearest_neighbours = [], []  # other pickups within NEIGHBOUR_WORLD_UNITS of the aimed / nearest
@@ -128,6 +128,10 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
                 x, y = point
                 clicks += 1
                 on_target += int(obs["feature_screen"][0][y, x] == 3)  # player_relative 3: beacon or shard
+                screen = torch.as_tensor(obs["feature_screen"])[None]
+                classes = dqn.preprocess_layers(screen, dqn.SCREEN_LAYERS)[:, : dqn.CLASS_CHANNELS]
+                past = dqn.class_past(screen[:, dqn.SELECTED_LAYER], classes)[0, 3 - 1]  # where --past-input marks
+                past_target += int(past[y, x] > 0)
                 if env.selected.any():
                     centre = env.marines[env.selected].mean(0)
                     click = (np.array([x, y]) + 0.5) * env.world_units / args.res
@@ -150,6 +154,7 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
     return {"episodes": episodes, "scores": scores, "scripted_scores": scripted_scores,
             "function_share": {n: c / total for n, c in counts.items()},
             "move_clicks_on_a_pickup": on_target / max(clicks, 1),
+            "move_clicks_past_a_pickup": past_target / max(clicks, 1),
             "move_clicks_nearest_the_nearest_pickup": on_nearest / max(clicks, 1),
             "move_clicks_switching_pickup": switches / max(clicks, 1),
             "select_points_off_own_units": selects_off_own / selects if selects else None,
@@ -235,22 +240,26 @@ def markdown(r: dict) -> str:
     L.append("")
     L.append(f"What the trained networks do ({r['runs'][0]['greedy_behaviour']['episodes']} greedy episodes per seed "
              "from the final checkpoint, on fresh episodes): share of each function among the agent's steps, and "
-             "the share of Move_screen clicks that land on a pixel of a beacon or shard, and how far (world units) "
+             "the share of Move_screen clicks that land on a pixel of a beacon or shard, and on a pixel one pixel past "
+             "one, on the line from the selected marines (the pixels `--past-input` marks), and how far (world units) "
              "the click is from the selected marines' centre against how far the nearest pickup was; the share of "
              "clicks aimed at (nearest to) the pickup nearest to the selected marines, and the share that aim at "
              "another pickup while the one the last click aimed at is still there (switching targets); how many "
              f"other pickups lie within {NEIGHBOUR_WORLD_UNITS:g} world units of the aimed pickup and of the nearest "
              "one (`dqn_replica_calibration.md` gives what a pull toward such clusters costs a scripted agent); the "
              "share of select_point calls on a pixel with no unit of ours, which deselect everything.\n")
-    L.append("| seed | score | " + " | ".join(dqn.FUNCTIONS) + " | Move clicks on a pickup | click distance | "
+    L.append("| seed | score | " + " | ".join(dqn.FUNCTIONS) + " | Move clicks on a pickup | one pixel past one | "
+             "click distance | "
              "nearest pickup distance | aimed at the nearest | switching | aimed's neighbours | nearest's neighbours | "
              "select_point off our units |")
-    L.append("|---:|---:|" + "---:|" * (len(dqn.FUNCTIONS) + 8))
+    L.append("|---:|---:|" + "---:|" * (len(dqn.FUNCTIONS) + 9))
     for run in r["runs"]:
         b = run["greedy_behaviour"]
         L.append(f"| {run['seed']} | {statistics.fmean(b['scores']):.1f} | "
                  + " | ".join(f"{b['function_share'][n]:.0%}" for n in dqn.FUNCTIONS)
-                 + f" | {b['move_clicks_on_a_pickup']:.0%} | {b['mean_click_distance'] or 0:.2f} | "
+                 + f" | {b['move_clicks_on_a_pickup']:.0%} | "
+                 + ("-" if b.get("move_clicks_past_a_pickup") is None else f"{b['move_clicks_past_a_pickup']:.0%}")
+                 + f" | {b['mean_click_distance'] or 0:.2f} | "
                    f"{b['mean_nearest_pickup_distance'] or 0:.2f} | "
                    f"{b['move_clicks_nearest_the_nearest_pickup']:.0%} | {b['move_clicks_switching_pickup']:.0%} | "
                    f"{b['mean_aimed_pickup_neighbours'] or 0:.2f} | {b['mean_nearest_pickup_neighbours'] or 0:.2f} | "

@@ -649,3 +649,37 @@ def test_value_probe_writes_every_pair_and_refuses_bad_input(tmp_path, monkeypat
         err = capsys.readouterr().err
         assert stopped.value.code == 2 and words in err and len(err.splitlines()) == 1
         assert not list(tmp_path.glob("bad*"))
+
+
+def test_learning_report_counts_the_clicks_one_pixel_past_a_shard(tmp_path, monkeypatch):
+    """benchmark/dqn_learning_report.py's greedy behaviour: a policy that clicks where the past input marks (the
+    calibration's click-term agent on it) has every Move click one pixel past a shard; the one that clicks on the
+    nearest shard almost none."""
+    import dataclasses
+
+    import dqn_starcraft_split as dqn
+    from benchmark import dqn_learning_report as report
+    from benchmark.dqn_calibration import ScriptedClickTerm
+
+    args = dqn.with_map_defaults(dqn.Args(map_name="CollectMineralShards", step_mul=64))
+    torch.save({"q_network": dqn.make_q_network(args).state_dict(), "args": dataclasses.asdict(args)},
+               tmp_path / "checkpoint.pt")
+    made = []
+    real_make_env = dqn.make_env
+
+    def make_env(a, seed):
+        made.append(real_make_env(a, seed))
+        return made[-1]
+
+    def policy(past):
+        def select_action(net, obs, epsilon, rng, device, select_own_only=False):
+            function, point = ScriptedClickTerm(past).act(made[-1], obs, rng)
+            return dqn.encode_action(function, point, made[-1].res)
+        return select_action
+
+    monkeypatch.setattr(dqn, "make_env", make_env)
+    shares = {}
+    for past in (False, True):
+        monkeypatch.setattr(dqn, "select_action", policy(past))
+        shares[past] = report.greedy_behaviour(tmp_path, episodes=2)["move_clicks_past_a_pickup"]
+    assert shares[True] == 1.0 and shares[False] < 0.2, shares
