@@ -349,3 +349,49 @@ def test_select_own_only_draws_and_picks_select_point_on_our_marines_alone():
         net.spatial_fine.weight[1, 0, 0, 0] = 1.0  # and 30 more on bare ground (player_relative's channel 0)
     assert dqn.select_action(net, obs, 0.0, rng, "cpu") - select_base not in own
     assert dqn.select_action(net, obs, 0.0, rng, "cpu", select_own_only=True) - select_base in own
+
+
+def test_point_jitter_moves_a_greedy_click_to_an_allowed_neighbour_and_is_off_by_default():
+    """--point-jitter: a greedy spatial action keeps its function and moves its point to one of the 8 pixels
+    around it (each of them in turn, none off the screen, select_point only onto our units with
+    --select-own-only); at 0 the greedy action is untouched and no random number is drawn, so the defaults act
+    as before; non-spatial actions are never moved."""
+    env = dqn.BuiltinMiniGame("CollectMineralShards", res=16, step_mul=16, seed=1)
+    env.reset()
+    obs, _, _ = env.step(SELECT_ARMY)
+    net = dqn.SplitQNetwork(16)
+    with torch.no_grad():
+        net.spatial_fine.bias[0] = 5.0  # Move_screen above everything else, at every pixel,
+        net.spatial_fine.weight[0, 0, 0, 0] = -1.0  # and highest off bare ground: on a marine or a shard
+    rng = np.random.default_rng(0)
+    greedy = dqn.select_action(net, obs, 0.0, rng, "cpu")
+    without = np.random.default_rng(0)
+    assert dqn.select_action(net, obs, 0.0, rng := np.random.default_rng(0), "cpu", point_jitter=0.0) == greedy
+    without.random()  # epsilon's coin
+    assert rng.bit_generator.state == without.bit_generator.state  # and nothing else drawn at 0
+    function, (x, y) = dqn.decode_action(greedy, 16)
+    assert function == MOVE
+    around = {(x + dx, y + dy) for dx in (-1, 0, 1) for dy in (-1, 0, 1) if (dx or dy)}
+    around = {(px, py) for px, py in around if 0 <= px < 16 and 0 <= py < 16}
+    moved = [dqn.decode_action(dqn.select_action(net, obs, 0.0, rng, "cpu", point_jitter=1.0), 16)
+             for _ in range(200)]
+    assert {f for f, _ in moved} == {MOVE} and {p for _, p in moved} == around
+    half = [dqn.select_action(net, obs, 0.0, rng, "cpu", point_jitter=0.5) for _ in range(400)]
+    assert 0.35 < np.mean([a != greedy for a in half]) < 0.65
+    assert dqn.neighbouring_point(dqn.encode_action(MOVE, (0, 0), 16), 16, None, rng) in {
+        dqn.encode_action(MOVE, p, 16) for p in ((1, 0), (0, 1), (1, 1))}  # a corner has 3 neighbours
+    own = torch.as_tensor(obs["feature_screen"][0] == dqn.SELF).flatten()  # (H*W,)
+    points = torch.stack([torch.ones_like(own), own])  # (S, H*W): select_point on our units only
+    marine_y, marine_x = np.argwhere(obs["feature_screen"][0] == dqn.SELF)[0]
+    on_marine = dqn.encode_action(SELECT_POINT, (int(marine_x), int(marine_y)), 16)
+    for _ in range(50):
+        function, (px, py) = dqn.decode_action(dqn.neighbouring_point(on_marine, 16, points, rng), 16)
+        assert function == SELECT_POINT and obs["feature_screen"][0, py, px] == dqn.SELF
+    alone = torch.stack([torch.ones_like(own), torch.zeros_like(own)])
+    alone[1, marine_y * 16 + marine_x] = True  # no allowed neighbour: the action stays
+    assert dqn.neighbouring_point(on_marine, 16, alone, rng) == on_marine
+    with torch.no_grad():
+        net.spatial_fine.bias[0] = -5.0  # now no_op or select_army is the greedy action: never moved
+    non_spatial = dqn.select_action(net, obs, 0.0, rng, "cpu")
+    assert non_spatial < len(dqn.NONSPATIAL_FUNCTIONS)
+    assert {dqn.select_action(net, obs, 0.0, rng, "cpu", point_jitter=1.0) for _ in range(20)} == {non_spatial}
