@@ -154,11 +154,6 @@ class Args:
     """select_point only on pixels of our own units. Anywhere else it selects nothing, which no step of these maps
     needs, and a greedy policy that overvalued it can loop: deselect on bare ground, select a marine, deselect
     again, until the episode ends. None: the map's default"""
-    point_jitter: float | None = None
-    """probability that a training step which acts greedily with a spatial function moves its point to one of the
-    8 neighbouring pixels (an allowed one): epsilon's uniform points almost never land beside the greedy click, so
-    the value of a click one pixel off it, such as just past a shard, is otherwise never measured. Test episodes
-    stay greedy. None: the map's default"""
     player_channels: int = 8
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
@@ -295,8 +290,6 @@ RULES = (
      "in (0, 1] (or left out: the map's default)"),
     ("num_test_episodes", lambda a: a.num_test_episodes >= 1, "at least 1"),
     ("test_epsilon", lambda a: 0 <= a.test_epsilon <= 1, "in [0, 1]"),
-    ("point_jitter", lambda a: a.point_jitter is None or 0 <= a.point_jitter <= 1,
-     "in [0, 1] (or left out: the map's default)"),
     ("eval_every_episodes", lambda a: a.eval_every_episodes >= 0, "0 (never) or more"),
     ("num_eval_episodes", lambda a: a.num_eval_episodes >= 1, "at least 1"),
     ("log_every_steps", lambda a: a.log_every_steps >= 1, "at least 1"),
@@ -333,12 +326,12 @@ RULES = (
 MAP_DEFAULTS = {
     "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False,
                      "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000, "path_input": False,
-                     "past_input": False, "select_own_only": False, "point_jitter": 0.0,
-                     "lr_scheduler": "cosine", "step_lr_step_size": 1000, "step_lr_gamma": 0.5},
+                     "past_input": False, "select_own_only": False, "lr_scheduler": "cosine",
+                     "step_lr_step_size": 1000, "step_lr_gamma": 0.5},
     "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True, "coarse_level": True,
                              "fine_kernel": 1, "fine_gain": 30.0, "exploration_steps": 50_000, "path_input": False,
-                             "past_input": False, "select_own_only": True, "point_jitter": 0.0,
-                             "lr_scheduler": "step", "step_lr_step_size": 600, "step_lr_gamma": 0.2},
+                             "past_input": False, "select_own_only": True, "lr_scheduler": "step",
+                             "step_lr_step_size": 600, "step_lr_gamma": 0.2},
 }
 
 
@@ -1347,10 +1340,9 @@ def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> floa
 
 
 def select_action(q_network, obs: dict, epsilon: float, rng: np.random.Generator, device,
-                  select_own_only: bool = False, point_jitter: float = 0.0) -> int:
+                  select_own_only: bool = False) -> int:
     """Epsilon-greedy over the flat action space (functions, then points), available actions only (and, with
-    `select_own_only`, select_point only on our own units). With `point_jitter`, a greedy spatial action's point
-    moves to a random allowed neighbour with that probability.
+    `select_own_only`, select_point only on our own units).
 
     A random action is drawn like pysc2's random agent (the SC2LE "random policy"): a function uniformly
     among the available ones, then a point uniformly among its allowed points. Drawing uniformly over all flat
@@ -1375,24 +1367,7 @@ def select_action(q_network, obs: dict, epsilon: float, rng: np.random.Generator
     with torch.no_grad():
         q_ns, q_sp = q_network(states["screen"], states["minimap"], states["player"], states["mask"])
         points = point_mask(states["screen"], select_own_only)
-        action = int(masked_q(q_ns.float(), q_sp.float(), states["mask"], points).argmax(1).item())
-    if point_jitter > 0 and action >= len(NONSPATIAL_FUNCTIONS) and rng.random() < point_jitter:
-        action = neighbouring_point(action, q_network.res, None if points is None else points[0], rng)
-    return action
-
-
-def neighbouring_point(action: int, res: int, points: torch.Tensor | None, rng: np.random.Generator) -> int:
-    """A spatial flat action -> the same function at one of the 8 pixels around its point, uniformly among those
-    on the screen and allowed by `points` (S, H*W) bool (None: all); the action itself if none is."""
-    spatial, point = divmod(action - len(NONSPATIAL_FUNCTIONS), res * res)
-    y, x = divmod(point, res)
-    around = [(y + dy) * res + x + dx for dy in (-1, 0, 1) for dx in (-1, 0, 1)
-              if (dy or dx) and 0 <= y + dy < res and 0 <= x + dx < res]
-    if points is not None:
-        around = [p for p in around if points[spatial, p]]
-    if not around:
-        return action
-    return len(NONSPATIAL_FUNCTIONS) + spatial * res * res + int(rng.choice(around))
+        return int(masked_q(q_ns.float(), q_sp.float(), states["mask"], points).argmax(1).item())
 
 
 # Colours of the video frames, by player_relative value: background, self (marines), ally, neutral (beacon,
@@ -1928,8 +1903,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 probes("loop_start")
                 epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
                 with out_of_memory_ends_the_run():
-                    action = select_action(q_network, obs, epsilon, rng, device, args.select_own_only,
-                                           args.point_jitter)
+                    action = select_action(q_network, obs, epsilon, rng, device, args.select_own_only)
                 next_obs, reward, done = env.step(*decode_action(action, args.res))
                 rb.add(obs, action, reward, done)
                 probes("after_collect")
