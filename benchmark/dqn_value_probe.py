@@ -1,13 +1,15 @@
 """Does a trained CollectMineralShards network value shards right? -> one results file (.json, .md).
 
     python benchmark/dqn_value_probe.py --out benchmark/results/dqn_collectmineralshards_value_probe \
-        --runs results/shards_s1 results/shards_s2 [--episodes 4] [--every 3] [--horizon 40]
+        --runs results/shards_s1 results/shards_s2 [--pair second|past] [--episodes 4] [--every 3] [--horizon 40]
 
 For each run's final checkpoint it plays greedy episodes on fresh built-in environments (seed 40,000 + k) and, at
 every `--every`-th step where the network clicks Move_screen with marines selected, compares two clicks that the
-geometry fixes, not the network: on the shard nearest to the marines and on the second-nearest. For each pair:
+geometry fixes, not the network: with `--pair second`, on the shard nearest to the marines and on the
+second-nearest; with `--pair past`, one pixel past the nearest shard on the line from the marines (where a click
+walks them through it, the pixel `--past-input` marks) and on that shard. For each pair:
 
-- the network's Q gap, Q(nearest) - Q(second-nearest);
+- the network's Q gap, Q(first) - Q(second): Q(nearest) - Q(second-nearest), or Q(past) - Q(on the shard);
 - the Monte Carlo gap: the discounted return of each first click followed by the network's greedy policy, cut
   after `--horizon` steps and finished with gamma^horizon times the network's best Q there. Both rollouts play on
   copies of the environment as it is, random generator included, so the shards that respawn are the same;
@@ -76,7 +78,18 @@ def rollout_return(env, first: tuple[int, tuple[int, int] | None], policy, value
     return total + discount * value(obs)
 
 
-def probe(net, args: dqn.Args, episodes: int, every: int, horizon: int) -> list[dict]:
+def past_pixel(on: tuple[int, int], selected: np.ndarray) -> tuple[int, int]:
+    """The pixel one pixel beyond pixel `on` (x, y) on the line from the centre of the `selected` layer's (H, W)
+    pixels, stepped as the past input steps (`dqn.class_past`), so it is a pixel that input marks when `on` holds
+    a unit: from a pixel's centre, the larger component of a unit step is at least 0.71 pixel, so it is always
+    another pixel."""
+    centre_y, centre_x, _ = dqn.selection_centre(torch.as_tensor(selected)[None])
+    way = np.array([on[0] - float(centre_x[0]), on[1] - float(centre_y[0])])  # (x, y), away from the centre
+    past = np.floor(np.array(on) + 0.5 + way / max(np.linalg.norm(way), 1e-6)).clip(0, selected.shape[0] - 1)
+    return int(past[0]), int(past[1])
+
+
+def probe(net, args: dqn.Args, episodes: int, every: int, horizon: int, pair: str = "second") -> list[dict]:
     """Every compared pair of clicks of `episodes` greedy episodes (see the module's docstring)."""
     res = args.res
 
@@ -101,17 +114,22 @@ def probe(net, args: dqn.Args, episodes: int, every: int, horizon: int) -> list[
                 nearest, second = np.argsort(np.linalg.norm(env.pickups - centre, axis=1))[:2]
                 around = neighbours(env, NEIGHBOUR_WORLD_UNITS)
                 points = [pixel(env, env.pickups[i]) for i in (nearest, second)]
+                if pair == "past":
+                    points = [past_pixel(points[0], obs["feature_screen"][dqn.SELECTED_LAYER]), points[0]]
                 qs = [float(q[dqn.encode_action(dqn.MOVE_SCREEN, p, res)]) for p in points]
                 mc = [rollout_return(copy.deepcopy(env), (dqn.MOVE_SCREEN, p), policy, value, args.gamma, horizon)
                       for p in points]
                 samples.append({"episode": k, "step": env.steps, "aims_at_nearest": bool(aimed == nearest),
                                 "nearest_neighbours": int(around[nearest]), "second_neighbours": int(around[second]),
-                                "q_gap": qs[0] - qs[1], "mc_gap": mc[0] - mc[1]})
+                                "clicks": points, "q_gap": qs[0] - qs[1], "mc_gap": mc[0] - mc[1]})
             obs, _, done = env.step(function, point)
     return samples
 
 
-GROUPS = {  # name: (words, which pairs)
+# What each pair compares: (the first click, the second click), in words
+PAIRS = {"second": ("the shard nearest to the marines", "the second-nearest"),
+         "past": ("one pixel past the nearest shard, on the line from the marines", "that shard")}
+GROUPS = {  # name: (words, which pairs); the neighbour split only for --pair second
     "all": ("all pairs", lambda s: True),
     "second_has_more_neighbours": ("the second-nearest has more neighbours",
                                    lambda s: s["second_neighbours"] > s["nearest_neighbours"]),
@@ -120,45 +138,50 @@ GROUPS = {  # name: (words, which pairs)
 }
 
 
-def summarise(samples: list[dict]) -> dict:
+def summarise(samples: list[dict], pair: str = "second") -> dict:
     out = {}
     for name, (_, keep) in GROUPS.items():
+        if pair != "second" and name != "all":
+            continue
         group = [s for s in samples if keep(s)]
         out[name] = {"pairs": len(group)}
         if group:
             out[name].update({
                 "mean_q_gap": statistics.fmean(s["q_gap"] for s in group),
                 "mean_mc_gap": statistics.fmean(s["mc_gap"] for s in group),
-                "share_nearest_really_better": statistics.fmean(s["mc_gap"] > 0 for s in group),
+                "share_first_really_better": statistics.fmean(s["mc_gap"] > 0 for s in group),
                 "share_aimed_at_nearest": statistics.fmean(s["aims_at_nearest"] for s in group),
                 "mean_bias": statistics.fmean(s["q_gap"] - s["mc_gap"] for s in group)})
     return out
 
 
 def markdown(report: dict) -> str:
+    first, second = PAIRS[report["pair"]]
     L = ["# Does a trained CollectMineralShards network value shards right?\n",
          "Command (from the repository root):\n", "```\n" + report["command"] + "\n```\n",
          f"Machine: {report['machine']['cpu']}, {report['machine']['cpu_count']} cores, Python "
          f"{report['machine']['python']}, torch {report['machine']['torch']}. "
          f"Written in {report['wall_time_s']:.0f} s.\n",
          f"Greedy episodes from each run's final checkpoint ({report['episodes']} per run, environment seeds 40,000 + "
-         f"k); every {report['every']} agent steps, if the network clicks Move_screen there, a click on the shard "
-         "nearest to the marines set against a click on the second-nearest. Q gap: Q(nearest) - Q(second), from the "
+         f"k); every {report['every']} agent steps, if the network clicks Move_screen there, a click on {first} "
+         f"set against a click on {second}. Q gap: Q(first) - Q(second), from the "
          "network. Monte Carlo gap: the same difference of discounted returns, each click followed by the "
          f"network's greedy policy for up to {report['horizon']} steps on copies of the environment (same "
          "respawns), then the network's best Q. Bias: Q gap minus Monte Carlo gap; negative means the network "
-         f"undervalues the nearest shard. Neighbours: other shards within {report['neighbour_world_units']:g} world "
+         f"undervalues the first click. Neighbours: other shards within {report['neighbour_world_units']:g} world "
          "units. Every pair is in the JSON (`runs[].samples`).\n",
-         "| run | seed | pairs | network aimed at the nearest | mean Q gap | mean Monte Carlo gap | nearest really "
+         "| run | seed | pairs | network aimed at the nearest | mean Q gap | mean Monte Carlo gap | first really "
          "better | mean bias |", "|---|---:|---|---:|---:|---:|---:|---:|"]
     for run in report["runs"]:
         for name, (words, _) in GROUPS.items():
+            if name not in run["summary"]:
+                continue
             s = run["summary"][name]
             if not s["pairs"]:
                 L.append(f"| {run['run_id']} | {run['seed']} | {words}: 0 | | | | | |")
                 continue
             L.append(f"| {run['run_id']} | {run['seed']} | {words}: {s['pairs']} | {s['share_aimed_at_nearest']:.0%} | "
-                     f"{s['mean_q_gap']:+.3f} | {s['mean_mc_gap']:+.3f} | {s['share_nearest_really_better']:.0%} | "
+                     f"{s['mean_q_gap']:+.3f} | {s['mean_mc_gap']:+.3f} | {s['share_first_really_better']:.0%} | "
                      f"{s['mean_bias']:+.3f} |")
     L.append("")
     return "\n".join(L)
@@ -169,7 +192,7 @@ def portable_command(cli: argparse.Namespace, run_ids: list[str]) -> str:
     not where this machine kept it."""
     out = Path(cli.out)
     return " ".join(["python", "benchmark/dqn_value_probe.py", "--out", f"benchmark/results/{out.name}",
-                     "--episodes", str(cli.episodes), "--every", str(cli.every), "--horizon", str(cli.horizon),
+                     "--pair", cli.pair, "--episodes", str(cli.episodes), "--every", str(cli.every), "--horizon", str(cli.horizon),
                      "--runs", *(f"{dqn.Args.save_path}/{run_id}" for run_id in run_ids)])
 
 
@@ -177,6 +200,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", required=True, help="run folders, {save_path}/{run_id}")
     parser.add_argument("--out", required=True, help="path without extension: writes .json and .md")
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="second",
+                        help="the two clicks compared: nearest against second-nearest shard, or past against on it")
     parser.add_argument("--episodes", type=int, default=4, help="greedy episodes per run (at least 1)")
     parser.add_argument("--every", type=int, default=3, help="probe every this many agent steps (at least 1)")
     parser.add_argument("--horizon", type=int, default=40, help="Monte Carlo steps before bootstrapping (>= 1)")
@@ -192,11 +217,12 @@ def main() -> None:
     start = time.perf_counter()
     runs = []
     for folder, net, args in loaded:
-        samples = probe(net, args, cli.episodes, cli.every, cli.horizon)
+        samples = probe(net, args, cli.episodes, cli.every, cli.horizon, cli.pair)
         runs.append({"run_id": folder.name, "seed": args.seed, "res": args.res, "step_mul": args.step_mul,
-                     "gamma": args.gamma, "summary": summarise(samples), "samples": samples})
+                     "gamma": args.gamma, "past_input": args.past_input, "summary": summarise(samples, cli.pair),
+                     "samples": samples})
     report = {"command": portable_command(cli, [folder.name for folder, _, _ in loaded]),
-              "machine": bench_utils.machine(), "episodes": cli.episodes, "every": cli.every,
+              "machine": bench_utils.machine(), "pair": cli.pair, "episodes": cli.episodes, "every": cli.every,
               "horizon": cli.horizon, "neighbour_world_units": NEIGHBOUR_WORLD_UNITS,
               "wall_time_s": time.perf_counter() - start, "runs": runs}
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")

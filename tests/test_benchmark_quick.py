@@ -683,3 +683,60 @@ def test_learning_report_counts_the_clicks_one_pixel_past_a_shard(tmp_path, monk
         monkeypatch.setattr(dqn, "select_action", policy(past))
         shares[past] = report.greedy_behaviour(tmp_path, episodes=2)["move_clicks_past_a_pickup"]
     assert shares[True] == 1.0 and shares[False] < 0.2, shares
+
+
+def test_value_probe_past_pair_sets_the_pixel_the_past_input_marks_against_the_shard(tmp_path, monkeypatch):
+    """benchmark/dqn_value_probe.py --pair past: the first click is the pixel one pixel past the nearest shard on
+    the line from the selected marines, a pixel the past input marks for the shard class; the second is that shard's
+    pixel; the summary has no neighbour split (it is about the second-nearest shard)."""
+    import dataclasses
+
+    import numpy as np
+
+    import dqn_starcraft_split as dqn
+    from benchmark import dqn_value_probe
+    from benchmark.dqn_calibration import pixel
+
+    env = dqn.BuiltinMiniGame("CollectMineralShards", res=32, step_mul=16, seed=4)
+    env.reset()
+    obs, _, _ = env.step(dqn.FUNCTION_IDS["select_army"])
+    screen = torch.as_tensor(obs["feature_screen"])[None]
+    classes = dqn.preprocess_layers(screen, dqn.SCREEN_LAYERS)[:, : dqn.CLASS_CHANNELS]
+    marked = dqn.class_past(screen[:, dqn.SELECTED_LAYER], classes)[0, 3 - 1]  # (H, W): the shard class
+    centre = env.marines[env.selected].mean(0)
+    checked = 0
+    for shard in env.pickups:
+        on = pixel(env, shard)
+        if obs["feature_screen"][0, on[1], on[0]] != 3:
+            continue  # drawn over by a marine
+        x, y = dqn_value_probe.past_pixel(on, obs["feature_screen"][dqn.SELECTED_LAYER])
+        assert max(abs(x - on[0]), abs(y - on[1])) == 1 and marked[y, x] == 1
+        farther = np.linalg.norm(np.array([x, y]) + 0.5 - centre * env.res / env.world_units)
+        assert farther > np.linalg.norm(np.array(on) + 0.5 - centre * env.res / env.world_units)
+        checked += 1
+    assert checked >= 5
+
+    args = dqn.with_map_defaults(dqn.Args(map_name="CollectMineralShards", step_mul=64, seed=3, past_input=True))
+    torch.manual_seed(0)
+    net = dqn.make_q_network(args)
+    with torch.no_grad():  # untrained, but it selects the army and then moves
+        net.nonspatial_head[-1].bias[dqn.NONSPATIAL_FUNCTIONS.index("select_army")] = 5.0
+        net.spatial_fine.bias[dqn.SPATIAL_FUNCTIONS.index("Move_screen")] = 10.0 / net.fine_gain
+    (tmp_path / "shards").mkdir()
+    torch.save({"q_network": net.state_dict(), "args": dataclasses.asdict(args)}, tmp_path / "shards" / "checkpoint.pt")
+    monkeypatch.setattr(sys, "argv", ["dqn_value_probe.py", "--out", str(tmp_path / "p"), "--pair", "past",
+                                      "--episodes", "1", "--every", "1", "--horizon", "3",
+                                      "--runs", str(tmp_path / "shards")])
+    threads = torch.get_num_threads()
+    try:
+        dqn_value_probe.main()
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads((tmp_path / "p.json").read_text())
+    (run,) = report["runs"]
+    assert report["pair"] == "past" and "--pair past" in report["command"] and run["past_input"] is True
+    assert set(run["summary"]) == {"all"} and run["summary"]["all"]["pairs"] == len(run["samples"]) > 0
+    for sample in run["samples"]:
+        (px, py), (ox, oy) = sample["clicks"]
+        assert max(abs(px - ox), abs(py - oy)) == 1
+    assert "one pixel past the nearest shard" in (tmp_path / "p.md").read_text()
