@@ -80,13 +80,12 @@ def rollout_return(env, first: tuple[int, tuple[int, int] | None], policy, value
 
 def past_pixel(on: tuple[int, int], selected: np.ndarray) -> tuple[int, int]:
     """The pixel one pixel beyond pixel `on` (x, y) on the line from the centre of the `selected` layer's (H, W)
-    pixels, stepped as the past input steps (`dqn.class_past`), so it is a pixel that input marks when `on` holds
-    a unit: from a pixel's centre, the larger component of a unit step is at least 0.71 pixel, so it is always
-    another pixel."""
-    centre_y, centre_x, _ = dqn.selection_centre(torch.as_tensor(selected)[None])
-    way = np.array([on[0] - float(centre_x[0]), on[1] - float(centre_y[0])])  # (x, y), away from the centre
-    past = np.floor(np.array(on) + 0.5 + way / max(np.linalg.norm(way), 1e-6)).clip(0, selected.shape[0] - 1)
-    return int(past[0]), int(past[1])
+    pixels: the one the past input (`dqn.class_past`) marks for a lone unit at `on`, taken from that function so
+    the probe clicks exactly where the input points."""
+    lone = torch.zeros(1, 2, *selected.shape)  # (B, K, H, W) one-hot: background, and a unit at `on`
+    lone[0, 1, on[1], on[0]] = 1.0
+    (y, x), = torch.nonzero(dqn.class_past(torch.as_tensor(selected)[None], lone)[0, 0]).tolist()
+    return x, y
 
 
 def probe(net, args: dqn.Args, episodes: int, every: int, horizon: int, pair: str = "second") -> list[dict]:
