@@ -154,6 +154,12 @@ class Args:
     """select_point only on pixels of our own units. Anywhere else it selects nothing, which no step of these maps
     needs, and a greedy policy that overvalued it can loop: deselect on bare ground, select a marine, deselect
     again, until the episode ends. None: the map's default"""
+    move_through: float | None = None
+    """world units by which a Move_screen click is carried on past the pixel the spatial head chose, along the
+    line from the selected units' centre through it (kept on the screen): a unit stops where it is sent, so a
+    click on a shard wastes the rest of the step in which it is reached, where a click carried past it walks the
+    marines through and on. The network still chooses "this pixel" (the replay stores it); only the point sent to
+    the game moves. 0: the click goes where the head points. None: the map's default"""
     player_channels: int = 8
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
@@ -269,6 +275,8 @@ RULES = (
      "1, 3, 5 or 7 (odd, so that it centres on the pixel; or left out: the map's default)"),
     ("fine_gain", lambda a: a.fine_gain is None or 0 <= a.fine_gain < math.inf,
      "0 or more (or left out: the map's default)"),
+    ("move_through", lambda a: a.move_through is None or 0 <= a.move_through <= a.screen_world_units,
+     "between 0 and screen_world_units ({screen_world_units}) (or left out: the map's default)"),
     ("learning_rate", lambda a: a.learning_rate > 0, "positive"),
     ("batch_size", lambda a: a.batch_size >= 1, "at least 1"),
     ("gamma", lambda a: 0 < a.gamma <= 1, "in (0, 1]"),
@@ -326,12 +334,12 @@ RULES = (
 MAP_DEFAULTS = {
     "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False,
                      "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000, "path_input": False,
-                     "past_input": False, "select_own_only": False, "lr_scheduler": "cosine",
-                     "step_lr_step_size": 1000, "step_lr_gamma": 0.5},
+                     "past_input": False, "select_own_only": False, "move_through": 0.0,
+                     "lr_scheduler": "cosine", "step_lr_step_size": 1000, "step_lr_gamma": 0.5},
     "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True, "coarse_level": True,
                              "fine_kernel": 1, "fine_gain": 30.0, "exploration_steps": 50_000, "path_input": False,
-                             "past_input": False, "select_own_only": True, "lr_scheduler": "step",
-                             "step_lr_step_size": 600, "step_lr_gamma": 0.2},
+                             "past_input": False, "select_own_only": True, "move_through": 1.5,
+                             "lr_scheduler": "step", "step_lr_step_size": 600, "step_lr_gamma": 0.2},
 }
 
 
@@ -407,6 +415,22 @@ def encode_action(function_id: int, point: tuple[int, int] | None, res: int) -> 
         return NONSPATIAL_FUNCTIONS.index(name)
     x, y = point
     return len(NONSPATIAL_FUNCTIONS) + SPATIAL_FUNCTIONS.index(name) * res * res + y * res + x
+
+
+def game_call(index: int, obs: dict, res: int, through_pixels: float = 0.0) -> tuple[int, tuple[int, int] | None]:
+    """Flat action index -> the call sent to the game, (function id, point or None): decode_action's, except that
+    a Move_screen point is carried `through_pixels` further along the line from the centre of the selected pixels
+    (the screen's `selected` layer) through it, rounded to a pixel and kept on the screen (`--move-through`)."""
+    function_id, point = decode_action(index, res)
+    if function_id != MOVE_SCREEN or through_pixels <= 0:
+        return function_id, point
+    ys, xs = np.nonzero(obs["feature_screen"][SELECTED_LAYER])
+    way = np.array(point, np.float64) - (xs.mean(), ys.mean()) if len(xs) else np.zeros(2)
+    length = float(np.hypot(*way))
+    if length < 1e-9:
+        return function_id, point  # nothing selected, or the click is on the selection's centre: no direction
+    x, y = np.clip(np.rint(np.array(point) + way / length * through_pixels), 0, res - 1).astype(int)
+    return function_id, (int(x), int(y))
 
 
 
@@ -1398,10 +1422,10 @@ def write_video(frames: list[np.ndarray], path: str) -> None:
 
 def run_test_episodes(
     q_network, env, num_episodes: int, res: int, device, epsilon: float = 0.0, video_dir: str | None = None,
-    select_own_only: bool = False,
+    select_own_only: bool = False, through_pixels: float = 0.0,
 ) -> list[float]:
     """Test episodes (greedy at epsilon 0); returns each episode's score. With `video_dir`, each episode's
-    screen is written to `{video_dir}/test-episode-{k}.mp4`."""
+    screen is written to `{video_dir}/test-episode-{k}.mp4`. Moves are carried `through_pixels` on (game_call)."""
     rng = np.random.default_rng(0)
     scores = []
     for k in range(num_episodes):
@@ -1409,7 +1433,7 @@ def run_test_episodes(
         frames = [render_screen(obs)] if video_dir else None
         while not done:
             action = select_action(q_network, obs, epsilon, rng, device, select_own_only)
-            obs, reward, done = env.step(*decode_action(action, res))
+            obs, reward, done = env.step(*game_call(action, obs, res, through_pixels))
             score += reward
             if frames is not None:
                 frames.append(render_screen(obs))
@@ -1568,7 +1592,7 @@ CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial
 RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
                      "fused_channels", "context_layers", "click_distance", "timer_input", "player_channels",
                      "nonspatial_hidden", "fine_gain", "fine_kernel", "coarse_level", "path_input",
-                     "past_input")
+                     "past_input", "move_through")
 # what the saved scheduler state holds: loaded into another schedule it would not fit, or would silently override
 # the values this run records
 RESUME_SAME_SCHEDULE = ("lr_scheduler", "step_lr_step_size", "step_lr_gamma")
@@ -1619,6 +1643,7 @@ def trained_settings(state: dict) -> dict:
         "coarse_level": lambda: weights["spatial_coarse.weight"].dim() == 2,  # Linear, not a 1x1 Conv2d
         "path_input": lambda: False,  # a checkpoint that does not record it predates it
         "past_input": lambda: False,
+        "move_through": lambda: 0.0,  # its clicks went where the head pointed
     }
     return {**{name: read() for name, read in read_off.items() if name not in state["args"]}, **state["args"]}
 
@@ -1893,6 +1918,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
         logger.info(f"resumed {run_id} at episode {first_episode}, step {global_step}"
                     f"{' with its replay' if resume_state.get('replay') is not None else ' (replay not saved)'}")
         resume_state = None  # memory: the loaded tensors live in the networks now
+    through_pixels = args.move_through * args.res / args.screen_world_units  # --move-through, in screen pixels
     start_time = time.time()
     stopped_by = "num_episodes"
     metrics = {}
@@ -1904,7 +1930,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
                 with out_of_memory_ends_the_run():
                     action = select_action(q_network, obs, epsilon, rng, device, args.select_own_only)
-                next_obs, reward, done = env.step(*decode_action(action, args.res))
+                next_obs, reward, done = env.step(*game_call(action, obs, args.res, through_pixels))
                 rb.add(obs, action, reward, done)
                 probes("after_collect")
                 obs = next_obs
@@ -1973,7 +1999,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 with out_of_memory_ends_the_run():
                     test_scores = run_test_episodes(
                         q_network, eval_env, args.num_eval_episodes, args.res, device, args.test_epsilon,
-                        select_own_only=args.select_own_only,
+                        select_own_only=args.select_own_only, through_pixels=through_pixels,
                     )
                 test_mean = float(np.mean(test_scores))
                 train_mean = float(np.mean(recent_train_scores))
@@ -2003,6 +2029,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 args.test_epsilon,
                 video_dir=os.path.join(run_dir, "videos") if args.capture_video else None,
                 select_own_only=args.select_own_only,
+                through_pixels=through_pixels,
             )
         verdict = leak.check()
         results = {

@@ -106,6 +106,7 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
     aimed_neighbours, nearest_neighbours = [], []  # other pickups within NEIGHBOUR_WORLD_UNITS of the aimed / nearest
     scores, scripted_scores = [], []
     rng = np.random.default_rng(0)
+    through = (args.move_through or 0.0) * args.res / args.screen_world_units  # pixels
     for k in range(episodes):
         env = dqn.make_env(args, 20_000 + k)
         obs, done, score, scripted = env.reset(), False, 0.0, SCRIPTED[args.map_name]()
@@ -147,7 +148,7 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
                     still_there = heading is not None and any(np.array_equal(p, heading) for p in env.pickups)
                     switches += int(still_there and not np.array_equal(aimed, heading))
                     heading = aimed
-            obs, reward, done = env.step(function_id, point)
+            obs, reward, done = env.step(*dqn.game_call(action, obs, args.res, through))  # --move-through
             score += reward
         scores.append(score)
     total = sum(counts.values())

@@ -91,9 +91,10 @@ def past_pixel(on: tuple[int, int], selected: np.ndarray) -> tuple[int, int]:
 def probe(net, args: dqn.Args, episodes: int, every: int, horizon: int, pair: str = "second") -> list[dict]:
     """Every compared pair of clicks of `episodes` greedy episodes (see the module's docstring)."""
     res = args.res
+    through = (args.move_through or 0.0) * res / args.screen_world_units  # --move-through, in pixels
 
     def policy(obs):
-        return dqn.decode_action(int(q_values(net, obs).argmax()), res)
+        return dqn.game_call(int(q_values(net, obs).argmax()), obs, res, through)
 
     def value(obs):
         return float(q_values(net, obs).max())
@@ -116,12 +117,14 @@ def probe(net, args: dqn.Args, episodes: int, every: int, horizon: int, pair: st
                 if pair == "past":
                     points = [past_pixel(points[0], obs["feature_screen"][dqn.SELECTED_LAYER]), points[0]]
                 qs = [float(q[dqn.encode_action(dqn.MOVE_SCREEN, p, res)]) for p in points]
-                mc = [rollout_return(copy.deepcopy(env), (dqn.MOVE_SCREEN, p), policy, value, args.gamma, horizon)
+                mc = [rollout_return(copy.deepcopy(env), dqn.game_call(dqn.encode_action(dqn.MOVE_SCREEN, p, res), obs,
+                                                                        res, through),
+                                     policy, value, args.gamma, horizon)
                       for p in points]
                 samples.append({"episode": k, "step": env.steps, "aims_at_nearest": bool(aimed == nearest),
                                 "nearest_neighbours": int(around[nearest]), "second_neighbours": int(around[second]),
                                 "clicks": points, "q_gap": qs[0] - qs[1], "mc_gap": mc[0] - mc[1]})
-            obs, _, done = env.step(function, point)
+            obs, _, done = env.step(*dqn.game_call(int(q.argmax()), obs, res, through))
     return samples
 
 

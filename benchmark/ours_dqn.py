@@ -32,10 +32,11 @@ def env_steps_per_s(args: dqn.Args, steps: int, epsilon: float, q_network, rng) 
     """Agent steps per second of the built-in minigame, acting as training does (epsilon-greedy)."""
     env = dqn.make_env(args, args.seed)
     obs = env.reset()
+    through = dqn.with_map_defaults(args).move_through * args.res / args.screen_world_units  # as training carries moves
     start = time.perf_counter()
     for _ in range(steps):
         action = dqn.select_action(q_network, obs, epsilon, rng, "cpu")
-        obs, _, done = env.step(*dqn.decode_action(action, args.res))
+        obs, _, done = env.step(*dqn.game_call(action, obs, args.res, through))
         if done:
             obs = env.reset()
     elapsed = time.perf_counter() - start
