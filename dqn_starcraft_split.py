@@ -326,8 +326,11 @@ RULES = (
 # reaches its floor sooner, as that term learns its one job early. Once the plateau is reached, the learning rate
 # is cut to a fifth (after 600 episodes, about 72k agent steps, and again after 1,200), so that the updates stop
 # reordering near-equal clicks. select_point stays on our marines: a greedy policy that valued a click on bare
-# ground looped, deselecting and selecting again. Together they raised the greedy test mean
-# (benchmark/results/dqn_collectmineralshards_learning.md, and the trials the README lists).
+# ground looped, deselecting and selecting again. Its moves are carried past the chosen pixel (move_through): a
+# marine stops where it is sent and idles for the rest of the step in which it reaches a shard, and a click just
+# past the shard, which avoids that, gains too little in one step for the learned values to rank it first. Together
+# they raised the greedy test mean (benchmark/results/dqn_collectmineralshards_learning.md, and the trials the
+# README lists).
 # On MoveToBeacon there is one pickup, which the full-resolution term finds on its own; there the context layers
 # slowed learning and made it less reliable (benchmark/results/dqn_movetobeacon_defaults_seeds_1_2.md against
 # dqn_movetobeacon_learning.md), and its learning file was measured with the values below.
@@ -386,7 +389,9 @@ PLAYER_INPUT_SIZE = PLAYER_SIZE + 1
 #     F + k * res * res + y * res + x  the k-th spatial function at screen point (x, y)
 # which is the column order of torch.cat([q_nonspatial, q_spatial], 1). Acting takes the best available index
 # over both heads, so choosing a function is comparing values. The action mask has one entry per FUNCTIONS;
-# with --select-own-only, `point_mask` also limits select_point's points to our own units.
+# with --select-own-only, `point_mask` also limits select_point's points to our own units. The index is what the
+# agent chooses and the replay stores; `game_call` turns it into the call sent to the game, where --move-through
+# carries a Move on past the chosen point.
 FUNCTION_IDS = {"no_op": 0, "select_point": 2, "select_army": 7, "Move_screen": 331}
 NONSPATIAL_FUNCTIONS = ("no_op", "select_army")
 SPATIAL_FUNCTIONS = ("Move_screen", "select_point")

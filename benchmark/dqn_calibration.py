@@ -165,11 +165,24 @@ class ScriptedClickTerm:
         return MOVE, (x, y)
 
 
+class CarriedClicks:
+    """Another agent whose Move clicks reach the game as the DQN's do with `--move-through` (dqn.game_call):
+    carried `world_units` past the pixel the agent chose, on the line from the centre of the selected pixels."""
+
+    def __init__(self, agent, world_units: float):
+        self.agent, self.world_units = agent, world_units
+
+    def act(self, env, obs, rng):
+        index = dqn.encode_action(*self.agent.act(env, obs, rng), env.res)
+        return dqn.game_call(index, obs, env.res, self.world_units * env.res / env.world_units)
+
+
 # The variants played at each setting: probabilities of aiming at the second-nearest shard, how far past the
 # nearest shard to click (world units), and the clustered agent's bonus per neighbour (world units) within
 # NEIGHBOUR_WORLD_UNITS
 MISSES = (0.1, 0.3, 0.5)
 PAST_WORLD_UNITS = 3.0
+THROUGH_WORLD_UNITS = dqn.MAP_DEFAULTS["CollectMineralShards"]["move_through"]
 CLUSTER_BONUSES = (1.0, 2.0)
 NEIGHBOUR_WORLD_UNITS = 4.0
 
@@ -238,6 +251,12 @@ def measure(res: int, step_mul: int, episodes: int, seed: int) -> dict:
         **{f"scripted_shards_click_term_{name}": summary(
             play(ScriptedClickTerm(past), "CollectMineralShards", res, step_mul, episodes, seed))
            for name, past in (("distance", False), ("past", True))},
+        "scripted_shards_together_through": summary(play(
+            CarriedClicks(ScriptedShardsTogether(), THROUGH_WORLD_UNITS), "CollectMineralShards", res, step_mul,
+            episodes, seed)),
+        "scripted_shards_click_term_distance_through": summary(play(
+            CarriedClicks(ScriptedClickTerm(False), THROUGH_WORLD_UNITS), "CollectMineralShards", res, step_mul,
+            episodes, seed)),
     }
 
 
@@ -319,6 +338,11 @@ def write_markdown(path: Path, report: dict) -> None:
         "| the same with the past input: the nearest pixel one pixel past a shard, on the line from the selected "
         "marines (`--past-input`) | `scripted_shards_click_term_past` | "
         f"{line('scripted_shards_click_term_past', d)} |",
+        f"| together, its clicks sent as the DQN sends its own on this map: carried {THROUGH_WORLD_UNITS:g} world "
+        "units past the nearest shard's pixel, on the line from the selected marines (`--move-through`) | "
+        f"`scripted_shards_together_through` | {line('scripted_shards_together_through', d)} |",
+        "| the click-term agent on the distance input, its clicks carried the same way | "
+        f"`scripted_shards_click_term_distance_through` | {line('scripted_shards_click_term_distance_through', d)} |",
         "",
     ]
     split, together = d["scripted_shards_split"]["mean"], d["scripted_shards_together"]["mean"]

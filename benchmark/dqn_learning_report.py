@@ -104,7 +104,7 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
     selects = selects_off_own = 0  # select_point calls, and those on a pixel without a unit of ours (they deselect)
     click_distance, nearest_distance = [], []  # world units from the selected marines to the click / the nearest pickup
     aimed_neighbours, nearest_neighbours = [], []  # other pickups within NEIGHBOUR_WORLD_UNITS of the aimed / nearest
-    scores, scripted_scores = [], []
+    scores, scripted_scores, scripted_through_scores = [], [], []
     rng = np.random.default_rng(0)
     through = (args.move_through or 0.0) * args.res / args.screen_world_units  # pixels
     for k in range(episodes):
@@ -114,6 +114,14 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
             obs, reward, done = env.step(*scripted.act(env, obs, rng))
             score += reward
         scripted_scores.append(score)
+        if through > 0:  # the scripted agent again, its Move clicks carried on as the network's are
+            env = dqn.make_env(args, 20_000 + k)
+            obs, done, score, scripted = env.reset(), False, 0.0, SCRIPTED[args.map_name]()
+            while not done:
+                index = dqn.encode_action(*scripted.act(env, obs, rng), args.res)
+                obs, reward, done = env.step(*dqn.game_call(index, obs, args.res, through))
+                score += reward
+            scripted_through_scores.append(score)
         env = dqn.make_env(args, 20_000 + k)  # the same episode again, for the network
         obs, done, score = env.reset(), False, 0.0
         heading = None  # the pickup the last click sent the marines to
@@ -153,6 +161,7 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
         scores.append(score)
     total = sum(counts.values())
     return {"episodes": episodes, "scores": scores, "scripted_scores": scripted_scores,
+            "scripted_through_scores": scripted_through_scores or None,
             "function_share": {n: c / total for n, c in counts.items()},
             "move_clicks_on_a_pickup": on_target / max(clicks, 1),
             "move_clicks_past_a_pickup": past_target / max(clicks, 1),
@@ -215,9 +224,10 @@ def markdown(r: dict) -> str:
              f", a {a.get('fine_kernel', 3)}x{a.get('fine_kernel', 3)} click term at gain {a.get('fine_gain', 10):g}"
              f", the path input {'on' if a.get('path_input') else 'off'}"
              f", the past input {'on' if a.get('past_input') else 'off'}"
-             f", select_point {'on our units only' if a.get('select_own_only') else 'anywhere'}."
-             " Every value "
-             "of every run is in the JSON (`runs[].args`).\n")
+             f", select_point {'on our units only' if a.get('select_own_only') else 'anywhere'}, "
+             + (f"Move clicks carried {a['move_through']:g} world units past the chosen pixel (`--move-through`)."
+                if a.get("move_through") else "Move clicks where the head points.")
+             + " Every value of every run is in the JSON (`runs[].args`).\n")
     L.append("## Result\n")
     L.append(f"Final greedy test ({r['runs'][0]['greedy_test']['num_test_episodes']} episodes per seed, epsilon 0): "
              f"**{r['greedy_test_mean']:.2f}** mean over seeds (seed means {', '.join(f'{m:.2f}' for m in r['seed_means'])};"
@@ -322,6 +332,11 @@ def paired_comparison(r: dict) -> str:
         error = "-" if p["standard_error"] is None else f"{p['standard_error']:.2f}"
         L.append(f"| {label} | {p['episodes']} | {p['network_mean']:.2f} | {p['scripted_mean']:.2f} | "
                  f"{p['difference']:+.2f} | {error} |")
+    through = r["runs"][0]["greedy_behaviour"].get("scripted_through_scores")
+    if through:
+        L.append(f"\nThe same scripted agent with its Move clicks carried past the shard as the networks' are "
+                 f"(`--move-through {r['runs'][0]['args']['move_through']:g}`) scores "
+                 f"{statistics.fmean(through):.2f} on these episodes: what the carried click alone is worth.")
     return "\n".join(L) + "\n"
 
 

@@ -117,10 +117,8 @@ def probe(net, args: dqn.Args, episodes: int, every: int, horizon: int, pair: st
                 if pair == "past":
                     points = [past_pixel(points[0], obs["feature_screen"][dqn.SELECTED_LAYER]), points[0]]
                 qs = [float(q[dqn.encode_action(dqn.MOVE_SCREEN, p, res)]) for p in points]
-                mc = [rollout_return(copy.deepcopy(env), dqn.game_call(dqn.encode_action(dqn.MOVE_SCREEN, p, res), obs,
-                                                                        res, through),
-                                     policy, value, args.gamma, horizon)
-                      for p in points]
+                calls = [dqn.game_call(dqn.encode_action(dqn.MOVE_SCREEN, p, res), obs, res, through) for p in points]
+                mc = [rollout_return(copy.deepcopy(env), call, policy, value, args.gamma, horizon) for call in calls]
                 samples.append({"episode": k, "step": env.steps, "aims_at_nearest": bool(aimed == nearest),
                                 "nearest_neighbours": int(around[nearest]), "second_neighbours": int(around[second]),
                                 "clicks": points, "q_gap": qs[0] - qs[1], "mc_gap": mc[0] - mc[1]})

@@ -532,16 +532,19 @@ def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shar
     assert nearest["mean_nearest_pickup_neighbours"] == pytest.approx(np.mean(nearest_counts))
     assert nearest["move_clicks_nearest_the_nearest_pickup"] > 0.95
     assert nearest["select_points_off_own_units"] == 1.0 and nearest["function_share"]["select_point"] > 0
-    together = []  # the scripted agent of the target, on the same two episodes as the network
+    together, carried = [], []  # the scripted agent of the target, on the same two episodes as the network
     for k in range(2):
-        env, agent, rng = real_make_env(args, 20_000 + k), report.SCRIPTED[args.map_name](), np.random.default_rng(0)
-        obs, done, score = env.reset(), False, 0.0
-        assert np.array_equal(env.pickups, starts[k])
-        while not done:
-            obs, reward, done = env.step(*agent.act(env, obs, rng))
-            score += reward
-        together.append(score)
+        for scores, pixels in ((together, 0.0), (carried, 2.0)):  # carried 1.5 world units, the map's default
+            env, agent, rng = real_make_env(args, 20_000 + k), report.SCRIPTED[args.map_name](), np.random.default_rng(0)
+            obs, done, score = env.reset(), False, 0.0
+            assert np.array_equal(env.pickups, starts[k])
+            while not done:
+                index = dqn.encode_action(*agent.act(env, obs, rng), args.res)
+                obs, reward, done = env.step(*dqn.game_call(index, obs, args.res, pixels))
+                score += reward
+            scores.append(score)
     assert nearest["scripted_scores"] == together and min(together) > 0
+    assert nearest["scripted_through_scores"] == carried and carried != together
     pairs = report.paired([(3.0, 1.0), (5.0, 2.0), (4.0, 4.0)])  # differences 2, 3, 0
     assert pairs["difference"] == pytest.approx(5 / 3) and pairs["scripted_mean"] == pytest.approx(7 / 3)
     assert pairs["standard_error"] == pytest.approx(np.std([2, 3, 0], ddof=1) / 3**0.5)

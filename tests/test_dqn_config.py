@@ -169,7 +169,7 @@ def test_a_reused_run_id_is_refused_unless_overwrite(tmp_path):
 BAD_VALUES = {
     "num_episodes": 0, "res": 4, "step_mul": 0, "screen_world_units": 0.0, "buffer_size": 3, "tower_channels": 0,
     "context_layers": -1, "fused_channels": 0, "player_channels": 0, "nonspatial_hidden": 0, "fine_gain": -1.0,
-    "fine_kernel": 2, "learning_rate": 0.0,
+    "fine_kernel": 2, "move_through": 25.0, "learning_rate": 0.0,
     "batch_size": 0, "gamma": 1.5, "n_step": 0, "start_e": 1.5, "end_e": 2.0, "exploration_steps": 0,
     "learning_starts": 3, "train_frequency": 0, "target_network_frequency": 0, "max_grad_norm": 0.0,
     "scheduler_tmax": 0, "min_lr": 1.0, "step_lr_step_size": 0, "step_lr_gamma": 0.0, "num_test_episodes": 0,
@@ -205,13 +205,13 @@ def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
     assert dqn.MAP_DEFAULTS == {
         "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False,
                          "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000, "path_input": False,
-                         "past_input": False, "select_own_only": False, "lr_scheduler": "cosine",
-                         "step_lr_step_size": 1000, "step_lr_gamma": 0.5},
+                         "past_input": False, "select_own_only": False, "move_through": 0.0,
+                         "lr_scheduler": "cosine", "step_lr_step_size": 1000, "step_lr_gamma": 0.5},
         "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True,
                                  "coarse_level": True, "fine_kernel": 1, "fine_gain": 30.0,
                                  "exploration_steps": 50_000, "path_input": False, "past_input": False,
-                                 "select_own_only": True, "lr_scheduler": "step", "step_lr_step_size": 600,
-                                 "step_lr_gamma": 0.2},
+                                 "select_own_only": True, "move_through": 1.5, "lr_scheduler": "step",
+                                 "step_lr_step_size": 600, "step_lr_gamma": 0.2},
     }
     for map_name, defaults in dqn.MAP_DEFAULTS.items():
         args = dqn.Args(res=8, map_name=map_name)
@@ -228,7 +228,7 @@ def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
         assert net.past_input == defaults["past_input"]
         given = dqn.Args(res=8, map_name=map_name, context_layers=1, click_distance=False, timer_input=True,
                          coarse_level=True, fine_kernel=5, fine_gain=2.0, exploration_steps=7, path_input=True,
-                         past_input=True,
+                         past_input=True, move_through=0.75,
                          select_own_only=not defaults["select_own_only"], lr_scheduler="none", step_lr_step_size=3,
                          step_lr_gamma=0.9)
         assert dqn.with_map_defaults(given) == given and len(dqn.make_q_network(given).context) == 1

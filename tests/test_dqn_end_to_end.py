@@ -197,6 +197,44 @@ def test_out_of_memory_writes_a_report_and_a_checkpoint_and_no_row(tmp_path, mon
     assert not (tmp_path / "results" / "results.csv").exists()
 
 
+def test_training_and_test_episodes_send_the_game_carried_moves(tmp_path, monkeypatch):
+    """--move-through reaches every Move_screen the run sends, in training and in its evaluation and test
+    episodes, while the policy's choice stays the chosen pixel; 0 sends the chosen pixel itself."""
+    monkeypatch.chdir(tmp_path)
+    chosen = (4, 4)
+    calls = []  # (observation before the call, function, point) of every call the game received
+    real_step = dqn.BuiltinMiniGame.step
+
+    def step(self, function_id, point=None):
+        calls.append((self._observe(), function_id, point))
+        return real_step(self, function_id, point)
+
+    def select_action(net, obs, epsilon, rng, device, select_own_only=False):
+        if dqn.MOVE_SCREEN in obs["available_actions"]:
+            return dqn.encode_action(dqn.MOVE_SCREEN, chosen, 8)
+        return dqn.encode_action(dqn.FUNCTION_IDS["select_army"], None, 8)
+
+    monkeypatch.setattr(dqn.BuiltinMiniGame, "step", step)
+    monkeypatch.setattr(dqn, "select_action", select_action)
+    sent = {}
+    for through in ("6", "0"):  # 6 world units: 2 pixels of the 8-pixel, 24-unit screen
+        calls.clear()
+        args, sources = dqn.parse_args([*TINY, "--map-name", "CollectMineralShards", "--num-episodes", "2",
+                                        "--move-through", through, "--run-id", f"through{through}",
+                                        "--no-save-model"], {})
+        threads = torch.get_num_threads()
+        try:
+            assert dqn.main(args, sources) == 0
+        finally:
+            torch.set_num_threads(threads)
+        moves = [(obs, point) for obs, function, point in calls if function == dqn.MOVE_SCREEN]
+        assert len(moves) > 40  # 2 training, 2 evaluation and 2 test episodes of 15 steps
+        index = dqn.encode_action(dqn.MOVE_SCREEN, chosen, 8)
+        assert all(point == dqn.game_call(index, obs, 8, 2.0 * (through == "6"))[1] for obs, point in moves)
+        sent[through] = [point for _, point in moves]
+    assert set(sent["0"]) == {chosen} and sum(point != chosen for point in sent["6"]) > len(sent["6"]) / 2
+
+
 def test_capture_video_records_each_test_episode(tmp_path, monkeypatch):
     from moviepy import VideoFileClip
 
@@ -366,6 +404,18 @@ def old_checkpoint(tmp_path, args: dqn.Args, unrecorded: tuple[str, ...], **netw
         del saved["args"][name]
     torch.save(saved, tmp_path / "old.pt")
     return str(tmp_path / "old.pt")
+
+
+def test_a_checkpoint_from_before_move_through_resumes_only_with_clicks_where_the_head_points(tmp_path):
+    """Its replay and its values are of clicks that stopped where they were sent: it reads as --move-through 0,
+    and a run that would carry clicks on (CollectMineralShards' default) is refused in one sentence."""
+    args = dqn.Args(res=8, map_name="CollectMineralShards")
+    path = old_checkpoint(tmp_path, args, ("move_through",), context_layers=3, coarse_level=True, fine_kernel=1,
+                          click_distance=True, timer_input=True)
+    with pytest.raises(dqn.ConfigError, match="--move-through 0.0, but this run asks for 1.5"):
+        dqn.load_checkpoint(path, args)
+    assert dqn.trained_settings(dqn.load_checkpoint(path, dataclasses.replace(args, move_through=0.0)))[
+        "move_through"] == 0.0
 
 
 def test_a_checkpoint_from_before_the_context_layers_resumes_only_without_them(tmp_path):

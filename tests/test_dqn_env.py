@@ -234,6 +234,47 @@ def test_decode_action_covers_both_heads():
         assert dqn.encode_action(*dqn.decode_action(index, 8), 8) == index
 
 
+def test_a_move_is_carried_past_the_chosen_pixel_on_the_line_from_the_selection():
+    """--move-through: the Move_screen point sent to the game lies `through_pixels` beyond the chosen pixel, on
+    the line from the centre of the selected pixels, rounded and kept on the screen; nothing else changes."""
+    obs = {"feature_screen": np.zeros((4, 16, 16), np.int32)}
+    obs["feature_screen"][dqn.SELECTED_LAYER, 4, 3:5] = 1  # two selected pixels: centre x 3.5, y 4
+    move = lambda x, y: dqn.encode_action(MOVE, (x, y), 16)  # noqa: E731
+    assert dqn.game_call(move(9, 4), obs, 16, 2.0) == (MOVE, (11, 4))  # straight on, 2 pixels further
+    assert dqn.game_call(move(3, 12), obs, 16, 3.0) == (MOVE, (3, 15))  # (3 - 0.17, 12 + 2.99), rounded
+    assert dqn.game_call(move(8, 9), obs, 16, 2.0) == (MOVE, (9, 10))  # (8 + 1.34, 9 + 1.49), rounded
+    assert dqn.game_call(move(1, 4), obs, 16, 2.0) == (MOVE, (0, 4))  # backwards from the selection: -1 -> 0
+    assert dqn.game_call(move(14, 4), obs, 16, 4.0) == (MOVE, (15, 4))  # kept on the screen
+    assert dqn.game_call(move(9, 4), obs, 16, 0.0) == (MOVE, (9, 4))  # 0: where the head points
+    select = dqn.encode_action(SELECT_POINT, (9, 4), 16)
+    assert dqn.game_call(select, obs, 16, 2.0) == (SELECT_POINT, (9, 4))  # only moves are carried
+    assert dqn.game_call(1, obs, 16, 2.0) == dqn.decode_action(1, 16)
+    obs["feature_screen"][dqn.SELECTED_LAYER] = 0
+    assert dqn.game_call(move(9, 4), obs, 16, 2.0) == (MOVE, (9, 4))  # no selection, no direction
+
+
+def test_a_carried_click_on_a_shard_walks_the_marines_through_it_and_on():
+    """What --move-through is for: a click on a shard, carried on, picks it up and keeps the marines walking,
+    where a plain click stops them on it for the rest of the step."""
+    ends = {}
+    for through in (0.0, 2.0):
+        env = dqn.BuiltinMiniGame("CollectMineralShards", res=32, step_mul=16, seed=0)
+        env.reset()
+        env.marines[:] = [[6.3, 12.3], [6.3, 12.3]]
+        env.targets[:] = env.marines
+        env.pickups = np.array([[12.3, 12.3], [40.0, 40.0]])  # one shard ahead, one out of the way
+        obs, _, _ = env.step(SELECT_ARMY)
+        shard = to_pixel(env, env.pickups[0])
+        obs, score, _ = env.step(*dqn.game_call(dqn.encode_action(MOVE, shard, 32), obs, 32, through))
+        for _ in range(3):  # one click, then the marines walk on their own
+            obs, reward, _ = env.step(NO_OP)
+            score += reward
+        assert score == 1.0
+        ends[through] = env.marines[0].copy()
+    assert ends[0.0][0] == pytest.approx((shard[0] + 0.5) * 24 / 32)  # stopped on the shard's pixel
+    assert ends[2.0][0] > ends[0.0][0] + 1.0 and ends[2.0][1] == pytest.approx(ends[0.0][1])
+
+
 def test_exploration_draws_like_pysc2_random_agent():
     """A random action: a function uniformly among the available ones, then a point uniformly."""
     net = dqn.SplitQNetwork(8)
@@ -253,10 +294,10 @@ def test_exploration_draws_like_pysc2_random_agent():
 
 def test_calibration_variants_of_the_together_agent_aim_where_they_say():
     """benchmark/dqn_calibration.py: the agent that misses aims at the second-nearest shard as often as asked
-    (never at 0, always at 1), and the agent that clicks past the nearest shard clicks on its far side, on the
-    line from the marines."""
-    from benchmark.dqn_calibration import (ScriptedShardsMissing, ScriptedShardsPast, ScriptedShardsTogether,
-                                           pixel)
+    (never at 0, always at 1), the agent that clicks past the nearest shard clicks on its far side, on the
+    line from the marines, and the carried agent sends its Move clicks as the DQN's --move-through does."""
+    from benchmark.dqn_calibration import (CarriedClicks, ScriptedShardsMissing, ScriptedShardsPast,
+                                           ScriptedShardsTogether, pixel)
 
     env = dqn.BuiltinMiniGame("CollectMineralShards", res=32, step_mul=16, seed=3)
     obs = env.reset()
@@ -277,6 +318,9 @@ def test_calibration_variants_of_the_together_agent_aim_where_they_say():
     along = np.dot(click - centre, way) / np.linalg.norm(way)
     assert function == MOVE and along > np.linalg.norm(way) + 1.5  # past the shard; a pixel rounds by < 1 unit
     assert np.linalg.norm(click - shard) < 3.0 + env.world_units / env.res  # by about 3 units, not anywhere
+    carried = CarriedClicks(ScriptedShardsTogether(), 1.5).act(env, obs, rng)  # 2 pixels at res 32
+    assert carried == dqn.game_call(dqn.encode_action(MOVE, nearest, 32), obs, 32, 2.0) and carried[1] != nearest
+    assert CarriedClicks(ScriptedShardsTogether(), 1.5).act(env, env.reset(), rng) == (SELECT_ARMY, None)
 
 
 def test_calibration_clustered_agent_trades_distance_for_neighbours():

@@ -51,7 +51,7 @@ CHILD = textwrap.dedent("""
     done, steps = False, 0
     while not done:
         action = dqn.select_action(net, obs, 0.0, rng, "cpu")
-        next_obs, reward, done = env.step(*dqn.decode_action(action, res))
+        next_obs, reward, done = env.step(*dqn.game_call(action, obs, res, 2.0))  # moves carried, as by default
         rb.add(obs, action, reward, done)
         obs, steps = next_obs, steps + 1
     assert steps == 3 and rb.num_transitions() == 3
