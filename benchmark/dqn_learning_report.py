@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dqn_starcraft_split as dqn  # noqa: E402
 from benchmark.dqn_calibration import (  # noqa: E402
     NEIGHBOUR_WORLD_UNITS,
+    CarriedClicks,
     ScriptedBeacon,
     ScriptedShardsTogether,
     neighbours,
@@ -116,10 +117,10 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
         scripted_scores.append(score)
         if through > 0:  # the scripted agent again, its Move clicks carried on as the network's are
             env = dqn.make_env(args, 20_000 + k)
-            obs, done, score, scripted = env.reset(), False, 0.0, SCRIPTED[args.map_name]()
+            obs, done, score = env.reset(), False, 0.0
+            scripted = CarriedClicks(SCRIPTED[args.map_name](), args.move_through)
             while not done:
-                index = dqn.encode_action(*scripted.act(env, obs, rng), args.res)
-                obs, reward, done = env.step(*dqn.game_call(index, obs, args.res, through))
+                obs, reward, done = env.step(*scripted.act(env, obs, rng))
                 score += reward
             scripted_through_scores.append(score)
         env = dqn.make_env(args, 20_000 + k)  # the same episode again, for the network
