@@ -205,12 +205,16 @@ class Args:
     amp: Literal["auto", "off", "fp16", "bf16"] = "off"
     """mixed precision: off = float32 (DreamerV3's choice), bf16, fp16 (CUDA, one loss scaler per optimizer),
     auto = fp16 on CUDA and off on CPU"""
+    tf32: bool = True
+    """CUDA: float32 matrix products on TensorFloat-32 tensor cores (`torch.set_float32_matmul_precision("high")`;
+    convolutions already use TF32 by default); --no-tf32 keeps them in full float32"""
     compile: bool = False
     """torch.compile the steps an update repeats (one RSSM step, one imagination step) and the encoder, decoder
     and heads: fewer, fused kernels; the first updates take longer while it compiles"""
-    cudagraph: bool = False
-    """CUDA only: capture the world-model update and the behaviour update in CUDA graphs after 3 eager updates
-    and replay them (the same functions; no Python or kernel-launch cost per op). Takes --amp off or bf16"""
+    cudagraph: bool = True
+    """CUDA only (the CPU runs eagerly): capture the world-model update and the behaviour update in CUDA graphs after
+    3 eager updates and replay them (the same functions; no Python or kernel-launch cost per op). Takes --amp off or
+    bf16; --no-cudagraph runs every update eagerly"""
     preallocate: bool = True
     """create optimizer state at start-up with a worst-case batch (fail fast instead of OOM hours later)"""
     abort_on_leak: bool = False
@@ -319,11 +323,6 @@ def check_args(args: Args) -> None:
                 f"takes Atari ids (ALE/...) or environments that give {side}x{side} grey uint8 frames "
                 f"(--image-size {side})."
             )
-    if args.cudagraph and args.amp in ("fp16", "auto"):
-        raise ArgsError(f"--cudagraph takes --amp off or bf16, got --amp {args.amp} (fp16's loss scaling is not "
-                        f"captured).")
-    if args.cudagraph and args.memory_probes:
-        raise ArgsError("--memory-probes measures eager updates (a captured graph runs no Python); drop --cudagraph.")
     if args.resume is not None and not os.path.isfile(args.resume):
         raise ArgsError(f"--resume {args.resume!r} does not exist or is not a file.")
 
@@ -830,6 +829,13 @@ class EpisodeReplay:
 # ---------------------------------------------------------------------------------------------------------
 # Networks
 # ---------------------------------------------------------------------------------------------------------
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """An autocast output (bf16, fp16) back in float32 for the numerically delicate parts (softmaxes, losses, the
+    recurrent state); float32 and float64 stay as they are (float64: the tests that hold fast paths equal to the
+    reference)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def symlog(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.log1p(x.abs())
 
@@ -840,7 +846,7 @@ def symexp(x: torch.Tensor) -> torch.Tensor:
 
 def twohot_loss(logits: torch.Tensor, target: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of `logits` (..., K) against the two-hot encoding of symlog(target) (...)."""
-    x = symlog(target.float()).clamp(bins[0], bins[-1]).unsqueeze(-1)  # (..., 1)
+    x = symlog(target.to(bins.dtype)).clamp(bins[0], bins[-1]).unsqueeze(-1)  # (..., 1)
     below = ((bins <= x).sum(-1) - 1).clamp(0, len(bins) - 1)
     above = (below + 1).clamp(max=len(bins) - 1)
     dist_below = (bins[below] - x.squeeze(-1)).abs()
@@ -849,7 +855,7 @@ def twohot_loss(logits: torch.Tensor, target: torch.Tensor, bins: torch.Tensor) 
     total = torch.where(same, torch.ones_like(dist_below), dist_below + dist_above)
     weight_below = torch.where(same, torch.ones_like(dist_below), dist_above / total)
     weight_above = torch.where(same, torch.zeros_like(dist_below), dist_below / total)
-    log_probs = F.log_softmax(logits.float(), -1)
+    log_probs = F.log_softmax(upcast(logits), -1)
     return -(
         log_probs.gather(-1, below.unsqueeze(-1)).squeeze(-1) * weight_below
         + log_probs.gather(-1, above.unsqueeze(-1)).squeeze(-1) * weight_above
@@ -858,25 +864,37 @@ def twohot_loss(logits: torch.Tensor, target: torch.Tensor, bins: torch.Tensor) 
 
 def twohot_mean(logits: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
     """Expected value of a symlog two-hot head, back on the original scale."""
-    return symexp((F.softmax(logits.float(), -1) * bins).sum(-1))
+    return symexp((F.softmax(upcast(logits), -1) * bins).sum(-1))
 
 
-_CDF_MATRICES: dict[tuple, torch.Tensor] = {}
+_DRAW_MATRICES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One-hot draws (..., C) float32 from `probs` (..., C), one uniform in [0, 1) per row (..., 1): class k where
+    CDF(k - 1) < u <= CDF(k), the distribution of `Categorical(probs).sample()`. Four kernels and no host sync (so
+    it runs inside a CUDA graph): the CDF is a product with an upper-triangular matrix of ones (a cumsum over a few
+    dozen classes is one of the slowest kernels of an update on a GPU), the step `CDF >= u` becomes one-hot by a
+    product with a difference matrix. The last CDF column is doubled, so rounding never leaves a row without a
+    class. The uniforms come from the caller, drawn for a whole sequence at once."""
+    classes, key = probs.shape[-1], (probs.shape[-1], probs.device)
+    if key not in _DRAW_MATRICES:
+        eye = torch.eye(classes, dtype=torch.float32, device=probs.device)
+        cdf = torch.ones_like(eye).triu()
+        cdf[:, -1] = 2.0
+        diff = eye - eye.roll(1, 1).triu()
+        _DRAW_MATRICES[key] = cdf, diff
+    cdf_matrix, diff_matrix = _DRAW_MATRICES[key]
+    with torch.autocast(probs.device.type, enabled=False):  # in float32, also under --amp
+        above = (probs.float() @ cdf_matrix >= uniform).float()  # (..., C): 0 up to the drawn class, 1 from it
+        return above @ diff_matrix
 
 
 def categorical_draw(probs: torch.Tensor) -> torch.Tensor:
-    """One class index per row of `probs` (..., C), drawn by inverting the CDF: the distribution of
-    `Categorical(probs).sample()`, about 10x cheaper on a CPU, with no check that reads the probabilities back to
-    the host (so it can run inside a CUDA graph; a NaN row gives some index, and its update is skipped anyway).
-    The CDF is a product with an upper-triangular matrix of ones: one matrix kernel, where a cumsum over a few
-    dozen classes is one of the slowest kernels of an update on a GPU."""
-    classes, key = probs.shape[-1], (probs.shape[-1], probs.device)
-    if key not in _CDF_MATRICES:
-        _CDF_MATRICES[key] = torch.ones(classes, classes, device=probs.device).triu()
-    with torch.autocast(probs.device.type, enabled=False):  # the CDF in float32, also under --amp
-        cdf = probs.float() @ _CDF_MATRICES[key]  # (..., C)
+    """One class index per row of `probs` (..., C) (`one_hot_draw` with fresh uniforms): the actions sent to the
+    envs."""
     uniform = torch.rand(probs.shape[:-1] + (1,), device=probs.device)
-    return (cdf < uniform).sum(-1).clamp_(max=classes - 1)
+    return one_hot_draw(probs, uniform).argmax(-1)
 
 
 def mlp(in_dim: int, out_dim: int, hidden_dim: int, zero_output: bool = False) -> nn.Sequential:
@@ -992,10 +1010,12 @@ class RSSM(nn.Module):
         )
 
     def initial(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.zeros(n, self.deter_dim, device=device), torch.zeros(n, self.stoch_flat, device=device)
+        dtype = self.gru.weight_hh.dtype  # float32 (also under autocast), float64 in the equality tests
+        return (torch.zeros(n, self.deter_dim, device=device, dtype=dtype),
+                torch.zeros(n, self.stoch_flat, device=device, dtype=dtype))
 
     def _stats(self, raw: torch.Tensor) -> torch.Tensor:
-        raw = raw.float()
+        raw = upcast(raw)
         if self.classes:
             probs = F.softmax(raw.unflatten(-1, (self.stoch_dim, self.classes)), -1)
             probs = (1 - self.unimix) * probs + self.unimix / self.classes
@@ -1005,22 +1025,31 @@ class RSSM(nn.Module):
 
     def img_step(self, deter: torch.Tensor, stoch: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         """h_t = GRU(h_{t-1}, [z_{t-1}, a_{t-1}])."""
-        return self.gru(self.img_in(torch.cat([stoch, action], -1)).float(), deter)
+        return self.gru(upcast(self.img_in(torch.cat([stoch, action], -1))), deter)
 
     def prior(self, deter: torch.Tensor) -> torch.Tensor:
         return self._stats(self.prior_net(deter))
 
     def posterior(self, deter: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
-        return self._stats(self.posterior_net(torch.cat([deter, embed.float()], -1)))
+        return self._stats(self.posterior_net(torch.cat([deter, upcast(embed)], -1)))
 
-    def sample(self, stats: torch.Tensor) -> torch.Tensor:
-        """A flat latent sample (..., stoch_flat) with gradients (straight-through or reparameterised)."""
+    def noise(self, shape: tuple[int, ...], device) -> torch.Tensor:
+        """The random numbers `sample` turns into latents, for `shape` samples: uniforms (*shape, stoch_dim, 1) for
+        categorical latents, normals (*shape, stoch_dim) for Gaussian ones. A sequence draws them all in one call."""
+        if self.classes:
+            return torch.rand(*shape, self.stoch_dim, 1, device=device)
+        return torch.randn(*shape, self.stoch_dim, device=device)
+
+    def sample(self, stats: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """A flat latent sample (..., stoch_flat) with gradients (straight-through or reparameterised), from `noise`
+        (see `noise`; fresh when None)."""
         if self.classes:
             probs = stats.exp()
-            one_hot = F.one_hot(categorical_draw(probs), self.classes).to(probs.dtype)
+            noise = torch.rand(stats.shape[:-1] + (1,), device=stats.device) if noise is None else noise
+            one_hot = one_hot_draw(probs, noise).to(probs.dtype)
             return (one_hot + probs - probs.detach()).flatten(-2)
         mean, std = stats.chunk(2, -1)
-        return mean + std * torch.randn_like(std)
+        return mean + std * (torch.randn_like(std) if noise is None else noise)
 
     def kl(self, lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
         """KL(lhs || rhs) summed over latents: (...)."""
@@ -1030,33 +1059,46 @@ class RSSM(nn.Module):
         mean_r, std_r = rhs.chunk(2, -1)
         return (torch.log(std_r / std_l) + (std_l**2 + (mean_l - mean_r) ** 2) / (2 * std_r**2) - 0.5).sum(-1)
 
-    def observe_step(self, deter, stoch, action, keep, embed_in) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One posterior step: deter (B, D), stoch (B, S), action (B, A), keep (B, 1) (0 where an episode starts),
-        embed_in (B, H) the embedding's share of the posterior's first layer. Returns deter, stoch, posterior.
+    def observe_step(self, deter, stoch, keep, action_in, embed_in, noise, stoch_weight, deter_weight):
+        """One posterior step, `img_step` then `posterior` then `sample`, with the parts that do not depend on the
+        previous step computed for the whole sequence beforehand (see `observe`): deter (B, D), stoch (B, S), keep
+        (B, 1) (0 where an episode starts), action_in (B, H) and embed_in (B, H) the action's share of `img_in`'s
+        first layer and the embedding's share of the posterior's first layer (biases included), noise this step's
+        (see `noise`), stoch_weight and deter_weight the other shares' weights. Returns deter, stoch, posterior.
         `--compile` compiles this function once and reuses it at every step."""
-        deter = self.img_step(deter * keep, stoch * keep, action)
-        first = self.posterior_net[0]
-        hidden = F.linear(deter, first.weight[:, : self.deter_dim]) + embed_in  # (B, H)
+        deter, stoch = deter * keep, stoch * keep
+        hidden = F.linear(stoch, stoch_weight) + action_in  # = img_in[0](cat[stoch, action])
+        deter = self.gru(upcast(self.img_in[1:](hidden)), deter)
+        hidden = F.linear(deter, deter_weight) + embed_in  # = posterior_net[0](cat[deter, embed])
         posterior = self._stats(self.posterior_net[1:](hidden))
-        return deter, self.sample(posterior), posterior
+        return deter, self.sample(posterior, noise), posterior
 
-    def observe(self, embed: torch.Tensor, action: torch.Tensor, is_first: torch.Tensor):
-        """Posterior rollout over a sequence.
+    def observe(self, embed: torch.Tensor, action: torch.Tensor, is_first: torch.Tensor, noise=None):
+        """Posterior rollout over a sequence: the same as calling `img_step`, `posterior` and `sample` at each step
+        (the reference; a test holds them equal), in fewer kernels.
 
-        embed (B, T, E); action (B, T, A) one-hot, the action that led to step t; is_first (B, T).
-        Returns deter (B, T, D), stoch (B, T, S), posterior and prior stats (B, T, ...).
+        embed (B, T, E); action (B, T, A) one-hot, the action that led to step t; is_first (B, T); noise (T, B, ...)
+        the sampling noise of each step (drawn here when None). Returns deter (B, T, D), stoch (B, T, S), posterior
+        and prior stats (B, T, ...).
         """
         B, T = embed.shape[:2]
         deter, stoch = self.initial(B, embed.device)
         keep = (~is_first).float().unsqueeze(-1)  # (B, T, 1): 0 where an episode starts
-        action = action * keep
-        # the posterior's first layer on [deter, embed], split: the embed half for all steps at once (same weights,
-        # same result, a fraction of the small kernels that bound an update on a GPU)
-        first = self.posterior_net[0]
-        embed_in = F.linear(embed, first.weight[:, self.deter_dim :], first.bias)  # (B, T, H)
+        if noise is None:
+            noise = self.noise((T, B), embed.device)
+        # the first layers of img_in (on [stoch, action]) and of the posterior (on [deter, embed]), split: the action
+        # and embed halves for all steps at once, before the loop (the same weights and sums, far fewer kernels)
+        img_first, post_first = self.img_in[0], self.posterior_net[0]
+        action_in = F.linear(action * keep, img_first.weight[:, self.stoch_flat :], img_first.bias)  # (B, T, H)
+        embed_in = F.linear(embed, post_first.weight[:, self.deter_dim :], post_first.bias)  # (B, T, H)
+        stoch_weight, deter_weight = img_first.weight[:, : self.stoch_flat], post_first.weight[:, : self.deter_dim]
         deters, stochs, posteriors = [], [], []
-        for t in range(T):
-            deter, stoch, posterior = self.observe_step(deter, stoch, action[:, t], keep[:, t], embed_in[:, t])
+        # unbind: one view per step, and one stack in the backward pass (indexing [:, t] would zero-fill and add a
+        # whole (B, T, H) gradient at every step)
+        for keep_t, action_t, embed_t, noise_t in zip(keep.unbind(1), action_in.unbind(1), embed_in.unbind(1),
+                                                      noise.unbind(0)):
+            deter, stoch, posterior = self.observe_step(deter, stoch, keep_t, action_t, embed_t, noise_t, stoch_weight,
+                                                        deter_weight)
             deters.append(deter), stochs.append(stoch), posteriors.append(posterior)
         deter = torch.stack(deters, 1)  # (B, T, D)
         # the prior depends on deter alone: all steps at once, after the loop
@@ -1091,12 +1133,10 @@ class Actor(nn.Module):
         self.net = mlp(feat_dim, num_actions, hidden_dim)
         self.unimix = unimix
 
-    def forward(self, feat: torch.Tensor) -> torch.distributions.Categorical:
-        probs = F.softmax(self.net(feat).float(), -1)
-        # validate_args=False: validation reads the probabilities back to the host (a sync) on every call
-        return torch.distributions.Categorical(
-            probs=(1 - self.unimix) * probs + self.unimix / probs.shape[-1], validate_args=False
-        )
+    def forward(self, feat: torch.Tensor) -> torch.Tensor:
+        """The policy's action probabilities (..., A), with `unimix` uniform mixed in."""
+        probs = F.softmax(upcast(self.net(feat)), -1)
+        return (1 - self.unimix) * probs + self.unimix / probs.shape[-1]
 
 
 class Critic(nn.Module):
@@ -1122,12 +1162,12 @@ class ReturnNormalizer(nn.Module):
         self.decay = decay
         self.register_buffer("low", torch.zeros(()))
         self.register_buffer("high", torch.zeros(()))
+        self.register_buffer("levels", torch.tensor([0.05, 0.95]), persistent=False)
 
     @torch.no_grad()
     def update(self, returns: torch.Tensor) -> None:
-        flat = returns.detach().float().flatten()
-        for ema, level in ((self.low, 0.05), (self.high, 0.95)):
-            quantile = torch.quantile(flat, level)
+        quantiles = torch.quantile(upcast(returns.detach()).flatten(), self.levels)  # (2,): one sort for both
+        for ema, quantile in zip((self.low, self.high), quantiles.unbind(0)):
             # a non-finite rollout (its update is skipped) leaves the EMA as it was, without a host sync
             ema.copy_(torch.where(torch.isfinite(quantile), ema.lerp(quantile, 1 - self.decay), ema))
 
@@ -1185,7 +1225,7 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
     slow_critic.load_state_dict(critic.state_dict())
     slow_critic.requires_grad_(False)
     amp = mu.amp(args.amp, device)
-    adam = {"fused": True, "capturable": device.type == "cuda" and args.cudagraph}  # capture needs capturable
+    adam = {"fused": True, "capturable": captured(args, device)}  # capture needs capturable
     return Agent(
         world_model=world_model,
         actor=actor,
@@ -1228,10 +1268,10 @@ class Player:
             keep = torch.as_tensor(~is_first, device=device).float().unsqueeze(-1)  # (N, 1)
             deter = wm.rssm.img_step(self.deter * keep, self.stoch * keep, self.prev_action * keep)
             stoch = wm.rssm.sample(wm.rssm.posterior(deter, wm.encoder(image)))
-            action = categorical_draw(self.agent.actor(torch.cat([deter, stoch], -1)).probs)  # (N,)
+            action = categorical_draw(self.agent.actor(torch.cat([deter, stoch], -1)))  # (N,)
         # memory: the cached state is stored detached, so it can never carry a graph into the next step
         self.deter, self.stoch = deter.detach().float(), stoch.detach().float()
-        self.prev_action = F.one_hot(action, self.agent.num_actions).float()
+        self.prev_action = one_hot(action, self.agent.num_actions)
         return action.cpu().numpy()
 
 
@@ -1244,14 +1284,21 @@ def lambda_returns(
     """R_t = r_{t+1} + d_{t+1} ((1 - lambda) v_{t+1} + lambda R_{t+1}), R_H = v_H.
 
     reward, value, discount: (H+1, N) for imagined states s_0..s_H (the reward and discount of s_k are those
-    received on arriving at s_k). Returns (H, N) for s_0..s_{H-1}.
+    received on arriving at s_k). Returns (H, N) for s_0..s_{H-1}. The terms that do not depend on R_{t+1} are
+    computed for all steps at once, so the loop is one fused multiply-add per step.
     """
+    base = reward[1:] + discount[1:] * (1 - lambda_) * value[1:]  # (H, N)
+    factor = discount[1:] * lambda_  # (H, N)
     returns = [value[-1]]
-    for t in reversed(range(len(value) - 1)):
-        returns.append(
-            reward[t + 1] + discount[t + 1] * ((1 - lambda_) * value[t + 1] + lambda_ * returns[-1])
-        )
+    for base_t, factor_t in zip(reversed(base.unbind(0)), reversed(factor.unbind(0))):
+        returns.append(torch.addcmul(base_t, factor_t, returns[-1]))
     return torch.stack(returns[1:][::-1])
+
+
+def one_hot(index: torch.Tensor, classes: int) -> torch.Tensor:
+    """float32 one-hot (..., classes) of integer `index` (...), by comparison with 0..classes-1: two kernels, and
+    unlike F.one_hot no check of the range that reads the indices back to the host."""
+    return (index.unsqueeze(-1) == torch.arange(classes, device=index.device)).float()
 
 
 def batch_tensors(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
@@ -1275,7 +1322,7 @@ def prepare_batch(
     image = image.unflatten(0, obs.shape[:2])
     return {
         "image": image,  # (B, T, 4, 84, 84) in [-0.5, 0.5]
-        "action": F.one_hot(raw["action"].long(), num_actions).float(),  # (B, T, A)
+        "action": one_hot(raw["action"], num_actions),  # (B, T, A)
         "reward": raw["reward"],  # (B, T)
         "is_first": raw["is_first"],  # (B, T) bool
         "is_terminal": raw["is_terminal"],  # (B, T) bool
@@ -1300,13 +1347,11 @@ def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args, pr
     feat = torch.cat([deter, stoch], -1)  # (B, T, D + S)
     reconstruction = wm.decoder(feat.flatten(0, 1)).unflatten(0, (B, T))  # (B, T, 4, 84, 84)
     # squared error summed over each image, averaged over images (one fused kernel each way)
-    image_loss = F.mse_loss(reconstruction.float(), image, reduction="sum") / (B * T)
+    image_loss = F.mse_loss(upcast(reconstruction), image, reduction="sum") / (B * T)
     reward_logits = wm.reward_head(feat)  # (B, T, K)
     reward_loss = twohot_loss(reward_logits, data["reward"], wm.bins).mean()
-    continue_target = (~data["is_terminal"]).float()
-    continue_loss = F.binary_cross_entropy_with_logits(
-        wm.continue_head(feat).squeeze(-1).float(), continue_target
-    )
+    continue_logits = upcast(wm.continue_head(feat).squeeze(-1))  # (B, T)
+    continue_loss = F.binary_cross_entropy_with_logits(continue_logits, (~data["is_terminal"]).to(continue_logits.dtype))
     dyn = wm.rssm.kl(posterior.detach(), prior)  # (B, T)
     rep = wm.rssm.kl(posterior, prior.detach())
     kl_loss = (
@@ -1435,45 +1480,58 @@ def train_world_model(
     return values, healthy, (deter.detach().flatten(0, 1), stoch.detach().flatten(0, 1), start_continue)
 
 
-def imagine(agent: Agent, start_states, horizon: int):
+def imagine(agent: Agent, start_states, horizon: int, noise: tuple | None = None):
     """Roll the prior forward `horizon` steps with the actor, from (N, ...) start states.
 
-    The dynamics run without gradients (the actor learns by REINFORCE, the critic from fixed targets), so
-    the only graph kept is the actor's. Returns feat (H+1, N, F) detached, log_prob (H, N), entropy (H, N).
+    The rollout runs without gradients: the actor learns by REINFORCE and the critic from fixed targets, so only
+    the actor's log-probabilities and entropy need a graph. The actor therefore runs once more after the loop, with
+    gradients, on all imagined states at once: one forward and one backward pass for the whole rollout instead of
+    one per step (the same values). `noise` (action uniforms (H, N, 1), latent noise (H, N, ...)) is drawn here
+    when None. Returns feat (H+1, N, F) detached, log_prob (H, N), entropy (H, N).
     """
     deter, stoch, _ = start_states
+    rssm = agent.world_model.rssm
+    if noise is None:
+        noise = (torch.rand(horizon, deter.shape[0], 1, device=deter.device), rssm.noise((horizon, deter.shape[0]),
+                                                                                          deter.device))
     step = agent.compiled.get("imagine_step", imagine_step)
-    feats, log_probs, entropies = [], [], []
-    for _ in range(horizon):
-        feat, log_prob, entropy, deter, stoch = step(agent.actor, agent.world_model.rssm, deter, stoch)
-        feats.append(feat), log_probs.append(log_prob), entropies.append(entropy)
-    feats.append(torch.cat([deter, stoch], -1))
-    return torch.stack(feats), torch.stack(log_probs), torch.stack(entropies)
-
-
-def imagine_step(actor: "Actor", rssm: RSSM, deter: torch.Tensor, stoch: torch.Tensor) -> tuple:
-    """One imagined step from deter (N, D), stoch (N, S): the actor picks an action, the prior moves on without
-    gradients. Returns feat (N, F), log_prob (N,), entropy (N,), next deter and stoch. `--compile` compiles this
-    function once and reuses it at every step."""
-    feat = torch.cat([deter, stoch], -1)  # (N, F)
-    policy = actor(feat)
-    action = categorical_draw(policy.probs)  # (N,)
     with torch.no_grad():
-        deter = rssm.img_step(deter, stoch, F.one_hot(action, policy.probs.shape[-1]).to(deter.dtype))
-        stoch = rssm.sample(rssm.prior(deter))
-    return feat, policy.log_prob(action), policy.entropy(), deter, stoch
+        deters, stochs, actions = [deter], [stoch], []
+        for action_uniform, latent_noise in zip(noise[0].unbind(0), noise[1].unbind(0)):
+            action, deter, stoch = step(agent.actor, rssm, deter, stoch, action_uniform, latent_noise)
+            deters.append(deter), stochs.append(stoch), actions.append(action)
+        feat = torch.cat([torch.stack(deters), torch.stack(stochs)], -1)  # (H+1, N, F)
+        action = torch.stack(actions)  # (H, N, A) one-hot
+    probs = agent.actor(feat[:-1])  # (H, N, A), with gradients
+    log_probs = probs.log()
+    return feat, (log_probs * action).sum(-1), -(probs * log_probs).sum(-1)
 
 
-def compile_agent(agent: Agent) -> None:
+def imagine_step(actor: "Actor", rssm: RSSM, deter, stoch, action_uniform, latent_noise) -> tuple:
+    """One imagined step from deter (N, D), stoch (N, S), without gradients: the actor picks an action (from
+    `action_uniform` (N, 1)), the prior moves on (`latent_noise`). Returns the one-hot action (N, A), the next deter
+    and stoch. `--compile` compiles this function once and reuses it at every step."""
+    action = one_hot_draw(actor(torch.cat([deter, stoch], -1)), action_uniform)  # (N, A)
+    deter = rssm.img_step(deter, stoch, action.to(deter.dtype))
+    return action, deter, rssm.sample(rssm.prior(deter), latent_noise)
+
+
+def compile_agent(agent: Agent, backend: str = "inductor") -> None:
     """--compile: torch.compile what an update repeats. One RSSM observe step and one imagination step are each
     compiled once and reused at every step of a sequence (compiling a whole unrolled sequence takes minutes); the
-    encoder, decoder and heads, which run once per update over all steps, are compiled too. The functions are the
-    eager ones, and the modules keep their state_dict keys, so checkpoints are the same either way."""
+    encoder, decoder and heads, which run once per update over all steps, are compiled too. Each compiles as one
+    whole graph (`fullgraph=True`: a graph break is an error, not a silent slow path). The functions are the eager
+    ones, and the modules keep their state_dict keys, so checkpoints are the same either way."""
     wm = agent.world_model
-    wm.rssm.observe_step = torch.compile(wm.rssm.observe_step, dynamic=False)
-    agent.compiled["imagine_step"] = torch.compile(imagine_step, dynamic=False)
-    for module in (wm.encoder, wm.decoder, wm.reward_head, wm.continue_head, agent.critic, agent.slow_critic):
-        module.forward = torch.compile(module.forward, dynamic=False)
+
+    def compile_(fn):
+        return torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
+
+    wm.rssm.observe_step = compile_(wm.rssm.observe_step)
+    agent.compiled["imagine_step"] = compile_(imagine_step)
+    for module in (wm.encoder, wm.decoder, wm.reward_head, wm.continue_head, agent.actor, agent.critic,
+                   agent.slow_critic):
+        module.forward = compile_(module.forward)
 
 
 def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = True):
@@ -1484,7 +1542,7 @@ def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = 
     critic_logits = agent.critic(feat)  # (H+1, N, K)
     with torch.no_grad():
         reward = twohot_mean(wm.reward_head(feat), wm.bins)  # (H+1, N)
-        continues = torch.sigmoid(wm.continue_head(feat).squeeze(-1).float())
+        continues = torch.sigmoid(upcast(wm.continue_head(feat).squeeze(-1)))
         continues[0] = start_states[2]  # the start state's own continue flag is known
         discount = args.gamma * continues
         value = twohot_mean(critic_logits.detach(), agent.critic.bins)  # (H+1, N)
@@ -1580,6 +1638,11 @@ class CudaGraphed:
         return self.static_outputs
 
 
+def captured(args: Args, device: torch.device) -> bool:
+    """Whether the updates are captured in CUDA graphs: --cudagraph (the default) on a CUDA device."""
+    return args.cudagraph and torch.device(device).type == "cuda"
+
+
 def make_update_steps(agent: Agent, args: Args, probe: Callable[[str], None] | None):
     """The world-model update and the behaviour update as functions of dicts of device tensors (the form
     `CudaGraphed` replays), captured in CUDA graphs with --cudagraph."""
@@ -1591,7 +1654,7 @@ def make_update_steps(agent: Agent, args: Args, probe: Callable[[str], None] | N
     def behavior_step(states: dict[str, torch.Tensor]) -> tuple:
         return train_behavior(agent, (states["deter"], states["stoch"], states["continue"]), args)
 
-    if args.cudagraph:
+    if captured(args, agent.device):
         return CudaGraphed(world_model_step), CudaGraphed(behavior_step)
     return world_model_step, behavior_step
 
@@ -1999,8 +2062,12 @@ def main(args: Args) -> dict:
             mu.amp(args.amp, device)
         except ValueError as exc:
             raise ArgsError(f"--amp {args.amp} is not available here: {exc}.")
-        if args.cudagraph and device.type != "cuda":
-            raise ArgsError("--cudagraph needs a CUDA device, and this run has none (no GPU, or --no-cuda).")
+        if captured(args, device) and mu.amp(args.amp, device).dtype == torch.float16:
+            raise ArgsError(f"CUDA-graph capture (on by default on CUDA) takes --amp off or bf16, got --amp {args.amp} "
+                            f"(fp16's loss scaling is not captured); add --no-cudagraph to run fp16 eagerly.")
+        if captured(args, device) and args.memory_probes:
+            raise ArgsError("--memory-probes measures eager updates (a captured graph runs no Python); add "
+                            "--no-cudagraph.")
         resume_state = load_checkpoint(args.resume) if args.resume else None
         if resume_state is not None:
             check_checkpoint_matches(resume_state, args)
@@ -2042,6 +2109,8 @@ def main(args: Args) -> dict:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if args.tf32 else "highest")
     rng = np.random.default_rng(args.seed)
 
     # the env workers start with the loop, where one `finally` closes them whatever happens; until then one env

@@ -223,7 +223,7 @@ def test_world_model_resets_where_a_window_enters_the_next_episode():
     args = tiny_args(sequence_length=12)
     torch.manual_seed(0)
     wm = da.build_agent(args, (4, 84, 84), 6, "cpu").world_model
-    wm.rssm.sample = lambda stats: torch.nn.functional.one_hot(stats.argmax(-1), stats.shape[-1]).float().flatten(-2)
+    wm.rssm.sample = lambda stats, noise=None: torch.nn.functional.one_hot(stats.argmax(-1), stats.shape[-1]).float().flatten(-2)
     rng = np.random.default_rng(0)
     stream = {  # 5 steps of an episode's end, then 7 of the next episode
         "obs": rng.integers(0, 255, (1, 12, 4, 84, 84), dtype=np.uint8),
