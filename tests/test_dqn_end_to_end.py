@@ -462,47 +462,6 @@ def test_the_settings_a_checkpoint_does_not_record_are_read_off_its_weights(tmp_
     assert (loaded.player[:, dqn.PLAYER_SIZE] == 0).all() and loaded.size == 4
 
 
-def test_continue_goes_on_from_a_trained_network_with_another_n_step(tmp_path, monkeypatch, capsys):
-    """benchmark/dqn_continue.py: a finished run's networks, Adam moments and counters, another --n-step, an empty
-    replay refilled before the next update; a checkpoint of another network shape is one line, status 2."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from benchmark import dqn_continue
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    assert _run_in_process(tmp_path, monkeypatch, [*TINY, "--num-episodes", "2", "--run-id", "first"]) == 0
-    checkpoint = tmp_path / "results" / "first" / "checkpoint.pt"
-    first = torch.load(checkpoint, weights_only=True)
-    assert first["args"]["n_step"] == 3
-    # no episode left to run: the saved network is the loaded one
-    assert dqn_continue.main([str(checkpoint), *TINY, "--n-step", "1", "--num-episodes", "2", "--run-id", "same"]) == 0
-    same = torch.load(tmp_path / "results" / "same" / "checkpoint.pt", weights_only=True)
-    for key, value in first["q_network"].items():
-        assert torch.equal(same["q_network"][key], value), key
-    monkeypatch.setattr(dqn_continue, "REFILL_STEPS", 10)
-    assert dqn_continue.main([str(checkpoint), *TINY, "--n-step", "1", "--num-episodes", "4", "--run-id", "on"]) == 0
-    on = torch.load(tmp_path / "results" / "on" / "checkpoint.pt", weights_only=True)
-    config = json.loads((tmp_path / "results" / "on" / "config.json").read_text())
-    assert on["args"]["n_step"] == 1 and config["args"]["learning_starts"] == first["global_step"] + 10
-    assert on["global_step"] == first["global_step"] + 2 * dqn.episode_steps(128)
-    steps = [state["step"] for state in on["optimizer"]["state"].values()]
-    first_steps = [state["step"] for state in first["optimizer"]["state"].values()]
-    assert min(s - f for s, f in zip(steps, first_steps)) > 0  # Adam went on from its saved moments
-    assert not torch.equal(on["q_network"]["spatial_coarse.weight"], first["q_network"]["spatial_coarse.weight"])
-    capsys.readouterr()
-    assert dqn_continue.main([str(checkpoint), *TINY, "--res", "16", "--num-episodes", "3", "--run-id", "other"]) == 2
-    assert "was trained with other res" in capsys.readouterr().err
-    assert dqn_continue.main(["--n-step", "1"]) == 2  # no checkpoint: the usage, not a traceback
-    assert "the first argument must be a checkpoint path" in capsys.readouterr().err
-    assert not (tmp_path / "results" / "other").exists()
-    older = dict(first, args={k: v for k, v in first["args"].items() if k != "screen_world_units"})
-    torch.save(older, tmp_path / "older.pt")  # a setting the checkpoint does not record and its weights cannot tell
-    capsys.readouterr()
-    assert dqn_continue.main([str(tmp_path / "older.pt"), *TINY, "--num-episodes", "3", "--run-id", "older"]) == 2
-    err = capsys.readouterr().err
-    assert "was trained with other screen_world_units" in err and len(err.splitlines()) == 1
-
-
 def test_a_checkpoint_resumes_only_with_the_learning_rate_schedule_it_was_trained_with(tmp_path):
     """The scheduler's saved state belongs to its schedule: a CollectMineralShards checkpoint trained with the
     cosine schedule (the map's default before the step schedule) refuses the step schedule, naming both."""
