@@ -10,7 +10,7 @@ the other marine is not heading for). The same agents are also played at the DQN
 step_mul 16), with two variants of the together agent that show what the choice of shard is worth: one that
 aims at the second-nearest shard with a given probability, one that clicks past the nearest shard, one that
 prefers shards with other shards near them, and two that click where the DQN's one-pixel click term would with
-hand-set weights over its inputs (the distance input; the past input). Writes
+hand-set weights over its inputs (the distance input; `class_past`, the pixel one past a shard). Writes
 `{out}.json` (machine, command, configuration, every episode's score) and `{out}.md`.
 
 The scripted agents read unit positions from the game state, as pysc2's `feature_units` would give them; they
@@ -142,11 +142,30 @@ class ScriptedShardsClustered:
         return MOVE, pixel(env, env.pickups[np.argmin(distance - pull)])
 
 
+def class_past(selected: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
+    """`selected` (B, H, W) integer layer, `classes` (B, K, H, W) one-hot -> (B, K-1, H, W): for each class but
+    the background, 1 at each pixel that lies one pixel beyond one of its unselected pixels, on the straight line
+    from the centre of the selected pixels through that pixel (a click there walks the selection through it);
+    zero if none is selected."""
+    B, K, H, W = classes.shape
+    centre_y, centre_x, any_selected = dqn.selection_centre(selected)
+    ys = torch.arange(H, dtype=torch.float32, device=selected.device)[None, :, None]
+    xs = torch.arange(W, dtype=torch.float32, device=selected.device)[None, None, :]
+    dy, dx = ys - centre_y[:, None, None], xs - centre_x[:, None, None]  # (B, H, W): away from the centre
+    length = torch.sqrt(dy * dy + dx * dx).clamp(min=1e-6)
+    past_y = (ys + 0.5 + dy / length).floor().clamp(0, H - 1).long()  # the pixel holding the point one pixel on
+    past_x = (xs + 0.5 + dx / length).floor().clamp(0, W - 1).long()
+    index = (past_y * W + past_x).flatten(1)[:, None].expand(-1, K - 1, -1)  # (B, K-1, HW)
+    units = (classes[:, 1:] * (selected[:, None] == 0)).flatten(2)  # (B, K-1, HW)
+    past = torch.zeros_like(units).scatter_add_(2, index, units).clamp(max=1)
+    return past.view(B, K - 1, H, W) * any_selected[:, None, None, None]
+
+
 class ScriptedClickTerm:
     """The together agent clicking where the DQN's one-pixel click term would with weights set by hand, over the
     network's own inputs: 2 on the target channel and -1 on every class's distance input, so that the value of a
     pixel is highest on the nearest target pixel. The target channel is the shard class (the nearest shard pixel)
-    or, with `past`, the shard channel of the past input (the pixel one pixel past a shard on the line from the
+    or, with `past`, the shard channel of `class_past` (the pixel one pixel past a shard on the line from the
     selected marines): what those inputs let a greedy click express."""
 
     def __init__(self, past: bool):
@@ -159,7 +178,7 @@ class ScriptedClickTerm:
         selected = screen[:, dqn.SELECTED_LAYER]
         classes = dqn.preprocess_layers(screen, dqn.SCREEN_LAYERS)[:, : dqn.CLASS_CHANNELS]
         neutral = 3  # player_relative of shards
-        target = dqn.class_past(selected, classes)[0, neutral - 1] if self.past else classes[0, neutral]
+        target = class_past(selected, classes)[0, neutral - 1] if self.past else classes[0, neutral]
         value = 2 * target - dqn.class_distance(selected, classes)[0].sum(0)  # distances are below 1.5 widths
         y, x = divmod(int(value.flatten().argmax()), env.res)
         return MOVE, (x, y)
@@ -336,7 +355,7 @@ def write_markdown(path: Path, report: dict) -> None:
         "input: the nearest shard pixel, from what the screen shows | `scripted_shards_click_term_distance` | "
         f"{line('scripted_shards_click_term_distance', d)} |",
         "| the same with the past input: the nearest pixel one pixel past a shard, on the line from the selected "
-        "marines (`--past-input`) | `scripted_shards_click_term_past` | "
+        "marines (`class_past`) | `scripted_shards_click_term_past` | "
         f"{line('scripted_shards_click_term_past', d)} |",
         f"| together, its clicks sent as the DQN sends its own on this map: carried {THROUGH_WORLD_UNITS:g} world "
         "units past the nearest shard's pixel, on the line from the selected marines (`--move-through`) | "

@@ -28,6 +28,7 @@ from benchmark.dqn_calibration import (  # noqa: E402
     CarriedClicks,
     ScriptedBeacon,
     ScriptedShardsTogether,
+    class_past,
     neighbours,
 )
 
@@ -54,7 +55,6 @@ def read_run(folder: Path) -> dict:
             fail(f"{folder} has no {name}; give the folders of finished runs ({{save_path}}/{{run_id}}).")
     config = json.loads((folder / "config.json").read_text())
     test = json.loads((folder / "eval" / "test_results.json").read_text())
-    checkpoint = torch.load(folder / "checkpoint.pt", map_location="cpu", weights_only=True)
     with open(folder / "eval" / "curve.csv", newline="") as f:
         curve = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
     return {
@@ -62,9 +62,7 @@ def read_run(folder: Path) -> dict:
         "seed": config["seed"],
         "episode_steps": config["episode_steps"],
         # where the run wrote its files is this machine's business, not the result's
-        # (a setting added after a run is read off its checkpoint's weights)
-        "args": {k: v for k, v in {**dqn.trained_settings(checkpoint), **config["args"]}.items()
-                 if k not in ("save_path", "log_dir", "resume")},
+        "args": {k: v for k, v in config["args"].items() if k not in ("save_path", "log_dir", "resume")},
         "python": config["python"],
         "torch": config["torch"],
         "greedy_test": {k: test[k] for k in ("num_test_episodes", "mean", "std", "min", "max", "scores")},
@@ -88,7 +86,7 @@ def lr_schedule_words(a: dict) -> str:
 def trained_network(folder: Path) -> tuple[dqn.SplitQNetwork, dqn.Args]:
     """The online network of a run's checkpoint.pt, in eval mode, and the settings it was trained with."""
     state = torch.load(folder / "checkpoint.pt", map_location="cpu", weights_only=True)
-    saved = dqn.trained_settings(state)
+    saved = state["args"]
     args = dqn.Args(**{k: (tuple(v) if k == "seeds" else v) for k, v in saved.items() if k in dqn.Args.__dataclass_fields__})
     net = dqn.make_q_network(args)
     net.load_state_dict(state["q_network"])
@@ -140,7 +138,7 @@ def greedy_behaviour(folder: Path, episodes: int) -> dict:
                 on_target += int(obs["feature_screen"][0][y, x] == 3)  # player_relative 3: beacon or shard
                 screen = torch.as_tensor(obs["feature_screen"])[None]
                 classes = dqn.preprocess_layers(screen, dqn.SCREEN_LAYERS)[:, : dqn.CLASS_CHANNELS]
-                past = dqn.class_past(screen[:, dqn.SELECTED_LAYER], classes)[0, 3 - 1]  # where --past-input marks
+                past = class_past(screen[:, dqn.SELECTED_LAYER], classes)[0, 3 - 1]  # one pixel past a pickup
                 past_target += int(past[y, x] > 0)
                 if env.selected.any():
                     centre = env.marines[env.selected].mean(0)
@@ -223,8 +221,6 @@ def markdown(r: dict) -> str:
              f"{'on' if a.get('click_distance') else 'off'}, the timer input {'on' if a.get('timer_input') else 'off'}"
              f", the spatial head's coarse term {'one level per function' if a.get('coarse_level') else 'upsampled'}"
              f", a {a.get('fine_kernel', 3)}x{a.get('fine_kernel', 3)} click term at gain {a.get('fine_gain', 10):g}"
-             f", the path input {'on' if a.get('path_input') else 'off'}"
-             f", the past input {'on' if a.get('past_input') else 'off'}"
              f", select_point {'on our units only' if a.get('select_own_only') else 'anywhere'}, "
              + (f"Move clicks carried {a['move_through']:g} world units past the chosen pixel (`--move-through`)."
                 if a.get("move_through") else "Move clicks where the head points.")
@@ -253,7 +249,7 @@ def markdown(r: dict) -> str:
     L.append(f"What the trained networks do ({r['runs'][0]['greedy_behaviour']['episodes']} greedy episodes per seed "
              "from the final checkpoint, on fresh episodes): share of each function among the agent's steps, and "
              "the share of Move_screen clicks that land on a pixel of a beacon or shard, and on a pixel one pixel past "
-             "one, on the line from the selected marines (the pixels `--past-input` marks), and how far (world units) "
+             "one, on the line from the selected marines (the pixels `class_past` of dqn_calibration.py marks), and how far (world units) "
              "the click is from the selected marines' centre against how far the nearest pickup was; the share of "
              "clicks aimed at (nearest to) the pickup nearest to the selected marines, and the share that aim at "
              "another pickup while the one the last click aimed at is still there (switching targets); how many "

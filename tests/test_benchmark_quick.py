@@ -557,3 +557,28 @@ def test_learning_report_counts_the_clicks_one_pixel_past_a_shard(tmp_path, monk
         shares[past] = report.greedy_behaviour(tmp_path, episodes=2)["move_clicks_past_a_pickup"]
     assert shares[True] == 1.0 and shares[False] < 0.2, shares
 
+
+def test_calibration_class_past_marks_the_pixel_one_beyond_each_unit_on_the_line_from_the_selection():
+    """Selected marines centred at (8, 2), shards at (8, 6), (11, 5) and (2, 8): each marks the one pixel one step
+    farther along the line from the centre through it, and nothing else; a selected pixel marks nothing, and
+    neither does a screen with nothing selected."""
+    import dqn_starcraft_split as dqn
+    from benchmark.dqn_calibration import class_past
+
+    classes = torch.zeros(2, dqn.CLASS_CHANNELS, 16, 16)
+    classes[:, 0] = 1  # background everywhere ...
+    own, shard = torch.eye(dqn.CLASS_CHANNELS)[1], torch.eye(dqn.CLASS_CHANNELS)[3]
+    for y, x in ((7, 2), (9, 2)):
+        classes[:, :, y, x] = own  # ... but two marines of ours, around (8, 2)
+    for y, x in ((8, 6), (11, 5), (2, 8)):
+        classes[:, :, y, x] = shard
+    selected = torch.zeros(2, 16, 16, dtype=torch.long)
+    selected[0, 7, 2] = selected[0, 9, 2] = 1  # the second screen selects nothing
+    past = class_past(selected, classes)  # (2, K-1, 16, 16): channel 2 is the neutral class
+    assert past.shape == (2, dqn.CLASS_CHANNELS - 1, 16, 16)
+    marked = {tuple(p) for p in past[0, 2].nonzero().tolist()}
+    # (8, 6) is 4 pixels straight on: (8, 7); (11, 5) is (3, 3) away: one pixel on is (11.7, 5.7), pixel (12, 6);
+    # (2, 8) is (-6, 6) away: (1.3, 8.7), pixel (1, 9)
+    assert marked == {(8, 7), (12, 6), (1, 9)}, marked
+    assert past[0, 0].abs().sum() == 0  # the selected marines are where the walk starts: they mark nothing
+    assert past[1].abs().sum() == 0

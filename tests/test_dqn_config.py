@@ -204,12 +204,12 @@ def test_model_settings_reach_the_network():
 def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
     assert dqn.MAP_DEFAULTS == {
         "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False,
-                         "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000, "path_input": False,
-                         "past_input": False, "select_own_only": False, "move_through": 0.0,
+                         "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000,
+                         "select_own_only": False, "move_through": 0.0,
                          "lr_scheduler": "cosine", "step_lr_step_size": 1000, "step_lr_gamma": 0.5},
         "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True,
                                  "coarse_level": True, "fine_kernel": 1, "fine_gain": 30.0,
-                                 "exploration_steps": 50_000, "path_input": False, "past_input": False,
+                                 "exploration_steps": 50_000,
                                  "select_own_only": True, "move_through": 1.5, "lr_scheduler": "step",
                                  "step_lr_step_size": 600, "step_lr_gamma": 0.2},
     }
@@ -224,11 +224,9 @@ def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
         assert net.player_embed[0].in_features == dqn.PLAYER_SIZE + defaults["timer_input"] + len(dqn.FUNCTIONS)
         assert net.coarse_level == defaults["coarse_level"]
         assert net.spatial_fine.kernel_size == (defaults["fine_kernel"],) * 2
-        assert net.fine_gain == defaults["fine_gain"] and net.path_input == defaults["path_input"]
-        assert net.past_input == defaults["past_input"]
+        assert net.fine_gain == defaults["fine_gain"]
         given = dqn.Args(res=8, map_name=map_name, context_layers=1, click_distance=False, timer_input=True,
-                         coarse_level=True, fine_kernel=5, fine_gain=2.0, exploration_steps=7, path_input=True,
-                         past_input=True, move_through=0.75,
+                         coarse_level=True, fine_kernel=5, fine_gain=2.0, exploration_steps=7, move_through=0.75,
                          select_own_only=not defaults["select_own_only"], lr_scheduler="none", step_lr_step_size=3,
                          step_lr_gamma=0.9)
         assert dqn.with_map_defaults(given) == given and len(dqn.make_q_network(given).context) == 1
@@ -294,85 +292,6 @@ def test_a_one_pixel_click_term_values_each_pixel_by_that_pixel_alone(fine_kerne
     q = [x - x[:, :, :1, :1] for x in q]  # relative to pixel (0, 0): the coarse level drops out
     change = (q[1][0, :, 4, 4] - q[0][0, :, 4, 4]).abs().max().item()  # a normal weight times the gain: ~10
     assert change < 1e-4 if fine_kernel == 1 else change > 0.1, change
-
-
-def test_the_path_input_counts_the_units_a_straight_walk_to_each_pixel_passes():
-    """Selected marine at (8, 2), a shard at (8, 6): the walk to a pixel short of the shard or off its line
-    passes nothing, the walk to the shard or past it passes it; nothing selected, nothing counts."""
-    classes = torch.zeros(2, dqn.CLASS_CHANNELS, 16, 16)
-    classes[:, 0] = 1  # background everywhere ...
-    classes[:, :, 8, 2] = torch.eye(dqn.CLASS_CHANNELS)[1]  # ... but a marine of ours (player_relative 1)
-    classes[:, :, 8, 6] = torch.eye(dqn.CLASS_CHANNELS)[3]  # and a shard (3)
-    selected = torch.zeros(2, 16, 16, dtype=torch.long)
-    selected[0, 8, 2] = 1  # the second screen selects nothing
-    path = dqn.class_on_path(selected, classes)  # (2, K-1, 16, 16): channel 2 counts neutral units
-    assert path.shape == (2, dqn.CLASS_CHANNELS - 1, 16, 16)
-    shard = path[0, 2]
-    assert shard[8, 4] == 0 and shard[8, 5] > 0 and shard[8, 6] > 0 and shard[8, 12] == shard[8, 6]  # short, at, past
-    assert shard[12, 14] == 0 and shard[2, 2] == 0 and shard[8, 0] == 0  # off the line, or the other way
-    assert path[0, 0].abs().sum() == 0  # the selected marine is where every walk starts, not a unit it passes
-    assert path[1].abs().sum() == 0
-    # in the network: with a one-pixel click term, a shard on the way changes the value of a click past it
-    # only with the path input
-    env = dqn.BuiltinMiniGame("CollectMineralShards", res=16, step_mul=16, seed=0)
-    states = dqn.to_tensors(dqn.obs_to_states(env.reset()), "cpu")
-    screen = states["screen"].clone()
-    screen[:, :2] = 0  # an empty screen, nothing selected ...
-    screen[0, 0, 8, 2], screen[0, dqn.SELECTED_LAYER, 8, 2] = 1, 1  # ... but a selected marine at (8, 2)
-    on_the_way = screen.clone()
-    on_the_way[0, 0, 8, 6] = 3  # and a shard between it and the clicked pixel (8, 12)
-    for path_input in (False, True):
-        torch.manual_seed(0)
-        net = dqn.SplitQNetwork(16, fine_kernel=1, path_input=path_input)
-        torch.nn.init.normal_(net.spatial_fine.weight)
-        with torch.no_grad():
-            q = [net(s, states["minimap"], states["player"], states["mask"])[1].unflatten(1, (2, 16, 16))
-                 for s in (screen, on_the_way)]
-        q = [x - x[:, :, :1, :1] for x in q]  # relative to pixel (0, 0): the coarse level drops out
-        change = (q[1][0, :, 8, 12] - q[0][0, :, 8, 12]).abs().max().item()
-        assert change > 0.1 if path_input else change < 1e-4, (path_input, change)
-
-
-def test_the_past_input_marks_the_pixel_one_beyond_each_unit_on_the_line_from_the_selection():
-    """Selected marines centred at (8, 2), shards at (8, 6), (11, 5) and (2, 8): each marks the one pixel one step
-    farther along the line from the centre through it, and nothing else; a selected pixel marks nothing, and
-    neither does a screen with nothing selected."""
-    classes = torch.zeros(2, dqn.CLASS_CHANNELS, 16, 16)
-    classes[:, 0] = 1  # background everywhere ...
-    own, shard = torch.eye(dqn.CLASS_CHANNELS)[1], torch.eye(dqn.CLASS_CHANNELS)[3]
-    for y, x in ((7, 2), (9, 2)):
-        classes[:, :, y, x] = own  # ... but two marines of ours, around (8, 2)
-    for y, x in ((8, 6), (11, 5), (2, 8)):
-        classes[:, :, y, x] = shard
-    selected = torch.zeros(2, 16, 16, dtype=torch.long)
-    selected[0, 7, 2] = selected[0, 9, 2] = 1  # the second screen selects nothing
-    past = dqn.class_past(selected, classes)  # (2, K-1, 16, 16): channel 2 is the neutral class
-    assert past.shape == (2, dqn.CLASS_CHANNELS - 1, 16, 16)
-    marked = {tuple(p) for p in past[0, 2].nonzero().tolist()}
-    # (8, 6) is 4 pixels straight on: (8, 7); (11, 5) is (3, 3) away: one pixel on is (11.7, 5.7), pixel (12, 6);
-    # (2, 8) is (-6, 6) away: (1.3, 8.7), pixel (1, 9)
-    assert marked == {(8, 7), (12, 6), (1, 9)}, marked
-    assert past[0, 0].abs().sum() == 0  # the selected marines are where the walk starts: they mark nothing
-    assert past[1].abs().sum() == 0
-    # in the network: with a one-pixel click term, a shard changes the value of the pixel just past it only with
-    # the past input
-    env = dqn.BuiltinMiniGame("CollectMineralShards", res=16, step_mul=16, seed=0)
-    states = dqn.to_tensors(dqn.obs_to_states(env.reset()), "cpu")
-    screen = states["screen"].clone()
-    screen[:, :2] = 0  # an empty screen, nothing selected ...
-    screen[0, 0, 8, 2], screen[0, dqn.SELECTED_LAYER, 8, 2] = 1, 1  # ... but a selected marine at (8, 2)
-    with_shard = screen.clone()
-    with_shard[0, 0, 8, 6] = 3  # and a shard four pixels on
-    for past_input in (False, True):
-        torch.manual_seed(0)
-        net = dqn.SplitQNetwork(16, fine_kernel=1, past_input=past_input)
-        torch.nn.init.normal_(net.spatial_fine.weight)
-        with torch.no_grad():
-            q = [net(s, states["minimap"], states["player"], states["mask"])[1].unflatten(1, (2, 16, 16))
-                 for s in (screen, with_shard)]
-        q = [x - x[:, :, :1, :1] for x in q]  # relative to pixel (0, 0): the coarse level drops out
-        change = (q[1][0, :, 8, 7] - q[0][0, :, 8, 7]).abs().max().item()
-        assert change > 0.1 if past_input else change < 1e-4, (past_input, change)
 
 
 @pytest.mark.parametrize("res", [32, 30])

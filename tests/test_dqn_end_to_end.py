@@ -307,7 +307,8 @@ def test_out_of_memory_while_acting_copying_or_testing_is_handled_like_an_update
     assert torch.load(run / "checkpoint.pt", weights_only=False)["interrupted"] is True
     log = (run / "train.log").read_text()
     # where: the innermost frame in the script (here the call site, as the stand-in lives in this file)
-    assert "out of memory at step" in log and "(in train_one_seed, line" in log
+    caller = "evaluate" if site == "run_test_episodes" else "train_one_seed"  # the periodic test: its own function
+    assert "out of memory at step" in log and f"(in {caller}, line" in log
     assert not (tmp_path / "results" / "results.csv").exists()
     assert "Traceback" not in capsys.readouterr().err
 
@@ -395,109 +396,57 @@ def test_a_resume_that_cannot_work_is_one_line(tmp_path, extra, needle):
     assert done.stderr.strip().startswith("error: --resume") and needle in done.stderr
 
 
-def old_checkpoint(tmp_path, args: dqn.Args, unrecorded: tuple[str, ...], **network) -> str:
-    """A checkpoint whose args lack `unrecorded` (written before those settings existed), with the weights of a
-    network built with `network`."""
+def saved_checkpoint(tmp_path, args: dqn.Args, **network) -> str:
+    """A checkpoint of this script's format trained with `args`, with the weights of a network built with `network`."""
     saved = {"format": dqn.CHECKPOINT_FORMAT, "rng": {}, "args": dataclasses.asdict(dqn.with_map_defaults(args)),
              "q_network": dqn.SplitQNetwork(8, **network).state_dict()}
-    for name in unrecorded:
-        del saved["args"][name]
-    torch.save(saved, tmp_path / "old.pt")
-    return str(tmp_path / "old.pt")
+    torch.save(saved, tmp_path / "saved.pt")
+    return str(tmp_path / "saved.pt")
 
 
-def test_a_checkpoint_from_before_move_through_resumes_only_with_clicks_where_the_head_points(tmp_path):
-    """Its replay and its values are of clicks that stopped where they were sent: it reads as --move-through 0,
-    and a run that would carry clicks on (CollectMineralShards' default) is refused in one sentence."""
+def test_a_checkpoint_of_an_older_version_is_refused_in_one_sentence(tmp_path):
+    """A checkpoint written by an older version of the script (another format) is not resumed: one sentence on
+    stderr, exit status 2, nothing trained."""
     args = dqn.Args(res=8, map_name="CollectMineralShards")
-    path = old_checkpoint(tmp_path, args, ("move_through",), context_layers=3, coarse_level=True, fine_kernel=1,
-                          click_distance=True, timer_input=True)
-    with pytest.raises(dqn.ConfigError, match="--move-through 0.0, but this run asks for 1.5"):
-        dqn.load_checkpoint(path, args)
-    assert dqn.trained_settings(dqn.load_checkpoint(path, dataclasses.replace(args, move_through=0.0)))[
-        "move_through"] == 0.0
-
-
-def test_a_checkpoint_from_before_the_context_layers_resumes_only_without_them(tmp_path):
-    """Checkpoints written before --context-layers existed do not record it; their networks had none, so
-    resuming one asks for --context-layers 0 instead of failing to load the weights later."""
-    args = dqn.Args(res=8, map_name="CollectMineralShards")  # its default: 3 context layers
-    path = old_checkpoint(tmp_path, args, ("context_layers",), context_layers=0)
-    with pytest.raises(dqn.ConfigError, match="--context-layers 0, but this run asks for 3"):
-        dqn.load_checkpoint(path, args)
-    resumed = dataclasses.replace(args, context_layers=0)
-    assert dqn.trained_settings(dqn.load_checkpoint(path, resumed))["context_layers"] == 0
-
-
-def test_the_settings_a_checkpoint_does_not_record_are_read_off_its_weights(tmp_path):
-    """Checkpoints from before --click-distance and --timer-input record neither. One whose network had neither
-    resumes only with both off, and its replay (11 player columns) loads with the timer column left at 0; one
-    whose network already read the timer (commit 0bcdf39, before the setting) resumes with the defaults."""
-    args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0)
-    unrecorded = ("click_distance", "timer_input")
-    path = old_checkpoint(tmp_path, args, unrecorded, context_layers=0, click_distance=False, timer_input=False)
-    with pytest.raises(dqn.ConfigError, match="--click-distance False, but this run asks for True"):
-        dqn.load_checkpoint(path, args)
-    with pytest.raises(dqn.ConfigError, match="--timer-input False, but this run asks for True"):
-        dqn.load_checkpoint(path, dataclasses.replace(args, click_distance=False))
-    resumed = dataclasses.replace(args, click_distance=False, timer_input=False)
-    state = dqn.load_checkpoint(path, resumed)
-    dqn.make_q_network(resumed).load_state_dict(state["q_network"])
-    path = old_checkpoint(tmp_path, args, ("timer_input",), context_layers=0)  # the network of 0bcdf39
-    assert dqn.trained_settings(dqn.load_checkpoint(path, args))["timer_input"] is True
-    broken = torch.load(path, weights_only=True)
-    broken["q_network"] = {}  # nothing to read the missing setting off
-    torch.save(broken, tmp_path / "broken.pt")
-    with pytest.raises(dqn.ConfigError, match="checkpoint that can be resumed"):
-        dqn.load_checkpoint(str(tmp_path / "broken.pt"), args)
-
-    env, rb = dqn.BuiltinMiniGame("CollectMineralShards", res=8, step_mul=16, seed=0), dqn.SplitReplayBuffer(6, 8)
-    for _ in range(4):
-        rb.add(env.reset(), 0, 0.0, False)
-    state = rb.state_dict()
-    state["player"] = state["player"][:, : dqn.PLAYER_SIZE] + 1.0  # the old layout
-    loaded = dqn.SplitReplayBuffer(6, 8)
-    loaded.load_state_dict(state)
-    assert (loaded.player[:, : dqn.PLAYER_SIZE] == state["player"].numpy()).all()
-    assert (loaded.player[:, dqn.PLAYER_SIZE] == 0).all() and loaded.size == 4
+    path = saved_checkpoint(tmp_path, args, context_layers=3, coarse_level=True, fine_kernel=1, click_distance=True,
+                            timer_input=True)
+    old = torch.load(path, weights_only=True)
+    old["format"] = "dqn_starcraft_split/2"
+    del old["args"]["move_through"]  # a setting that version did not record
+    torch.save(old, tmp_path / "old.pt")
+    with pytest.raises(dqn.ConfigError, match="was written by another version of this script"):
+        dqn.load_checkpoint(str(tmp_path / "old.pt"), args)
+    done = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--map-name", "CollectMineralShards", "--resume",
+                           str(tmp_path / "old.pt")], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "dqn_starcraft_split/2" in done.stderr and "start a new run" in done.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_checkpoint_resumes_only_with_the_learning_rate_schedule_it_was_trained_with(tmp_path):
     """The scheduler's saved state belongs to its schedule: a CollectMineralShards checkpoint trained with the
     cosine schedule (the map's default before the step schedule) refuses the step schedule, naming both."""
     args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0, lr_scheduler="cosine")
-    path = old_checkpoint(tmp_path, args, (), context_layers=0)
-    assert dqn.trained_settings(dqn.load_checkpoint(path, args))["lr_scheduler"] == "cosine"
+    path = saved_checkpoint(tmp_path, args, context_layers=0)
+    assert dqn.load_checkpoint(path, args)["args"]["lr_scheduler"] == "cosine"
     with pytest.raises(dqn.ConfigError, match="--lr-scheduler cosine, but this run asks for step"):
         dqn.load_checkpoint(path, dataclasses.replace(args, lr_scheduler=None))  # the map's default: step
     stepped = dataclasses.replace(args, lr_scheduler="step", step_lr_step_size=600, step_lr_gamma=0.2)
-    path = old_checkpoint(tmp_path, stepped, (), context_layers=0)
+    path = saved_checkpoint(tmp_path, stepped, context_layers=0)
     with pytest.raises(dqn.ConfigError, match="--step-lr-gamma 0.2, but this run asks for 0.5"):
         dqn.load_checkpoint(path, dataclasses.replace(stepped, step_lr_gamma=0.5))
     assert dqn.load_checkpoint(path, dataclasses.replace(stepped, num_episodes=50_000))  # a longer run is fine
 
 
 def test_a_checkpoint_resumes_only_with_the_spatial_head_it_was_trained_with(tmp_path):
-    """--coarse-level, --fine-kernel, --path-input and --past-input change the shapes of the spatial head's
-    weights; a checkpoint from before the settings existed (its network upsampled, with a 3x3 click term and no
-    path or past input) reads as off, 3, off and off, and one trained with the level refuses a run without it."""
+    """--coarse-level and --fine-kernel change the shapes of the spatial head's weights: a checkpoint trained with
+    an upsampled coarse term and a 3x3 click term refuses a run asking for either other value, naming both."""
     args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0, coarse_level=False, fine_kernel=3)
-    path = old_checkpoint(tmp_path, args, ("coarse_level", "fine_kernel", "path_input", "past_input"),
-                          context_layers=0, coarse_level=False, fine_kernel=3)
-    trained = dqn.trained_settings(dqn.load_checkpoint(path, args))
-    assert trained["coarse_level"] is False and trained["fine_kernel"] == 3 and trained["path_input"] is False
-    assert trained["past_input"] is False
-    with pytest.raises(dqn.ConfigError, match="--path-input False, but this run asks for True"):
-        dqn.load_checkpoint(path, dataclasses.replace(args, path_input=True))
-    with pytest.raises(dqn.ConfigError, match="--past-input False, but this run asks for True"):
-        dqn.load_checkpoint(path, dataclasses.replace(args, past_input=True))
+    path = saved_checkpoint(tmp_path, args, context_layers=0, coarse_level=False, fine_kernel=3)
+    state = dqn.load_checkpoint(path, args)
+    dqn.make_q_network(args).load_state_dict(state["q_network"])
     with pytest.raises(dqn.ConfigError, match="--fine-kernel 3, but this run asks for 1"):
         dqn.load_checkpoint(path, dataclasses.replace(args, fine_kernel=1))
     with pytest.raises(dqn.ConfigError, match="--coarse-level False, but this run asks for True"):
         dqn.load_checkpoint(path, dataclasses.replace(args, coarse_level=True))
-    level = dataclasses.replace(args, coarse_level=True)
-    path = old_checkpoint(tmp_path, level, ("coarse_level",), context_layers=0, coarse_level=True, fine_kernel=3)
-    state = dqn.load_checkpoint(path, level)
-    dqn.make_q_network(level).load_state_dict(state["q_network"])
-    with pytest.raises(dqn.ConfigError, match="--coarse-level True, but this run asks for False"):
-        dqn.load_checkpoint(path, args)
