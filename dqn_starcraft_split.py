@@ -217,6 +217,7 @@ class Args:
 
 # What each field allows: (field, test, the allowed values in words). A value that fails its test is refused in
 # one sentence, "{field} must be {allowed}, got {value}", before anything is written.
+# fmt: off
 RULES = (
     ("num_episodes", lambda a: a.num_episodes >= 1, "at least 1"),
     ("res", lambda a: 8 <= a.res <= 256, "between 8 and 256 pixels"),
@@ -274,9 +275,11 @@ RULES = (
     ("memory_snapshot_every", lambda a: a.memory_snapshot_every >= 0, "0 (off) or more"),
     ("snapshot_max_entries", lambda a: a.snapshot_max_entries >= 1, "at least 1"),
 )
+# fmt: on
 
 
 # The settings each map uses where they are left out (None); docs/dqn_starcraft_split.md says why each differs.
+# fmt: off
 MAP_DEFAULTS = {
     "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False,
                      "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000, "select_own_only": False,
@@ -286,11 +289,14 @@ MAP_DEFAULTS = {
                              "move_through": 1.5, "lr_scheduler": "step", "step_lr_step_size": 600,
                              "step_lr_gamma": 0.2},
 }
+# fmt: on
 
 
 def with_map_defaults(args: Args) -> Args:
     """`args` with each setting left to the map (None) filled in, so config.json and checkpoints record values."""
-    left_out = {name: value for name, value in MAP_DEFAULTS[args.map_name].items() if getattr(args, name) is None}
+    left_out = {
+        name: value for name, value in MAP_DEFAULTS[args.map_name].items() if getattr(args, name) is None
+    }
     return dataclasses.replace(args, **left_out)
 
 
@@ -319,9 +325,7 @@ MINIMAP_LAYERS = (
 PLAYER_SIZE = 11  # player_id, minerals, vespene, food_used, food_cap, food_army, food_workers,
 #                   idle_worker_count, army_count, warp_gate_count, larva_count
 # What the replay stores besides the feature layers: the player vector and the share of the map's timer gone
-# (pysc2's game_loop over the episode's loops), which the network reads with --timer-input. The timer ends the
-# episode and the screen does not show it; a value blind to it cannot tell a state with 5 s left from one with
-# 100 s left, so near the end its targets fall toward 0 where its estimates cannot follow.
+# (pysc2's game_loop over the episode's loops), which the network reads with --timer-input.
 PLAYER_INPUT_SIZE = PLAYER_SIZE + 1
 # The action space: pysc2 functions (ids from pysc2/lib/actions.py) split over the two Q heads. The non-spatial
 # head scores NONSPATIAL_FUNCTIONS; the spatial head has one res x res map per SPATIAL_FUNCTIONS entry, its value
@@ -364,7 +368,9 @@ def encode_action(function_id: int, point: tuple[int, int] | None, res: int) -> 
     return len(NONSPATIAL_FUNCTIONS) + SPATIAL_FUNCTIONS.index(name) * res * res + y * res + x
 
 
-def game_call(index: int, obs: dict, res: int, through_pixels: float = 0.0) -> tuple[int, tuple[int, int] | None]:
+def game_call(
+    index: int, obs: dict, res: int, through_pixels: float = 0.0
+) -> tuple[int, tuple[int, int] | None]:
     """Flat action index -> the call sent to the game, (function id, point or None): decode_action's, except that
     a Move_screen point is carried `through_pixels` further along the line from the centre of the selected pixels
     (the screen's `selected` layer) through it, rounded to a pixel and kept on the screen (`--move-through`)."""
@@ -378,7 +384,6 @@ def game_call(index: int, obs: dict, res: int, through_pixels: float = 0.0) -> t
         return function_id, point  # nothing selected, or the click is on the selection's centre: no direction
     x, y = np.clip(np.rint(np.array(point) + way / length * through_pixels), 0, res - 1).astype(int)
     return function_id, (int(x), int(y))
-
 
 
 # Game time. The minigame maps' 120-second timers count game seconds at "normal" speed, 16 game loops each
@@ -435,7 +440,9 @@ def world_to_screen_units(x: float, y: float, width: float) -> tuple[float, floa
     return x - (cx - width / 2), (cy + width / 2) - y
 
 
-def screen_rect(world_rect: tuple[float, float, float, float], width: float) -> tuple[float, float, float, float]:
+def screen_rect(
+    world_rect: tuple[float, float, float, float], width: float
+) -> tuple[float, float, float, float]:
     """A world rectangle (x0, y0, x1, y1) -> the same rectangle in screen units (x0, y0, x1, y1), y down."""
     x0, y1 = world_to_screen_units(world_rect[0], world_rect[1], width)
     x1, y0 = world_to_screen_units(world_rect[2], world_rect[3], width)
@@ -443,7 +450,7 @@ def screen_rect(world_rect: tuple[float, float, float, float], width: float) -> 
 
 
 def episode_steps(step_mul: int) -> int:
-    return int(round(EPISODE_SECONDS * GAME_LOOPS_PER_SECOND / step_mul))
+    return round(EPISODE_SECONDS * GAME_LOOPS_PER_SECOND / step_mul)
 
 
 def player_input(obs: dict) -> np.ndarray:
@@ -471,21 +478,24 @@ class BuiltinMiniGame:
     offsets, no collisions).
     """
 
-    def __init__(self, map_name: str, res: int, step_mul: int, seed: int,
-                 world_units: float = Args.screen_world_units):
+    def __init__(
+        self, map_name: str, res: int, step_mul: int, seed: int, world_units: float = Args.screen_world_units
+    ):
         self.map_name, self.res, self.step_mul, self.world_units = map_name, res, step_mul, world_units
         self.max_steps = episode_steps(step_mul)
         self.rng = np.random.default_rng(seed)
         self.move_per_step = MARINE_SPEED_PER_LOOP * step_mul  # world units per agent step
         pixel = world_units / res
         centres = (np.arange(res) + 0.5) * pixel
-        self.screen_x, self.screen_y = np.meshgrid(centres, centres)  # (res, res) screen units of pixel centres
+        self.screen_x, self.screen_y = np.meshgrid(
+            centres, centres
+        )  # (res, res) screen units of pixel centres
         x0, y0, x1, y1 = screen_rect(PLAYABLE_WORLD, world_units)
         mini_pixel = MAP_WORLD_UNITS / res
         mini_x = (x0 + x1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
         mini_y = (y0 + y1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
         self.mini_x, self.mini_y = np.meshgrid(mini_x, mini_y)  # (res, res) screen units of minimap pixels
-        inside = lambda c: (c >= 0) & (c < world_units)  # noqa: E731
+        inside = lambda c: (c >= 0) & (c < world_units)
         self.camera = (inside(self.mini_x) & inside(self.mini_y)).astype(np.int32)
         self.num_marines = 1 if map_name == "MoveToBeacon" else 2
 
@@ -688,8 +698,9 @@ class Pysc2MiniGame:
         self.max_steps = None  # the map's own timer ends the episode
 
     @classmethod
-    def make(cls, map_name: str, res: int, step_mul: int, seed: int,
-             world_units: float = Args.screen_world_units) -> "Pysc2MiniGame":
+    def make(
+        cls, map_name: str, res: int, step_mul: int, seed: int, world_units: float = Args.screen_world_units
+    ) -> "Pysc2MiniGame":
         sc2_env, _ = import_pysc2()
         env = sc2_env.SC2Env(
             map_name=map_name,
@@ -725,7 +736,9 @@ class Pysc2MiniGame:
         if function_id == MOVE_SCREEN:
             return self.actions.FunctionCall(function_id, [[0], list(point)])  # queued=now, (x, y)
         if function_id == SELECT_POINT:
-            return self.actions.FunctionCall(function_id, [[0], list(point)])  # select_point_act=select, (x, y)
+            return self.actions.FunctionCall(
+                function_id, [[0], list(point)]
+            )  # select_point_act=select, (x, y)
         if function_id == FUNCTION_IDS["select_army"]:
             return self.actions.FunctionCall(function_id, [[0]])  # select, not add
         return self.actions.FunctionCall(function_id, [])
@@ -812,11 +825,20 @@ class SplitReplayBuffer:
 
     def state_dict(self) -> dict:
         """Every array as a tensor (loads with weights_only=True), and the ring's position."""
-        arrays = {"player": self.player, "mask": self.mask, "actions": self.actions, "rewards": self.rewards,
-                  "dones": self.dones}
-        return {"screen": {k: torch.from_numpy(v) for k, v in self.screen.items()},
-                "minimap": {k: torch.from_numpy(v) for k, v in self.minimap.items()},
-                **{k: torch.from_numpy(v) for k, v in arrays.items()}, "pos": self.pos, "size": self.size}
+        arrays = {
+            "player": self.player,
+            "mask": self.mask,
+            "actions": self.actions,
+            "rewards": self.rewards,
+            "dones": self.dones,
+        }
+        return {
+            "screen": {k: torch.from_numpy(v) for k, v in self.screen.items()},
+            "minimap": {k: torch.from_numpy(v) for k, v in self.minimap.items()},
+            **{k: torch.from_numpy(v) for k, v in arrays.items()},
+            "pos": self.pos,
+            "size": self.size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for group in ("screen", "minimap"):
@@ -881,7 +903,7 @@ CLASS_CHANNELS = SCREEN_LAYERS[0].scale  # player_relative's one-hot channels co
 def selection_centre(selected: torch.Tensor):
     """`selected` (B, H, W) integer layer -> the centre of the selected pixels, y and x (B,) each in pixels, and
     whether any is selected (B,) float."""
-    B, H, W = selected.shape
+    _, H, W = selected.shape
     mask = (selected > 0).float()
     count = mask.sum((1, 2))  # (B,)
     ys = torch.arange(H, dtype=torch.float32, device=selected.device)
@@ -894,7 +916,7 @@ def selection_centre(selected: torch.Tensor):
 def class_distance(selected: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
     """`selected` (B, H, W) integer layer, `classes` (B, K, H, W) one-hot -> (B, K, H, W): each class channel
     times the pixel's distance from the centre of the selected pixels, in screen widths; zero if none is selected."""
-    B, H, W = selected.shape
+    _, H, W = selected.shape
     centre_y, centre_x, any_selected = selection_centre(selected)
     ys = torch.arange(H, dtype=torch.float32, device=selected.device)
     xs = torch.arange(W, dtype=torch.float32, device=selected.device)
@@ -946,7 +968,9 @@ class SplitQNetwork(nn.Module):
         )
         num_available, num_spatial = len(FUNCTIONS), len(SPATIAL_FUNCTIONS)
         self.player_inputs = PLAYER_SIZE + timer_input  # the timer is the last column of `player_input`
-        self.player_embed = nn.Sequential(nn.Linear(self.player_inputs + num_available, player_channels), nn.ReLU())
+        self.player_embed = nn.Sequential(
+            nn.Linear(self.player_inputs + num_available, player_channels), nn.ReLU()
+        )
         self.fuse = nn.Sequential(
             nn.Conv2d(2 * tower_channels + player_channels, fused_channels, 1), nn.ReLU()
         )
@@ -956,7 +980,7 @@ class SplitQNetwork(nn.Module):
         else:
             self.spatial_coarse = nn.Conv2d(fused_channels, num_spatial, 1)  # from each half-resolution cell
         # The fine term alone can say "the target is at this pixel". Its output is multiplied by a fixed gain,
-        # which is a learning-rate multiplier for this one layer (see Args.fine_gain); its zero start keeps the
+        # which is a learning-rate multiplier for this one layer (`--fine-gain`); its zero start keeps the
         # gain from amplifying initial noise.
         self.click_distance = click_distance
         fine_in = screen_in + CLASS_CHANNELS * click_distance
@@ -975,7 +999,8 @@ class SplitQNetwork(nn.Module):
         # Created last: the order of creation decides each layer's initial weights from the seed, and the
         # committed results were trained with this order.
         self.context = nn.ModuleList(
-            nn.Conv2d(fused_channels, fused_channels, 3, padding=2**i, dilation=2**i) for i in range(context_layers)
+            nn.Conv2d(fused_channels, fused_channels, 3, padding=2**i, dilation=2**i)
+            for i in range(context_layers)
         )
 
     def forward(self, screen, minimap, player, available):
@@ -1000,12 +1025,16 @@ class SplitQNetwork(nn.Module):
             context = F.avg_pool2d(fused, 2, ceil_mode=True)  # (B, E, H/4, W/4)
             for conv in self.context:
                 context = context + F.relu(conv(context))  # each pixel now sees twice as far
-            context = F.interpolate(context, scale_factor=2, mode="nearest")[:, :, : fused.shape[2], : fused.shape[3]]
+            context = F.interpolate(context, scale_factor=2, mode="nearest")[
+                :, :, : fused.shape[2], : fused.shape[3]
+            ]
             fused = fused + context  # (B, E, H/2, W/2)
         pooled = torch.cat([fused.mean((2, 3)), fused.amax((2, 3))], 1)  # (B, 2E)
         q_nonspatial = self.nonspatial_head(torch.cat([pooled, available], 1))  # (B, F)
         if self.coarse_level:
-            coarse = self.spatial_coarse(pooled)[:, :, None, None]  # (B, S, 1, 1): one level per spatial function
+            coarse = self.spatial_coarse(pooled)[
+                :, :, None, None
+            ]  # (B, S, 1, 1): one level per spatial function
         else:
             coarse = F.interpolate(self.spatial_coarse(fused), size=(self.res, self.res), mode="nearest")
         q_spatial = (coarse + self.fine_gain * self.spatial_fine(fine_input)).flatten(1)  # (B, S*H*W)
@@ -1014,9 +1043,19 @@ class SplitQNetwork(nn.Module):
 
 def make_q_network(args: Args) -> SplitQNetwork:
     args = with_map_defaults(args)
-    return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers, args.click_distance,
-                         args.timer_input, args.player_channels, args.nonspatial_hidden, args.fine_gain,
-                         args.fine_kernel, args.coarse_level)
+    return SplitQNetwork(
+        args.res,
+        args.tower_channels,
+        args.fused_channels,
+        args.context_layers,
+        args.click_distance,
+        args.timer_input,
+        args.player_channels,
+        args.nonspatial_hidden,
+        args.fine_gain,
+        args.fine_kernel,
+        args.coarse_level,
+    )
 
 
 SELF = 1  # player_relative of our own units
@@ -1088,7 +1127,10 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
     next_inputs = (next_obs["screen"], next_obs["minimap"], next_obs["player"], next_obs["mask"])
     with torch.no_grad():
         # the n-step return, cut at the end of the episode (later rewards belong to the next one)
-        returns, ended = torch.zeros_like(rewards[:, 0]), torch.zeros_like(dones[:, 0], dtype=torch.bool)  # (B,)
+        returns, ended = (
+            torch.zeros_like(rewards[:, 0]),
+            torch.zeros_like(dones[:, 0], dtype=torch.bool),
+        )  # (B,)
         for j in range(rewards.shape[1]):
             returns = returns + torch.where(ended, 0.0, args.gamma**j * rewards[:, j])
             ended = ended | (dones[:, j] > 0)
@@ -1096,7 +1138,9 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
         with amp.autocast():
             target_ns, target_sp = target_network(*next_inputs)  # (B, F), (B, S*H*W)
             online_ns, online_sp = q_network(*next_inputs) if args.use_double_dqn else (target_ns, target_sp)
-        online_ns, online_sp, target_ns, target_sp = (q.float() for q in (online_ns, online_sp, target_ns, target_sp))
+        online_ns, online_sp, target_ns, target_sp = (
+            q.float() for q in (online_ns, online_sp, target_ns, target_sp)
+        )
         num_nonspatial = target_ns.shape[1]
         nonspatial_ok, spatial_ok = next_obs["mask"][:, :num_nonspatial], next_obs["mask"][:, num_nonspatial:]
         neg_inf = torch.finfo(target_ns.dtype).min
@@ -1108,8 +1152,12 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
             spatial_ok = spatial_ok & points.any(2)  # a function with no point left is not available
         best_point = online_sp.argmax(2, keepdim=True)  # (B, S, 1)
         value_ns = target_ns.masked_fill(~nonspatial_ok, neg_inf).gather(1, best_function).squeeze(1)  # (B,)
-        value_sp = target_sp.unflatten(1, (spatial_ok.shape[1], -1)).gather(2, best_point).squeeze(2)  # (B, S)
-        value_sp = value_sp.masked_fill(~spatial_ok, neg_inf).max(1).values  # the best available spatial function
+        value_sp = (
+            target_sp.unflatten(1, (spatial_ok.shape[1], -1)).gather(2, best_point).squeeze(2)
+        )  # (B, S)
+        value_sp = (
+            value_sp.masked_fill(~spatial_ok, neg_inf).max(1).values
+        )  # the best available spatial function
         next_value = torch.maximum(value_ns, value_sp)  # (B,)
         next_value = torch.where(ended, torch.zeros_like(next_value), next_value)  # -inf never leaks through
         return returns + args.gamma ** rewards.shape[1] * next_value
@@ -1195,8 +1243,17 @@ def preallocate(
 
 
 def preallocate_or_fall_back(
-    q_network, target_network, optimizer, amp, args: Args, sources: dict, batch_size: int, fallback_used: bool,
-    device, run_dir: str, logger,
+    q_network,
+    target_network,
+    optimizer,
+    amp,
+    args: Args,
+    sources: dict,
+    batch_size: int,
+    fallback_used: bool,
+    device,
+    run_dir: str,
+    logger,
 ) -> tuple[float, int, bool]:
     """Preallocate optimizer state (the A30 incident: the first step is where memory runs out). If that runs out
     of memory and the user asked for a fallback (--wait-for-gpu-mb, or --fallback-batch-size set), wait for the
@@ -1205,30 +1262,45 @@ def preallocate_or_fall_back(
     fallback_asked = args.wait_for_gpu_mb > 0 or sources.get("fallback_batch_size", "default") != "default"
     while True:
         try:
-            return preallocate(q_network, target_network, optimizer, amp, args, batch_size, device), batch_size, \
-                fallback_used
+            return (
+                preallocate(q_network, target_network, optimizer, amp, args, batch_size, device),
+                batch_size,
+                fallback_used,
+            )
         except torch.OutOfMemoryError as exc:
             where = oom_site(exc)
-            traceback.clear_frames(exc.__traceback__)  # memory: the failed step's tensors go before the report
+            traceback.clear_frames(
+                exc.__traceback__
+            )  # memory: the failed step's tensors go before the report
             error = exc.with_traceback(None)
             del exc
         optimizer.zero_grad(set_to_none=True)
         optimizer.state.clear()
         gc.collect()
         if fallback_asked and batch_size > args.fallback_batch_size:
-            logger.info(f"preallocation: batch {batch_size} does not fit ({str(error).splitlines()[0]}); "
-                        f"retrying with the fallback batch size {args.fallback_batch_size}")
+            logger.info(
+                f"preallocation: batch {batch_size} does not fit ({str(error).splitlines()[0]}); "
+                f"retrying with the fallback batch size {args.fallback_batch_size}"
+            )
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 if args.wait_for_gpu_mb > 0:
-                    mu.wait_for_gpu(args.wait_for_gpu_mb, args.wait_poll_s, args.wait_timeout_s, device=device)
+                    mu.wait_for_gpu(
+                        args.wait_for_gpu_mb, args.wait_poll_s, args.wait_timeout_s, device=device
+                    )
             batch_size, fallback_used = args.fallback_batch_size, True
             continue
         diagnosis = mu.write_oom_report(run_dir, error, None, device=device)
-        logger.info(f"out of memory at start-up ({where}): optimizer-state preallocation at batch {batch_size} "
-                    f"does not fit, so nothing was trained.\n{diagnosis}\n"
-                    + ("" if fallback_asked else "--wait-for-gpu-mb MB (wait for room) or --fallback-batch-size N "
-                                                 "(retry smaller) let the run go on instead."))
+        logger.info(
+            f"out of memory at start-up ({where}): optimizer-state preallocation at batch {batch_size} "
+            f"does not fit, so nothing was trained.\n{diagnosis}\n"
+            + (
+                ""
+                if fallback_asked
+                else "--wait-for-gpu-mb MB (wait for room) or --fallback-batch-size N "
+                "(retry smaller) let the run go on instead."
+            )
+        )
         raise RunInterrupted("out of memory", EXIT_OOM)
 
 
@@ -1250,8 +1322,9 @@ def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> floa
     return max(slope * t + start_e, end_e)
 
 
-def select_action(q_network, obs: dict, epsilon: float, rng: np.random.Generator, device,
-                  select_own_only: bool = False) -> int:
+def select_action(
+    q_network, obs: dict, epsilon: float, rng: np.random.Generator, device, select_own_only: bool = False
+) -> int:
     """Epsilon-greedy over the flat action space (functions, then points), available actions only (and, with
     `select_own_only`, select_point only on our own units).
 
@@ -1308,8 +1381,15 @@ def write_video(frames: list[np.ndarray], path: str) -> None:
 
 
 def run_test_episodes(
-    q_network, env, num_episodes: int, res: int, device, epsilon: float = 0.0, video_dir: str | None = None,
-    select_own_only: bool = False, through_pixels: float = 0.0,
+    q_network,
+    env,
+    num_episodes: int,
+    res: int,
+    device,
+    epsilon: float = 0.0,
+    video_dir: str | None = None,
+    select_own_only: bool = False,
+    through_pixels: float = 0.0,
 ) -> list[float]:
     """Test episodes (greedy at epsilon 0); returns each episode's score. With `video_dir`, each episode's
     screen is written to `{video_dir}/test-episode-{k}.mp4`. Moves are carried `through_pixels` on (game_call)."""
@@ -1476,9 +1556,25 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 CHECKPOINT_FORMAT = "dqn_starcraft_split/3"  # 3: every setting in RESUME_MUST_MATCH recorded in its args
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
-RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
-                     "fused_channels", "context_layers", "click_distance", "timer_input", "player_channels",
-                     "nonspatial_hidden", "fine_gain", "fine_kernel", "coarse_level", "move_through")
+RESUME_MUST_MATCH = (
+    "backend",
+    "map_name",
+    "res",
+    "step_mul",
+    "screen_world_units",
+    "n_step",
+    "tower_channels",
+    "fused_channels",
+    "context_layers",
+    "click_distance",
+    "timer_input",
+    "player_channels",
+    "nonspatial_hidden",
+    "fine_gain",
+    "fine_kernel",
+    "coarse_level",
+    "move_through",
+)
 # what the saved scheduler state holds: loaded into another schedule it would not fit, or would silently override
 # the values this run records
 RESUME_SAME_SCHEDULE = ("lr_scheduler", "step_lr_step_size", "step_lr_gamma")
@@ -1529,15 +1625,19 @@ def load_checkpoint(path: str, args: Args) -> dict:
     if not isinstance(state, dict) or not {"format", "rng", "q_network", "args"} <= set(state):
         raise ConfigError(f"--resume {path!r} is not a {CHECKPOINT_FORMAT} checkpoint that can be resumed.")
     if state["format"] != CHECKPOINT_FORMAT:
-        raise ConfigError(f"--resume {path!r} was written by another version of this script ({state['format']}, "
-                          f"this one reads {CHECKPOINT_FORMAT}); start a new run.")
+        raise ConfigError(
+            f"--resume {path!r} was written by another version of this script ({state['format']}, "
+            f"this one reads {CHECKPOINT_FORMAT}); start a new run."
+        )
     trained = state["args"]
     args = with_map_defaults(args)
     for name in RESUME_MUST_MATCH + RESUME_SAME_SCHEDULE:
         saved, wanted = trained.get(name), getattr(args, name)
         if saved != wanted:
-            raise ConfigError(f"--resume checkpoint was trained with --{name.replace('_', '-')} {saved}, but this run "
-                              f"asks for {wanted}.")
+            raise ConfigError(
+                f"--resume checkpoint was trained with --{name.replace('_', '-')} {saved}, but this run "
+                f"asks for {wanted}."
+            )
     return state
 
 
@@ -1645,6 +1745,7 @@ class Run:
     snapshots: mu.MemorySnapshots
     curve_path: str
     checkpoint_path: str
+    through_pixels: float  # --move-through, in screen pixels
     last_report: dict | None = None  # the latest memory report and leak verdict, for an OOM report
     last_verdict: typing.Any = None
     memory_report_failed: bool = False
@@ -1724,7 +1825,17 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resuming: bool) ->
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
     scheduler = make_scheduler(optimizer, args)
     prealloc_mb, batch_size, fallback_used = preallocate_or_fall_back(
-        q_network, target_network, optimizer, amp, args, sources, batch_size, fallback_used, device, run_dir, logger
+        q_network,
+        target_network,
+        optimizer,
+        amp,
+        args,
+        sources,
+        batch_size,
+        fallback_used,
+        device,
+        run_dir,
+        logger,
     )
     if config["batch_size_used"] != batch_size:  # the fallback batch, after an OOM at preallocation
         config.update(
@@ -1757,11 +1868,30 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resuming: bool) ->
         with open(curve_path, "w") as f:
             f.write("episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n")
     return Run(
-        args=args, seed=seed, run_id=run_id, run_dir=run_dir, device=device, amp=amp, logger=logger, writer=writer, env=env,
-        eval_env=eval_env, q_network=q_network, target_network=target_network, optimizer=optimizer,
-        scheduler=scheduler, rb=rb, rng=rng, batch_size=batch_size, fallback_used=fallback_used,
-        leak=mu.LeakDetector(warmup_steps=args.leak_warmup_steps), probes=probes, snapshots=snapshots,
-        curve_path=curve_path, checkpoint_path=os.path.join(run_dir, "checkpoint.pt"),
+        args=args,
+        seed=seed,
+        run_id=run_id,
+        run_dir=run_dir,
+        device=device,
+        amp=amp,
+        logger=logger,
+        writer=writer,
+        env=env,
+        eval_env=eval_env,
+        q_network=q_network,
+        target_network=target_network,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        rb=rb,
+        rng=rng,
+        batch_size=batch_size,
+        fallback_used=fallback_used,
+        leak=mu.LeakDetector(warmup_steps=args.leak_warmup_steps),
+        probes=probes,
+        snapshots=snapshots,
+        curve_path=curve_path,
+        checkpoint_path=os.path.join(run_dir, "checkpoint.pt"),
+        through_pixels=args.move_through * args.res / args.screen_world_units,
     )
 
 
@@ -1813,8 +1943,18 @@ def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list
         "recent_train_scores": list(recent_train_scores),
         "replay": run.rb.state_dict() if run.args.checkpoint_buffer else None,
     }
-    save_checkpoint(run.checkpoint_path, run.q_network, run.target_network, run.optimizer, run.scheduler, episode,
-                    global_step, run.args, interrupted=interrupted, extra=extra)
+    save_checkpoint(
+        run.checkpoint_path,
+        run.q_network,
+        run.target_network,
+        run.optimizer,
+        run.scheduler,
+        episode,
+        global_step,
+        run.args,
+        interrupted=interrupted,
+        extra=extra,
+    )
 
 
 @contextlib.contextmanager
@@ -1830,8 +1970,9 @@ def out_of_memory_ends_the_run(run: Run, global_step: int):
         error = exc.with_traceback(None)
         del exc
         gc.collect()
-        diagnosis = mu.write_oom_report(run.run_dir, error, run.last_report, verdict=run.last_verdict,
-                                        device=run.device)
+        diagnosis = mu.write_oom_report(
+            run.run_dir, error, run.last_report, verdict=run.last_verdict, device=run.device
+        )
         run.logger.info(f"out of memory at step {global_step} ({where}):\n{diagnosis}")
         raise RunInterrupted("out of memory", EXIT_OOM) from None
 
@@ -1856,22 +1997,40 @@ def log_memory(run: Run, global_step: int) -> None:
         run.memory_report_failed = True
 
 
-def log_episode(run: Run, episode: int, global_step: int, score: float, length: int, epsilon: float, lr: float):
+def log_episode(
+    run: Run, episode: int, global_step: int, score: float, length: int, epsilon: float, lr: float
+):
     run.writer.add_scalar("charts/episodic_return", score, global_step)
     run.writer.add_scalar("charts/episodic_length", length, global_step)
     run.writer.add_scalar("charts/epsilon", epsilon, global_step)
     run.writer.add_scalar("charts/learning_rate", lr, episode)
-    print(f"episode={episode} global_step={global_step} score={score:g} epsilon={epsilon:.3f} lr={lr:.3g}", flush=True)
+    print(
+        f"episode={episode} global_step={global_step} score={score:g} epsilon={epsilon:.3f} lr={lr:.3g}",
+        flush=True,
+    )
 
 
-def evaluate(run: Run, episode: int, global_step: int, epsilon: float, lr: float, recent_train_scores: list,
-             start_time: float, through_pixels: float) -> None:
+def evaluate(
+    run: Run,
+    episode: int,
+    global_step: int,
+    epsilon: float,
+    lr: float,
+    recent_train_scores: list,
+    start_time: float,
+) -> None:
     """Greedy test episodes during training: `charts/test_score` and a row of eval/curve.csv."""
     args = run.args
     with out_of_memory_ends_the_run(run, global_step):
         test_scores = run_test_episodes(
-            run.q_network, run.eval_env, args.num_eval_episodes, args.res, run.device, args.test_epsilon,
-            select_own_only=args.select_own_only, through_pixels=through_pixels,
+            run.q_network,
+            run.eval_env,
+            args.num_eval_episodes,
+            args.res,
+            run.device,
+            args.test_epsilon,
+            select_own_only=args.select_own_only,
+            through_pixels=run.through_pixels,
         )
     test_mean = float(np.mean(test_scores))
     train_mean = float(np.mean(recent_train_scores))
@@ -1887,16 +2046,29 @@ def evaluate(run: Run, episode: int, global_step: int, epsilon: float, lr: float
     )
 
 
-def finish(run: Run, episode: int, global_step: int, recent_train_scores: list, stopped_by: str, start_time: float,
-           through_pixels: float, wall_start: float) -> dict:
+def finish(
+    run: Run,
+    episode: int,
+    global_step: int,
+    recent_train_scores: list,
+    stopped_by: str,
+    start_time: float,
+    wall_start: float,
+) -> dict:
     """The final greedy test of the trained network (eval/test_results.json), the final checkpoint; returns the
     run's results row."""
     args = run.args
     with out_of_memory_ends_the_run(run, global_step):
         test_scores = run_test_episodes(
-            run.q_network, run.eval_env, args.num_test_episodes, args.res, run.device, args.test_epsilon,
+            run.q_network,
+            run.eval_env,
+            args.num_test_episodes,
+            args.res,
+            run.device,
+            args.test_epsilon,
             video_dir=os.path.join(run.run_dir, "videos") if args.capture_video else None,
-            select_own_only=args.select_own_only, through_pixels=through_pixels,
+            select_own_only=args.select_own_only,
+            through_pixels=run.through_pixels,
         )
     verdict = run.leak.check()
     results = {
@@ -1945,6 +2117,20 @@ def finish(run: Run, episode: int, global_step: int, recent_train_scores: list, 
     }
 
 
+def save_interrupted(run: Run, reason: Exception, episode: int, global_step: int, recent_train_scores: list):
+    """A signal or a CUDA OOM stopped the run: a checkpoint, a line in train.log, no results row."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    save_run(run, episode, global_step, recent_train_scores, interrupted=True)
+    run.logger.info(
+        f"interrupted by {reason} at episode {episode}, step {global_step}: checkpoint saved to "
+        f"{run.checkpoint_path}; no results row written"
+    )
+    run.writer.close()
+    run.env.close()
+    run.snapshots.close()
+
+
 def close(run: Run) -> None:
     run.writer.close()
     run.env.close()
@@ -1957,17 +2143,19 @@ def close(run: Run) -> None:
         wandb.finish()
 
 
-def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_state: dict | None = None) -> dict:
+def train_one_seed(
+    args: Args, sources: dict, seed: int, run_id: str, resume_state: dict | None = None
+) -> dict:
     """One complete run (or the rest of one, from `resume_state`); returns its results row. Raises RunInterrupted
     (after checkpointing) on a signal or a CUDA OOM."""
     wall_start = time.time()
     run = set_up(args, sources, seed, run_id, resuming=resume_state is not None)
-    args, q_network, target_network, rb, rng, probes = run.args, run.q_network, run.target_network, run.rb, run.rng, run.probes
+    args, rb, rng, probes = run.args, run.rb, run.rng, run.probes
+    q_network, target_network = run.q_network, run.target_network
     global_step, episode, recent_train_scores, first_episode = 0, 0, [], 1
     if resume_state is not None:
         first_episode, global_step, episode, recent_train_scores = restore(run, resume_state)
         resume_state = None  # memory: the loaded tensors live in the networks now
-    through_pixels = args.move_through * args.res / args.screen_world_units  # --move-through, in screen pixels
     start_time = time.time()
     stopped_by = "num_episodes"
     try:
@@ -1978,7 +2166,7 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
                 with out_of_memory_ends_the_run(run, global_step):
                     action = select_action(q_network, obs, epsilon, rng, run.device, args.select_own_only)
-                next_obs, reward, done = run.env.step(*game_call(action, obs, args.res, through_pixels))
+                next_obs, reward, done = run.env.step(*game_call(action, obs, args.res, run.through_pixels))
                 rb.add(obs, action, reward, done)
                 probes("after_collect")
                 obs = next_obs
@@ -1995,9 +2183,12 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                         metrics = update(q_network, target_network, run.optimizer, run.amp, batch, args)
                     probes("after_optimizer_step")
                     if global_step % args.log_every_steps < args.train_frequency:
+                        # memory: floats, once per interval
                         for key, value in metrics.items():
-                            run.writer.add_scalar(key, value.item(), global_step)  # memory: floats, once per interval
-                        run.writer.add_scalar("charts/SPS", global_step / (time.time() - start_time), global_step)
+                            run.writer.add_scalar(key, value.item(), global_step)
+                        run.writer.add_scalar(
+                            "charts/SPS", global_step / (time.time() - start_time), global_step
+                        )
                 if global_step % args.target_network_frequency == 0:
                     target_network.load_state_dict(q_network.state_dict())
                 probes.end_iteration(global_step)
@@ -2012,24 +2203,14 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
                 run.scheduler.step()  # ALGO LOGIC: the schedule moves once per episode
             over_time = args.time_limit_min > 0 and time.time() - start_time >= 60 * args.time_limit_min
             if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
-                evaluate(run, episode, global_step, epsilon, lr, recent_train_scores, start_time, through_pixels)
+                evaluate(run, episode, global_step, epsilon, lr, recent_train_scores, start_time)
             if over_time:
                 stopped_by = "time_limit"
                 run.logger.info(f"time limit of {args.time_limit_min:g} min reached after {episode} episodes")
                 break
-        row = finish(run, episode, global_step, recent_train_scores, stopped_by, start_time, through_pixels,
-                     wall_start)
+        row = finish(run, episode, global_step, recent_train_scores, stopped_by, start_time, wall_start)
     except RunInterrupted as exc:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        save_run(run, episode, global_step, recent_train_scores, interrupted=True)
-        run.logger.info(
-            f"interrupted by {exc} at episode {episode}, step {global_step}: checkpoint saved to "
-            f"{run.checkpoint_path}; no results row written"
-        )
-        run.writer.close()
-        run.env.close()
-        run.snapshots.close()
+        save_interrupted(run, exc, episode, global_step, recent_train_scores)
         raise
     close(run)
     return row
@@ -2052,8 +2233,12 @@ def main(args: Args, sources: dict) -> int:
     args = with_map_defaults(args)
     seeds = list(args.seeds) or [args.seed]
     base_id = args.run_id or f"{args.map_name}__{args.exp_name}__{{seed}}__{int(time.time())}"
-    run_ids = {seed: (args.run_id if len(seeds) == 1 else f"{args.run_id}-seed{seed}") if args.run_id
-               else base_id.format(seed=seed) for seed in seeds}
+    run_ids = {
+        seed: (args.run_id if len(seeds) == 1 else f"{args.run_id}-seed{seed}")
+        if args.run_id
+        else base_id.format(seed=seed)
+        for seed in seeds
+    }
     resume_state = None
     if args.resume is not None:
         try:
@@ -2065,16 +2250,24 @@ def main(args: Args, sources: dict) -> int:
             print("error: --resume continues one run; give no --seeds with it.", file=sys.stderr)
             return 2
         # the run goes on in its own folder: {save_path}/{run_id}/checkpoint.pt
-        args = dataclasses.replace(args, save_path=os.path.dirname(os.path.dirname(os.path.abspath(args.resume))),
-                                   seed=int(resume_state["args"]["seed"]))
+        args = dataclasses.replace(
+            args,
+            save_path=os.path.dirname(os.path.dirname(os.path.abspath(args.resume))),
+            seed=int(resume_state["args"]["seed"]),
+        )
         seeds = [args.seed]
         run_ids = {args.seed: os.path.basename(os.path.dirname(os.path.abspath(args.resume)))}
-    for run_id in run_ids.values():  # before anything is written: an earlier run is never overwritten by accident
+    for (
+        run_id
+    ) in run_ids.values():  # before anything is written: an earlier run is never overwritten by accident
         folder = os.path.join(args.save_path, run_id)
         if resume_state is None and os.path.exists(os.path.join(folder, "config.json")):
             if not args.overwrite:
-                print(f"error: run id {run_id!r} already holds a run in {folder}; pass --overwrite to replace it, "
-                      f"or choose another --run-id.", file=sys.stderr)
+                print(
+                    f"error: run id {run_id!r} already holds a run in {folder}; pass --overwrite to replace it, "
+                    f"or choose another --run-id.",
+                    file=sys.stderr,
+                )
                 return 2
             shutil.rmtree(folder)
             shutil.rmtree(os.path.join(args.log_dir, run_id), ignore_errors=True)

@@ -153,7 +153,9 @@ def class_past(selected: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
     xs = torch.arange(W, dtype=torch.float32, device=selected.device)[None, None, :]
     dy, dx = ys - centre_y[:, None, None], xs - centre_x[:, None, None]  # (B, H, W): away from the centre
     length = torch.sqrt(dy * dy + dx * dx).clamp(min=1e-6)
-    past_y = (ys + 0.5 + dy / length).floor().clamp(0, H - 1).long()  # the pixel holding the point one pixel on
+    past_y = (
+        (ys + 0.5 + dy / length).floor().clamp(0, H - 1).long()
+    )  # the pixel holding the point one pixel on
     past_x = (xs + 0.5 + dx / length).floor().clamp(0, W - 1).long()
     index = (past_y * W + past_x).flatten(1)[:, None].expand(-1, K - 1, -1)  # (B, K-1, HW)
     units = (classes[:, 1:] * (selected[:, None] == 0)).flatten(2)  # (B, K-1, HW)
@@ -246,45 +248,92 @@ def play(agent, map_name: str, res: int, step_mul: int, episodes: int, seed: int
 
 
 def summary(scores: list[float]) -> dict:
-    return {"mean": statistics.fmean(scores), "std": statistics.pstdev(scores), "min": min(scores),
-            "max": max(scores), "episodes": len(scores), "scores": scores}
+    return {
+        "mean": statistics.fmean(scores),
+        "std": statistics.pstdev(scores),
+        "min": min(scores),
+        "max": max(scores),
+        "episodes": len(scores),
+        "scores": scores,
+    }
 
 
 def measure(res: int, step_mul: int, episodes: int, seed: int) -> dict:
     return {
         "scripted_beacon": summary(play(ScriptedBeacon(), "MoveToBeacon", res, step_mul, episodes, seed)),
         "random_beacon": summary(play(RandomAgent(res), "MoveToBeacon", res, step_mul, episodes, seed)),
-        "random_shards": summary(play(RandomAgent(res), "CollectMineralShards", res, step_mul, episodes, seed)),
+        "random_shards": summary(
+            play(RandomAgent(res), "CollectMineralShards", res, step_mul, episodes, seed)
+        ),
         "scripted_shards_together": summary(
-            play(ScriptedShardsTogether(), "CollectMineralShards", res, step_mul, episodes, seed)),
+            play(ScriptedShardsTogether(), "CollectMineralShards", res, step_mul, episodes, seed)
+        ),
         "scripted_shards_split": summary(
-            play(ScriptedShardsSplit(), "CollectMineralShards", res, step_mul, episodes, seed)),
-        **{f"scripted_shards_together_miss_{miss:g}": summary(
-            play(ScriptedShardsMissing(miss), "CollectMineralShards", res, step_mul, episodes, seed))
-           for miss in MISSES},
-        "scripted_shards_together_past": summary(play(
-            ScriptedShardsPast(PAST_WORLD_UNITS), "CollectMineralShards", res, step_mul, episodes, seed)),
-        **{f"scripted_shards_together_cluster_{bonus:g}": summary(
-            play(ScriptedShardsClustered(bonus), "CollectMineralShards", res, step_mul, episodes, seed))
-           for bonus in CLUSTER_BONUSES},
-        **{f"scripted_shards_click_term_{name}": summary(
-            play(ScriptedClickTerm(past), "CollectMineralShards", res, step_mul, episodes, seed))
-           for name, past in (("distance", False), ("past", True))},
-        "scripted_shards_together_through": summary(play(
-            CarriedClicks(ScriptedShardsTogether(), THROUGH_WORLD_UNITS), "CollectMineralShards", res, step_mul,
-            episodes, seed)),
-        "scripted_shards_click_term_distance_through": summary(play(
-            CarriedClicks(ScriptedClickTerm(False), THROUGH_WORLD_UNITS), "CollectMineralShards", res, step_mul,
-            episodes, seed)),
+            play(ScriptedShardsSplit(), "CollectMineralShards", res, step_mul, episodes, seed)
+        ),
+        **{
+            f"scripted_shards_together_miss_{miss:g}": summary(
+                play(ScriptedShardsMissing(miss), "CollectMineralShards", res, step_mul, episodes, seed)
+            )
+            for miss in MISSES
+        },
+        "scripted_shards_together_past": summary(
+            play(ScriptedShardsPast(PAST_WORLD_UNITS), "CollectMineralShards", res, step_mul, episodes, seed)
+        ),
+        **{
+            f"scripted_shards_together_cluster_{bonus:g}": summary(
+                play(ScriptedShardsClustered(bonus), "CollectMineralShards", res, step_mul, episodes, seed)
+            )
+            for bonus in CLUSTER_BONUSES
+        },
+        **{
+            f"scripted_shards_click_term_{name}": summary(
+                play(ScriptedClickTerm(past), "CollectMineralShards", res, step_mul, episodes, seed)
+            )
+            for name, past in (("distance", False), ("past", True))
+        },
+        "scripted_shards_together_through": summary(
+            play(
+                CarriedClicks(ScriptedShardsTogether(), THROUGH_WORLD_UNITS),
+                "CollectMineralShards",
+                res,
+                step_mul,
+                episodes,
+                seed,
+            )
+        ),
+        "scripted_shards_click_term_distance_through": summary(
+            play(
+                CarriedClicks(ScriptedClickTerm(False), THROUGH_WORLD_UNITS),
+                "CollectMineralShards",
+                res,
+                step_mul,
+                episodes,
+                seed,
+            )
+        ),
     }
 
 
 def configuration() -> dict:
     """The replica's constants that the figures depend on (each with its source in dqn_starcraft_split.py)."""
-    names = ["GAME_LOOPS_PER_SECOND", "EPISODE_SECONDS", "MARINE_SPEED_PER_LOOP", "MARINE_RADIUS",
-             "PLAYABLE_WORLD", "CAMERA_CENTRE_WORLD", "BEACON_SPAWN_WORLD",
-             "BEACON_SPAWN_HOLE_WORLD", "BEACON_MIN_DISTANCE", "BEACON_RADIUS", "SHARD_SPAWN_WORLD",
-             "SHARD_MIN_DISTANCE", "SHARD_RADIUS", "NUM_SHARDS", "FUNCTIONS"]
+    names = [
+        "GAME_LOOPS_PER_SECOND",
+        "EPISODE_SECONDS",
+        "MARINE_SPEED_PER_LOOP",
+        "MARINE_RADIUS",
+        "PLAYABLE_WORLD",
+        "CAMERA_CENTRE_WORLD",
+        "BEACON_SPAWN_WORLD",
+        "BEACON_SPAWN_HOLE_WORLD",
+        "BEACON_MIN_DISTANCE",
+        "BEACON_RADIUS",
+        "SHARD_SPAWN_WORLD",
+        "SHARD_MIN_DISTANCE",
+        "SHARD_RADIUS",
+        "NUM_SHARDS",
+        "FUNCTIONS",
+    ]
     return {"screen_world_units": dqn.Args.screen_world_units, **{name: getattr(dqn, name) for name in names}}
 
 
@@ -301,10 +350,18 @@ def write_markdown(path: Path, report: dict) -> None:
         ("MoveToBeacon", "scripted: click on the beacon", "scripted_beacon", "grandmaster 28"),
         ("MoveToBeacon", "random", "random_beacon", "random policy 1"),
         ("CollectMineralShards", "random", "random_shards", "random policy 17"),
-        ("CollectMineralShards", "scripted: both marines together (select_army)", "scripted_shards_together",
-         "FullyConv 103"),
-        ("CollectMineralShards", "scripted: marines split (select_point)", "scripted_shards_split",
-         "grandmaster 177"),
+        (
+            "CollectMineralShards",
+            "scripted: both marines together (select_army)",
+            "scripted_shards_together",
+            "FullyConv 103",
+        ),
+        (
+            "CollectMineralShards",
+            "scripted: marines split (select_point)",
+            "scripted_shards_split",
+            "grandmaster 177",
+        ),
     ]
     text = [
         "# Built-in minigames of dqn_starcraft_split.py: scripted and random agents\n",
@@ -342,15 +399,20 @@ def write_markdown(path: Path, report: dict) -> None:
         "marines).\n",
         "| agent | key | mean score |",
         "|---|---|---|",
-        *[f"| together, aiming at the second-nearest shard with probability {miss:g} at each step | "
-          f"`scripted_shards_together_miss_{miss:g}` | {line(f'scripted_shards_together_miss_{miss:g}', d)} |"
-          for miss in MISSES],
+        *[
+            f"| together, aiming at the second-nearest shard with probability {miss:g} at each step | "
+            f"`scripted_shards_together_miss_{miss:g}` | {line(f'scripted_shards_together_miss_{miss:g}', d)} |"
+            for miss in MISSES
+        ],
         f"| together, clicking {PAST_WORLD_UNITS:g} world units past the nearest shard (walks through it) | "
         f"`scripted_shards_together_past` | {line('scripted_shards_together_past', d)} |",
-        *[f"| together, aiming at the shard whose distance (world units) minus {bonus:g} x its neighbours (other "
-          f"shards within {NEIGHBOUR_WORLD_UNITS:g} world units of it) is least: drawn to clusters | "
-          f"`scripted_shards_together_cluster_{bonus:g}` | "
-          f"{line(f'scripted_shards_together_cluster_{bonus:g}', d)} |" for bonus in CLUSTER_BONUSES],
+        *[
+            f"| together, aiming at the shard whose distance (world units) minus {bonus:g} x its neighbours (other "
+            f"shards within {NEIGHBOUR_WORLD_UNITS:g} world units of it) is least: drawn to clusters | "
+            f"`scripted_shards_together_cluster_{bonus:g}` | "
+            f"{line(f'scripted_shards_together_cluster_{bonus:g}', d)} |"
+            for bonus in CLUSTER_BONUSES
+        ],
         "| together, clicking where the DQN's one-pixel click term would with hand-set weights on the distance "
         "input: the nearest shard pixel, from what the screen shows | `scripted_shards_click_term_distance` | "
         f"{line('scripted_shards_click_term_distance', d)} |",
@@ -366,15 +428,19 @@ def write_markdown(path: Path, report: dict) -> None:
     ]
     split, together = d["scripted_shards_split"]["mean"], d["scripted_shards_together"]["mean"]
     if split < together:
-        text.append(f"At step_mul 16 the split agent ({split:.2f}) scores below the together agent ({together:.2f}): "
-                    "each select_point costs an agent step of 16 game loops, twice the paper's.\n")
+        text.append(
+            f"At step_mul 16 the split agent ({split:.2f}) scores below the together agent ({together:.2f}): "
+            "each select_point costs an agent step of 16 game loops, twice the paper's.\n"
+        )
     path.write_text("\n".join(text))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="path without extension; .json and .md are written")
-    parser.add_argument("--episodes", type=int, default=30, help="episodes per agent and setting (at least 20)")
+    parser.add_argument(
+        "--episodes", type=int, default=30, help="episodes per agent and setting (at least 20)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the environments and the random agents")
     args = parser.parse_args()
     if args.episodes < 20:
@@ -386,7 +452,9 @@ def main() -> int:
         return 2
     torch.set_num_threads(1)
     start = time.perf_counter()
-    results = {name: measure(s["res"], s["step_mul"], args.episodes, args.seed) for name, s in SETTINGS.items()}
+    results = {
+        name: measure(s["res"], s["step_mul"], args.episodes, args.seed) for name, s in SETTINGS.items()
+    }
     paper = results["paper"]
     report = {
         **{f"{key}_mean": value["mean"] for key, value in paper.items()},
@@ -404,8 +472,10 @@ def main() -> int:
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     write_markdown(out.with_suffix(".md"), report)
     for key in paper:
-        print(f"{key}_mean = {paper[key]['mean']:.2f} (64 px, step_mul 8); {results['dqn_defaults'][key]['mean']:.2f} "
-              f"(32 px, step_mul 16)")
+        print(
+            f"{key}_mean = {paper[key]['mean']:.2f} (64 px, step_mul 8); {results['dqn_defaults'][key]['mean']:.2f} "
+            f"(32 px, step_mul 16)"
+        )
     return 0
 
 

@@ -1,7 +1,7 @@
 """Tiny complete runs of dqn_starcraft_split.py: every output file, and what an interrupted run leaves."""
 
-import dataclasses
 import csv
+import dataclasses
 import json
 import os
 import signal
@@ -106,7 +106,9 @@ def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
     assert checkpoint["interrupted"] is False and checkpoint["global_step"] == 30
     left_out = [name for name in dqn.MAP_DEFAULTS["MoveToBeacon"] if config["sources"][name] == "default"]
     assert "context_layers" in left_out and "lr_scheduler" not in left_out  # this run gives the schedule
-    assert all(config["args"][name] == dqn.MAP_DEFAULTS["MoveToBeacon"][name] for name in left_out)  # as values
+    assert all(
+        config["args"][name] == dqn.MAP_DEFAULTS["MoveToBeacon"][name] for name in left_out
+    )  # as values
     dqn.make_q_network(dqn.Args(res=8, map_name="MoveToBeacon")).load_state_dict(checkpoint["q_network"])
 
     events = EventAccumulator(str(tmp_path / "runs" / "tiny-seed4"))
@@ -152,7 +154,7 @@ def test_sigterm_leaves_a_checkpoint_and_no_results_row(tmp_path, to):
             os.killpg(proc.pid, signal.SIGTERM)
         else:
             proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=120)
+        _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -219,9 +221,21 @@ def test_training_and_test_episodes_send_the_game_carried_moves(tmp_path, monkey
     sent = {}
     for through in ("6", "0"):  # 6 world units: 2 pixels of the 8-pixel, 24-unit screen
         calls.clear()
-        args, sources = dqn.parse_args([*TINY, "--map-name", "CollectMineralShards", "--num-episodes", "2",
-                                        "--move-through", through, "--run-id", f"through{through}",
-                                        "--no-save-model"], {})
+        args, sources = dqn.parse_args(
+            [
+                *TINY,
+                "--map-name",
+                "CollectMineralShards",
+                "--num-episodes",
+                "2",
+                "--move-through",
+                through,
+                "--run-id",
+                f"through{through}",
+                "--no-save-model",
+            ],
+            {},
+        )
         threads = torch.get_num_threads()
         try:
             assert dqn.main(args, sources) == 0
@@ -288,8 +302,9 @@ def _oom(*args, **kwargs):
 
 
 @pytest.mark.parametrize("site", ["select_action", "batch_to_device", "run_test_episodes"])
-def test_out_of_memory_while_acting_copying_or_testing_is_handled_like_an_update(tmp_path, monkeypatch, capsys,
-                                                                                 site):
+def test_out_of_memory_while_acting_copying_or_testing_is_handled_like_an_update(
+    tmp_path, monkeypatch, capsys, site
+):
     real = getattr(dqn, site)
     calls = {"n": 0}
 
@@ -307,7 +322,9 @@ def test_out_of_memory_while_acting_copying_or_testing_is_handled_like_an_update
     assert torch.load(run / "checkpoint.pt", weights_only=False)["interrupted"] is True
     log = (run / "train.log").read_text()
     # where: the innermost frame in the script (here the call site, as the stand-in lives in this file)
-    caller = "evaluate" if site == "run_test_episodes" else "train_one_seed"  # the periodic test: its own function
+    caller = (
+        "evaluate" if site == "run_test_episodes" else "train_one_seed"
+    )  # the periodic test: its own function
     assert "out of memory at step" in log and f"(in {caller}, line" in log
     assert not (tmp_path / "results" / "results.csv").exists()
     assert "Traceback" not in capsys.readouterr().err
@@ -343,7 +360,7 @@ def test_out_of_memory_at_preallocation_retries_with_the_fallback_batch(tmp_path
     assert config["batch_size_used"] == 2 and config["fallback_used"] is True
     assert "preallocation" in config["fallback_reason"]
     assert "retrying with the fallback batch size 2" in (run / "train.log").read_text()
-    (row,) = csv.DictReader(open(tmp_path / "results" / "results.csv"))
+    (row,) = csv.DictReader((tmp_path / "results" / "results.csv").read_text().splitlines())
     assert row["fallback_used"] == "True" and row["batch_size"] == "2"
 
 
@@ -352,8 +369,14 @@ def test_a_stopped_run_resumes_with_its_replay_and_finishes(tmp_path):
     """SIGTERM at episode 3 of a run that checkpoints its replay; `--resume` goes on in the same folder from the
     same episode, with the same counters, and writes the one results row at the end."""
     argv = [*TINY, "--num-episodes", "6", "--run-id", "stopped", "--checkpoint-buffer"]
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *argv], cwd=tmp_path, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *argv],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in proc.stdout:
             if line.startswith("episode=3 "):
@@ -365,21 +388,32 @@ def test_a_stopped_run_resumes_with_its_replay_and_finishes(tmp_path):
     run = tmp_path / "results" / "stopped"
     saved = torch.load(run / "checkpoint.pt", weights_only=True)
     assert saved["interrupted"] and saved["replay"]["size"] > 0
-    done = subprocess.run([sys.executable, str(SCRIPT), *argv, "--resume", str(run / "checkpoint.pt")],
-                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv, "--resume", str(run / "checkpoint.pt")],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     log = (run / "train.log").read_text()
-    assert f"resumed stopped at episode {saved['episode']}, step {saved['global_step']} with its replay" in log
-    episodes = [int(line.split()[0].split("=")[1]) for line in done.stdout.splitlines() if line.startswith("episode=")]
+    assert (
+        f"resumed stopped at episode {saved['episode']}, step {saved['global_step']} with its replay" in log
+    )
+    episodes = [
+        int(line.split()[0].split("=")[1]) for line in done.stdout.splitlines() if line.startswith("episode=")
+    ]
     assert episodes == list(range(saved["episode"], 7))
-    rows = list(csv.DictReader(open(tmp_path / "results" / "results.csv")))
+    rows = list(csv.DictReader((tmp_path / "results" / "results.csv").read_text().splitlines()))
     assert len(rows) == 1 and rows[0]["run_id"] == "stopped" and rows[0]["episodes"] == "6"
     final = torch.load(run / "checkpoint.pt", weights_only=True)
     assert final["global_step"] > saved["global_step"] and not final["interrupted"]
 
 
-@pytest.mark.parametrize("extra, needle", [(["--res", "16"], "--res 8, but this run asks for 16"),
-                                           ([], "does not exist")])
+@pytest.mark.parametrize(
+    "extra, needle", [(["--res", "16"], "--res 8, but this run asks for 16"), ([], "does not exist")]
+)
 def test_a_resume_that_cannot_work_is_one_line(tmp_path, extra, needle):
     checkpoint = tmp_path / "results" / "x" / "checkpoint.pt"
     if extra:
@@ -390,16 +424,26 @@ def test_a_resume_that_cannot_work_is_one_line(tmp_path, extra, needle):
             assert dqn.main(args, sources) == 0
         finally:
             os.chdir(cwd)
-    done = subprocess.run([sys.executable, str(SCRIPT), *TINY, *extra, "--resume", str(checkpoint)], cwd=tmp_path,
-                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *TINY, *extra, "--resume", str(checkpoint)],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().startswith("error: --resume") and needle in done.stderr
 
 
 def saved_checkpoint(tmp_path, args: dqn.Args, **network) -> str:
     """A checkpoint of this script's format trained with `args`, with the weights of a network built with `network`."""
-    saved = {"format": dqn.CHECKPOINT_FORMAT, "rng": {}, "args": dataclasses.asdict(dqn.with_map_defaults(args)),
-             "q_network": dqn.SplitQNetwork(8, **network).state_dict()}
+    saved = {
+        "format": dqn.CHECKPOINT_FORMAT,
+        "rng": {},
+        "args": dataclasses.asdict(dqn.with_map_defaults(args)),
+        "q_network": dqn.SplitQNetwork(8, **network).state_dict(),
+    }
     torch.save(saved, tmp_path / "saved.pt")
     return str(tmp_path / "saved.pt")
 
@@ -408,17 +452,37 @@ def test_a_checkpoint_of_an_older_version_is_refused_in_one_sentence(tmp_path):
     """A checkpoint written by an older version of the script (another format) is not resumed: one sentence on
     stderr, exit status 2, nothing trained."""
     args = dqn.Args(res=8, map_name="CollectMineralShards")
-    path = saved_checkpoint(tmp_path, args, context_layers=3, coarse_level=True, fine_kernel=1, click_distance=True,
-                            timer_input=True)
+    path = saved_checkpoint(
+        tmp_path,
+        args,
+        context_layers=3,
+        coarse_level=True,
+        fine_kernel=1,
+        click_distance=True,
+        timer_input=True,
+    )
     old = torch.load(path, weights_only=True)
     old["format"] = "dqn_starcraft_split/2"
     del old["args"]["move_through"]  # a setting that version did not record
     torch.save(old, tmp_path / "old.pt")
     with pytest.raises(dqn.ConfigError, match="was written by another version of this script"):
         dqn.load_checkpoint(str(tmp_path / "old.pt"), args)
-    done = subprocess.run([sys.executable, str(SCRIPT), *TINY, "--map-name", "CollectMineralShards", "--resume",
-                           str(tmp_path / "old.pt")], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            *TINY,
+            "--map-name",
+            "CollectMineralShards",
+            "--resume",
+            str(tmp_path / "old.pt"),
+        ],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "dqn_starcraft_split/2" in done.stderr and "start a new run" in done.stderr
     assert not (tmp_path / "runs").exists()
@@ -436,13 +500,17 @@ def test_a_checkpoint_resumes_only_with_the_learning_rate_schedule_it_was_traine
     path = saved_checkpoint(tmp_path, stepped, context_layers=0)
     with pytest.raises(dqn.ConfigError, match="--step-lr-gamma 0.2, but this run asks for 0.5"):
         dqn.load_checkpoint(path, dataclasses.replace(stepped, step_lr_gamma=0.5))
-    assert dqn.load_checkpoint(path, dataclasses.replace(stepped, num_episodes=50_000))  # a longer run is fine
+    assert dqn.load_checkpoint(
+        path, dataclasses.replace(stepped, num_episodes=50_000)
+    )  # a longer run is fine
 
 
 def test_a_checkpoint_resumes_only_with_the_spatial_head_it_was_trained_with(tmp_path):
     """--coarse-level and --fine-kernel change the shapes of the spatial head's weights: a checkpoint trained with
     an upsampled coarse term and a 3x3 click term refuses a run asking for either other value, naming both."""
-    args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0, coarse_level=False, fine_kernel=3)
+    args = dqn.Args(
+        res=8, map_name="CollectMineralShards", context_layers=0, coarse_level=False, fine_kernel=3
+    )
     path = saved_checkpoint(tmp_path, args, context_layers=0, coarse_level=False, fine_kernel=3)
     state = dqn.load_checkpoint(path, args)
     dqn.make_q_network(args).load_state_dict(state["q_network"])
