@@ -112,7 +112,7 @@ def test_gpu_only_pong_run_continues_across_invocations(tmp_path):
     assert not first["pong_resumed"] and second["pong_resumed"]
     assert first["pong_returncode"] == second["pong_returncode"] == 143  # stopped by SIGTERM after a checkpoint
     assert "--resume PONG_DIR/runs/" in second["pong_command"] and "--checkpoint-buffer" in second["pong_command"]
-    (run_dir,) = (pong_dir / "runs").iterdir()  # one run, continued
+    (_run_dir,) = (pong_dir / "runs").iterdir()  # one run, continued
     assert second["pong_env_steps"] > first["pong_env_steps"] >= 100
     assert second["pong_updates"] > first["pong_updates"] > 0
     assert second["pong_wall_s"] > first["pong_wall_s"]  # training time adds up over the two parts
