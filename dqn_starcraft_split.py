@@ -67,8 +67,7 @@ class Args:
     cuda: bool = True
     """if toggled, CUDA is used when available"""
     torch_num_threads: int = 1
-    """CPU threads for torch: batch-8 convolutions this small gain nothing from a second thread, and one thread
-    leaves the other cores to the environment or to a second seed"""
+    """CPU threads for torch (one is fastest at these sizes and leaves the other cores free)"""
     track: bool = False
     """if toggled, the run is tracked with Weights and Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "sc2-split-dqn"
@@ -80,13 +79,11 @@ class Args:
     checkpoint_buffer: bool = False
     """whether checkpoints also hold the replay buffer (so that `--resume` continues with it)"""
     resume: str | None = None
-    """path of a checkpoint to continue from (networks, optimizer, scheduler, loss scaler, counters, RNG states;
-    the replay too if it was saved with `--checkpoint-buffer`): the run goes on in the same folder"""
+    """path of a checkpoint to continue from, in the same run folder"""
     save_path: str = "results"
     """folder holding one sub-folder per run and the `results.csv` across runs"""
     run_id: str | None = None
-    """name of the run folder; default `{map_name}__{exp_name}__{seed}__{unix time}` (`-seed{n}` is appended
-    when several seeds run). A run id whose folder already holds a run is refused unless `--overwrite`"""
+    """name of the run folder; default `{map_name}__{exp_name}__{seed}__{unix time}`"""
     overwrite: bool = False
     """replace the results of an earlier run with the same `--run-id` (its folder, its TensorBoard events)"""
     log_dir: str = "runs"
@@ -94,8 +91,7 @@ class Args:
     time_limit_min: float = 0.0
     """stop training after this many minutes of wall time, then run the test episodes (0: no limit)"""
     capture_video: bool = False
-    """if toggled, the final test episodes of the (built-in) environment are recorded to
-    `{save_path}/{run_id}/videos/*.mp4`"""
+    """if toggled, the final test episodes are recorded to `{save_path}/{run_id}/videos/*.mp4`"""
 
     # environment
     backend: Literal["builtin", "pysc2"] = "builtin"
@@ -107,72 +103,37 @@ class Args:
     step_mul: int = 16
     """game loops per agent step (16 loops are one game second of the map's timer)"""
     screen_world_units: float = 24.0
-    """world units across the feature screen, on both backends: pysc2's default `camera_width_world_units`
-    (AgentInterfaceFormat in pysc2/lib/features.py), so a marine walks res / 24 * 2.25 pixels per game second"""
+    """world units across the feature screen, on both backends (pysc2's default camera width)"""
 
     # replay
     buffer_size: int = 100_000
     """replay capacity in agent steps"""
 
-    # model
+    # model (None: the map's default, MAP_DEFAULTS)
     tower_channels: int = 16
     """channels of the screen and minimap convolution towers"""
     fused_channels: int = 32
     """channels of the fused features that both Q heads read"""
     context_layers: int | None = None
-    """3x3 convolutions, dilated 1, 2, 4, ..., over the fused features pooled to quarter resolution and added
-    back: each layer doubles how far a pixel's value can see (3 layers: the whole screen at res 32), so the value
-    of a click can depend on where the marines are; 0 leaves a click's value blind to anything more than 4
-    pixels away. Quarter resolution keeps them cheap: at half resolution they would halve the agent steps a CPU
-    makes per second. None: the map's own default (MAP_DEFAULTS)"""
+    """dilated 3x3 convolutions over the fused features at quarter resolution (3: the whole screen at res 32)"""
     click_distance: bool | None = None
-    """the full-resolution click term also reads each unit class (player_relative, one-hot) multiplied by the
-    pixel's distance from the centre of the selected units: "a shard, this far from the marines" is then one
-    weight, where the convolutions alone resolve that distance only to the few world units of a quarter-resolution
-    cell, and a click on a farther shard looks as good as one on the nearest. None: the map's default"""
+    """the click term also reads each unit class times the pixel's distance from the selected units"""
     timer_input: bool | None = None
-    """the network also reads the share of the map's timer gone (pysc2's game_loop over the episode's 1,920
-    loops) beside the player vector: the screen does not show the timer, and a value blind to it cannot follow
-    the return left as it falls to 0 near the end. None: the map's default"""
+    """the network also reads the share of the map's timer gone"""
     coarse_level: bool | None = None
-    """the spatial head's coarse term is one level per spatial function, read from the pooled features and the
-    same at every pixel, so that the full-resolution term alone decides where to click; off, it is the fused
-    features' half-resolution map upsampled, which also ranks the pixels, at the resolution of a 2x2 cell, where
-    neighbouring shards share one value. None: the map's default"""
-    path_input: bool | None = None
-    """the full-resolution click term also reads, for each unit class, how many of its pixels lie within a pixel
-    of the straight walk from the selected units' centre to the clicked pixel: a marine picks up every shard it
-    walks over, so a click past a shard, or through a line of them, is worth more than a click that stops on the
-    nearest, which a value reading the clicked pixel alone cannot tell. None: the map's default"""
-    past_input: bool | None = None
-    """the full-resolution click term also reads, for each unit class, the pixels one pixel beyond its unselected
-    pixels, on the straight line from the selected units' centre: the marines stop where they are sent, so a click
-    on a shard wastes the rest of the step in which they reach it, where a click just past it walks them through
-    and on. "Just past the nearest shard" is then a few weights, as "on the nearest shard" is with the distance
-    input. None: the map's default"""
+    """the spatial head's coarse term is one level per spatial function (else an upsampled map)"""
     select_own_only: bool | None = None
-    """select_point only on pixels of our own units. Anywhere else it selects nothing, which no step of these maps
-    needs, and a greedy policy that overvalued it can loop: deselect on bare ground, select a marine, deselect
-    again, until the episode ends. None: the map's default"""
+    """select_point only on pixels of our own units"""
     move_through: float | None = None
-    """world units by which a Move_screen click is carried on past the pixel the spatial head chose, along the
-    line from the selected units' centre through it (kept on the screen): a unit stops where it is sent, so a
-    click on a shard wastes the rest of the step in which it is reached, where a click carried past it walks the
-    marines through and on. The network still chooses "this pixel" (the replay stores it); only the point sent to
-    the game moves. 0: the click goes where the head points. None: the map's default"""
+    """world units by which a Move_screen click is carried on past the chosen pixel"""
     player_channels: int = 8
     """channels of the embedding of the player vector and the available actions, tiled over the screen"""
     nonspatial_hidden: int = 64
     """hidden units of the non-spatial head"""
     fine_kernel: int | None = None
-    """kernel size of the full-resolution click term: 3 lets a pixel's value read its neighbours (a click beside a
-    shard, a pixel inside a cluster); 1 makes it a function of that pixel alone, so with --click-distance "the
-    nearest pixel of this class" is two weights and no neighbourhood pulls the click toward clusters. None: the
-    map's default"""
+    """kernel size of the spatial head's full-resolution click term"""
     fine_gain: float | None = None
-    """learning-rate multiplier of the spatial head's full-resolution term: Adam moves a weight about lr per
-    update, so at lr 5e-5 the layer that says "click exactly here" would need ~10x more updates than the rest.
-    None: the map's default"""
+    """learning-rate multiplier of the spatial head's full-resolution click term"""
 
     # training
     num_episodes: int = 10_000
@@ -182,17 +143,15 @@ class Args:
     batch_size: int = 8
     """transitions per update"""
     gamma: float = 0.95
-    """discount factor: the next pickup is at most ~12 steps away, so a 20-step horizon suffices, and it keeps
-    Q values small enough for lr 5e-5 to fit quickly"""
+    """discount factor"""
     n_step: int = 3
-    """n-step returns: a pickup reached k steps after the click that sent the marine credits that click after
-    k/n target updates instead of k"""
+    """n-step returns"""
     start_e: float = 1.0
     """epsilon at the first step"""
     end_e: float = 0.01
     """epsilon after `exploration_steps`"""
     exploration_steps: int | None = None
-    """agent steps over which epsilon goes linearly from `start_e` to `end_e`. None: the map's default"""
+    """agent steps over which epsilon goes linearly from `start_e` to `end_e`"""
     learning_starts: int = 1_000
     """agent steps of experience collected before the first update"""
     train_frequency: int = 2
@@ -204,16 +163,15 @@ class Args:
     use_double_dqn: bool = True
     """if toggled, the online network picks the next function and point and the target network scores them"""
     lr_scheduler: Literal["cosine", "step", "none"] | None = None
-    """learning-rate schedule, stepped once per episode: cosine, step, or none (a constant rate). Left out
-    (None): the map's default"""
+    """learning-rate schedule, stepped once per episode"""
     scheduler_tmax: int | None = None
     """episodes of one cosine half-period (default: `num_episodes`)"""
     min_lr: float = 1e-6
     """the cosine schedule's floor"""
     step_lr_step_size: int | None = None
-    """episodes between multiplications by `step_lr_gamma` (step schedule). None: the map's default"""
+    """episodes between multiplications by `step_lr_gamma` (step schedule)"""
     step_lr_gamma: float | None = None
-    """factor of the step schedule. None: the map's default"""
+    """factor of the step schedule"""
     num_test_episodes: int = 20
     """greedy test episodes at the end of the run (`eval/test_results.json`)"""
     test_epsilon: float = 0.0
@@ -229,8 +187,7 @@ class Args:
     amp: Literal["auto", "off", "fp16", "bf16"] = "auto"
     """mixed precision: auto = fp16 autocast + GradScaler on CUDA, off on CPU"""
     wait_for_gpu_mb: float = 0.0
-    """before building anything, wait until this many MB are free on the GPU (0: don't wait); on a machine
-    without CUDA a positive value is reported in one line and ignored"""
+    """before building anything, wait until this many MB are free on the GPU (0: don't wait)"""
     wait_poll_s: float = 10.0
     """seconds between free-memory polls while waiting"""
     wait_timeout_s: float = 600.0
@@ -240,11 +197,9 @@ class Args:
     memory_log_every: int = 1_000
     """agent steps between memory reports (`debug/*`, `buffer/replay/*`) and leak checks"""
     leak_warmup_steps: int = 30_000
-    """agent steps before the leak detector judges growth (it watches noise and releases from the start; 30k: a
-    sawtooth with a period up to 30k steps has given memory back once by then)"""
+    """agent steps before the leak detector judges growth"""
     memory_snapshot_every: int = 0
-    """dump a CUDA allocator snapshot every this many agent steps into `{run_id}/memory_snapshots/` (0: off);
-    read them with `python memory_utils.py analyze`"""
+    """dump a CUDA allocator snapshot every this many agent steps into `{run_id}/memory_snapshots/` (0: off)"""
     snapshot_max_entries: int = 100_000
     """allocator history ring size of the snapshots"""
     memory_probes: bool = False
@@ -253,12 +208,16 @@ class Args:
     def problems(self) -> list[tuple[str, str]]:
         """Every invalid value as (field, one sentence); empty when all is well. The rules are RULES below."""
         values = dataclasses.asdict(self)
-        return [(field, f"{field} must be {allowed.format(**values)}, got {values[field]!r}")
-                for field, ok, allowed in RULES if not ok(self)]
+        return [
+            (field, f"{field} must be {allowed.format(**values)}, got {values[field]!r}")
+            for field, ok, allowed in RULES
+            if not ok(self)
+        ]
 
 
 # What each field allows: (field, test, the allowed values in words). A value that fails its test is refused in
 # one sentence, "{field} must be {allowed}, got {value}", before anything is written.
+# fmt: off
 RULES = (
     ("num_episodes", lambda a: a.num_episodes >= 1, "at least 1"),
     ("res", lambda a: 8 <= a.res <= 256, "between 8 and 256 pixels"),
@@ -316,39 +275,28 @@ RULES = (
     ("memory_snapshot_every", lambda a: a.memory_snapshot_every >= 0, "0 (off) or more"),
     ("snapshot_max_entries", lambda a: a.snapshot_max_entries >= 1, "at least 1"),
 )
+# fmt: on
 
 
-# The settings each map uses where they are left out (None). On CollectMineralShards the best click depends on
-# where the marines stand and where the other shards lie, across the screen, and on how many seconds are left:
-# hence the context layers, the distance input and the timer. Its click is then decided by the full-resolution
-# term alone (the coarse level), which reads one pixel (kernel 1: "the nearest shard pixel" is two weights, with
-# no neighbourhood to pull the click toward clusters) and learns faster than the rest (fine_gain); epsilon
-# reaches its floor sooner, as that term learns its one job early. Once the plateau is reached, the learning rate
-# is cut to a fifth (after 600 episodes, about 72k agent steps, and again after 1,200), so that the updates stop
-# reordering near-equal clicks. select_point stays on our marines: a greedy policy that valued a click on bare
-# ground looped, deselecting and selecting again. Its moves are carried past the chosen pixel (move_through): a
-# marine stops where it is sent and idles for the rest of the step in which it reaches a shard, and a click just
-# past the shard, which avoids that, gains too little in one step for the learned values to rank it first. Together
-# they raised the greedy test mean (benchmark/results/dqn_collectmineralshards_learning.md, and the trials the
-# README lists).
-# On MoveToBeacon there is one pickup, which the full-resolution term finds on its own; there the context layers
-# slowed learning and made it less reliable (benchmark/results/dqn_movetobeacon_defaults_seeds_1_2.md against
-# dqn_movetobeacon_learning.md), and its learning file was measured with the values below.
+# The settings each map uses where they are left out (None); docs/dqn_starcraft_split.md says why each differs.
+# fmt: off
 MAP_DEFAULTS = {
     "MoveToBeacon": {"context_layers": 0, "click_distance": False, "timer_input": False, "coarse_level": False,
-                     "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000, "path_input": False,
-                     "past_input": False, "select_own_only": False, "move_through": 0.0,
-                     "lr_scheduler": "cosine", "step_lr_step_size": 1000, "step_lr_gamma": 0.5},
+                     "fine_kernel": 3, "fine_gain": 10.0, "exploration_steps": 100_000, "select_own_only": False,
+                     "move_through": 0.0, "lr_scheduler": "cosine", "step_lr_step_size": 1000, "step_lr_gamma": 0.5},
     "CollectMineralShards": {"context_layers": 3, "click_distance": True, "timer_input": True, "coarse_level": True,
-                             "fine_kernel": 1, "fine_gain": 30.0, "exploration_steps": 50_000, "path_input": False,
-                             "past_input": False, "select_own_only": True, "move_through": 1.5,
-                             "lr_scheduler": "step", "step_lr_step_size": 600, "step_lr_gamma": 0.2},
+                             "fine_kernel": 1, "fine_gain": 30.0, "exploration_steps": 50_000, "select_own_only": True,
+                             "move_through": 1.5, "lr_scheduler": "step", "step_lr_step_size": 600,
+                             "step_lr_gamma": 0.2},
 }
+# fmt: on
 
 
 def with_map_defaults(args: Args) -> Args:
     """`args` with each setting left to the map (None) filled in, so config.json and checkpoints record values."""
-    left_out = {name: value for name, value in MAP_DEFAULTS[args.map_name].items() if getattr(args, name) is None}
+    left_out = {
+        name: value for name, value in MAP_DEFAULTS[args.map_name].items() if getattr(args, name) is None
+    }
     return dataclasses.replace(args, **left_out)
 
 
@@ -377,9 +325,7 @@ MINIMAP_LAYERS = (
 PLAYER_SIZE = 11  # player_id, minerals, vespene, food_used, food_cap, food_army, food_workers,
 #                   idle_worker_count, army_count, warp_gate_count, larva_count
 # What the replay stores besides the feature layers: the player vector and the share of the map's timer gone
-# (pysc2's game_loop over the episode's loops), which the network reads with --timer-input. The timer ends the
-# episode and the screen does not show it; a value blind to it cannot tell a state with 5 s left from one with
-# 100 s left, so near the end its targets fall toward 0 where its estimates cannot follow.
+# (pysc2's game_loop over the episode's loops), which the network reads with --timer-input.
 PLAYER_INPUT_SIZE = PLAYER_SIZE + 1
 # The action space: pysc2 functions (ids from pysc2/lib/actions.py) split over the two Q heads. The non-spatial
 # head scores NONSPATIAL_FUNCTIONS; the spatial head has one res x res map per SPATIAL_FUNCTIONS entry, its value
@@ -422,7 +368,9 @@ def encode_action(function_id: int, point: tuple[int, int] | None, res: int) -> 
     return len(NONSPATIAL_FUNCTIONS) + SPATIAL_FUNCTIONS.index(name) * res * res + y * res + x
 
 
-def game_call(index: int, obs: dict, res: int, through_pixels: float = 0.0) -> tuple[int, tuple[int, int] | None]:
+def game_call(
+    index: int, obs: dict, res: int, through_pixels: float = 0.0
+) -> tuple[int, tuple[int, int] | None]:
     """Flat action index -> the call sent to the game, (function id, point or None): decode_action's, except that
     a Move_screen point is carried `through_pixels` further along the line from the centre of the selected pixels
     (the screen's `selected` layer) through it, rounded to a pixel and kept on the screen (`--move-through`)."""
@@ -436,7 +384,6 @@ def game_call(index: int, obs: dict, res: int, through_pixels: float = 0.0) -> t
         return function_id, point  # nothing selected, or the click is on the selection's centre: no direction
     x, y = np.clip(np.rint(np.array(point) + way / length * through_pixels), 0, res - 1).astype(int)
     return function_id, (int(x), int(y))
-
 
 
 # Game time. The minigame maps' 120-second timers count game seconds at "normal" speed, 16 game loops each
@@ -493,7 +440,9 @@ def world_to_screen_units(x: float, y: float, width: float) -> tuple[float, floa
     return x - (cx - width / 2), (cy + width / 2) - y
 
 
-def screen_rect(world_rect: tuple[float, float, float, float], width: float) -> tuple[float, float, float, float]:
+def screen_rect(
+    world_rect: tuple[float, float, float, float], width: float
+) -> tuple[float, float, float, float]:
     """A world rectangle (x0, y0, x1, y1) -> the same rectangle in screen units (x0, y0, x1, y1), y down."""
     x0, y1 = world_to_screen_units(world_rect[0], world_rect[1], width)
     x1, y0 = world_to_screen_units(world_rect[2], world_rect[3], width)
@@ -501,7 +450,7 @@ def screen_rect(world_rect: tuple[float, float, float, float], width: float) -> 
 
 
 def episode_steps(step_mul: int) -> int:
-    return int(round(EPISODE_SECONDS * GAME_LOOPS_PER_SECOND / step_mul))
+    return round(EPISODE_SECONDS * GAME_LOOPS_PER_SECOND / step_mul)
 
 
 def player_input(obs: dict) -> np.ndarray:
@@ -529,21 +478,24 @@ class BuiltinMiniGame:
     offsets, no collisions).
     """
 
-    def __init__(self, map_name: str, res: int, step_mul: int, seed: int,
-                 world_units: float = Args.screen_world_units):
+    def __init__(
+        self, map_name: str, res: int, step_mul: int, seed: int, world_units: float = Args.screen_world_units
+    ):
         self.map_name, self.res, self.step_mul, self.world_units = map_name, res, step_mul, world_units
         self.max_steps = episode_steps(step_mul)
         self.rng = np.random.default_rng(seed)
         self.move_per_step = MARINE_SPEED_PER_LOOP * step_mul  # world units per agent step
         pixel = world_units / res
         centres = (np.arange(res) + 0.5) * pixel
-        self.screen_x, self.screen_y = np.meshgrid(centres, centres)  # (res, res) screen units of pixel centres
+        self.screen_x, self.screen_y = np.meshgrid(
+            centres, centres
+        )  # (res, res) screen units of pixel centres
         x0, y0, x1, y1 = screen_rect(PLAYABLE_WORLD, world_units)
         mini_pixel = MAP_WORLD_UNITS / res
         mini_x = (x0 + x1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
         mini_y = (y0 + y1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
         self.mini_x, self.mini_y = np.meshgrid(mini_x, mini_y)  # (res, res) screen units of minimap pixels
-        inside = lambda c: (c >= 0) & (c < world_units)  # noqa: E731
+        inside = lambda c: (c >= 0) & (c < world_units)
         self.camera = (inside(self.mini_x) & inside(self.mini_y)).astype(np.int32)
         self.num_marines = 1 if map_name == "MoveToBeacon" else 2
 
@@ -746,8 +698,9 @@ class Pysc2MiniGame:
         self.max_steps = None  # the map's own timer ends the episode
 
     @classmethod
-    def make(cls, map_name: str, res: int, step_mul: int, seed: int,
-             world_units: float = Args.screen_world_units) -> "Pysc2MiniGame":
+    def make(
+        cls, map_name: str, res: int, step_mul: int, seed: int, world_units: float = Args.screen_world_units
+    ) -> "Pysc2MiniGame":
         sc2_env, _ = import_pysc2()
         env = sc2_env.SC2Env(
             map_name=map_name,
@@ -783,7 +736,9 @@ class Pysc2MiniGame:
         if function_id == MOVE_SCREEN:
             return self.actions.FunctionCall(function_id, [[0], list(point)])  # queued=now, (x, y)
         if function_id == SELECT_POINT:
-            return self.actions.FunctionCall(function_id, [[0], list(point)])  # select_point_act=select, (x, y)
+            return self.actions.FunctionCall(
+                function_id, [[0], list(point)]
+            )  # select_point_act=select, (x, y)
         if function_id == FUNCTION_IDS["select_army"]:
             return self.actions.FunctionCall(function_id, [[0]])  # select, not add
         return self.actions.FunctionCall(function_id, [])
@@ -870,22 +825,27 @@ class SplitReplayBuffer:
 
     def state_dict(self) -> dict:
         """Every array as a tensor (loads with weights_only=True), and the ring's position."""
-        arrays = {"player": self.player, "mask": self.mask, "actions": self.actions, "rewards": self.rewards,
-                  "dones": self.dones}
-        return {"screen": {k: torch.from_numpy(v) for k, v in self.screen.items()},
-                "minimap": {k: torch.from_numpy(v) for k, v in self.minimap.items()},
-                **{k: torch.from_numpy(v) for k, v in arrays.items()}, "pos": self.pos, "size": self.size}
+        arrays = {
+            "player": self.player,
+            "mask": self.mask,
+            "actions": self.actions,
+            "rewards": self.rewards,
+            "dones": self.dones,
+        }
+        return {
+            "screen": {k: torch.from_numpy(v) for k, v in self.screen.items()},
+            "minimap": {k: torch.from_numpy(v) for k, v in self.minimap.items()},
+            **{k: torch.from_numpy(v) for k, v in arrays.items()},
+            "pos": self.pos,
+            "size": self.size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for group in ("screen", "minimap"):
             for name, value in state[group].items():
                 getattr(self, group)[name][...] = value.numpy()
-        for name in ("mask", "actions", "rewards", "dones"):
+        for name in ("player", "mask", "actions", "rewards", "dones"):
             getattr(self, name)[...] = state[name].numpy()
-        # a checkpoint from before the timer column holds PLAYER_SIZE columns: its network has no timer input
-        # (trained_settings), and a run resumed from it never reads that column
-        player = state["player"].numpy()
-        self.player[:, : player.shape[1]] = player
         self.pos, self.size = int(state["pos"]), int(state["size"])
         if self.size:
             # the interrupted episode's last transition has no next state in the buffer: it ends there
@@ -943,7 +903,7 @@ CLASS_CHANNELS = SCREEN_LAYERS[0].scale  # player_relative's one-hot channels co
 def selection_centre(selected: torch.Tensor):
     """`selected` (B, H, W) integer layer -> the centre of the selected pixels, y and x (B,) each in pixels, and
     whether any is selected (B,) float."""
-    B, H, W = selected.shape
+    _, H, W = selected.shape
     mask = (selected > 0).float()
     count = mask.sum((1, 2))  # (B,)
     ys = torch.arange(H, dtype=torch.float32, device=selected.device)
@@ -956,7 +916,7 @@ def selection_centre(selected: torch.Tensor):
 def class_distance(selected: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
     """`selected` (B, H, W) integer layer, `classes` (B, K, H, W) one-hot -> (B, K, H, W): each class channel
     times the pixel's distance from the centre of the selected pixels, in screen widths; zero if none is selected."""
-    B, H, W = selected.shape
+    _, H, W = selected.shape
     centre_y, centre_x, any_selected = selection_centre(selected)
     ys = torch.arange(H, dtype=torch.float32, device=selected.device)
     xs = torch.arange(W, dtype=torch.float32, device=selected.device)
@@ -964,55 +924,6 @@ def class_distance(selected: torch.Tensor, classes: torch.Tensor) -> torch.Tenso
     dy = (ys[None, :, None] - centre_y[:, None, None]) / H  # (B, H, 1)
     distance = torch.sqrt(dx * dx + dy * dy) * any_selected[:, None, None]  # (B, H, W)
     return classes * distance[:, None]
-
-
-def class_on_path(selected: torch.Tensor, classes: torch.Tensor, reach: float = 1.0) -> torch.Tensor:
-    """`selected` (B, H, W) integer layer, `classes` (B, K, H, W) one-hot -> (B, K-1, H, W): for each class but
-    the background (channel 0), the number of its unselected pixels within `reach` pixels of the segment from the
-    centre of the selected pixels to this pixel, divided by 4 to stay near the scale of the other inputs (a shard
-    covers a pixel or two at res 32; a walk along a line of them passes a dozen); zero if none is selected. A reach
-    of 1 pixel is about the 0.875 world units at which a marine touches a shard, at res 32. Only the pixels of units
-    enter the pairwise distances (B, H*W, M), M the most unit pixels on one screen of the batch."""
-    B, K, H, W = classes.shape
-    centre_y, centre_x, any_selected = selection_centre(selected)
-    units = (classes[:, 1:] * (selected[:, None] == 0)).flatten(2)  # (B, K-1, HW)
-    occupied = units.sum(1) > 0  # (B, HW)
-    most = int(occupied.sum(1).max())
-    if most == 0:
-        return classes.new_zeros(B, K - 1, H, W)
-    index = occupied.float().topk(most, dim=1).indices  # (B, M): every unit pixel, then empty ones as padding
-    unit_class = units.gather(2, index[:, None].expand(-1, K - 1, -1)) * occupied.gather(1, index)[:, None]
-    uy = (index // W).float() - centre_y[:, None]  # (B, M): unit pixels relative to the centre
-    ux = (index % W).float() - centre_x[:, None]
-    grid = torch.arange(H * W, device=selected.device)
-    py = (grid // W).float()[None] - centre_y[:, None]  # (B, HW): clicked pixels relative to the centre
-    px = (grid % W).float()[None] - centre_x[:, None]
-    py, px, uy, ux = py[:, :, None], px[:, :, None], uy[:, None], ux[:, None]  # to (B, HW, M) by broadcasting
-    # the point of the walk nearest each unit pixel, a share in [0, 1] of the way to the clicked pixel
-    along = ((py * uy + px * ux) / (py * py + px * px).clamp(min=1e-6)).clamp(0, 1)  # (B, HW, M)
-    gap2 = (along * py - uy) ** 2 + (along * px - ux) ** 2
-    on_path = (gap2 <= reach * reach).float()  # (B, HW, M)
-    counts = torch.einsum("bpm,bkm->bkp", on_path, unit_class).view(B, K - 1, H, W)
-    return counts / 4 * any_selected[:, None, None, None]
-
-
-def class_past(selected: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
-    """`selected` (B, H, W) integer layer, `classes` (B, K, H, W) one-hot -> (B, K-1, H, W): for each class but
-    the background, 1 at each pixel that lies one pixel beyond one of its unselected pixels, on the straight line
-    from the centre of the selected pixels through that pixel (a click there walks the selection through it);
-    zero if none is selected."""
-    B, K, H, W = classes.shape
-    centre_y, centre_x, any_selected = selection_centre(selected)
-    ys = torch.arange(H, dtype=torch.float32, device=selected.device)[None, :, None]
-    xs = torch.arange(W, dtype=torch.float32, device=selected.device)[None, None, :]
-    dy, dx = ys - centre_y[:, None, None], xs - centre_x[:, None, None]  # (B, H, W): away from the centre
-    length = torch.sqrt(dy * dy + dx * dx).clamp(min=1e-6)
-    past_y = (ys + 0.5 + dy / length).floor().clamp(0, H - 1).long()  # the pixel holding the point one pixel on
-    past_x = (xs + 0.5 + dx / length).floor().clamp(0, W - 1).long()
-    index = (past_y * W + past_x).flatten(1)[:, None].expand(-1, K - 1, -1)  # (B, K-1, HW)
-    units = (classes[:, 1:] * (selected[:, None] == 0)).flatten(2)  # (B, K-1, HW)
-    past = torch.zeros_like(units).scatter_add_(2, index, units).clamp(max=1)
-    return past.view(B, K - 1, H, W) * any_selected[:, None, None, None]
 
 
 class SplitQNetwork(nn.Module):
@@ -1039,8 +950,6 @@ class SplitQNetwork(nn.Module):
         fine_gain: float = MAP_DEFAULTS["CollectMineralShards"]["fine_gain"],
         fine_kernel: int = MAP_DEFAULTS["CollectMineralShards"]["fine_kernel"],
         coarse_level: bool = MAP_DEFAULTS["CollectMineralShards"]["coarse_level"],
-        path_input: bool = MAP_DEFAULTS["CollectMineralShards"]["path_input"],
-        past_input: bool = MAP_DEFAULTS["CollectMineralShards"]["past_input"],
     ):
         super().__init__()
         self.res = res
@@ -1059,7 +968,9 @@ class SplitQNetwork(nn.Module):
         )
         num_available, num_spatial = len(FUNCTIONS), len(SPATIAL_FUNCTIONS)
         self.player_inputs = PLAYER_SIZE + timer_input  # the timer is the last column of `player_input`
-        self.player_embed = nn.Sequential(nn.Linear(self.player_inputs + num_available, player_channels), nn.ReLU())
+        self.player_embed = nn.Sequential(
+            nn.Linear(self.player_inputs + num_available, player_channels), nn.ReLU()
+        )
         self.fuse = nn.Sequential(
             nn.Conv2d(2 * tower_channels + player_channels, fused_channels, 1), nn.ReLU()
         )
@@ -1069,11 +980,10 @@ class SplitQNetwork(nn.Module):
         else:
             self.spatial_coarse = nn.Conv2d(fused_channels, num_spatial, 1)  # from each half-resolution cell
         # The fine term alone can say "the target is at this pixel". Its output is multiplied by a fixed gain,
-        # which is a learning-rate multiplier for this one layer (see Args.fine_gain); its zero start keeps the
+        # which is a learning-rate multiplier for this one layer (`--fine-gain`); its zero start keeps the
         # gain from amplifying initial noise.
-        self.click_distance, self.path_input, self.past_input = click_distance, path_input, past_input
-        unit_classes = CLASS_CHANNELS - 1  # the path and past inputs leave out the background
-        fine_in = screen_in + CLASS_CHANNELS * click_distance + unit_classes * (path_input + past_input)
+        self.click_distance = click_distance
+        fine_in = screen_in + CLASS_CHANNELS * click_distance
         self.spatial_fine = nn.Conv2d(fine_in, num_spatial, fine_kernel, padding=fine_kernel // 2)
         nn.init.zeros_(self.spatial_fine.weight)
         nn.init.zeros_(self.spatial_fine.bias)
@@ -1086,10 +996,11 @@ class SplitQNetwork(nn.Module):
             nn.ReLU(),
             nn.Linear(nonspatial_hidden, len(NONSPATIAL_FUNCTIONS)),
         )
-        # Created last so that context_layers=0 builds, from the same seed, the same weights as a network
-        # without them.
+        # Created last: the order of creation decides each layer's initial weights from the seed, and the
+        # committed results were trained with this order.
         self.context = nn.ModuleList(
-            nn.Conv2d(fused_channels, fused_channels, 3, padding=2**i, dilation=2**i) for i in range(context_layers)
+            nn.Conv2d(fused_channels, fused_channels, 3, padding=2**i, dilation=2**i)
+            for i in range(context_layers)
         )
 
     def forward(self, screen, minimap, player, available):
@@ -1102,10 +1013,6 @@ class SplitQNetwork(nn.Module):
         fine_input = [screen]
         if self.click_distance:
             fine_input.append(class_distance(selected, screen[:, :CLASS_CHANNELS]))  # (B, K, H, W)
-        if self.path_input:
-            fine_input.append(class_on_path(selected, screen[:, :CLASS_CHANNELS]))  # (B, K-1, H, W)
-        if self.past_input:
-            fine_input.append(class_past(selected, screen[:, :CLASS_CHANNELS]))  # (B, K-1, H, W)
         fine_input = torch.cat(fine_input, 1)
         minimap = preprocess_layers(minimap, MINIMAP_LAYERS)  # (B, Cm, H, W)
         s = self.screen_tower(screen)  # (B, T, H/2, W/2)
@@ -1118,12 +1025,16 @@ class SplitQNetwork(nn.Module):
             context = F.avg_pool2d(fused, 2, ceil_mode=True)  # (B, E, H/4, W/4)
             for conv in self.context:
                 context = context + F.relu(conv(context))  # each pixel now sees twice as far
-            context = F.interpolate(context, scale_factor=2, mode="nearest")[:, :, : fused.shape[2], : fused.shape[3]]
+            context = F.interpolate(context, scale_factor=2, mode="nearest")[
+                :, :, : fused.shape[2], : fused.shape[3]
+            ]
             fused = fused + context  # (B, E, H/2, W/2)
         pooled = torch.cat([fused.mean((2, 3)), fused.amax((2, 3))], 1)  # (B, 2E)
         q_nonspatial = self.nonspatial_head(torch.cat([pooled, available], 1))  # (B, F)
         if self.coarse_level:
-            coarse = self.spatial_coarse(pooled)[:, :, None, None]  # (B, S, 1, 1): one level per spatial function
+            coarse = self.spatial_coarse(pooled)[
+                :, :, None, None
+            ]  # (B, S, 1, 1): one level per spatial function
         else:
             coarse = F.interpolate(self.spatial_coarse(fused), size=(self.res, self.res), mode="nearest")
         q_spatial = (coarse + self.fine_gain * self.spatial_fine(fine_input)).flatten(1)  # (B, S*H*W)
@@ -1132,9 +1043,19 @@ class SplitQNetwork(nn.Module):
 
 def make_q_network(args: Args) -> SplitQNetwork:
     args = with_map_defaults(args)
-    return SplitQNetwork(args.res, args.tower_channels, args.fused_channels, args.context_layers, args.click_distance,
-                         args.timer_input, args.player_channels, args.nonspatial_hidden, args.fine_gain,
-                         args.fine_kernel, args.coarse_level, args.path_input, args.past_input)
+    return SplitQNetwork(
+        args.res,
+        args.tower_channels,
+        args.fused_channels,
+        args.context_layers,
+        args.click_distance,
+        args.timer_input,
+        args.player_channels,
+        args.nonspatial_hidden,
+        args.fine_gain,
+        args.fine_kernel,
+        args.coarse_level,
+    )
 
 
 SELF = 1  # player_relative of our own units
@@ -1206,7 +1127,10 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
     next_inputs = (next_obs["screen"], next_obs["minimap"], next_obs["player"], next_obs["mask"])
     with torch.no_grad():
         # the n-step return, cut at the end of the episode (later rewards belong to the next one)
-        returns, ended = torch.zeros_like(rewards[:, 0]), torch.zeros_like(dones[:, 0], dtype=torch.bool)  # (B,)
+        returns, ended = (
+            torch.zeros_like(rewards[:, 0]),
+            torch.zeros_like(dones[:, 0], dtype=torch.bool),
+        )  # (B,)
         for j in range(rewards.shape[1]):
             returns = returns + torch.where(ended, 0.0, args.gamma**j * rewards[:, j])
             ended = ended | (dones[:, j] > 0)
@@ -1214,7 +1138,9 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
         with amp.autocast():
             target_ns, target_sp = target_network(*next_inputs)  # (B, F), (B, S*H*W)
             online_ns, online_sp = q_network(*next_inputs) if args.use_double_dqn else (target_ns, target_sp)
-        online_ns, online_sp, target_ns, target_sp = (q.float() for q in (online_ns, online_sp, target_ns, target_sp))
+        online_ns, online_sp, target_ns, target_sp = (
+            q.float() for q in (online_ns, online_sp, target_ns, target_sp)
+        )
         num_nonspatial = target_ns.shape[1]
         nonspatial_ok, spatial_ok = next_obs["mask"][:, :num_nonspatial], next_obs["mask"][:, num_nonspatial:]
         neg_inf = torch.finfo(target_ns.dtype).min
@@ -1226,8 +1152,12 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
             spatial_ok = spatial_ok & points.any(2)  # a function with no point left is not available
         best_point = online_sp.argmax(2, keepdim=True)  # (B, S, 1)
         value_ns = target_ns.masked_fill(~nonspatial_ok, neg_inf).gather(1, best_function).squeeze(1)  # (B,)
-        value_sp = target_sp.unflatten(1, (spatial_ok.shape[1], -1)).gather(2, best_point).squeeze(2)  # (B, S)
-        value_sp = value_sp.masked_fill(~spatial_ok, neg_inf).max(1).values  # the best available spatial function
+        value_sp = (
+            target_sp.unflatten(1, (spatial_ok.shape[1], -1)).gather(2, best_point).squeeze(2)
+        )  # (B, S)
+        value_sp = (
+            value_sp.masked_fill(~spatial_ok, neg_inf).max(1).values
+        )  # the best available spatial function
         next_value = torch.maximum(value_ns, value_sp)  # (B,)
         next_value = torch.where(ended, torch.zeros_like(next_value), next_value)  # -inf never leaks through
         return returns + args.gamma ** rewards.shape[1] * next_value
@@ -1313,8 +1243,17 @@ def preallocate(
 
 
 def preallocate_or_fall_back(
-    q_network, target_network, optimizer, amp, args: Args, sources: dict, batch_size: int, fallback_used: bool,
-    device, run_dir: str, logger,
+    q_network,
+    target_network,
+    optimizer,
+    amp,
+    args: Args,
+    sources: dict,
+    batch_size: int,
+    fallback_used: bool,
+    device,
+    run_dir: str,
+    logger,
 ) -> tuple[float, int, bool]:
     """Preallocate optimizer state (the A30 incident: the first step is where memory runs out). If that runs out
     of memory and the user asked for a fallback (--wait-for-gpu-mb, or --fallback-batch-size set), wait for the
@@ -1323,30 +1262,45 @@ def preallocate_or_fall_back(
     fallback_asked = args.wait_for_gpu_mb > 0 or sources.get("fallback_batch_size", "default") != "default"
     while True:
         try:
-            return preallocate(q_network, target_network, optimizer, amp, args, batch_size, device), batch_size, \
-                fallback_used
+            return (
+                preallocate(q_network, target_network, optimizer, amp, args, batch_size, device),
+                batch_size,
+                fallback_used,
+            )
         except torch.OutOfMemoryError as exc:
             where = oom_site(exc)
-            traceback.clear_frames(exc.__traceback__)  # memory: the failed step's tensors go before the report
+            traceback.clear_frames(
+                exc.__traceback__
+            )  # memory: the failed step's tensors go before the report
             error = exc.with_traceback(None)
             del exc
         optimizer.zero_grad(set_to_none=True)
         optimizer.state.clear()
         gc.collect()
         if fallback_asked and batch_size > args.fallback_batch_size:
-            logger.info(f"preallocation: batch {batch_size} does not fit ({str(error).splitlines()[0]}); "
-                        f"retrying with the fallback batch size {args.fallback_batch_size}")
+            logger.info(
+                f"preallocation: batch {batch_size} does not fit ({str(error).splitlines()[0]}); "
+                f"retrying with the fallback batch size {args.fallback_batch_size}"
+            )
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 if args.wait_for_gpu_mb > 0:
-                    mu.wait_for_gpu(args.wait_for_gpu_mb, args.wait_poll_s, args.wait_timeout_s, device=device)
+                    mu.wait_for_gpu(
+                        args.wait_for_gpu_mb, args.wait_poll_s, args.wait_timeout_s, device=device
+                    )
             batch_size, fallback_used = args.fallback_batch_size, True
             continue
         diagnosis = mu.write_oom_report(run_dir, error, None, device=device)
-        logger.info(f"out of memory at start-up ({where}): optimizer-state preallocation at batch {batch_size} "
-                    f"does not fit, so nothing was trained.\n{diagnosis}\n"
-                    + ("" if fallback_asked else "--wait-for-gpu-mb MB (wait for room) or --fallback-batch-size N "
-                                                 "(retry smaller) let the run go on instead."))
+        logger.info(
+            f"out of memory at start-up ({where}): optimizer-state preallocation at batch {batch_size} "
+            f"does not fit, so nothing was trained.\n{diagnosis}\n"
+            + (
+                ""
+                if fallback_asked
+                else "--wait-for-gpu-mb MB (wait for room) or --fallback-batch-size N "
+                "(retry smaller) let the run go on instead."
+            )
+        )
         raise RunInterrupted("out of memory", EXIT_OOM)
 
 
@@ -1368,8 +1322,9 @@ def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> floa
     return max(slope * t + start_e, end_e)
 
 
-def select_action(q_network, obs: dict, epsilon: float, rng: np.random.Generator, device,
-                  select_own_only: bool = False) -> int:
+def select_action(
+    q_network, obs: dict, epsilon: float, rng: np.random.Generator, device, select_own_only: bool = False
+) -> int:
     """Epsilon-greedy over the flat action space (functions, then points), available actions only (and, with
     `select_own_only`, select_point only on our own units).
 
@@ -1426,8 +1381,15 @@ def write_video(frames: list[np.ndarray], path: str) -> None:
 
 
 def run_test_episodes(
-    q_network, env, num_episodes: int, res: int, device, epsilon: float = 0.0, video_dir: str | None = None,
-    select_own_only: bool = False, through_pixels: float = 0.0,
+    q_network,
+    env,
+    num_episodes: int,
+    res: int,
+    device,
+    epsilon: float = 0.0,
+    video_dir: str | None = None,
+    select_own_only: bool = False,
+    through_pixels: float = 0.0,
 ) -> list[float]:
     """Test episodes (greedy at epsilon 0); returns each episode's score. With `video_dir`, each episode's
     screen is written to `{video_dir}/test-episode-{k}.mp4`. Moves are carried `through_pixels` on (game_call)."""
@@ -1592,12 +1554,27 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
             os.remove(tmp)
 
 
-CHECKPOINT_FORMAT = "dqn_starcraft_split/2"  # 2: select_point (a second spatial map), 24-unit screen
+CHECKPOINT_FORMAT = "dqn_starcraft_split/3"  # 3: every setting in RESUME_MUST_MATCH recorded in its args
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
-RESUME_MUST_MATCH = ("backend", "map_name", "res", "step_mul", "screen_world_units", "n_step", "tower_channels",
-                     "fused_channels", "context_layers", "click_distance", "timer_input", "player_channels",
-                     "nonspatial_hidden", "fine_gain", "fine_kernel", "coarse_level", "path_input",
-                     "past_input", "move_through")
+RESUME_MUST_MATCH = (
+    "backend",
+    "map_name",
+    "res",
+    "step_mul",
+    "screen_world_units",
+    "n_step",
+    "tower_channels",
+    "fused_channels",
+    "context_layers",
+    "click_distance",
+    "timer_input",
+    "player_channels",
+    "nonspatial_hidden",
+    "fine_gain",
+    "fine_kernel",
+    "coarse_level",
+    "move_through",
+)
 # what the saved scheduler state holds: loaded into another schedule it would not fit, or would silently override
 # the values this run records
 RESUME_SAME_SCHEDULE = ("lr_scheduler", "step_lr_step_size", "step_lr_gamma")
@@ -1636,23 +1613,6 @@ def save_checkpoint(
     atomic_write_bytes(path, buffer.getvalue())
 
 
-def trained_settings(state: dict) -> dict:
-    """The settings a checkpoint was trained with: those its args record, and each network setting added after it
-    was written read off the shapes of its weights (the timer input, for one, existed before its setting did)."""
-    weights = state["q_network"]
-    read_off = {
-        "context_layers": lambda: len({key.split(".")[1] for key in weights if key.startswith("context.")}),
-        "click_distance": lambda: weights["spatial_fine.weight"].shape[1] > layer_channels(SCREEN_LAYERS),
-        "timer_input": lambda: weights["player_embed.0.weight"].shape[1] > PLAYER_SIZE + len(FUNCTIONS),
-        "fine_kernel": lambda: weights["spatial_fine.weight"].shape[-1],
-        "coarse_level": lambda: weights["spatial_coarse.weight"].dim() == 2,  # Linear, not a 1x1 Conv2d
-        "path_input": lambda: False,  # a checkpoint that does not record it predates it
-        "past_input": lambda: False,
-        "move_through": lambda: 0.0,  # its clicks went where the head pointed
-    }
-    return {**{name: read() for name, read in read_off.items() if name not in state["args"]}, **state["args"]}
-
-
 def load_checkpoint(path: str, args: Args) -> dict:
     """A checkpoint to resume from, checked against this run's settings; any problem is one ConfigError."""
     if not os.path.isfile(path):
@@ -1662,19 +1622,22 @@ def load_checkpoint(path: str, args: Args) -> dict:
     except Exception as exc:  # noqa: BLE001 - corrupt, truncated, or not a checkpoint at all
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"--resume {path!r} is not a readable checkpoint ({first_line[:160]}).") from None
-    resumable = isinstance(state, dict) and state.get("format") == CHECKPOINT_FORMAT
-    if not resumable or not {"rng", "q_network"} <= set(state):
+    if not isinstance(state, dict) or not {"format", "rng", "q_network", "args"} <= set(state):
         raise ConfigError(f"--resume {path!r} is not a {CHECKPOINT_FORMAT} checkpoint that can be resumed.")
-    try:
-        trained = trained_settings(state)
-    except (KeyError, IndexError, AttributeError, TypeError):  # args or weights missing or of another shape
-        raise ConfigError(f"--resume {path!r} is not a {CHECKPOINT_FORMAT} checkpoint that can be resumed.") from None
+    if state["format"] != CHECKPOINT_FORMAT:
+        raise ConfigError(
+            f"--resume {path!r} was written by another version of this script ({state['format']}, "
+            f"this one reads {CHECKPOINT_FORMAT}); start a new run."
+        )
+    trained = state["args"]
     args = with_map_defaults(args)
     for name in RESUME_MUST_MATCH + RESUME_SAME_SCHEDULE:
         saved, wanted = trained.get(name), getattr(args, name)
         if saved != wanted:
-            raise ConfigError(f"--resume checkpoint was trained with --{name.replace('_', '-')} {saved}, but this run "
-                              f"asks for {wanted}.")
+            raise ConfigError(
+                f"--resume checkpoint was trained with --{name.replace('_', '-')} {saved}, but this run "
+                f"asks for {wanted}."
+            )
     return state
 
 
@@ -1755,10 +1718,42 @@ def wait_for_memory(args: Args, device) -> tuple[int, bool, str | None]:
 # ---------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------
-def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_state: dict | None = None) -> dict:
-    """One complete run (or the rest of one, from `resume_state`); returns its results row. Raises RunInterrupted
-    (after checkpointing) on a signal."""
-    wall_start = time.time()
+@dataclass
+class Run:
+    """What one seed's run holds: made by `set_up`, read by the training loop, closed by `close`."""
+
+    args: Args
+    seed: int
+    run_id: str
+    run_dir: str
+    device: torch.device
+    amp: mu.AmpSetup
+    logger: logging.Logger
+    writer: typing.Any  # torch.utils.tensorboard.SummaryWriter
+    env: typing.Any  # BuiltinMiniGame or Pysc2MiniGame
+    eval_env: typing.Any  # a second built-in game, or the same pysc2 game
+    q_network: SplitQNetwork
+    target_network: SplitQNetwork
+    optimizer: torch.optim.Optimizer
+    scheduler: typing.Any
+    rb: SplitReplayBuffer
+    rng: np.random.Generator  # exploration and replay sampling
+    batch_size: int
+    fallback_used: bool
+    leak: mu.LeakDetector
+    probes: mu.StageProbes
+    snapshots: mu.MemorySnapshots
+    curve_path: str
+    checkpoint_path: str
+    through_pixels: float  # --move-through, in screen pixels
+    last_report: dict | None = None  # the latest memory report and leak verdict, for an OOM report
+    last_verdict: typing.Any = None
+    memory_report_failed: bool = False
+
+
+def set_up(args: Args, sources: dict, seed: int, run_id: str, resuming: bool) -> Run:
+    """The run folder, config.json, logging, seeding, environments, networks, optimizer (its state preallocated),
+    replay and memory instruments, in the order that fixes every random number."""
     allocator = mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
     device = resolve_device(args)
     batch_size, fallback_used, wait_line = wait_for_memory(args, device)  # before building anything
@@ -1803,9 +1798,8 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
         except Exception as exc:  # noqa: BLE001 - tracking must never stop training
             logger.info(f"wandb: tracking disabled ({type(exc).__name__}: {exc})")
             args = dataclasses.replace(args, track=False)
-    from torch.utils.tensorboard import (
-        SummaryWriter,
-    )  # imported here: pysc2 must pick protobuf's runtime first
+    # imported here: pysc2 must pick protobuf's runtime first
+    from torch.utils.tensorboard import SummaryWriter
 
     # absolute: wandb's service process resolves a relative path against its own folder, which is that of the
     # first tracked run of this Python process
@@ -1831,11 +1825,24 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
     scheduler = make_scheduler(optimizer, args)
     prealloc_mb, batch_size, fallback_used = preallocate_or_fall_back(
-        q_network, target_network, optimizer, amp, args, sources, batch_size, fallback_used, device, run_dir, logger
+        q_network,
+        target_network,
+        optimizer,
+        amp,
+        args,
+        sources,
+        batch_size,
+        fallback_used,
+        device,
+        run_dir,
+        logger,
     )
     if config["batch_size_used"] != batch_size:  # the fallback batch, after an OOM at preallocation
-        config.update(batch_size_used=batch_size, fallback_used=True,
-                      fallback_reason="optimizer-state preallocation ran out of memory at the full batch")
+        config.update(
+            batch_size_used=batch_size,
+            fallback_used=True,
+            fallback_reason="optimizer-state preallocation ran out of memory at the full batch",
+        )
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
     logger.info(
@@ -1848,8 +1855,6 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
         f"replay: {obs_bytes} B of observations + {aux_bytes} B of the rest per step, "
         f"{(obs_bytes + aux_bytes) * args.buffer_size / 2**20:.0f} MB when full"
     )
-    leak = mu.LeakDetector(warmup_steps=args.leak_warmup_steps)
-    last_report, last_verdict = None, None
     # forensics: stage probes, allocator snapshots, and a snapshot at the moment of a CUDA OOM
     probes = mu.StageProbes(enabled=args.memory_probes, device=device)
     snapshots = mu.MemorySnapshots(
@@ -1857,85 +1862,311 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
     )
     if device.type == "cuda":
         mu.install_oom_observer(run_dir)
-    memory_probe_failed = False
 
     curve_path = os.path.join(run_dir, "eval", "curve.csv")
-    if resume_state is None or not os.path.exists(curve_path):
+    if not resuming or not os.path.exists(curve_path):
         with open(curve_path, "w") as f:
             f.write("episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n")
-    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
+    return Run(
+        args=args,
+        seed=seed,
+        run_id=run_id,
+        run_dir=run_dir,
+        device=device,
+        amp=amp,
+        logger=logger,
+        writer=writer,
+        env=env,
+        eval_env=eval_env,
+        q_network=q_network,
+        target_network=target_network,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        rb=rb,
+        rng=rng,
+        batch_size=batch_size,
+        fallback_used=fallback_used,
+        leak=mu.LeakDetector(warmup_steps=args.leak_warmup_steps),
+        probes=probes,
+        snapshots=snapshots,
+        curve_path=curve_path,
+        checkpoint_path=os.path.join(run_dir, "checkpoint.pt"),
+        through_pixels=args.move_through * args.res / args.screen_world_units,
+    )
 
-    def checkpoint(interrupted: bool) -> None:
-        """Save the run as it is now (the counters are read when called), with what --resume needs."""
-        kind, keys, pos, has_gauss, gauss = np.random.get_state()  # keys as a tensor: weights_only loads it
-        rngs = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-                "actions": rng.bit_generator.state}
-        for name, game in (("env", env), ("eval_env", eval_env)):
-            if hasattr(game, "rng"):
-                rngs[name] = game.rng.bit_generator.state
-        extra = {"rng": rngs, "scaler": amp.scaler.state_dict(), "recent_train_scores": list(recent_train_scores),
-                 "replay": rb.state_dict() if args.checkpoint_buffer else None}
-        save_checkpoint(checkpoint_path, q_network, target_network, optimizer, scheduler, episode, global_step, args,
-                        interrupted=interrupted, extra=extra)
 
-    @contextlib.contextmanager
-    def out_of_memory_ends_the_run():
-        """A CUDA OOM while acting, copying a batch, updating or testing: the report in oom/, the diagnosis in
-        train.log, then RunInterrupted (checkpoint, exit 3), as a signal would."""
-        try:
-            yield
-        except torch.OutOfMemoryError as exc:
-            where = oom_site(exc)
-            # memory: drop the failed step's tensors before the report looks at what is left
-            traceback.clear_frames(exc.__traceback__)
-            error = exc.with_traceback(None)
-            del exc
-            gc.collect()
-            diagnosis = mu.write_oom_report(run_dir, error, last_report, verdict=last_verdict, device=device)
-            logger.info(f"out of memory at step {global_step} ({where}):\n{diagnosis}")
-            raise RunInterrupted("out of memory", EXIT_OOM) from None
+def restore(run: Run, state: dict) -> tuple[int, int, int, list[float]]:
+    """Load a checkpoint's networks, optimizer, scheduler, loss scaler, RNG states and (if saved) replay into the
+    run; returns (first episode to play, global step, last episode, recent training scores)."""
+    # an interrupted episode starts again; a finished one is followed by the next
+    first_episode = state["episode"] + (0 if state["interrupted"] else 1)
+    run.q_network.load_state_dict(state["q_network"])
+    run.target_network.load_state_dict(state["target_network"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    if run.scheduler is not None and state["scheduler"] is not None:
+        run.scheduler.load_state_dict(state["scheduler"])
+    if state.get("scaler"):
+        run.amp.scaler.load_state_dict(state["scaler"])
+    rngs = state["rng"]
+    torch.set_rng_state(rngs["torch"])
+    random.setstate(rngs["python"])
+    kind, keys, pos, has_gauss, gauss = rngs["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    run.rng.bit_generator.state = rngs["actions"]
+    for name, game in (("env", run.env), ("eval_env", run.eval_env)):
+        if name in rngs and hasattr(game, "rng"):
+            game.rng.bit_generator.state = rngs[name]
+    if state.get("replay") is not None:
+        run.rb.load_state_dict(state["replay"])
+    run.logger.info(
+        f"resumed {run.run_id} at episode {first_episode}, step {state['global_step']}"
+        f"{' with its replay' if state.get('replay') is not None else ' (replay not saved)'}"
+    )
+    return first_episode, state["global_step"], state["episode"], list(state.get("recent_train_scores", []))
 
+
+def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list, interrupted: bool) -> None:
+    """Checkpoint the run as it is now, with everything --resume needs."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # keys as a tensor: weights_only loads it
+    rngs = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "actions": run.rng.bit_generator.state,
+    }
+    for name, game in (("env", run.env), ("eval_env", run.eval_env)):
+        if hasattr(game, "rng"):
+            rngs[name] = game.rng.bit_generator.state
+    extra = {
+        "rng": rngs,
+        "scaler": run.amp.scaler.state_dict(),
+        "recent_train_scores": list(recent_train_scores),
+        "replay": run.rb.state_dict() if run.args.checkpoint_buffer else None,
+    }
+    save_checkpoint(
+        run.checkpoint_path,
+        run.q_network,
+        run.target_network,
+        run.optimizer,
+        run.scheduler,
+        episode,
+        global_step,
+        run.args,
+        interrupted=interrupted,
+        extra=extra,
+    )
+
+
+@contextlib.contextmanager
+def out_of_memory_ends_the_run(run: Run, global_step: int):
+    """A CUDA OOM while acting, copying a batch, updating or testing: the report in oom/, the diagnosis in
+    train.log, then RunInterrupted (checkpoint, exit 3), as a signal would."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        where = oom_site(exc)
+        # memory: drop the failed step's tensors before the report looks at what is left
+        traceback.clear_frames(exc.__traceback__)
+        error = exc.with_traceback(None)
+        del exc
+        gc.collect()
+        diagnosis = mu.write_oom_report(
+            run.run_dir, error, run.last_report, verdict=run.last_verdict, device=run.device
+        )
+        run.logger.info(f"out of memory at step {global_step} ({where}):\n{diagnosis}")
+        raise RunInterrupted("out of memory", EXIT_OOM) from None
+
+
+def log_memory(run: Run, global_step: int) -> None:
+    """The memory report and the leak check, every `memory_log_every` agent steps."""
+    try:
+        # memory: memory_report() collects garbage and trims the heap first (live memory)
+        run.last_report = mu.memory_report(buffer_stats=run.rb.stats(), device=run.device)
+        for key, value in {**run.last_report, **run.probes.scalars()}.items():
+            run.writer.add_scalar(key, value, global_step)
+        if run.args.memory_probes:
+            run.logger.info(run.probes.verdict())
+        run.leak.observe(global_step, run.last_report)
+        verdict = run.leak.check()
+        last = run.last_verdict
+        if verdict.leaking and (last is None or not last.leaking or verdict.cause != last.cause):
+            run.logger.info(f"memory: {verdict.diagnosis}")
+        run.last_verdict = verdict
+    except Exception as exc:  # noqa: BLE001 - memory: diagnostics never break training
+        run.logger.info(f"memory: report failed ({type(exc).__name__}: {exc}); not reporting again")
+        run.memory_report_failed = True
+
+
+def log_episode(
+    run: Run, episode: int, global_step: int, score: float, length: int, epsilon: float, lr: float
+):
+    run.writer.add_scalar("charts/episodic_return", score, global_step)
+    run.writer.add_scalar("charts/episodic_length", length, global_step)
+    run.writer.add_scalar("charts/epsilon", epsilon, global_step)
+    run.writer.add_scalar("charts/learning_rate", lr, episode)
+    print(
+        f"episode={episode} global_step={global_step} score={score:g} epsilon={epsilon:.3f} lr={lr:.3g}",
+        flush=True,
+    )
+
+
+def evaluate(
+    run: Run,
+    episode: int,
+    global_step: int,
+    epsilon: float,
+    lr: float,
+    recent_train_scores: list,
+    start_time: float,
+) -> None:
+    """Greedy test episodes during training: `charts/test_score` and a row of eval/curve.csv."""
+    args = run.args
+    with out_of_memory_ends_the_run(run, global_step):
+        test_scores = run_test_episodes(
+            run.q_network,
+            run.eval_env,
+            args.num_eval_episodes,
+            args.res,
+            run.device,
+            args.test_epsilon,
+            select_own_only=args.select_own_only,
+            through_pixels=run.through_pixels,
+        )
+    test_mean = float(np.mean(test_scores))
+    train_mean = float(np.mean(recent_train_scores))
+    run.writer.add_scalar("charts/test_score", test_mean, global_step)
+    with open(run.curve_path, "a") as f:
+        f.write(
+            f"{episode},{global_step},{time.time() - start_time:.1f},{epsilon:.4f},{train_mean:.3f},{test_mean:.3f}\n"
+        )
+    run.logger.info(
+        f"episode {episode} step {global_step}: train score {train_mean:.2f} (last "
+        f"{len(recent_train_scores)}), greedy test {test_mean:.2f}, epsilon {epsilon:.3f}, "
+        f"lr {lr:.3g}, {global_step / (time.time() - start_time):.0f} steps/s"
+    )
+
+
+def finish(
+    run: Run,
+    episode: int,
+    global_step: int,
+    recent_train_scores: list,
+    stopped_by: str,
+    start_time: float,
+    wall_start: float,
+) -> dict:
+    """The final greedy test of the trained network (eval/test_results.json), the final checkpoint; returns the
+    run's results row."""
+    args = run.args
+    with out_of_memory_ends_the_run(run, global_step):
+        test_scores = run_test_episodes(
+            run.q_network,
+            run.eval_env,
+            args.num_test_episodes,
+            args.res,
+            run.device,
+            args.test_epsilon,
+            video_dir=os.path.join(run.run_dir, "videos") if args.capture_video else None,
+            select_own_only=args.select_own_only,
+            through_pixels=run.through_pixels,
+        )
+    verdict = run.leak.check()
+    results = {
+        "run_id": run.run_id,
+        "map_name": args.map_name,
+        "backend": args.backend,
+        "seed": run.seed,
+        "episodes": episode,
+        "global_steps": global_step,
+        "stopped_by": stopped_by,
+        "num_test_episodes": len(test_scores),
+        "test_epsilon": args.test_epsilon,
+        "scores": test_scores,
+        "mean": float(np.mean(test_scores)),
+        "std": float(np.std(test_scores)),
+        "min": float(np.min(test_scores)),
+        "max": float(np.max(test_scores)),
+        "win_rate": None,  # neither minigame defines a win; the score is the measure
+        "train_wall_time_s": time.time() - start_time,
+        "leak_check": verdict.diagnosis,
+    }
+    with open(os.path.join(run.run_dir, "eval", "test_results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    run.writer.add_scalar("charts/final_test_score", results["mean"], global_step)
+    if args.save_model:
+        save_run(run, episode, global_step, recent_train_scores, interrupted=False)
+    run.logger.info(
+        f"test: mean {results['mean']:.2f} +- {results['std']:.2f} "
+        f"over {len(test_scores)} greedy episodes (min {results['min']:g}, max {results['max']:g}); "
+        f"{verdict.diagnosis}"
+    )
+    return {
+        "run_id": run.run_id,
+        "seed": run.seed,
+        "map_name": args.map_name,
+        "backend": args.backend,
+        "episodes": episode,
+        "global_steps": global_step,
+        "test_mean_score": f"{results['mean']:.4f}",
+        "test_std_score": f"{results['std']:.4f}",
+        "use_double_dqn": args.use_double_dqn,
+        "lr_scheduler": args.lr_scheduler,
+        "batch_size": run.batch_size,
+        "fallback_used": run.fallback_used,
+        "wall_time_s": f"{time.time() - wall_start:.1f}",
+    }
+
+
+def save_interrupted(run: Run, reason: Exception, episode: int, global_step: int, recent_train_scores: list):
+    """A signal or a CUDA OOM stopped the run: a checkpoint, a line in train.log, no results row."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    save_run(run, episode, global_step, recent_train_scores, interrupted=True)
+    run.logger.info(
+        f"interrupted by {reason} at episode {episode}, step {global_step}: checkpoint saved to "
+        f"{run.checkpoint_path}; no results row written"
+    )
+    run.writer.close()
+    run.env.close()
+    run.snapshots.close()
+
+
+def close(run: Run) -> None:
+    run.writer.close()
+    run.env.close()
+    run.snapshots.close()
+    if run.eval_env is not run.env:
+        run.eval_env.close()
+    if run.args.track:
+        import wandb
+
+        wandb.finish()
+
+
+def train_one_seed(
+    args: Args, sources: dict, seed: int, run_id: str, resume_state: dict | None = None
+) -> dict:
+    """One complete run (or the rest of one, from `resume_state`); returns its results row. Raises RunInterrupted
+    (after checkpointing) on a signal or a CUDA OOM."""
+    wall_start = time.time()
+    run = set_up(args, sources, seed, run_id, resuming=resume_state is not None)
+    args, rb, rng, probes = run.args, run.rb, run.rng, run.probes
+    q_network, target_network = run.q_network, run.target_network
     global_step, episode, recent_train_scores, first_episode = 0, 0, [], 1
     if resume_state is not None:
-        # an interrupted episode starts again; a finished one is followed by the next
-        first_episode = resume_state["episode"] + (0 if resume_state["interrupted"] else 1)
-        global_step, episode = resume_state["global_step"], resume_state["episode"]
-        recent_train_scores = list(resume_state.get("recent_train_scores", []))
-        q_network.load_state_dict(resume_state["q_network"])
-        target_network.load_state_dict(resume_state["target_network"])
-        optimizer.load_state_dict(resume_state["optimizer"])
-        if scheduler is not None and resume_state["scheduler"] is not None:
-            scheduler.load_state_dict(resume_state["scheduler"])
-        if resume_state.get("scaler"):
-            amp.scaler.load_state_dict(resume_state["scaler"])
-        rngs = resume_state["rng"]
-        torch.set_rng_state(rngs["torch"])
-        random.setstate(rngs["python"])
-        kind, keys, pos, has_gauss, gauss = rngs["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-        rng.bit_generator.state = rngs["actions"]
-        for name, game in (("env", env), ("eval_env", eval_env)):
-            if name in rngs and hasattr(game, "rng"):
-                game.rng.bit_generator.state = rngs[name]
-        if resume_state.get("replay") is not None:
-            rb.load_state_dict(resume_state["replay"])
-        logger.info(f"resumed {run_id} at episode {first_episode}, step {global_step}"
-                    f"{' with its replay' if resume_state.get('replay') is not None else ' (replay not saved)'}")
+        first_episode, global_step, episode, recent_train_scores = restore(run, resume_state)
         resume_state = None  # memory: the loaded tensors live in the networks now
-    through_pixels = args.move_through * args.res / args.screen_world_units  # --move-through, in screen pixels
     start_time = time.time()
     stopped_by = "num_episodes"
-    metrics = {}
     try:
         for episode in range(first_episode, args.num_episodes + 1):
-            obs, done, score, length = env.reset(), False, 0.0, 0
+            obs, done, score, length = run.env.reset(), False, 0.0, 0
             while not done:
                 probes("loop_start")
                 epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
-                with out_of_memory_ends_the_run():
-                    action = select_action(q_network, obs, epsilon, rng, device, args.select_own_only)
-                next_obs, reward, done = env.step(*game_call(action, obs, args.res, through_pixels))
+                with out_of_memory_ends_the_run(run, global_step):
+                    action = select_action(q_network, obs, epsilon, rng, run.device, args.select_own_only)
+                next_obs, reward, done = run.env.step(*game_call(action, obs, args.res, run.through_pixels))
                 rb.add(obs, action, reward, done)
                 probes("after_collect")
                 obs = next_obs
@@ -1945,163 +2176,44 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
 
                 # ALGO LOGIC: training
                 if global_step > args.learning_starts and global_step % args.train_frequency == 0:
-                    with out_of_memory_ends_the_run():
-                        batch = batch_to_device(rb.sample(batch_size, rng, args.n_step), device)
+                    with out_of_memory_ends_the_run(run, global_step):
+                        batch = batch_to_device(rb.sample(run.batch_size, rng, args.n_step), run.device)
                     probes("after_sample")
-                    with out_of_memory_ends_the_run():
-                        metrics = update(q_network, target_network, optimizer, amp, batch, args)
+                    with out_of_memory_ends_the_run(run, global_step):
+                        metrics = update(q_network, target_network, run.optimizer, run.amp, batch, args)
                     probes("after_optimizer_step")
                     if global_step % args.log_every_steps < args.train_frequency:
+                        # memory: floats, once per interval
                         for key, value in metrics.items():
-                            writer.add_scalar(
-                                key, value.item(), global_step
-                            )  # memory: floats, once per interval
-                        writer.add_scalar("charts/SPS", global_step / (time.time() - start_time), global_step)
+                            run.writer.add_scalar(key, value.item(), global_step)
+                        run.writer.add_scalar(
+                            "charts/SPS", global_step / (time.time() - start_time), global_step
+                        )
                 if global_step % args.target_network_frequency == 0:
                     target_network.load_state_dict(q_network.state_dict())
                 probes.end_iteration(global_step)
-                snapshots.maybe_dump(global_step)
-
-                if global_step % args.memory_log_every == 0 and not memory_probe_failed:
-                    try:
-                        # memory: memory_report() collects garbage and trims the heap first (live memory)
-                        last_report = mu.memory_report(buffer_stats=rb.stats(), device=device)
-                        for key, value in {**last_report, **probes.scalars()}.items():
-                            writer.add_scalar(key, value, global_step)
-                        if args.memory_probes:
-                            logger.info(probes.verdict())
-                        leak.observe(global_step, last_report)
-                        verdict = leak.check()
-                        if verdict.leaking and (
-                            last_verdict is None
-                            or not last_verdict.leaking
-                            or verdict.cause != last_verdict.cause
-                        ):
-                            logger.info(f"memory: {verdict.diagnosis}")
-                        last_verdict = verdict
-                    except Exception as exc:  # noqa: BLE001 - diagnostics never break training
-                        logger.info(
-                            f"memory: report failed ({type(exc).__name__}: {exc}); not reporting again"
-                        )
-                        memory_probe_failed = True
+                run.snapshots.maybe_dump(global_step)
+                if global_step % args.memory_log_every == 0 and not run.memory_report_failed:
+                    log_memory(run, global_step)
 
             recent_train_scores = (recent_train_scores + [score])[-args.eval_every_episodes or -1 :]
-            lr = optimizer.param_groups[0]["lr"]
-            writer.add_scalar("charts/episodic_return", score, global_step)
-            writer.add_scalar("charts/episodic_length", length, global_step)
-            writer.add_scalar("charts/epsilon", epsilon, global_step)
-            writer.add_scalar("charts/learning_rate", lr, episode)
-            if scheduler is not None:
-                scheduler.step()  # ALGO LOGIC: the schedule moves once per episode
-            print(
-                f"episode={episode} global_step={global_step} score={score:g} "
-                f"epsilon={epsilon:.3f} lr={lr:.3g}",
-                flush=True,
-            )
-
+            lr = run.optimizer.param_groups[0]["lr"]
+            log_episode(run, episode, global_step, score, length, epsilon, lr)
+            if run.scheduler is not None:
+                run.scheduler.step()  # ALGO LOGIC: the schedule moves once per episode
             over_time = args.time_limit_min > 0 and time.time() - start_time >= 60 * args.time_limit_min
             if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
-                with out_of_memory_ends_the_run():
-                    test_scores = run_test_episodes(
-                        q_network, eval_env, args.num_eval_episodes, args.res, device, args.test_epsilon,
-                        select_own_only=args.select_own_only, through_pixels=through_pixels,
-                    )
-                test_mean = float(np.mean(test_scores))
-                train_mean = float(np.mean(recent_train_scores))
-                writer.add_scalar("charts/test_score", test_mean, global_step)
-                with open(curve_path, "a") as f:
-                    f.write(
-                        f"{episode},{global_step},{time.time() - start_time:.1f},{epsilon:.4f},"
-                        f"{train_mean:.3f},{test_mean:.3f}\n"
-                    )
-                logger.info(
-                    f"episode {episode} step {global_step}: train score {train_mean:.2f} (last "
-                    f"{len(recent_train_scores)}), greedy test {test_mean:.2f}, epsilon {epsilon:.3f}, "
-                    f"lr {lr:.3g}, {global_step / (time.time() - start_time):.0f} steps/s"
-                )
+                evaluate(run, episode, global_step, epsilon, lr, recent_train_scores, start_time)
             if over_time:
                 stopped_by = "time_limit"
-                logger.info(f"time limit of {args.time_limit_min:g} min reached after {episode} episodes")
+                run.logger.info(f"time limit of {args.time_limit_min:g} min reached after {episode} episodes")
                 break
-        # Final greedy test of the trained network.
-        with out_of_memory_ends_the_run():
-            test_scores = run_test_episodes(
-                q_network,
-                eval_env,
-                args.num_test_episodes,
-                args.res,
-                device,
-                args.test_epsilon,
-                video_dir=os.path.join(run_dir, "videos") if args.capture_video else None,
-                select_own_only=args.select_own_only,
-                through_pixels=through_pixels,
-            )
-        verdict = leak.check()
-        results = {
-            "run_id": run_id,
-            "map_name": args.map_name,
-            "backend": args.backend,
-            "seed": seed,
-            "episodes": episode,
-            "global_steps": global_step,
-            "stopped_by": stopped_by,
-            "num_test_episodes": len(test_scores),
-            "test_epsilon": args.test_epsilon,
-            "scores": test_scores,
-            "mean": float(np.mean(test_scores)),
-            "std": float(np.std(test_scores)),
-            "min": float(np.min(test_scores)),
-            "max": float(np.max(test_scores)),
-            "win_rate": None,  # neither minigame defines a win; the score is the measure
-            "train_wall_time_s": time.time() - start_time,
-            "leak_check": verdict.diagnosis,
-        }
-        with open(os.path.join(run_dir, "eval", "test_results.json"), "w") as f:
-            json.dump(results, f, indent=2)
-        writer.add_scalar("charts/final_test_score", results["mean"], global_step)
-        if args.save_model:
-            checkpoint(interrupted=False)
-        logger.info(
-            f"test: mean {results['mean']:.2f} +- {results['std']:.2f} "
-            f"over {len(test_scores)} greedy episodes (min {results['min']:g}, max {results['max']:g}); "
-            f"{verdict.diagnosis}"
-        )
+        row = finish(run, episode, global_step, recent_train_scores, stopped_by, start_time, wall_start)
     except RunInterrupted as exc:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        checkpoint(interrupted=True)
-        logger.info(
-            f"interrupted by {exc} at episode {episode}, step {global_step}: checkpoint saved to "
-            f"{checkpoint_path}; no results row written"
-        )
-        writer.close()
-        env.close()
-        snapshots.close()
+        save_interrupted(run, exc, episode, global_step, recent_train_scores)
         raise
-    writer.close()
-    env.close()
-    snapshots.close()
-    if eval_env is not env:
-        eval_env.close()
-    if args.track:
-        import wandb
-
-        wandb.finish()
-    return {
-        "run_id": run_id,
-        "seed": seed,
-        "map_name": args.map_name,
-        "backend": args.backend,
-        "episodes": episode,
-        "global_steps": global_step,
-        "test_mean_score": f"{results['mean']:.4f}",
-        "test_std_score": f"{results['std']:.4f}",
-        "use_double_dqn": args.use_double_dqn,
-        "lr_scheduler": args.lr_scheduler,
-        "batch_size": batch_size,
-        "fallback_used": fallback_used,
-        "wall_time_s": f"{time.time() - wall_start:.1f}",
-    }
+    close(run)
+    return row
 
 
 def drop_results_rows(path: str, run_id: str) -> None:
@@ -2121,8 +2233,12 @@ def main(args: Args, sources: dict) -> int:
     args = with_map_defaults(args)
     seeds = list(args.seeds) or [args.seed]
     base_id = args.run_id or f"{args.map_name}__{args.exp_name}__{{seed}}__{int(time.time())}"
-    run_ids = {seed: (args.run_id if len(seeds) == 1 else f"{args.run_id}-seed{seed}") if args.run_id
-               else base_id.format(seed=seed) for seed in seeds}
+    run_ids = {
+        seed: (args.run_id if len(seeds) == 1 else f"{args.run_id}-seed{seed}")
+        if args.run_id
+        else base_id.format(seed=seed)
+        for seed in seeds
+    }
     resume_state = None
     if args.resume is not None:
         try:
@@ -2134,16 +2250,24 @@ def main(args: Args, sources: dict) -> int:
             print("error: --resume continues one run; give no --seeds with it.", file=sys.stderr)
             return 2
         # the run goes on in its own folder: {save_path}/{run_id}/checkpoint.pt
-        args = dataclasses.replace(args, save_path=os.path.dirname(os.path.dirname(os.path.abspath(args.resume))),
-                                   seed=int(resume_state["args"]["seed"]))
+        args = dataclasses.replace(
+            args,
+            save_path=os.path.dirname(os.path.dirname(os.path.abspath(args.resume))),
+            seed=int(resume_state["args"]["seed"]),
+        )
         seeds = [args.seed]
         run_ids = {args.seed: os.path.basename(os.path.dirname(os.path.abspath(args.resume)))}
-    for run_id in run_ids.values():  # before anything is written: an earlier run is never overwritten by accident
+    for (
+        run_id
+    ) in run_ids.values():  # before anything is written: an earlier run is never overwritten by accident
         folder = os.path.join(args.save_path, run_id)
         if resume_state is None and os.path.exists(os.path.join(folder, "config.json")):
             if not args.overwrite:
-                print(f"error: run id {run_id!r} already holds a run in {folder}; pass --overwrite to replace it, "
-                      f"or choose another --run-id.", file=sys.stderr)
+                print(
+                    f"error: run id {run_id!r} already holds a run in {folder}; pass --overwrite to replace it, "
+                    f"or choose another --run-id.",
+                    file=sys.stderr,
+                )
                 return 2
             shutil.rmtree(folder)
             shutil.rmtree(os.path.join(args.log_dir, run_id), ignore_errors=True)

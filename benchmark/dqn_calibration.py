@@ -10,7 +10,7 @@ the other marine is not heading for). The same agents are also played at the DQN
 step_mul 16), with two variants of the together agent that show what the choice of shard is worth: one that
 aims at the second-nearest shard with a given probability, one that clicks past the nearest shard, one that
 prefers shards with other shards near them, and two that click where the DQN's one-pixel click term would with
-hand-set weights over its inputs (the distance input; the past input). Writes
+hand-set weights over its inputs (the distance input; `class_past`, the pixel one past a shard). Writes
 `{out}.json` (machine, command, configuration, every episode's score) and `{out}.md`.
 
 The scripted agents read unit positions from the game state, as pysc2's `feature_units` would give them; they
@@ -142,11 +142,32 @@ class ScriptedShardsClustered:
         return MOVE, pixel(env, env.pickups[np.argmin(distance - pull)])
 
 
+def class_past(selected: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
+    """`selected` (B, H, W) integer layer, `classes` (B, K, H, W) one-hot -> (B, K-1, H, W): for each class but
+    the background, 1 at each pixel that lies one pixel beyond one of its unselected pixels, on the straight line
+    from the centre of the selected pixels through that pixel (a click there walks the selection through it);
+    zero if none is selected."""
+    B, K, H, W = classes.shape
+    centre_y, centre_x, any_selected = dqn.selection_centre(selected)
+    ys = torch.arange(H, dtype=torch.float32, device=selected.device)[None, :, None]
+    xs = torch.arange(W, dtype=torch.float32, device=selected.device)[None, None, :]
+    dy, dx = ys - centre_y[:, None, None], xs - centre_x[:, None, None]  # (B, H, W): away from the centre
+    length = torch.sqrt(dy * dy + dx * dx).clamp(min=1e-6)
+    past_y = (
+        (ys + 0.5 + dy / length).floor().clamp(0, H - 1).long()
+    )  # the pixel holding the point one pixel on
+    past_x = (xs + 0.5 + dx / length).floor().clamp(0, W - 1).long()
+    index = (past_y * W + past_x).flatten(1)[:, None].expand(-1, K - 1, -1)  # (B, K-1, HW)
+    units = (classes[:, 1:] * (selected[:, None] == 0)).flatten(2)  # (B, K-1, HW)
+    past = torch.zeros_like(units).scatter_add_(2, index, units).clamp(max=1)
+    return past.view(B, K - 1, H, W) * any_selected[:, None, None, None]
+
+
 class ScriptedClickTerm:
     """The together agent clicking where the DQN's one-pixel click term would with weights set by hand, over the
     network's own inputs: 2 on the target channel and -1 on every class's distance input, so that the value of a
     pixel is highest on the nearest target pixel. The target channel is the shard class (the nearest shard pixel)
-    or, with `past`, the shard channel of the past input (the pixel one pixel past a shard on the line from the
+    or, with `past`, the shard channel of `class_past` (the pixel one pixel past a shard on the line from the
     selected marines): what those inputs let a greedy click express."""
 
     def __init__(self, past: bool):
@@ -159,7 +180,7 @@ class ScriptedClickTerm:
         selected = screen[:, dqn.SELECTED_LAYER]
         classes = dqn.preprocess_layers(screen, dqn.SCREEN_LAYERS)[:, : dqn.CLASS_CHANNELS]
         neutral = 3  # player_relative of shards
-        target = dqn.class_past(selected, classes)[0, neutral - 1] if self.past else classes[0, neutral]
+        target = class_past(selected, classes)[0, neutral - 1] if self.past else classes[0, neutral]
         value = 2 * target - dqn.class_distance(selected, classes)[0].sum(0)  # distances are below 1.5 widths
         y, x = divmod(int(value.flatten().argmax()), env.res)
         return MOVE, (x, y)
@@ -227,45 +248,92 @@ def play(agent, map_name: str, res: int, step_mul: int, episodes: int, seed: int
 
 
 def summary(scores: list[float]) -> dict:
-    return {"mean": statistics.fmean(scores), "std": statistics.pstdev(scores), "min": min(scores),
-            "max": max(scores), "episodes": len(scores), "scores": scores}
+    return {
+        "mean": statistics.fmean(scores),
+        "std": statistics.pstdev(scores),
+        "min": min(scores),
+        "max": max(scores),
+        "episodes": len(scores),
+        "scores": scores,
+    }
 
 
 def measure(res: int, step_mul: int, episodes: int, seed: int) -> dict:
     return {
         "scripted_beacon": summary(play(ScriptedBeacon(), "MoveToBeacon", res, step_mul, episodes, seed)),
         "random_beacon": summary(play(RandomAgent(res), "MoveToBeacon", res, step_mul, episodes, seed)),
-        "random_shards": summary(play(RandomAgent(res), "CollectMineralShards", res, step_mul, episodes, seed)),
+        "random_shards": summary(
+            play(RandomAgent(res), "CollectMineralShards", res, step_mul, episodes, seed)
+        ),
         "scripted_shards_together": summary(
-            play(ScriptedShardsTogether(), "CollectMineralShards", res, step_mul, episodes, seed)),
+            play(ScriptedShardsTogether(), "CollectMineralShards", res, step_mul, episodes, seed)
+        ),
         "scripted_shards_split": summary(
-            play(ScriptedShardsSplit(), "CollectMineralShards", res, step_mul, episodes, seed)),
-        **{f"scripted_shards_together_miss_{miss:g}": summary(
-            play(ScriptedShardsMissing(miss), "CollectMineralShards", res, step_mul, episodes, seed))
-           for miss in MISSES},
-        "scripted_shards_together_past": summary(play(
-            ScriptedShardsPast(PAST_WORLD_UNITS), "CollectMineralShards", res, step_mul, episodes, seed)),
-        **{f"scripted_shards_together_cluster_{bonus:g}": summary(
-            play(ScriptedShardsClustered(bonus), "CollectMineralShards", res, step_mul, episodes, seed))
-           for bonus in CLUSTER_BONUSES},
-        **{f"scripted_shards_click_term_{name}": summary(
-            play(ScriptedClickTerm(past), "CollectMineralShards", res, step_mul, episodes, seed))
-           for name, past in (("distance", False), ("past", True))},
-        "scripted_shards_together_through": summary(play(
-            CarriedClicks(ScriptedShardsTogether(), THROUGH_WORLD_UNITS), "CollectMineralShards", res, step_mul,
-            episodes, seed)),
-        "scripted_shards_click_term_distance_through": summary(play(
-            CarriedClicks(ScriptedClickTerm(False), THROUGH_WORLD_UNITS), "CollectMineralShards", res, step_mul,
-            episodes, seed)),
+            play(ScriptedShardsSplit(), "CollectMineralShards", res, step_mul, episodes, seed)
+        ),
+        **{
+            f"scripted_shards_together_miss_{miss:g}": summary(
+                play(ScriptedShardsMissing(miss), "CollectMineralShards", res, step_mul, episodes, seed)
+            )
+            for miss in MISSES
+        },
+        "scripted_shards_together_past": summary(
+            play(ScriptedShardsPast(PAST_WORLD_UNITS), "CollectMineralShards", res, step_mul, episodes, seed)
+        ),
+        **{
+            f"scripted_shards_together_cluster_{bonus:g}": summary(
+                play(ScriptedShardsClustered(bonus), "CollectMineralShards", res, step_mul, episodes, seed)
+            )
+            for bonus in CLUSTER_BONUSES
+        },
+        **{
+            f"scripted_shards_click_term_{name}": summary(
+                play(ScriptedClickTerm(past), "CollectMineralShards", res, step_mul, episodes, seed)
+            )
+            for name, past in (("distance", False), ("past", True))
+        },
+        "scripted_shards_together_through": summary(
+            play(
+                CarriedClicks(ScriptedShardsTogether(), THROUGH_WORLD_UNITS),
+                "CollectMineralShards",
+                res,
+                step_mul,
+                episodes,
+                seed,
+            )
+        ),
+        "scripted_shards_click_term_distance_through": summary(
+            play(
+                CarriedClicks(ScriptedClickTerm(False), THROUGH_WORLD_UNITS),
+                "CollectMineralShards",
+                res,
+                step_mul,
+                episodes,
+                seed,
+            )
+        ),
     }
 
 
 def configuration() -> dict:
     """The replica's constants that the figures depend on (each with its source in dqn_starcraft_split.py)."""
-    names = ["GAME_LOOPS_PER_SECOND", "EPISODE_SECONDS", "MARINE_SPEED_PER_LOOP", "MARINE_RADIUS",
-             "PLAYABLE_WORLD", "CAMERA_CENTRE_WORLD", "BEACON_SPAWN_WORLD",
-             "BEACON_SPAWN_HOLE_WORLD", "BEACON_MIN_DISTANCE", "BEACON_RADIUS", "SHARD_SPAWN_WORLD",
-             "SHARD_MIN_DISTANCE", "SHARD_RADIUS", "NUM_SHARDS", "FUNCTIONS"]
+    names = [
+        "GAME_LOOPS_PER_SECOND",
+        "EPISODE_SECONDS",
+        "MARINE_SPEED_PER_LOOP",
+        "MARINE_RADIUS",
+        "PLAYABLE_WORLD",
+        "CAMERA_CENTRE_WORLD",
+        "BEACON_SPAWN_WORLD",
+        "BEACON_SPAWN_HOLE_WORLD",
+        "BEACON_MIN_DISTANCE",
+        "BEACON_RADIUS",
+        "SHARD_SPAWN_WORLD",
+        "SHARD_MIN_DISTANCE",
+        "SHARD_RADIUS",
+        "NUM_SHARDS",
+        "FUNCTIONS",
+    ]
     return {"screen_world_units": dqn.Args.screen_world_units, **{name: getattr(dqn, name) for name in names}}
 
 
@@ -282,10 +350,18 @@ def write_markdown(path: Path, report: dict) -> None:
         ("MoveToBeacon", "scripted: click on the beacon", "scripted_beacon", "grandmaster 28"),
         ("MoveToBeacon", "random", "random_beacon", "random policy 1"),
         ("CollectMineralShards", "random", "random_shards", "random policy 17"),
-        ("CollectMineralShards", "scripted: both marines together (select_army)", "scripted_shards_together",
-         "FullyConv 103"),
-        ("CollectMineralShards", "scripted: marines split (select_point)", "scripted_shards_split",
-         "grandmaster 177"),
+        (
+            "CollectMineralShards",
+            "scripted: both marines together (select_army)",
+            "scripted_shards_together",
+            "FullyConv 103",
+        ),
+        (
+            "CollectMineralShards",
+            "scripted: marines split (select_point)",
+            "scripted_shards_split",
+            "grandmaster 177",
+        ),
     ]
     text = [
         "# Built-in minigames of dqn_starcraft_split.py: scripted and random agents\n",
@@ -323,20 +399,25 @@ def write_markdown(path: Path, report: dict) -> None:
         "marines).\n",
         "| agent | key | mean score |",
         "|---|---|---|",
-        *[f"| together, aiming at the second-nearest shard with probability {miss:g} at each step | "
-          f"`scripted_shards_together_miss_{miss:g}` | {line(f'scripted_shards_together_miss_{miss:g}', d)} |"
-          for miss in MISSES],
+        *[
+            f"| together, aiming at the second-nearest shard with probability {miss:g} at each step | "
+            f"`scripted_shards_together_miss_{miss:g}` | {line(f'scripted_shards_together_miss_{miss:g}', d)} |"
+            for miss in MISSES
+        ],
         f"| together, clicking {PAST_WORLD_UNITS:g} world units past the nearest shard (walks through it) | "
         f"`scripted_shards_together_past` | {line('scripted_shards_together_past', d)} |",
-        *[f"| together, aiming at the shard whose distance (world units) minus {bonus:g} x its neighbours (other "
-          f"shards within {NEIGHBOUR_WORLD_UNITS:g} world units of it) is least: drawn to clusters | "
-          f"`scripted_shards_together_cluster_{bonus:g}` | "
-          f"{line(f'scripted_shards_together_cluster_{bonus:g}', d)} |" for bonus in CLUSTER_BONUSES],
+        *[
+            f"| together, aiming at the shard whose distance (world units) minus {bonus:g} x its neighbours (other "
+            f"shards within {NEIGHBOUR_WORLD_UNITS:g} world units of it) is least: drawn to clusters | "
+            f"`scripted_shards_together_cluster_{bonus:g}` | "
+            f"{line(f'scripted_shards_together_cluster_{bonus:g}', d)} |"
+            for bonus in CLUSTER_BONUSES
+        ],
         "| together, clicking where the DQN's one-pixel click term would with hand-set weights on the distance "
         "input: the nearest shard pixel, from what the screen shows | `scripted_shards_click_term_distance` | "
         f"{line('scripted_shards_click_term_distance', d)} |",
         "| the same with the past input: the nearest pixel one pixel past a shard, on the line from the selected "
-        "marines (`--past-input`) | `scripted_shards_click_term_past` | "
+        "marines (`class_past`) | `scripted_shards_click_term_past` | "
         f"{line('scripted_shards_click_term_past', d)} |",
         f"| together, its clicks sent as the DQN sends its own on this map: carried {THROUGH_WORLD_UNITS:g} world "
         "units past the nearest shard's pixel, on the line from the selected marines (`--move-through`) | "
@@ -347,15 +428,19 @@ def write_markdown(path: Path, report: dict) -> None:
     ]
     split, together = d["scripted_shards_split"]["mean"], d["scripted_shards_together"]["mean"]
     if split < together:
-        text.append(f"At step_mul 16 the split agent ({split:.2f}) scores below the together agent ({together:.2f}): "
-                    "each select_point costs an agent step of 16 game loops, twice the paper's.\n")
+        text.append(
+            f"At step_mul 16 the split agent ({split:.2f}) scores below the together agent ({together:.2f}): "
+            "each select_point costs an agent step of 16 game loops, twice the paper's.\n"
+        )
     path.write_text("\n".join(text))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="path without extension; .json and .md are written")
-    parser.add_argument("--episodes", type=int, default=30, help="episodes per agent and setting (at least 20)")
+    parser.add_argument(
+        "--episodes", type=int, default=30, help="episodes per agent and setting (at least 20)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the environments and the random agents")
     args = parser.parse_args()
     if args.episodes < 20:
@@ -367,7 +452,9 @@ def main() -> int:
         return 2
     torch.set_num_threads(1)
     start = time.perf_counter()
-    results = {name: measure(s["res"], s["step_mul"], args.episodes, args.seed) for name, s in SETTINGS.items()}
+    results = {
+        name: measure(s["res"], s["step_mul"], args.episodes, args.seed) for name, s in SETTINGS.items()
+    }
     paper = results["paper"]
     report = {
         **{f"{key}_mean": value["mean"] for key, value in paper.items()},
@@ -385,8 +472,10 @@ def main() -> int:
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     write_markdown(out.with_suffix(".md"), report)
     for key in paper:
-        print(f"{key}_mean = {paper[key]['mean']:.2f} (64 px, step_mul 8); {results['dqn_defaults'][key]['mean']:.2f} "
-              f"(32 px, step_mul 16)")
+        print(
+            f"{key}_mean = {paper[key]['mean']:.2f} (64 px, step_mul 8); {results['dqn_defaults'][key]['mean']:.2f} "
+            f"(32 px, step_mul 16)"
+        )
     return 0
 
 

@@ -27,8 +27,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmark import pong_curve
-from benchmark.run import (TARGET_GPU_PEAK_MB, TARGET_GPU_SLOPE_MB_PER_10K, TARGET_PONG_RETURN, TARGET_PONG_WALL_MIN, TARGET_UPDATE_MS, fmt,
-                           gpu_markdown)
+from benchmark.run import (
+    TARGET_GPU_PEAK_MB,
+    TARGET_GPU_SLOPE_MB_PER_10K,
+    TARGET_PONG_RETURN,
+    TARGET_PONG_WALL_MIN,
+    TARGET_UPDATE_MS,
+    fmt,
+    gpu_markdown,
+)
 
 TARGET_PEAK_RESERVED_MB = float(TARGET_GPU_PEAK_MB)
 UPDATE_VARIANTS = {"graph": "captured", "compiled": "compiled", "compiled_graph": "compiled and captured"}

@@ -138,7 +138,7 @@ def time_compiled(args: da.Args, obs_shape, num_actions, device, batch: dict, re
         for _ in range(5):
             fn()
         sync(device)
-    except Exception as exc:  # a variant that cannot run is a finding, not the end of the profile
+    except Exception as exc:  # noqa: BLE001 - a variant that cannot run is a finding, not the end of the profile
         return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
     figures = {"warmup_s": time.perf_counter() - start, **timed(fn, device, reps, warmup=0)}
     if device.type == "cuda":

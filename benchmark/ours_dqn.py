@@ -32,7 +32,9 @@ def env_steps_per_s(args: dqn.Args, steps: int, epsilon: float, q_network, rng) 
     """Agent steps per second of the built-in minigame, acting as training does (epsilon-greedy)."""
     env = dqn.make_env(args, args.seed)
     obs = env.reset()
-    through = dqn.with_map_defaults(args).move_through * args.res / args.screen_world_units  # as training carries moves
+    through = (
+        dqn.with_map_defaults(args).move_through * args.res / args.screen_world_units
+    )  # as training carries moves
     start = time.perf_counter()
     for _ in range(steps):
         action = dqn.select_action(q_network, obs, epsilon, rng, "cpu")
@@ -53,8 +55,15 @@ def measure(quick: bool) -> dict:
     target_network = dqn.make_q_network(dataclasses.replace(args, map_name="CollectMineralShards"))
     target_network.load_state_dict(q_network.state_dict())
     steps = 500 if quick else 5_000
-    out: dict = {"dqn_config": {"res": args.res, "step_mul": args.step_mul, "batch_size": args.batch_size,
-                                "optimizer": "torch.optim.Adam", "amp": mu.amp(args.amp, "cpu").mode}}
+    out: dict = {
+        "dqn_config": {
+            "res": args.res,
+            "step_mul": args.step_mul,
+            "batch_size": args.batch_size,
+            "optimizer": "torch.optim.Adam",
+            "amp": mu.amp(args.amp, "cpu").mode,
+        }
+    }
     for map_name in ("MoveToBeacon", "CollectMineralShards"):
         map_args = dataclasses.replace(args, map_name=map_name)
         out[f"dqn_env_steps_per_s_{map_name}"] = env_steps_per_s(map_args, steps, 1.0, q_network, rng)

@@ -112,7 +112,7 @@ def test_gpu_only_pong_run_continues_across_invocations(tmp_path):
     assert not first["pong_resumed"] and second["pong_resumed"]
     assert first["pong_returncode"] == second["pong_returncode"] == 143  # stopped by SIGTERM after a checkpoint
     assert "--resume PONG_DIR/runs/" in second["pong_command"] and "--checkpoint-buffer" in second["pong_command"]
-    (run_dir,) = (pong_dir / "runs").iterdir()  # one run, continued
+    (_run_dir,) = (pong_dir / "runs").iterdir()  # one run, continued
     assert second["pong_env_steps"] > first["pong_env_steps"] >= 100
     assert second["pong_updates"] > first["pong_updates"] > 0
     assert second["pong_wall_s"] > first["pong_wall_s"]  # training time adds up over the two parts
@@ -447,45 +447,6 @@ def test_gpu_report_renders_compiled_update_variants_and_judges_the_fastest(tmp_
     assert "Compiled and captured, --amp bf16, failed: `RuntimeError: capture failed`." in text
 
 
-def test_stopped_trial_report_sets_each_curve_row_beside_the_baseline_row_of_the_same_seed(tmp_path):
-    """benchmark/dqn_stopped_trial.py: every row from the runs' files, the baseline's row at equal agent steps
-    (or none), and a bad baseline is one line, status 2."""
-    run = tmp_path / "run"
-    (run / "eval").mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps({"run_id": "r", "seed": 2, "python": "3.11", "torch": "2.x",
-                                                 "args": {"map_name": "CollectMineralShards", "save_path": "/x",
-                                                          "torch_num_threads": 1}}))
-    header = "episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n"
-    (run / "eval" / "curve.csv").write_text(header + "".join(
-        f"{25 * k},{3000 * k},{60.0 * k},0.5,{10.0 + k},{20.0 + k}\n" for k in range(1, 8)))
-    baseline_curve = [{"episode": 25 * k, "global_step": 3000.0 * k, "wall_time_s": 30.0 * k, "epsilon": 0.5,
-                       "train_score_mean": 1.0 * k, "test_score_mean": 2.0 * k} for k in range(1, 7)]
-    baseline = tmp_path / "base.json"
-    baseline.write_text(json.dumps({"runs": [{"seed": 2, "curve": baseline_curve}]}))
-    command = [sys.executable, str(ROOT / "benchmark" / "dqn_stopped_trial.py"), "--out", str(tmp_path / "t"),
-               "--runs", str(run), "--trial", "x", "--command", "c", "--conditions", "d", "--every", "3"]
-    done = subprocess.run([*command, "--baseline", str(baseline)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    result = json.loads((tmp_path / "t.json").read_text())
-    assert [row["global_step"] for row in result["comparison"]] == [9000, 18000, 21000]  # every 3rd, and the last
-    assert result["comparison"][0]["baseline"]["train_score_mean"] == 3.0
-    assert result["comparison"][-1]["baseline"] is None  # the baseline's curve ends at 18000
-    assert len(result["runs"][0]["curve"]) == 7 and "save_path" not in result["runs"][0]["args"]
-    table = (tmp_path / "t.md").read_text()
-    assert "| 2 | 18000 | 6.0 | 16.0 | 26.0 | 3.0 | 6.0 | 12.0 |" in table
-    assert "| 2 | 21000 | 7.0 | 17.0 | 27.0 | - | - | - |" in table
-    baseline.write_text(json.dumps({"runs": [{"seed": 1, "curve": baseline_curve}]}))
-    done = subprocess.run([*command, "--baseline", str(baseline)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and done.stderr.strip() == f"error: --baseline {str(baseline)!r} has no run of seed 2."
-    done = subprocess.run([*command, "--baseline", str(baseline), "--every", "0"], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 2 and done.stderr.strip() == "error: --every 0 must be at least 1 (every this many curve rows)."
-    (run / "config.json").write_text("{}")
-    done = subprocess.run([*command, "--baseline", str(baseline)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "does not hold a run of dqn_starcraft_split.py (KeyError" in done.stderr
-    assert len(done.stderr.splitlines()) == 1
-
-
 def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shard(tmp_path, monkeypatch):
     """benchmark/dqn_learning_report.py's greedy behaviour: with a policy that always clicks the nearest shard,
     the aimed shard's neighbours are the nearest's and every click aims at the nearest; with one that prefers
@@ -563,97 +524,6 @@ def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shar
     assert clustered["move_clicks_nearest_the_nearest_pickup"] < 0.9
 
 
-def test_value_probe_rollouts_follow_the_policy_on_a_copy_and_bootstrap_at_the_horizon():
-    """benchmark/dqn_value_probe.py: a rollout's return is the first click's reward, then the policy's, discounted,
-    plus gamma^horizon times the value where it was cut; it plays on the environment it is given, so the probe
-    hands it copies and the state it probes is left as it was."""
-    import copy
-
-    import numpy as np
-
-    import dqn_starcraft_split as dqn
-    from benchmark.dqn_calibration import ScriptedShardsTogether
-    from benchmark.dqn_value_probe import rollout_return
-
-    env = dqn.BuiltinMiniGame("CollectMineralShards", res=32, step_mul=16, seed=5)
-    env.reset()
-    obs, _, _ = env.step(dqn.FUNCTION_IDS["select_army"])
-    together, rng = ScriptedShardsTogether(), np.random.default_rng(0)
-    first = together.act(env, obs, rng)
-    before = (env.marines.copy(), env.pickups.copy(), env.steps)
-    by_hand = copy.deepcopy(env)
-    rewards, o = [], obs
-    action = first
-    for _ in range(6):
-        o, r, _ = by_hand.step(*action)
-        rewards.append(r)
-        action = together.act(by_hand, o, rng)
-    assert sum(rewards) > 0  # the together agent picks shards up within 6 steps here, so the sum says something
-    expected = sum(0.9**t * r for t, r in enumerate(rewards)) + 0.9**6 * 7.0
-    copied, calls = copy.deepcopy(env), []
-
-    def policy(o):
-        calls.append(1)
-        return together.act(copied, o, rng)
-
-    got = rollout_return(copied, first, policy, lambda o: 7.0, 0.9, 6)
-    assert got == pytest.approx(expected)
-    assert len(calls) == 5  # an action after each of the first 5 steps; none where the rollout is cut
-    assert np.array_equal(env.marines, before[0]) and np.array_equal(env.pickups, before[1]) and env.steps == before[2]
-
-
-def test_value_probe_writes_every_pair_and_refuses_bad_input(tmp_path, monkeypatch, capsys):
-    """benchmark/dqn_value_probe.py end to end (in this process) on an untrained network's checkpoint: every probed
-    pair in the JSON with both gaps, the summary computed from them; a folder without a checkpoint, a MoveToBeacon
-    run or a horizon of 0 is one line, status 2, nothing written."""
-    import dataclasses
-
-    import dqn_starcraft_split as dqn
-    from benchmark import dqn_value_probe
-
-    for name, map_name in (("shards", "CollectMineralShards"), ("beacon", "MoveToBeacon")):
-        args = dqn.with_map_defaults(dqn.Args(map_name=map_name, step_mul=64, seed=3))
-        (tmp_path / name).mkdir()
-        torch.manual_seed(0)
-        net = dqn.make_q_network(args)
-        with torch.no_grad():  # untrained, but it selects the army and then moves: select_army 5, Move_screen 10
-            net.nonspatial_head[-1].bias[dqn.NONSPATIAL_FUNCTIONS.index("select_army")] = 5.0
-            net.spatial_fine.bias[dqn.SPATIAL_FUNCTIONS.index("Move_screen")] = 10.0 / net.fine_gain
-        torch.save({"q_network": net.state_dict(), "args": dataclasses.asdict(args)}, tmp_path / name / "checkpoint.pt")
-
-    def probe(out, *runs, horizon="3"):
-        monkeypatch.setattr(sys, "argv", ["dqn_value_probe.py", "--out", str(tmp_path / out), "--episodes", "1",
-                                          "--every", "1", "--horizon", horizon, "--runs", *map(str, runs)])
-        threads = torch.get_num_threads()
-        try:
-            dqn_value_probe.main()
-        finally:
-            torch.set_num_threads(threads)  # main() runs on one thread; the tests after this one do not
-
-    probe("p", tmp_path / "shards")
-    report = json.loads((tmp_path / "p.json").read_text())
-    (run,) = report["runs"]
-    assert run["seed"] == 3 and len(run["samples"]) > 0
-    assert report["command"].endswith("--runs results/shards") and str(tmp_path) not in report["command"]
-    more = [s for s in run["samples"] if s["second_neighbours"] > s["nearest_neighbours"]]
-    assert run["summary"]["all"]["pairs"] == len(run["samples"])
-    assert run["summary"]["second_has_more_neighbours"]["pairs"] == len(more)
-    assert run["summary"]["second_has_no_more_neighbours"]["pairs"] == len(run["samples"]) - len(more)
-    assert run["summary"]["all"]["mean_bias"] == pytest.approx(
-        sum(s["q_gap"] - s["mc_gap"] for s in run["samples"]) / len(run["samples"]))
-    assert any(s["mc_gap"] != 0 for s in run["samples"])  # the two clicks lead to different returns
-    assert f"| shards | 3 | all pairs: {len(run['samples'])} |" in (tmp_path / "p.md").read_text()
-    capsys.readouterr()
-    for runs, horizon, words in (((tmp_path / "shards", tmp_path / "missing"), "3", "has no checkpoint.pt"),
-                                 ((tmp_path / "beacon",), "3", "the probe needs the built-in CollectMineralShards"),
-                                 ((tmp_path / "shards",), "0", "--horizon must be at least 1, got 0")):
-        with pytest.raises(SystemExit) as stopped:
-            probe("bad", *runs, horizon=horizon)
-        err = capsys.readouterr().err
-        assert stopped.value.code == 2 and words in err and len(err.splitlines()) == 1
-        assert not list(tmp_path.glob("bad*"))
-
-
 def test_learning_report_counts_the_clicks_one_pixel_past_a_shard(tmp_path, monkeypatch):
     """benchmark/dqn_learning_report.py's greedy behaviour: a policy that clicks where the past input marks (the
     calibration's click-term agent on it) has every Move click one pixel past a shard; the one that clicks on the
@@ -688,58 +558,27 @@ def test_learning_report_counts_the_clicks_one_pixel_past_a_shard(tmp_path, monk
     assert shares[True] == 1.0 and shares[False] < 0.2, shares
 
 
-def test_value_probe_past_pair_sets_the_pixel_the_past_input_marks_against_the_shard(tmp_path, monkeypatch):
-    """benchmark/dqn_value_probe.py --pair past: the first click is the pixel one pixel past the nearest shard on
-    the line from the selected marines, a pixel the past input marks for the shard class; the second is that shard's
-    pixel; the summary has no neighbour split (it is about the second-nearest shard)."""
-    import dataclasses
-
-    import numpy as np
-
+def test_calibration_class_past_marks_the_pixel_one_beyond_each_unit_on_the_line_from_the_selection():
+    """Selected marines centred at (8, 2), shards at (8, 6), (11, 5) and (2, 8): each marks the one pixel one step
+    farther along the line from the centre through it, and nothing else; a selected pixel marks nothing, and
+    neither does a screen with nothing selected."""
     import dqn_starcraft_split as dqn
-    from benchmark import dqn_value_probe
-    from benchmark.dqn_calibration import pixel
+    from benchmark.dqn_calibration import class_past
 
-    env = dqn.BuiltinMiniGame("CollectMineralShards", res=32, step_mul=16, seed=4)
-    env.reset()
-    obs, _, _ = env.step(dqn.FUNCTION_IDS["select_army"])
-    screen = torch.as_tensor(obs["feature_screen"])[None]
-    classes = dqn.preprocess_layers(screen, dqn.SCREEN_LAYERS)[:, : dqn.CLASS_CHANNELS]
-    marked = dqn.class_past(screen[:, dqn.SELECTED_LAYER], classes)[0, 3 - 1]  # (H, W): the shard class
-    centre = env.marines[env.selected].mean(0)
-    checked = 0
-    for shard in env.pickups:
-        on = pixel(env, shard)
-        if obs["feature_screen"][0, on[1], on[0]] != 3:
-            continue  # drawn over by a marine
-        x, y = dqn_value_probe.past_pixel(on, obs["feature_screen"][dqn.SELECTED_LAYER])
-        assert max(abs(x - on[0]), abs(y - on[1])) == 1 and marked[y, x] == 1
-        farther = np.linalg.norm(np.array([x, y]) + 0.5 - centre * env.res / env.world_units)
-        assert farther > np.linalg.norm(np.array(on) + 0.5 - centre * env.res / env.world_units)
-        checked += 1
-    assert checked >= 5
-
-    args = dqn.with_map_defaults(dqn.Args(map_name="CollectMineralShards", step_mul=64, seed=3, past_input=True))
-    torch.manual_seed(0)
-    net = dqn.make_q_network(args)
-    with torch.no_grad():  # untrained, but it selects the army and then moves
-        net.nonspatial_head[-1].bias[dqn.NONSPATIAL_FUNCTIONS.index("select_army")] = 5.0
-        net.spatial_fine.bias[dqn.SPATIAL_FUNCTIONS.index("Move_screen")] = 10.0 / net.fine_gain
-    (tmp_path / "shards").mkdir()
-    torch.save({"q_network": net.state_dict(), "args": dataclasses.asdict(args)}, tmp_path / "shards" / "checkpoint.pt")
-    monkeypatch.setattr(sys, "argv", ["dqn_value_probe.py", "--out", str(tmp_path / "p"), "--pair", "past",
-                                      "--episodes", "1", "--every", "1", "--horizon", "3",
-                                      "--runs", str(tmp_path / "shards")])
-    threads = torch.get_num_threads()
-    try:
-        dqn_value_probe.main()
-    finally:
-        torch.set_num_threads(threads)
-    report = json.loads((tmp_path / "p.json").read_text())
-    (run,) = report["runs"]
-    assert report["pair"] == "past" and "--pair past" in report["command"] and run["past_input"] is True
-    assert set(run["summary"]) == {"all"} and run["summary"]["all"]["pairs"] == len(run["samples"]) > 0
-    for sample in run["samples"]:
-        (px, py), (ox, oy) = sample["clicks"]
-        assert max(abs(px - ox), abs(py - oy)) == 1
-    assert "one pixel past the nearest shard" in (tmp_path / "p.md").read_text()
+    classes = torch.zeros(2, dqn.CLASS_CHANNELS, 16, 16)
+    classes[:, 0] = 1  # background everywhere ...
+    own, shard = torch.eye(dqn.CLASS_CHANNELS)[1], torch.eye(dqn.CLASS_CHANNELS)[3]
+    for y, x in ((7, 2), (9, 2)):
+        classes[:, :, y, x] = own  # ... but two marines of ours, around (8, 2)
+    for y, x in ((8, 6), (11, 5), (2, 8)):
+        classes[:, :, y, x] = shard
+    selected = torch.zeros(2, 16, 16, dtype=torch.long)
+    selected[0, 7, 2] = selected[0, 9, 2] = 1  # the second screen selects nothing
+    past = class_past(selected, classes)  # (2, K-1, 16, 16): channel 2 is the neutral class
+    assert past.shape == (2, dqn.CLASS_CHANNELS - 1, 16, 16)
+    marked = {tuple(p) for p in past[0, 2].nonzero().tolist()}
+    # (8, 6) is 4 pixels straight on: (8, 7); (11, 5) is (3, 3) away: one pixel on is (11.7, 5.7), pixel (12, 6);
+    # (2, 8) is (-6, 6) away: (1.3, 8.7), pixel (1, 9)
+    assert marked == {(8, 7), (12, 6), (1, 9)}, marked
+    assert past[0, 0].abs().sum() == 0  # the selected marines are where the walk starts: they mark nothing
+    assert past[1].abs().sum() == 0

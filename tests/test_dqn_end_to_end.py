@@ -1,7 +1,7 @@
 """Tiny complete runs of dqn_starcraft_split.py: every output file, and what an interrupted run leaves."""
 
-import dataclasses
 import csv
+import dataclasses
 import json
 import os
 import signal
@@ -106,7 +106,9 @@ def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
     assert checkpoint["interrupted"] is False and checkpoint["global_step"] == 30
     left_out = [name for name in dqn.MAP_DEFAULTS["MoveToBeacon"] if config["sources"][name] == "default"]
     assert "context_layers" in left_out and "lr_scheduler" not in left_out  # this run gives the schedule
-    assert all(config["args"][name] == dqn.MAP_DEFAULTS["MoveToBeacon"][name] for name in left_out)  # as values
+    assert all(
+        config["args"][name] == dqn.MAP_DEFAULTS["MoveToBeacon"][name] for name in left_out
+    )  # as values
     dqn.make_q_network(dqn.Args(res=8, map_name="MoveToBeacon")).load_state_dict(checkpoint["q_network"])
 
     events = EventAccumulator(str(tmp_path / "runs" / "tiny-seed4"))
@@ -152,7 +154,7 @@ def test_sigterm_leaves_a_checkpoint_and_no_results_row(tmp_path, to):
             os.killpg(proc.pid, signal.SIGTERM)
         else:
             proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=120)
+        _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -219,9 +221,21 @@ def test_training_and_test_episodes_send_the_game_carried_moves(tmp_path, monkey
     sent = {}
     for through in ("6", "0"):  # 6 world units: 2 pixels of the 8-pixel, 24-unit screen
         calls.clear()
-        args, sources = dqn.parse_args([*TINY, "--map-name", "CollectMineralShards", "--num-episodes", "2",
-                                        "--move-through", through, "--run-id", f"through{through}",
-                                        "--no-save-model"], {})
+        args, sources = dqn.parse_args(
+            [
+                *TINY,
+                "--map-name",
+                "CollectMineralShards",
+                "--num-episodes",
+                "2",
+                "--move-through",
+                through,
+                "--run-id",
+                f"through{through}",
+                "--no-save-model",
+            ],
+            {},
+        )
         threads = torch.get_num_threads()
         try:
             assert dqn.main(args, sources) == 0
@@ -288,8 +302,9 @@ def _oom(*args, **kwargs):
 
 
 @pytest.mark.parametrize("site", ["select_action", "batch_to_device", "run_test_episodes"])
-def test_out_of_memory_while_acting_copying_or_testing_is_handled_like_an_update(tmp_path, monkeypatch, capsys,
-                                                                                 site):
+def test_out_of_memory_while_acting_copying_or_testing_is_handled_like_an_update(
+    tmp_path, monkeypatch, capsys, site
+):
     real = getattr(dqn, site)
     calls = {"n": 0}
 
@@ -307,7 +322,10 @@ def test_out_of_memory_while_acting_copying_or_testing_is_handled_like_an_update
     assert torch.load(run / "checkpoint.pt", weights_only=False)["interrupted"] is True
     log = (run / "train.log").read_text()
     # where: the innermost frame in the script (here the call site, as the stand-in lives in this file)
-    assert "out of memory at step" in log and "(in train_one_seed, line" in log
+    caller = (
+        "evaluate" if site == "run_test_episodes" else "train_one_seed"
+    )  # the periodic test: its own function
+    assert "out of memory at step" in log and f"(in {caller}, line" in log
     assert not (tmp_path / "results" / "results.csv").exists()
     assert "Traceback" not in capsys.readouterr().err
 
@@ -342,7 +360,7 @@ def test_out_of_memory_at_preallocation_retries_with_the_fallback_batch(tmp_path
     assert config["batch_size_used"] == 2 and config["fallback_used"] is True
     assert "preallocation" in config["fallback_reason"]
     assert "retrying with the fallback batch size 2" in (run / "train.log").read_text()
-    (row,) = csv.DictReader(open(tmp_path / "results" / "results.csv"))
+    (row,) = csv.DictReader((tmp_path / "results" / "results.csv").read_text().splitlines())
     assert row["fallback_used"] == "True" and row["batch_size"] == "2"
 
 
@@ -351,8 +369,14 @@ def test_a_stopped_run_resumes_with_its_replay_and_finishes(tmp_path):
     """SIGTERM at episode 3 of a run that checkpoints its replay; `--resume` goes on in the same folder from the
     same episode, with the same counters, and writes the one results row at the end."""
     argv = [*TINY, "--num-episodes", "6", "--run-id", "stopped", "--checkpoint-buffer"]
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *argv], cwd=tmp_path, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *argv],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in proc.stdout:
             if line.startswith("episode=3 "):
@@ -364,21 +388,32 @@ def test_a_stopped_run_resumes_with_its_replay_and_finishes(tmp_path):
     run = tmp_path / "results" / "stopped"
     saved = torch.load(run / "checkpoint.pt", weights_only=True)
     assert saved["interrupted"] and saved["replay"]["size"] > 0
-    done = subprocess.run([sys.executable, str(SCRIPT), *argv, "--resume", str(run / "checkpoint.pt")],
-                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv, "--resume", str(run / "checkpoint.pt")],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     log = (run / "train.log").read_text()
-    assert f"resumed stopped at episode {saved['episode']}, step {saved['global_step']} with its replay" in log
-    episodes = [int(line.split()[0].split("=")[1]) for line in done.stdout.splitlines() if line.startswith("episode=")]
+    assert (
+        f"resumed stopped at episode {saved['episode']}, step {saved['global_step']} with its replay" in log
+    )
+    episodes = [
+        int(line.split()[0].split("=")[1]) for line in done.stdout.splitlines() if line.startswith("episode=")
+    ]
     assert episodes == list(range(saved["episode"], 7))
-    rows = list(csv.DictReader(open(tmp_path / "results" / "results.csv")))
+    rows = list(csv.DictReader((tmp_path / "results" / "results.csv").read_text().splitlines()))
     assert len(rows) == 1 and rows[0]["run_id"] == "stopped" and rows[0]["episodes"] == "6"
     final = torch.load(run / "checkpoint.pt", weights_only=True)
     assert final["global_step"] > saved["global_step"] and not final["interrupted"]
 
 
-@pytest.mark.parametrize("extra, needle", [(["--res", "16"], "--res 8, but this run asks for 16"),
-                                           ([], "does not exist")])
+@pytest.mark.parametrize(
+    "extra, needle", [(["--res", "16"], "--res 8, but this run asks for 16"), ([], "does not exist")]
+)
 def test_a_resume_that_cannot_work_is_one_line(tmp_path, extra, needle):
     checkpoint = tmp_path / "results" / "x" / "checkpoint.pt"
     if extra:
@@ -389,156 +424,97 @@ def test_a_resume_that_cannot_work_is_one_line(tmp_path, extra, needle):
             assert dqn.main(args, sources) == 0
         finally:
             os.chdir(cwd)
-    done = subprocess.run([sys.executable, str(SCRIPT), *TINY, *extra, "--resume", str(checkpoint)], cwd=tmp_path,
-                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *TINY, *extra, "--resume", str(checkpoint)],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().startswith("error: --resume") and needle in done.stderr
 
 
-def old_checkpoint(tmp_path, args: dqn.Args, unrecorded: tuple[str, ...], **network) -> str:
-    """A checkpoint whose args lack `unrecorded` (written before those settings existed), with the weights of a
-    network built with `network`."""
-    saved = {"format": dqn.CHECKPOINT_FORMAT, "rng": {}, "args": dataclasses.asdict(dqn.with_map_defaults(args)),
-             "q_network": dqn.SplitQNetwork(8, **network).state_dict()}
-    for name in unrecorded:
-        del saved["args"][name]
-    torch.save(saved, tmp_path / "old.pt")
-    return str(tmp_path / "old.pt")
+def saved_checkpoint(tmp_path, args: dqn.Args, **network) -> str:
+    """A checkpoint of this script's format trained with `args`, with the weights of a network built with `network`."""
+    saved = {
+        "format": dqn.CHECKPOINT_FORMAT,
+        "rng": {},
+        "args": dataclasses.asdict(dqn.with_map_defaults(args)),
+        "q_network": dqn.SplitQNetwork(8, **network).state_dict(),
+    }
+    torch.save(saved, tmp_path / "saved.pt")
+    return str(tmp_path / "saved.pt")
 
 
-def test_a_checkpoint_from_before_move_through_resumes_only_with_clicks_where_the_head_points(tmp_path):
-    """Its replay and its values are of clicks that stopped where they were sent: it reads as --move-through 0,
-    and a run that would carry clicks on (CollectMineralShards' default) is refused in one sentence."""
+def test_a_checkpoint_of_an_older_version_is_refused_in_one_sentence(tmp_path):
+    """A checkpoint written by an older version of the script (another format) is not resumed: one sentence on
+    stderr, exit status 2, nothing trained."""
     args = dqn.Args(res=8, map_name="CollectMineralShards")
-    path = old_checkpoint(tmp_path, args, ("move_through",), context_layers=3, coarse_level=True, fine_kernel=1,
-                          click_distance=True, timer_input=True)
-    with pytest.raises(dqn.ConfigError, match="--move-through 0.0, but this run asks for 1.5"):
-        dqn.load_checkpoint(path, args)
-    assert dqn.trained_settings(dqn.load_checkpoint(path, dataclasses.replace(args, move_through=0.0)))[
-        "move_through"] == 0.0
-
-
-def test_a_checkpoint_from_before_the_context_layers_resumes_only_without_them(tmp_path):
-    """Checkpoints written before --context-layers existed do not record it; their networks had none, so
-    resuming one asks for --context-layers 0 instead of failing to load the weights later."""
-    args = dqn.Args(res=8, map_name="CollectMineralShards")  # its default: 3 context layers
-    path = old_checkpoint(tmp_path, args, ("context_layers",), context_layers=0)
-    with pytest.raises(dqn.ConfigError, match="--context-layers 0, but this run asks for 3"):
-        dqn.load_checkpoint(path, args)
-    resumed = dataclasses.replace(args, context_layers=0)
-    assert dqn.trained_settings(dqn.load_checkpoint(path, resumed))["context_layers"] == 0
-
-
-def test_the_settings_a_checkpoint_does_not_record_are_read_off_its_weights(tmp_path):
-    """Checkpoints from before --click-distance and --timer-input record neither. One whose network had neither
-    resumes only with both off, and its replay (11 player columns) loads with the timer column left at 0; one
-    whose network already read the timer (commit 0bcdf39, before the setting) resumes with the defaults."""
-    args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0)
-    unrecorded = ("click_distance", "timer_input")
-    path = old_checkpoint(tmp_path, args, unrecorded, context_layers=0, click_distance=False, timer_input=False)
-    with pytest.raises(dqn.ConfigError, match="--click-distance False, but this run asks for True"):
-        dqn.load_checkpoint(path, args)
-    with pytest.raises(dqn.ConfigError, match="--timer-input False, but this run asks for True"):
-        dqn.load_checkpoint(path, dataclasses.replace(args, click_distance=False))
-    resumed = dataclasses.replace(args, click_distance=False, timer_input=False)
-    state = dqn.load_checkpoint(path, resumed)
-    dqn.make_q_network(resumed).load_state_dict(state["q_network"])
-    path = old_checkpoint(tmp_path, args, ("timer_input",), context_layers=0)  # the network of 0bcdf39
-    assert dqn.trained_settings(dqn.load_checkpoint(path, args))["timer_input"] is True
-    broken = torch.load(path, weights_only=True)
-    broken["q_network"] = {}  # nothing to read the missing setting off
-    torch.save(broken, tmp_path / "broken.pt")
-    with pytest.raises(dqn.ConfigError, match="checkpoint that can be resumed"):
-        dqn.load_checkpoint(str(tmp_path / "broken.pt"), args)
-
-    env, rb = dqn.BuiltinMiniGame("CollectMineralShards", res=8, step_mul=16, seed=0), dqn.SplitReplayBuffer(6, 8)
-    for _ in range(4):
-        rb.add(env.reset(), 0, 0.0, False)
-    state = rb.state_dict()
-    state["player"] = state["player"][:, : dqn.PLAYER_SIZE] + 1.0  # the old layout
-    loaded = dqn.SplitReplayBuffer(6, 8)
-    loaded.load_state_dict(state)
-    assert (loaded.player[:, : dqn.PLAYER_SIZE] == state["player"].numpy()).all()
-    assert (loaded.player[:, dqn.PLAYER_SIZE] == 0).all() and loaded.size == 4
-
-
-def test_continue_goes_on_from_a_trained_network_with_another_n_step(tmp_path, monkeypatch, capsys):
-    """benchmark/dqn_continue.py: a finished run's networks, Adam moments and counters, another --n-step, an empty
-    replay refilled before the next update; a checkpoint of another network shape is one line, status 2."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from benchmark import dqn_continue
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    assert _run_in_process(tmp_path, monkeypatch, [*TINY, "--num-episodes", "2", "--run-id", "first"]) == 0
-    checkpoint = tmp_path / "results" / "first" / "checkpoint.pt"
-    first = torch.load(checkpoint, weights_only=True)
-    assert first["args"]["n_step"] == 3
-    # no episode left to run: the saved network is the loaded one
-    assert dqn_continue.main([str(checkpoint), *TINY, "--n-step", "1", "--num-episodes", "2", "--run-id", "same"]) == 0
-    same = torch.load(tmp_path / "results" / "same" / "checkpoint.pt", weights_only=True)
-    for key, value in first["q_network"].items():
-        assert torch.equal(same["q_network"][key], value), key
-    monkeypatch.setattr(dqn_continue, "REFILL_STEPS", 10)
-    assert dqn_continue.main([str(checkpoint), *TINY, "--n-step", "1", "--num-episodes", "4", "--run-id", "on"]) == 0
-    on = torch.load(tmp_path / "results" / "on" / "checkpoint.pt", weights_only=True)
-    config = json.loads((tmp_path / "results" / "on" / "config.json").read_text())
-    assert on["args"]["n_step"] == 1 and config["args"]["learning_starts"] == first["global_step"] + 10
-    assert on["global_step"] == first["global_step"] + 2 * dqn.episode_steps(128)
-    steps = [state["step"] for state in on["optimizer"]["state"].values()]
-    first_steps = [state["step"] for state in first["optimizer"]["state"].values()]
-    assert min(s - f for s, f in zip(steps, first_steps)) > 0  # Adam went on from its saved moments
-    assert not torch.equal(on["q_network"]["spatial_coarse.weight"], first["q_network"]["spatial_coarse.weight"])
-    capsys.readouterr()
-    assert dqn_continue.main([str(checkpoint), *TINY, "--res", "16", "--num-episodes", "3", "--run-id", "other"]) == 2
-    assert "was trained with other res" in capsys.readouterr().err
-    assert dqn_continue.main(["--n-step", "1"]) == 2  # no checkpoint: the usage, not a traceback
-    assert "the first argument must be a checkpoint path" in capsys.readouterr().err
-    assert not (tmp_path / "results" / "other").exists()
-    older = dict(first, args={k: v for k, v in first["args"].items() if k != "screen_world_units"})
-    torch.save(older, tmp_path / "older.pt")  # a setting the checkpoint does not record and its weights cannot tell
-    capsys.readouterr()
-    assert dqn_continue.main([str(tmp_path / "older.pt"), *TINY, "--num-episodes", "3", "--run-id", "older"]) == 2
-    err = capsys.readouterr().err
-    assert "was trained with other screen_world_units" in err and len(err.splitlines()) == 1
+    path = saved_checkpoint(
+        tmp_path,
+        args,
+        context_layers=3,
+        coarse_level=True,
+        fine_kernel=1,
+        click_distance=True,
+        timer_input=True,
+    )
+    old = torch.load(path, weights_only=True)
+    old["format"] = "dqn_starcraft_split/2"
+    del old["args"]["move_through"]  # a setting that version did not record
+    torch.save(old, tmp_path / "old.pt")
+    with pytest.raises(dqn.ConfigError, match="was written by another version of this script"):
+        dqn.load_checkpoint(str(tmp_path / "old.pt"), args)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            *TINY,
+            "--map-name",
+            "CollectMineralShards",
+            "--resume",
+            str(tmp_path / "old.pt"),
+        ],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "dqn_starcraft_split/2" in done.stderr and "start a new run" in done.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_checkpoint_resumes_only_with_the_learning_rate_schedule_it_was_trained_with(tmp_path):
     """The scheduler's saved state belongs to its schedule: a CollectMineralShards checkpoint trained with the
     cosine schedule (the map's default before the step schedule) refuses the step schedule, naming both."""
     args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0, lr_scheduler="cosine")
-    path = old_checkpoint(tmp_path, args, (), context_layers=0)
-    assert dqn.trained_settings(dqn.load_checkpoint(path, args))["lr_scheduler"] == "cosine"
+    path = saved_checkpoint(tmp_path, args, context_layers=0)
+    assert dqn.load_checkpoint(path, args)["args"]["lr_scheduler"] == "cosine"
     with pytest.raises(dqn.ConfigError, match="--lr-scheduler cosine, but this run asks for step"):
         dqn.load_checkpoint(path, dataclasses.replace(args, lr_scheduler=None))  # the map's default: step
     stepped = dataclasses.replace(args, lr_scheduler="step", step_lr_step_size=600, step_lr_gamma=0.2)
-    path = old_checkpoint(tmp_path, stepped, (), context_layers=0)
+    path = saved_checkpoint(tmp_path, stepped, context_layers=0)
     with pytest.raises(dqn.ConfigError, match="--step-lr-gamma 0.2, but this run asks for 0.5"):
         dqn.load_checkpoint(path, dataclasses.replace(stepped, step_lr_gamma=0.5))
-    assert dqn.load_checkpoint(path, dataclasses.replace(stepped, num_episodes=50_000))  # a longer run is fine
+    assert dqn.load_checkpoint(
+        path, dataclasses.replace(stepped, num_episodes=50_000)
+    )  # a longer run is fine
 
 
 def test_a_checkpoint_resumes_only_with_the_spatial_head_it_was_trained_with(tmp_path):
-    """--coarse-level, --fine-kernel, --path-input and --past-input change the shapes of the spatial head's
-    weights; a checkpoint from before the settings existed (its network upsampled, with a 3x3 click term and no
-    path or past input) reads as off, 3, off and off, and one trained with the level refuses a run without it."""
-    args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0, coarse_level=False, fine_kernel=3)
-    path = old_checkpoint(tmp_path, args, ("coarse_level", "fine_kernel", "path_input", "past_input"),
-                          context_layers=0, coarse_level=False, fine_kernel=3)
-    trained = dqn.trained_settings(dqn.load_checkpoint(path, args))
-    assert trained["coarse_level"] is False and trained["fine_kernel"] == 3 and trained["path_input"] is False
-    assert trained["past_input"] is False
-    with pytest.raises(dqn.ConfigError, match="--path-input False, but this run asks for True"):
-        dqn.load_checkpoint(path, dataclasses.replace(args, path_input=True))
-    with pytest.raises(dqn.ConfigError, match="--past-input False, but this run asks for True"):
-        dqn.load_checkpoint(path, dataclasses.replace(args, past_input=True))
+    """--coarse-level and --fine-kernel change the shapes of the spatial head's weights: a checkpoint trained with
+    an upsampled coarse term and a 3x3 click term refuses a run asking for either other value, naming both."""
+    args = dqn.Args(
+        res=8, map_name="CollectMineralShards", context_layers=0, coarse_level=False, fine_kernel=3
+    )
+    path = saved_checkpoint(tmp_path, args, context_layers=0, coarse_level=False, fine_kernel=3)
+    state = dqn.load_checkpoint(path, args)
+    dqn.make_q_network(args).load_state_dict(state["q_network"])
     with pytest.raises(dqn.ConfigError, match="--fine-kernel 3, but this run asks for 1"):
         dqn.load_checkpoint(path, dataclasses.replace(args, fine_kernel=1))
     with pytest.raises(dqn.ConfigError, match="--coarse-level False, but this run asks for True"):
         dqn.load_checkpoint(path, dataclasses.replace(args, coarse_level=True))
-    level = dataclasses.replace(args, coarse_level=True)
-    path = old_checkpoint(tmp_path, level, ("coarse_level",), context_layers=0, coarse_level=True, fine_kernel=3)
-    state = dqn.load_checkpoint(path, level)
-    dqn.make_q_network(level).load_state_dict(state["q_network"])
-    with pytest.raises(dqn.ConfigError, match="--coarse-level True, but this run asks for False"):
-        dqn.load_checkpoint(path, args)

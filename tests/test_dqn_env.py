@@ -11,9 +11,7 @@ SELECT_POINT = dqn.SELECT_POINT
 
 
 def to_pixel(env, world_xy):
-    return tuple(
-        int(v) for v in np.clip(np.asarray(world_xy) * env.res / env.world_units, 0, env.res - 1)
-    )
+    return tuple(int(v) for v in np.clip(np.asarray(world_xy) * env.res / env.world_units, 0, env.res - 1))
 
 
 def test_observation_has_pysc2_shapes():
@@ -35,10 +33,15 @@ def test_unavailable_actions_are_refused():
     env = dqn.BuiltinMiniGame("MoveToBeacon", res=32, step_mul=16, seed=0)
     obs = env.reset()
     assert MOVE not in obs["available_actions"]
-    assert dqn.action_mask(obs["available_actions"]).tolist() == [True, True, False, True]  # no Move_screen yet
+    assert dqn.action_mask(obs["available_actions"]).tolist() == [
+        True,
+        True,
+        False,
+        True,
+    ]  # no Move_screen yet
     with pytest.raises(ValueError, match="not available"):
         env.step(MOVE, (3, 3))
-    obs, reward, done = env.step(SELECT_ARMY)
+    obs, _reward, _done = env.step(SELECT_ARMY)
     assert MOVE in obs["available_actions"]
     assert obs["feature_screen"][1].sum() >= 1  # the selected layer shows the marine
     assert dqn.action_mask(obs["available_actions"]).tolist() == [True, True, True, True]
@@ -100,7 +103,7 @@ def test_reaching_the_beacon_scores_and_respawns_it():
     assert reward == 1.0
     assert not np.allclose(env.pickups[0], [10.0, 9.0])  # a new beacon elsewhere
     assert np.linalg.norm(env.pickups[0] - env.marines[0]) >= dqn.BEACON_MIN_DISTANCE
-    ys, xs = np.nonzero(obs["feature_screen"][0] == 3)
+    _ys, xs = np.nonzero(obs["feature_screen"][0] == 3)
     assert abs(xs.mean() - env.pickups[0][0] * 32 / env.world_units) < 2  # drawn where it now is
 
 
@@ -214,7 +217,7 @@ def test_scripted_agent_beats_random_agent_by_far():
         if MOVE not in obs["available_actions"]:
             return SELECT_ARMY, None
         ys, xs = np.nonzero(obs["feature_screen"][0] == 3)
-        return MOVE, (int(round(xs.mean())), int(round(ys.mean())))
+        return MOVE, (round(xs.mean()), round(ys.mean()))
 
     def random(env, obs, rng):
         return dqn.decode_action(dqn.select_action(net, obs, 1.0, rng, "cpu"), 32)
@@ -239,7 +242,7 @@ def test_a_move_is_carried_past_the_chosen_pixel_on_the_line_from_the_selection(
     the line from the centre of the selected pixels, rounded and kept on the screen; nothing else changes."""
     obs = {"feature_screen": np.zeros((4, 16, 16), np.int32)}
     obs["feature_screen"][dqn.SELECTED_LAYER, 4, 3:5] = 1  # two selected pixels: centre x 3.5, y 4
-    move = lambda x, y: dqn.encode_action(MOVE, (x, y), 16)  # noqa: E731
+    move = lambda x, y: dqn.encode_action(MOVE, (x, y), 16)
     assert dqn.game_call(move(9, 4), obs, 16, 2.0) == (MOVE, (11, 4))  # straight on, 2 pixels further
     assert dqn.game_call(move(3, 12), obs, 16, 3.0) == (MOVE, (3, 15))  # (3 - 0.17, 12 + 2.99), rounded
     assert dqn.game_call(move(8, 9), obs, 16, 2.0) == (MOVE, (9, 10))  # (8 + 1.34, 9 + 1.49), rounded
@@ -296,8 +299,13 @@ def test_calibration_variants_of_the_together_agent_aim_where_they_say():
     """benchmark/dqn_calibration.py: the agent that misses aims at the second-nearest shard as often as asked
     (never at 0, always at 1), the agent that clicks past the nearest shard clicks on its far side, on the
     line from the marines, and the carried agent sends its Move clicks as the DQN's --move-through does."""
-    from benchmark.dqn_calibration import (CarriedClicks, ScriptedShardsMissing, ScriptedShardsPast,
-                                           ScriptedShardsTogether, pixel)
+    from benchmark.dqn_calibration import (
+        CarriedClicks,
+        ScriptedShardsMissing,
+        ScriptedShardsPast,
+        ScriptedShardsTogether,
+        pixel,
+    )
 
     env = dqn.BuiltinMiniGame("CollectMineralShards", res=32, step_mul=16, seed=3)
     obs = env.reset()
@@ -316,10 +324,14 @@ def test_calibration_variants_of_the_together_agent_aim_where_they_say():
     click = (np.array([x, y]) + 0.5) * env.world_units / env.res
     way, shard = env.pickups[order[0]] - centre, env.pickups[order[0]]
     along = np.dot(click - centre, way) / np.linalg.norm(way)
-    assert function == MOVE and along > np.linalg.norm(way) + 1.5  # past the shard; a pixel rounds by < 1 unit
+    assert (
+        function == MOVE and along > np.linalg.norm(way) + 1.5
+    )  # past the shard; a pixel rounds by < 1 unit
     assert np.linalg.norm(click - shard) < 3.0 + env.world_units / env.res  # by about 3 units, not anywhere
     carried = CarriedClicks(ScriptedShardsTogether(), 1.5).act(env, obs, rng)  # 2 pixels at res 32
-    assert carried == dqn.game_call(dqn.encode_action(MOVE, nearest, 32), obs, 32, 2.0) and carried[1] != nearest
+    assert (
+        carried == dqn.game_call(dqn.encode_action(MOVE, nearest, 32), obs, 32, 2.0) and carried[1] != nearest
+    )
     assert CarriedClicks(ScriptedShardsTogether(), 1.5).act(env, env.reset(), rng) == (SELECT_ARMY, None)
 
 
@@ -382,10 +394,16 @@ def test_select_own_only_draws_and_picks_select_point_on_our_marines_alone():
     draws = [dqn.select_action(net, obs, 1.0, rng, "cpu", select_own_only=True) for _ in range(600)]
     clicked = {draw - select_base for draw in draws if draw >= select_base}
     assert len(clicked) > 1 and clicked <= own
-    free = [draw - select_base for draw in (dqn.select_action(net, obs, 1.0, rng, "cpu") for _ in range(600))
-            if draw >= select_base]
+    free = [
+        draw - select_base
+        for draw in (dqn.select_action(net, obs, 1.0, rng, "cpu") for _ in range(600))
+        if draw >= select_base
+    ]
     assert not set(free) <= own  # without the flag the points are drawn over the whole screen
-    none_of_ours = {**obs, "feature_screen": np.where(obs["feature_screen"] == dqn.SELF, 0, obs["feature_screen"])}
+    none_of_ours = {
+        **obs,
+        "feature_screen": np.where(obs["feature_screen"] == dqn.SELF, 0, obs["feature_screen"]),
+    }
     draws = [dqn.select_action(net, none_of_ours, 1.0, rng, "cpu", select_own_only=True) for _ in range(300)]
     assert set(draws) == {0, 1}  # no_op and select_army; nothing selected yet, so no Move_screen either
     with torch.no_grad():

@@ -64,7 +64,7 @@ def test_next_state_is_the_following_slot_and_terminals_do_not_leak_across_episo
 
 
 def test_ring_overwrites_the_oldest_and_never_samples_the_newest_half_transition():
-    rb, history = filled_buffer(capacity=16, steps=40)
+    rb, _history = filled_buffer(capacity=16, steps=40)
     assert rb.size == 16 and rb.pos == 40 % 16
     stamps = set(rb.sample(2000, np.random.default_rng(2))["obs"]["player"][:, 1].astype(int).tolist())
     assert stamps == set(range(40 - 16, 39))  # the last 16 steps but the newest, whose successor is unknown

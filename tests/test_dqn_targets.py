@@ -42,10 +42,14 @@ def states(mask):
 
 def target_of(online, target, mask, rewards=None, dones=None, gamma=1.0, double=True):
     """dqn.td_target of two next states; with the default zero rewards and gamma 1 it is V(s')."""
-    batch = {"next_obs": states(mask),
-             "rewards": torch.zeros(2, 1) if rewards is None else torch.tensor(rewards),
-             "dones": torch.zeros(2, 1) if dones is None else torch.tensor(dones)}
-    return dqn.td_target(online, target, batch, dqn.Args(gamma=gamma, use_double_dqn=double), mu.amp("off", "cpu"))
+    batch = {
+        "next_obs": states(mask),
+        "rewards": torch.zeros(2, 1) if rewards is None else torch.tensor(rewards),
+        "dones": torch.zeros(2, 1) if dones is None else torch.tensor(dones),
+    }
+    return dqn.td_target(
+        online, target, batch, dqn.Args(gamma=gamma, use_double_dqn=double), mu.amp("off", "cpu")
+    )
 
 
 def test_double_dqn_online_selects_target_evaluates_both_heads():
@@ -80,7 +84,10 @@ def test_each_spatial_function_bootstraps_from_its_own_map():
     # s1: no_op -> 6; Move unavailable (its target 1 never counts); select_point: online point 1 (4) -> 5; max = 6
     assert target_of(online, target, mask).tolist() == [3.0, 6.0]
     mask = torch.tensor([[True, True, False, False], [False, False, False, True]])
-    assert target_of(online, target, mask).tolist() == [2.0, 5.0]  # s0: select_army only; s1: select_point only
+    assert target_of(online, target, mask).tolist() == [
+        2.0,
+        5.0,
+    ]  # s0: select_army only; s1: select_point only
     plain = target_of(NeverCalled(), target, torch.ones(2, 4, dtype=torch.bool), double=False)
     assert plain.tolist() == [8.0, 10.0]
 
@@ -93,16 +100,28 @@ def test_masked_q_masks_each_spatial_map_by_its_function():
 
 
 def test_td_target_hand_computed():
-    target = target_of(FixedQ(ONLINE_NS, ONLINE_SP), FixedQ(TARGET_NS, TARGET_SP), ALL_AVAILABLE,
-                       rewards=[[1.0], [0.0]], dones=[[0.0], [1.0]], gamma=0.9)
+    target = target_of(
+        FixedQ(ONLINE_NS, ONLINE_SP),
+        FixedQ(TARGET_NS, TARGET_SP),
+        ALL_AVAILABLE,
+        rewards=[[1.0], [0.0]],
+        dones=[[0.0], [1.0]],
+        gamma=0.9,
+    )
     assert target.tolist() == pytest.approx([1.0 + 0.9 * 3.0, 0.0])  # the terminal state does not bootstrap
 
 
 def test_n_step_target_sums_discounted_rewards_and_stops_at_the_episode_end():
     rewards = [[1.0, 2.0, 4.0], [1.0, 2.0, 4.0]]
     dones = [[0.0, 0.0, 0.0], [0.0, 1.0, 0.0]]  # state 1's episode ends after its second step
-    target = target_of(FixedQ(ONLINE_NS, ONLINE_SP), FixedQ(TARGET_NS, TARGET_SP), ALL_AVAILABLE,
-                       rewards=rewards, dones=dones, gamma=0.5)
+    target = target_of(
+        FixedQ(ONLINE_NS, ONLINE_SP),
+        FixedQ(TARGET_NS, TARGET_SP),
+        ALL_AVAILABLE,
+        rewards=rewards,
+        dones=dones,
+        gamma=0.5,
+    )
     # V(s') = 3 and 6 as in the double-DQN example; s1's third reward belongs to the next episode
     assert target.tolist() == pytest.approx([1 + 0.5 * 2 + 0.25 * 4 + 0.125 * 3.0, 1 + 0.5 * 2])
 
@@ -188,9 +207,16 @@ def test_select_own_only_keeps_select_point_off_pixels_without_our_units():
     online_ns, target_ns = torch.tensor([[0.0, 0.0], [0.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 1.0]])
     online_sp = torch.tensor([[0.0, 1.0, 2.0, 9.0], [0.0, 1.0, 0.0, 9.0]])
     target_sp = torch.tensor([[0.0, 3.0, 4.0, 50.0], [0.0, 2.0, 70.0, 60.0]])
-    batch = {"next_obs": {"screen": screen, "minimap": torch.zeros(2), "player": torch.zeros(2),
-                          "mask": torch.ones(2, 4, dtype=torch.bool)},
-             "rewards": torch.zeros(2, 1), "dones": torch.zeros(2, 1)}
+    batch = {
+        "next_obs": {
+            "screen": screen,
+            "minimap": torch.zeros(2),
+            "player": torch.zeros(2),
+            "mask": torch.ones(2, 4, dtype=torch.bool),
+        },
+        "rewards": torch.zeros(2, 1),
+        "dones": torch.zeros(2, 1),
+    }
     online, target = FixedQ(online_ns, online_sp), FixedQ(target_ns, target_sp)
 
     def value(select_own_only):

@@ -11,8 +11,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import dreamer_atari as da
-from dreamer_tiny import TINY_FLAGS, tiny_args
 import memory_utils as mu
+from dreamer_tiny import TINY_FLAGS, tiny_args
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -36,7 +36,7 @@ def test_catch_is_a_gymnasium_env_with_the_stated_rules():
     rewards, steps = [], 0
     while True:  # walk under the ball: a catch
         action = 0 if catch.paddle == catch.ball_col else (1 if catch.paddle > catch.ball_col else 2)
-        obs, reward, terminated, truncated, _ = env.step(action)
+        obs, reward, terminated, _truncated, _ = env.step(action)
         rewards.append(reward)
         steps += 1
         if terminated:

@@ -12,7 +12,6 @@ import dreamer_atari as da
 from dreamer_tiny import tiny_args
 
 
-
 def collect(envs, replay, steps: int, seed: int = 0, seen: set | None = None):
     """Random-action steps into `replay`; `seen` collects a hash of every observation the env produced."""
     rng = np.random.default_rng(seed)
@@ -165,7 +164,7 @@ def synthetic_episode_replay(lengths: list[int], capacity: int = 100_000) -> da.
     """Episodes of the given lengths whose frames carry (episode, step) in their first pixels."""
     replay = da.EpisodeReplay(capacity=capacity, num_envs=1, seed=0, chunk_size=16)
     for e, length in enumerate(lengths):
-        frame = lambda t: np.full((4, 4), 0, np.uint8) + np.array([e % 256, t % 256, e // 256, 0], np.uint8)[:, None]
+        frame = lambda t: np.full((4, 4), 0, np.uint8) + np.array([e % 256, t % 256, e // 256, 0], np.uint8)[:, None]  # noqa: B023 - used in this iteration only
         replay.start_episode(0, np.stack([frame(0)] * 4))
         for t in range(1, length):
             replay.add_step(0, frame(t), 1, 0.0, t == length - 1, t == length - 1)

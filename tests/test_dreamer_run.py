@@ -12,8 +12,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import dreamer_atari as da
 import dreamer_tiny
-from dreamer_tiny import TINY_FLAGS
 import memory_utils as mu
+from dreamer_tiny import TINY_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_KEYS = [

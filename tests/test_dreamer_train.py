@@ -199,7 +199,7 @@ def test_channels_last_images_give_the_same_update_without_layout_copies(monkeyp
     real = da.prepare_batch
     values = {}
     for layout in (False, True):  # the model is channels-last both times; only the images' layout differs
-        monkeypatch.setattr(da, "prepare_batch", lambda raw, actions, channels_last=False: real(raw, actions, layout))
+        monkeypatch.setattr(da, "prepare_batch", lambda raw, actions, channels_last=False: real(raw, actions, layout))  # noqa: B023 - this iteration only
         torch.manual_seed(0)
         values[layout] = two_updates(da.build_agent(args, (4, 84, 84), 6, "cpu"), batch, args)
     monkeypatch.undo()

@@ -306,7 +306,7 @@ def test_snapshot_bombs_are_refused_in_one_line_with_bounded_memory(tmp_path, bo
     snaps.mkdir()
     (snaps / "snapshot_step_1000.pickle").write_bytes(bomb())
     assert (snaps / "snapshot_step_1000.pickle").stat().st_size < 6_000_000
-    script = ("import resource, runpy, sys\n"
+    script = ("import resource, runpy, sys\n"  # noqa: UP031 - %r quotes the path as Python source
               "sys.argv = ['memory_utils.py', 'analyze', '--snapshots-dir', sys.argv[1]]\n"
               "try:\n    runpy.run_path(sys.argv[0] if False else %r, run_name='__main__')\n"
               "finally:\n    print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"

@@ -345,7 +345,7 @@ def test_preallocation_leaves_every_optimizer_and_batchnorm_as_a_fresh_start(opt
     model, twin = _batchnorm_model(), _batchnorm_model()
     optimizer, twin_optimizer = opt_cls(trainable(model), **kwargs), opt_cls(trainable(twin), **kwargs)
     x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
-    worst_case = lambda: model(3 * x).square().mean().backward()  # noqa: E731
+    worst_case = lambda: model(3 * x).square().mean().backward()
     if name in ("LBFGS", "SparseAdam"):
         with pytest.raises(ValueError, match=f"cannot preallocate for {name}"):
             mu.preallocate_optimizer_state(worst_case, optimizer, modules=[model])
