@@ -1276,7 +1276,8 @@ class Player:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Losses and updates (plain functions; every update returns Python floats)
+# Losses and updates (plain functions of tensors; an update returns its logged values as a dict of device
+# tensors, named where they are made, which the training loop reads once per log interval)
 # ---------------------------------------------------------------------------------------------------------
 def lambda_returns(
     reward: torch.Tensor, value: torch.Tensor, discount: torch.Tensor, lambda_: float
@@ -1335,15 +1336,13 @@ def batch_to_device(
     return prepare_batch(batch_tensors(batch, device), num_actions, channels_last)
 
 
-def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args, probe: Callable[[str], None]):
-    """Returns (loss, parts as tensors, posterior (deter, stoch) (B, T, ...))."""
+def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args):
+    """Returns (loss, parts: the logged values as named tensors, posterior (deter, stoch) (B, T, ...))."""
     wm = agent.world_model
     image = data["image"]
     B, T = image.shape[:2]
     embed = wm.encoder(image.flatten(0, 1)).unflatten(0, (B, T))  # (B, T, E)
-    probe("after_encoder")
     deter, stoch, posterior, prior = wm.rssm.observe(embed, data["action"], data["is_first"])
-    probe("after_rssm")
     feat = torch.cat([deter, stoch], -1)  # (B, T, D + S)
     reconstruction = wm.decoder(feat.flatten(0, 1)).unflatten(0, (B, T))  # (B, T, 4, 84, 84)
     # squared error summed over each image, averaged over images (one fused kernel each way)
@@ -1358,7 +1357,6 @@ def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args, pr
         args.kl_dyn_scale * dyn.clamp(min=args.free_nats).mean()
         + args.kl_rep_scale * rep.clamp(min=args.free_nats).mean()
     )
-    probe("after_decoder")
     # ALGO LOGIC: the loss branches, each switchable for isolation experiments
     loss = continue_loss
     if not args.no_decoder_loss:
@@ -1408,16 +1406,6 @@ def reward_quality(means: dict[str, float]) -> dict[str, float]:
     return out
 
 
-WORLD_MODEL_KEYS = (
-    "losses/world_model", "losses/image", "losses/reward", "losses/continue", "losses/kl", "debug/kl_value",
-    *(f"debug/{key}" for key in REWARD_COUNT_KEYS), "debug/world_model_grad_norm",
-)
-BEHAVIOR_KEYS = (
-    "losses/actor", "losses/critic", "losses/entropy", "debug/imagined_return", "debug/return_scale",
-    "debug/actor_grad_norm", "debug/critic_grad_norm",
-)
-
-
 def clip_and_step(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
@@ -1447,37 +1435,29 @@ def clip_and_step(
     return grad_norm, healthy
 
 
-def _no_probe(stage: str) -> None:
-    pass
-
-
-def train_world_model(
-    agent: Agent, raw: dict[str, torch.Tensor], args: Args, probe: Callable[[str], None] | None = None
-):
+def train_world_model(agent: Agent, raw: dict[str, torch.Tensor], args: Args):
     """One world-model update on a raw batch on the device (`batch_tensors`), without host synchronisation.
 
-    Returns (values, healthy, start states): values (len(WORLD_MODEL_KEYS),) float32, detached; healthy, a 0-d
-    bool tensor, False when a non-finite loss or gradient skipped the step; and the posterior states to imagine
-    from, detached: deter (B*T, D), stoch (B*T, S), continue flags (B*T,).
+    Returns (metrics, healthy, start states): metrics, the logged values (dict of detached 0-d float32 tensors);
+    healthy, a 0-d bool tensor, False when a non-finite loss or gradient skipped the step; and the posterior states
+    to imagine from, detached: {"deter": (B*T, D), "stoch": (B*T, S), "continue": (B*T,)}.
     """
-    probe = probe or _no_probe
     data = prepare_batch(raw, agent.num_actions, args.channels_last)
     with agent.amp.autocast():
-        loss, parts, (deter, stoch) = world_model_loss(agent, data, args, probe)
+        loss, parts, (deter, stoch) = world_model_loss(agent, data, args)
     optimizer, scaler = agent.world_model_optimizer, agent.scalers["world_model"]
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
-    probe("after_backward")
-    values = torch.stack([parts[key].detach().float() for key in WORLD_MODEL_KEYS[:-1]])  # (K - 1,)
+    metrics = {key: value.detach().float() for key, value in parts.items()}
     grad_norm, healthy = clip_and_step(
         optimizer, scaler, list(agent.world_model.parameters()), args.world_model_grad_clip,
-        torch.isfinite(values).all(),
+        torch.isfinite(torch.stack(list(metrics.values()))).all(),
     )
     optimizer.zero_grad(set_to_none=True)  # memory: gradients are not kept between updates
-    probe("after_optimizer_step")
-    values = torch.cat([values, grad_norm.detach().float().reshape(1)])  # (K,)
-    start_continue = (~data["is_terminal"]).float().flatten(0, 1)  # (B*T,)
-    return values, healthy, (deter.detach().flatten(0, 1), stoch.detach().flatten(0, 1), start_continue)
+    metrics["debug/world_model_grad_norm"] = grad_norm.detach().float()
+    start = {"deter": deter.detach().flatten(0, 1), "stoch": stoch.detach().flatten(0, 1),
+             "continue": (~data["is_terminal"]).float().flatten(0, 1)}
+    return metrics, healthy, start
 
 
 def imagine(agent: Agent, start_states, horizon: int, noise: tuple | None = None):
@@ -1571,18 +1551,20 @@ def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = 
     return actor_loss, critic_loss, parts
 
 
-def train_behavior(agent: Agent, start_states, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
-    """One actor and one critic update from imagined rollouts, then the slow critic follows the critic; without
-    host synchronisation. Returns (values (len(BEHAVIOR_KEYS),) float32 detached, healthy 0-d bool)."""
+def train_behavior(agent: Agent, start: dict[str, torch.Tensor], args: Args):
+    """One actor and one critic update from rollouts imagined from `start` (`train_world_model`'s start states),
+    then the slow critic follows the critic; without host synchronisation. Returns (metrics, dict of detached 0-d
+    float32 tensors; healthy, 0-d bool)."""
     with agent.amp.autocast():
-        actor_loss, critic_loss, parts = behavior_losses(agent, start_states, args)
+        actor_loss, critic_loss, parts = behavior_losses(agent, (start["deter"], start["stoch"], start["continue"]),
+                                                         args)
     scalers = agent.scalers
     for optimizer in (agent.actor_optimizer, agent.critic_optimizer):
         optimizer.zero_grad(set_to_none=True)
     # one backward pass for both: they share no parameters (the features are detached, the critic's targets and the
     # actor's advantages are computed without gradients), so each gets exactly its own loss's gradient
     (scalers["actor"].scale(actor_loss) + scalers["critic"].scale(critic_loss)).backward()
-    values = torch.stack([parts[key].detach().float() for key in BEHAVIOR_KEYS[:-2]])  # (K - 2,)
+    metrics = {key: value.detach().float() for key, value in parts.items()}
     actor_norm, actor_healthy = clip_and_step(
         agent.actor_optimizer, scalers["actor"], list(agent.actor.parameters()), args.actor_critic_grad_clip,
         torch.isfinite(actor_loss.detach()),
@@ -1596,8 +1578,9 @@ def train_behavior(agent: Agent, start_states, args: Args) -> tuple[torch.Tensor
     with torch.no_grad():  # one fused kernel for all the slow critic's tensors; it stays put when the critic did
         slow, fast = list(agent.slow_critic.parameters()), list(agent.critic.parameters())
         torch._foreach_lerp_(slow, fast, [args.slow_critic_fraction * critic_healthy.float()] * len(slow))
-    norms = torch.stack([actor_norm.detach().float(), critic_norm.detach().float()])
-    return torch.cat([values, norms]), actor_healthy & critic_healthy
+    metrics["debug/actor_grad_norm"] = actor_norm.detach().float()
+    metrics["debug/critic_grad_norm"] = critic_norm.detach().float()
+    return metrics, actor_healthy & critic_healthy
 
 
 class CudaGraphed:
@@ -1643,20 +1626,32 @@ def captured(args: Args, device: torch.device) -> bool:
     return args.cudagraph and torch.device(device).type == "cuda"
 
 
-def make_update_steps(agent: Agent, args: Args, probe: Callable[[str], None] | None):
-    """The world-model update and the behaviour update as functions of dicts of device tensors (the form
-    `CudaGraphed` replays), captured in CUDA graphs with --cudagraph."""
+def make_update_steps(agent: Agent, args: Args):
+    """`train_world_model` and `train_behavior` as functions of dicts of device tensors (the form `CudaGraphed`
+    replays), captured in CUDA graphs where `captured`."""
 
     def world_model_step(raw: dict[str, torch.Tensor]) -> tuple:
-        values, healthy, (deter, stoch, start_continue) = train_world_model(agent, raw, args, probe)
-        return values, healthy, deter, stoch, start_continue
+        return train_world_model(agent, raw, args)
 
-    def behavior_step(states: dict[str, torch.Tensor]) -> tuple:
-        return train_behavior(agent, (states["deter"], states["stoch"], states["continue"]), args)
+    def behavior_step(start: dict[str, torch.Tensor]) -> tuple:
+        return train_behavior(agent, start, args)
 
     if captured(args, agent.device):
         return CudaGraphed(world_model_step), CudaGraphed(behavior_step)
     return world_model_step, behavior_step
+
+
+def attach_memory_probes(agent: Agent, probes: "mu.StageProbes") -> None:
+    """--memory-probes: record memory at the stages of a world-model update, from outside the update: forward hooks
+    on the encoder, the prior (which `RSSM.observe` runs once, after its loop) and the decoder, and hooks on the
+    world model's optimizer step (before it: after the backward pass and the clip; after it). The forward hooks
+    record only with gradients on, which leaves out acting, imagination and the open-loop videos."""
+    wm = agent.world_model
+    for module, stage in ((wm.encoder, "after_encoder"), (wm.rssm.prior_net, "after_rssm"),
+                          (wm.decoder, "after_decoder")):
+        module.register_forward_hook(lambda *_, stage=stage: probes(stage) if torch.is_grad_enabled() else None)
+    agent.world_model_optimizer.register_step_pre_hook(lambda *_: probes("after_backward"))
+    agent.world_model_optimizer.register_step_post_hook(lambda *_: probes("after_optimizer_step"))
 
 
 class PinnedBatches:
@@ -1772,7 +1767,7 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> None:
         batch = synthetic_batch(args, obs_shape)
         data = batch_to_device(batch, agent.num_actions, agent.device, args.channels_last)
         with agent.amp.autocast():
-            loss, _, (deter, stoch) = world_model_loss(agent, data, args, _no_probe)
+            loss, _, (deter, stoch) = world_model_loss(agent, data, args)
         loss.backward()
         deter, stoch = deter.detach().flatten(0, 1), stoch.detach().flatten(0, 1)  # (B*T, D), (B*T, S)
         states = (deter, stoch, torch.ones(deter.shape[0], device=agent.device))
@@ -1922,10 +1917,12 @@ class UpdateLog:
         self.longest = torch.zeros((), device=self.device)  # the longest such run since the last `pop`
         self.skipped = torch.zeros((), device=self.device)  # non-finite updates since the last `pop`
 
-    def add(self, keys: tuple[str, ...], values: torch.Tensor, healthy: torch.Tensor) -> None:
-        """values (len(keys),) and healthy (0-d bool) of one part of an update."""
+    def add(self, metrics: dict[str, torch.Tensor], healthy: torch.Tensor) -> None:
+        """The named 0-d values of one part of an update, and whether that part was healthy (0-d bool)."""
+        keys = tuple(metrics)
         # memory: only detached values are summed, so no update's graph stays alive until the log point
-        row = torch.cat([torch.where(healthy, values.detach(), 0.0), healthy.detach().float().reshape(1)])
+        values = torch.stack([value.detach() for value in metrics.values()])
+        row = torch.cat([torch.where(healthy, values, 0.0), healthy.detach().float().reshape(1)])
         if keys in self.sums:
             self.sums[keys] += row
         else:
@@ -2051,18 +2048,65 @@ def exit_with(message: str, code: int) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------
-def main(args: Args) -> dict:
-    """Train; returns the final counters (global_step, updates, ...) and the run directory."""
-    mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
-    # validation first: nothing starts and nothing is written for bad input
+@dataclass
+class Run:
+    """Everything one training run holds between loop iterations; made by `set_up`."""
+
+    args: Args
+    device: torch.device
+    run_name: str
+    run_dir: str
+    writer: SummaryWriter
+    agent: Agent
+    replay: EpisodeReplay
+    player: Player
+    rng: np.random.Generator
+    counters: dict
+    world_model_step: Callable
+    behavior_step: Callable
+    staging: "PinnedBatches | None"
+    update_log: UpdateLog
+    probes: "mu.StageProbes"
+    snapshots: "mu.MemorySnapshots"
+    leak_detector: "mu.LeakDetector"
+    progress: ProgressLine
+    next_log: int
+    next_checkpoint: int | None
+    next_video: int | None
+    video_rng: np.random.Generator
+    start_time: float = dataclasses.field(default_factory=time.time)
+    start_step: int = 0
+    start_updates: int = 0
+    seconds_before: float = 0.0  # training time of the earlier parts of a resumed run
+    last_report: dict = dataclasses.field(default_factory=dict)
+    last_return: float | None = None
+    last_verdict: "mu.LeakVerdict | None" = None
+    said_replay_short: bool = False
+    stop_signal: list = dataclasses.field(default_factory=list)  # signals received, handled at the loop's top
+
+    @property
+    def checkpoint_path(self) -> str:
+        return os.path.join(self.run_dir, "checkpoint.pt")
+
+    @property
+    def step(self) -> int:
+        return self.counters["global_step"]
+
+    def sps(self) -> float:
+        return (self.step - self.start_step) / max(time.time() - self.start_time, 1e-9)
+
+
+def check_input(args: Args) -> tuple[torch.device, dict | None]:
+    """Validate everything before anything starts or is written; bad input exits 2 with one sentence. Returns the
+    device and the checkpoint to resume from."""
     try:
         check_args(args)
         device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
         try:
-            mu.amp(args.amp, device)
+            amp = mu.amp(args.amp, device)
         except ValueError as exc:
             raise ArgsError(f"--amp {args.amp} is not available here: {exc}.")
-        if captured(args, device) and mu.amp(args.amp, device).dtype == torch.float16:
+        if captured(args, device) and amp.dtype == torch.float16:
             raise ArgsError(f"CUDA-graph capture (on by default on CUDA) takes --amp off or bf16, got --amp {args.amp} "
                             f"(fp16's loss scaling is not captured); add --no-cudagraph to run fp16 eagerly.")
         if captured(args, device) and args.memory_probes:
@@ -2074,14 +2118,20 @@ def main(args: Args) -> dict:
         check_actions_change_frames(make_env(args.env_id, 0, False, "", args), args.env_id, args.seed)
     except ArgsError as exc:
         exit_with(f"error: {exc}", EXIT_BAD_INPUT)
+    return device, resume_state
 
+
+def set_up(args: Args) -> Run:
+    """Validation, the run folder, TensorBoard (and wandb), seeding, the agent (its optimizer state made by the
+    preflight), the replay, and the state of a resumed run."""
+    mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
+    device, resume_state = check_input(args)
     run_name = (
         resume_state["run_name"]
         if resume_state
         else f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
     )
     run_dir = f"runs/{run_name}"
-    checkpoint_path = os.path.join(run_dir, "checkpoint.pt")
     if args.track:
         import wandb
 
@@ -2140,7 +2190,6 @@ def main(args: Args) -> dict:
         )
     replay = EpisodeReplay(replay_capacity(args), args.num_envs, seed=args.seed)
     say_replay_size(replay.capacity, obs_shape)
-    player = Player(agent, args.num_envs)
 
     counters = {
         "global_step": 0,
@@ -2161,208 +2210,235 @@ def main(args: Args) -> dict:
         resume_state = None  # memory: the loaded tensors are now inside the modules; drop the copies
 
     probes = mu.StageProbes(enabled=args.memory_probes, device=device)
-    snapshots = mu.MemorySnapshots(
-        run_dir, every=args.memory_snapshot_every, max_entries=args.snapshot_max_entries, device=device
-    )
-    leak_detector = mu.LeakDetector(warmup_steps=counters["global_step"] + args.leak_warmup_steps)
-    update_log = UpdateLog(device)
-    world_model_step, behavior_step = make_update_steps(agent, args, probes if args.memory_probes else None)
-    # memory: on CUDA, batches are sampled into two reused pinned buffers and copied without blocking
-    staging = PinnedBatches(synthetic_batch(args, obs_shape), device) if device.type == "cuda" else None
+    if args.memory_probes:
+        attach_memory_probes(agent, probes)
+    world_model_step, behavior_step = make_update_steps(agent, args)
+    step = counters["global_step"]
     behavior_starts = args.learning_starts + args.warmup_steps
-    progress = ProgressLine(args.total_timesteps, device, phase_starts=(args.learning_starts, behavior_starts))
-    last_report: dict[str, float] = {}
-    last_return: float | None = None
-    last_verdict = None
-    said_replay_short = False
+    return Run(
+        args=args,
+        device=device,
+        run_name=run_name,
+        run_dir=run_dir,
+        writer=writer,
+        agent=agent,
+        replay=replay,
+        player=Player(agent, args.num_envs),
+        rng=rng,
+        counters=counters,
+        world_model_step=world_model_step,
+        behavior_step=behavior_step,
+        # memory: on CUDA, batches are sampled into two reused pinned buffers and copied without blocking
+        staging=PinnedBatches(synthetic_batch(args, obs_shape), device) if device.type == "cuda" else None,
+        update_log=UpdateLog(device),
+        probes=probes,
+        snapshots=mu.MemorySnapshots(
+            run_dir, every=args.memory_snapshot_every, max_entries=args.snapshot_max_entries, device=device
+        ),
+        leak_detector=mu.LeakDetector(warmup_steps=step + args.leak_warmup_steps),
+        progress=ProgressLine(args.total_timesteps, device, phase_starts=(args.learning_starts, behavior_starts)),
+        next_log=(step // args.log_interval + 1) * args.log_interval,
+        next_checkpoint=(step // args.checkpoint_every + 1) * args.checkpoint_every if args.checkpoint_every else None,
+        next_video=(step // args.video_every + 1) * args.video_every if args.video_every else None,
+        video_rng=np.random.default_rng([args.seed, step]),
+        start_step=step,
+        start_updates=counters["updates"],
+        seconds_before=counters.get("train_seconds", 0.0),  # a checkpoint from before this counter has none
+    )
 
-    stop_signal: list[int] = []
+
+def collect(run: Run, envs, obs: np.ndarray, is_first: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One vector step into the replay (random actions until learning starts); returns the next obs and is_first."""
+    args, counters = run.args, run.counters
+    if counters["global_step"] < args.learning_starts:
+        actions = run.rng.integers(run.agent.num_actions, size=args.num_envs)
+    else:
+        actions = run.player.act(obs, is_first)
+    next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+    run.replay.add(next_obs, actions, rewards, terminations, truncations, infos)
+    if "final_info" in infos and "episode" in infos["final_info"]:
+        episode = infos["final_info"]["episode"]
+        for i in np.flatnonzero(infos["final_info"]["_episode"]):
+            run.last_return = float(episode["r"][i])
+            counters["episodes"] += 1
+            run.writer.add_scalar("charts/episodic_return", run.last_return, counters["global_step"])
+            run.writer.add_scalar("charts/episodic_length", float(episode["l"][i]), counters["global_step"])
+    counters["global_step"] += args.num_envs
+    return next_obs, np.logical_or(terminations, truncations)
+
+
+def train(run: Run) -> None:
+    """The updates this env step owes at --train-ratio, one batch at a time (never sampled all at once to "catch
+    up"): a world-model update, then (once behaviour learning has started) an actor-critic update from its states."""
+    args, counters, replay = run.args, run.counters, run.replay
+    if counters["global_step"] < args.learning_starts:
+        return
+    if not replay.can_sample(args.sequence_length):
+        if not run.said_replay_short:
+            run.said_replay_short = True
+            run.progress.say(
+                f"updates wait: the replay holds {replay.total_steps} steps, fewer than one sequence of "
+                f"{args.sequence_length} (--sequence-length)"
+            )
+        return
+    counters["updates_owed"] += args.num_envs * args.train_ratio / (args.batch_size * args.sequence_length)
+    while counters["updates_owed"] >= 1.0:
+        counters["updates_owed"] -= 1.0
+        if run.staging is not None:
+            replay.sample(args.batch_size, args.sequence_length, out=run.staging.host_arrays())
+            raw = run.staging.to_device()
+        else:
+            raw = batch_tensors(replay.sample(args.batch_size, args.sequence_length), run.device)
+        run.probes("after_sample")
+        metrics, healthy, start = run.world_model_step(raw)
+        run.update_log.add(metrics, healthy)
+        if counters["global_step"] >= args.learning_starts + args.warmup_steps:
+            behavior_metrics, behavior_healthy = run.behavior_step(start)
+            run.update_log.add(behavior_metrics, behavior_healthy)
+            healthy = healthy & behavior_healthy
+            counters["behavior_updates"] += 1
+        run.update_log.end_update(healthy)
+        counters["updates"] += 1
+
+
+def diagnose(run: Run) -> None:
+    """Per loop iteration, all cheap unless asked for: open-loop videos, stage probes, allocator snapshots and the
+    live progress line."""
+    args, step = run.args, run.step
+    if run.next_video is not None and step >= run.next_video and run.counters["updates"] > 0:
+        run.next_video = (step // args.video_every + 1) * args.video_every
+        try:
+            log_open_loop(run.agent, run.replay, args, run.writer, run.run_dir, step, run.video_rng)
+        except torch.OutOfMemoryError:
+            raise  # the loop's OOM handler: a report and a checkpoint, like any other OOM
+        except Exception as exc:  # noqa: BLE001 - diagnostics never break training
+            run.next_video = None
+            run.progress.say(f"open-loop video failed ({type(exc).__name__}: {exc}); no more videos this run")
+    run.probes.end_iteration(step)
+    run.snapshots.maybe_dump(step)
+    run.progress.refresh(step, run.sps(), run.last_return)
+
+
+def log_point(run: Run) -> None:
+    """Every --log-interval env steps: charts, the interval's mean losses (its one host sync), memory figures and
+    the leak detector's verdict; stops the run (with a checkpoint) after too many non-finite updates in a row, or
+    on a leak with --abort-on-leak."""
+    args, counters, step = run.args, run.counters, run.step
+    run.next_log = (step // args.log_interval + 1) * args.log_interval
+    elapsed = max(time.time() - run.start_time, 1e-9)
+    sps = (step - run.start_step) / elapsed
+    # memory: memory_report() collects garbage and trims the heap first, so this is live memory
+    run.last_report = mu.memory_report(buffer_stats=run.replay.stats(), device=run.device)
+    interval_means, skipped, longest_skipped_run = run.update_log.pop()  # the interval's one host sync
+    counters["nonfinite_updates"] += skipped
+    scalars = {
+        **run.last_report,
+        **reward_quality(interval_means),
+        **interval_means,
+        **run.probes.scalars(),
+        "charts/SPS": sps,
+        "charts/updates_per_second": (counters["updates"] - run.start_updates) / elapsed,
+        "charts/updates": float(counters["updates"]),
+        "charts/train_seconds": run.seconds_before + elapsed,
+        "debug/nonfinite_updates": float(counters["nonfinite_updates"]),
+    }
+    for key, value in scalars.items():
+        run.writer.add_scalar(key, value, step)
+    run.leak_detector.observe(step, run.last_report)
+    verdict = run.leak_detector.check()
+    last = run.last_verdict
+    if verdict.leaking and (last is None or not last.leaking or verdict.cause != last.cause):
+        run.progress.say(verdict.diagnosis)
+    run.last_verdict = verdict
+    run.progress.mark(step)
+    run.progress.line(step, sps, run.last_return, run.last_report)
+    if longest_skipped_run >= args.max_nonfinite:
+        checkpoint(run, "non-finite losses")
+        exit_with(
+            f"stopping: {longest_skipped_run} updates in a row had a non-finite loss or gradient (each step was "
+            f"skipped, so the checkpoint holds the last finite weights); try --amp off or lower learning rates.",
+            EXIT_NONFINITE,
+        )
+    if verdict.abort and args.abort_on_leak:
+        checkpoint(run, "leak detected")
+        exit_with(f"stopping (--abort-on-leak): {verdict.diagnosis}", EXIT_LEAK)
+
+
+def checkpoint(run: Run, reason: str) -> None:
+    run.counters["train_seconds"] = run.seconds_before + time.time() - run.start_time
+    save_checkpoint(run.checkpoint_path, run.agent, run.counters, run.run_name, run.args, run.replay, run.rng)
+    run.progress.say(f"checkpoint ({reason}): {run.checkpoint_path} at step {run.step}")
+
+
+def out_of_memory(run: Run, exc: torch.OutOfMemoryError) -> None:
+    """Any OOM of the loop (acting, sampling, an update, an open-loop video): a report, a checkpoint, exit 3."""
+    where = oom_site(exc)
+    # memory: clear the failed step's frames so its tensors are freed before the report looks
+    traceback.clear_frames(exc.__traceback__)
+    oom_error = exc.with_traceback(None)
+    del exc
+    gc.collect()
+    diagnosis = mu.write_oom_report(
+        run.run_dir, oom_error, run.last_report, verdict=run.last_verdict, device=run.device, advice=OOM_ADVICE
+    )
+    if run.device.type == "cuda":
+        torch.cuda.empty_cache()  # after the report, so it still shows any fragmentation
+    checkpoint(run, "out of memory")
+    exit_with(f"out of memory at step {run.step} ({where}):\n{diagnosis}", EXIT_OOM)
+
+
+def main(args: Args) -> dict:
+    """Train; returns the final counters (global_step, updates, ...) and the run directory."""
+    run = set_up(args)
     previous_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in previous_handlers:
-        signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
-
-    def checkpoint(reason: str) -> None:
-        counters["train_seconds"] = seconds_before + time.time() - start_time
-        save_checkpoint(checkpoint_path, agent, counters, run_name, args, replay, rng)
-        progress.say(f"checkpoint ({reason}): {checkpoint_path} at step {counters['global_step']}")
-
-    start_time, start_step, start_updates = time.time(), counters["global_step"], counters["updates"]
-    seconds_before = counters.get("train_seconds", 0.0)  # a checkpoint from before this counter existed has none
-    next_log = (counters["global_step"] // args.log_interval + 1) * args.log_interval
-    next_checkpoint = (
-        (counters["global_step"] // args.checkpoint_every + 1) * args.checkpoint_every
-        if args.checkpoint_every
-        else None
-    )
-    next_video = (counters["global_step"] // args.video_every + 1) * args.video_every if args.video_every else None
-    video_rng = np.random.default_rng([args.seed, counters["global_step"]])
-    progress.mark(counters["global_step"])
-    envs = make_vector_env(args, run_name, args.seed)
+        signal.signal(sig, lambda signum, frame: run.stop_signal.append(signum))
+    run.progress.mark(run.step)
+    envs = make_vector_env(args, run.run_name, args.seed)
     try:
-        obs, _ = envs.reset(seed=args.seed + counters["global_step"])
+        obs, _ = envs.reset(seed=args.seed + run.step)
         for i in range(args.num_envs):
-            replay.start_episode(i, obs[i])
+            run.replay.start_episode(i, obs[i])
         is_first = np.ones(args.num_envs, np.bool_)
-        while counters["global_step"] < args.total_timesteps:
-            probes("loop_start")
-            if stop_signal:
-                checkpoint(signal.Signals(stop_signal[0]).name)
-                raise SystemExit(128 + stop_signal[0])
-
-            # ALGO LOGIC: collect one vector step (random actions until learning starts)
-            if counters["global_step"] < args.learning_starts:
-                actions = rng.integers(num_actions, size=args.num_envs)
-            else:
-                actions = player.act(obs, is_first)
-            next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-            replay.add(next_obs, actions, rewards, terminations, truncations, infos)
-            if "final_info" in infos and "episode" in infos["final_info"]:
-                episode = infos["final_info"]["episode"]
-                for i in np.flatnonzero(infos["final_info"]["_episode"]):
-                    last_return = float(episode["r"][i])
-                    counters["episodes"] += 1
-                    writer.add_scalar("charts/episodic_return", last_return, counters["global_step"])
-                    writer.add_scalar(
-                        "charts/episodic_length", float(episode["l"][i]), counters["global_step"]
-                    )
-            obs, is_first = next_obs, np.logical_or(terminations, truncations)
-            counters["global_step"] += args.num_envs
-            probes("after_collect")
-
-            # ALGO LOGIC: updates, one batch at a time (never sampled all at once to "catch up")
-            ready = counters["global_step"] >= args.learning_starts and replay.can_sample(args.sequence_length)
-            if counters["global_step"] >= args.learning_starts and not ready and not said_replay_short:
-                said_replay_short = True
-                progress.say(
-                    f"updates wait: the replay holds {replay.total_steps} steps, fewer than one sequence of "
-                    f"{args.sequence_length} (--sequence-length)"
-                )
-            if ready:
-                replayed_per_update = args.batch_size * args.sequence_length
-                counters["updates_owed"] += args.num_envs * args.train_ratio / replayed_per_update
-                while counters["updates_owed"] >= 1.0:
-                    counters["updates_owed"] -= 1.0
-                    if staging is not None:
-                        replay.sample(args.batch_size, args.sequence_length, out=staging.host_arrays())
-                        raw = staging.to_device()
-                    else:
-                        raw = batch_tensors(replay.sample(args.batch_size, args.sequence_length), device)
-                    probes("after_sample")
-                    values, healthy, deter, stoch, start_continue = world_model_step(raw)
-                    update_log.add(WORLD_MODEL_KEYS, values, healthy)
-                    if counters["global_step"] >= behavior_starts:
-                        states = {"deter": deter, "stoch": stoch, "continue": start_continue}
-                        behavior_values, behavior_healthy = behavior_step(states)
-                        update_log.add(BEHAVIOR_KEYS, behavior_values, behavior_healthy)
-                        healthy = healthy & behavior_healthy
-                        counters["behavior_updates"] += 1
-                    update_log.end_update(healthy)
-                    del raw, deter, stoch, start_continue
-                    states = None
-                    counters["updates"] += 1
-            if next_video is not None and counters["global_step"] >= next_video and counters["updates"] > 0:
-                next_video = (counters["global_step"] // args.video_every + 1) * args.video_every
-                try:
-                    log_open_loop(agent, replay, args, writer, run_dir, counters["global_step"], video_rng)
-                except torch.OutOfMemoryError:
-                    raise  # the loop's OOM handler: a report and a checkpoint, like any other OOM
-                except Exception as exc:  # noqa: BLE001 - diagnostics never break training
-                    next_video = None
-                    progress.say(f"open-loop video failed ({type(exc).__name__}: {exc}); no more videos this run")
-            probes.end_iteration(counters["global_step"])
-            snapshots.maybe_dump(counters["global_step"])
-            progress.refresh(
-                counters["global_step"],
-                (counters["global_step"] - start_step) / max(time.time() - start_time, 1e-9),
-                last_return,
-            )
-
-            if counters["global_step"] >= next_log:
-                next_log = (counters["global_step"] // args.log_interval + 1) * args.log_interval
-                step = counters["global_step"]
-                elapsed = max(time.time() - start_time, 1e-9)
-                sps = (step - start_step) / elapsed
-                # memory: memory_report() collects garbage and trims the heap first, so this is live memory
-                last_report = mu.memory_report(buffer_stats=replay.stats(), device=device)
-                interval_means, skipped, longest_skipped_run = update_log.pop()  # the interval's one host sync
-                counters["nonfinite_updates"] += skipped
-                scalars = {
-                    **last_report,
-                    **reward_quality(interval_means),
-                    **interval_means,
-                    **probes.scalars(),
-                    "charts/SPS": sps,
-                    "charts/updates_per_second": (counters["updates"] - start_updates) / elapsed,
-                    "charts/updates": float(counters["updates"]),
-                    "charts/train_seconds": seconds_before + elapsed,
-                    "debug/nonfinite_updates": float(counters["nonfinite_updates"]),
-                }
-                for key, value in scalars.items():
-                    writer.add_scalar(key, value, step)
-                leak_detector.observe(step, last_report)
-                verdict = leak_detector.check()
-                if verdict.leaking and (
-                    last_verdict is None or not last_verdict.leaking or verdict.cause != last_verdict.cause
-                ):
-                    progress.say(verdict.diagnosis)
-                last_verdict = verdict
-                progress.mark(step)
-                progress.line(step, sps, last_return, last_report)
-                if longest_skipped_run >= args.max_nonfinite:
-                    checkpoint("non-finite losses")
-                    exit_with(
-                        f"stopping: {longest_skipped_run} updates in a row had a non-finite loss or gradient (each "
-                        f"step was skipped, so the checkpoint holds the last finite weights); try --amp off or lower "
-                        f"learning rates.",
-                        EXIT_NONFINITE,
-                    )
-                if verdict.abort and args.abort_on_leak:
-                    checkpoint("leak detected")
-                    exit_with(f"stopping (--abort-on-leak): {verdict.diagnosis}", EXIT_LEAK)
-            if next_checkpoint is not None and counters["global_step"] >= next_checkpoint:
-                next_checkpoint = (
-                    counters["global_step"] // args.checkpoint_every + 1
-                ) * args.checkpoint_every
-                checkpoint("periodic")
-
+        while run.step < args.total_timesteps:
+            run.probes("loop_start")
+            if run.stop_signal:
+                checkpoint(run, signal.Signals(run.stop_signal[0]).name)
+                raise SystemExit(128 + run.stop_signal[0])
+            # ALGO LOGIC: one vector step of experience, then the updates it owes
+            obs, is_first = collect(run, envs, obs, is_first)
+            run.probes("after_collect")
+            train(run)
+            diagnose(run)
+            if run.step >= run.next_log:
+                log_point(run)
+            if run.next_checkpoint is not None and run.step >= run.next_checkpoint:
+                run.next_checkpoint = (run.step // args.checkpoint_every + 1) * args.checkpoint_every
+                checkpoint(run, "periodic")
         if args.save_model:
-            checkpoint("end of training")
+            checkpoint(run, "end of training")
         if args.memory_probes:
-            progress.say(probes.verdict())
+            run.progress.say(run.probes.verdict())
     except torch.OutOfMemoryError as exc:
-        # acting, sampling, an update, an open-loop video: every OOM of the loop ends here
-        where = oom_site(exc)
-        # memory: clear the failed step's frames so its tensors are freed before the report looks
-        traceback.clear_frames(exc.__traceback__)
-        oom_error = exc.with_traceback(None)
-        del exc
-        raw = states = None
-        gc.collect()
-        diagnosis = mu.write_oom_report(
-            run_dir, oom_error, last_report, verdict=last_verdict, device=device, advice=OOM_ADVICE
-        )
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # after the report, so it still shows any fragmentation
-        checkpoint("out of memory")
-        exit_with(f"out of memory at step {counters['global_step']} ({where}):\n{diagnosis}", EXIT_OOM)
+        out_of_memory(run, exc)
     except Exception as exc:
         # anything else (an env that crashed, a bug): keep what was trained, then show the traceback
         try:
-            checkpoint(f"crashed with {type(exc).__name__}")
+            checkpoint(run, f"crashed with {type(exc).__name__}")
         except Exception as save_error:  # noqa: BLE001 - the original error is the one to show
-            progress.say(f"could not write a checkpoint after the crash ({save_error})")
+            run.progress.say(f"could not write a checkpoint after the crash ({save_error})")
         raise
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
-        snapshots.close()
+        run.snapshots.close()
         envs.close()
-        writer.close()
+        run.writer.close()
         if args.track:
             import wandb
 
             wandb.finish()
-    return {**counters, "run_dir": run_dir, "run_name": run_name}
+    return {**run.counters, "run_dir": run.run_dir, "run_name": run.run_name}
 
 
 if __name__ == "__main__":

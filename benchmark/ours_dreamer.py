@@ -226,8 +226,9 @@ def _compile(agent, args):
     da.compile_agent(agent)  # what --compile does
 
 
-def _multinomial_sample(self, stats: torch.Tensor) -> torch.Tensor:
-    """`RSSM.sample` as it was before the script adopted inverse-CDF sampling: `Categorical(...).sample()`."""
+def _multinomial_sample(self, stats: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """`RSSM.sample` as it was before the script adopted inverse-CDF sampling: `Categorical(...).sample()` (the
+    uniforms the script draws for a sequence are left unused)."""
     probs = stats.exp()
     index = torch.distributions.Categorical(probs=probs).sample()
     one_hot = torch.nn.functional.one_hot(index, self.classes).to(probs.dtype)

@@ -111,7 +111,7 @@ def test_world_model_loss_and_gradients_equal_the_reference_in_float64(monkeypat
     def run():
         torch.manual_seed(7)
         agent.world_model.zero_grad(set_to_none=True)
-        loss, parts, (deter, stoch) = da.world_model_loss(agent, data, args, da._no_probe)
+        loss, parts, (deter, stoch) = da.world_model_loss(agent, data, args)
         loss.backward()
         values = torch.stack([parts[key].detach() for key in ("losses/image", "losses/reward", "losses/continue",
                                                                "losses/kl", "losses/world_model")])
@@ -133,7 +133,7 @@ def test_behavior_losses_and_gradients_equal_the_reference_in_float64(monkeypatc
     args = tiny_args()
     agent = float64_agent(args)
     with torch.no_grad():
-        _, _, (deter, stoch) = da.world_model_loss(agent, float64_data(args, agent), args, da._no_probe)
+        _, _, (deter, stoch) = da.world_model_loss(agent, float64_data(args, agent), args)
     states = (deter.flatten(0, 1), stoch.flatten(0, 1), torch.ones(deter.shape[0] * deter.shape[1]).double())
     states[2][::4] = 0.0
 
@@ -197,12 +197,12 @@ def update_ops(sequence_length: int, horizon: int) -> tuple[collections.Counter,
     torch.manual_seed(0)
     agent = da.build_agent(args, (4, 84, 84), NUM_ACTIONS, "cpu")
     raw = da.batch_tensors(random_batch(args), "cpu")
-    world_model_step, behavior_step = da.make_update_steps(agent, args, None)
+    world_model_step, behavior_step = da.make_update_steps(agent, args)
     for _ in range(2):  # the first update creates what later ones reuse (optimizer state, sampling matrices)
         with OpCounter() as world:
-            _, _, deter, stoch, start_continue = world_model_step(raw)
+            _, _, start = world_model_step(raw)
         with OpCounter() as behavior:
-            behavior_step({"deter": deter, "stoch": stoch, "continue": start_continue})
+            behavior_step(start)
     return world.ops, behavior.ops
 
 
@@ -240,12 +240,11 @@ def test_compiled_steps_are_whole_graphs_and_do_not_recompile(monkeypatch):
         torch.manual_seed(0)
         agent = da.build_agent(args, (4, 84, 84), NUM_ACTIONS, "cpu")
         da.compile_agent(agent, backend="aot_eager")
-        world_model_step, behavior_step = da.make_update_steps(agent, args, None)
+        world_model_step, behavior_step = da.make_update_steps(agent, args)
 
         def update(seed):
-            _, healthy, deter, stoch, start_continue = world_model_step(
-                da.batch_tensors(random_batch(args, seed), "cpu"))
-            behavior_step({"deter": deter, "stoch": stoch, "continue": start_continue})
+            _, healthy, start = world_model_step(da.batch_tensors(random_batch(args, seed), "cpu"))
+            behavior_step(start)
             return bool(healthy)
 
         counters = torch._dynamo.utils.counters

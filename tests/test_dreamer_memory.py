@@ -48,22 +48,24 @@ def test_updates_return_detached_values_that_the_log_sums_on_the_device():
     agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
     batch = da.synthetic_batch(args, (4, 84, 84))
     batch["obs"] = np.random.default_rng(0).integers(0, 255, batch["obs"].shape, dtype=np.uint8)
-    values, healthy, states = da.train_world_model(agent, da.batch_tensors(batch, "cpu"), args)
-    behavior, behavior_healthy = da.train_behavior(agent, states, args)
-    assert values.shape == (len(da.WORLD_MODEL_KEYS),) and behavior.shape == (len(da.BEHAVIOR_KEYS),)
-    for tensor in (values, healthy, behavior, behavior_healthy, *states):
+    metrics, healthy, start = da.train_world_model(agent, da.batch_tensors(batch, "cpu"), args)
+    behavior, behavior_healthy = da.train_behavior(agent, start, args)
+    assert {"losses/world_model", "losses/kl", "debug/world_model_grad_norm"} <= set(metrics)
+    assert {"losses/actor", "losses/critic", "debug/critic_grad_norm"} <= set(behavior)
+    for tensor in (*metrics.values(), healthy, *behavior.values(), behavior_healthy, *start.values()):
         # memory: a logged value with a graph would keep the whole update alive until the log point
         assert tensor.grad_fn is None and not tensor.requires_grad
     log = da.UpdateLog("cpu")
-    nan = torch.full_like(values, float("nan"))
-    for update_values, update_healthy in ((values, healthy), (2 * values, healthy), (nan, torch.tensor(False)),
-                                          (nan, torch.tensor(False)), (values, healthy)):
-        log.add(da.WORLD_MODEL_KEYS, update_values, update_healthy)
+    nan = {key: torch.tensor(float("nan")) for key in metrics}
+    double = {key: 2 * value for key, value in metrics.items()}
+    for update_values, update_healthy in ((metrics, healthy), (double, healthy), (nan, torch.tensor(False)),
+                                          (nan, torch.tensor(False)), (metrics, healthy)):
+        log.add(update_values, update_healthy)
         log.end_update(update_healthy)
     means, skipped, longest = log.pop()
-    expected = dict(zip(da.WORLD_MODEL_KEYS, (4 * values / 3).tolist()))  # the healthy updates' mean
+    expected = {key: 4 * value.item() / 3 for key, value in metrics.items()}  # the healthy updates' mean
     assert means == pytest.approx(expected) and skipped == 2 and longest == 2
-    log.add(da.BEHAVIOR_KEYS, behavior, torch.tensor(False))
+    log.add(behavior, torch.tensor(False))
     log.end_update(torch.tensor(False))
     assert log.pop() == ({}, 1, 1)  # nothing healthy to average; the run of skips restarted with the interval
 

@@ -262,7 +262,7 @@ def test_out_of_memory_frees_the_step_writes_a_report_and_a_checkpoint(in_tmp, m
 
     alive = {}
 
-    def failing_update(agent, batch, args, probe=None):
+    def failing_update(agent, batch, args):
         activations = torch.ones(1024, 1024)  # stands for the failed step's tensors
         alive["ref"] = weakref.ref(activations)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
@@ -293,8 +293,8 @@ def test_out_of_memory_frees_the_step_writes_a_report_and_a_checkpoint(in_tmp, m
 def test_a_run_of_non_finite_updates_stops_with_the_last_finite_weights(in_tmp, monkeypatch, capsys):
     real_loss = da.world_model_loss
 
-    def nan_loss(agent, data, args, probe):
-        loss, parts, states = real_loss(agent, data, args, probe)
+    def nan_loss(agent, data, args):
+        loss, parts, states = real_loss(agent, data, args)
         return loss * float("nan"), parts, states
 
     monkeypatch.setattr(da, "world_model_loss", nan_loss)

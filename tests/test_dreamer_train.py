@@ -15,8 +15,8 @@ def tiny_args(**overrides) -> da.Args:
 
 def world_model_update(agent, batch, args) -> tuple[dict[str, float], bool, tuple]:
     """One update from a numpy batch; its logged values as floats (the training loop reads them once per interval)."""
-    values, healthy, states = da.train_world_model(agent, da.batch_tensors(batch, "cpu"), args)
-    return dict(zip(da.WORLD_MODEL_KEYS, values.tolist())), bool(healthy), states
+    metrics, healthy, start = da.train_world_model(agent, da.batch_tensors(batch, "cpu"), args)
+    return {key: value.item() for key, value in metrics.items()}, bool(healthy), start
 
 
 def adam_state(optimizer) -> list[torch.Tensor]:
@@ -113,7 +113,7 @@ def test_non_finite_loss_skips_the_update_on_the_device_and_changes_nothing():
     batch["reward"][0, 3] = np.nan
     metrics, healthy, states = world_model_update(agent, batch, args)
     assert not healthy and np.isnan(metrics["losses/reward"])
-    states = tuple(s * float("nan") for s in states[:2]) + (states[2],)  # what a diverged model would imagine from
+    states = {**states, "deter": states["deter"] * float("nan"), "stoch": states["stoch"] * float("nan")}  # diverged
     _, behavior_healthy = da.train_behavior(agent, states, args)
     assert not behavior_healthy
     after = [t.detach() for m in modules for t in m.state_dict().values()]
@@ -149,9 +149,9 @@ def two_updates(agent, batch, args) -> torch.Tensor:
     torch.manual_seed(1)
     updates = []
     for _ in range(2):
-        world, _, states = da.train_world_model(agent, da.batch_tensors(batch, "cpu"), args)
-        behavior, _ = da.train_behavior(agent, states, args)
-        updates.append(torch.cat([world, behavior]))
+        world, _, start = da.train_world_model(agent, da.batch_tensors(batch, "cpu"), args)
+        behavior, _ = da.train_behavior(agent, start, args)
+        updates.append(torch.stack([*world.values(), *behavior.values()]))
     return torch.stack(updates)
 
 
@@ -221,7 +221,8 @@ def test_one_critic_pass_gives_the_losses_and_gradients_of_separate_value_and_lo
     args = tiny_args()
     torch.manual_seed(0)
     agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
-    _, _, states = da.train_world_model(agent, da.batch_tensors(random_batch(args), "cpu"), args)
+    _, _, start = da.train_world_model(agent, da.batch_tensors(random_batch(args), "cpu"), args)
+    states = (start["deter"], start["stoch"], start["continue"])
     with torch.no_grad():  # a slow critic apart from the critic, so that both of its loss terms matter
         for p in agent.slow_critic.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -262,3 +263,32 @@ def test_one_critic_pass_gives_the_losses_and_gradients_of_separate_value_and_lo
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     for g, e in zip(got_grads, expected_grads):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("switched_off", ["no_decoder_loss", "no_reward_loss", "no_kl_loss"])
+def test_each_loss_branch_switches_off_alone(switched_off):
+    """--no-decoder-loss, --no-reward-loss, --no-kl-loss: the world-model loss is the sum of the branches left on, the
+    branch switched off is still logged, and the parameters only it trains get no gradient."""
+    term = {"no_decoder_loss": "losses/image", "no_reward_loss": "losses/reward", "no_kl_loss": "losses/kl"}
+    only_it_trains = {"no_decoder_loss": "decoder", "no_reward_loss": "reward_head", "no_kl_loss": "rssm.prior_net"}
+    args = tiny_args(free_nats=0.0, **{switched_off: True})  # free nats 0: the tiny model's KL has a gradient
+    torch.manual_seed(0)
+    agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
+    with torch.no_grad():  # the reward head starts at zero, which would hide its gradient
+        for p in agent.world_model.reward_head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    data = da.prepare_batch(da.batch_tensors(random_batch(args), "cpu"), 6)
+    loss, parts, _ = da.world_model_loss(agent, data, args)
+    kept = [key for key in ("losses/image", "losses/reward", "losses/kl") if key != term[switched_off]]
+    expected = parts["losses/continue"] + sum(parts[key] for key in kept)
+    torch.testing.assert_close(loss, expected)
+    assert torch.isfinite(parts[term[switched_off]]) and parts[term[switched_off]] != 0
+    loss.backward()
+    for name, p in agent.world_model.named_parameters():
+        if name.startswith(only_it_trains[switched_off]):
+            assert p.grad is None or not p.grad.any(), name
+    full_args = tiny_args(free_nats=0.0)  # with every branch on, those parameters do learn
+    agent.world_model.zero_grad(set_to_none=True)
+    da.world_model_loss(agent, data, full_args)[0].backward()
+    grads = [p.grad for name, p in agent.world_model.named_parameters() if name.startswith(only_it_trains[switched_off])]
+    assert grads and all(g is not None and g.any() for g in grads)
