@@ -16,6 +16,9 @@
 # nvidia-ml-py, and no network: gymnasium, ale-py and tyro travel as wheels (benchmark/README.md says how to build
 # `.whl/`); `.whl/fallback/` holds a newer typing_extensions, installed only where the machine's is older than
 # typeguard needs.
+#
+# GPU_LEASE_CPU_CHECK=1 GPU_LEASE_PYTHON=.venv/bin/python GPU_LEASE_BUDGET_S=240 OUT=/tmp/x bash benchmark/gpu_lease.sh
+# checks the script without a GPU: no wheels installed (the environment's own packages), `--device cpu --quick`.
 set -u -o pipefail
 
 mode=${1:-all}
@@ -32,7 +35,9 @@ if [ -z "${OUT:-}" ] || [ ! -d "$OUT" ]; then
     echo "error: OUT must name an existing folder (the device tool sets it)." >&2
     exit 2
 fi
-if ! ls .whl/*.whl >/dev/null 2>&1; then
+cpu_check=${GPU_LEASE_CPU_CHECK:-0}
+py=${GPU_LEASE_PYTHON:-python3}
+if [ "$cpu_check" != 1 ] && ! ls .whl/*.whl >/dev/null 2>&1; then
     echo "error: no wheels in .whl/ (carry it: carry [\".whl\"])." >&2
     exit 2
 fi
@@ -41,25 +46,32 @@ exec > >(tee -a "$OUT/lease.log") 2>&1
 seconds_left() { echo $((budget_s - ($(date +%s) - start_s))); }
 say() { echo "[gpu_lease $(($(date +%s) - start_s)) s] $*"; }
 
-site=/tmp/gpu-lease-site
-say "installing $(ls .whl/*.whl | wc -l) wheels into $site"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl ||
-    exit 1
-if ! python3 -c 'import importlib.metadata as m, sys
+export PYTHONUNBUFFERED=1
+device=()
+if [ "$cpu_check" = 1 ]; then
+    say "CPU check: the environment's own packages, --device cpu --quick"
+    device=(--device cpu --quick)
+else
+    site=/tmp/gpu-lease-site
+    say "installing $(ls .whl/*.whl | wc -l) wheels into $site"
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl ||
+        exit 1
+    if ! "$py" -c 'import importlib.metadata as m, sys
 sys.exit(tuple(int(x) for x in m.version("typing_extensions").split(".")[:2]) < (4, 14))'; then
-    say "typing_extensions older than 4.14: installing the carried one"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-        .whl/fallback/*.whl || exit 1
+        say "typing_extensions older than 4.14: installing the carried one"
+        "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+            .whl/fallback/*.whl || exit 1
+    fi
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
 fi
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
-python3 -c 'import sys, torch, gymnasium, ale_py, tyro
+"$py" -c 'import sys, torch, gymnasium, ale_py, tyro
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(),
       "gymnasium", gymnasium.__version__, "ale_py", ale_py.__version__, "tyro", tyro.__version__)' || exit 1
 
-pong_dir=/tmp/gpu-lease-pong
+pong_dir=$(mktemp -d /tmp/gpu-lease-pong.XXXXXX) # a new run each time (--no-pong-resumable wants an empty folder)
 common=(--gpu-only --results-dir "$OUT" --pong-dir "$pong_dir" --no-pong-resumable)
-minutes() { python3 -c "print(round($1 / 60, 2))"; }
+minutes() { "$py" -c "print(round($1 / 60, 2))"; }
 case "$mode" in
     all) stages=(--stage update pong --update-minutes 3 --pong-eval-minutes 1) ;;
     update) stages=(--stage update --update-minutes 4) ;;
@@ -67,8 +79,8 @@ case "$mode" in
 esac
 # the Pong run trains until the budget leaves just its evaluation and the results (run.py --budget-minutes)
 budget=$(minutes "$(($(seconds_left) - 10))")
-say "python3 benchmark/run.py ${common[*]} ${stages[*]} --pong-minutes 30 --budget-minutes $budget"
-python3 benchmark/run.py "${common[@]}" "${stages[@]}" --pong-minutes 30 --budget-minutes "$budget"
+say "python benchmark/run.py ${common[*]} ${stages[*]} ${device[*]} --pong-minutes 30 --budget-minutes $budget"
+"$py" benchmark/run.py "${common[@]}" "${stages[@]}" "${device[@]}" --pong-minutes 30 --budget-minutes "$budget"
 status=$?
 if [ -f "$pong_dir/train.log" ]; then
     tail -n 200 "$pong_dir/train.log" >"$OUT/pong_train_log_tail.txt"

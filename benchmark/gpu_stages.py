@@ -19,6 +19,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,7 +55,7 @@ TARGETS = (
 )
 PONG_TARGET_STEPS = 100_000
 QUICK_RESULTS_DIR = BENCH_DIR / ".work" / "quick-results"  # --quick: never among the committed results
-EVAL_OVERHEAD_S = 60.0  # the evaluation's start-up, the Pong run's exit after SIGTERM, the last files
+EVAL_OVERHEAD_S = 45.0  # the evaluation's start-up, the Pong run's exit after SIGTERM, the last files
 
 
 def check_staged_args(args: Args) -> None:
@@ -387,6 +388,25 @@ def pong_figures(curve: dict, scalars: dict, learning_starts: int, launched: flo
     return figures
 
 
+def gpu_utilization_reader() -> Callable[[], float | None] | None:
+    """GPU 0's utilisation in percent, read through NVML (no CUDA context in this process); None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    except Exception:  # noqa: BLE001 - a missing figure, not a failed run
+        return None
+
+    def read() -> float | None:
+        try:
+            return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except Exception:  # noqa: BLE001
+            return None
+
+    return read
+
+
 def events_size(run_dir: Path | None) -> int:
     """Bytes of the run's TensorBoard files: the curve is read again only when they grew."""
     if run_dir is None or not run_dir.is_dir():
@@ -451,11 +471,16 @@ def run_pong(
     launched = time.time()
     run_dir = resume.parent if resume is not None else None
     stopped_at, seen_size = None, 0
+    utilization = gpu_utilization_reader() if args.device == "cuda" else None
+    busy: list[list[float]] = []  # [seconds since launch, GPU utilisation %] at each poll
+    if utilization is not None:
+        out["pong_gpu_utilization"] = {"source": "NVML, every poll of the run (5 s)", "samples": busy}
 
     def write_curve(read: tuple[dict, dict] | None, running: bool) -> None:
         if read is None:
             return
         out.update(pong_figures(*read, learning_starts, launched, resume is not None))
+        out["pong_log_tail"] = log_path.read_text(errors="replace").splitlines()[-40:]
         writes.append(
             {
                 "env_step": out["pong_env_steps"],
@@ -477,6 +502,8 @@ def run_pong(
             except subprocess.TimeoutExpired:
                 pass
             now = time.time()
+            if utilization is not None:
+                busy.append([round(now - launched, 1), utilization()])
             if stopped_at is None and now - launched >= cap_s:
                 process.send_signal(signal.SIGTERM)  # the script checkpoints and exits 128 + 15
                 stopped_at = now
@@ -747,6 +774,15 @@ def pong_markdown_staged(result: dict) -> list[str]:
                 f"{fmt(p.get('updates_per_s'))} | {fmt(p.get('peak_gpu_reserved_mb'))} | "
                 f"{fmt(p.get('gpu_alloc_mb'))} | {fmt(p.get('host_rss_mb'))} |"
             )
+    samples = [v for _, v in (result.get("pong_gpu_utilization") or {}).get("samples", []) if v is not None]
+    if samples:
+        lines += [
+            "",
+            (
+                f"GPU utilisation (NVML, every 5 s over the run): median {fmt(statistics.median(samples))} %, "
+                f"{len(samples)} samples."
+            ),
+        ]
     evaluation = result.get("pong_eval")
     if evaluation and "skipped" in evaluation:
         lines += ["", f"Evaluation of the final agent: not done ({evaluation['skipped']})."]
