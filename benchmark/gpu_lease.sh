@@ -8,7 +8,7 @@
 #           575, under the tool's 600 s per command): the update variants (at most 3 minutes), then the Atari100k
 #           Pong run with the time left (about 3.5 minutes of it training), its evaluation, the results
 #   update  the update variants alone (at most 4 minutes)
-#   pong    the Pong run alone (about 7 minutes of it training), its evaluation, the results
+#   pong    the Pong run alone (about 6.5 minutes of it training), its evaluation, the results
 #
 # $OUT receives at most 7 files: <date>-<gpu>.json and .md (rewritten after each variant and every 5k env steps),
 # <date>-<gpu>_pong_curve.png, up to two <date>-<gpu>_open_loop_step_<N>.png, pong_train_log_tail.txt, lease.log.
@@ -75,7 +75,7 @@ minutes() { "$py" -c "print(round($1 / 60, 2))"; }
 case "$mode" in
     all) stages=(--stage update pong --update-minutes 3 --pong-eval-minutes 1) ;;
     update) stages=(--stage update --update-minutes 4) ;;
-    pong) stages=(--stage pong) ;;
+    pong) stages=(--stage pong --pong-eval-minutes 1) ;;
 esac
 # the Pong run trains until the budget leaves just its evaluation and the results (run.py --budget-minutes)
 budget=$(minutes "$(($(seconds_left) - 10))")

@@ -55,7 +55,8 @@ TARGETS = (
 )
 PONG_TARGET_STEPS = 100_000
 QUICK_RESULTS_DIR = BENCH_DIR / ".work" / "quick-results"  # --quick: never among the committed results
-EVAL_OVERHEAD_S = 45.0  # the evaluation's start-up, the Pong run's exit after SIGTERM, the last files
+EVAL_OVERHEAD_S = 45.0  # the evaluation's start-up and the last files
+SIGTERM_GRACE_S = 30.0  # the Pong run's checkpoint and exit after SIGTERM, before it is killed
 
 
 def check_staged_args(args: Args) -> None:
@@ -440,7 +441,9 @@ def run_pong(
     if resume is not None:
         cmd += ["--resume", str(resume)]
     cap_s = args.pong_minutes * 60
-    reserve_s = (args.pong_eval_minutes * 60 if args.pong_eval_episodes else 0.0) + EVAL_OVERHEAD_S
+    reserve_s = (
+        (args.pong_eval_minutes * 60 if args.pong_eval_episodes else 0.0) + EVAL_OVERHEAD_S + SIGTERM_GRACE_S
+    )
     if deadline is not None:
         cap_s = min(cap_s, deadline - time.time() - reserve_s)
     shown = " ".join(["python", "dreamer_atari.py", *cmd[2:]]).replace(str(pong_dir), "PONG_DIR")
@@ -507,8 +510,8 @@ def run_pong(
             if stopped_at is None and now - launched >= cap_s:
                 process.send_signal(signal.SIGTERM)  # the script checkpoints and exits 128 + 15
                 stopped_at = now
-            elif stopped_at is not None and now - stopped_at > 120:
-                process.kill()  # it did not reach its checkpoint in two minutes
+            elif stopped_at is not None and now - stopped_at > SIGTERM_GRACE_S:
+                process.kill()  # it did not reach its checkpoint in time
             if run_dir is None:
                 newest = newest_run_dir(pong_dir)
                 run_dir = newest if newest is not None and newest.stat().st_mtime >= launched - 1 else None
