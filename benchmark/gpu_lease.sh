@@ -2,7 +2,7 @@
 # One GPU lease, one command: issue 40's benchmark stages on a bare device machine, every result written into $OUT
 # as it is measured. Run by the device tool in the repository root, with the wheels of `.whl/` carried along:
 #
-#   bash benchmark/gpu_lease.sh [all|update|pong]
+#   bash benchmark/gpu_lease.sh [all|update|pong] [more run.py flags, e.g. --pong-args="--amp bf16"]
 #
 #   all     (default) `run.py --gpu-only --stage update pong`, ending within GPU_LEASE_BUDGET_S seconds (default
 #           575, under the tool's 600 s per command): the update variants (at most 3 minutes), then the Atari100k
@@ -22,6 +22,8 @@
 set -u -o pipefail
 
 mode=${1:-all}
+shift || true
+extra=("$@")
 budget_s=${GPU_LEASE_BUDGET_S:-575}
 start_s=$(date +%s)
 case "$mode" in
@@ -79,8 +81,9 @@ case "$mode" in
 esac
 # the Pong run trains until the budget leaves just its evaluation and the results (run.py --budget-minutes)
 budget=$(minutes "$(($(seconds_left) - 10))")
-say "python benchmark/run.py ${common[*]} ${stages[*]} ${device[*]} --pong-minutes 30 --budget-minutes $budget"
-"$py" benchmark/run.py "${common[@]}" "${stages[@]}" "${device[@]}" --pong-minutes 30 --budget-minutes "$budget"
+say "python benchmark/run.py ${common[*]} ${stages[*]} ${device[*]} --pong-minutes 30 --budget-minutes $budget ${extra[*]}"
+"$py" benchmark/run.py "${common[@]}" "${stages[@]}" "${device[@]}" --pong-minutes 30 --budget-minutes "$budget" \
+    "${extra[@]}"
 status=$?
 if [ -f "$pong_dir/train.log" ]; then
     tail -n 200 "$pong_dir/train.log" >"$OUT/pong_train_log_tail.txt"

@@ -55,7 +55,7 @@ TARGETS = (
 )
 PONG_TARGET_STEPS = 100_000
 QUICK_RESULTS_DIR = BENCH_DIR / ".work" / "quick-results"  # --quick: never among the committed results
-EVAL_OVERHEAD_S = 45.0  # the evaluation's start-up and the last files
+EVAL_OVERHEAD_S = 30.0  # the evaluation's start-up and the last files
 SIGTERM_GRACE_S = 30.0  # the Pong run's checkpoint and exit after SIGTERM, before it is killed
 
 

@@ -138,9 +138,11 @@ def main() -> None:
     torch.manual_seed(cli.seed)
     try:
         agent, args, counters = agent_from_checkpoint(cli.checkpoint, device)
-    except da.ArgsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2)
+    except da.ArgsError:
+        print(
+            f"error: {cli.checkpoint!r} is not a readable {da.CHECKPOINT_FORMAT} checkpoint.", file=sys.stderr
+        )
+        raise SystemExit(2) from None
     result = evaluate(
         agent, args, cli.episodes, cli.seed, cli.minutes, cli.max_episode_steps, cli.vector_mode
     )
