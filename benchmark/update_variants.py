@@ -88,7 +88,7 @@ def apply_precision(args: da.Args) -> None:
     """The process-wide settings dreamer_atari.main makes for a run: cuDNN determinism, and TF32 matmuls where the
     script has a `tf32` field (set explicitly each time, so no variant inherits an earlier one's)."""
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.backends.cuda.matmul.allow_tf32 = bool(getattr(args, "tf32", False))
+    torch.set_float32_matmul_precision("high" if getattr(args, "tf32", False) else "highest")
 
 
 def sync(device: torch.device) -> None:
@@ -145,10 +145,7 @@ def measure_variant(
         _, _, deter, stoch, start_continue = world_model_step(raw)
         behavior_step({"deter": deter, "stoch": stoch, "continue": start_continue})
 
-    figures: dict = {
-        "matmul_precision": torch.get_float32_matmul_precision(),
-        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-    }
+    figures: dict = {"float32_matmul_precision": torch.get_float32_matmul_precision()}  # "high": TF32
     warmup_s, profiled_call = [], None
     kernels_before_capture = None
     for call in range(warmup):
