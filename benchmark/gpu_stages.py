@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -464,9 +465,8 @@ def run_pong(
     log_path = pong_dir / "train.log"
     cache = tempfile.mkdtemp(prefix="inductor-", dir=pong_dir)  # compiling counts in the run's start-up time
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "TORCHINDUCTOR_CACHE_DIR": cache}
-    if (
-        args.device == "cpu"
-    ):  # --threads, as every CPU measurement here (more threads only contend on a busy machine)
+    if args.device == "cpu":
+        # --threads, as every CPU measurement here (more threads only contend on a busy machine)
         env["OMP_NUM_THREADS"] = str(args.threads)
     writes: list[dict] = []
     out["pong_curve_writes"] = writes
@@ -528,13 +528,10 @@ def run_pong(
     out["pong_returncode"] = returncode
     log(f"pong: {out['pong_process_wall_s']:.0f} s, exit {returncode}")
     out["pong_log_tail"] = log_path.read_text(errors="replace").splitlines()[-40:]
-    import shutil
-
     shutil.rmtree(cache, ignore_errors=True)
     run_dir = run_dir or newest_run_dir(pong_dir)
-    stopped_early = (
-        stopped_at is not None and returncode == -signal.SIGTERM
-    )  # before its handler was installed
+    # SIGTERM before the script installed its handler: stopped, no checkpoint
+    stopped_early = stopped_at is not None and returncode == -signal.SIGTERM
     if returncode not in (0, 128 + signal.SIGTERM) and not stopped_early:
         out["pong_error"] = f"the Pong run failed (exit {returncode})"
         if progress is None:
@@ -555,6 +552,7 @@ def evaluate(args: Args, checkpoint: Path, pong_dir: Path) -> dict:
     if not checkpoint.is_file():
         return {"pong_final_return": None, "pong_eval": {"skipped": "no checkpoint was written"}}
     out = pong_dir / "eval.json"
+    out.unlink(missing_ok=True)  # an earlier invocation's evaluation is never read as this one's
     quick = ["--max-episode-steps", "100", "--vector-mode", "sync"] if args.quick else []
     cmd = [
         sys.executable,

@@ -128,9 +128,8 @@ def measure_variant(
         da.compile_agent(agent)
     world_model_step, behavior_step = da.make_update_steps(agent, args, None)
     staging = da.PinnedBatches(batch, device) if on_cuda else None
-    if (
-        staging is not None
-    ):  # both pinned buffers hold the batch; each update copies one to the device, as training
+    if staging is not None:
+        # both pinned buffers hold the batch; each update copies one to the device, as training does
         for _ in range(2):
             for key, array in staging.host_arrays().items():
                 np.copyto(array, batch[key])
@@ -177,9 +176,8 @@ def measure_variant(
             "warmup_calls_s": [round(s, 3) for s in warmup_s],
         }
     )
-    if (
-        args.compile
-    ):  # what the first calls cost beyond steady updates: compiling (and capturing); not the profiled one
+    if args.compile:
+        # what the first calls cost beyond steady updates: compiling (and capturing); not the profiled call
         unprofiled = [s for call, s in enumerate(warmup_s) if call != profiled_call]
         figures["compile_s"] = sum(unprofiled) - len(unprofiled) * median / 1e3
     captured = (
