@@ -1,0 +1,324 @@
+"""The update variants at DreamerV3's Atari100k batch (B16 x T64), on one real replayed Pong batch.
+
+    python benchmark/update_variants.py --out PATH                          # CUDA
+    python benchmark/update_variants.py --out PATH --device cpu --quick     # the same steps, tiny, without a GPU
+
+`run.py --gpu-only --stage update` runs it in its own process with a time cap. The variants are the table
+`run.UPDATE_VARIANTS` (name, Args field overrides), each on top of every fast path off (`run.FAST_PATHS_OFF`),
+and first `training`: the script's defaults plus what the Pong stage turns on (`run.CUDA_FAST_PATH`), the update
+the Pong run trains with. A variant that names an Args field this version of dreamer_atari.py lacks is reported as
+not available and skipped, and so is one this device cannot run (CUDA graphs on a CPU).
+
+For each variant: its agent built by the script's `build_agent` (and `compile_agent` with `compile`), its update
+steps by `make_update_steps` (captured in CUDA graphs by `CudaGraphed` with `cudagraph`), fed as the training loop
+feeds them (on CUDA from the script's pinned staging buffers, `PinnedBatches`). Every warm-up call is timed (the
+first ones compile and capture), then `--reps` updates, each followed by a device synchronisation; the median is
+the update as training runs it. One more update runs under torch.profiler: its CUDA kernels (on a CPU, the aten
+operations one update dispatches, counted by a TorchDispatchMode, and labelled so). Peak GPU memory is the
+allocator's peak over the variant. PATH is rewritten after each variant, so a run stopped early keeps what it
+measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import memory_utils as mu
+
+mu.configure_allocator(verbose=False)  # what dreamer_atari.main does first: the same allocator as training
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dreamer_atari as da
+from benchmark import bench_utils
+from benchmark.ours_dreamer import fill_replay
+from benchmark.run import ATARI100K_BATCH, CUDA_FAST_PATH, FAST_PATHS_OFF, QUICK_UPDATE_MODEL, UPDATE_VARIANTS
+
+MB = 2.0**20
+ARGS_FIELDS = {field.name for field in dataclasses.fields(da.Args)}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched while it is active (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def variant_args(
+    base: da.Args, overrides: dict, on_cuda: bool, training: bool = False, quick: bool = False
+) -> tuple[da.Args | None, str]:
+    """The Args of one variant, or None and why it cannot run here."""
+    missing = sorted(set(overrides) - ARGS_FIELDS)
+    if missing:
+        return None, f"not available in this version (dreamer_atari.Args has no {', '.join(missing)})"
+    if not on_cuda and (overrides.get("cudagraph") or overrides.get("amp") == "fp16"):
+        return None, "needs CUDA"
+    if not on_cuda and quick and overrides.get("compile"):
+        return (
+            None,
+            "compiling takes minutes on a CPU: --quick checks the other steps (name it in --variants to run it)",
+        )
+    if training:
+        fast = {k: v for k, v in CUDA_FAST_PATH.items() if k in ARGS_FIELDS} if on_cuda else {}
+        return dataclasses.replace(base, **fast, **overrides), ""
+    off = {k: v for k, v in FAST_PATHS_OFF.items() if k in ARGS_FIELDS}
+    return dataclasses.replace(base, **{**off, **overrides}), ""
+
+
+def apply_precision(args: da.Args) -> None:
+    """The process-wide settings dreamer_atari.main makes for a run: cuDNN determinism, and TF32 matmuls where the
+    script has a `tf32` field (set explicitly each time, so no variant inherits an earlier one's)."""
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.set_float32_matmul_precision("high" if getattr(args, "tf32", False) else "highest")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def count_kernels(update, device: torch.device) -> int:
+    """CUDA kernels (every GPU activity the profiler records: kernels, copies, fills) of one call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        update()
+        sync(device)
+    return sum(1 for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+
+
+def count_aten_ops(update, device: torch.device) -> int:
+    with OpCounter() as counter:
+        update()
+        sync(device)
+    return counter.count
+
+
+def measure_variant(
+    args: da.Args, batch: dict, obs_shape, num_actions, device: torch.device, reps: int, warmup: int
+) -> dict:
+    on_cuda = device.type == "cuda"
+    gc.collect()
+    if on_cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(args.seed)
+    agent = da.build_agent(args, obs_shape, num_actions, device)
+    apply_precision(args)
+    if args.compile:
+        da.compile_agent(agent)
+    world_model_step, behavior_step = da.make_update_steps(agent, args, None)
+    staging = da.PinnedBatches(batch, device) if on_cuda else None
+    if staging is not None:
+        # both pinned buffers hold the batch; each update copies one to the device, as training does
+        for _ in range(2):
+            for key, array in staging.host_arrays().items():
+                np.copyto(array, batch[key])
+            staging.to_device()
+
+    def update() -> None:
+        if staging is not None:
+            staging.host_arrays()  # waits for the copy that last read this buffer, as the training loop does
+            raw = staging.to_device()
+        else:
+            raw = da.batch_tensors(batch, device)
+        _, _, deter, stoch, start_continue = world_model_step(raw)
+        behavior_step({"deter": deter, "stoch": stoch, "continue": start_continue})
+
+    figures: dict = {"float32_matmul_precision": torch.get_float32_matmul_precision()}  # "high": TF32
+    warmup_s, profiled_call = [], None
+    kernels_before_capture = None
+    for call in range(warmup):
+        step = world_model_step
+        # the last call before capture runs the captured function uncaptured: its kernels are the graph's
+        about_to_capture = (
+            isinstance(step, da.CudaGraphed)
+            and getattr(step, "graph", 0) is None
+            and getattr(step, "calls", 0) + 1 == getattr(step, "warmup", -1)
+        )
+        start = time.perf_counter()
+        if about_to_capture and on_cuda:
+            kernels_before_capture, profiled_call = count_kernels(update, device), call
+        else:
+            update()
+            sync(device)
+        warmup_s.append(time.perf_counter() - start)
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        update()
+        sync(device)
+        samples.append((time.perf_counter() - start) * 1e3)
+    median = statistics.median(samples)
+    figures.update(
+        {
+            "update_ms": median,
+            "samples_ms": [round(s, 3) for s in samples],
+            "warmup_calls_s": [round(s, 3) for s in warmup_s],
+        }
+    )
+    if args.compile:
+        # what the first calls cost beyond steady updates: compiling (and capturing); not the profiled call
+        unprofiled = [s for call, s in enumerate(warmup_s) if call != profiled_call]
+        figures["compile_s"] = sum(unprofiled) - len(unprofiled) * median / 1e3
+    captured = (
+        isinstance(world_model_step, da.CudaGraphed) and getattr(world_model_step, "graph", None) is not None
+    )
+    figures["captured"] = captured
+    if on_cuda:
+        kernels = count_kernels(update, device)
+        figures["kernels_in_profile"] = kernels
+        if captured and kernels < 10 and kernels_before_capture is not None:
+            # the profiler did not see inside the graph replay: the same work, counted on the call before capture
+            figures["kernels_per_update"] = kernels_before_capture
+            figures["kernels_counted_as"] = (
+                "CUDA kernels of the last call before capture (the captured function)"
+            )
+        else:
+            figures["kernels_per_update"] = kernels
+            figures["kernels_counted_as"] = "CUDA kernels (torch.profiler) of one update" + (
+                " (graph replay)" if captured else ""
+            )
+        figures["peak_gpu_reserved_mb"] = torch.cuda.max_memory_reserved(device) / MB
+        figures["peak_gpu_allocated_mb"] = torch.cuda.max_memory_allocated(device) / MB
+    elif args.compile:
+        figures["kernels_per_update"] = None  # under a TorchDispatchMode compiled code falls back to eager
+        figures["kernels_counted_as"] = (
+            "not counted (CPU: compiled code runs eagerly under a TorchDispatchMode)"
+        )
+    else:
+        figures["kernels_per_update"] = count_aten_ops(update, device)
+        figures["kernels_counted_as"] = (
+            "aten ops dispatched in one update (TorchDispatchMode; CPU, no CUDA kernels)"
+        )
+    if (
+        staging is not None
+    ):  # what the training loop adds per update on the CPU: one batch sampled into pinned memory
+        figures["staging"] = "pinned buffers (PinnedBatches), copied without blocking"
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and batch, to check the steps")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="untimed-for-the-median calls (compile, capture)"
+    )
+    parser.add_argument("--variants", nargs="+", help="only these (default: training, then the whole table)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads on a CPU (CUDA: torch's default)"
+    )
+    cli = parser.parse_args()
+    names = ["training", *(name for name, _ in UPDATE_VARIANTS)]
+    if cli.variants and set(cli.variants) - set(names):
+        print(
+            f"error: unknown variants {sorted(set(cli.variants) - set(names))}; known: {names}.",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    device = torch.device(cli.device)
+    on_cuda = device.type == "cuda"
+    if not on_cuda:
+        torch.set_num_threads(cli.threads)
+    base = dataclasses.replace(
+        da.Args(), cuda=on_cuda, **ATARI100K_BATCH
+    )  # the script's defaults, DreamerV3's batch
+    if cli.quick:
+        base = dataclasses.replace(base, **QUICK_UPDATE_MODEL)
+    reps = 3 if cli.quick else cli.reps
+    warmup = (
+        2 if cli.quick and not on_cuda else cli.warmup
+    )  # nothing compiles or captures in a quick CPU check
+    started = time.perf_counter()
+    fill_steps = 400 if cli.quick else 2_000
+    replay, obs_shape, num_actions = fill_replay(
+        dataclasses.replace(base, buffer_capacity=fill_steps, num_envs=2), fill_steps
+    )
+    batch = replay.sample(base.batch_size, base.sequence_length)
+    scratch = {
+        key: array.copy() for key, array in batch.items()
+    }  # sampled into, as training samples into its buffers
+    sampling = bench_utils.time_ms(
+        lambda: replay.sample(base.batch_size, base.sequence_length, out=scratch), reps=reps, warmup=1
+    )
+    result: dict = {
+        "machine": bench_utils.machine(),
+        "command": " ".join(["python", "benchmark/update_variants.py", *sys.argv[1:]]),
+        "device": torch.cuda.get_device_name(device) if on_cuda else str(device),
+        "batch": f"B{base.batch_size} x T{base.sequence_length}",
+        "batch_from": f"one batch sampled from {replay.total_steps:,} real Pong steps (random actions)",
+        "base_args": {
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(base).items()
+        },
+        "fast_paths_off": FAST_PATHS_OFF,
+        "cuda_fast_path": CUDA_FAST_PATH,
+        "sample_ms": sampling["median_ms"],
+        "sample_samples_ms": sampling["samples_ms"],
+        "reps": reps,
+        "variants": {},
+    }
+    out = Path(cli.out)
+
+    def save() -> None:
+        result["wall_s"] = time.perf_counter() - started
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(out)  # a reader never sees half a file
+
+    save()
+    table = [("training", None), *UPDATE_VARIANTS]
+    for name, overrides in table:
+        if cli.variants and name not in cli.variants:
+            continue
+        quick_skip = cli.quick and not (cli.variants and name in cli.variants)
+        args, why = variant_args(base, overrides or {}, on_cuda, training=overrides is None, quick=quick_skip)
+        entry: dict = {"overrides": overrides if overrides is not None else CUDA_FAST_PATH if on_cuda else {}}
+        if args is None:
+            entry["skipped"] = why
+            print(f"{name}: skipped, {why}", flush=True)
+        else:
+            entry["args"] = {
+                k: getattr(args, k) for k in (*FAST_PATHS_OFF, *CUDA_FAST_PATH) if k in ARGS_FIELDS
+            }
+            try:
+                entry.update(measure_variant(args, batch, obs_shape, num_actions, device, reps, warmup))
+                print(
+                    f"{name}: {entry['update_ms']:.2f} ms per update, {entry['kernels_per_update']} "
+                    f"{'kernels' if on_cuda else 'aten ops'}, warm-up {sum(entry['warmup_calls_s']):.1f} s",
+                    flush=True,
+                )
+            except Exception as exc:  # noqa: BLE001 - a variant that cannot run is a finding, not the end
+                entry["error"] = (
+                    f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+                )
+                print(f"{name}: failed, {entry['error']}", flush=True)
+            if on_cuda:
+                torch.cuda.empty_cache()
+        result["variants"][name] = entry
+        save()
+
+
+if __name__ == "__main__":
+    main()
