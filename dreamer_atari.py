@@ -22,6 +22,7 @@ Checkpoints (`runs/{run_name}/checkpoint.pt`) hold only tensors and plain contai
 detected leak with `--abort-on-leak`, and a run of non-finite losses. `--resume PATH` continues the run.
 """
 
+import dataclasses
 import gc
 import os
 import random
@@ -31,7 +32,6 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -337,7 +337,7 @@ class CatchEnv(gym.Env):
     Actions: 0 stay, 1 left, 2 right.
     """
 
-    metadata = {"render_modes": ["rgb_array"], "render_fps": 8}
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 8}  # noqa: RUF012 - gymnasium's own convention
 
     def __init__(self, rows: int = 10, columns: int = 5, size: int = 84, render_mode: str | None = None):
         self.rows, self.columns, self.size, self.render_mode = rows, columns, size, render_mode
@@ -956,7 +956,7 @@ class AtariConvDecoder(nn.Module):
     ):
         super().__init__()
         self.mid_channels = mid_channels
-        s1, s2, self.side = nature_cnn_sizes(image_size)
+        s1, _, self.side = nature_cnn_sizes(image_size)
         self.linear = nn.Linear(feat_dim, mid_channels * self.side * self.side)
         self.net = nn.Sequential(
             nn.ConvTranspose2d(mid_channels, 2 * base_channels, 3, stride=1),
@@ -2152,7 +2152,7 @@ def set_up(args: Args) -> Run:
     writer = SummaryWriter(os.path.abspath(run_dir))
     writer.add_text(
         "hyperparameters",
-        "|param|value|\n|-|-|\n%s" % "\n".join(f"|{key}|{value}|" for key, value in vars(args).items()),
+        "|param|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|" for key, value in vars(args).items()),
     )
 
     random.seed(args.seed)

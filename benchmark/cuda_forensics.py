@@ -76,7 +76,7 @@ def training_cmd(sizes: dict, on_cuda: bool, exp_name: str, extra: list[str] = (
             "--total-timesteps", str(sizes["total"]), "--buffer-capacity", str(sizes["capacity"]),
             "--learning-starts", str(sizes["learning_starts"]), "--warmup-steps", "0",
             "--train-ratio", str(sizes["train_ratio"]), "--log-interval", str(sizes["every"] // 2),
-            "--cuda" if on_cuda else "--no-cuda", *sizes["model"], *extra]
+            "--cuda" if on_cuda else "--no-cuda", "--no-cudagraph", *sizes["model"], *extra]  # eager: probes need it
 
 
 def run_dir(work: Path, exp_name: str) -> Path | None:

@@ -378,7 +378,7 @@ def cmd_gpu(quick: bool, device_name: str, parts: tuple[str, ...] = ("amp", "loo
     out: dict = {"run": True, "device": torch.cuda.get_device_name(device) if on_cuda else str(device),
                  "update_batch": f"B{args.batch_size} x T{args.sequence_length}", "amp": {}}
     for mode in ("off", "bf16", "fp16") if "amp" in parts else ():
-        amp_args = dataclasses.replace(args, amp=mode)
+        amp_args = dataclasses.replace(args, amp=mode, cudagraph=False)  # the eager update (Adam not capturable)
         try:
             mu.amp(mode, device)
         except ValueError as exc:

@@ -126,7 +126,7 @@ def measure_variant(
     apply_precision(args)
     if args.compile:
         da.compile_agent(agent)
-    world_model_step, behavior_step = da.make_update_steps(agent, args, None)
+    world_model_step, behavior_step = da.make_update_steps(agent, args)
     staging = da.PinnedBatches(batch, device) if on_cuda else None
     if staging is not None:
         # both pinned buffers hold the batch; each update copies one to the device, as training does
@@ -141,8 +141,8 @@ def measure_variant(
             raw = staging.to_device()
         else:
             raw = da.batch_tensors(batch, device)
-        _, _, deter, stoch, start_continue = world_model_step(raw)
-        behavior_step({"deter": deter, "stoch": stoch, "continue": start_continue})
+        _, _, start = world_model_step(raw)
+        behavior_step(start)
 
     figures: dict = {"float32_matmul_precision": torch.get_float32_matmul_precision()}  # "high": TF32
     warmup_s, profiled_call = [], None

@@ -174,7 +174,7 @@ def test_the_reference_is_what_the_equality_tests_compare_against():
 class OpCounter(TorchDispatchMode):
     """Counts the aten operations dispatched inside it, views (no kernel) left out, and the host syncs."""
 
-    NOT_KERNELS = {"aten.detach", "aten.lift_fresh", "aten._unsafe_view"}
+    NOT_KERNELS = frozenset({"aten.detach", "aten.lift_fresh", "aten._unsafe_view"})
 
     def __init__(self):
         super().__init__()
