@@ -2032,7 +2032,9 @@ def main(args: Args) -> dict:
         )
     # absolute: wandb's service process resolves a relative path against its own folder, which is that of the
     # first tracked run of this Python process
-    writer = SummaryWriter(os.path.abspath(run_dir))
+    # a resumed run hides what the stopped one logged after its checkpoint (TensorBoard's purge): no step twice
+    purge_step = resume_state["counters"]["global_step"] + 1 if resume_state is not None else None
+    writer = SummaryWriter(os.path.abspath(run_dir), purge_step=purge_step)
     writer.add_text(
         "hyperparameters",
         "|param|value|\n|-|-|\n%s" % "\n".join(f"|{key}|{value}|" for key, value in vars(args).items()),
