@@ -1809,7 +1809,9 @@ def train_one_seed(args: Args, sources: dict, seed: int, run_id: str, resume_sta
 
     # absolute: wandb's service process resolves a relative path against its own folder, which is that of the
     # first tracked run of this Python process
-    writer = SummaryWriter(os.path.abspath(os.path.join(args.log_dir, run_id)))
+    # a resumed run hides what the stopped one logged after its checkpoint (TensorBoard's purge): no step twice
+    purge_step = resume_state["global_step"] + 1 if resume_state is not None else None
+    writer = SummaryWriter(os.path.abspath(os.path.join(args.log_dir, run_id)), purge_step=purge_step)
     writer.add_text(
         "hyperparameters",
         "|param|value|source|\n|-|-|-|\n"
