@@ -1891,6 +1891,21 @@ class UpdateLog:
         self.longest.copy_(self.streak)
         return means, int(flat[-2]), int(flat[-1])
 
+    def state(self) -> dict:
+        """The sums since the last log point as plain numbers, for a checkpoint: a run resumed from it logs the
+        interval it stopped in with the updates made before the stop, as an uninterrupted run would."""
+        return {
+            "sums": {"|".join(keys): row.tolist() for keys, row in self.sums.items()},
+            **{name: float(getattr(self, name)) for name in ("streak", "longest", "skipped")},
+        }
+
+    def restore(self, state: dict) -> None:
+        self.sums = {
+            tuple(keys.split("|")): torch.tensor(row, device=self.device) for keys, row in state["sums"].items()
+        }
+        for name in ("streak", "longest", "skipped"):
+            getattr(self, name).fill_(state[name])
+
 
 class ProgressLine:
     """step, SPS, last return, RSS, GPU alloc, ETA. On a terminal the line is rewritten about once a second;
@@ -2099,6 +2114,8 @@ def main(args: Args) -> dict:
     )
     leak_detector = mu.LeakDetector(warmup_steps=counters["global_step"] + args.leak_warmup_steps)
     update_log = UpdateLog(device)
+    if "update_log" in counters:  # resumed: the updates the stopped run made since its last log point
+        update_log.restore(counters.pop("update_log"))
     world_model_step, behavior_step = make_update_steps(agent, args, probes if args.memory_probes else None)
     # memory: on CUDA, batches are sampled into two reused pinned buffers and copied without blocking
     staging = PinnedBatches(synthetic_batch(args, obs_shape), device) if device.type == "cuda" else None
@@ -2116,7 +2133,9 @@ def main(args: Args) -> dict:
 
     def checkpoint(reason: str) -> None:
         counters["train_seconds"] = seconds_before + time.time() - start_time
-        save_checkpoint(checkpoint_path, agent, counters, run_name, args, replay, rng)
+        # the updates since the last log point, so that a resumed run logs their means with the next interval
+        pending = {"update_log": update_log.state()}
+        save_checkpoint(checkpoint_path, agent, {**counters, **pending}, run_name, args, replay, rng)
         progress.say(f"checkpoint ({reason}): {checkpoint_path} at step {counters['global_step']}")
 
     start_time, start_step, start_updates = time.time(), counters["global_step"], counters["updates"]
