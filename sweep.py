@@ -426,6 +426,10 @@ def run_script(command: list[str], cwd: Path, log_path: Path) -> int:
     global _child
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("WANDB_RUN_GROUP", Path(cwd).parent.name)
+    if (
+        "SLURM_CPUS_PER_TASK" in env
+    ):  # the task's cores, not every core of the node (oversubscribed OpenMP crawls)
+        env.setdefault("OMP_NUM_THREADS", env["SLURM_CPUS_PER_TASK"])
     local = not in_slurm()
     previous = {}
     if local:
@@ -710,9 +714,10 @@ def submit_slurm(args: Args, plan: Plan) -> int:
     except submitit.core.utils.FailedJobError as exc:
         lines = str(exc).strip().splitlines() or ["no reason given"]
         raise BadInput(f"Slurm refused the job array: {lines[-1]}") from None
-    array_id = jobs[0].job_id.split("_")[0]
+    array_id = jobs[0].job_id.split("_")[0]  # submitit submits a single run as a plain job, not an array
+    what = f"job array {array_id} with {len(jobs)} tasks" if len(jobs) > 1 else f"job {array_id} (one run)"
     print(
-        f"sweep: submitted job array {array_id} with {len(jobs)} tasks; runs in {plan.sweep_dir}, Slurm logs in "
+        f"sweep: submitted {what}; runs in {plan.sweep_dir}, Slurm logs in "
         f"{plan.sweep_dir}/slurm; results.csv and summary.md appear there when the last run finishes",
         flush=True,
     )
