@@ -418,17 +418,16 @@ def in_slurm() -> bool:
 _child: subprocess.Popen | None = None  # the script now running, for the signal forwarding of local sweeps
 
 
-def run_script(command: list[str], cwd: Path, log_path: Path) -> int:
-    """Run the script in `cwd`, its output appended to `log_path`; its exit status as a shell reports it.
+def run_script(command: list[str], cwd: Path, log_path: Path, outcome: dict) -> None:
+    """Run the script in `cwd`, its output appended to `log_path`; `outcome["exit_code"]`: its exit status as a
+    shell reports it (128 + N for signal N), set even when this process is being made to exit.
 
     Under Slurm the script is in this task's process group: Slurm's SIGTERM (preemption, requeue, scancel) reaches
     it directly, once. Locally it gets its own group and this process passes SIGINT/SIGTERM/SIGHUP on, once each."""
     global _child
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("WANDB_RUN_GROUP", Path(cwd).parent.name)
-    if (
-        "SLURM_CPUS_PER_TASK" in env
-    ):  # the task's cores, not every core of the node (oversubscribed OpenMP crawls)
+    if "SLURM_CPUS_PER_TASK" in env:  # the task's cores, not the node's (oversubscribed OpenMP crawls)
         env.setdefault("OMP_NUM_THREADS", env["SLURM_CPUS_PER_TASK"])
     local = not in_slurm()
     previous = {}
@@ -452,17 +451,18 @@ def run_script(command: list[str], cwd: Path, log_path: Path) -> int:
                 process_group=0 if local else None,
             )
             try:
-                returncode = _child.wait()
+                _child.wait()
             finally:
-                # submitit's requeue exits this process from its signal handler: let the script finish its
-                # checkpoint first
+                # submitit's timeout requeue exits this process from its signal handler, which interrupts the
+                # wait above: let the script finish its checkpoint first
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     _child.wait(timeout=300)
+                code = _child.returncode
+                outcome["exit_code"] = None if code is None else 128 - code if code < 0 else code
     finally:
         _child = None
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 128 - returncode if returncode < 0 else returncode
 
 
 def run_one(plan: Plan, index: int) -> dict:
@@ -495,13 +495,14 @@ def run_one(plan: Plan, index: int) -> dict:
         f"sweep: run {run.name} attempt {attempt['attempt']}{f', resuming {resume}' if resume else ''}: "
         f"{' '.join(command)}"
     )
-    returncode = -1
+    outcome = {"exit_code": None}
     try:
-        returncode = run_script(command, run_dir, log_path)
+        run_script(command, run_dir, log_path, outcome)
     finally:
-        attempt.update(seconds=time.time() - attempt["started"], exit_code=returncode)
+        attempt.update(seconds=time.time() - attempt["started"], exit_code=outcome["exit_code"])
         with open(run_dir / "attempts.jsonl", "a") as out:
             out.write(json.dumps(attempt) + "\n")
+    returncode = outcome["exit_code"]
     if returncode in (128 + signal.SIGTERM, 128 + signal.SIGINT):
         raise RunStopped(
             f"run {run.name} was stopped by {signal.Signals(returncode - 128).name} after writing its "
@@ -693,7 +694,12 @@ def run_local(plan: Plan) -> int:
 def submit_slurm(args: Args, plan: Plan) -> int:
     import submitit
 
-    executor = submitit.SlurmExecutor(folder=Path(plan.sweep_dir) / "slurm" / "%j", max_num_timeout=100)
+    class ExecSlurmExecutor(submitit.SlurmExecutor):
+        @property
+        def _submitit_command_str(self) -> str:
+            return "exec " + super()._submitit_command_str
+
+    executor = ExecSlurmExecutor(folder=Path(plan.sweep_dir) / "slurm" / "%j", max_num_timeout=100)
     executor.update_parameters(
         job_name=f"sweep-{plan.sweep}",
         partition=args.partition,
@@ -705,7 +711,12 @@ def submit_slurm(args: Args, plan: Plan) -> int:
         ntasks_per_node=1,
         gpus_per_task=args.gpus_per_task or None,
         array_parallelism=args.max_parallel,
-        additional_parameters={"requeue": True},
+        # submitit's Python replaces the batch shell (exec, no srun): on a requeue or preemption srun kills its step
+        # at once ("forcing job termination"), before the script has written its checkpoint. So Slurm's SIGTERM
+        # reaches submitit (which passes it by) and the script (which checkpoints within KillWait), and the
+        # time-limit signal goes to the batch shell, which is submitit's Python (B:)
+        use_srun=False,
+        additional_parameters={"requeue": True, "signal": "B:USR2@90"},
     )
     # the task imports this module by name, as `sweep`, wherever the job starts
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
