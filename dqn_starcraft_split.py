@@ -1560,8 +1560,10 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> tu
 EXIT_OOM = 3
 
 
-class RunInterrupted(Exception):
-    """A run stopped early (a signal, or CUDA out of memory): it checkpoints and writes no results row."""
+class RunInterrupted(BaseException):
+    """A run stopped early (a signal, or CUDA out of memory): it checkpoints and writes no results row. A
+    BaseException, as KeyboardInterrupt is: raised by a signal handler wherever the loop is, it must not be taken for
+    an ordinary error by an `except Exception` (the memory report's swallowed a SIGTERM and training went on)."""
 
     def __init__(self, reason: str, exit_code: int):
         super().__init__(reason)
