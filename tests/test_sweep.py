@@ -336,3 +336,53 @@ def _saved(state):
     torch.save(state, buffer)
     buffer.seek(0)
     return buffer
+
+
+@pytest.mark.slow
+def test_a_local_sweep_stopped_by_sigterm_continues_when_run_again(tmp_path):
+    """SIGTERM to a local sweep reaches the running script once: it checkpoints, the sweep stops (exit 143) and says
+    so; the same command again resumes that run from its checkpoint and finishes the sweep."""
+    argv = [
+        "dqn_starcraft_split.py",
+        "--seeds",
+        "1",
+        "2",
+        "--name",
+        "stopped",
+        "--",
+        *DQN_TINY,
+        "--num-episodes",
+        "40",
+    ]
+    log = tmp_path / "runs" / "stopped" / "defaults__seed1" / "output.log"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "sweep.py"), *argv],
+        cwd=tmp_path,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and "episode=2 " in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach episode 2"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and "stopped by SIGTERM after writing its checkpoint" in err, err
+    assert "Traceback" not in err and not (log.parent.parent / "defaults__seed2").exists()
+
+    done = run_sweep(*argv, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    first, second = [json.loads(line) for line in (log.parent / "attempts.jsonl").read_text().splitlines()]
+    assert first["exit_code"] == 143 and second["resumed_from"] == "results/run/checkpoint.pt"
+    rows = read_rows(tmp_path / "runs" / "stopped" / "results.csv")
+    assert [(row["run"], row["attempts"]) for row in rows] == [
+        ("defaults__seed1", "2"),
+        ("defaults__seed2", "1"),
+    ]
+    # 40 episodes of 15 steps; DQN replays the episode it was stopped in, whose first steps were counted already
+    assert rows[1]["steps"] == "600" and 600 <= int(rows[0]["steps"]) < 615
