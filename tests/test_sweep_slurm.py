@@ -82,7 +82,7 @@ def sweeps(tmp_path_factory):
         log = work / "runs" / "requeued" / "defaults__seed1" / "output.log"
         wait_for(
             lambda: log.exists() and "step 200/600" in log.read_text(),
-            90,
+            120,
             "the Dreamer run to reach step 200",
         )
         subprocess.run(["scontrol", "requeue", jobs["requeued"]], check=True, timeout=30)
@@ -91,8 +91,20 @@ def sweeps(tmp_path_factory):
             lambda: all(
                 len(read_rows(work / "runs" / name / "results.csv")) == n for name, n in expected.items()
             ),
-            150,
+            180,
             "every run of the three sweeps to finish",
+        )
+        wait_for(  # the last task writes results.csv just before it ends
+            lambda: (
+                not subprocess.run(
+                    ["squeue", "-h", "-j", ",".join(jobs.values())],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                ).stdout.strip()
+            ),
+            60,
+            "the jobs to leave the queue",
         )
         yield work, jobs
     finally:
