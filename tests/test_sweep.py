@@ -352,7 +352,7 @@ def test_a_local_sweep_stopped_by_sigterm_continues_when_run_again(tmp_path):
         "--",
         *DQN_TINY,
         "--num-episodes",
-        "40",
+        "20",
     ]
     log = tmp_path / "runs" / "stopped" / "defaults__seed1" / "output.log"
     proc = subprocess.Popen(
@@ -384,5 +384,5 @@ def test_a_local_sweep_stopped_by_sigterm_continues_when_run_again(tmp_path):
         ("defaults__seed1", "2"),
         ("defaults__seed2", "1"),
     ]
-    # 40 episodes of 15 steps; DQN replays the episode it was stopped in, whose first steps were counted already
-    assert rows[1]["steps"] == "600" and 600 <= int(rows[0]["steps"]) < 615
+    # 20 episodes of 15 steps; DQN replays the episode it was stopped in, whose first steps were counted already
+    assert rows[1]["steps"] == "300" and 300 <= int(rows[0]["steps"]) < 315
