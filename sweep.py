@@ -482,6 +482,11 @@ def run_one(plan: Plan, index: int) -> dict:
 
     wait_for_free_gpu(plan, log)
     resume = plan.script.checkpoint(run_dir)
+    stale = [run_dir / name for name in ("runs", "results") if (run_dir / name).exists()]
+    if resume is None and stale:  # an earlier attempt died before any checkpoint: start that run afresh
+        log(f"sweep: no checkpoint from the earlier attempt; removing {', '.join(p.name for p in stale)}")
+        for path in stale:
+            shutil.rmtree(path)
     attempt = {
         "attempt": len(attempts(run_dir)) + 1,
         "slurm_job": os.environ.get("SLURM_JOB_ID"),

@@ -386,3 +386,39 @@ def test_a_local_sweep_stopped_by_sigterm_continues_when_run_again(tmp_path):
     ]
     # 20 episodes of 15 steps; DQN replays the episode it was stopped in, whose first steps were counted already
     assert rows[1]["steps"] == "300" and 300 <= int(rows[0]["steps"]) < 315
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_any_checkpoint_starts_afresh_when_run_again(tmp_path):
+    """SIGKILL to a DQN run (it checkpoints only when stopped or done): the next attempt has nothing to resume and
+    starts the run over in a clean folder (the script would refuse a folder holding a run), each step logged once."""
+    argv = ["dqn_starcraft_split.py", "--name", "fresh", "--", *DQN_TINY, "--num-episodes", "20"]
+    log = tmp_path / "runs" / "fresh" / "defaults__seed1" / "output.log"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "sweep.py"), *argv],
+        cwd=tmp_path,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and "episode=2 " in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach episode 2"
+            time.sleep(0.1)
+        (script,) = psutil.Process(proc.pid).children()
+        script.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "failed with exit status 137" in err, err
+
+    done = run_sweep(*argv, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    first, second = [json.loads(line) for line in (log.parent / "attempts.jsonl").read_text().splitlines()]
+    assert first["exit_code"] == 137 and second["exit_code"] == 0 and second["resumed_from"] is None
+    (row,) = read_rows(tmp_path / "runs" / "fresh" / "results.csv")
+    assert row["steps"] == "300"
+    written = steps_in_files(log.parent / "runs" / "run", "charts/episodic_return")
+    assert written == list(range(15, 301, 15))  # one per episode, from the fresh start only
