@@ -1522,8 +1522,10 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> tu
 EXIT_OOM = 3
 
 
-class RunInterrupted(Exception):
-    """A run stopped early (a signal, or CUDA out of memory): it checkpoints and writes no results row."""
+class RunInterrupted(BaseException):
+    """A run stopped early (a signal, or CUDA out of memory): it checkpoints and writes no results row. A
+    BaseException, as KeyboardInterrupt is: raised by a signal handler wherever the loop is, it must not be taken for
+    an ordinary error by an `except Exception` (the memory report's swallowed a SIGTERM and training went on)."""
 
     def __init__(self, reason: str, exit_code: int):
         super().__init__(reason)
@@ -1803,7 +1805,9 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resuming: bool) ->
 
     # absolute: wandb's service process resolves a relative path against its own folder, which is that of the
     # first tracked run of this Python process
-    writer = SummaryWriter(os.path.abspath(os.path.join(args.log_dir, run_id)))
+    # a resumed run hides what the stopped one logged after its checkpoint (TensorBoard's purge): no step twice
+    purge_step = resume_state["global_step"] + 1 if resume_state is not None else None
+    writer = SummaryWriter(os.path.abspath(os.path.join(args.log_dir, run_id)), purge_step=purge_step)
     writer.add_text(
         "hyperparameters",
         "|param|value|source|\n|-|-|-|\n"
@@ -2117,11 +2121,15 @@ def finish(
     }
 
 
-def save_interrupted(run: Run, reason: Exception, episode: int, global_step: int, recent_train_scores: list):
-    """A signal or a CUDA OOM stopped the run: a checkpoint, a line in train.log, no results row."""
+def save_interrupted(
+    run: Run, reason: Exception, episode: int, global_step: int, recent_train_scores: list, replay_episode: bool
+):
+    """A signal or a CUDA OOM stopped the run: a checkpoint, a line in train.log, no results row. With
+    `replay_episode` the resumed run plays `episode` again from its start (`global_step` is the step it began at);
+    without it (the episode had ended and was logged) the resumed run goes on with the next one."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    save_run(run, episode, global_step, recent_train_scores, interrupted=True)
+    save_run(run, episode, global_step, recent_train_scores, interrupted=replay_episode)
     run.logger.info(
         f"interrupted by {reason} at episode {episode}, step {global_step}: checkpoint saved to "
         f"{run.checkpoint_path}; no results row written"
@@ -2158,8 +2166,10 @@ def train_one_seed(
         resume_state = None  # memory: the loaded tensors live in the networks now
     start_time = time.time()
     stopped_by = "num_episodes"
+    episode_start, episode_over = global_step, False  # where the episode being played began; whether it is over
     try:
         for episode in range(first_episode, args.num_episodes + 1):
+            episode_start, episode_over = global_step, False
             obs, done, score, length = run.env.reset(), False, 0.0, 0
             while not done:
                 probes("loop_start")
@@ -2199,6 +2209,7 @@ def train_one_seed(
             recent_train_scores = (recent_train_scores + [score])[-args.eval_every_episodes or -1 :]
             lr = run.optimizer.param_groups[0]["lr"]
             log_episode(run, episode, global_step, score, length, epsilon, lr)
+            episode_over = True
             if run.scheduler is not None:
                 run.scheduler.step()  # ALGO LOGIC: the schedule moves once per episode
             over_time = args.time_limit_min > 0 and time.time() - start_time >= 60 * args.time_limit_min
@@ -2210,7 +2221,9 @@ def train_one_seed(
                 break
         row = finish(run, episode, global_step, recent_train_scores, stopped_by, start_time, wall_start)
     except RunInterrupted as exc:
-        save_interrupted(run, exc, episode, global_step, recent_train_scores)
+        # an episode stopped part-way is played again on resume: its steps are counted then, not twice
+        save_interrupted(run, exc, episode, global_step if episode_over else episode_start, recent_train_scores,
+                         replay_episode=not episode_over)
         raise
     close(run)
     return row

@@ -1951,6 +1951,21 @@ class UpdateLog:
         self.longest.copy_(self.streak)
         return means, int(flat[-2]), int(flat[-1])
 
+    def state(self) -> dict:
+        """The sums since the last log point as plain numbers, for a checkpoint: a run resumed from it logs the
+        interval it stopped in with the updates made before the stop, as an uninterrupted run would."""
+        return {
+            "sums": {"|".join(keys): row.tolist() for keys, row in self.sums.items()},
+            **{name: float(getattr(self, name)) for name in ("streak", "longest", "skipped")},
+        }
+
+    def restore(self, state: dict) -> None:
+        self.sums = {
+            tuple(keys.split("|")): torch.tensor(row, device=self.device) for keys, row in state["sums"].items()
+        }
+        for name in ("streak", "longest", "skipped"):
+            getattr(self, name).fill_(state[name])
+
 
 class ProgressLine:
     """step, SPS, last return, RSS, GPU alloc, ETA. On a terminal the line is rewritten about once a second;
@@ -2149,7 +2164,9 @@ def set_up(args: Args) -> Run:
         )
     # absolute: wandb's service process resolves a relative path against its own folder, which is that of the
     # first tracked run of this Python process
-    writer = SummaryWriter(os.path.abspath(run_dir))
+    # a resumed run hides what the stopped one logged after its checkpoint (TensorBoard's purge): no step twice
+    purge_step = resume_state["counters"]["global_step"] + 1 if resume_state is not None else None
+    writer = SummaryWriter(os.path.abspath(run_dir), purge_step=purge_step)
     writer.add_text(
         "hyperparameters",
         "|param|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|" for key, value in vars(args).items()),
@@ -2213,6 +2230,9 @@ def set_up(args: Args) -> Run:
     if args.memory_probes:
         attach_memory_probes(agent, probes)
     world_model_step, behavior_step = make_update_steps(agent, args)
+    update_log = UpdateLog(device)
+    if "update_log" in counters:  # resumed: the updates the stopped run made since its last log point
+        update_log.restore(counters.pop("update_log"))
     step = counters["global_step"]
     behavior_starts = args.learning_starts + args.warmup_steps
     return Run(
@@ -2230,7 +2250,7 @@ def set_up(args: Args) -> Run:
         behavior_step=behavior_step,
         # memory: on CUDA, batches are sampled into two reused pinned buffers and copied without blocking
         staging=PinnedBatches(synthetic_batch(args, obs_shape), device) if device.type == "cuda" else None,
-        update_log=UpdateLog(device),
+        update_log=update_log,
         probes=probes,
         snapshots=mu.MemorySnapshots(
             run_dir, every=args.memory_snapshot_every, max_entries=args.snapshot_max_entries, device=device
@@ -2366,7 +2386,9 @@ def log_point(run: Run) -> None:
 
 def checkpoint(run: Run, reason: str) -> None:
     run.counters["train_seconds"] = run.seconds_before + time.time() - run.start_time
-    save_checkpoint(run.checkpoint_path, run.agent, run.counters, run.run_name, run.args, run.replay, run.rng)
+    # the updates since the last log point, so that a resumed run logs their means with the next interval
+    counters = {**run.counters, "update_log": run.update_log.state()}
+    save_checkpoint(run.checkpoint_path, run.agent, counters, run.run_name, run.args, run.replay, run.rng)
     run.progress.say(f"checkpoint ({reason}): {run.checkpoint_path} at step {run.step}")
 
 
