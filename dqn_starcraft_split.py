@@ -1753,7 +1753,7 @@ class Run:
     memory_report_failed: bool = False
 
 
-def set_up(args: Args, sources: dict, seed: int, run_id: str, resuming: bool) -> Run:
+def set_up(args: Args, sources: dict, seed: int, run_id: str, resume_step: int | None) -> Run:
     """The run folder, config.json, logging, seeding, environments, networks, optimizer (its state preallocated),
     replay and memory instruments, in the order that fixes every random number."""
     allocator = mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
@@ -1806,7 +1806,7 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resuming: bool) ->
     # absolute: wandb's service process resolves a relative path against its own folder, which is that of the
     # first tracked run of this Python process
     # a resumed run hides what the stopped one logged after its checkpoint (TensorBoard's purge): no step twice
-    purge_step = resume_state["global_step"] + 1 if resume_state is not None else None
+    purge_step = resume_step + 1 if resume_step is not None else None
     writer = SummaryWriter(os.path.abspath(os.path.join(args.log_dir, run_id)), purge_step=purge_step)
     writer.add_text(
         "hyperparameters",
@@ -1868,7 +1868,7 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resuming: bool) ->
         mu.install_oom_observer(run_dir)
 
     curve_path = os.path.join(run_dir, "eval", "curve.csv")
-    if not resuming or not os.path.exists(curve_path):
+    if resume_step is None or not os.path.exists(curve_path):
         with open(curve_path, "w") as f:
             f.write("episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n")
     return Run(
@@ -2157,7 +2157,7 @@ def train_one_seed(
     """One complete run (or the rest of one, from `resume_state`); returns its results row. Raises RunInterrupted
     (after checkpointing) on a signal or a CUDA OOM."""
     wall_start = time.time()
-    run = set_up(args, sources, seed, run_id, resuming=resume_state is not None)
+    run = set_up(args, sources, seed, run_id, resume_step=None if resume_state is None else resume_state["global_step"])
     args, rb, rng, probes = run.args, run.rb, run.rng, run.probes
     q_network, target_network = run.q_network, run.target_network
     global_step, episode, recent_train_scores, first_episode = 0, 0, [], 1
