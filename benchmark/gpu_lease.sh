@@ -50,7 +50,8 @@ case "$mode" in
         ;;
 esac
 budget_s=${GPU_LEASE_BUDGET_S:-$default_budget_s}
-start_s=$(date +%s)
+started_at=$(date +%s.%N)
+start_s=${started_at%.*}
 if [ -z "${OUT:-}" ] || [ ! -d "$OUT" ]; then
     echo "error: OUT must name an existing folder (the device tool sets it)." >&2
     exit 2
@@ -191,7 +192,7 @@ if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
     cp benchmark/*.py "$lease_dir/code/benchmark/"
     span_s=${GPU_LEASE_SPAN_S:-740}
     record call_1_mode "$mode"
-    record call_1_started "$start_s"
+    record call_1_started "$started_at"
     record call_1_budget_s "$budget_s"
     record span_s "$span_s"
     case "$mode" in
@@ -220,7 +221,7 @@ if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
     wait_for_run "$margin_s"
     call=1
 else
-    record call_2_started "$start_s"
+    record call_2_started "$started_at"
     record call_2_budget_s "$budget_s"
     say "the detached run of call 1, pid $(cat "$lease_dir/run.pid" 2>/dev/null || echo '?'); waiting on it"
     log_lines_shown=$(wc -l <"$lease_dir/run.log" 2>/dev/null || echo 0) # call 1 showed those
