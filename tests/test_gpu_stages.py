@@ -368,10 +368,11 @@ def test_a_lease_in_two_calls_call_1_returns_while_the_run_goes_on_detached_and_
         assert lease["run"]["ended_after_s"] > lease["call_1"]["collected_after_s"]
         call_1_after_launch = lease["call_1"]["collected_after_s"] - lease["run"]["launched_after_s"]
         assert final["update_wall_s"] > 0 and final["update"]["variants"]
-        # its Pong curve was first written after call 1 had returned (s_since_launch counts from the Pong
-        # process's launch, which came after the update stage)
-        first_write = min(w["s_since_launch"] for w in final["pong_curve_writes"])
-        assert first_write + final["update_wall_s"] > call_1_after_launch
+        # it went on training after call 1 had returned: its curve was written while training then
+        # (s_since_launch counts from the Pong process's launch, which came after the update stage)
+        last_write = max(w["s_since_launch"] for w in final["pong_curve_writes"] if w["training_running"])
+        assert last_write + final["update_wall_s"] > call_1_after_launch
+        assert final["pong_env_steps"] > (first.get("pong_env_steps") or 0)
         assert final["pong_returncode"] == 143  # stopped by its time cap, after a checkpoint
         # the final agent's evaluation and the run's own wall time, not the calls'
         assert final["pong_eval"]["asked"] == 10 and len(final["pong_eval"]["episodes"]) == 10
