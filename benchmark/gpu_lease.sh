@@ -1,14 +1,28 @@
 #!/usr/bin/env bash
-# One GPU lease, one command: issue 40's benchmark stages on a bare device machine, every result written into $OUT
-# as it is measured. Run by the device tool in the repository root, with the wheels of `.whl/` carried along:
+# One GPU lease: issue 40's benchmark stages on a bare device machine, every result written into $OUT as it is
+# measured. Run by the device tool in the repository root, with the wheels of `.whl/` carried along:
 #
-#   bash benchmark/gpu_lease.sh [all|update|pong] [more run.py flags, e.g. --pong-args="--amp bf16"]
+#   bash benchmark/gpu_lease.sh [MODE] [more run.py flags, e.g. --pong-args="--amp bf16"]
 #
-#   all     (default) `run.py --gpu-only --stage update pong`, ending within GPU_LEASE_BUDGET_S seconds (default
-#           575, under the tool's 600 s per command): the update variants (at most 3 minutes), then the Atari100k
-#           Pong run with the time left (about 3.5 minutes of it training), its evaluation, the results
+# One device command (ends within GPU_LEASE_BUDGET_S seconds, default 575, under the tool's 600 s per command):
+#   all     (default) `run.py --gpu-only --stage update pong`: the update variants (at most 3 minutes), then the
+#           Atari100k Pong run with the time left (about 3.5 minutes of it training), its evaluation, the results
 #   update  the update variants alone (at most 4 minutes)
 #   pong    the Pong run alone (about 6.5 minutes of it training), its evaluation, the results
+# Two device commands, the second issued as soon as the first returns (the machine stays warm 30 s), so that the
+# Pong run outlives the first command's 10 minutes (benchmark/README.md, "Two calls"):
+#   start       call 1 (default budget 550 s): the update variants (at most GPU_LEASE_UPDATE_MINUTES, 3), then the
+#               Pong run (about 7 minutes before its time cap), both in one `run.py --gpu-only` process started
+#               detached (setsid) in GPU_LEASE_DIR (/tmp/gpu-lease), so the stages never share the GPU; waits on it
+#               until its own budget is nearly spent, then copies what was measured so far into $OUT, marked "call 1,
+#               still running"
+#   start-pong  the same without the update variants: the Pong run alone, about 10 minutes before its time cap
+#   finish      call 2 (default budget 195 s): waits for that run (its training, evaluation and results) to end or
+#               for its own budget, then copies the files into $OUT, marked with both calls' times. Where
+#               GPU_LEASE_DIR holds nothing (the machine was given back between the calls, and the run with it) it
+#               says that the run is lost and exits 3.
+# The detached run ends by GPU_LEASE_SPAN_S seconds (default 740) after call 1 began (its --budget-minutes), so that
+# call 2 started within 30 s of call 1's return still finds it ending inside its own budget.
 #
 # $OUT receives at most 7 files: <date>-<gpu>.json and .md (rewritten after each variant and every 5k env steps),
 # <date>-<gpu>_pong_curve.png, up to two <date>-<gpu>_open_loop_step_<N>.png, pong_train_log_tail.txt, lease.log.
@@ -18,43 +32,70 @@
 # typeguard needs.
 #
 # GPU_LEASE_CPU_CHECK=1 GPU_LEASE_PYTHON=.venv/bin/python GPU_LEASE_BUDGET_S=240 OUT=/tmp/x bash benchmark/gpu_lease.sh
-# checks the script without a GPU: no wheels installed (the environment's own packages), `--device cpu --quick`.
+# checks the script without a GPU: no wheels installed (the environment's own packages), `--device cpu --quick`;
+# with GPU_LEASE_DIR, GPU_LEASE_SPAN_S and GPU_LEASE_PONG_MINUTES (the Pong run's own cap, default 30) the two
+# calls too (tests/test_gpu_stages.py).
 set -u -o pipefail
 
 mode=${1:-all}
 shift || true
 extra=("$@")
-budget_s=${GPU_LEASE_BUDGET_S:-575}
-start_s=$(date +%s)
 case "$mode" in
-    all | update | pong) ;;
+    all | update | pong) default_budget_s=575 ;;
+    start | start-pong) default_budget_s=550 ;;
+    finish) default_budget_s=195 ;;
     *)
-        echo "error: the mode must be all, update or pong, got '$mode'." >&2
+        echo "error: the mode must be all, update, pong, start, start-pong or finish, got '$mode'." >&2
         exit 2
         ;;
 esac
+budget_s=${GPU_LEASE_BUDGET_S:-$default_budget_s}
+started_at=$(date +%s.%N)
+start_s=${started_at%.*}
 if [ -z "${OUT:-}" ] || [ ! -d "$OUT" ]; then
     echo "error: OUT must name an existing folder (the device tool sets it)." >&2
     exit 2
 fi
 cpu_check=${GPU_LEASE_CPU_CHECK:-0}
 py=${GPU_LEASE_PYTHON:-python3}
-if [ "$cpu_check" != 1 ] && ! ls .whl/*.whl >/dev/null 2>&1; then
+case "$py" in
+    /*) ;;
+    */*) py="$PWD/$py" ;; # the detached run starts in another folder
+esac
+lease_dir=$(realpath -m "${GPU_LEASE_DIR:-/tmp/gpu-lease}")
+site=/tmp/gpu-lease-site
+if [ "$mode" = finish ] && [ ! -f "$lease_dir/lease.txt" ]; then
+    echo "error: nothing from call 1 on this machine ($lease_dir is missing): the machine was given back between" \
+        "the two calls, and the detached Pong run went with it. That run is lost; call 1's files (its curve until" \
+        "call 1 returned, marked as still running) are all that is left of it." | tee "$OUT/lease.log" >&2
+    exit 3
+fi
+if { [ "$mode" = start ] || [ "$mode" = start-pong ]; } && [ ! -f "$lease_dir/run.rc" ] && [ -f "$lease_dir/run.pid" ] &&
+    kill -0 "$(cat "$lease_dir/run.pid")" 2>/dev/null; then
+    echo "error: a detached run is still going in $lease_dir (pid $(cat "$lease_dir/run.pid")): collect it with" \
+        "'finish'." >&2
+    exit 2
+fi
+if [ "$cpu_check" != 1 ] && ! ls .whl/*.whl >/dev/null 2>&1 && ! { [ "$mode" = finish ] && [ -d "$site" ]; }; then
     echo "error: no wheels in .whl/ (carry it: carry [\".whl\"])." >&2
     exit 2
 fi
 exec > >(tee -a "$OUT/lease.log") 2>&1
 
 seconds_left() { echo $((budget_s - ($(date +%s) - start_s))); }
-say() { echo "[gpu_lease $(($(date +%s) - start_s)) s] $*"; }
+say() { echo "[gpu_lease $mode $(($(date +%s) - start_s)) s] $*"; }
 
 export PYTHONUNBUFFERED=1
 device=()
+poll_s=${GPU_LEASE_POLL_S:-5}
 if [ "$cpu_check" = 1 ]; then
     say "CPU check: the environment's own packages, --device cpu --quick"
     device=(--device cpu --quick)
+    poll_s=${GPU_LEASE_POLL_S:-1}
+elif [ "$mode" = finish ] && [ -d "$site" ]; then
+    say "the wheels call 1 installed in $site"
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 else
-    site=/tmp/gpu-lease-site
     say "installing $(ls .whl/*.whl | wc -l) wheels into $site"
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl ||
         exit 1
@@ -67,27 +108,137 @@ sys.exit(tuple(int(x) for x in m.version("typing_extensions").split(".")[:2]) < 
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
 fi
-"$py" -c 'import sys, torch, gymnasium, ale_py, tyro
+if [ "$mode" != finish ]; then
+    "$py" -c 'import sys, torch, gymnasium, ale_py, tyro
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(),
       "gymnasium", gymnasium.__version__, "ale_py", ale_py.__version__, "tyro", tyro.__version__)' || exit 1
-
-pong_dir=$(mktemp -d /tmp/gpu-lease-pong.XXXXXX) # a new run each time (--no-pong-resumable wants an empty folder)
-common=(--gpu-only --results-dir "$OUT" --pong-dir "$pong_dir" --no-pong-resumable)
-minutes() { "$py" -c "print(round($1 / 60, 2))"; }
-case "$mode" in
-    all) stages=(--stage update pong --update-minutes 3 --pong-eval-minutes 1) ;;
-    update) stages=(--stage update --update-minutes 4) ;;
-    pong) stages=(--stage pong --pong-eval-minutes 1) ;;
-esac
-# the Pong run trains until the budget leaves just its evaluation and the results (run.py --budget-minutes)
-budget=$(minutes "$(($(seconds_left) - 10))")
-say "python benchmark/run.py ${common[*]} ${stages[*]} ${device[*]} --pong-minutes 30 --budget-minutes $budget ${extra[*]}"
-"$py" benchmark/run.py "${common[@]}" "${stages[@]}" "${device[@]}" --pong-minutes 30 --budget-minutes "$budget" \
-    "${extra[@]}"
-status=$?
-if [ -f "$pong_dir/train.log" ]; then
-    tail -n 200 "$pong_dir/train.log" >"$OUT/pong_train_log_tail.txt"
 fi
-say "run.py exit $status; in \$OUT:"
+minutes() { "$py" -c "print(round($1 / 60, 2))"; }
+
+# ---------------------------------------------------------------------------------------------------------------
+# One call: run.py in the foreground, its files straight into $OUT
+# ---------------------------------------------------------------------------------------------------------------
+if [ "$mode" = all ] || [ "$mode" = update ] || [ "$mode" = pong ]; then
+    pong_dir=$(mktemp -d /tmp/gpu-lease-pong.XXXXXX) # a new run each time (--no-pong-resumable wants an empty folder)
+    common=(--gpu-only --results-dir "$OUT" --pong-dir "$pong_dir" --no-pong-resumable)
+    case "$mode" in
+        all) stages=(--stage update pong --update-minutes 3 --pong-eval-minutes 1) ;;
+        update) stages=(--stage update --update-minutes 4) ;;
+        pong) stages=(--stage pong --pong-eval-minutes 1) ;;
+    esac
+    # the Pong run trains until the budget leaves just its evaluation and the results (run.py --budget-minutes)
+    budget=$(minutes "$(($(seconds_left) - 10))")
+    say "python benchmark/run.py ${common[*]} ${stages[*]} ${device[*]} --pong-minutes 30 --budget-minutes $budget" \
+        "${extra[*]}"
+    "$py" benchmark/run.py "${common[@]}" "${stages[@]}" "${device[@]}" --pong-minutes 30 --budget-minutes "$budget" \
+        "${extra[@]}"
+    status=$?
+    if [ -f "$pong_dir/train.log" ]; then
+        tail -n 200 "$pong_dir/train.log" >"$OUT/pong_train_log_tail.txt"
+    fi
+    say "run.py exit $status; in \$OUT:"
+    ls -la "$OUT"
+    exit $status
+fi
+
+# ---------------------------------------------------------------------------------------------------------------
+# Two calls: the run detached in $lease_dir (run.pid, run.started, run.log; run.rc once it ended: "status epoch"),
+# each call's times in lease.txt; each call copies what is there into $OUT and marks the copy with both
+# (gpu_lease_note.py), never the live files, which the run rewrites
+# ---------------------------------------------------------------------------------------------------------------
+record() { echo "$1=$2" >>"$lease_dir/lease.txt"; }
+run_alive() { [ -f "$lease_dir/run.pid" ] && kill -0 "$(cat "$lease_dir/run.pid")" 2>/dev/null; }
+log_lines_shown=0
+show_run_log() { # the run's new log lines, into this call's output
+    local total
+    total=$(wc -l <"$lease_dir/run.log" 2>/dev/null || echo 0)
+    if [ "$total" -gt "$log_lines_shown" ]; then
+        sed -n "$((log_lines_shown + 1)),${total}p" "$lease_dir/run.log"
+        log_lines_shown=$total
+    fi
+}
+collect() { # $1: this call's number
+    local results
+    show_run_log
+    record "call_$1_collected" "$(date +%s.%N)"
+    results=$(ls "$lease_dir"/results/*.json 2>/dev/null | head -n 1)
+    if [ -z "$results" ]; then
+        say "no results file yet in $lease_dir/results: the run wrote nothing (its log above says why)"
+        return 1
+    fi
+    # the JSON is replaced whole on each save, so a copy is never half a file; the markdown is written anew from it
+    cp "$results" "${results%.json}"_*.png "$OUT"/ 2>/dev/null
+    if [ -f "$lease_dir/pong/train.log" ]; then
+        tail -n 200 "$lease_dir/pong/train.log" >"$OUT/pong_train_log_tail.txt"
+    fi
+    if ! "$py" benchmark/gpu_lease_note.py "$OUT/$(basename "$results")" "$lease_dir" --call "$1"; then
+        say "the calls were not written into the results: their markdown as the run left it"
+        cp "${results%.json}.md" "$OUT/"
+    fi
+}
+wait_for_run() { # until the run ended or this call has $1 seconds left
+    while [ ! -f "$lease_dir/run.rc" ] && run_alive && [ "$(seconds_left)" -gt "$1" ]; do
+        show_run_log
+        sleep "$poll_s"
+    done
+}
+margin_s=$((poll_s + 10)) # the copy and the note
+
+if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
+    rm -rf "$lease_dir"
+    mkdir -p "$lease_dir/results" "$lease_dir/code/benchmark"
+    # the run reads its code from its own copy: call 2's fresh working tree never changes it under the run
+    cp dreamer_atari.py memory_utils.py "$lease_dir/code/"
+    cp benchmark/*.py "$lease_dir/code/benchmark/"
+    span_s=${GPU_LEASE_SPAN_S:-740}
+    record call_1_mode "$mode"
+    record call_1_started "$started_at"
+    record call_1_budget_s "$budget_s"
+    record span_s "$span_s"
+    case "$mode" in
+        start) stages=(--stage update pong --update-minutes "${GPU_LEASE_UPDATE_MINUTES:-3}") ;;
+        start-pong) stages=(--stage pong) ;;
+    esac
+    budget=$(minutes "$((span_s - ($(date +%s) - start_s)))")
+    cmd=("$py" benchmark/run.py --gpu-only --results-dir "$lease_dir/results" --pong-dir "$lease_dir/pong"
+        --no-pong-resumable "${stages[@]}" --pong-eval-minutes 1 "${device[@]}"
+        --pong-minutes "${GPU_LEASE_PONG_MINUTES:-30}" --budget-minutes "$budget" "${extra[@]}")
+    say "detached, in $lease_dir/code: ${cmd[*]}"
+    # a new session (setsid): the device tool ends what a command leaves running, except a new session's processes.
+    # Every inherited descriptor above 2 closed (this call's output pipes among them), so that none stays open on
+    # the run's account after the call returns.
+    # shellcheck disable=SC2016
+    setsid nohup bash -c 'd=$1; shift; cd "$d/code" || exit
+        for fd in /proc/$$/fd/*; do fd=${fd##*/}; [ "$fd" -gt 2 ] && eval "exec $fd>&-"; done
+        date +%s.%N >"$d/run.started"; echo $$ >"$d/run.pid.tmp"; mv "$d/run.pid.tmp" "$d/run.pid"
+        "$@"; echo "$? $(date +%s.%N)" >"$d/run.rc.tmp"; mv "$d/run.rc.tmp" "$d/run.rc"' \
+        _ "$lease_dir" "${cmd[@]}" >"$lease_dir/run.log" 2>&1 </dev/null &
+    for _ in $(seq 100); do
+        [ -f "$lease_dir/run.pid" ] && break
+        sleep 0.1
+    done
+    say "run started, pid $(cat "$lease_dir/run.pid" 2>/dev/null || echo '?'); waiting on it until $margin_s s are left"
+    wait_for_run "$margin_s"
+    call=1
+else
+    record call_2_started "$started_at"
+    record call_2_budget_s "$budget_s"
+    say "the detached run of call 1, pid $(cat "$lease_dir/run.pid" 2>/dev/null || echo '?'); waiting on it"
+    log_lines_shown=$(wc -l <"$lease_dir/run.log" 2>/dev/null || echo 0) # call 1 showed those
+    wait_for_run "$margin_s"
+    call=2
+fi
+if [ -f "$lease_dir/run.rc" ]; then
+    read -r status _ <"$lease_dir/run.rc"
+    say "the run ended, exit $status"
+elif run_alive; then
+    status=0
+    say "the run is still going: copying what it measured so far"
+else
+    status=1
+    say "the run's process is gone without an exit status (killed?)"
+fi
+collect "$call" || status=1
+say "in \$OUT:"
 ls -la "$OUT"
-exit $status
+exit "$status"

@@ -841,4 +841,33 @@ def staged_markdown(result: dict) -> str:
         targets_markdown(result.get("targets") or targets(result)),
         "",
     ]
-    return "\n".join([*head, *update_markdown(result), "", *pong_markdown_staged(result)]) + "\n"
+    return (
+        "\n".join(
+            [*head, *lease_markdown(result), *update_markdown(result), "", *pong_markdown_staged(result)]
+        )
+        + "\n"
+    )
+
+
+def lease_markdown(result: dict) -> list[str]:
+    """The device calls a run spanned (`gpu_lease.sh start` and `finish`, benchmark/gpu_lease_note.py)."""
+    lease = result.get("lease")
+    if not lease:
+        return []
+    run, first, second = lease["run"], lease["call_1"], lease.get("call_2")
+    times = (
+        f"Seconds from call 1's start: call 1 (`gpu_lease.sh {first['mode']}`, budget {first['budget_s']} s) "
+        f"collected its files at {fmt(first['collected_after_s'])}"
+    )
+    if second:
+        times += (
+            f"; call 2 (`finish`, budget {second['budget_s']} s) started at {fmt(second['started_after_s'])} and "
+            f"collected these files at {fmt(second['collected_after_s'])}"
+        )
+    times += f"; the run was launched at {fmt(run['launched_after_s'])}" + (
+        f" and ended at {fmt(run['ended_after_s'])}, exit {run['exit_status']} (its own wall time "
+        f"{fmt(run['wall_s'])} s)."
+        if run["ended_after_s"] is not None
+        else f" and had run {fmt(run['wall_s_so_far'])} s."
+    )
+    return [f"## Device calls: {lease['device_calls']}", "", lease["summary"], "", times, ""]

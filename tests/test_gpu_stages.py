@@ -3,8 +3,11 @@ file a GPU session commits, the curve written while the Pong run trains, the var
 
 import dataclasses
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from benchmark import gpu_stages, run, update_variants
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "benchmark" / "run.py"
+LEASE = ROOT / "benchmark" / "gpu_lease.sh"
 ISSUE_KEYS = (
     "gpu_name",
     "update_ms_b16_t64",
@@ -278,3 +282,125 @@ def test_a_fresh_pong_run_refuses_a_pong_dir_that_already_holds_a_run(tmp_path):
     )
     assert done.returncode == 2 and "already holds one: give an empty --pong-dir." in done.stderr
     assert not (tmp_path / "results").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One lease in two device calls (`gpu_lease.sh start`, then `finish`), checked on the CPU at tiny sizes
+# ---------------------------------------------------------------------------------------------------------
+def _lease_call(
+    mode: str, lease_dir: Path, out: Path, budget_s: int, args: tuple[str, ...] = (), **env: str
+) -> tuple[int, str, float]:
+    """One call of gpu_lease.sh as the device tool makes it: its own session, $OUT an empty folder, and whatever
+    the command leaves running in that session killed when it returns. Returns the exit status, the output and
+    the seconds the call took."""
+    out.mkdir()
+    environ = {
+        **os.environ,
+        "GPU_LEASE_CPU_CHECK": "1",
+        "GPU_LEASE_PYTHON": sys.executable,
+        "GPU_LEASE_DIR": str(lease_dir),
+        "GPU_LEASE_BUDGET_S": str(budget_s),
+        "OUT": str(out),
+        **env,
+    }
+    started = time.monotonic()
+    process = subprocess.Popen(
+        ["bash", str(LEASE), mode, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=environ,
+        start_new_session=True,
+    )
+    output, _ = process.communicate(timeout=budget_s + 60)  # until its output closes, as the tool reads it
+    took = time.monotonic() - started
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return process.returncode, output, took
+
+
+def _results(out: Path) -> dict:
+    (json_file,) = out.glob("*.json")
+    return json.loads(json_file.read_text())
+
+
+@pytest.mark.slow
+def test_a_lease_in_two_calls_call_1_returns_while_the_run_goes_on_detached_and_call_2_collects_its_end(
+    tmp_path,
+):
+    lease_dir = tmp_path / "lease"
+    try:
+        # call 1: the update stage (capped at 6 s), then the Pong run, stopped by its time cap of 31 s: the run
+        # lasts at least 31 s after its launch, and call 1 returns 35 s - its 11 s margin after it began
+        status, output, took = _lease_call(
+            "start",
+            lease_dir,
+            tmp_path / "out1",
+            35,
+            GPU_LEASE_SPAN_S="300",
+            GPU_LEASE_UPDATE_MINUTES="0.1",
+            GPU_LEASE_PONG_MINUTES="0.52",
+        )
+        assert status == 0, output[-3000:]
+        assert took < 45, output[-3000:]
+        pid = int((lease_dir / "run.pid").read_text())
+        assert not (lease_dir / "run.rc").exists(), "the run ended within call 1: nothing was left for call 2"
+        # the run outlived its call's session (the device tool kills that): it runs in a session of its own
+        os.kill(pid, 0)
+        assert os.getsid(pid) == pid
+        first = _results(tmp_path / "out1")
+        assert first["stages"] == ["update", "pong"] and "pong_eval" not in first
+        assert first["lease"]["collected_in_call"] == 1 and first["lease"]["state"] == "running"
+        assert "still running when call 1 returned" in first["lease"]["summary"]
+        assert "## Device calls: 1" in next((tmp_path / "out1").glob("*.md")).read_text()
+
+        # call 2, at once: waits for the run's end, its evaluation and results
+        status, output, _ = _lease_call("finish", lease_dir, tmp_path / "out2", 150)
+        assert status == 0, output[-3000:]
+        final = _results(tmp_path / "out2")
+        lease = final["lease"]
+        assert lease["device_calls"] == 2 and lease["collected_in_call"] == 2 and lease["state"] == "finished"
+        assert lease["run"]["exit_status"] == 0
+        # the run went on after call 1 had collected its files: the update stage, then the whole Pong run
+        assert lease["run"]["ended_after_s"] > lease["call_1"]["collected_after_s"]
+        call_1_after_launch = lease["call_1"]["collected_after_s"] - lease["run"]["launched_after_s"]
+        assert final["update_wall_s"] > 0 and final["update"]["variants"]
+        # it went on training after call 1 had returned: its curve was written while training then
+        # (s_since_launch counts from the Pong process's launch, which came after the update stage)
+        last_write = max(w["s_since_launch"] for w in final["pong_curve_writes"] if w["training_running"])
+        assert last_write + final["update_wall_s"] > call_1_after_launch
+        assert final["pong_env_steps"] > (first.get("pong_env_steps") or 0)
+        assert final["pong_returncode"] == 143  # stopped by its time cap, after a checkpoint
+        # the final agent's evaluation and the run's own wall time, not the calls'
+        assert final["pong_eval"]["asked"] == 10 and len(final["pong_eval"]["episodes"]) == 10
+        assert final["pong_final_return"] is not None
+        assert final["wall_s"] <= lease["run"]["wall_s"] < lease["call_2"]["collected_after_s"]
+        markdown = next((tmp_path / "out2").glob("*.md")).read_text()
+        assert "## Device calls: 2" in markdown and "spanned two device calls" in markdown
+        # what the device tool brings back: at most 8 files
+        assert len(list((tmp_path / "out2").iterdir())) <= 8
+    finally:
+        if (lease_dir / "run.pid").exists() and not (lease_dir / "run.rc").exists():
+            try:
+                os.killpg(int((lease_dir / "run.pid").read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_call_2_on_a_machine_given_back_says_the_run_is_lost_with_status_3(tmp_path):
+    status, output, _ = _lease_call("finish", tmp_path / "lease", tmp_path / "out", 30)
+    assert status == 3
+    assert "the machine was given back between the two calls" in output and "That run is lost" in output
+    assert "That run is lost" in (tmp_path / "out" / "lease.log").read_text()
+
+
+def test_call_1_never_starts_a_second_run_over_one_still_going(tmp_path):
+    lease_dir = tmp_path / "lease"
+    lease_dir.mkdir()
+    (lease_dir / "run.pid").write_text(str(os.getpid()))  # a live process, no exit status yet
+    status, output, _ = _lease_call("start", lease_dir, tmp_path / "out", 30)
+    assert status == 2 and "a detached run is still going" in output and "collect it with 'finish'" in output
+    assert (lease_dir / "run.pid").exists()
