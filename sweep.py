@@ -208,6 +208,7 @@ class Plan:
 def load_script_args(path: Path) -> tuple[type, types.ModuleType]:
     spec = importlib.util.spec_from_file_location(f"_sweep_target_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import does: dataclasses look their module up there
     sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(module)

@@ -309,20 +309,19 @@ def test_dreamer_update_log_carried_by_a_checkpoint_gives_the_interval_an_uninte
 
     import dreamer_atari as da
 
-    keys = ("losses/a", "losses/b")
-    rows = [torch.tensor([1.0, 10.0]), torch.tensor([3.0, 30.0]), torch.tensor([8.0, 80.0])]
+    rows = [{"losses/a": torch.tensor(a), "losses/b": torch.tensor(b)} for a, b in ((1.0, 10.0), (3.0, 30.0), (8.0, 80.0))]
     healthy = torch.tensor(True)
     uninterrupted, stopped = da.UpdateLog("cpu"), da.UpdateLog("cpu")
     for row in rows:
-        uninterrupted.add(keys, row, healthy)
+        uninterrupted.add(row, healthy)
         uninterrupted.end_update(healthy)
-    stopped.add(keys, rows[0], healthy)
+    stopped.add(rows[0], healthy)
     stopped.end_update(healthy)
     saved = torch.load(_saved(stopped.state()), weights_only=True)  # as a checkpoint holds it
     resumed = da.UpdateLog("cpu")
     resumed.restore(saved)
     for row in rows[1:]:
-        resumed.add(keys, row, healthy)
+        resumed.add(row, healthy)
         resumed.end_update(healthy)
     assert resumed.pop() == uninterrupted.pop() == ({"losses/a": 4.0, "losses/b": 40.0}, 0, 0)
 
