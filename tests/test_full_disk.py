@@ -133,6 +133,39 @@ def test_tensorboard_events_on_a_full_disk_are_one_warning_and_the_file_stays_re
     assert steps == list(range(len(steps))) and len(steps) > 100  # every record that is there is whole
 
 
+def test_tensorboard_events_resume_whole_when_the_disk_has_room_again(small_disk):
+    """A record torn by the full disk is cut off, so the records written once there is room again are readable."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    said = []
+    writer = SummaryWriter(str(small_disk / "events"))
+    assert mu.keep_events_on_write_errors(writer, said.append)
+    for step in range(200):
+        writer.add_scalar("loss", float(step), step)
+    writer.flush()
+    ballast = small_disk / "ballast"
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT)
+    try:  # fill the disk to the last byte
+        while os.write(fd, b"\0" * 512):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    for step in range(200, 700):
+        writer.add_scalar("loss", float(step), step)
+    writer.flush()
+    ballast.unlink()
+    for step in range(700, 900):
+        writer.add_scalar("loss", float(step), step)
+    writer.close()
+    assert len(said) == 2 and "No space left on device" in said[0] and "written again" in said[1], said
+    events = EventAccumulator(str(small_disk / "events"), size_guidance={"scalars": 0})
+    events.Reload()
+    steps = [e.step for e in events.Scalars("loss")]
+    assert steps[:200] == list(range(200)) and steps[-200:] == list(range(700, 900)), steps[195:210]
+
+
 DREAMER_RUN = """
     import dreamer_atari as da
     args = da.Args(**{tiny}, num_envs=1, vector_mode="sync", amp="off", total_timesteps=300, learning_starts=60,
