@@ -18,7 +18,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import dqn_starcraft_split as dqn
 import dreamer_atari as da
 import memory_utils as mu
-from dreamer_tiny import TINY_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMITED = """
@@ -35,7 +34,7 @@ def run_limited(code: str, limit: int, cwd, timeout: int = 300) -> subprocess.Co
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("RL_")}
     return subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
 
 
 @pytest.fixture
@@ -43,13 +42,13 @@ def small_disk(tmp_path):
     """A 3 MB tmpfs mounted at tmp_path/disk, where this process may mount one (root in a container); else skip."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True, check=False)
     if mounted.returncode != 0:
         pytest.skip("cannot mount a small tmpfs here (needs root); the RLIMIT_FSIZE tests cover the same code")
     try:
         yield disk
     finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True, check=False)
 
 
 def leftovers(folder: Path) -> list[Path]:
