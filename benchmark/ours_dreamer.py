@@ -5,7 +5,7 @@ Each command runs in its own process (run.py starts them) and writes one JSON ob
     python benchmark/ours_dreamer.py measure --out PATH [--quick]   # bytes, sampling, update at the seed config
     python benchmark/ours_dreamer.py update --out PATH              # the seed-config update alone
     python benchmark/ours_dreamer.py trials --out PATH              # defaults without channels_last / inverse-CDF, compile, bf16
-    python benchmark/ours_dreamer.py soak --out PATH [--capacity N]  # dreamer_atari.main with a tiny model
+    python benchmark/ours_dreamer.py soak --out PATH [--capacity N] [--warmup N] [--turnovers N]  # tiny-model main
     python benchmark/ours_dreamer.py gpu --out PATH [--quick]       # CUDA: updates/s and peak memory per --amp
 
 The seed configuration is `dreamer_atari.Args()` as it is: Pong, 2 envs, capacity 50k steps, batch 16 x 50.
