@@ -36,7 +36,6 @@ import random
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 import types
@@ -1520,6 +1519,7 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> tu
 # Run plumbing: files, signals, results row
 # ---------------------------------------------------------------------------------------------------------
 EXIT_OOM = 3
+EXIT_WRITE_FAILED = 6  # a file the run cannot go on without (config, final or interrupted checkpoint, results)
 
 
 class RunInterrupted(BaseException):
@@ -1544,16 +1544,9 @@ def _raise_interrupted(signum, frame):
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write a temporary file in the same folder, then rename it over `path`: old or new, never half."""
-    folder = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """Write a temporary file in the same folder, then rename it over `path`: old or new, never half. A full disk
+    (no space, quota, read-only, I/O error) raises mu.WriteFailed with the partial file already removed."""
+    mu.atomic_write(path, data)
 
 
 CHECKPOINT_FORMAT = "dqn_starcraft_split/3"  # 3: every setting in RESUME_MUST_MATCH recorded in its args
@@ -1781,8 +1774,7 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resume_step: int |
         "torch": torch.__version__,
         "machine": platform.machine(),
     }
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    atomic_write_bytes(os.path.join(run_dir, "config.json"), json.dumps(config, indent=2).encode())
 
     if args.track:
         try:
@@ -1808,6 +1800,7 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resume_step: int |
     # a resumed run hides what the stopped one logged after its checkpoint (TensorBoard's purge): no step twice
     purge_step = resume_step + 1 if resume_step is not None else None
     writer = SummaryWriter(os.path.abspath(os.path.join(args.log_dir, run_id)), purge_step=purge_step)
+    mu.keep_events_on_write_errors(writer, logger.info)  # a full disk: one warning line, training goes on
     writer.add_text(
         "hyperparameters",
         "|param|value|source|\n|-|-|-|\n"
@@ -1847,8 +1840,7 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resume_step: int |
             fallback_used=True,
             fallback_reason="optimizer-state preallocation ran out of memory at the full batch",
         )
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
+        atomic_write_bytes(os.path.join(run_dir, "config.json"), json.dumps(config, indent=2).encode())
     logger.info(
         f"run {run_id}: device {device}, amp {amp.mode}, batch {batch_size}"
         f"{' (fallback)' if fallback_used else ''}, optimizer state preallocated ({prealloc_mb:.1f} MB peak)"
@@ -1859,6 +1851,10 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resume_step: int |
         f"replay: {obs_bytes} B of observations + {aux_bytes} B of the rest per step, "
         f"{(obs_bytes + aux_bytes) * args.buffer_size / 2**20:.0f} MB when full"
     )
+    checkpoint_bytes = mu.estimate_nbytes([q_network.state_dict(), target_network.state_dict(), optimizer.state_dict()])
+    checkpoint_bytes += (obs_bytes + aux_bytes) * args.buffer_size if args.checkpoint_buffer else 0
+    if warning := mu.disk_space_warning(run_dir, checkpoint_bytes):  # a full disk: said now, not at the end
+        logger.info(warning)
     # forensics: stage probes, allocator snapshots, and a snapshot at the moment of a CUDA OOM
     probes = mu.StageProbes(enabled=args.memory_probes, device=device)
     snapshots = mu.MemorySnapshots(
@@ -1869,8 +1865,7 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resume_step: int |
 
     curve_path = os.path.join(run_dir, "eval", "curve.csv")
     if resume_step is None or not os.path.exists(curve_path):
-        with open(curve_path, "w") as f:
-            f.write("episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n")
+        atomic_write_bytes(curve_path, b"episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n")
     return Run(
         args=args,
         seed=seed,
@@ -2039,10 +2034,11 @@ def evaluate(
     test_mean = float(np.mean(test_scores))
     train_mean = float(np.mean(recent_train_scores))
     run.writer.add_scalar("charts/test_score", test_mean, global_step)
-    with open(run.curve_path, "a") as f:
-        f.write(
-            f"{episode},{global_step},{time.time() - start_time:.1f},{epsilon:.4f},{train_mean:.3f},{test_mean:.3f}\n"
-        )
+    try:  # a full disk: this point is not saved (one warning line), training goes on
+        mu.atomic_append(run.curve_path, f"{episode},{global_step},{time.time() - start_time:.1f},{epsilon:.4f},"
+                         f"{train_mean:.3f},{test_mean:.3f}\n")
+    except mu.WriteFailed as exc:
+        run.logger.info(f"warning: {exc}; this curve point is not saved, training goes on")
     run.logger.info(
         f"episode {episode} step {global_step}: train score {train_mean:.2f} (last "
         f"{len(recent_train_scores)}), greedy test {test_mean:.2f}, epsilon {epsilon:.3f}, "
@@ -2094,8 +2090,7 @@ def finish(
         "train_wall_time_s": time.time() - start_time,
         "leak_check": verdict.diagnosis,
     }
-    with open(os.path.join(run.run_dir, "eval", "test_results.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    atomic_write_bytes(os.path.join(run.run_dir, "eval", "test_results.json"), json.dumps(results, indent=2).encode())
     run.writer.add_scalar("charts/final_test_score", results["mean"], global_step)
     if args.save_model:
         save_run(run, episode, global_step, recent_train_scores, interrupted=False)
@@ -2295,8 +2290,15 @@ def main(args: Args, sources: dict) -> int:
         except RunInterrupted as exc:
             print(f"stopped by {exc}; remaining seeds not run", file=sys.stderr)
             return exc.exit_code
+        except mu.WriteFailed as exc:  # config, test results, the final or interrupted checkpoint
+            print(f"stopped: {exc}; the run cannot go on without this file.", file=sys.stderr)
+            return EXIT_WRITE_FAILED
         # The row is the very last thing a run writes, in one atomic rename: an interrupted run has none.
-        append_results_row(os.path.join(args.save_path, "results.csv"), row)
+        try:
+            append_results_row(os.path.join(args.save_path, "results.csv"), row)
+        except mu.WriteFailed as exc:
+            print(f"stopped: {exc}; this run's results row is not saved.", file=sys.stderr)
+            return EXIT_WRITE_FAILED
     return 0
 
 

@@ -54,6 +54,7 @@ EXIT_BAD_INPUT = 2
 EXIT_OOM = 3
 EXIT_LEAK = 4
 EXIT_NONFINITE = 5
+EXIT_WRITE_FAILED = 6  # a checkpoint the run cannot go on without (final, signal, OOM) could not be written
 CHECKPOINT_FORMAT = "dreamer_atari/1"
 OOM_ADVICE = (
     "Flags that lower the peak: --amp bf16 (or fp16 on CUDA), a smaller --batch-size or --sequence-length, a "
@@ -1740,9 +1741,7 @@ def log_open_loop(agent: Agent, replay: "EpisodeReplay", args: Args, writer: Sum
     image = Summary.Image(height=height, width=width, colorspace=1, encoded_image_string=gif.getvalue())
     writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag="videos/open_loop", image=image)]), step)
     path = os.path.join(run_dir, "open_loop", f"step_{step}.gif")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(gif.getvalue())
+    mu.atomic_write(path, gif.getvalue())  # mu.WriteFailed on a full disk: no partial file
     return path
 
 
@@ -1823,10 +1822,8 @@ def save_checkpoint(
     }
     if torch.cuda.is_available() and agent.device.type == "cuda":
         state["rng"]["cuda"] = torch.cuda.get_rng_state(agent.device)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # a crash while writing never leaves a half-written checkpoint behind
+    # a crash or a full disk while writing never leaves a half-written checkpoint behind (mu.WriteFailed)
+    mu.atomic_write(path, lambda f: torch.save(state, f), needed_bytes=mu.estimate_nbytes(state))
     return path
 
 
@@ -2167,6 +2164,7 @@ def set_up(args: Args) -> Run:
     # a resumed run hides what the stopped one logged after its checkpoint (TensorBoard's purge): no step twice
     purge_step = resume_state["counters"]["global_step"] + 1 if resume_state is not None else None
     writer = SummaryWriter(os.path.abspath(run_dir), purge_step=purge_step)
+    mu.keep_events_on_write_errors(writer)  # a full disk: one warning line, events dropped, training goes on
     writer.add_text(
         "hyperparameters",
         "|param|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|" for key, value in vars(args).items()),
@@ -2207,6 +2205,13 @@ def set_up(args: Args) -> Run:
         )
     replay = EpisodeReplay(replay_capacity(args), args.num_envs, seed=args.seed)
     say_replay_size(replay.capacity, obs_shape)
+    if args.save_model or args.checkpoint_every:  # a full disk: say so now, not at the first checkpoint
+        checkpoint_bytes = mu.estimate_nbytes([{n: m.state_dict() for n, m in agent.modules().items()},
+                                               [o.state_dict() for o in agent.optimizers]])
+        if args.checkpoint_buffer:
+            checkpoint_bytes += replay.capacity * (obs_shape[-2] * obs_shape[-1] + REPLAY_AUX_BYTES_PER_STEP)
+        if warning := mu.disk_space_warning(run_dir, checkpoint_bytes):
+            print(warning)
 
     counters = {
         "global_step": 0,
@@ -2331,6 +2336,8 @@ def diagnose(run: Run) -> None:
             log_open_loop(run.agent, run.replay, args, run.writer, run.run_dir, step, run.video_rng)
         except torch.OutOfMemoryError:
             raise  # the loop's OOM handler: a report and a checkpoint, like any other OOM
+        except mu.WriteFailed as exc:  # a full disk: the next video tries again
+            run.progress.say(f"warning: {exc}; no open-loop GIF this time")
         except Exception as exc:  # noqa: BLE001 - diagnostics never break training
             run.next_video = None
             run.progress.say(f"open-loop video failed ({type(exc).__name__}: {exc}); no more videos this run")
@@ -2384,11 +2391,19 @@ def log_point(run: Run) -> None:
         exit_with(f"stopping (--abort-on-leak): {verdict.diagnosis}", EXIT_LEAK)
 
 
-def checkpoint(run: Run, reason: str) -> None:
+def checkpoint(run: Run, reason: str, required: bool = True) -> None:
+    """A checkpoint that fails to write (a full disk): `required` (the final one, a signal's, an OOM's) ends the run
+    with one sentence and EXIT_WRITE_FAILED; otherwise one warning line and the last good one stays."""
     run.counters["train_seconds"] = run.seconds_before + time.time() - run.start_time
     # the updates since the last log point, so that a resumed run logs their means with the next interval
     counters = {**run.counters, "update_log": run.update_log.state()}
-    save_checkpoint(run.checkpoint_path, run.agent, counters, run.run_name, run.args, run.replay, run.rng)
+    try:
+        save_checkpoint(run.checkpoint_path, run.agent, counters, run.run_name, run.args, run.replay, run.rng)
+    except mu.WriteFailed as exc:
+        if not required:
+            run.progress.say(f"warning: {exc}; checkpoint ({reason}) not written, the last good one is kept")
+            return
+        exit_with(f"stopping: {exc}; the run cannot go on without this checkpoint ({reason}).", EXIT_WRITE_FAILED)
     run.progress.say(f"checkpoint ({reason}): {run.checkpoint_path} at step {run.step}")
 
 
@@ -2436,7 +2451,7 @@ def main(args: Args) -> dict:
                 log_point(run)
             if run.next_checkpoint is not None and run.step >= run.next_checkpoint:
                 run.next_checkpoint = (run.step // args.checkpoint_every + 1) * args.checkpoint_every
-                checkpoint(run, "periodic")
+                checkpoint(run, "periodic", required=False)  # a full disk: a warning, the next interval tries again
         if args.save_model:
             checkpoint(run, "end of training")
         if args.memory_probes:
@@ -2446,7 +2461,7 @@ def main(args: Args) -> dict:
     except Exception as exc:
         # anything else (an env that crashed, a bug): keep what was trained, then show the traceback
         try:
-            checkpoint(run, f"crashed with {type(exc).__name__}")
+            checkpoint(run, f"crashed with {type(exc).__name__}", required=False)  # the crash is the error to show
         except Exception as save_error:  # noqa: BLE001 - the original error is the one to show
             run.progress.say(f"could not write a checkpoint after the crash ({save_error})")
         raise

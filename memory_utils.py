@@ -37,8 +37,10 @@ import numbers
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -129,6 +131,205 @@ def _warn_once(key: str, message: str, _seen: set = set()) -> None:  # noqa: B00
     if key not in _seen:
         _seen.add(key)
         print(f"memory_utils: {message}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Files: writes that survive a full disk (no space, quota, read-only, I/O error)
+# ---------------------------------------------------------------------------------------------------------
+class WriteFailed(OSError):
+    """A file could not be written; the partial file is already removed and the previous file at `path` (if any)
+    is untouched. `needed_bytes`: what the write needed (estimated before it started where the writer streams);
+    `free_bytes`: what its file system had free when it failed (None where that cannot be read)."""
+
+    def __init__(self, path: str, needed_bytes: int | None, free_bytes: int | None, reason: str):
+        self.path, self.needed_bytes, self.free_bytes, self.reason = str(path), needed_bytes, free_bytes, reason
+        needed = "an unknown size" if needed_bytes is None else _size_text(needed_bytes)
+        free = "unknown" if free_bytes is None else _size_text(free_bytes)
+        super().__init__(f"could not write {self.path} (needs {needed}, {free} free there): {reason}")
+
+
+def _size_text(nbytes: int) -> str:
+    if nbytes >= 1024 * MB:
+        return f"{nbytes / (1024 * MB):,.1f} GB"
+    return f"{nbytes / MB:,.1f} MB" if nbytes >= MB else f"{nbytes:,} bytes"
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes for this user on the file system that holds `path` (or its nearest existing parent)."""
+    folder = os.path.abspath(os.fspath(path))
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def estimate_nbytes(obj: Any) -> int:
+    """Bytes a `torch.save` of `obj` needs, about: its tensors' storages (each counted once) and arrays, plus a
+    small allowance for everything else (checkpoints are tensors and plain containers)."""
+    seen: set[int] = set()
+
+    def walk(item) -> int:
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            key = storage.data_ptr() if storage.data_ptr() else id(storage)
+            if key in seen:
+                return 0
+            seen.add(key)
+            return storage.nbytes() + 512
+        if isinstance(item, np.ndarray):
+            return item.nbytes + 256
+        if isinstance(item, (bytes, bytearray, str)):
+            return len(item) + 32
+        if isinstance(item, dict):
+            return 64 + sum(walk(k) + walk(v) for k, v in item.items())
+        if isinstance(item, (list, tuple, set, frozenset, deque)):
+            return 64 + sum(walk(v) for v in item)
+        return 32
+
+    return walk(obj)
+
+
+class _CountingFile:
+    """The file object a serializer writes to: passes bytes on, and keeps the first OSError it raised (torch.save
+    turns a failed write into an unhelpful RuntimeError; this keeps the real reason)."""
+
+    def __init__(self, raw):
+        self.raw, self.error = raw, None
+
+    def write(self, data) -> int:
+        try:
+            return self.raw.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | Callable[[Any], Any], needed_bytes: int | None = None) -> int:
+    """Write `path` all at once or not at all: a temporary file in the same folder, flushed to disk (fsync), then
+    renamed over `path`. `data` is the bytes, or a function that writes to the open binary file (`lambda f:
+    torch.save(state, f)`). Returns the bytes written.
+
+    A write that fails for lack of room, quota, a read-only or failing disk removes the temporary file and raises
+    `WriteFailed` (the file, the bytes it needed, the free space); the previous file at `path` stays as it was.
+    Other errors (a bug in what is written) are raised as they are, also without leaving the temporary file."""
+    path = os.fspath(path)
+    folder = os.path.dirname(path) or "."
+    if needed_bytes is None and isinstance(data, (bytes, bytearray, memoryview)):
+        needed_bytes = len(data)
+    tmp, out = None, None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_", suffix="_" + os.path.basename(path))
+        with os.fdopen(fd, "wb") as raw:
+            out = _CountingFile(raw)
+            if callable(data):
+                data(out)
+            else:
+                out.write(data)
+            raw.flush()
+            os.fsync(raw.fileno())
+            written = raw.tell()
+        os.replace(tmp, path)
+        tmp = None
+        return written
+    except Exception as exc:
+        error = exc if isinstance(exc, OSError) else getattr(out, "error", None)
+        if error is None or isinstance(exc, WriteFailed):
+            raise
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            tmp = None
+        reason = error.strerror or str(error) if isinstance(error, OSError) else str(error)
+        raise WriteFailed(path, needed_bytes, free_bytes(folder), reason) from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+
+
+def atomic_append(path: str | os.PathLike, text: str) -> int:
+    """Add `text` at the end of a small text file (a CSV of results) with `atomic_write`: the whole file is
+    rewritten and renamed, so a full disk never leaves half a line; raises `WriteFailed` like it."""
+    try:
+        with open(path, "rb") as f:
+            existing = f.read()
+    except FileNotFoundError:
+        existing = b""
+    return atomic_write(path, existing + text.encode())
+
+
+def disk_space_warning(folder: str | os.PathLike, bytes_per_checkpoint: int, copies: int = 2) -> str | None:
+    """One warning line when the file system of `folder` cannot hold `copies` checkpoints of this size (the one
+    kept and the one being written beside it), else None."""
+    free = free_bytes(folder)
+    if free is None or free >= copies * bytes_per_checkpoint:
+        return None
+    return (f"warning: {_size_text(free)} free where checkpoints go ({os.fspath(folder)}), less than {copies} "
+            f"checkpoints of about {_size_text(bytes_per_checkpoint)} each: a checkpoint may fail to write")
+
+
+class _GuardedRecords:
+    """Stands in for TensorBoard's record writer inside its writer thread: a record that cannot be written is cut
+    back off the event file (no torn record) and dropped, with one warning line per run of failures."""
+
+    def __init__(self, records, path: str, say: Callable[[str], None]):
+        self._records, self._path, self._say = records, path, say
+        self.dropped = 0
+
+    def write(self, data: bytes) -> None:
+        try:
+            size = os.path.getsize(self._path)
+        except OSError:
+            size = None
+        try:
+            self._records.write(data)
+        except OSError as exc:
+            if size is not None:
+                with contextlib.suppress(OSError):
+                    os.truncate(self._path, size)
+            if not self.dropped:
+                self._say(f"warning: {WriteFailed(self._path, len(data) + 16, free_bytes(self._path), exc.strerror or str(exc))}; "
+                          "TensorBoard events are dropped until there is room, training goes on")
+            self.dropped += 1
+            return
+        if self.dropped:
+            self._say(f"TensorBoard events are written again to {self._path} ({self.dropped} were dropped)")
+            self.dropped = 0
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self._records.flush()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._records.close()
+
+
+def keep_events_on_write_errors(writer, say: Callable[[str], None] | None = None) -> bool:
+    """Make a `SummaryWriter`'s failed writes (a full disk) one warning line instead of the end of the run.
+
+    TensorBoard writes events in a thread; a failed write kills that thread (printing a traceback) and the error
+    comes back at the next `add_scalar`, which would end training. Guarded, a record that cannot be written is
+    dropped, the event file keeps only whole records, and writing resumes when there is room. Returns whether
+    the guard is in place (False, with a warning, if this TensorBoard's writer is built otherwise)."""
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        event_writer = writer._get_file_writer().event_writer
+        worker = event_writer._async_writer._worker
+        worker._record_writer = _GuardedRecords(worker._record_writer, event_writer._file_name, say)
+        return True
+    except AttributeError:
+        _warn_once("events_guard", "this TensorBoard's writer has another layout; a full disk may stop the run")
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1083,13 +1284,17 @@ class MemorySnapshots:
             _warn_once("snapshots_start", f"could not start recording allocator history ({exc}); no snapshots")
 
     def dump(self, path: Path) -> str | None:
+        """Write one snapshot; a failed write (a full disk) is one warning line, the partial file removed, and
+        the next interval tries again."""
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            torch.cuda.memory._dump_snapshot(str(tmp))
-            os.replace(tmp, path)
+            snapshot = torch.cuda.memory._snapshot()  # what _dump_snapshot pickles, written here all or nothing
+            atomic_write(path, functools.partial(pickle.dump, snapshot))
+            del snapshot
             return str(path)
-        except Exception as exc:  # noqa: BLE001 - disk full, permissions: training goes on
+        except WriteFailed as exc:
+            print(f"memory_utils: warning: {exc}; no snapshot this time, training continues", file=sys.stderr)
+            return None
+        except Exception as exc:  # noqa: BLE001 - diagnostics never break training
             _warn_once("snapshots_write", f"writing memory snapshot {path} failed ({exc}); training continues")
             return None
 
@@ -1120,11 +1325,12 @@ def install_oom_observer(run_dir: str) -> bool:
 
     def observer(device, alloc, device_alloc, device_free):
         try:
-            oom_dir.mkdir(parents=True, exist_ok=True)
-            (oom_dir / "observer.json").write_text(json.dumps(
+            atomic_write(oom_dir / "observer.json", json.dumps(
                 {"device": device, "requested_bytes": alloc, "device_allocated_bytes": device_alloc,
-                 "device_free_bytes": device_free}, indent=2))
-            torch.cuda.memory._dump_snapshot(str(oom_dir / "snapshot_at_oom.pickle"))
+                 "device_free_bytes": device_free}, indent=2).encode())
+            atomic_write(oom_dir / "snapshot_at_oom.pickle", functools.partial(pickle.dump, torch.cuda.memory._snapshot()))
+        except WriteFailed as exc:
+            print(f"memory_utils: warning: {exc}; the OOM observer's files are incomplete", file=sys.stderr)
         except Exception as exc:  # noqa: BLE001
             _warn_once("oom_observer", f"OOM observer could not write its snapshot ({exc})")
 
@@ -1201,8 +1407,8 @@ def write_oom_report(run_dir: str, exc: BaseException, last_report: dict | None,
             with contextlib.suppress(Exception):
                 summary = torch.cuda.memory_summary(device)
             with contextlib.suppress(Exception):
-                torch.cuda.memory._dump_snapshot(str(oom_dir / "snapshot.pickle"))
-        (oom_dir / "memory_summary.txt").write_text(summary)
+                atomic_write(oom_dir / "snapshot.pickle", functools.partial(pickle.dump, torch.cuda.memory._snapshot()))
+        atomic_write(oom_dir / "memory_summary.txt", summary.encode())
         payload = {
             "error": str(exc),
             "diagnosis": diagnosis,
@@ -1212,7 +1418,9 @@ def write_oom_report(run_dir: str, exc: BaseException, last_report: dict | None,
                 "leaking": getattr(verdict, "leaking", None), "cause": getattr(verdict, "cause", None),
                 "diagnosis": str(verdict)},
         }
-        (oom_dir / "report.json").write_text(json.dumps(payload, indent=2, default=str))
+        atomic_write(oom_dir / "report.json", json.dumps(payload, indent=2, default=str).encode())
+    except WriteFailed as err:
+        print(f"memory_utils: warning: {err}; the OOM report is incomplete", file=sys.stderr)
     except Exception as err:  # noqa: BLE001
         _warn_once("oom_report", f"could not write the OOM report to {oom_dir} ({err})")
     return diagnosis

@@ -5,7 +5,7 @@ Each command runs in its own process (run.py starts them) and writes one JSON ob
     python benchmark/ours_dreamer.py measure --out PATH [--quick]   # bytes, sampling, update at the seed config
     python benchmark/ours_dreamer.py update --out PATH              # the seed-config update alone
     python benchmark/ours_dreamer.py trials --out PATH              # defaults without channels_last / inverse-CDF, compile, bf16
-    python benchmark/ours_dreamer.py soak --out PATH [--capacity N]  # dreamer_atari.main with a tiny model
+    python benchmark/ours_dreamer.py soak --out PATH [--capacity N] [--warmup N] [--turnovers N]  # tiny-model main
     python benchmark/ours_dreamer.py gpu --out PATH [--quick]       # CUDA: updates/s and peak memory per --amp
 
 The seed configuration is `dreamer_atari.Args()` as it is: Pong, 2 envs, capacity 50k steps, batch 16 x 50.
@@ -310,12 +310,23 @@ def _update(agent, batch: dict, args: da.Args) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Soak: the real training loop, tiny model, small capacity, many turnovers; USS read back from TensorBoard.
 # ---------------------------------------------------------------------------------------------------------
+SOAK_VIDEO_EVERY = 2_000  # the soak makes open-loop GIFs as training does, the first one inside the warm-up
+
+
+def soak_warmup(capacity: int, warmup: int) -> int:
+    """The env step from which the soak's slope is measured: the replay full, and every periodic thing of the loop
+    (log points, the leak detector, the first open-loop GIF and the imports it makes) done at least once."""
+    return max(capacity, warmup, SOAK_VIDEO_EVERY + 1)
+
+
 def soak_args(capacity: int, turnovers: int, every: int, batch: int = 4, seq: int = 16,
-              train_every: int = 64) -> da.Args:
+              train_every: int = 64, warmup: int = 0) -> da.Args:
     return seed_args(
         **TINY_MODEL,
         buffer_capacity=capacity,
-        total_timesteps=capacity * (turnovers + 1) + 2 * every,
+        # the warm-up, then `turnovers` replay capacities measured
+        total_timesteps=soak_warmup(capacity, warmup) + capacity * turnovers + 2 * every,
+        video_every=SOAK_VIDEO_EVERY,
         learning_starts=256,
         warmup_steps=0,
         batch_size=batch,
@@ -328,8 +339,9 @@ def soak_args(capacity: int, turnovers: int, every: int, batch: int = 4, seq: in
     )
 
 
-def cmd_soak(capacity: int, turnovers: int, every: int) -> dict:
-    args = soak_args(capacity, turnovers, every)
+def cmd_soak(capacity: int, turnovers: int, every: int, warmup: int = 0) -> dict:
+    args = soak_args(capacity, turnovers, every, warmup=warmup)
+    measured_from = soak_warmup(capacity, warmup)
     # the script's own memory_report() trims the heap before measuring, so USS is live memory
     with tempfile.TemporaryDirectory(prefix="soak-") as work:
         cwd = os.getcwd()
@@ -344,15 +356,18 @@ def cmd_soak(capacity: int, turnovers: int, every: int) -> dict:
     steps = sorted(scalars[mu.KEY_USS_MB])
     buffer_mb = [(scalars[keys[1]][s] + scalars[keys[2]][s]) / MB for s in steps]
     unexplained = [scalars[mu.KEY_USS_MB][s] - b for s, b in zip(steps, buffer_mb)]
-    out = bench_utils.soak_summary(steps, unexplained, full_at=capacity, capacity=capacity)
+    out = bench_utils.soak_summary(steps, unexplained, full_at=measured_from, capacity=capacity)
     if mu.KEY_ANON_MB in scalars:  # the leak detector's basis: other processes do not move it
         anon = [scalars[mu.KEY_ANON_MB][s] - b for s, b in zip(steps, buffer_mb)]
         out["soak_anon_slope_mb_per_10k"] = bench_utils.soak_summary(
-            steps, anon, full_at=capacity, capacity=capacity)["soak_uss_slope_mb_per_10k"]
+            steps, anon, full_at=measured_from, capacity=capacity)["soak_uss_slope_mb_per_10k"]
     out["soak_config"] = {
         "model": TINY_MODEL,
         "capacity_steps": capacity,
         "env_steps": args.total_timesteps,
+        "warmup_env_steps": measured_from,  # the slope is measured from here to the end
+        "measured_env_steps": steps[-1] - min(s for s in steps if s >= measured_from),
+        "video_every": args.video_every,
         "batch": f"B{args.batch_size} x T{args.sequence_length}",
         "updates": result["updates"],
         "sample_every_env_steps": every,
@@ -448,7 +463,9 @@ def main() -> None:
     parser.add_argument("--trials", nargs="+", default=list(TRIALS), choices=list(TRIALS))
     parser.add_argument("--trial-reps", type=int, default=3)
     parser.add_argument("--capacity", type=int, default=1_000, help="soak: replay capacity in env steps")
-    parser.add_argument("--turnovers", type=int, default=10, help="soak: replay turnovers after it is full")
+    parser.add_argument("--turnovers", type=int, default=50, help="soak: replay turnovers measured after the warm-up")
+    parser.add_argument("--warmup", type=int, default=3_000,
+                        help="soak: env steps before the slope is measured (at least the capacity and the first GIF)")
     parser.add_argument("--every", type=int, default=250, help="soak: env steps between memory samples")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -463,7 +480,7 @@ def main() -> None:
     elif args.command == "trials":
         result = cmd_trials(args.trials, args.trial_reps)
     elif args.command == "soak":
-        result = cmd_soak(args.capacity, args.turnovers, args.every)
+        result = cmd_soak(args.capacity, args.turnovers, args.every, args.warmup)
     else:
         result = cmd_gpu(args.quick, args.device, tuple(args.parts))
     result["machine"] = bench_utils.machine()

@@ -582,3 +582,20 @@ def test_calibration_class_past_marks_the_pixel_one_beyond_each_unit_on_the_line
     assert marked == {(8, 7), (12, 6), (1, 9)}, marked
     assert past[0, 0].abs().sum() == 0  # the selected marines are where the walk starts: they mark nothing
     assert past[1].abs().sum() == 0
+
+
+def test_the_soak_measures_after_a_warm_up_that_includes_the_first_open_loop_gif():
+    """The first GIF imports PIL's encoder and TensorBoard's image summary once (about 2 MB, measured): a slope
+    measured across it reads as a creep. The soak's window starts after it and after the replay is full."""
+    from benchmark import ours_dreamer
+
+    for capacity, warmup in ((150, 2_500), (1_000, 3_000), (5_000, 0)):
+        start = ours_dreamer.soak_warmup(capacity, warmup)
+        args = ours_dreamer.soak_args(capacity, 20, 150, warmup=warmup)
+        assert start >= max(capacity, warmup) and start > args.video_every
+        assert args.total_timesteps == start + 20 * capacity + 300
+    from benchmark import run as bench_run
+
+    quick = bench_run.QUICK_SOAK
+    assert ours_dreamer.soak_warmup(quick["capacity"], quick["warmup"]) >= 2_000
+    assert quick["capacity"] * quick["turnovers"] >= 3_000  # measured, after the warm-up

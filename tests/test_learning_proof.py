@@ -29,3 +29,28 @@ def test_the_world_model_learns_catch_through_the_scripts_own_loop(tmp_path):
     assert kl[max(kl)] > lp.da.Args().free_nats, kl
     assert accuracy[max(accuracy)] > accuracy[min(accuracy)], accuracy
     assert len(scalars["losses/actor"]) >= 2  # the behaviour was trained from the first log interval on
+
+
+def test_reached_at_is_the_first_step_where_the_recent_episodes_average_the_target():
+    returns = {10 * i: (-1.0 if i < 30 else 1.0) for i in range(1, 61)}  # an episode every 10 env steps
+    # the mean of the last 10 first reaches 0.8 when 9 of them are +1 (episode 38, at env step 380)
+    assert lp.reached_at(returns, 0.8, 10) == 380
+    assert lp.reached_at(returns, 1.1, 10) is None
+    assert lp.reached_at({10: 1.0}, 0.8, 10) is None  # fewer episodes than the window
+
+
+def test_the_results_table_has_every_seed_and_when_it_reached_the_target():
+    machine = {"cpu": "AMD EPYC", "cpu_count": 2, "torch": "2.13.0+cpu"}
+    runs = [{"seed": seed, "final_return": 0.9, "optimal_return": 1.0, "random_return": -0.6, "env_steps": 2_000,
+             "updates": 1_700, "seconds": 150.0, "machine": machine, "command": f"python ... --seed {seed}",
+             "reached_at": reach, "load_average": {"before": [3.2, 1, 1], "after": [2.1, 1, 1]},
+             "proof_args": {"json": "x", "seed": seed, "reach_fraction": 0.8, "reach_window": 50},
+             "curve": [{"env_step": 1_000, "mean_return": -0.5}, {"env_step": 2_000, "mean_return": 0.9}]}
+            for seed, reach in ((2, 1_200), (1, 1_400))]
+    table = lp.summary_markdown(runs)
+    rows = [line for line in table.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert rows[0].startswith("| 1 | 0.90 | 1.00 | -0.60 | 1,400 (70%) | 2,000 | 1,700 | 150 | 3.2 / 2.1 |")
+    assert rows[1].startswith("| 2 | 0.90 | 1.00 | -0.60 | 1,200 (60%) |")
+    assert "every seed reached 0.8 of optimal by env step 1,400 (70% of the budget)" in table
+    runs[0]["reached_at"] = None
+    assert "| 2 | 0.90 | 1.00 | -0.60 | never |" in lp.summary_markdown(runs)
