@@ -1519,7 +1519,9 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> tu
 # Run plumbing: files, signals, results row
 # ---------------------------------------------------------------------------------------------------------
 EXIT_OOM = 3
-EXIT_WRITE_FAILED = 6  # a file the run cannot go on without (config, final or interrupted checkpoint, results)
+EXIT_WRITE_FAILED = (
+    6  # a file the run cannot go on without (config, final or interrupted checkpoint, results)
+)
 
 
 class RunInterrupted(BaseException):
@@ -1851,7 +1853,9 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resume_step: int |
         f"replay: {obs_bytes} B of observations + {aux_bytes} B of the rest per step, "
         f"{(obs_bytes + aux_bytes) * args.buffer_size / 2**20:.0f} MB when full"
     )
-    checkpoint_bytes = mu.estimate_nbytes([q_network.state_dict(), target_network.state_dict(), optimizer.state_dict()])
+    checkpoint_bytes = mu.estimate_nbytes(
+        [q_network.state_dict(), target_network.state_dict(), optimizer.state_dict()]
+    )
     checkpoint_bytes += (obs_bytes + aux_bytes) * args.buffer_size if args.checkpoint_buffer else 0
     if warning := mu.disk_space_warning(run_dir, checkpoint_bytes):  # a full disk: said now, not at the end
         logger.info(warning)
@@ -1865,7 +1869,9 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resume_step: int |
 
     curve_path = os.path.join(run_dir, "eval", "curve.csv")
     if resume_step is None or not os.path.exists(curve_path):
-        atomic_write_bytes(curve_path, b"episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n")
+        atomic_write_bytes(
+            curve_path, b"episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n"
+        )
     return Run(
         args=args,
         seed=seed,
@@ -2035,8 +2041,11 @@ def evaluate(
     train_mean = float(np.mean(recent_train_scores))
     run.writer.add_scalar("charts/test_score", test_mean, global_step)
     try:  # a full disk: this point is not saved (one warning line), training goes on
-        mu.atomic_append(run.curve_path, f"{episode},{global_step},{time.time() - start_time:.1f},{epsilon:.4f},"
-                         f"{train_mean:.3f},{test_mean:.3f}\n")
+        mu.atomic_append(
+            run.curve_path,
+            f"{episode},{global_step},{time.time() - start_time:.1f},{epsilon:.4f},"
+            f"{train_mean:.3f},{test_mean:.3f}\n",
+        )
     except mu.WriteFailed as exc:
         run.logger.info(f"warning: {exc}; this curve point is not saved, training goes on")
     run.logger.info(
@@ -2090,7 +2099,9 @@ def finish(
         "train_wall_time_s": time.time() - start_time,
         "leak_check": verdict.diagnosis,
     }
-    atomic_write_bytes(os.path.join(run.run_dir, "eval", "test_results.json"), json.dumps(results, indent=2).encode())
+    atomic_write_bytes(
+        os.path.join(run.run_dir, "eval", "test_results.json"), json.dumps(results, indent=2).encode()
+    )
     run.writer.add_scalar("charts/final_test_score", results["mean"], global_step)
     if args.save_model:
         save_run(run, episode, global_step, recent_train_scores, interrupted=False)
@@ -2117,7 +2128,12 @@ def finish(
 
 
 def save_interrupted(
-    run: Run, reason: Exception, episode: int, global_step: int, recent_train_scores: list, replay_episode: bool
+    run: Run,
+    reason: Exception,
+    episode: int,
+    global_step: int,
+    recent_train_scores: list,
+    replay_episode: bool,
 ):
     """A signal or a CUDA OOM stopped the run: a checkpoint, a line in train.log, no results row. With
     `replay_episode` the resumed run plays `episode` again from its start (`global_step` is the step it began at);
@@ -2152,7 +2168,9 @@ def train_one_seed(
     """One complete run (or the rest of one, from `resume_state`); returns its results row. Raises RunInterrupted
     (after checkpointing) on a signal or a CUDA OOM."""
     wall_start = time.time()
-    run = set_up(args, sources, seed, run_id, resume_step=None if resume_state is None else resume_state["global_step"])
+    run = set_up(
+        args, sources, seed, run_id, resume_step=None if resume_state is None else resume_state["global_step"]
+    )
     args, rb, rng, probes = run.args, run.rb, run.rng, run.probes
     q_network, target_network = run.q_network, run.target_network
     global_step, episode, recent_train_scores, first_episode = 0, 0, [], 1
@@ -2161,7 +2179,10 @@ def train_one_seed(
         resume_state = None  # memory: the loaded tensors live in the networks now
     start_time = time.time()
     stopped_by = "num_episodes"
-    episode_start, episode_over = global_step, False  # where the episode being played began; whether it is over
+    episode_start, episode_over = (
+        global_step,
+        False,
+    )  # where the episode being played began; whether it is over
     try:
         for episode in range(first_episode, args.num_episodes + 1):
             episode_start, episode_over = global_step, False
@@ -2217,8 +2238,14 @@ def train_one_seed(
         row = finish(run, episode, global_step, recent_train_scores, stopped_by, start_time, wall_start)
     except RunInterrupted as exc:
         # an episode stopped part-way is played again on resume: its steps are counted then, not twice
-        save_interrupted(run, exc, episode, global_step if episode_over else episode_start, recent_train_scores,
-                         replay_episode=not episode_over)
+        save_interrupted(
+            run,
+            exc,
+            episode,
+            global_step if episode_over else episode_start,
+            recent_train_scores,
+            replay_episode=not episode_over,
+        )
         raise
     close(run)
     return row

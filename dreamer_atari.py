@@ -312,8 +312,10 @@ def check_args(args: Args) -> None:
             f"and {CATCH_ID} is the built-in test task."
         )
     if not MIN_IMAGE_SIZE <= args.image_size <= MAX_IMAGE_SIZE:
-        raise ArgsError(f"--image-size must be between {MIN_IMAGE_SIZE} and {MAX_IMAGE_SIZE} pixels (the encoder's "
-                        f"three convolutions need at least {MIN_IMAGE_SIZE}), got {args.image_size}.")
+        raise ArgsError(
+            f"--image-size must be between {MIN_IMAGE_SIZE} and {MAX_IMAGE_SIZE} pixels (the encoder's "
+            f"three convolutions need at least {MIN_IMAGE_SIZE}), got {args.image_size}."
+        )
     if not is_atari(args.env_id):
         side = args.image_size
         # builds the env once, before anything is written
@@ -350,7 +352,10 @@ class CatchEnv(gym.Env):
 
     def _frame(self) -> np.ndarray:
         frame = np.zeros((self.size, self.size), np.uint8)  # (size, size)
-        for (row, col), height in (((self.ball_row, self.ball_col), self.cell_h), ((self.rows - 1, self.paddle), 3)):
+        for (row, col), height in (
+            ((self.ball_row, self.ball_col), self.cell_h),
+            ((self.rows - 1, self.paddle), 3),
+        ):
             y = self.top + (row + 1) * self.cell_h - height
             x = self.left + col * self.cell_w
             frame[y : y + height, x + 1 : x + self.cell_w - 1] = 255
@@ -455,7 +460,9 @@ def make_vector_env(args: Args, run_name: str, seed: int) -> gym.vector.VectorEn
     return envs
 
 
-def check_actions_change_frames(env_fn: Callable[[], gym.Env], env_id: str, seed: int, steps: int = 50) -> None:
+def check_actions_change_frames(
+    env_fn: Callable[[], gym.Env], env_id: str, seed: int, steps: int = 50
+) -> None:
     """Raise ArgsError if two different action sequences from the same seed give the same frames.
 
     ale-py 0.10.x silently turned actions into no-ops (ALE issue 594): an agent then learns nothing and nothing
@@ -499,11 +506,15 @@ def say_replay_size(capacity: int, obs_shape: tuple) -> None:
     # memory: the replay is the run's largest host allocation: say its size before it grows, not at 3 a.m.
     full = capacity * (obs_shape[-2] * obs_shape[-1] + REPLAY_AUX_BYTES_PER_STEP)
     available = psutil.virtual_memory().available
-    print(f"replay: up to {capacity:,} steps, about {full / 2**30:.2f} GiB of host memory when full "
-          f"({available / 2**30:.1f} GiB available now)")
+    print(
+        f"replay: up to {capacity:,} steps, about {full / 2**30:.2f} GiB of host memory when full "
+        f"({available / 2**30:.1f} GiB available now)"
+    )
     if full > 0.8 * available:
-        print(f"replay: warning: a full replay would take more than 80 % of the memory available now; "
-              f"--buffer-capacity {int(0.5 * available / (full / capacity)):,} would take about half")
+        print(
+            f"replay: warning: a full replay would take more than 80 % of the memory available now; "
+            f"--buffer-capacity {int(0.5 * available / (full / capacity)):,} would take about half"
+        )
 
 
 def replay_capacity(args: Args) -> int:
@@ -726,7 +737,9 @@ class EpisodeReplay:
         lengths = np.fromiter((ep.num_steps for ep in episodes), np.int64, len(episodes))
         ends = np.cumsum(lengths)  # stream position one past each episode's last step
         if ends[-1] < sequence_length:
-            raise RuntimeError(f"the replay holds {ends[-1]} steps, fewer than one sequence of {sequence_length}")
+            raise RuntimeError(
+                f"the replay holds {ends[-1]} steps, fewer than one sequence of {sequence_length}"
+            )
         rng = self.rng if rng is None else rng
         windows = []
         for start in rng.integers(0, ends[-1], size=batch_size):
@@ -756,16 +769,26 @@ class EpisodeReplay:
         T = sequence_length
         windows = self.draw_windows(batch_size, T, rng)
         stack, (height, width) = windows[0][0][0].stack, windows[0][0][0].frames.item_shape
-        shapes = {"obs": ((batch_size, T, stack, height, width), np.uint8), "action": ((batch_size, T), np.uint8),
-                  "reward": ((batch_size, T), np.float32), "is_first": ((batch_size, T), np.bool_),
-                  "is_terminal": ((batch_size, T), np.bool_)}
+        shapes = {
+            "obs": ((batch_size, T, stack, height, width), np.uint8),
+            "action": ((batch_size, T), np.uint8),
+            "reward": ((batch_size, T), np.float32),
+            "is_first": ((batch_size, T), np.bool_),
+            "is_terminal": ((batch_size, T), np.bool_),
+        }
         if out is not None:
             for key, (shape, dtype) in shapes.items():
                 assert out[key].shape == shape and out[key].dtype == dtype, (key, out[key].shape, shape)
         # memory: a batch is a copy; it never aliases replay storage, so it cannot keep evicted episodes alive
-        arrays = out if out is not None else {key: np.empty(shape, dtype) for key, (shape, dtype) in shapes.items()}
+        arrays = (
+            out
+            if out is not None
+            else {key: np.empty(shape, dtype) for key, (shape, dtype) in shapes.items()}
+        )
         obs = arrays["obs"]  # (B, T, 4, 84, 84) uint8
-        action, reward, is_first, is_terminal = (arrays[key] for key in ("action", "reward", "is_first", "is_terminal"))
+        action, reward, is_first, is_terminal = (
+            arrays[key] for key in ("action", "reward", "is_first", "is_terminal")
+        )
         frames = np.empty((T + stack - 1, height, width), np.uint8)  # one piece's frames, reused
         for b, pieces in enumerate(windows):
             filled = 0
@@ -887,7 +910,9 @@ def one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         _DRAW_MATRICES[key] = cdf, diff
     cdf_matrix, diff_matrix = _DRAW_MATRICES[key]
     with torch.autocast(probs.device.type, enabled=False):  # in float32, also under --amp
-        above = (probs.float() @ cdf_matrix >= uniform).float()  # (..., C): 0 up to the drawn class, 1 from it
+        above = (
+            probs.float() @ cdf_matrix >= uniform
+        ).float()  # (..., C): 0 up to the drawn class, 1 from it
         return above @ diff_matrix
 
 
@@ -928,7 +953,9 @@ def nature_cnn_sizes(image_size: int) -> tuple[int, int, int]:
 class NatureCNNEncoder(nn.Module):
     """(N, 4, S, S) float in [-0.5, 0.5] -> (N, E); S = --image-size, 84 in the shape comments."""
 
-    def __init__(self, in_channels: int, channels: tuple[int, int, int], embed_dim: int, image_size: int = 84):
+    def __init__(
+        self, in_channels: int, channels: tuple[int, int, int], embed_dim: int, image_size: int = 84
+    ):
         super().__init__()
         c1, c2, c3 = channels
         side = nature_cnn_sizes(image_size)[2]
@@ -1012,8 +1039,10 @@ class RSSM(nn.Module):
 
     def initial(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.gru.weight_hh.dtype  # float32 (also under autocast), float64 in the equality tests
-        return (torch.zeros(n, self.deter_dim, device=device, dtype=dtype),
-                torch.zeros(n, self.stoch_flat, device=device, dtype=dtype))
+        return (
+            torch.zeros(n, self.deter_dim, device=device, dtype=dtype),
+            torch.zeros(n, self.stoch_flat, device=device, dtype=dtype),
+        )
 
     def _stats(self, raw: torch.Tensor) -> torch.Tensor:
         raw = upcast(raw)
@@ -1090,16 +1119,23 @@ class RSSM(nn.Module):
         # the first layers of img_in (on [stoch, action]) and of the posterior (on [deter, embed]), split: the action
         # and embed halves for all steps at once, before the loop (the same weights and sums, far fewer kernels)
         img_first, post_first = self.img_in[0], self.posterior_net[0]
-        action_in = F.linear(action * keep, img_first.weight[:, self.stoch_flat :], img_first.bias)  # (B, T, H)
+        action_in = F.linear(
+            action * keep, img_first.weight[:, self.stoch_flat :], img_first.bias
+        )  # (B, T, H)
         embed_in = F.linear(embed, post_first.weight[:, self.deter_dim :], post_first.bias)  # (B, T, H)
-        stoch_weight, deter_weight = img_first.weight[:, : self.stoch_flat], post_first.weight[:, : self.deter_dim]
+        stoch_weight, deter_weight = (
+            img_first.weight[:, : self.stoch_flat],
+            post_first.weight[:, : self.deter_dim],
+        )
         deters, stochs, posteriors = [], [], []
         # unbind: one view per step, and one stack in the backward pass (indexing [:, t] would zero-fill and add a
         # whole (B, T, H) gradient at every step)
-        for keep_t, action_t, embed_t, noise_t in zip(keep.unbind(1), action_in.unbind(1), embed_in.unbind(1),
-                                                      noise.unbind(0)):
-            deter, stoch, posterior = self.observe_step(deter, stoch, keep_t, action_t, embed_t, noise_t, stoch_weight,
-                                                        deter_weight)
+        for keep_t, action_t, embed_t, noise_t in zip(
+            keep.unbind(1), action_in.unbind(1), embed_in.unbind(1), noise.unbind(0)
+        ):
+            deter, stoch, posterior = self.observe_step(
+                deter, stoch, keep_t, action_t, embed_t, noise_t, stoch_weight, deter_weight
+            )
             deters.append(deter), stochs.append(stoch), posteriors.append(posterior)
         deter = torch.stack(deters, 1)  # (B, T, D)
         # the prior depends on deter alone: all steps at once, after the loop
@@ -1193,15 +1229,20 @@ class Agent:
     scalers: dict[str, torch.amp.GradScaler]  # "world_model", "actor", "critic"
     device: torch.device
     num_actions: int
-    compiled: dict[str, Callable] = dataclasses.field(default_factory=dict)  # --compile: compiled step functions
+    compiled: dict[str, Callable] = dataclasses.field(
+        default_factory=dict
+    )  # --compile: compiled step functions
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.world_model_optimizer, self.actor_optimizer, self.critic_optimizer]
 
     def named_optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        return {"world_model": self.world_model_optimizer, "actor": self.actor_optimizer,
-                "critic": self.critic_optimizer}
+        return {
+            "world_model": self.world_model_optimizer,
+            "actor": self.actor_optimizer,
+            "critic": self.critic_optimizer,
+        }
 
     def modules(self) -> dict[str, nn.Module]:
         return {
@@ -1238,7 +1279,9 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
             world_model.parameters(), lr=args.world_model_lr, eps=args.world_model_eps, **adam
         ),
         actor_optimizer=torch.optim.Adam(actor.parameters(), lr=args.actor_lr, eps=args.actor_eps, **adam),
-        critic_optimizer=torch.optim.Adam(critic.parameters(), lr=args.critic_lr, eps=args.critic_eps, **adam),
+        critic_optimizer=torch.optim.Adam(
+            critic.parameters(), lr=args.critic_lr, eps=args.critic_eps, **adam
+        ),
         amp=amp,
         # one scaler per optimizer: an overflow in one loss shrinks that loss's scale alone
         scalers={name: amp.new_scaler() for name in ("world_model", "actor", "critic")},
@@ -1351,7 +1394,9 @@ def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args):
     reward_logits = wm.reward_head(feat)  # (B, T, K)
     reward_loss = twohot_loss(reward_logits, data["reward"], wm.bins).mean()
     continue_logits = upcast(wm.continue_head(feat).squeeze(-1))  # (B, T)
-    continue_loss = F.binary_cross_entropy_with_logits(continue_logits, (~data["is_terminal"]).to(continue_logits.dtype))
+    continue_loss = F.binary_cross_entropy_with_logits(
+        continue_logits, (~data["is_terminal"]).to(continue_logits.dtype)
+    )
     dyn = wm.rssm.kl(posterior.detach(), prior)  # (B, T)
     rep = wm.rssm.kl(posterior, prior.detach())
     kl_loss = (
@@ -1451,13 +1496,19 @@ def train_world_model(agent: Agent, raw: dict[str, torch.Tensor], args: Args):
     scaler.scale(loss).backward()
     metrics = {key: value.detach().float() for key, value in parts.items()}
     grad_norm, healthy = clip_and_step(
-        optimizer, scaler, list(agent.world_model.parameters()), args.world_model_grad_clip,
+        optimizer,
+        scaler,
+        list(agent.world_model.parameters()),
+        args.world_model_grad_clip,
         torch.isfinite(torch.stack(list(metrics.values()))).all(),
     )
     optimizer.zero_grad(set_to_none=True)  # memory: gradients are not kept between updates
     metrics["debug/world_model_grad_norm"] = grad_norm.detach().float()
-    start = {"deter": deter.detach().flatten(0, 1), "stoch": stoch.detach().flatten(0, 1),
-             "continue": (~data["is_terminal"]).float().flatten(0, 1)}
+    start = {
+        "deter": deter.detach().flatten(0, 1),
+        "stoch": stoch.detach().flatten(0, 1),
+        "continue": (~data["is_terminal"]).float().flatten(0, 1),
+    }
     return metrics, healthy, start
 
 
@@ -1473,8 +1524,10 @@ def imagine(agent: Agent, start_states, horizon: int, noise: tuple | None = None
     deter, stoch, _ = start_states
     rssm = agent.world_model.rssm
     if noise is None:
-        noise = (torch.rand(horizon, deter.shape[0], 1, device=deter.device), rssm.noise((horizon, deter.shape[0]),
-                                                                                          deter.device))
+        noise = (
+            torch.rand(horizon, deter.shape[0], 1, device=deter.device),
+            rssm.noise((horizon, deter.shape[0]), deter.device),
+        )
     step = agent.compiled.get("imagine_step", imagine_step)
     with torch.no_grad():
         deters, stochs, actions = [deter], [stoch], []
@@ -1510,8 +1563,15 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
 
     wm.rssm.observe_step = compile_(wm.rssm.observe_step)
     agent.compiled["imagine_step"] = compile_(imagine_step)
-    for module in (wm.encoder, wm.decoder, wm.reward_head, wm.continue_head, agent.actor, agent.critic,
-                   agent.slow_critic):
+    for module in (
+        wm.encoder,
+        wm.decoder,
+        wm.reward_head,
+        wm.continue_head,
+        agent.actor,
+        agent.critic,
+        agent.slow_critic,
+    ):
         module.forward = compile_(module.forward)
 
 
@@ -1557,8 +1617,9 @@ def train_behavior(agent: Agent, start: dict[str, torch.Tensor], args: Args):
     then the slow critic follows the critic; without host synchronisation. Returns (metrics, dict of detached 0-d
     float32 tensors; healthy, 0-d bool)."""
     with agent.amp.autocast():
-        actor_loss, critic_loss, parts = behavior_losses(agent, (start["deter"], start["stoch"], start["continue"]),
-                                                         args)
+        actor_loss, critic_loss, parts = behavior_losses(
+            agent, (start["deter"], start["stoch"], start["continue"]), args
+        )
     scalers = agent.scalers
     for optimizer in (agent.actor_optimizer, agent.critic_optimizer):
         optimizer.zero_grad(set_to_none=True)
@@ -1567,16 +1628,24 @@ def train_behavior(agent: Agent, start: dict[str, torch.Tensor], args: Args):
     (scalers["actor"].scale(actor_loss) + scalers["critic"].scale(critic_loss)).backward()
     metrics = {key: value.detach().float() for key, value in parts.items()}
     actor_norm, actor_healthy = clip_and_step(
-        agent.actor_optimizer, scalers["actor"], list(agent.actor.parameters()), args.actor_critic_grad_clip,
+        agent.actor_optimizer,
+        scalers["actor"],
+        list(agent.actor.parameters()),
+        args.actor_critic_grad_clip,
         torch.isfinite(actor_loss.detach()),
     )
     critic_norm, critic_healthy = clip_and_step(
-        agent.critic_optimizer, scalers["critic"], list(agent.critic.parameters()), args.actor_critic_grad_clip,
+        agent.critic_optimizer,
+        scalers["critic"],
+        list(agent.critic.parameters()),
+        args.actor_critic_grad_clip,
         torch.isfinite(critic_loss.detach()),
     )
     for optimizer in (agent.actor_optimizer, agent.critic_optimizer):
         optimizer.zero_grad(set_to_none=True)  # memory: gradients are not kept between updates
-    with torch.no_grad():  # one fused kernel for all the slow critic's tensors; it stays put when the critic did
+    with (
+        torch.no_grad()
+    ):  # one fused kernel for all the slow critic's tensors; it stays put when the critic did
         slow, fast = list(agent.slow_critic.parameters()), list(agent.critic.parameters())
         torch._foreach_lerp_(slow, fast, [args.slow_critic_fraction * critic_healthy.float()] * len(slow))
     metrics["debug/actor_grad_norm"] = actor_norm.detach().float()
@@ -1648,9 +1717,14 @@ def attach_memory_probes(agent: Agent, probes: "mu.StageProbes") -> None:
     world model's optimizer step (before it: after the backward pass and the clip; after it). The forward hooks
     record only with gradients on, which leaves out acting, imagination and the open-loop videos."""
     wm = agent.world_model
-    for module, stage in ((wm.encoder, "after_encoder"), (wm.rssm.prior_net, "after_rssm"),
-                          (wm.decoder, "after_decoder")):
-        module.register_forward_hook(lambda *_, stage=stage: probes(stage) if torch.is_grad_enabled() else None)
+    for module, stage in (
+        (wm.encoder, "after_encoder"),
+        (wm.rssm.prior_net, "after_rssm"),
+        (wm.decoder, "after_decoder"),
+    ):
+        module.register_forward_hook(
+            lambda *_, stage=stage: probes(stage) if torch.is_grad_enabled() else None
+        )
     agent.world_model_optimizer.register_step_pre_hook(lambda *_: probes("after_backward"))
     agent.world_model_optimizer.register_step_post_hook(lambda *_: probes("after_optimizer_step"))
 
@@ -1663,8 +1737,7 @@ class PinnedBatches:
     def __init__(self, template: dict[str, np.ndarray], device: torch.device):
         self.device = device
         self.buffers = [
-            {key: torch.from_numpy(value).pin_memory() for key, value in template.items()}
-            for _ in range(2)
+            {key: torch.from_numpy(value).pin_memory() for key, value in template.items()} for _ in range(2)
         ]
         self.copied: list[torch.cuda.Event | None] = [None, None]
         self.index = 0
@@ -1677,7 +1750,9 @@ class PinnedBatches:
 
     def to_device(self) -> dict[str, torch.Tensor]:
         """Copies of that buffer on the device, queued without blocking; the next call uses the other buffer."""
-        tensors = {key: tensor.to(self.device, non_blocking=True) for key, tensor in self.buffers[self.index].items()}
+        tensors = {
+            key: tensor.to(self.device, non_blocking=True) for key, tensor in self.buffers[self.index].items()
+        }
         event = torch.cuda.Event()
         event.record()
         self.copied[self.index] = event
@@ -1689,7 +1764,9 @@ OPEN_LOOP_CONTEXT = 5  # frames the model sees before it imagines, as DreamerV3'
 
 
 @torch.no_grad()
-def open_loop_frames(agent: Agent, batch: dict[str, np.ndarray], context: int = OPEN_LOOP_CONTEXT) -> np.ndarray:
+def open_loop_frames(
+    agent: Agent, batch: dict[str, np.ndarray], context: int = OPEN_LOOP_CONTEXT
+) -> np.ndarray:
     """What the world model predicts without looking: it observes the first `context` steps of each replayed
     sequence, then imagines the rest from the real actions (prior samples). Returns (T, n * 84, 3 * 84) uint8
     frames: one row per sequence with truth | model | error (grey 128 = no error) of the newest frame of each
@@ -1718,8 +1795,16 @@ def open_loop_frames(agent: Agent, batch: dict[str, np.ndarray], context: int = 
     return (frames * 255).round().to(torch.uint8).cpu().numpy()
 
 
-def log_open_loop(agent: Agent, replay: "EpisodeReplay", args: Args, writer: SummaryWriter, run_dir: str, step: int,
-                  rng: np.random.Generator, num_sequences: int = 4) -> str:
+def log_open_loop(
+    agent: Agent,
+    replay: "EpisodeReplay",
+    args: Args,
+    writer: SummaryWriter,
+    run_dir: str,
+    step: int,
+    rng: np.random.Generator,
+    num_sequences: int = 4,
+) -> str:
     """Open-loop predictions of replayed sequences as an animated GIF: in TensorBoard's image tab (and wandb's
     media, which syncs it as a video) under `videos/open_loop`, and as `open_loop/step_<N>.gif` in the run dir.
     Uses its own random generators, so the training batches and latents that follow are the same with or
@@ -1739,7 +1824,9 @@ def log_open_loop(agent: Agent, replay: "EpisodeReplay", args: Args, writer: Sum
     images[0].save(gif, format="GIF", save_all=True, append_images=images[1:], duration=100, loop=0)
     height, width = frames.shape[1:]
     image = Summary.Image(height=height, width=width, colorspace=1, encoded_image_string=gif.getvalue())
-    writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag="videos/open_loop", image=image)]), step)
+    writer._get_file_writer().add_summary(
+        Summary(value=[Summary.Value(tag="videos/open_loop", image=image)]), step
+    )
     path = os.path.join(run_dir, "open_loop", f"step_{step}.gif")
     mu.atomic_write(path, gif.getvalue())  # mu.WriteFailed on a full disk: no partial file
     return path
@@ -1909,7 +1996,9 @@ class UpdateLog:
 
     def __init__(self, device):
         self.device = torch.device(device)
-        self.sums: dict[tuple[str, ...], torch.Tensor] = {}  # keys -> (len(keys) + 1,): value sums, then count
+        self.sums: dict[
+            tuple[str, ...], torch.Tensor
+        ] = {}  # keys -> (len(keys) + 1,): value sums, then count
         self.streak = torch.zeros((), device=self.device)  # non-finite updates in a row, now
         self.longest = torch.zeros((), device=self.device)  # the longest such run since the last `pop`
         self.skipped = torch.zeros((), device=self.device)  # non-finite updates since the last `pop`
@@ -1936,7 +2025,9 @@ class UpdateLog:
         """(means of each key over its healthy updates, updates skipped, longest run of skipped updates in a row),
         since the last call; then starts again (a run still going on carries over)."""
         groups = list(self.sums.items())
-        flat = torch.cat([row for _, row in groups] + [self.skipped.reshape(1), self.longest.reshape(1)]).tolist()
+        flat = torch.cat(
+            [row for _, row in groups] + [self.skipped.reshape(1), self.longest.reshape(1)]
+        ).tolist()
         means, offset = {}, 0
         for keys, _ in groups:
             count = flat[offset + len(keys)]
@@ -1958,7 +2049,8 @@ class UpdateLog:
 
     def restore(self, state: dict) -> None:
         self.sums = {
-            tuple(keys.split("|")): torch.tensor(row, device=self.device) for keys, row in state["sums"].items()
+            tuple(keys.split("|")): torch.tensor(row, device=self.device)
+            for keys, row in state["sums"].items()
         }
         for name in ("streak", "longest", "skipped"):
             getattr(self, name).fill_(state[name])
@@ -2119,11 +2211,15 @@ def check_input(args: Args) -> tuple[torch.device, dict | None]:
         except ValueError as exc:
             raise ArgsError(f"--amp {args.amp} is not available here: {exc}.")
         if captured(args, device) and amp.dtype == torch.float16:
-            raise ArgsError(f"CUDA-graph capture (on by default on CUDA) takes --amp off or bf16, got --amp {args.amp} "
-                            f"(fp16's loss scaling is not captured); add --no-cudagraph to run fp16 eagerly.")
+            raise ArgsError(
+                f"CUDA-graph capture (on by default on CUDA) takes --amp off or bf16, got --amp {args.amp} "
+                f"(fp16's loss scaling is not captured); add --no-cudagraph to run fp16 eagerly."
+            )
         if captured(args, device) and args.memory_probes:
-            raise ArgsError("--memory-probes measures eager updates (a captured graph runs no Python); add "
-                            "--no-cudagraph.")
+            raise ArgsError(
+                "--memory-probes measures eager updates (a captured graph runs no Python); add "
+                "--no-cudagraph."
+            )
         resume_state = load_checkpoint(args.resume) if args.resume else None
         if resume_state is not None:
             check_checkpoint_matches(resume_state, args)
@@ -2206,8 +2302,12 @@ def set_up(args: Args) -> Run:
     replay = EpisodeReplay(replay_capacity(args), args.num_envs, seed=args.seed)
     say_replay_size(replay.capacity, obs_shape)
     if args.save_model or args.checkpoint_every:  # a full disk: say so now, not at the first checkpoint
-        checkpoint_bytes = mu.estimate_nbytes([{n: m.state_dict() for n, m in agent.modules().items()},
-                                               [o.state_dict() for o in agent.optimizers]])
+        checkpoint_bytes = mu.estimate_nbytes(
+            [
+                {n: m.state_dict() for n, m in agent.modules().items()},
+                [o.state_dict() for o in agent.optimizers],
+            ]
+        )
         if args.checkpoint_buffer:
             checkpoint_bytes += replay.capacity * (obs_shape[-2] * obs_shape[-1] + REPLAY_AUX_BYTES_PER_STEP)
         if warning := mu.disk_space_warning(run_dir, checkpoint_bytes):
@@ -2261,9 +2361,13 @@ def set_up(args: Args) -> Run:
             run_dir, every=args.memory_snapshot_every, max_entries=args.snapshot_max_entries, device=device
         ),
         leak_detector=mu.LeakDetector(warmup_steps=step + args.leak_warmup_steps),
-        progress=ProgressLine(args.total_timesteps, device, phase_starts=(args.learning_starts, behavior_starts)),
+        progress=ProgressLine(
+            args.total_timesteps, device, phase_starts=(args.learning_starts, behavior_starts)
+        ),
         next_log=(step // args.log_interval + 1) * args.log_interval,
-        next_checkpoint=(step // args.checkpoint_every + 1) * args.checkpoint_every if args.checkpoint_every else None,
+        next_checkpoint=(step // args.checkpoint_every + 1) * args.checkpoint_every
+        if args.checkpoint_every
+        else None,
         next_video=(step // args.video_every + 1) * args.video_every if args.video_every else None,
         video_rng=np.random.default_rng([args.seed, step]),
         start_step=step,
@@ -2403,7 +2507,9 @@ def checkpoint(run: Run, reason: str, required: bool = True) -> None:
         if not required:
             run.progress.say(f"warning: {exc}; checkpoint ({reason}) not written, the last good one is kept")
             return
-        exit_with(f"stopping: {exc}; the run cannot go on without this checkpoint ({reason}).", EXIT_WRITE_FAILED)
+        exit_with(
+            f"stopping: {exc}; the run cannot go on without this checkpoint ({reason}).", EXIT_WRITE_FAILED
+        )
     run.progress.say(f"checkpoint ({reason}): {run.checkpoint_path} at step {run.step}")
 
 
@@ -2416,7 +2522,12 @@ def out_of_memory(run: Run, exc: torch.OutOfMemoryError) -> None:
     del exc
     gc.collect()
     diagnosis = mu.write_oom_report(
-        run.run_dir, oom_error, run.last_report, verdict=run.last_verdict, device=run.device, advice=OOM_ADVICE
+        run.run_dir,
+        oom_error,
+        run.last_report,
+        verdict=run.last_verdict,
+        device=run.device,
+        advice=OOM_ADVICE,
     )
     if run.device.type == "cuda":
         torch.cuda.empty_cache()  # after the report, so it still shows any fragmentation
@@ -2451,7 +2562,9 @@ def main(args: Args) -> dict:
                 log_point(run)
             if run.next_checkpoint is not None and run.step >= run.next_checkpoint:
                 run.next_checkpoint = (run.step // args.checkpoint_every + 1) * args.checkpoint_every
-                checkpoint(run, "periodic", required=False)  # a full disk: a warning, the next interval tries again
+                checkpoint(
+                    run, "periodic", required=False
+                )  # a full disk: a warning, the next interval tries again
         if args.save_model:
             checkpoint(run, "end of training")
         if args.memory_probes:
@@ -2461,7 +2574,9 @@ def main(args: Args) -> dict:
     except Exception as exc:
         # anything else (an env that crashed, a bug): keep what was trained, then show the traceback
         try:
-            checkpoint(run, f"crashed with {type(exc).__name__}", required=False)  # the crash is the error to show
+            checkpoint(
+                run, f"crashed with {type(exc).__name__}", required=False
+            )  # the crash is the error to show
         except Exception as save_error:  # noqa: BLE001 - the original error is the one to show
             run.progress.say(f"could not write a checkpoint after the crash ({save_error})")
         raise

@@ -31,6 +31,7 @@ import ctypes.util
 import dataclasses
 import functools
 import gc
+import itertools
 import json
 import math
 import numbers
@@ -43,8 +44,9 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -142,7 +144,12 @@ class WriteFailed(OSError):
     `free_bytes`: what its file system had free when it failed (None where that cannot be read)."""
 
     def __init__(self, path: str, needed_bytes: int | None, free_bytes: int | None, reason: str):
-        self.path, self.needed_bytes, self.free_bytes, self.reason = str(path), needed_bytes, free_bytes, reason
+        self.path, self.needed_bytes, self.free_bytes, self.reason = (
+            str(path),
+            needed_bytes,
+            free_bytes,
+            reason,
+        )
         needed = "an unknown size" if needed_bytes is None else _size_text(needed_bytes)
         free = "unknown" if free_bytes is None else _size_text(free_bytes)
         super().__init__(f"could not write {self.path} (needs {needed}, {free} free there): {reason}")
@@ -212,7 +219,9 @@ class _CountingFile:
         return self.raw.tell()
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | Callable[[Any], Any], needed_bytes: int | None = None) -> int:
+def atomic_write(
+    path: str | os.PathLike, data: bytes | Callable[[Any], Any], needed_bytes: int | None = None
+) -> int:
     """Write `path` all at once or not at all: a temporary file in the same folder, flushed to disk (fsync), then
     renamed over `path`. `data` is the bytes, or a function that writes to the open binary file (`lambda f:
     torch.save(state, f)`). Returns the bytes written.
@@ -273,8 +282,10 @@ def disk_space_warning(folder: str | os.PathLike, bytes_per_checkpoint: int, cop
     free = free_bytes(folder)
     if free is None or free >= copies * bytes_per_checkpoint:
         return None
-    return (f"warning: {_size_text(free)} free where checkpoints go ({os.fspath(folder)}), less than {copies} "
-            f"checkpoints of about {_size_text(bytes_per_checkpoint)} each: a checkpoint may fail to write")
+    return (
+        f"warning: {_size_text(free)} free where checkpoints go ({os.fspath(folder)}), less than {copies} "
+        f"checkpoints of about {_size_text(bytes_per_checkpoint)} each: a checkpoint may fail to write"
+    )
 
 
 class _GuardedRecords:
@@ -297,8 +308,10 @@ class _GuardedRecords:
                 with contextlib.suppress(OSError):
                     os.truncate(self._path, size)
             if not self.dropped:
-                self._say(f"warning: {WriteFailed(self._path, len(data) + 16, free_bytes(self._path), exc.strerror or str(exc))}; "
-                          "TensorBoard events are dropped until there is room, training goes on")
+                self._say(
+                    f"warning: {WriteFailed(self._path, len(data) + 16, free_bytes(self._path), exc.strerror or str(exc))}; "
+                    "TensorBoard events are dropped until there is room, training goes on"
+                )
             self.dropped += 1
             return
         if self.dropped:
@@ -328,7 +341,9 @@ def keep_events_on_write_errors(writer, say: Callable[[str], None] | None = None
         worker._record_writer = _GuardedRecords(worker._record_writer, event_writer._file_name, say)
         return True
     except AttributeError:
-        _warn_once("events_guard", "this TensorBoard's writer has another layout; a full disk may stop the run")
+        _warn_once(
+            "events_guard", "this TensorBoard's writer has another layout; a full disk may stop the run"
+        )
         return False
 
 
@@ -382,7 +397,9 @@ def process_rss_mb() -> float:
         return psutil.Process().memory_info().rss / MB
     kb = _proc_status_kb("VmRSS")
     if kb is None:
-        raise RuntimeError("cannot read process memory: psutil is not installed and /proc/self/status is unreadable")
+        raise RuntimeError(
+            "cannot read process memory: psutil is not installed and /proc/self/status is unreadable"
+        )
     return kb / 1024.0
 
 
@@ -475,10 +492,14 @@ def memory_report(buffer_stats: dict | None = None, device=None, trim: bool = Tr
     if buffer_stats is not None:
         _require(isinstance(buffer_stats, dict), "buffer_stats must be a dict or None")
         missing = [k for k in BUFFER_KEYS if k not in buffer_stats]
-        _require(not missing, f"buffer_stats is missing {', '.join(missing)}; it needs {', '.join(BUFFER_KEYS)}")
+        _require(
+            not missing, f"buffer_stats is missing {', '.join(missing)}; it needs {', '.join(BUFFER_KEYS)}"
+        )
         for key in BUFFER_KEYS:
-            _require(_is_number(buffer_stats[key]) and buffer_stats[key] >= 0,
-                     f"buffer_stats[{key!r}] must be a number >= 0, got {buffer_stats[key]!r}")
+            _require(
+                _is_number(buffer_stats[key]) and buffer_stats[key] >= 0,
+                f"buffer_stats[{key!r}] must be a number >= 0, got {buffer_stats[key]!r}",
+            )
     report: dict[str, float] = {}
     if trim:
         trim_host_memory()
@@ -527,7 +548,9 @@ class LeakVerdict:
     checks in a row: what `--abort-on-leak` acts on), the `cause`, a plain-English `diagnosis`, the slopes."""
 
     leaking: bool
-    cause: str  # "none" | "warming_up" | "graph_retention" | "gpu_tensors" | "fragmentation" | "host_references"
+    cause: (
+        str  # "none" | "warming_up" | "graph_retention" | "gpu_tensors" | "fragmentation" | "host_references"
+    )
     diagnosis: str
     slopes: dict[str, float]
     abort: bool = False
@@ -544,12 +567,26 @@ HOST_UNEXPLAINED_MB = "host_beyond_buffer_mb"
 # its targets: no abort and at most 1 % suspected checks on steady memory, level shifts and released sawtooths,
 # and a leak of 1 MB per 1k steps found within 20k steps of its start.
 GROWTH_Z = 5.0  # slope over its standard error
-SLOPE_FRACTION = 0.5  # a window's slope must reach this share of the threshold: a leak just at the threshold is
+SLOPE_FRACTION = (
+    0.5  # a window's slope must reach this share of the threshold: a leak just at the threshold is
+)
 # estimated below it half the time, and the significance test already keeps noise out
 STEP_RATIO = 0.8  # a straight line must fit better than the best single jump
 STAIRCASE_RATIO = 1.2  # and not clearly worse than two jumps (a slow leak's ramp fits two about as well)
 RELEASE_Z = 6.0  # a fall of this many noise units is a release: the memory was given back
-SCALES = (4, 6, 9, 12, 15, 18, 21, 24, 30, 36, 48)  # windows (samples) tried, shortest first: a fast leak shows in a short one
+SCALES = (
+    4,
+    6,
+    9,
+    12,
+    15,
+    18,
+    21,
+    24,
+    30,
+    36,
+    48,
+)  # windows (samples) tried, shortest first: a fast leak shows in a short one
 RELEASE_GRACE = 32  # samples without a release after which a releasing series is judged like any other
 
 
@@ -608,14 +645,19 @@ def _window_growth(x: np.ndarray, y: np.ndarray, threshold: float, noise: float)
         thirds = np.array_split(y, 3)
         medians = [float(np.median(part)) for part in thirds]
         margin = 1.25 * noise * math.sqrt(2.0 / min(len(part) for part in thirds))
-        if any(b - a <= margin for a, b in zip(medians, medians[1:])):
+        if any(b - a <= margin for a, b in itertools.pairwise(medians)):
             return False, "level_shift"
     return True, "growth"
 
 
-def growth_evidence(steps: Sequence[float], values: Sequence[float], threshold_per_1k: float,
-                    noise_floor: float = 0.01, scales: Sequence[int] = SCALES,
-                    judge_from: float = 0.0) -> tuple[bool, str, float]:
+def growth_evidence(
+    steps: Sequence[float],
+    values: Sequence[float],
+    threshold_per_1k: float,
+    noise_floor: float = 0.01,
+    scales: Sequence[int] = SCALES,
+    judge_from: float = 0.0,
+) -> tuple[bool, str, float]:
     """Is this memory series growing for good? Returns (growing, why, slope per 1k steps).
 
     Told apart, on the samples given (oldest first; growth is judged on those at `judge_from` steps or later, the
@@ -644,7 +686,7 @@ def growth_evidence(steps: Sequence[float], values: Sequence[float], threshold_p
         expected = 1.5 * (float(gaps.max()) if len(gaps) else RELEASE_GRACE)
         if len(y) - release_at[-1] <= expected:
             bounds = [0, *release_at, len(y)]
-            troughs = [a + int(np.argmin(y[a:b])) for a, b in zip(bounds, bounds[1:]) if b > a]
+            troughs = [a + int(np.argmin(y[a:b])) for a, b in itertools.pairwise(bounds) if b > a]
             troughs = [i for i in troughs if i >= first]
             trough_x, trough_y = x[troughs], y[troughs]
             slope = robust_slope(trough_x, trough_y) if len(troughs) >= 2 else 0.0
@@ -660,7 +702,7 @@ def growth_evidence(steps: Sequence[float], values: Sequence[float], threshold_p
         grows, why = _window_growth(x[-size:], y[-size:], threshold_per_1k, noise)
         if grows:
             return True, why, robust_slope(x[-size:], y[-size:])
-    return False, why, robust_slope(x[-sizes[-1]:], y[-sizes[-1]:])
+    return False, why, robust_slope(x[-sizes[-1] :], y[-sizes[-1] :])
 
 
 class LeakDetector:
@@ -677,19 +719,37 @@ class LeakDetector:
     stops a run whose memory comes back).
     """
 
-    def __init__(self, warmup_steps: int = 5_000, window: int = 96, threshold_mb_per_1k: float = 1.0,
-                 block_threshold_per_1k: float = 50.0, min_samples: int | None = None, abort_after: int = 30):
+    def __init__(
+        self,
+        warmup_steps: int = 5_000,
+        window: int = 96,
+        threshold_mb_per_1k: float = 1.0,
+        block_threshold_per_1k: float = 50.0,
+        min_samples: int | None = None,
+        abort_after: int = 30,
+    ):
         min_samples = min(6, window) if min_samples is None and _is_int(window) else min_samples
-        _require(_is_int(warmup_steps) and warmup_steps >= 0,
-                 f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        _require(
+            _is_int(warmup_steps) and warmup_steps >= 0,
+            f"warmup_steps must be an integer >= 0, got {warmup_steps!r}",
+        )
         _require(_is_int(window) and window >= 3, f"window must be an integer >= 3, got {window!r}")
-        _require(_is_number(threshold_mb_per_1k) and threshold_mb_per_1k > 0,
-                 f"threshold_mb_per_1k must be a positive number, got {threshold_mb_per_1k!r}")
-        _require(_is_number(block_threshold_per_1k) and block_threshold_per_1k > 0,
-                 f"block_threshold_per_1k must be a positive number, got {block_threshold_per_1k!r}")
-        _require(_is_int(min_samples) and 3 <= min_samples <= window,
-                 f"min_samples must be an integer in [3, window={window}], got {min_samples!r}")
-        _require(_is_int(abort_after) and abort_after >= 1, f"abort_after must be an integer >= 1, got {abort_after!r}")
+        _require(
+            _is_number(threshold_mb_per_1k) and threshold_mb_per_1k > 0,
+            f"threshold_mb_per_1k must be a positive number, got {threshold_mb_per_1k!r}",
+        )
+        _require(
+            _is_number(block_threshold_per_1k) and block_threshold_per_1k > 0,
+            f"block_threshold_per_1k must be a positive number, got {block_threshold_per_1k!r}",
+        )
+        _require(
+            _is_int(min_samples) and 3 <= min_samples <= window,
+            f"min_samples must be an integer in [3, window={window}], got {min_samples!r}",
+        )
+        _require(
+            _is_int(abort_after) and abort_after >= 1,
+            f"abort_after must be an integer >= 1, got {abort_after!r}",
+        )
         self.warmup_steps = warmup_steps
         self.window = window
         self.threshold = float(threshold_mb_per_1k)
@@ -704,7 +764,9 @@ class LeakDetector:
         _require(isinstance(metric, str) and metric, "metric must be a non-empty string")
         _require(_is_number(step) and step >= 0, f"step must be a number >= 0, got {step!r}")
         _require(_is_number(value), f"value for {metric} must be a finite number, got {value!r}")
-        series = self.samples.setdefault(metric, deque(maxlen=self.window))  # warm-up samples show noise, releases
+        series = self.samples.setdefault(
+            metric, deque(maxlen=self.window)
+        )  # warm-up samples show noise, releases
         if series and step <= series[-1][0]:
             series.clear()  # the step counter went backwards (a resumed run): start the window again
         series.append((float(step), float(value)))
@@ -717,11 +779,18 @@ class LeakDetector:
                 self.add(key, step, report[key])
         host = report.get(KEY_ANON_MB, report.get(KEY_USS_MB, report.get(KEY_RSS_MB)))
         if host is not None:
-            buffer_mb = (report.get(BUFFER_KEYS["obs_bytes"], 0.0) + report.get(BUFFER_KEYS["aux_bytes"], 0.0)) / MB
+            buffer_mb = (
+                report.get(BUFFER_KEYS["obs_bytes"], 0.0) + report.get(BUFFER_KEYS["aux_bytes"], 0.0)
+            ) / MB
             self.add(HOST_UNEXPLAINED_MB, step, host - buffer_mb)
 
-    JUDGED = (HOST_UNEXPLAINED_MB, KEY_GPU_ALLOC_MB, KEY_GPU_RESERVED_MB, KEY_GPU_SMALL_POOL_ACTIVE_MB,
-              KEY_GPU_ACTIVE_BLOCKS)  # what `check` decides on; the other metrics get a slope for the record
+    JUDGED = (
+        HOST_UNEXPLAINED_MB,
+        KEY_GPU_ALLOC_MB,
+        KEY_GPU_RESERVED_MB,
+        KEY_GPU_SMALL_POOL_ACTIVE_MB,
+        KEY_GPU_ACTIVE_BLOCKS,
+    )  # what `check` decides on; the other metrics get a slope for the record
 
     def evidence(self) -> dict[str, tuple[bool, str, float]]:
         """(growing, why, slope per 1k steps) of every metric with enough samples after warm-up: from
@@ -737,8 +806,14 @@ class LeakDetector:
                 continue
             steps, values = zip(*series)
             threshold = self.block_threshold if metric == KEY_GPU_ACTIVE_BLOCKS else self.threshold
-            out[metric] = growth_evidence(steps, values, threshold, noise_floor=0.01 * threshold,
-                                          scales=self.scales, judge_from=self.warmup_steps)
+            out[metric] = growth_evidence(
+                steps,
+                values,
+                threshold,
+                noise_floor=0.01 * threshold,
+                scales=self.scales,
+                judge_from=self.warmup_steps,
+            )
         return out
 
     def slopes(self) -> dict[str, float]:
@@ -751,40 +826,60 @@ class LeakDetector:
         if not s:
             self.suspected_in_a_row = 0
             return LeakVerdict(False, "warming_up", "leak check: not enough samples after warm-up yet", s)
-        grows = lambda key: evidence.get(key, (False,))[0]  # noqa: E731
+        grows = lambda key: evidence.get(key, (False,))[0]
         small, blocks = s.get(KEY_GPU_SMALL_POOL_ACTIVE_MB, 0.0), s.get(KEY_GPU_ACTIVE_BLOCKS, 0.0)
         alloc, reserved = s.get(KEY_GPU_ALLOC_MB, 0.0), s.get(KEY_GPU_RESERVED_MB, 0.0)
         host = s.get(HOST_UNEXPLAINED_MB, 0.0)
         findings: list[tuple[str, str]] = []
         if grows(KEY_GPU_SMALL_POOL_ACTIVE_MB) and grows(KEY_GPU_ACTIVE_BLOCKS):
-            findings.append(("graph_retention",
-                f"GPU small-pool active memory grows {small:.2f} MB and {blocks:.0f} active blocks per 1k steps: "
-                "autograd graphs are being kept alive. Usual causes: acting in the environment with autograd on "
-                "(wrap collection in torch.no_grad()) or a cached recurrent state that still has a grad_fn "
-                "(store it .detach()ed)."))
+            findings.append(
+                (
+                    "graph_retention",
+                    f"GPU small-pool active memory grows {small:.2f} MB and {blocks:.0f} active blocks per 1k steps: "
+                    "autograd graphs are being kept alive. Usual causes: acting in the environment with autograd on "
+                    "(wrap collection in torch.no_grad()) or a cached recurrent state that still has a grad_fn "
+                    "(store it .detach()ed).",
+                )
+            )
         elif grows(KEY_GPU_ALLOC_MB):
-            findings.append(("gpu_tensors",
-                f"GPU allocated memory grows {alloc:.2f} MB per 1k steps: tensors on the GPU are kept alive "
-                "(appended to a list, logged as tensors instead of .item() floats, or held by a cache)."))
+            findings.append(
+                (
+                    "gpu_tensors",
+                    f"GPU allocated memory grows {alloc:.2f} MB per 1k steps: tensors on the GPU are kept alive "
+                    "(appended to a list, logged as tensors instead of .item() floats, or held by a cache).",
+                )
+            )
         if grows(KEY_GPU_RESERVED_MB) and not grows(KEY_GPU_ALLOC_MB):
-            findings.append(("fragmentation",
-                f"GPU reserved memory grows {reserved:.2f} MB per 1k steps while allocated memory is flat "
-                f"({alloc:.2f} MB per 1k): the caching allocator is fragmenting. Set "
-                "PYTORCH_ALLOC_CONF=expandable_segments:True (configure_allocator() does this by default)."))
+            findings.append(
+                (
+                    "fragmentation",
+                    f"GPU reserved memory grows {reserved:.2f} MB per 1k steps while allocated memory is flat "
+                    f"({alloc:.2f} MB per 1k): the caching allocator is fragmenting. Set "
+                    "PYTORCH_ALLOC_CONF=expandable_segments:True (configure_allocator() does this by default).",
+                )
+            )
         if grows(HOST_UNEXPLAINED_MB):
-            findings.append(("host_references",
-                f"host memory beyond what the replay buffer holds grows {host:.2f} MB per 1k steps: something "
-                "on the host keeps references (views of evicted replay data, tensors or arrays kept in lists, "
-                "per-step logs that are never trimmed)."))
+            findings.append(
+                (
+                    "host_references",
+                    f"host memory beyond what the replay buffer holds grows {host:.2f} MB per 1k steps: something "
+                    "on the host keeps references (views of evicted replay data, tensors or arrays kept in lists, "
+                    "per-step logs that are never trimmed).",
+                )
+            )
         if not findings:
             self.suspected_in_a_row = 0
             parts = ", ".join(f"{k} {v:+.2f}" for k, v in sorted(s.items()))
             return LeakVerdict(False, "none", f"memory is steady (per 1k steps: {parts})", s)
         self.suspected_in_a_row += 1
         cause = findings[0][0]
-        return LeakVerdict(True, cause, "memory leak suspected: " + " ".join(text for _, text in findings), s,
-                           abort=self.suspected_in_a_row >= self.abort_after)
-
+        return LeakVerdict(
+            True,
+            cause,
+            "memory leak suspected: " + " ".join(text for _, text in findings),
+            s,
+            abort=self.suspected_in_a_row >= self.abort_after,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -823,8 +918,11 @@ def configure_allocator(verbose: bool = True) -> str:
     with contextlib.suppress(Exception):
         cuda_started = torch.cuda.is_initialized()
     if cuda_started:
-        _warn_once("allocator_late", "CUDA was already initialised, so the allocator defaults could not be applied; "
-                   "call configure_allocator() before anything touches CUDA")
+        _warn_once(
+            "allocator_late",
+            "CUDA was already initialised, so the allocator defaults could not be applied; "
+            "call configure_allocator() before anything touches CUDA",
+        )
         return ""
     try:
         _validate_alloc_conf(conf)
@@ -897,16 +995,26 @@ def _device_index(device) -> int:
     return 0 if device.index is None else device.index
 
 
-def wait_for_gpu(min_free_mb: float, poll_s: float, timeout_s: float, device=None,
-                 probe: Callable[[], float] | None = None, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic, verbose: bool = True) -> bool:
+def wait_for_gpu(
+    min_free_mb: float,
+    poll_s: float,
+    timeout_s: float,
+    device=None,
+    probe: Callable[[], float] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    verbose: bool = True,
+) -> bool:
     """Poll until at least `min_free_mb` MB are free on the GPU; True if seen before `timeout_s`, else False.
 
     `probe()` returns the free MB; by default NVML's figure for `device` (`NvmlProbe`), which creates no CUDA
     context, so a process that waits holds nothing on the card it waits for. `sleep` and `clock` are injectable
     so the logic can be tested without a GPU and without waiting.
     """
-    _require(_is_number(min_free_mb) and min_free_mb >= 0, f"min_free_mb must be a number >= 0, got {min_free_mb!r}")
+    _require(
+        _is_number(min_free_mb) and min_free_mb >= 0,
+        f"min_free_mb must be a number >= 0, got {min_free_mb!r}",
+    )
     _require(_is_number(poll_s) and poll_s > 0, f"poll_s must be a number > 0, got {poll_s!r}")
     _require(_is_number(timeout_s) and timeout_s >= 0, f"timeout_s must be a number >= 0, got {timeout_s!r}")
     nvml_probe = None
@@ -935,11 +1043,15 @@ def _poll_free_memory(min_free_mb, poll_s, timeout_s, probe, sleep, clock, verbo
         remaining = deadline - clock()
         if remaining <= 0:
             if verbose:
-                print(f"wait: timed out after {timeout_s:g} s with {free:.0f} MB free (needed {min_free_mb:.0f} MB)")
+                print(
+                    f"wait: timed out after {timeout_s:g} s with {free:.0f} MB free (needed {min_free_mb:.0f} MB)"
+                )
             return False
         if verbose and polls == 1:
-            print(f"wait: {free:.0f} MB free, need {min_free_mb:.0f} MB; polling every {poll_s:g} s "
-                  f"for up to {timeout_s:g} s")
+            print(
+                f"wait: {free:.0f} MB free, need {min_free_mb:.0f} MB; polling every {poll_s:g} s "
+                f"for up to {timeout_s:g} s"
+            )
         sleep(min(poll_s, remaining))
 
 
@@ -948,8 +1060,22 @@ def _poll_free_memory(min_free_mb, poll_s, timeout_s, probe, sleep, clock, verbo
 # ---------------------------------------------------------------------------------------------------------
 # How each state entry of torch.optim's optimizers starts when the first step creates it: zero unless listed in
 # _FRESH_STATE (value from the entry's param group). An entry this table does not know is refused, not guessed.
-_ZERO_STATE = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "square_avg", "acc_delta",
-               "momentum_buffer", "grad_avg", "prev", "ax", "row_var", "col_var", "variance"}
+_ZERO_STATE = {
+    "step",
+    "exp_avg",
+    "exp_avg_sq",
+    "max_exp_avg_sq",
+    "exp_inf",
+    "square_avg",
+    "acc_delta",
+    "momentum_buffer",
+    "grad_avg",
+    "prev",
+    "ax",
+    "row_var",
+    "col_var",
+    "variance",
+}
 _FRESH_STATE = {
     "mu_product": lambda group: 1.0,  # NAdam
     "step_size": lambda group: group["lr"],  # Rprop
@@ -970,12 +1096,18 @@ def _fresh_value(optimizer: torch.optim.Optimizer, group: dict, key: str, value)
         return _FRESH_STATE[key](group)
     if key in _ZERO_STATE:
         return 0
-    raise ValueError(f"preallocate_optimizer_state does not know how {type(optimizer).__name__}'s state entry "
-                     f"{key!r} starts, so it cannot undo the step exactly; preallocate without it")
+    raise ValueError(
+        f"preallocate_optimizer_state does not know how {type(optimizer).__name__}'s state entry "
+        f"{key!r} starts, so it cannot undo the step exactly; preallocate without it"
+    )
 
 
-def preallocate_optimizer_state(step_fn: Callable[[], Any], optimizer, params: Iterable[torch.Tensor] | None = None,
-                                modules: Iterable[torch.nn.Module] = ()) -> float:
+def preallocate_optimizer_state(
+    step_fn: Callable[[], Any],
+    optimizer,
+    params: Iterable[torch.Tensor] | None = None,
+    modules: Iterable[torch.nn.Module] = (),
+) -> float:
     """Materialise optimizer state (Adam moments etc.) now, with a worst-case step, and change nothing.
 
     `step_fn()` runs one worst-case forward and backward (it calls `.backward()` itself). This function then
@@ -993,15 +1125,22 @@ def preallocate_optimizer_state(step_fn: Callable[[], Any], optimizer, params: I
     """
     _require(callable(step_fn), "step_fn must be callable (one forward + backward)")
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    _require(optimizers and all(isinstance(o, torch.optim.Optimizer) for o in optimizers),
-             "optimizer must be a torch.optim.Optimizer or a non-empty list of them")
+    _require(
+        optimizers and all(isinstance(o, torch.optim.Optimizer) for o in optimizers),
+        "optimizer must be a torch.optim.Optimizer or a non-empty list of them",
+    )
     for o in optimizers:
-        _require(type(o).__name__ not in _NO_PREALLOCATION,
-                 f"cannot preallocate for {type(o).__name__}: {_NO_PREALLOCATION.get(type(o).__name__)}")
+        _require(
+            type(o).__name__ not in _NO_PREALLOCATION,
+            f"cannot preallocate for {type(o).__name__}: {_NO_PREALLOCATION.get(type(o).__name__)}",
+        )
     if params is None:
         params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
     params = list(params)
-    _require(params and all(isinstance(p, torch.Tensor) for p in params), "params must be a non-empty list of tensors")
+    _require(
+        params and all(isinstance(p, torch.Tensor) for p in params),
+        "params must be a non-empty list of tensors",
+    )
     modules = list(modules)
     _require(all(isinstance(m, torch.nn.Module) for m in modules), "modules must be torch.nn.Module objects")
 
@@ -1012,8 +1151,13 @@ def preallocate_optimizer_state(step_fn: Callable[[], Any], optimizer, params: I
     saved = [p.detach().clone() for p in params]
     saved_grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
     saved_buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
-    saved_state = [{p: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
-                    for p, st in o.state.items()} for o in optimizers]
+    saved_state = [
+        {
+            p: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+            for p, st in o.state.items()
+        }
+        for o in optimizers
+    ]
 
     def restore_model() -> None:
         with torch.no_grad():
@@ -1076,7 +1220,8 @@ def preallocate_optimizer_state(step_fn: Callable[[], Any], optimizer, params: I
     else:
         peak_mb = max(0.0, process_rss_mb() - rss_before)
     created = sum(len(st) for o in optimizers for st in o.state.values()) - sum(
-        len(st) for before in saved_state for st in before.values())
+        len(st) for before in saved_state for st in before.values()
+    )
     restore_model()
     try:
         for o, before in zip(optimizers, saved_state):
@@ -1086,9 +1231,14 @@ def preallocate_optimizer_state(step_fn: Callable[[], Any], optimizer, params: I
             o.state.clear()
             o.state.update(before)
         raise
-    _require(got_gradients, "step_fn gave these parameters no gradients: it must call backward on a loss of them")
-    _require(created > 0 or any(saved_state), "the preallocation step created no optimizer state (SGD without "
-                                              "momentum keeps none): there is nothing to preallocate")
+    _require(
+        got_gradients, "step_fn gave these parameters no gradients: it must call backward on a loss of them"
+    )
+    _require(
+        created > 0 or any(saved_state),
+        "the preallocation step created no optimizer state (SGD without "
+        "momentum keeps none): there is nothing to preallocate",
+    )
     return float(peak_mb)
 
 
@@ -1114,7 +1264,9 @@ class AmpSetup:
     def new_scaler(self) -> torch.amp.GradScaler:
         """Another scaler set up like `scaler`: give each optimizer its own, so that an overflow in one loss shrinks
         that loss's scale alone, and each scale grows at the rate its `update()` calls set."""
-        return torch.amp.GradScaler("cuda" if self.device_type == "cuda" else "cpu", enabled=self.scaler.is_enabled())
+        return torch.amp.GradScaler(
+            "cuda" if self.device_type == "cuda" else "cpu", enabled=self.scaler.is_enabled()
+        )
 
     def autocast(self):
         if self.dtype is None:
@@ -1126,8 +1278,9 @@ def _device_type(device) -> str:
     try:
         return torch.device(device).type
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device must be a torch.device or a device name such as 'cpu' or 'cuda:0', "
-                         f"got {device!r}") from None
+        raise ValueError(
+            f"device must be a torch.device or a device name such as 'cpu' or 'cuda:0', got {device!r}"
+        ) from None
 
 
 def amp(mode: str, device) -> AmpSetup:
@@ -1165,8 +1318,16 @@ class StageProbes:
     stages (MALLOC_MMAP_THRESHOLD_=131072 pins it). On CUDA it is exact.
     """
 
-    STAGES = ("loop_start", "after_collect", "after_sample", "after_encoder", "after_rssm",
-              "after_decoder", "after_backward", "after_optimizer_step")
+    STAGES = (
+        "loop_start",
+        "after_collect",
+        "after_sample",
+        "after_encoder",
+        "after_rssm",
+        "after_decoder",
+        "after_backward",
+        "after_optimizer_step",
+    )
     SLOPE_KEY = PROBE_KEY_PREFIX + "baseline_slope_mb_per_1k"
 
     def __init__(self, enabled: bool, device="cpu", window: int = 50):
@@ -1245,8 +1406,10 @@ class StageProbes:
             return f"probes: loop-start memory is flat ({slope:+.2f} MB per 1k steps)"
         retained = self.retained_per_stage()
         culprit = max(retained, key=retained.get) if retained else "unknown"
-        return (f"probes: loop-start memory grows {slope:+.2f} MB per 1k steps; '{culprit}' adds "
-                f"{retained.get(culprit, 0.0):.3f} MB per iteration that is never given back")
+        return (
+            f"probes: loop-start memory grows {slope:+.2f} MB per 1k steps; '{culprit}' adds "
+            f"{retained.get(culprit, 0.0):.3f} MB per iteration that is never given back"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1263,8 +1426,10 @@ class MemorySnapshots:
     def __init__(self, run_dir: str, every: int, max_entries: int = 100_000, device=None):
         _require(isinstance(run_dir, (str, os.PathLike)), f"run_dir must be a path, got {run_dir!r}")
         _require(_is_int(every) and every >= 0, f"every must be an integer >= 0, got {every!r}")
-        _require(_is_int(max_entries) and max_entries > 0,
-                 f"max_entries must be a positive integer, got {max_entries!r}")
+        _require(
+            _is_int(max_entries) and max_entries > 0,
+            f"max_entries must be a positive integer, got {max_entries!r}",
+        )
         self.out_dir = Path(run_dir) / "memory_snapshots"
         self.every = every
         self.max_entries = max_entries
@@ -1273,7 +1438,9 @@ class MemorySnapshots:
         if every == 0:
             return
         if not _cuda_ready() or (device is not None and torch.device(device).type != "cuda"):
-            _warn_once("snapshots_cpu", "memory snapshots need CUDA; --memory-snapshot-every is ignored on this run")
+            _warn_once(
+                "snapshots_cpu", "memory snapshots need CUDA; --memory-snapshot-every is ignored on this run"
+            )
             return
         try:
             # Python frames only: the analysis reads nothing else, and symbolising C++ frames (torch's default,
@@ -1281,13 +1448,17 @@ class MemorySnapshots:
             torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
             self.active = True
         except Exception as exc:  # noqa: BLE001
-            _warn_once("snapshots_start", f"could not start recording allocator history ({exc}); no snapshots")
+            _warn_once(
+                "snapshots_start", f"could not start recording allocator history ({exc}); no snapshots"
+            )
 
     def dump(self, path: Path) -> str | None:
         """Write one snapshot; a failed write (a full disk) is one warning line, the partial file removed, and
         the next interval tries again."""
         try:
-            snapshot = torch.cuda.memory._snapshot()  # what _dump_snapshot pickles, written here all or nothing
+            snapshot = (
+                torch.cuda.memory._snapshot()
+            )  # what _dump_snapshot pickles, written here all or nothing
             atomic_write(path, functools.partial(pickle.dump, snapshot))
             del snapshot
             return str(path)
@@ -1295,7 +1466,9 @@ class MemorySnapshots:
             print(f"memory_utils: warning: {exc}; no snapshot this time, training continues", file=sys.stderr)
             return None
         except Exception as exc:  # noqa: BLE001 - diagnostics never break training
-            _warn_once("snapshots_write", f"writing memory snapshot {path} failed ({exc}); training continues")
+            _warn_once(
+                "snapshots_write", f"writing memory snapshot {path} failed ({exc}); training continues"
+            )
             return None
 
     def maybe_dump(self, step: int) -> str | None:
@@ -1325,10 +1498,22 @@ def install_oom_observer(run_dir: str) -> bool:
 
     def observer(device, alloc, device_alloc, device_free):
         try:
-            atomic_write(oom_dir / "observer.json", json.dumps(
-                {"device": device, "requested_bytes": alloc, "device_allocated_bytes": device_alloc,
-                 "device_free_bytes": device_free}, indent=2).encode())
-            atomic_write(oom_dir / "snapshot_at_oom.pickle", functools.partial(pickle.dump, torch.cuda.memory._snapshot()))
+            atomic_write(
+                oom_dir / "observer.json",
+                json.dumps(
+                    {
+                        "device": device,
+                        "requested_bytes": alloc,
+                        "device_allocated_bytes": device_alloc,
+                        "device_free_bytes": device_free,
+                    },
+                    indent=2,
+                ).encode(),
+            )
+            atomic_write(
+                oom_dir / "snapshot_at_oom.pickle",
+                functools.partial(pickle.dump, torch.cuda.memory._snapshot()),
+            )
         except WriteFailed as exc:
             print(f"memory_utils: warning: {exc}; the OOM observer's files are incomplete", file=sys.stderr)
         except Exception as exc:  # noqa: BLE001
@@ -1347,12 +1532,20 @@ _ALLOWED_RE = re.compile(r"([\d.]+) (B|KiB|MiB|GiB|TiB) allowed;")  # present wh
 _UNITS = {"B": 1 / MB, "KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0, "TiB": 1024.0 * 1024.0}
 
 
-DEFAULT_OOM_ADVICE = ("Flags that lower the peak: --amp bf16 (or fp16 on CUDA), a smaller --batch-size, and the "
-                      "allocator defaults of configure_allocator() (expandable_segments:True).")
+DEFAULT_OOM_ADVICE = (
+    "Flags that lower the peak: --amp bf16 (or fp16 on CUDA), a smaller --batch-size, and the "
+    "allocator defaults of configure_allocator() (expandable_segments:True)."
+)
 
 
-def diagnose_oom(message: str, allocated_mb: float | None, reserved_mb: float | None,
-                 free_mb: float | None, total_mb: float | None, advice: str = DEFAULT_OOM_ADVICE) -> str:
+def diagnose_oom(
+    message: str,
+    allocated_mb: float | None,
+    reserved_mb: float | None,
+    free_mb: float | None,
+    total_mb: float | None,
+    advice: str = DEFAULT_OOM_ADVICE,
+) -> str:
     """A short explanation of a CUDA OOM from its message and the allocator's figures (all MB).
 
     `advice` is the calling script's own sentence about which of its flags lower the peak.
@@ -1365,31 +1558,47 @@ def diagnose_oom(message: str, allocated_mb: float | None, reserved_mb: float | 
     if allowed:
         allowed_mb = float(allowed.group(1)) * _UNITS[allowed.group(2)]
         card = f" of a {total_mb:.0f} MiB card" if total_mb else ""
-        lines.append(f"This process may use at most {allowed_mb:.0f} MiB{card}: a per-process cap "
-                     "(torch.cuda.set_per_process_memory_fraction, or a limit the job's launcher set) ran out, "
-                     "not the card. Raise the cap, or lower the peak with the flags below.")
+        lines.append(
+            f"This process may use at most {allowed_mb:.0f} MiB{card}: a per-process cap "
+            "(torch.cuda.set_per_process_memory_fraction, or a limit the job's launcher set) ran out, "
+            "not the card. Raise the cap, or lower the peak with the flags below."
+        )
     if total_mb:
         held = reserved_mb or 0.0
         others = max(0.0, total_mb - (free_mb or 0.0) - held)
-        lines.append(f"This process holds {held:.0f} MiB ({allocated_mb or 0.0:.0f} MiB in live tensors); "
-                     f"other processes and CUDA contexts hold about {others:.0f} MiB; {free_mb or 0.0:.0f} MiB "
-                     f"of {total_mb:.0f} MiB is free.")
+        lines.append(
+            f"This process holds {held:.0f} MiB ({allocated_mb or 0.0:.0f} MiB in live tensors); "
+            f"other processes and CUDA contexts hold about {others:.0f} MiB; {free_mb or 0.0:.0f} MiB "
+            f"of {total_mb:.0f} MiB is free."
+        )
         if others > 0.25 * total_mb:
-            lines.append("Another process holds a large share of this GPU: wait for it "
-                         "(`python memory_utils.py wait --min-free MB -- <command>`) or use another device.")
+            lines.append(
+                "Another process holds a large share of this GPU: wait for it "
+                "(`python memory_utils.py wait --min-free MB -- <command>`) or use another device."
+            )
         if allocated_mb and allocated_mb > total_mb:
-            lines.append(f"Allocated ({allocated_mb / 1024:.2f} GiB) exceeds the card's {total_mb / 1024:.2f} GiB: the "
-                         "driver is spilling into shared host memory (WSL2/Windows do this). That is not "
-                         "corruption; it is memory pressure, and it makes training slow long before it fails.")
+            lines.append(
+                f"Allocated ({allocated_mb / 1024:.2f} GiB) exceeds the card's {total_mb / 1024:.2f} GiB: the "
+                "driver is spilling into shared host memory (WSL2/Windows do this). That is not "
+                "corruption; it is memory pressure, and it makes training slow long before it fails."
+            )
         if reserved_mb and allocated_mb is not None and reserved_mb - allocated_mb > 0.3 * reserved_mb:
-            lines.append(f"{reserved_mb - allocated_mb:.0f} MiB is reserved but unused (fragmentation): "
-                         "PYTORCH_ALLOC_CONF=expandable_segments:True helps.")
+            lines.append(
+                f"{reserved_mb - allocated_mb:.0f} MiB is reserved but unused (fragmentation): "
+                "PYTORCH_ALLOC_CONF=expandable_segments:True helps."
+            )
     lines.append(advice)
     return "\n".join(lines)
 
 
-def write_oom_report(run_dir: str, exc: BaseException, last_report: dict | None, verdict=None,
-                     device=None, advice: str = DEFAULT_OOM_ADVICE) -> str:
+def write_oom_report(
+    run_dir: str,
+    exc: BaseException,
+    last_report: dict | None,
+    verdict=None,
+    device=None,
+    advice: str = DEFAULT_OOM_ADVICE,
+) -> str:
     """Write {run_dir}/oom/ (snapshot, memory_summary.txt, report.json) and return a short diagnosis.
 
     Call it from `except torch.OutOfMemoryError` after dropping the failed step's tensors: the traceback's
@@ -1398,8 +1607,14 @@ def write_oom_report(run_dir: str, exc: BaseException, last_report: dict | None,
     """
     oom_dir = Path(run_dir) / "oom"
     stats = gpu_memory_stats(device)
-    diagnosis = diagnose_oom(str(exc), stats.get("alloc_mb"), stats.get("reserved_mb"), stats.get("free_mb"),
-                             stats.get("total_mb"), advice)
+    diagnosis = diagnose_oom(
+        str(exc),
+        stats.get("alloc_mb"),
+        stats.get("reserved_mb"),
+        stats.get("free_mb"),
+        stats.get("total_mb"),
+        advice,
+    )
     try:
         oom_dir.mkdir(parents=True, exist_ok=True)
         summary = "CUDA is not available; no allocator summary."
@@ -1407,16 +1622,22 @@ def write_oom_report(run_dir: str, exc: BaseException, last_report: dict | None,
             with contextlib.suppress(Exception):
                 summary = torch.cuda.memory_summary(device)
             with contextlib.suppress(Exception):
-                atomic_write(oom_dir / "snapshot.pickle", functools.partial(pickle.dump, torch.cuda.memory._snapshot()))
+                atomic_write(
+                    oom_dir / "snapshot.pickle", functools.partial(pickle.dump, torch.cuda.memory._snapshot())
+                )
         atomic_write(oom_dir / "memory_summary.txt", summary.encode())
         payload = {
             "error": str(exc),
             "diagnosis": diagnosis,
             "gpu": stats,
             "last_memory_report": last_report or {},
-            "leak_verdict": None if verdict is None else {
-                "leaking": getattr(verdict, "leaking", None), "cause": getattr(verdict, "cause", None),
-                "diagnosis": str(verdict)},
+            "leak_verdict": None
+            if verdict is None
+            else {
+                "leaking": getattr(verdict, "leaking", None),
+                "cause": getattr(verdict, "cause", None),
+                "diagnosis": str(verdict),
+            },
         }
         atomic_write(oom_dir / "report.json", json.dumps(payload, indent=2, default=str).encode())
     except WriteFailed as err:
@@ -1447,10 +1668,34 @@ class _PlainUnpickler(pickle.Unpickler):
 # containers; these bounds keep any file's load under about 1 GB and a few seconds.
 MAX_SNAPSHOT_CONTAINERS = 3_000_000
 MAX_SNAPSHOT_BYTES = 2 * 2**30
-_CONTAINER_OPS = {"EMPTY_DICT", "EMPTY_LIST", "EMPTY_SET", "EMPTY_TUPLE", "DICT", "LIST", "TUPLE", "TUPLE1",
-                  "TUPLE2", "TUPLE3", "FROZENSET"}
-_CODE_OPS = {"GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2",
-             "EXT4", "PERSID", "BINPERSID"}
+_CONTAINER_OPS = {
+    "EMPTY_DICT",
+    "EMPTY_LIST",
+    "EMPTY_SET",
+    "EMPTY_TUPLE",
+    "DICT",
+    "LIST",
+    "TUPLE",
+    "TUPLE1",
+    "TUPLE2",
+    "TUPLE3",
+    "FROZENSET",
+}
+_CODE_OPS = {
+    "GLOBAL",
+    "STACK_GLOBAL",
+    "REDUCE",
+    "BUILD",
+    "INST",
+    "OBJ",
+    "NEWOBJ",
+    "NEWOBJ_EX",
+    "EXT1",
+    "EXT2",
+    "EXT4",
+    "PERSID",
+    "BINPERSID",
+}
 
 
 class SnapshotTooLarge(pickle.UnpicklingError):
@@ -1482,7 +1727,9 @@ def check_snapshot_stream(path: str | os.PathLike) -> None:
                     memo += 1
                 elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
                     if int(arg) > memo:
-                        raise SnapshotTooLarge(f"memo index {int(arg):,} after {memo:,} objects (a memory bomb)")
+                        raise SnapshotTooLarge(
+                            f"memo index {int(arg):,} after {memo:,} objects (a memory bomb)"
+                        )
                     memo = max(memo, int(arg) + 1)
         except (ValueError, EOFError) as exc:  # genops' own complaints: truncated or not a pickle
             raise pickle.UnpicklingError(f"not a readable pickle ({exc})") from None
@@ -1506,8 +1753,16 @@ def _require_snapshot(condition: bool, what: str) -> None:
 
 _ACTIVE_STATES = ("active_allocated", "active_pending_free", "active_awaiting_free")
 _STEP_RE = re.compile(r"snapshot_step_(\d+)\.pickle$")
-_LIBRARY_MARKERS = ("site-packages", "dist-packages", "/torch/", "\\torch\\", "<frozen", "/lib/python3",
-                    "\\lib\\python3", "??")
+_LIBRARY_MARKERS = (
+    "site-packages",
+    "dist-packages",
+    "/torch/",
+    "\\torch\\",
+    "<frozen",
+    "/lib/python3",
+    "\\lib\\python3",
+    "??",
+)
 
 
 def _is_project_frame(frame: dict) -> bool:
@@ -1547,8 +1802,11 @@ def allocation_category(frames: list) -> str:
     """A category a user recognises, from the frames of an allocation, where it can be inferred; else "other"."""
     if not isinstance(frames, list):
         return "other"
-    text = " ".join(f"{f.get('filename', '')}:{f.get('name', '')}" for f in frames[:MAX_FRAMES_SCANNED]
-                    if isinstance(f, dict))
+    text = " ".join(
+        f"{f.get('filename', '')}:{f.get('name', '')}"
+        for f in frames[:MAX_FRAMES_SCANNED]
+        if isinstance(f, dict)
+    )
     for category, markers in _CATEGORY_RULES:
         if any(marker in text for marker in markers):
             return category
@@ -1563,14 +1821,22 @@ def summarize_snapshot(data: dict) -> dict:
     debug/gpu/alloc_mb log). Refuses (SnapshotTooLarge) a file whose segments share one list of blocks (memo
     references make a few kilobytes describe billions of blocks; torch never writes that) or that has more than
     MAX_SNAPSHOT_BLOCKS."""
-    totals = {"active_mb": 0.0, "allocated_mb": 0.0, "small_pool_active_mb": 0.0, "large_pool_active_mb": 0.0,
-              "reserved_mb": 0.0, "active_blocks": 0}
+    totals = {
+        "active_mb": 0.0,
+        "allocated_mb": 0.0,
+        "small_pool_active_mb": 0.0,
+        "large_pool_active_mb": 0.0,
+        "reserved_mb": 0.0,
+        "active_blocks": 0,
+    }
     sites: dict[str, list] = {}
     categories: dict[str, list] = {}
     segments = data.get("segments", [])
     _require_snapshot(isinstance(segments, list), "'segments' is not a list")
     block_lists = [segment.get("blocks", []) if isinstance(segment, dict) else None for segment in segments]
-    _require_snapshot(all(isinstance(b, list) for b in block_lists), "a segment is not a dict with a list of blocks")
+    _require_snapshot(
+        all(isinstance(b, list) for b in block_lists), "a segment is not a dict with a list of blocks"
+    )
     if len({id(b) for b in block_lists if b}) < sum(1 for b in block_lists if b):
         raise SnapshotTooLarge("segments share one list of blocks (torch never writes that)")
     if sum(len(b) for b in block_lists) > MAX_SNAPSHOT_BLOCKS:
@@ -1596,8 +1862,12 @@ def summarize_snapshot(data: dict) -> dict:
                 entry = table.setdefault(key, [0, 0])
                 entry[0] += size
                 entry[1] += 1
-    return {"totals": totals, "sites": sites, "categories": categories,
-            "expandable": _expandable_segments(data, segments)}
+    return {
+        "totals": totals,
+        "sites": sites,
+        "categories": categories,
+        "expandable": _expandable_segments(data, segments),
+    }
 
 
 def _expandable_segments(data: dict, segments: list) -> bool:
@@ -1609,8 +1879,14 @@ def _expandable_segments(data: dict, segments: list) -> bool:
     return bool(flags) and all(flag is True for flag in flags)
 
 
-GROWTH_COLUMNS = ("active_mb", "allocated_mb", "small_pool_active_mb", "large_pool_active_mb", "reserved_mb",
-                  "active_blocks")
+GROWTH_COLUMNS = (
+    "active_mb",
+    "allocated_mb",
+    "small_pool_active_mb",
+    "large_pool_active_mb",
+    "reserved_mb",
+    "active_blocks",
+)
 
 
 @dataclasses.dataclass
@@ -1618,7 +1894,9 @@ class SnapshotAnalysis:
     steps: list[int]
     rows: list[dict]  # one per snapshot: step + GROWTH_COLUMNS
     slopes: dict[str, float]  # per 1k steps
-    top_sites: list[dict]  # site, bytes_first, bytes_last, blocks_first, blocks_last, growth_mb, growth_blocks
+    top_sites: list[
+        dict
+    ]  # site, bytes_first, bytes_last, blocks_first, blocks_last, growth_mb, growth_blocks
     skipped: list[str]
     verdict: str
     events: list[dict] = dataclasses.field(default_factory=list)
@@ -1640,45 +1918,71 @@ def _verdict(rows: list[dict], threshold: float, expandable: bool) -> tuple[str,
     """The verdict over snapshots in step order, and the slopes per 1k steps. Growth is judged as the leak
     detector judges a run (`growth_evidence`): one jump (a CUDA graph's pool, the first evaluation) is no leak."""
     steps = [r["step"] for r in rows]
-    evidence = {c: growth_evidence(steps, [r[c] for r in rows], 50.0 if c == "active_blocks" else threshold,
-                                   noise_floor=0.01, scales=(min(4, len(rows)), 6, 9, 12, 18, 24))
-                for c in GROWTH_COLUMNS}
+    evidence = {
+        c: growth_evidence(
+            steps,
+            [r[c] for r in rows],
+            50.0 if c == "active_blocks" else threshold,
+            noise_floor=0.01,
+            scales=(min(4, len(rows)), 6, 9, 12, 18, 24),
+        )
+        for c in GROWTH_COLUMNS
+    }
     slopes = {c: evidence[c][2] for c in GROWTH_COLUMNS}
     grows = {c: evidence[c][0] for c in GROWTH_COLUMNS}
     small, large = slopes["small_pool_active_mb"], slopes["large_pool_active_mb"]
     active, reserved, blocks = slopes["active_mb"], slopes["reserved_mb"], slopes["active_blocks"]
     if len(rows) < 4:
-        return (f"too few snapshots ({len(rows)}) to judge growth; below is what holds the memory in the last one "
-                f"(slopes per 1k steps: active {active:+.2f} MB, reserved {reserved:+.2f} MB)."), slopes
+        return (
+            f"too few snapshots ({len(rows)}) to judge growth; below is what holds the memory in the last one "
+            f"(slopes per 1k steps: active {active:+.2f} MB, reserved {reserved:+.2f} MB)."
+        ), slopes
     if grows["small_pool_active_mb"] and grows["active_blocks"]:
-        return (f"leak: small-pool active memory grows {small:.2f} MB and {blocks:.0f} blocks per 1k steps. Many "
-                "small blocks that never die are the signature of retained autograd graphs: run collection under "
-                "torch.no_grad() and store recurrent state detached. The top growing site below is where they "
-                "are allocated."), slopes
+        return (
+            f"leak: small-pool active memory grows {small:.2f} MB and {blocks:.0f} blocks per 1k steps. Many "
+            "small blocks that never die are the signature of retained autograd graphs: run collection under "
+            "torch.no_grad() and store recurrent state detached. The top growing site below is where they "
+            "are allocated."
+        ), slopes
     if grows["active_mb"]:
-        return (f"leak: active memory grows {active:.2f} MB per 1k steps (large pool {large:+.2f}). Tensors are "
-                "kept alive; the top growing site below is where they are allocated."), slopes
+        return (
+            f"leak: active memory grows {active:.2f} MB per 1k steps (large pool {large:+.2f}). Tensors are "
+            "kept alive; the top growing site below is where they are allocated."
+        ), slopes
     if grows["reserved_mb"]:
-        advice = ("Expandable segments are already on here, so this is reserved memory the allocator keeps for "
-                  "allocations of changing sizes: a lower garbage_collection_threshold in PYTORCH_ALLOC_CONF, or "
-                  "fewer distinct tensor sizes, give it back." if expandable else
-                  "Use PYTORCH_ALLOC_CONF=expandable_segments:True.")
-        return (f"fragmentation: reserved memory grows {reserved:.2f} MB per 1k steps while active memory does not "
-                f"({active:+.2f}). {advice}"), slopes
-    return (f"steady: no pool grows for good (active {active:+.2f}, reserved {reserved:+.2f} MB per 1k steps; a "
-            f"single jump, such as a CUDA graph's memory pool or the first evaluation, is not growth)."), slopes
+        advice = (
+            "Expandable segments are already on here, so this is reserved memory the allocator keeps for "
+            "allocations of changing sizes: a lower garbage_collection_threshold in PYTORCH_ALLOC_CONF, or "
+            "fewer distinct tensor sizes, give it back."
+            if expandable
+            else "Use PYTORCH_ALLOC_CONF=expandable_segments:True."
+        )
+        return (
+            f"fragmentation: reserved memory grows {reserved:.2f} MB per 1k steps while active memory does not "
+            f"({active:+.2f}). {advice}"
+        ), slopes
+    return (
+        f"steady: no pool grows for good (active {active:+.2f}, reserved {reserved:+.2f} MB per 1k steps; a "
+        f"single jump, such as a CUDA graph's memory pool or the first evaluation, is not growth)."
+    ), slopes
 
 
-def analyze_snapshots(snapshots: str | os.PathLike, events_dir: str | os.PathLike | None = None,
-                      threshold_mb_per_1k: float = 1.0, top: int = 10) -> SnapshotAnalysis:
+def analyze_snapshots(
+    snapshots: str | os.PathLike,
+    events_dir: str | os.PathLike | None = None,
+    threshold_mb_per_1k: float = 1.0,
+    top: int = 10,
+) -> SnapshotAnalysis:
     """Growth over a run's snapshots (a directory of snapshot_step_<N>.pickle files, ordered by step), the top
     growing allocation sites and a verdict; or, for one snapshot file (an OOM's `snapshot_at_oom.pickle`), what
     holds the memory at that moment. Either way the last snapshot's holders, by site and by category, largest
     first (ties by name, so the order never depends on hashing)."""
     path = Path(snapshots)
     _require(path.exists(), f"snapshots path {path} does not exist")
-    _require(_is_number(threshold_mb_per_1k) and threshold_mb_per_1k > 0,
-             f"threshold_mb_per_1k must be a positive number, got {threshold_mb_per_1k!r}")
+    _require(
+        _is_number(threshold_mb_per_1k) and threshold_mb_per_1k > 0,
+        f"threshold_mb_per_1k must be a positive number, got {threshold_mb_per_1k!r}",
+    )
     files = [(0, path)] if path.is_file() else _snapshot_files(path)
     rows, summaries, skipped, read = [], [], [], []
     for step, file in files:
@@ -1695,13 +1999,19 @@ def analyze_snapshots(snapshots: str | os.PathLike, events_dir: str | os.PathLik
         read.append(file)
     for message in skipped:
         print(f"warning: skipped {message}", file=sys.stderr)
-    _require(rows, f"no readable snapshot ({path.name} is not one)" if path.is_file()
-             else f"no readable snapshot_step_<N>.pickle files in {path}")
+    _require(
+        rows,
+        f"no readable snapshot ({path.name} is not one)"
+        if path.is_file()
+        else f"no readable snapshot_step_<N>.pickle files in {path}",
+    )
     steps = [r["step"] for r in rows]
     last = summaries[-1]
     if path.is_file():
-        verdict = (f"one snapshot ({path.name}): {last['totals']['active_mb']:.0f} MB active, "
-                   f"{last['totals']['reserved_mb']:.0f} MB reserved; what holds it is below, largest first.")
+        verdict = (
+            f"one snapshot ({path.name}): {last['totals']['active_mb']:.0f} MB active, "
+            f"{last['totals']['reserved_mb']:.0f} MB reserved; what holds it is below, largest first."
+        )
         slopes = {c: 0.0 for c in GROWTH_COLUMNS}
     else:
         verdict, slopes = _verdict(rows, threshold_mb_per_1k, last["expandable"])
@@ -1710,24 +2020,50 @@ def analyze_snapshots(snapshots: str | os.PathLike, events_dir: str | os.PathLik
     for site in set(first_sites) | set(last_sites):
         b0, n0 = first_sites.get(site, (0, 0))
         b1, n1 = last_sites.get(site, (0, 0))
-        top_sites.append({"site": site, "bytes_first": b0, "bytes_last": b1, "blocks_first": n0, "blocks_last": n1,
-                          "growth_mb": (b1 - b0) / MB, "growth_blocks": n1 - n0})
+        top_sites.append(
+            {
+                "site": site,
+                "bytes_first": b0,
+                "bytes_last": b1,
+                "blocks_first": n0,
+                "blocks_last": n1,
+                "growth_mb": (b1 - b0) / MB,
+                "growth_blocks": n1 - n0,
+            }
+        )
     top_sites.sort(key=lambda s: (-s["growth_mb"], -s["growth_blocks"], -s["bytes_last"], s["site"]))
-    holders = sorted(({"site": k, "mb": v[0] / MB, "blocks": v[1]} for k, v in last_sites.items()),
-                     key=lambda h: (-h["mb"], -h["blocks"], h["site"]))
-    categories = sorted(({"category": k, "mb": v[0] / MB, "blocks": v[1]} for k, v in last["categories"].items()),
-                        key=lambda h: (-h["mb"], h["category"]))
-    result = SnapshotAnalysis(steps, rows, slopes, top_sites[:top] if len(rows) > 1 else [], skipped, verdict,
-                              holders=holders[:top], categories=categories, files=read)
+    holders = sorted(
+        ({"site": k, "mb": v[0] / MB, "blocks": v[1]} for k, v in last_sites.items()),
+        key=lambda h: (-h["mb"], -h["blocks"], h["site"]),
+    )
+    categories = sorted(
+        ({"category": k, "mb": v[0] / MB, "blocks": v[1]} for k, v in last["categories"].items()),
+        key=lambda h: (-h["mb"], h["category"]),
+    )
+    result = SnapshotAnalysis(
+        steps,
+        rows,
+        slopes,
+        top_sites[:top] if len(rows) > 1 else [],
+        skipped,
+        verdict,
+        holders=holders[:top],
+        categories=categories,
+        files=read,
+    )
     if events_dir is not None:
         result.events = _events_at_steps(Path(events_dir), steps, rows)
     return result
 
 
 # the logged figure and the snapshot's figure that measure the same thing
-_EVENT_COMPARE = {KEY_GPU_ALLOC_MB: "allocated_mb", KEY_GPU_RESERVED_MB: "reserved_mb",
-                  KEY_GPU_SMALL_POOL_ACTIVE_MB: "small_pool_active_mb",
-                  KEY_GPU_LARGE_POOL_ACTIVE_MB: "large_pool_active_mb", KEY_GPU_ACTIVE_BLOCKS: "active_blocks"}
+_EVENT_COMPARE = {
+    KEY_GPU_ALLOC_MB: "allocated_mb",
+    KEY_GPU_RESERVED_MB: "reserved_mb",
+    KEY_GPU_SMALL_POOL_ACTIVE_MB: "small_pool_active_mb",
+    KEY_GPU_LARGE_POOL_ACTIVE_MB: "large_pool_active_mb",
+    KEY_GPU_ACTIVE_BLOCKS: "active_blocks",
+}
 
 
 def _events_at_steps(events_dir: Path, steps: list[int], rows: list[dict]) -> list[dict]:
@@ -1759,9 +2095,14 @@ def _growth_table(analysis: SnapshotAnalysis) -> str:
     header = "| step | " + " | ".join(GROWTH_COLUMNS) + " |"
     lines = [header, "|" + "---|" * (len(GROWTH_COLUMNS) + 1)]
     for row in analysis.rows:
-        lines.append(f"| {row['step']} | " + " | ".join(
-            f"{row[c]:.0f}" if c == "active_blocks" else f"{row[c]:.2f}" for c in GROWTH_COLUMNS) + " |")
-    lines.append("| slope per 1k steps | " + " | ".join(f"{analysis.slopes[c]:+.2f}" for c in GROWTH_COLUMNS) + " |")
+        lines.append(
+            f"| {row['step']} | "
+            + " | ".join(f"{row[c]:.0f}" if c == "active_blocks" else f"{row[c]:.2f}" for c in GROWTH_COLUMNS)
+            + " |"
+        )
+    lines.append(
+        "| slope per 1k steps | " + " | ".join(f"{analysis.slopes[c]:+.2f}" for c in GROWTH_COLUMNS) + " |"
+    )
     return "\n".join(lines)
 
 
@@ -1777,8 +2118,10 @@ def segments_text(data: dict) -> str:
     """Every segment, small ones included (torch's segsum leaves out those under 20 MiB, and with them any
     small-pool leak): address, pool, size, active bytes, blocks, and its largest allocation sites."""
     lines = [f"{'address':>16} {'pool':>5} {'MB':>9} {'active MB':>10} {'blocks':>7}  largest sites"]
-    segments = sorted((s for s in data.get("segments", []) if isinstance(s, dict)),
-                      key=lambda s: (-s.get("total_size", 0), s.get("address", 0)))
+    segments = sorted(
+        (s for s in data.get("segments", []) if isinstance(s, dict)),
+        key=lambda s: (-s.get("total_size", 0), s.get("address", 0)),
+    )
     for segment in segments:
         sites: dict[str, int] = {}
         active = 0
@@ -1787,9 +2130,13 @@ def segments_text(data: dict) -> str:
             active += block.get("size", 0)
             site = allocation_site(block.get("frames", []))
             sites[site] = sites.get(site, 0) + block.get("size", 0)
-        largest = ", ".join(f"{k} {v / MB:.2f}" for k, v in sorted(sites.items(), key=lambda kv: (-kv[1], kv[0]))[:3])
-        lines.append(f"{segment.get('address', 0):>16x} {str(segment.get('segment_type', '?')):>5} "
-                     f"{segment.get('total_size', 0) / MB:>9.2f} {active / MB:>10.2f} {len(blocks):>7}  {largest}")
+        largest = ", ".join(
+            f"{k} {v / MB:.2f}" for k, v in sorted(sites.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+        )
+        lines.append(
+            f"{segment.get('address', 0):>16x} {segment.get('segment_type', '?')!s:>5} "
+            f"{segment.get('total_size', 0) / MB:>9.2f} {active / MB:>10.2f} {len(blocks):>7}  {largest}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -1803,30 +2150,58 @@ def _report_html(analysis: SnapshotAnalysis, png: bytes | None) -> str:
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
         return f"<table><tr>{head}</tr>{body}</table>"
 
-    parts = ["<!doctype html><meta charset='utf-8'><title>Memory snapshot analysis</title>",
-             "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto}td,th{padding:2px 8px;"
-             "border-bottom:1px solid #ddd;text-align:right}td:first-child,th:first-child{text-align:left}</style>",
-             "<h1>Memory snapshot analysis</h1>", f"<p><b>Verdict:</b> {html.escape(analysis.verdict)}</p>"]
+    parts = [
+        "<!doctype html><meta charset='utf-8'><title>Memory snapshot analysis</title>",
+        "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto}td,th{padding:2px 8px;"
+        "border-bottom:1px solid #ddd;text-align:right}td:first-child,th:first-child{text-align:left}</style>",
+        "<h1>Memory snapshot analysis</h1>",
+        f"<p><b>Verdict:</b> {html.escape(analysis.verdict)}</p>",
+    ]
     if png:
-        parts.append(f"<img alt='memory per pool and step' src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
-    parts += ["<h2>Per snapshot (MB)</h2>",
-              table([[str(r["step"]), *[f"{r[c]:.2f}" for c in GROWTH_COLUMNS]] for r in analysis.rows],
-                    ["step", *GROWTH_COLUMNS])]
+        parts.append(
+            f"<img alt='memory per pool and step' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+        )
+    parts += [
+        "<h2>Per snapshot (MB)</h2>",
+        table(
+            [[str(r["step"]), *[f"{r[c]:.2f}" for c in GROWTH_COLUMNS]] for r in analysis.rows],
+            ["step", *GROWTH_COLUMNS],
+        ),
+    ]
     if analysis.top_sites:
-        parts += ["<h2>Top growing allocation sites (first to last snapshot)</h2>",
-                  table([[s["site"], f"{s['bytes_first'] / MB:.2f}", f"{s['bytes_last'] / MB:.2f}",
-                          f"{s['growth_mb']:+.2f}", str(s["growth_blocks"])] for s in analysis.top_sites],
-                        ["site", "MB first", "MB last", "growth MB", "growth blocks"])]
-    parts += ["<h2>What holds the memory (last snapshot)</h2>",
-              table([[c["category"], f"{c['mb']:.2f}", str(c["blocks"])] for c in analysis.categories],
-                    ["what", "MB", "blocks"]),
-              table([[h["site"], f"{h['mb']:.2f}", str(h["blocks"])] for h in analysis.holders],
-                    ["allocation site", "MB", "blocks"])]
+        parts += [
+            "<h2>Top growing allocation sites (first to last snapshot)</h2>",
+            table(
+                [
+                    [
+                        s["site"],
+                        f"{s['bytes_first'] / MB:.2f}",
+                        f"{s['bytes_last'] / MB:.2f}",
+                        f"{s['growth_mb']:+.2f}",
+                        str(s["growth_blocks"]),
+                    ]
+                    for s in analysis.top_sites
+                ],
+                ["site", "MB first", "MB last", "growth MB", "growth blocks"],
+            ),
+        ]
+    parts += [
+        "<h2>What holds the memory (last snapshot)</h2>",
+        table(
+            [[c["category"], f"{c['mb']:.2f}", str(c["blocks"])] for c in analysis.categories],
+            ["what", "MB", "blocks"],
+        ),
+        table(
+            [[h["site"], f"{h['mb']:.2f}", str(h["blocks"])] for h in analysis.holders],
+            ["allocation site", "MB", "blocks"],
+        ),
+    ]
     return "\n".join(parts) + "\n"
 
 
-def write_analysis(analysis: SnapshotAnalysis, out_dir: str | os.PathLike, last_snapshot: Path | None = None
-                   ) -> dict[str, str]:
+def write_analysis(
+    analysis: SnapshotAnalysis, out_dir: str | os.PathLike, last_snapshot: Path | None = None
+) -> dict[str, str]:
     """report.md and report.html (self-contained, opens offline), growth.csv, memory.png, segments.txt (every
     segment), and torch's own timeline.html (which fetches its viewer from the web when opened)."""
     out = Path(out_dir)
@@ -1848,7 +2223,13 @@ def write_analysis(analysis: SnapshotAnalysis, out_dir: str | os.PathLike, last_
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        for column in ("active_mb", "allocated_mb", "small_pool_active_mb", "large_pool_active_mb", "reserved_mb"):
+        for column in (
+            "active_mb",
+            "allocated_mb",
+            "small_pool_active_mb",
+            "large_pool_active_mb",
+            "reserved_mb",
+        ):
             ax.plot(analysis.steps, [r[column] for r in analysis.rows], marker="o", label=column)
         ax.set_xlabel("env step")
         ax.set_ylabel("MB")
@@ -1875,34 +2256,60 @@ def write_analysis(analysis: SnapshotAnalysis, out_dir: str | os.PathLike, last_
 
             (out / "timeline.html").write_text(_memory_viz.trace_plot(data))
             written["timeline.html"] = str(out / "timeline.html")
-            viz_note = (f"`report.html` opens offline. `segments.txt` lists every segment of {last_snapshot.name}. "
-                        "`timeline.html` is torch's own timeline; it fetches its viewer (MemoryViz.js) from the web "
-                        "when opened, so offline, drag the pickle into a saved copy of pytorch.org/memory_viz.")
+            viz_note = (
+                f"`report.html` opens offline. `segments.txt` lists every segment of {last_snapshot.name}. "
+                "`timeline.html` is torch's own timeline; it fetches its viewer (MemoryViz.js) from the web "
+                "when opened, so offline, drag the pickle into a saved copy of pytorch.org/memory_viz."
+            )
         except Exception as exc:  # noqa: BLE001
             viz_note = f"{last_snapshot.name} could not be drawn ({exc})"
-    lines = ["# Memory snapshot analysis", "", f"**Verdict:** {analysis.verdict}", "", "## Growth", "",
-             _growth_table(analysis), ""]
+    lines = [
+        "# Memory snapshot analysis",
+        "",
+        f"**Verdict:** {analysis.verdict}",
+        "",
+        "## Growth",
+        "",
+        _growth_table(analysis),
+        "",
+    ]
     if analysis.top_sites:
-        lines += ["## Top growing allocation sites (first → last snapshot)", "",
-                  "| site | MB first | MB last | growth MB | blocks first | blocks last |", "|---|---|---|---|---|---|"]
+        lines += [
+            "## Top growing allocation sites (first → last snapshot)",
+            "",
+            "| site | MB first | MB last | growth MB | blocks first | blocks last |",
+            "|---|---|---|---|---|---|",
+        ]
         for s in analysis.top_sites:
-            lines.append(f"| `{s['site']}` | {s['bytes_first'] / MB:.2f} | {s['bytes_last'] / MB:.2f} | "
-                         f"{s['growth_mb']:+.2f} | {s['blocks_first']} | {s['blocks_last']} |")
+            lines.append(
+                f"| `{s['site']}` | {s['bytes_first'] / MB:.2f} | {s['bytes_last'] / MB:.2f} | "
+                f"{s['growth_mb']:+.2f} | {s['blocks_first']} | {s['blocks_last']} |"
+            )
         lines.append("")
     lines += ["## What holds the memory in the last snapshot", "", _holders_table(analysis)]
     if analysis.events:
-        lines += ["", "## Logged scalars at the snapshot steps", "",
-                  "Logged allocated memory is compared with the snapshot's allocated blocks (pending frees are active "
-                  "but no longer allocated), logged reserved with the snapshot's segments.", "",
-                  "| step | logged alloc MB | snapshot allocated MB | agree | logged reserved MB | snapshot reserved MB "
-                  "| agree |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Logged scalars at the snapshot steps",
+            "",
+            "Logged allocated memory is compared with the snapshot's allocated blocks (pending frees are active "
+            "but no longer allocated), logged reserved with the snapshot's segments.",
+            "",
+            "| step | logged alloc MB | snapshot allocated MB | agree | logged reserved MB | snapshot reserved MB "
+            "| agree |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for entry, row in zip(analysis.events, analysis.rows):
-            def cell(tag, column):
+
+            def cell(tag, column, entry=entry, row=row):
                 if tag not in entry:
                     return "n/a | " + f"{row[column]:.2f} | n/a"
                 return f"{entry[tag]:.2f} | {row[column]:.2f} | {'yes' if entry['agree:' + tag] else 'NO'}"
-            lines.append(f"| {entry['step']} | {cell(KEY_GPU_ALLOC_MB, 'allocated_mb')} | "
-                         f"{cell(KEY_GPU_RESERVED_MB, 'reserved_mb')} |")
+
+            lines.append(
+                f"| {entry['step']} | {cell(KEY_GPU_ALLOC_MB, 'allocated_mb')} | "
+                f"{cell(KEY_GPU_RESERVED_MB, 'reserved_mb')} |"
+            )
     if analysis.skipped:
         lines += ["", "## Skipped files", ""] + [f"- {m}" for m in analysis.skipped]
     lines += ["", "## Views", "", viz_note, ""]
@@ -1932,15 +2339,29 @@ def _parse_env_assignment(text: str) -> tuple[str, str]:
     return name, value
 
 
-def run_wait(min_free_mb: float, poll_s: float, timeout_s: float, command: list[str], gpu: int | None = None,
-             fallback_env: Sequence[str] = (), allow_no_gpu: bool = False,
-             probe: Callable[[], float] | None = None, sleep: Callable[[float], None] = time.sleep,
-             nvml=None) -> int:
+def run_wait(
+    min_free_mb: float,
+    poll_s: float,
+    timeout_s: float,
+    command: list[str],
+    gpu: int | None = None,
+    fallback_env: Sequence[str] = (),
+    allow_no_gpu: bool = False,
+    probe: Callable[[], float] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    nvml=None,
+) -> int:
     """The `wait` command: wait for free memory, then run `command`; on timeout run it with `fallback_env`."""
     _require(bool(command), "wait needs a command after --, e.g. `-- python dqn_starcraft_split.py`")
-    _require(_is_number(min_free_mb) and min_free_mb >= 0, f"--min-free must be a number of MB >= 0, got {min_free_mb!r}")
+    _require(
+        _is_number(min_free_mb) and min_free_mb >= 0,
+        f"--min-free must be a number of MB >= 0, got {min_free_mb!r}",
+    )
     _require(_is_number(poll_s) and poll_s > 0, f"--sleep must be a number of seconds > 0, got {poll_s!r}")
-    _require(_is_number(timeout_s) and timeout_s >= 0, f"--timeout must be a number of seconds >= 0, got {timeout_s!r}")
+    _require(
+        _is_number(timeout_s) and timeout_s >= 0,
+        f"--timeout must be a number of seconds >= 0, got {timeout_s!r}",
+    )
     _require(gpu is None or (_is_int(gpu) and gpu >= 0), f"--gpu must be an integer >= 0, got {gpu!r}")
     overrides = dict(_parse_env_assignment(a) for a in fallback_env)
     env = os.environ.copy()
@@ -1951,21 +2372,28 @@ def run_wait(min_free_mb: float, poll_s: float, timeout_s: float, command: list[
                 probe = nvml_probe = NvmlProbe(gpu or 0, nvml)
             except NvmlUnavailable as exc:
                 if not allow_no_gpu:
-                    raise _CliError(f"cannot read the GPU's free memory: {exc} (pass --allow-no-gpu to run the "
-                                    f"command anyway)") from None
+                    raise _CliError(
+                        f"cannot read the GPU's free memory: {exc} (pass --allow-no-gpu to run the "
+                        f"command anyway)"
+                    ) from None
                 print(f"wait: {exc}; running the command without waiting (--allow-no-gpu)")
         if nvml_probe is not None and gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = nvml_probe.uuid  # the very card that was probed, whatever CUDA's order
+            env["CUDA_VISIBLE_DEVICES"] = (
+                nvml_probe.uuid
+            )  # the very card that was probed, whatever CUDA's order
         try:
-            ready = probe is None or _poll_free_memory(min_free_mb, poll_s, timeout_s, probe, sleep, time.monotonic,
-                                                       verbose=True)
+            ready = probe is None or _poll_free_memory(
+                min_free_mb, poll_s, timeout_s, probe, sleep, time.monotonic, verbose=True
+            )
         finally:
             if nvml_probe is not None:
                 nvml_probe.close()
         if not ready:
             if overrides:
-                print("wait: running with the fallback environment " +
-                      " ".join(f"{k}={v}" for k, v in overrides.items()))
+                print(
+                    "wait: running with the fallback environment "
+                    + " ".join(f"{k}={v}" for k, v in overrides.items())
+                )
                 env.update(overrides)
             else:
                 print("wait: no --fallback-env given; running the command as it is")
@@ -1991,7 +2419,9 @@ def _signals_as_exit():
         stopped.append(signum)
         raise _Stop
 
-    previous = {getattr(signal, name): signal.signal(getattr(signal, name), handler) for name in FORWARDED_SIGNALS}
+    previous = {
+        getattr(signal, name): signal.signal(getattr(signal, name), handler) for name in FORWARDED_SIGNALS
+    }
     try:
         yield stopped
     except _Stop:
@@ -2036,8 +2466,16 @@ def run_forwarding_signals(command: list[str], env: dict) -> int:
 
 
 def _cmd_report(args) -> int:
-    print(json.dumps({"memory_report": memory_report(), "gpu": gpu_memory_stats(),
-                      "cuda_devices": torch.cuda.device_count() if _cuda_ready() else 0}, indent=2))
+    print(
+        json.dumps(
+            {
+                "memory_report": memory_report(),
+                "gpu": gpu_memory_stats(),
+                "cuda_devices": torch.cuda.device_count() if _cuda_ready() else 0,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
@@ -2055,12 +2493,21 @@ def _cmd_analyze(args) -> int:
         raise _CliError("give the snapshots once: PATH or --snapshots-dir, not both")
     analysis = analyze_snapshots(source, args.events_dir, args.threshold)
     source = Path(source)
-    out_dir = Path(args.out_dir) if args.out_dir else (
-        source.parent / f"{source.stem}_analysis" if source.is_file() else source.parent / "memory_analysis")
+    out_dir = (
+        Path(args.out_dir)
+        if args.out_dir
+        else (
+            source.parent / f"{source.stem}_analysis"
+            if source.is_file()
+            else source.parent / "memory_analysis"
+        )
+    )
     try:
         written = write_analysis(analysis, out_dir)
     except OSError as exc:
-        raise _CliError(f"cannot write the report to --out-dir {str(out_dir)!r} ({exc.strerror or exc})") from None
+        raise _CliError(
+            f"cannot write the report to --out-dir {str(out_dir)!r} ({exc.strerror or exc})"
+        ) from None
     if len(analysis.rows) > 1:
         print(_growth_table(analysis))
     if analysis.top_sites:
@@ -2078,48 +2525,89 @@ def _cmd_analyze(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="memory_utils.py", description=__doc__.split("\n\n")[0],
-                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                     epilog="Run `python memory_utils.py COMMAND --help` for a command's options.")
+    parser = _Parser(
+        prog="memory_utils.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run `python memory_utils.py COMMAND --help` for a command's options.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("report", help="print this process's memory report and the CUDA devices it sees")
     p.set_defaults(func=_cmd_report)
     p = sub.add_parser("allocator", help="print the allocator settings configure_allocator() puts in force")
     p.set_defaults(func=_cmd_allocator)
-    p = sub.add_parser("wait", help="wait for free GPU memory, then run a command",
-                       description="Poll free GPU memory until --min-free MB are free, then run COMMAND (its exit "
-                                   "status is passed through). On timeout run it with the --fallback-env "
-                                   "variables, e.g. RL_BATCH_SIZE=2.")
-    p.add_argument("--min-free", type=float, required=True, metavar="MB", help="free GPU memory to wait for, in MB")
-    p.add_argument("--sleep", type=float, default=30.0, metavar="S", help="seconds between polls (default 30)")
-    p.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="give up after S seconds (default 3600)")
-    p.add_argument("--gpu", type=int, default=None, metavar="N",
-                   help="wait for the N-th GPU this process may use (the N-th of CUDA_VISIBLE_DEVICES when set) and "
-                        "give the command that GPU alone")
-    p.add_argument("--fallback-env", action="append", default=[], metavar="NAME=VALUE",
-                   help="a variable for the command when the wait times out; repeat the flag for several")
-    p.add_argument("--allow-no-gpu", action="store_true", help="without CUDA, run the command instead of exiting 2")
+    p = sub.add_parser(
+        "wait",
+        help="wait for free GPU memory, then run a command",
+        description="Poll free GPU memory until --min-free MB are free, then run COMMAND (its exit "
+        "status is passed through). On timeout run it with the --fallback-env "
+        "variables, e.g. RL_BATCH_SIZE=2.",
+    )
+    p.add_argument(
+        "--min-free", type=float, required=True, metavar="MB", help="free GPU memory to wait for, in MB"
+    )
+    p.add_argument(
+        "--sleep", type=float, default=30.0, metavar="S", help="seconds between polls (default 30)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=3600.0, metavar="S", help="give up after S seconds (default 3600)"
+    )
+    p.add_argument(
+        "--gpu",
+        type=int,
+        default=None,
+        metavar="N",
+        help="wait for the N-th GPU this process may use (the N-th of CUDA_VISIBLE_DEVICES when set) and "
+        "give the command that GPU alone",
+    )
+    p.add_argument(
+        "--fallback-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a variable for the command when the wait times out; repeat the flag for several",
+    )
+    p.add_argument(
+        "--allow-no-gpu", action="store_true", help="without CUDA, run the command instead of exiting 2"
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
     p.set_defaults(func=None)
-    p = sub.add_parser("analyze", help="analyse a run's memory snapshots",
-                       description="Growth table, top growing allocation sites and a verdict from "
-                                   "{run_dir}/memory_snapshots/snapshot_step_N.pickle files, or what holds the memory "
-                                   "in one snapshot file; with --events-dir, the logged debug/* scalars beside them. "
-                                   "Writes report.md, report.html (opens offline), growth.csv, memory.png, "
-                                   "segments.txt and torch's timeline.html. Files are read as untrusted: a pickle "
-                                   "that would run code or blow up memory or time is refused in one line.")
-    p.add_argument("path", nargs="?", default=None,
-                   help="one snapshot file (an OOM's snapshot_at_oom.pickle) or a folder of snapshot_step_N.pickle")
-    p.add_argument("--snapshots-dir", default=None, help="a folder of snapshot_step_N.pickle files (same as PATH)")
+    p = sub.add_parser(
+        "analyze",
+        help="analyse a run's memory snapshots",
+        description="Growth table, top growing allocation sites and a verdict from "
+        "{run_dir}/memory_snapshots/snapshot_step_N.pickle files, or what holds the memory "
+        "in one snapshot file; with --events-dir, the logged debug/* scalars beside them. "
+        "Writes report.md, report.html (opens offline), growth.csv, memory.png, "
+        "segments.txt and torch's timeline.html. Files are read as untrusted: a pickle "
+        "that would run code or blow up memory or time is refused in one line.",
+    )
+    p.add_argument(
+        "path",
+        nargs="?",
+        default=None,
+        help="one snapshot file (an OOM's snapshot_at_oom.pickle) or a folder of snapshot_step_N.pickle",
+    )
+    p.add_argument(
+        "--snapshots-dir", default=None, help="a folder of snapshot_step_N.pickle files (same as PATH)"
+    )
     p.add_argument("--events-dir", default=None, help="the run's TensorBoard directory (runs/<run_name>)")
-    p.add_argument("--out-dir", default=None, help="where to write the report (default: beside the snapshots)")
-    p.add_argument("--threshold", type=float, default=1.0, help="MB per 1k steps that counts as growth (default 1)")
+    p.add_argument(
+        "--out-dir", default=None, help="where to write the report (default: beside the snapshots)"
+    )
+    p.add_argument(
+        "--threshold", type=float, default=1.0, help="MB per 1k steps that counts as growth (default 1)"
+    )
     p.set_defaults(func=_cmd_analyze)
     return parser
 
 
-def main(argv: list[str] | None = None, probe: Callable[[], float] | None = None,
-         sleep: Callable[[float], None] = time.sleep, nvml=None) -> int:
+def main(
+    argv: list[str] | None = None,
+    probe: Callable[[], float] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    nvml=None,
+) -> int:
     """CLI entry point; `probe`, `sleep` and `nvml` (a pynvml stand-in) are injectable for `wait` (tests run it
     without a GPU)."""
     parser = build_parser()
@@ -2127,9 +2615,18 @@ def main(argv: list[str] | None = None, probe: Callable[[], float] | None = None
         args = parser.parse_args(argv)
         if args.command == "wait":
             command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-            return run_wait(args.min_free, args.sleep, args.timeout, command, gpu=args.gpu,
-                            fallback_env=args.fallback_env, allow_no_gpu=args.allow_no_gpu, probe=probe,
-                            sleep=sleep, nvml=nvml)
+            return run_wait(
+                args.min_free,
+                args.sleep,
+                args.timeout,
+                command,
+                gpu=args.gpu,
+                fallback_env=args.fallback_env,
+                allow_no_gpu=args.allow_no_gpu,
+                probe=probe,
+                sleep=sleep,
+                nvml=nvml,
+            )
         return args.func(args)
     except (_CliError, ValueError, RuntimeError) as exc:
         print(f"memory_utils.py: error: {exc}", file=sys.stderr)

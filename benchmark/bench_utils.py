@@ -57,22 +57,27 @@ def serve_updates(update: Callable[[], Any], info: dict) -> None:
 def _serve_reply(proc) -> dict:
     for line in proc.stdout:
         if line.startswith(SERVE_PREFIX):
-            return json.loads(line[len(SERVE_PREFIX):])
+            return json.loads(line[len(SERVE_PREFIX) :])
     raise RuntimeError(f"a contender ended before answering (exit status {proc.wait()})")
 
 
-def alternate_updates(commands: dict[str, list[str]], rounds: int, warmup: int, env: dict | None = None,
-                      cwd: str | None = None) -> dict:
+def alternate_updates(
+    commands: dict[str, list[str]], rounds: int, warmup: int, env: dict | None = None, cwd: str | None = None
+) -> dict:
     """Start every contender, wait until all are ready, then `warmup` untimed and `rounds` timed rounds of one
     update each, one contender at a time (the order rotates every round). Returns, per contender, its `info`,
     every sample and the median, in ms."""
-    procs = {name: subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd)
-             for name, cmd in commands.items()}
+    procs = {
+        name: subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd
+        )
+        for name, cmd in commands.items()
+    }
     try:
         out = {name: {"info": _serve_reply(proc)["ready"], "samples_ms": []} for name, proc in procs.items()}
         names = list(procs)
         for round_ in range(warmup + rounds):
-            for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 procs[name].stdin.write("update\n")
                 procs[name].stdin.flush()
                 ms = _serve_reply(procs[name])["ms"]
@@ -100,7 +105,9 @@ def soak_summary(steps: Sequence[int], unexplained_mb: Sequence[float], full_at:
     """Slope of (USS - buffer bytes) after the buffer is full, in MB per 10k env steps, and the turnovers it spans."""
     points = [(s, m) for s, m in zip(steps, unexplained_mb) if s >= full_at]
     if len(points) < 3:
-        raise RuntimeError(f"the soak recorded {len(points)} points after the buffer was full; it needs at least 3")
+        raise RuntimeError(
+            f"the soak recorded {len(points)} points after the buffer was full; it needs at least 3"
+        )
     xs = [p[0] for p in points]
     ys = [p[1] for p in points]
     return {

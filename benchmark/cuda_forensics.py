@@ -40,11 +40,45 @@ from dreamer_atari import EXIT_OOM
 
 # Run sizes. Full: the seed model (dreamer_atari.Args() defaults) with fewer updates per env step, so the run stays
 # short; quick: the soak's tiny model.
-FULL = {"total": 3_000, "capacity": 2_000, "learning_starts": 1_000, "every": 500, "train_ratio": 128.0, "model": []}
-QUICK = {"total": 600, "capacity": 400, "learning_starts": 200, "every": 200, "train_ratio": 8.0,
-         "model": ["--encoder-channels", "4", "4", "4", "--embed-dim", "16", "--decoder-base-channels", "4",
-                   "--decoder-mid-channels", "4", "--deterministic-dim", "16", "--stochastic-dim", "4",
-                   "--stochastic-classes", "4", "--hidden-dim", "16", "--batch-size", "4", "--sequence-length", "16"]}
+FULL = {
+    "total": 3_000,
+    "capacity": 2_000,
+    "learning_starts": 1_000,
+    "every": 500,
+    "train_ratio": 128.0,
+    "model": [],
+}
+QUICK = {
+    "total": 600,
+    "capacity": 400,
+    "learning_starts": 200,
+    "every": 200,
+    "train_ratio": 8.0,
+    "model": [
+        "--encoder-channels",
+        "4",
+        "4",
+        "4",
+        "--embed-dim",
+        "16",
+        "--decoder-base-channels",
+        "4",
+        "--decoder-mid-channels",
+        "4",
+        "--deterministic-dim",
+        "16",
+        "--stochastic-dim",
+        "4",
+        "--stochastic-classes",
+        "4",
+        "--hidden-dim",
+        "16",
+        "--batch-size",
+        "4",
+        "--sequence-length",
+        "16",
+    ],
+}
 # Runs the training script with this process capped at a fraction of the GPU: the allocator settings go in first,
 # as the script itself would put them, because capping initialises CUDA.
 CAP_WRAPPER = """\
@@ -59,12 +93,22 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def run(cmd: list[str], work: Path, timeout: float) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "WANDB_MODE": "offline",
+        "PYTHONUNBUFFERED": "1",
+    }
     start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    return {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr,
-            "wall_s": round(time.perf_counter() - start, 1)}
+    done = subprocess.run(
+        cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    return {
+        "returncode": done.returncode,
+        "stdout": done.stdout,
+        "stderr": done.stderr,
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
 
 
 def tail(text: str, lines: int = 30) -> str:
@@ -72,11 +116,29 @@ def tail(text: str, lines: int = 30) -> str:
 
 
 def training_cmd(sizes: dict, on_cuda: bool, exp_name: str, extra: list[str] = ()) -> list[str]:
-    return [str(ROOT / "dreamer_atari.py"), "--exp-name", exp_name, "--seed", "1",
-            "--total-timesteps", str(sizes["total"]), "--buffer-capacity", str(sizes["capacity"]),
-            "--learning-starts", str(sizes["learning_starts"]), "--warmup-steps", "0",
-            "--train-ratio", str(sizes["train_ratio"]), "--log-interval", str(sizes["every"] // 2),
-            "--cuda" if on_cuda else "--no-cuda", "--no-cudagraph", *sizes["model"], *extra]  # eager: probes need it
+    return [
+        str(ROOT / "dreamer_atari.py"),
+        "--exp-name",
+        exp_name,
+        "--seed",
+        "1",
+        "--total-timesteps",
+        str(sizes["total"]),
+        "--buffer-capacity",
+        str(sizes["capacity"]),
+        "--learning-starts",
+        str(sizes["learning_starts"]),
+        "--warmup-steps",
+        "0",
+        "--train-ratio",
+        str(sizes["train_ratio"]),
+        "--log-interval",
+        str(sizes["every"] // 2),
+        "--cuda" if on_cuda else "--no-cuda",
+        "--no-cudagraph",
+        *sizes["model"],
+        *extra,
+    ]  # eager: probes need it
 
 
 def run_dir(work: Path, exp_name: str) -> Path | None:
@@ -95,20 +157,34 @@ def top_sites_at_oom(snapshot: Path, top: int = 8) -> list[dict]:
 
 
 def snapshots_run(sizes: dict, on_cuda: bool, work: Path) -> dict:
-    cmd = [sys.executable, *training_cmd(sizes, on_cuda, "snapshots",
-                                         ["--memory-snapshot-every", str(sizes["every"]), "--memory-probes"])]
+    cmd = [
+        sys.executable,
+        *training_cmd(
+            sizes, on_cuda, "snapshots", ["--memory-snapshot-every", str(sizes["every"]), "--memory-probes"]
+        ),
+    ]
     done = run(cmd, work, timeout=1200)
-    out = {"command": "python " + " ".join(Path(c).name if c.endswith(".py") else c for c in cmd[1:]),
-           "returncode": done["returncode"], "wall_s": done["wall_s"], "output_tail": tail(done["stdout"]),
-           "warnings": [line for line in done["stderr"].splitlines() if line.startswith("memory_utils:")]}
+    out = {
+        "command": "python " + " ".join(Path(c).name if c.endswith(".py") else c for c in cmd[1:]),
+        "returncode": done["returncode"],
+        "wall_s": done["wall_s"],
+        "output_tail": tail(done["stdout"]),
+        "warnings": [line for line in done["stderr"].splitlines() if line.startswith("memory_utils:")],
+    }
     directory = run_dir(work, "snapshots")
     if done["returncode"] != 0 or directory is None:
         out["stderr_tail"] = tail(done["stderr"])
         return out
     out["run_dir"] = directory
     out["snapshots"] = files_in(directory / "memory_snapshots")
-    out["probe_verdict"] = next((line for line in done["stdout"].splitlines() + done["stderr"].splitlines()
-                                 if line.startswith("probes:")), None)
+    out["probe_verdict"] = next(
+        (
+            line
+            for line in done["stdout"].splitlines() + done["stderr"].splitlines()
+            if line.startswith("probes:")
+        ),
+        None,
+    )
     keys = (mu.KEY_GPU_MAX_RESERVED_MB, mu.KEY_GPU_MAX_ALLOC_MB, "charts/SPS", "charts/updates_per_second")
     scalars = bench_utils.read_scalars(directory, list(keys))
     for key in keys:
@@ -118,14 +194,27 @@ def snapshots_run(sizes: dict, on_cuda: bool, work: Path) -> dict:
 
 def analysis_run(snapshots: dict, work: Path) -> dict:
     directory = snapshots["run_dir"]
-    cmd = [sys.executable, str(ROOT / "memory_utils.py"), "analyze", "--snapshots-dir",
-           str(directory / "memory_snapshots"), "--events-dir", str(directory), "--out-dir", str(work / "analysis")]
+    cmd = [
+        sys.executable,
+        str(ROOT / "memory_utils.py"),
+        "analyze",
+        "--snapshots-dir",
+        str(directory / "memory_snapshots"),
+        "--events-dir",
+        str(directory),
+        "--out-dir",
+        str(work / "analysis"),
+    ]
     done = run(cmd, work, timeout=600)
-    out = {"command": "python memory_utils.py analyze --snapshots-dir RUN/memory_snapshots --events-dir RUN "
-                      "--out-dir OUT",
-           "returncode": done["returncode"], "wall_s": done["wall_s"],
-           "printed": done["stdout"].split("\nwrote ")[0].rstrip(), "stderr_tail": tail(done["stderr"], 10),
-           "files": files_in(work / "analysis")}
+    out = {
+        "command": "python memory_utils.py analyze --snapshots-dir RUN/memory_snapshots --events-dir RUN "
+        "--out-dir OUT",
+        "returncode": done["returncode"],
+        "wall_s": done["wall_s"],
+        "printed": done["stdout"].split("\nwrote ")[0].rstrip(),
+        "stderr_tail": tail(done["stderr"], 10),
+        "files": files_in(work / "analysis"),
+    }
     out["verdict"] = out["printed"].rsplit("\n", 1)[-1]  # its last paragraph, one line
     report = work / "analysis" / "report.md"
     if report.exists():
@@ -137,8 +226,14 @@ def capped_run(sizes: dict, fraction: float, work: Path, exp_name: str, prealloc
     extra = [] if preallocate else ["--no-preallocate"]
     cmd = [sys.executable, "-c", CAP_WRAPPER, f"{fraction:.6f}", *training_cmd(sizes, True, exp_name, extra)]
     done = run(cmd, work, timeout=1200)
-    out = {"fraction": fraction, "preallocate": preallocate, "returncode": done["returncode"],
-           "expected_returncode": EXIT_OOM, "wall_s": done["wall_s"], "stderr_tail": tail(done["stderr"], 25)}
+    out = {
+        "fraction": fraction,
+        "preallocate": preallocate,
+        "returncode": done["returncode"],
+        "expected_returncode": EXIT_OOM,
+        "wall_s": done["wall_s"],
+        "stderr_tail": tail(done["stderr"], 25),
+    }
     directory = run_dir(work, exp_name)
     if directory is None:
         return out
@@ -152,9 +247,11 @@ def capped_run(sizes: dict, fraction: float, work: Path, exp_name: str, prealloc
         out["gpu_when_reported"] = report["gpu"]
     if (oom_dir / "observer.json").exists():
         observer = json.loads((oom_dir / "observer.json").read_text())
-        out["gpu_at_oom"] = {"requested_mb": observer["requested_bytes"] / mu.MB,
-                             "allocated_mb": observer["device_allocated_bytes"] / mu.MB,
-                             "device_free_mb": observer["device_free_bytes"] / mu.MB}
+        out["gpu_at_oom"] = {
+            "requested_mb": observer["requested_bytes"] / mu.MB,
+            "allocated_mb": observer["device_allocated_bytes"] / mu.MB,
+            "device_free_mb": observer["device_free_bytes"] / mu.MB,
+        }
     for name in ("snapshot_at_oom.pickle", "snapshot.pickle"):
         if (oom_dir / name).exists():
             try:
@@ -176,20 +273,28 @@ def main() -> None:
 
     on_cuda = args.device == "cuda"
     if on_cuda and not torch.cuda.is_available():
-        print("error: --device cuda needs a CUDA device and torch sees none; use --device cpu to check the "
-              "plumbing.", file=sys.stderr)
+        print(
+            "error: --device cuda needs a CUDA device and torch sees none; use --device cpu to check the "
+            "plumbing.",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     sizes = QUICK if args.quick else FULL
-    result: dict = {"device": torch.cuda.get_device_name(0) if on_cuda else "cpu", "quick": args.quick,
-                    "sizes": {k: v for k, v in sizes.items() if k != "model"},
-                    "model": "tiny (the soak's)" if args.quick else "seed (dreamer_atari.Args() defaults)"}
+    result: dict = {
+        "device": torch.cuda.get_device_name(0) if on_cuda else "cpu",
+        "quick": args.quick,
+        "sizes": {k: v for k, v in sizes.items() if k != "model"},
+        "model": "tiny (the soak's)" if args.quick else "seed (dreamer_atari.Args() defaults)",
+    }
     skipped = "needs CUDA: allocator snapshots, the OOM observer and a GPU memory cap exist only there"
     with tempfile.TemporaryDirectory(prefix="forensics-") as tmp:
         work = Path(tmp)
         snapshots = snapshots_run(sizes, on_cuda, work)
         if snapshots["returncode"] != 0:
-            raise SystemExit(f"the snapshot run failed (exit {snapshots['returncode']}):\n"
-                             f"{snapshots.get('stderr_tail', '')}")
+            raise SystemExit(
+                f"the snapshot run failed (exit {snapshots['returncode']}):\n"
+                f"{snapshots.get('stderr_tail', '')}"
+            )
         if on_cuda and snapshots.get("snapshots"):
             result["analysis"] = analysis_run(snapshots, work)
         else:
@@ -198,8 +303,12 @@ def main() -> None:
             total_mb = torch.cuda.get_device_properties(0).total_memory / mu.MB
             peak_mb = snapshots[mu.KEY_GPU_MAX_RESERVED_MB]
             fraction = 0.5 * peak_mb / total_mb
-            result["cap"] = {"run1_peak_reserved_mb": peak_mb, "device_total_mb": total_mb, "fraction": fraction,
-                             "cap_mb": fraction * total_mb}
+            result["cap"] = {
+                "run1_peak_reserved_mb": peak_mb,
+                "device_total_mb": total_mb,
+                "fraction": fraction,
+                "cap_mb": fraction * total_mb,
+            }
             result["oom_in_update"] = capped_run(sizes, fraction, work, "oom_update", preallocate=False)
             result["oom_in_preflight"] = capped_run(sizes, fraction, work, "oom_preflight", preallocate=True)
         else:

@@ -39,7 +39,13 @@ import dreamer_atari as da
 from benchmark import bench_utils
 from benchmark.ours_dreamer import fill_replay, seed_args
 
-QUICK_MODEL = {"batch_size": 4, "sequence_length": 10, "deterministic_dim": 32, "hidden_dim": 32, "embed_dim": 32}
+QUICK_MODEL = {
+    "batch_size": 4,
+    "sequence_length": 10,
+    "deterministic_dim": 32,
+    "hidden_dim": 32,
+    "embed_dim": 32,
+}
 
 
 def sync(device: torch.device) -> None:
@@ -75,8 +81,12 @@ def profile_once(fn, device, table_path: Path) -> dict:
     busy_ms = sum(e.device_time for e in kernels) / 1e3 if kernels else None
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table_path.write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
-    return {"profiled_wall_ms": wall_ms, "kernels": len(kernels), "gpu_busy_ms": busy_ms,
-            "gpu_busy_share": None if busy_ms is None else busy_ms / wall_ms}
+    return {
+        "profiled_wall_ms": wall_ms,
+        "kernels": len(kernels),
+        "gpu_busy_ms": busy_ms,
+        "gpu_busy_share": None if busy_ms is None else busy_ms / wall_ms,
+    }
 
 
 def update_fn(agent: da.Agent, args: da.Args, batch: dict, device):
@@ -100,8 +110,9 @@ def build(args: da.Args, obs_shape, num_actions, device, compiled: bool) -> da.A
     return agent
 
 
-def compare_with_eager(args: da.Args, obs_shape, num_actions, device, batches: list[dict],
-                       compiled: bool = False) -> dict:
+def compare_with_eager(
+    args: da.Args, obs_shape, num_actions, device, batches: list[dict], compiled: bool = False
+) -> dict:
     """Same weights, same random state, same batches: every logged value of every update, eager against captured
     (and compiled, with `compiled`)."""
     runs = {}
@@ -121,8 +132,13 @@ def compare_with_eager(args: da.Args, obs_shape, num_actions, device, batches: l
         for key in eager:
             e, g = eager[key], other[key]
             worst[key] = max(worst.get(key, 0.0), abs(e - g) / max(abs(e), 1e-6))
-    return {"updates": len(batches), "captured_from_update": 4, "max_relative_difference": worst,
-            "eager": runs[False], "compiled_graph" if compiled else "graph": runs[True]}
+    return {
+        "updates": len(batches),
+        "captured_from_update": 4,
+        "max_relative_difference": worst,
+        "eager": runs[False],
+        "compiled_graph" if compiled else "graph": runs[True],
+    }
 
 
 def time_compiled(args: da.Args, obs_shape, num_actions, device, batch: dict, reps: int) -> dict:
@@ -153,8 +169,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--amp", nargs="+", default=["off", "bf16"])
-    parser.add_argument("--compile", action="store_true", help="also time the update with --compile, alone and "
-                        "captured (compiling takes minutes)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time the update with --compile, alone and captured (compiling takes minutes)",
+    )
     cli = parser.parse_args()
     out_dir = Path(cli.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -166,19 +185,27 @@ def main() -> None:
     reps = 3 if cli.quick else cli.reps
     replay, obs_shape, num_actions = fill_replay(dataclasses.replace(args, buffer_capacity=2_000), 2_000)
     batch = replay.sample(args.batch_size, args.sequence_length)
-    result: dict = {"machine": bench_utils.machine(), "batch": f"B{args.batch_size} x T{args.sequence_length}",
-                    "command": " ".join(["python", "benchmark/gpu_update_profile.py", *sys.argv[1:]]), "amp": {}}
+    result: dict = {
+        "machine": bench_utils.machine(),
+        "batch": f"B{args.batch_size} x T{args.sequence_length}",
+        "command": " ".join(["python", "benchmark/gpu_update_profile.py", *sys.argv[1:]]),
+        "amp": {},
+    }
 
     def save():
         (out_dir / "profile.json").write_text(json.dumps(result, indent=1))
 
     for mode in cli.amp:
-        amp_args = dataclasses.replace(args, amp=mode, cudagraph=False)  # eager; the graph figures below capture
+        amp_args = dataclasses.replace(
+            args, amp=mode, cudagraph=False
+        )  # eager; the graph figures below capture
         figures: dict = {}
         torch.manual_seed(args.seed)
         agent = da.build_agent(amp_args, obs_shape, num_actions, device)
         figures["eager"] = timed(update_fn(agent, amp_args, batch, device), device, reps)
-        figures.update(profile_once(update_fn(agent, amp_args, batch, device), device, out_dir / f"profile_{mode}.txt"))
+        figures.update(
+            profile_once(update_fn(agent, amp_args, batch, device), device, out_dir / f"profile_{mode}.txt")
+        )
         del agent
         if on_cuda and mode != "fp16":
             graph_args = dataclasses.replace(amp_args, cudagraph=True)
@@ -190,17 +217,27 @@ def main() -> None:
             figures["graph_peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
             del agent
         if cli.compile:
-            figures["compiled"] = time_compiled(dataclasses.replace(amp_args, compile=True), obs_shape, num_actions,
-                                                device, batch, reps)
+            figures["compiled"] = time_compiled(
+                dataclasses.replace(amp_args, compile=True), obs_shape, num_actions, device, batch, reps
+            )
             if on_cuda and mode != "fp16":
-                figures["compiled_graph"] = time_compiled(dataclasses.replace(amp_args, compile=True, cudagraph=True),
-                                                          obs_shape, num_actions, device, batch, reps)
+                figures["compiled_graph"] = time_compiled(
+                    dataclasses.replace(amp_args, compile=True, cudagraph=True),
+                    obs_shape,
+                    num_actions,
+                    device,
+                    batch,
+                    reps,
+                )
         result["amp"][mode] = figures
         save()
-        print(f"{mode}: eager {figures['eager']['median_ms']:.2f} ms, graph "
-              f"{figures.get('graph', {}).get('median_ms')} ms, compiled {figures.get('compiled', {}).get('median_ms')}"
-              f" ms, compiled and captured {figures.get('compiled_graph', {}).get('median_ms')} ms, "
-              f"{figures['kernels']} kernels, GPU busy {figures['gpu_busy_share']}", flush=True)
+        print(
+            f"{mode}: eager {figures['eager']['median_ms']:.2f} ms, graph "
+            f"{figures.get('graph', {}).get('median_ms')} ms, compiled {figures.get('compiled', {}).get('median_ms')}"
+            f" ms, compiled and captured {figures.get('compiled_graph', {}).get('median_ms')} ms, "
+            f"{figures['kernels']} kernels, GPU busy {figures['gpu_busy_share']}",
+            flush=True,
+        )
         for variant in ("compiled", "compiled_graph"):
             if "error" in figures.get(variant, {}):
                 print(f"{mode}, {variant}: {figures[variant]['error']}", flush=True)
@@ -213,11 +250,16 @@ def main() -> None:
     if on_cuda and cli.compile and "median_ms" in result["amp"].get("off", {}).get("compiled_graph", {}):
         torch._dynamo.reset()
         torch._inductor.config.fallback_random = True  # the compiled agent draws the eager agent's latents
-        result["eager_vs_compiled_graph"] = compare_with_eager(args, obs_shape, num_actions, device, batches,
-                                                               compiled=True)
+        result["eager_vs_compiled_graph"] = compare_with_eager(
+            args, obs_shape, num_actions, device, batches, compiled=True
+        )
         save()
         worst = result["eager_vs_compiled_graph"]["max_relative_difference"]
-        print("eager vs compiled and captured, worst relative difference per key:", json.dumps(worst), flush=True)
+        print(
+            "eager vs compiled and captured, worst relative difference per key:",
+            json.dumps(worst),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

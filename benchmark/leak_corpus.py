@@ -47,6 +47,7 @@ def steady(sd: float):
     def make(rng):
         steps = _steps()
         return steps, BASE_MB + rng.normal(0, sd, len(steps)), None
+
     return make
 
 
@@ -57,6 +58,7 @@ def level_shifts(size: float, count: int = 1, sd: float = 5.0):
         for at in rng.uniform(20_000, 250_000, count):
             values[steps >= at] += size
         return steps, values, None
+
     return make
 
 
@@ -66,6 +68,7 @@ def sawtooth(peak_to_peak: float, period: int, sd: float = 5.0, leak_per_1k: flo
         phase = (steps + rng.uniform(0, period)) % period / period  # 0 -> 1, then given back
         values = BASE_MB + peak_to_peak * phase + rng.normal(0, sd, len(steps)) + leak_per_1k * steps / 1000
         return steps, values, (0.0 if leak_per_1k else None)
+
     return make
 
 
@@ -76,6 +79,7 @@ def leak(per_1k: float, sd: float = 2.0):
         onset = float(rng.uniform(WARMUP + 10_000, LENGTH - 50_000))
         values = BASE_MB + rng.normal(0, sd, len(steps)) + per_1k * np.clip(steps - onset, 0, None) / 1000
         return steps, values, onset
+
     return make
 
 
@@ -84,8 +88,11 @@ NO_LEAK = {
     **{f"level shift +{size:g} MB": level_shifts(size) for size in (20, 120, 300, 500)},
     "level shift +500 MB, sd 20 MB": level_shifts(500, sd=20.0),
     "three level shifts of +120 MB": level_shifts(120, count=3),
-    **{f"sawtooth {pp:g} MB per {period // 1000}k": sawtooth(pp, period)
-       for pp in (50, 100, 200) for period in (5_000, 10_000, 20_000, 30_000)},
+    **{
+        f"sawtooth {pp:g} MB per {period // 1000}k": sawtooth(pp, period)
+        for pp in (50, 100, 200)
+        for period in (5_000, 10_000, 20_000, 30_000)
+    },
 }
 LEAKS = {
     **{f"leak {rate:g} MB per 1k, sd 2 MB": leak(rate) for rate in (1, 2, 5, 53)},
@@ -113,57 +120,106 @@ def run_series(make, seed: int) -> dict:
                 before_onset += 1
             elif first_after_onset is None:
                 first_after_onset = int(step)
-    return {"seed": seed, "checks": len(suspected), "suspected": int(sum(suspected)), "aborted_at": aborted_at,
-            "onset": onset, "decision_steps": None if first_after_onset is None else first_after_onset - onset,
-            "suspected_before_onset": before_onset}
+    return {
+        "seed": seed,
+        "checks": len(suspected),
+        "suspected": int(sum(suspected)),
+        "aborted_at": aborted_at,
+        "onset": onset,
+        "decision_steps": None if first_after_onset is None else first_after_onset - onset,
+        "suspected_before_onset": before_onset,
+    }
 
 
 def run_corpus(seeds: int) -> dict:
-    out = {"config": {"every": EVERY, "length": LENGTH, "warmup": WARMUP, "seeds": seeds,
-                      "detector": {"growth_z": mu.GROWTH_Z, "slope_fraction": mu.SLOPE_FRACTION,
-                                   "step_ratio": mu.STEP_RATIO, "staircase_ratio": mu.STAIRCASE_RATIO,
-                                   "release_z": mu.RELEASE_Z, "release_grace": mu.RELEASE_GRACE,
-                                   "scales": list(mu.SCALES), **_detector_defaults()}},
-           "no_leak": {}, "leaks": {}}
+    out = {
+        "config": {
+            "every": EVERY,
+            "length": LENGTH,
+            "warmup": WARMUP,
+            "seeds": seeds,
+            "detector": {
+                "growth_z": mu.GROWTH_Z,
+                "slope_fraction": mu.SLOPE_FRACTION,
+                "step_ratio": mu.STEP_RATIO,
+                "staircase_ratio": mu.STAIRCASE_RATIO,
+                "release_z": mu.RELEASE_Z,
+                "release_grace": mu.RELEASE_GRACE,
+                "scales": list(mu.SCALES),
+                **_detector_defaults(),
+            },
+        },
+        "no_leak": {},
+        "leaks": {},
+    }
     for group, patterns in (("no_leak", NO_LEAK), ("leaks", LEAKS)):
         for name, make in patterns.items():
             series = [run_series(make, seed) for seed in range(seeds)]
             checks = sum(s["checks"] for s in series)
-            summary = {"suspected_share": sum(s["suspected"] for s in series) / checks,
-                       "aborted_series": sum(s["aborted_at"] is not None for s in series), "series": series}
+            summary = {
+                "suspected_share": sum(s["suspected"] for s in series) / checks,
+                "aborted_series": sum(s["aborted_at"] is not None for s in series),
+                "series": series,
+            }
             if group == "leaks":
                 times = [s["decision_steps"] for s in series]
                 found = sorted(t for t in times if t is not None)
-                summary.update(found=len(found), median_decision_steps=float(np.median(found)) if found else None,
-                               p95_decision_steps=(float(np.percentile(found, 95)) if len(found) == len(times)
-                                                   else None),
-                               suspected_before_onset=sum(s["suspected_before_onset"] for s in series))
+                summary.update(
+                    found=len(found),
+                    median_decision_steps=float(np.median(found)) if found else None,
+                    p95_decision_steps=(
+                        float(np.percentile(found, 95)) if len(found) == len(times) else None
+                    ),
+                    suspected_before_onset=sum(s["suspected_before_onset"] for s in series),
+                )
             out[group][name] = summary
     return out
 
 
 def _detector_defaults() -> dict:
     detector = mu.LeakDetector()
-    return {"window": detector.window, "threshold_mb_per_1k": detector.threshold, "abort_after": detector.abort_after}
+    return {
+        "window": detector.window,
+        "threshold_mb_per_1k": detector.threshold,
+        "abort_after": detector.abort_after,
+    }
 
 
 def markdown(result: dict, command: str) -> str:
     c = result["config"]
-    lines = ["# Leak detector on a synthetic corpus", "",
-             (f"Command: `{command}`. {c['seeds']} seeds per pattern; a sample every {c['every']:,} env steps for "
-              f"{c['length']:,} steps, checked at every sample after a {c['warmup']:,}-step warm-up. Detector: "
-              f"`memory_utils.LeakDetector()` defaults {json.dumps(c['detector'])}. Every check of every series "
-              "is in the JSON file beside this one."), "",
-             "## Memory that does not leak", "", "| pattern | suspected checks | series aborted |", "|---|---:|---:|"]
+    lines = [
+        "# Leak detector on a synthetic corpus",
+        "",
+        (
+            f"Command: `{command}`. {c['seeds']} seeds per pattern; a sample every {c['every']:,} env steps for "
+            f"{c['length']:,} steps, checked at every sample after a {c['warmup']:,}-step warm-up. Detector: "
+            f"`memory_utils.LeakDetector()` defaults {json.dumps(c['detector'])}. Every check of every series "
+            "is in the JSON file beside this one."
+        ),
+        "",
+        "## Memory that does not leak",
+        "",
+        "| pattern | suspected checks | series aborted |",
+        "|---|---:|---:|",
+    ]
     for name, s in result["no_leak"].items():
-        lines.append(f"| {name} | {100 * s['suspected_share']:.2f} % | {s['aborted_series']} of {c['seeds']} |")
-    lines += ["", "## Leaks", "",
-              "| pattern | found | steps from the leak's start to the first 'suspected': median | 95th percentile "
-              "| suspected before it started |", "|---|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {name} | {100 * s['suspected_share']:.2f} % | {s['aborted_series']} of {c['seeds']} |"
+        )
+    lines += [
+        "",
+        "## Leaks",
+        "",
+        "| pattern | found | steps from the leak's start to the first 'suspected': median | 95th percentile "
+        "| suspected before it started |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, s in result["leaks"].items():
         p95 = "—" if s["p95_decision_steps"] is None else f"{s['p95_decision_steps']:,.0f}"
         median = "—" if s["median_decision_steps"] is None else f"{s['median_decision_steps']:,.0f}"
-        lines.append(f"| {name} | {s['found']} of {c['seeds']} | {median} | {p95} | {s['suspected_before_onset']} |")
+        lines.append(
+            f"| {name} | {s['found']} of {c['seeds']} | {median} | {p95} | {s['suspected_before_onset']} |"
+        )
     return "\n".join(lines) + "\n"
 
 

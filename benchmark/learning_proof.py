@@ -148,7 +148,7 @@ def reached_at(returns: dict[int, float], target: float, window: int) -> int | N
     steps = sorted(returns)
     values = np.array([returns[s] for s in steps])
     for end in range(window, len(steps) + 1):
-        if values[end - window:end].mean() >= target:
+        if values[end - window : end].mean() >= target:
             return int(steps[end - 1])
     return None
 
@@ -157,7 +157,10 @@ def training_curve(returns: dict[int, float], bin_steps: int) -> list[dict]:
     bins: dict[int, list[float]] = {}
     for step, value in sorted(returns.items()):
         bins.setdefault((step - 1) // bin_steps * bin_steps + bin_steps, []).append(value)
-    return [{"env_step": step, "mean_return": float(np.mean(v)), "episodes": len(v)} for step, v in sorted(bins.items())]
+    return [
+        {"env_step": step, "mean_return": float(np.mean(v)), "episodes": len(v)}
+        for step, v in sorted(bins.items())
+    ]
 
 
 def prove(args: Args) -> dict:
@@ -194,8 +197,13 @@ def prove(args: Args) -> dict:
             policy = trained_policy(os.path.join(run_dir, "checkpoint.pt"), train_args)
             final = play(da.CATCH_ID, args.eval_episodes, args.seed, policy, args.image_size)
             rng = np.random.default_rng(args.seed)
-            random_returns = play(da.CATCH_ID, args.eval_episodes, args.seed, lambda o, f, e: int(rng.integers(3)),
-                                  args.image_size)
+            random_returns = play(
+                da.CATCH_ID,
+                args.eval_episodes,
+                args.seed,
+                lambda o, f, e: int(rng.integers(3)),
+                args.image_size,
+            )
             optimal = play(da.CATCH_ID, args.eval_episodes, args.seed, scripted_policy, args.image_size)
             eval_seconds = time.perf_counter() - started_eval
         finally:
@@ -220,7 +228,10 @@ def prove(args: Args) -> dict:
         "episode_returns": [[step, value] for step, value in sorted(returns.items())],
         "curve": curve,
         # 1-minute load averages before and after training: above the core count, others' work slowed this run
-        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]},
+        "load_average": {
+            "before": [round(x, 2) for x in load_before],
+            "after": [round(x, 2) for x in load_after],
+        },
         "seed": args.seed,
         "config": {key: value for key, value in dataclasses.asdict(train_args).items()},
         "proof_args": dataclasses.asdict(args),
@@ -231,45 +242,73 @@ def prove(args: Args) -> dict:
 
 def summary_markdown(results: list[dict]) -> str:
     """A results table (and each run's curve) from learning_proof JSON files."""
-    settings = {key: value for key, value in results[0]["proof_args"].items()
-                if key not in ("json", "seed", "work_dir")}
+    settings = {
+        key: value
+        for key, value in results[0]["proof_args"].items()
+        if key not in ("json", "seed", "work_dir")
+    }
     fraction, window = settings.get("reach_fraction", 0.8), settings.get("reach_window", 50)
-    lines = ["# Learning proof: dreamer_atari.py on Catch-v0, on a CPU", "",
-             ("Each row is one `benchmark/learning_proof.py` run (its JSON file beside this one holds the "
-              "configuration, the machine, every training and evaluation episode and the curve). Final return: the "
-              "mean over the evaluation episodes played by the trained agent acting as it acts in training; random "
-              "and optimal (a scripted paddle) are measured the same way. Reached at: the env step at which the mean "
-              f"return of the last {window} training episodes first reached {fraction:g} of the optimal return "
-              "(its share of the env-step budget in brackets). Target: at least 0.8 of the optimal return on every "
-              "seed, reached by 70 % of the budget, in at most 200 s of training on a 2-core CPU (so that a machine "
-              "1.5x slower stays within 5 minutes). Load: the 1-minute load average before / after training; above "
-              "the core count, other work on the machine slowed the run and its seconds are pessimistic."), "",
-             ("| seed | final return | optimal | random | reached at | env steps | updates | training s | load | "
-              "machine |"),
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "# Learning proof: dreamer_atari.py on Catch-v0, on a CPU",
+        "",
+        (
+            "Each row is one `benchmark/learning_proof.py` run (its JSON file beside this one holds the "
+            "configuration, the machine, every training and evaluation episode and the curve). Final return: the "
+            "mean over the evaluation episodes played by the trained agent acting as it acts in training; random "
+            "and optimal (a scripted paddle) are measured the same way. Reached at: the env step at which the mean "
+            f"return of the last {window} training episodes first reached {fraction:g} of the optimal return "
+            "(its share of the env-step budget in brackets). Target: at least 0.8 of the optimal return on every "
+            "seed, reached by 70 % of the budget, in at most 200 s of training on a 2-core CPU (so that a machine "
+            "1.5x slower stays within 5 minutes). Load: the 1-minute load average before / after training; above "
+            "the core count, other work on the machine slowed the run and its seconds are pessimistic."
+        ),
+        "",
+        (
+            "| seed | final return | optimal | random | reached at | env steps | updates | training s | load | "
+            "machine |"
+        ),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in sorted(results, key=lambda r: r["seed"]):
         m = r["machine"]
         reach = r.get("reached_at")
         reach_text = "never" if reach is None else f"{reach:,} ({reach / r['env_steps']:.0%})"
         load = r.get("load_average")
         load_text = f"{load['before'][0]:.1f} / {load['after'][0]:.1f}" if load else "-"
-        lines.append(f"| {r['seed']} | {r['final_return']:.2f} | {r['optimal_return']:.2f} | {r['random_return']:.2f} | "
-                     f"{reach_text} | {r['env_steps']:,} | {r['updates']:,} | {r['seconds']:.0f} | {load_text} | "
-                     f"{m['cpu']}, {m['cpu_count']} cores, torch {m['torch']} |")
+        lines.append(
+            f"| {r['seed']} | {r['final_return']:.2f} | {r['optimal_return']:.2f} | {r['random_return']:.2f} | "
+            f"{reach_text} | {r['env_steps']:,} | {r['updates']:,} | {r['seconds']:.0f} | {load_text} | "
+            f"{m['cpu']}, {m['cpu_count']} cores, torch {m['torch']} |"
+        )
     finals = [r["final_return"] / r["optimal_return"] for r in results]
     reached = [r.get("reached_at") for r in results]
-    lines += ["", f"{len(results)} seeds: final return {min(finals):.2f} to {max(finals):.2f} of optimal (mean "
-              f"{np.mean(finals):.2f}); "
-              + (f"every seed reached {fraction:g} of optimal by env step {max(reached):,} "
-                 f"({max(reached) / results[0]['env_steps']:.0%} of the budget)" if None not in reached else
-                 f"{reached.count(None)} seed(s) never reached {fraction:g} of optimal in training")
-              + f"; training {min(r['seconds'] for r in results):.0f} to {max(r['seconds'] for r in results):.0f} s."]
+    lines += [
+        "",
+        f"{len(results)} seeds: final return {min(finals):.2f} to {max(finals):.2f} of optimal (mean "
+        f"{np.mean(finals):.2f}); "
+        + (
+            f"every seed reached {fraction:g} of optimal by env step {max(reached):,} "
+            f"({max(reached) / results[0]['env_steps']:.0%} of the budget)"
+            if None not in reached
+            else f"{reached.count(None)} seed(s) never reached {fraction:g} of optimal in training"
+        )
+        + f"; training {min(r['seconds'] for r in results):.0f} to {max(r['seconds'] for r in results):.0f} s.",
+    ]
     commands = "; ".join(sorted({"`" + r["command"] + "`" for r in results}))
-    lines += ["", (f"Commands: {commands}. Settings: {json.dumps(settings)}; the model and the rest of the "
-                   "configuration are in each JSON file.")]
-    lines += ["", "Training curve (mean return of the episodes in each bin of env steps):", "",
-              "| seed | " + " | ".join(str(p["env_step"]) for p in results[0]["curve"]) + " |",
-              "|---:|" + "---:|" * len(results[0]["curve"])]
+    lines += [
+        "",
+        (
+            f"Commands: {commands}. Settings: {json.dumps(settings)}; the model and the rest of the "
+            "configuration are in each JSON file."
+        ),
+    ]
+    lines += [
+        "",
+        "Training curve (mean return of the episodes in each bin of env steps):",
+        "",
+        "| seed | " + " | ".join(str(p["env_step"]) for p in results[0]["curve"]) + " |",
+        "|---:|" + "---:|" * len(results[0]["curve"]),
+    ]
     for r in sorted(results, key=lambda r: r["seed"]):
         lines.append(f"| {r['seed']} | " + " | ".join(f"{p['mean_return']:.2f}" for p in r["curve"]) + " |")
     return "\n".join(lines) + "\n"
@@ -282,10 +321,12 @@ def main(args: Args) -> dict:
     runs = [json.loads(p.read_text()) for p in sorted(Path(args.json).parent.glob("catch_seed_*.json"))]
     if runs:  # the results folder's summary, rewritten from every run in it
         (Path(args.json).parent / "README.md").write_text(summary_markdown(runs))
-    print(f"seed {args.seed}: final return {out['final_return']:.2f} (optimal {out['optimal_return']:.2f}, random "
-          f"{out['random_return']:.2f}) after {out['env_steps']} env steps, {out['updates']} updates, "
-          f"{out['seconds']:.0f} s of training; {args.reach_fraction:g} of optimal reached at env step "
-          f"{out['reached_at']}")
+    print(
+        f"seed {args.seed}: final return {out['final_return']:.2f} (optimal {out['optimal_return']:.2f}, random "
+        f"{out['random_return']:.2f}) after {out['env_steps']} env steps, {out['updates']} updates, "
+        f"{out['seconds']:.0f} s of training; {args.reach_fraction:g} of optimal reached at env step "
+        f"{out['reached_at']}"
+    )
     return out
 
 

@@ -40,13 +40,33 @@ from benchmark import bench_utils
 
 MB = 1024.0 * 1024.0
 # `--quick` sizes: everything smaller, stated in the output, so the whole quick run stays under a minute.
-QUICK = {"fill_steps": 3_000, "update_batch": 4, "update_seq": 10, "update_reps": 3, "sample_reps": 5,
-         "evenness_batches": 500}
-FULL = {"fill_steps": None, "update_batch": None, "update_seq": None, "update_reps": 5, "sample_reps": 20,
-        "evenness_batches": 10_000}
+QUICK = {
+    "fill_steps": 3_000,
+    "update_batch": 4,
+    "update_seq": 10,
+    "update_reps": 3,
+    "sample_reps": 5,
+    "evenness_batches": 500,
+}
+FULL = {
+    "fill_steps": None,
+    "update_batch": None,
+    "update_seq": None,
+    "update_reps": 5,
+    "sample_reps": 20,
+    "evenness_batches": 10_000,
+}
 # The tiny model of the soak: host-memory growth of the loop, not learning, is under test.
-TINY_MODEL = {"encoder_channels": (4, 4, 4), "embed_dim": 16, "decoder_base_channels": 4, "decoder_mid_channels": 4,
-              "deterministic_dim": 16, "stochastic_dim": 4, "stochastic_classes": 4, "hidden_dim": 16}
+TINY_MODEL = {
+    "encoder_channels": (4, 4, 4),
+    "embed_dim": 16,
+    "decoder_base_channels": 4,
+    "decoder_mid_channels": 4,
+    "deterministic_dim": 16,
+    "stochastic_dim": 4,
+    "stochastic_classes": 4,
+    "hidden_dim": 16,
+}
 
 
 def seed_args(**overrides) -> da.Args:
@@ -144,12 +164,16 @@ def sampling_evenness(replay: da.EpisodeReplay, batch_size: int, sequence_length
     old = []
     for ep in finished:
         L, p = ep.num_steps, np.arange(shortest)
-        old.append(np.minimum.reduce([p + 1, np.full_like(p, T), L - p, np.full_like(p, L - T + 1)]).clip(min=0))
+        old.append(
+            np.minimum.reduce([p + 1, np.full_like(p, T), L - p, np.full_like(p, L - T + 1)]).clip(min=0)
+        )
     old_by_position = np.mean(old, axis=0)
     per_step = np.concatenate([draws[id(ep)] for ep in episodes])
     return {
         "sampling_position_max_to_min": float(by_position.max() / by_position.min()),
-        "sampling_position_max_to_min_within_episode_rule": float(old_by_position.max() / old_by_position.min()),
+        "sampling_position_max_to_min_within_episode_rule": float(
+            old_by_position.max() / old_by_position.min()
+        ),
         "sampling_draws_per_step_mean": float(per_step.mean()),
         "sampling_draws_per_step_cv": float(per_step.std() / per_step.mean()),
         "sampling_draws_poisson_cv": float(1 / np.sqrt(per_step.mean())),
@@ -169,8 +193,11 @@ def cmd_measure(quick: bool) -> dict:
     # past capacity, so that eviction has run and the figure is the steady state's
     replay, obs_shape, num_actions = fill_replay(args, fill + fill // 10)
     fill_s = time.perf_counter() - start
-    out = {**replay_bytes(replay), "buffer_bytes_limit": bytes_limit(replay), "fill_env_steps_per_s":
-           replay.total_steps / fill_s}
+    out = {
+        **replay_bytes(replay),
+        "buffer_bytes_limit": bytes_limit(replay),
+        "fill_env_steps_per_s": replay.total_steps / fill_s,
+    }
 
     B, T = args.batch_size, args.sequence_length
     sampling = bench_utils.time_ms(lambda: replay.sample(B, T), reps=sizes["sample_reps"], warmup=1)
@@ -190,20 +217,36 @@ def cmd_measure(quick: bool) -> dict:
     out["update_ms"] = updating["median_ms"]
     out["update_samples_ms"] = updating["samples_ms"]
     out["update_batch"] = f"B{ub} x T{ut}"
-    out["update_includes"] = ("world model (batch to float on the device included), actor and critic updates, "
-                              "slow-critic EMA, on one sampled batch")
+    out["update_includes"] = (
+        "world model (batch to float on the device included), actor and critic updates, "
+        "slow-critic EMA, on one sampled batch"
+    )
     update_sample = bench_utils.time_ms(lambda: replay.sample(ub, ut), reps=sizes["sample_reps"], warmup=1)
     # the ratio compares sampling and updating at the same batch shape
     out["sample_to_update_ratio"] = update_sample["median_ms"] / updating["median_ms"]
     out.update(agent_params(agent))
-    out["model"] = {k: getattr(args, k) for k in ("encoder_channels", "embed_dim", "decoder_base_channels",
-                                                  "decoder_mid_channels", "deterministic_dim", "stochastic_dim",
-                                                  "stochastic_classes", "hidden_dim", "reward_bins",
-                                                  "imagination_horizon", "amp")}
+    out["model"] = {
+        k: getattr(args, k)
+        for k in (
+            "encoder_channels",
+            "embed_dim",
+            "decoder_base_channels",
+            "decoder_mid_channels",
+            "deterministic_dim",
+            "stochastic_dim",
+            "stochastic_classes",
+            "hidden_dim",
+            "reward_bins",
+            "imagination_horizon",
+            "amp",
+        )
+    }
     out["model"]["amp_resolved"] = agent.amp.mode
     optimizer = agent.world_model_optimizer
-    out["model"]["optimizer"] = (f"{type(optimizer).__name__} (foreach={optimizer.defaults.get('foreach')}, "
-                                 f"fused={optimizer.defaults.get('fused')})")
+    out["model"]["optimizer"] = (
+        f"{type(optimizer).__name__} (foreach={optimizer.defaults.get('foreach')}, "
+        f"fused={optimizer.defaults.get('fused')})"
+    )
     return out
 
 
@@ -215,8 +258,11 @@ def cmd_update(reps: int) -> dict:
     agent = da.build_agent(args, obs_shape, num_actions, "cpu")
     batch = replay.sample(args.batch_size, args.sequence_length)
     timing = time_update(agent, batch, args, reps=reps, warmup=1)
-    return {"update_ms": timing["median_ms"], "update_samples_ms": timing["samples_ms"],
-            "update_batch": f"B{args.batch_size} x T{args.sequence_length}"}
+    return {
+        "update_ms": timing["median_ms"],
+        "update_samples_ms": timing["samples_ms"],
+        "update_batch": f"B{args.batch_size} x T{args.sequence_length}",
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -266,7 +312,9 @@ def cmd_trials(names: list[str], reps: int) -> dict:
             agent = da.build_agent(trial_args, obs_shape, num_actions, "cpu")
             if change is not None:
                 change(agent, trial_args)
-            first = bench_utils.time_ms(functools.partial(_update, agent, batch, trial_args), reps=1, warmup=0)
+            first = bench_utils.time_ms(
+                functools.partial(_update, agent, batch, trial_args), reps=1, warmup=0
+            )
         except Exception as exc:  # noqa: BLE001 - a trial that fails is a result too
             results[name] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"}
             continue
@@ -274,7 +322,9 @@ def cmd_trials(names: list[str], reps: int) -> dict:
         results[name] = {"first_update_ms": first["median_ms"], "samples_ms": []}
     for _ in range(reps):
         for name, (agent, trial_args) in variants.items():
-            timing = bench_utils.time_ms(functools.partial(_update, agent, batch, trial_args), reps=1, warmup=0)
+            timing = bench_utils.time_ms(
+                functools.partial(_update, agent, batch, trial_args), reps=1, warmup=0
+            )
             results[name]["samples_ms"] += timing["samples_ms"]
     for name in variants:
         results[name]["update_ms"] = statistics.median(results[name]["samples_ms"])
@@ -294,10 +344,14 @@ def cmd_serve(image_size: int, decoder_mid_channels: int | None = None) -> None:
     batch = replay.sample(args.batch_size, args.sequence_length)
     torch.manual_seed(args.seed)
     agent = da.build_agent(args, obs_shape, num_actions, "cpu")
-    info = {**agent_params(agent), "image_size": image_size, "obs": f"{tuple(batch['obs'].shape)} uint8",
-            "decoder_mid_channels": args.decoder_mid_channels,
-            "update_includes": "world model (batch to float on the device included), actor and critic updates, "
-                               "slow-critic EMA, on one sampled batch"}
+    info = {
+        **agent_params(agent),
+        "image_size": image_size,
+        "obs": f"{tuple(batch['obs'].shape)} uint8",
+        "decoder_mid_channels": args.decoder_mid_channels,
+        "update_includes": "world model (batch to float on the device included), actor and critic updates, "
+        "slow-critic EMA, on one sampled batch",
+    }
     bench_utils.serve_updates(functools.partial(_update, agent, batch, args), info)
 
 
@@ -319,8 +373,15 @@ def soak_warmup(capacity: int, warmup: int) -> int:
     return max(capacity, warmup, SOAK_VIDEO_EVERY + 1)
 
 
-def soak_args(capacity: int, turnovers: int, every: int, batch: int = 4, seq: int = 16,
-              train_every: int = 64, warmup: int = 0) -> da.Args:
+def soak_args(
+    capacity: int,
+    turnovers: int,
+    every: int,
+    batch: int = 4,
+    seq: int = 16,
+    train_every: int = 64,
+    warmup: int = 0,
+) -> da.Args:
     return seed_args(
         **TINY_MODEL,
         buffer_capacity=capacity,
@@ -360,7 +421,8 @@ def cmd_soak(capacity: int, turnovers: int, every: int, warmup: int = 0) -> dict
     if mu.KEY_ANON_MB in scalars:  # the leak detector's basis: other processes do not move it
         anon = [scalars[mu.KEY_ANON_MB][s] - b for s, b in zip(steps, buffer_mb)]
         out["soak_anon_slope_mb_per_10k"] = bench_utils.soak_summary(
-            steps, anon, full_at=measured_from, capacity=capacity)["soak_uss_slope_mb_per_10k"]
+            steps, anon, full_at=measured_from, capacity=capacity
+        )["soak_uss_slope_mb_per_10k"]
     out["soak_config"] = {
         "model": TINY_MODEL,
         "capacity_steps": capacity,
@@ -390,10 +452,16 @@ def cmd_gpu(quick: bool, device_name: str, parts: tuple[str, ...] = ("amp", "loo
         args = dataclasses.replace(args, batch_size=4, sequence_length=10)
     replay, obs_shape, num_actions = fill_replay(dataclasses.replace(args, buffer_capacity=3_000), 3_000)
     batch = replay.sample(args.batch_size, args.sequence_length)
-    out: dict = {"run": True, "device": torch.cuda.get_device_name(device) if on_cuda else str(device),
-                 "update_batch": f"B{args.batch_size} x T{args.sequence_length}", "amp": {}}
+    out: dict = {
+        "run": True,
+        "device": torch.cuda.get_device_name(device) if on_cuda else str(device),
+        "update_batch": f"B{args.batch_size} x T{args.sequence_length}",
+        "amp": {},
+    }
     for mode in ("off", "bf16", "fp16") if "amp" in parts else ():
-        amp_args = dataclasses.replace(args, amp=mode, cudagraph=False)  # the eager update (Adam not capturable)
+        amp_args = dataclasses.replace(
+            args, amp=mode, cudagraph=False
+        )  # the eager update (Adam not capturable)
         try:
             mu.amp(mode, device)
         except ValueError as exc:
@@ -412,8 +480,11 @@ def cmd_gpu(quick: bool, device_name: str, parts: tuple[str, ...] = ("amp", "loo
                 torch.cuda.synchronize(device)
 
         timing = bench_utils.time_ms(update, reps=3 if quick else 10, warmup=2)
-        figures = {"update_ms": timing["median_ms"], "updates_per_s": 1e3 / timing["median_ms"],
-                   "samples_ms": timing["samples_ms"]}
+        figures = {
+            "update_ms": timing["median_ms"],
+            "updates_per_s": 1e3 / timing["median_ms"],
+            "samples_ms": timing["samples_ms"],
+        }
         if on_cuda:
             figures["peak_alloc_mb"] = torch.cuda.max_memory_allocated(device) / MB
             figures["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / MB
@@ -424,9 +495,17 @@ def cmd_gpu(quick: bool, device_name: str, parts: tuple[str, ...] = ("amp", "loo
         return out
     # the whole training loop past replay capacity: env steps/s and the GPU-allocated slope once full
     capacity = 200 if quick else 1_000
-    loop_args = seed_args(cuda=on_cuda, buffer_capacity=capacity, total_timesteps=4 * capacity,
-                          learning_starts=capacity // 2, warmup_steps=0, log_interval=capacity // 4,
-                          leak_warmup_steps=0, cudagraph=on_cuda, video_every=0)
+    loop_args = seed_args(
+        cuda=on_cuda,
+        buffer_capacity=capacity,
+        total_timesteps=4 * capacity,
+        learning_starts=capacity // 2,
+        warmup_steps=0,
+        log_interval=capacity // 4,
+        leak_warmup_steps=0,
+        cudagraph=on_cuda,
+        video_every=0,
+    )
     if quick:  # one update per 16 env steps instead of the seed's 1.28 per env step
         loop_args = dataclasses.replace(loop_args, batch_size=4, sequence_length=10, train_ratio=4 * 10 / 16)
     with tempfile.TemporaryDirectory(prefix="gpu-loop-") as work:
@@ -438,9 +517,15 @@ def cmd_gpu(quick: bool, device_name: str, parts: tuple[str, ...] = ("amp", "loo
             scalars = bench_utils.read_scalars(os.path.join(work, result["run_dir"]), keys)
         finally:
             os.chdir(cwd)
-    out["loop"] = {"capacity_steps": capacity, "cudagraph": loop_args.cudagraph, "amp": loop_args.amp, "env_steps": loop_args.total_timesteps,
-                   "batch": f"B{loop_args.batch_size} x T{loop_args.sequence_length}", "updates": result["updates"],
-                   "env_steps_per_s": scalars["charts/SPS"][max(scalars["charts/SPS"])]}
+    out["loop"] = {
+        "capacity_steps": capacity,
+        "cudagraph": loop_args.cudagraph,
+        "amp": loop_args.amp,
+        "env_steps": loop_args.total_timesteps,
+        "batch": f"B{loop_args.batch_size} x T{loop_args.sequence_length}",
+        "updates": result["updates"],
+        "env_steps_per_s": scalars["charts/SPS"][max(scalars["charts/SPS"])],
+    }
     if on_cuda:
         alloc = scalars[mu.KEY_GPU_ALLOC_MB]
         steps = [s for s in sorted(alloc) if s >= capacity]
@@ -454,18 +539,28 @@ def main() -> None:
     parser.add_argument("command", choices=["measure", "update", "trials", "soak", "gpu", "serve"])
     parser.add_argument("--reps", type=int, default=5, help="update: timed repetitions")
     parser.add_argument("--device", default="cuda", help="gpu: the device (cpu checks the code path)")
-    parser.add_argument("--parts", nargs="+", default=["amp", "loop"], choices=["amp", "loop"], help="gpu: which parts")
+    parser.add_argument(
+        "--parts", nargs="+", default=["amp", "loop"], choices=["amp", "loop"], help="gpu: which parts"
+    )
     parser.add_argument("--image-size", type=int, default=84, help="serve: frame side of the seed model")
-    parser.add_argument("--decoder-mid-channels", type=int, help="serve: channels of the decoder's bottleneck")
+    parser.add_argument(
+        "--decoder-mid-channels", type=int, help="serve: channels of the decoder's bottleneck"
+    )
     parser.add_argument("--out", help="where the JSON result goes (all but serve)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--trials", nargs="+", default=list(TRIALS), choices=list(TRIALS))
     parser.add_argument("--trial-reps", type=int, default=3)
     parser.add_argument("--capacity", type=int, default=1_000, help="soak: replay capacity in env steps")
-    parser.add_argument("--turnovers", type=int, default=50, help="soak: replay turnovers measured after the warm-up")
-    parser.add_argument("--warmup", type=int, default=3_000,
-                        help="soak: env steps before the slope is measured (at least the capacity and the first GIF)")
+    parser.add_argument(
+        "--turnovers", type=int, default=50, help="soak: replay turnovers measured after the warm-up"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=3_000,
+        help="soak: env steps before the slope is measured (at least the capacity and the first GIF)",
+    )
     parser.add_argument("--every", type=int, default=250, help="soak: env steps between memory samples")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -187,8 +187,20 @@ def setup_update(version: str, rb, model_overrides: list[str] = ()) -> tuple:
             with torch.no_grad():
                 for p, tp in zip(critic.module.parameters(), target_critic.parameters()):
                     tp.lerp_(p, cfg.algo.critic.tau)
-            train(fabric, world_model, actor, critic, target_critic, *optimizers, batch, None, cfg, False,
-                  actions_dim, moments)
+            train(
+                fabric,
+                world_model,
+                actor,
+                critic,
+                target_critic,
+                *optimizers,
+                batch,
+                None,
+                cfg,
+                False,
+                actions_dim,
+                moments,
+            )
         else:
             train(fabric, world_model, actor, critic, *optimizers, batch, None, cfg)
 

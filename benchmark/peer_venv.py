@@ -51,7 +51,10 @@ def _ready() -> bool:
     except (subprocess.CalledProcessError, json.JSONDecodeError):
         return False
     wanted = SHEEPRL_REQUIREMENT.split("==")[1]
-    return found.get("sheeprl") == wanted and found.get("torch", "").split("+")[0] == _pin("torch").split("==")[1]
+    return (
+        found.get("sheeprl") == wanted
+        and found.get("torch", "").split("+")[0] == _pin("torch").split("==")[1]
+    )
 
 
 def ensure(log=print) -> dict:
@@ -59,7 +62,9 @@ def ensure(log=print) -> dict:
     if not _ready():
         WORK_DIR.mkdir(exist_ok=True)
         log_path = WORK_DIR / "peer-install.log"
-        log(f"creating the peer environment in {VENV_DIR.relative_to(ROOT)} (pip log: {log_path.relative_to(ROOT)})")
+        log(
+            f"creating the peer environment in {VENV_DIR.relative_to(ROOT)} (pip log: {log_path.relative_to(ROOT)})"
+        )
         if not python().exists():
             venv.EnvBuilder(with_pip=True, clear=True).create(VENV_DIR)
         pip = [str(python()), "-m", "pip", "install", "--disable-pip-version-check"]

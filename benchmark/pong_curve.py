@@ -26,8 +26,12 @@ DIAGNOSTICS = {
     "imagined_return": "debug/imagined_return",
     "return_scale": "debug/return_scale",
 }
-MEMORY = {"peak_gpu_reserved_mb": "debug/gpu/max_reserved_mb", "peak_gpu_alloc_mb": "debug/gpu/max_alloc_mb",
-          "gpu_alloc_mb": "debug/gpu/alloc_mb", "host_rss_mb": "debug/cpu/rss_mb"}
+MEMORY = {
+    "peak_gpu_reserved_mb": "debug/gpu/max_reserved_mb",
+    "peak_gpu_alloc_mb": "debug/gpu/max_alloc_mb",
+    "gpu_alloc_mb": "debug/gpu/alloc_mb",
+    "host_rss_mb": "debug/cpu/rss_mb",
+}
 
 
 def read_events(path: str) -> dict[str, list[tuple[int, float, float]]]:
@@ -36,7 +40,9 @@ def read_events(path: str) -> dict[str, list[tuple[int, float, float]]]:
 
     events = EventAccumulator(str(path), size_guidance={"scalars": 0})
     events.Reload()
-    return {tag: [(e.step, e.wall_time, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    return {
+        tag: [(e.step, e.wall_time, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
 
 
 def curve(scalars: dict[str, list[tuple[int, float, float]]], last_episodes: int = 10) -> dict:
@@ -47,17 +53,23 @@ def curve(scalars: dict[str, list[tuple[int, float, float]]], last_episodes: int
     train_seconds = {step: value for step, _, value in scalars.get("charts/train_seconds", [])}
     total_updates = {step: value for step, _, value in scalars.get("charts/updates", [])}
     episodes = sorted((step, value) for step, _, value in scalars.get("charts/episodic_return", []))
-    by_key = {name: {step: value for step, _, value in scalars.get(tag, [])}
-              for name, tag in {**DIAGNOSTICS, **MEMORY}.items()}
+    by_key = {
+        name: {step: value for step, _, value in scalars.get(tag, [])}
+        for name, tag in {**DIAGNOSTICS, **MEMORY}.items()
+    }
     points, previous = [], None
     for step, wall, mean_sps in sps:
         elapsed = step / mean_sps if mean_sps > 0 else 0.0  # charts/SPS is steps over seconds since the start
         updates = updates_rate.get(step, 0.0) * elapsed  # likewise charts/updates_per_second
         elapsed, updates = train_seconds.get(step, elapsed), total_updates.get(step, updates)
         finished = [value for episode_step, value in episodes if episode_step <= step][-last_episodes:]
-        point = {"env_step": step, "wall_s": round(elapsed, 1), "updates": round(updates),
-                 "mean_return_last_10": float(np.mean(finished)) if finished else None,
-                 "episodes": sum(1 for episode_step, _ in episodes if episode_step <= step)}
+        point = {
+            "env_step": step,
+            "wall_s": round(elapsed, 1),
+            "updates": round(updates),
+            "mean_return_last_10": float(np.mean(finished)) if finished else None,
+            "episodes": sum(1 for episode_step, _ in episodes if episode_step <= step),
+        }
         if previous is not None and elapsed > previous["wall_s"]:
             dt = elapsed - previous["wall_s"]
             point["env_steps_per_s"] = round((step - previous["env_step"]) / dt, 2)
@@ -78,8 +90,13 @@ def plot(result: dict, path: str, title: str) -> None:
     steps = [p["env_step"] for p in points]
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
     ax = axes[0][0]
-    ax.plot([e["env_step"] for e in result["episode_returns"]], [e["return"] for e in result["episode_returns"]],
-            ".", alpha=0.4, label="episode")
+    ax.plot(
+        [e["env_step"] for e in result["episode_returns"]],
+        [e["return"] for e in result["episode_returns"]],
+        ".",
+        alpha=0.4,
+        label="episode",
+    )
     ax.plot(steps, [p["mean_return_last_10"] for p in points], label="mean of last 10")
     ax.set(title="return", xlabel="env step", ylim=(-21.5, 21.5))
     ax.legend()

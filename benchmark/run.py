@@ -44,10 +44,23 @@ TARGET_GPU_SLOPE_MB_PER_10K = 1.0
 TARGET_PONG_RETURN = 18.0  # Atari100k Pong: mean return of the last 10 episodes at 100k env steps
 TARGET_PONG_WALL_MIN = 25.0  # minutes of training for those 100k env steps on one H100
 TARGET_UPDATE_MS = 10.0  # one update at the seed config on that GPU
-REQUIRED_KEYS = ("buffer_bytes_per_step", "buffer_bytes_limit", "sample_ms", "update_ms", "sample_to_update_ratio",
-                 "soak_uss_slope_mb_per_10k", "soak_turnovers")
-PEER_KEYS = ("buffer_bytes_per_step", "sample_ms", "update_ms", "sample_to_update_ratio",
-             "soak_uss_slope_mb_per_10k", "soak_turnovers")
+REQUIRED_KEYS = (
+    "buffer_bytes_per_step",
+    "buffer_bytes_limit",
+    "sample_ms",
+    "update_ms",
+    "sample_to_update_ratio",
+    "soak_uss_slope_mb_per_10k",
+    "soak_turnovers",
+)
+PEER_KEYS = (
+    "buffer_bytes_per_step",
+    "sample_ms",
+    "update_ms",
+    "sample_to_update_ratio",
+    "soak_uss_slope_mb_per_10k",
+    "soak_turnovers",
+)
 
 
 @dataclasses.dataclass
@@ -113,8 +126,15 @@ def run_json(cmd: list[str], what: str, work: Path, timeout: float, env: dict | 
     log_path = work / f"{out.stem}.log"
     start = time.perf_counter()
     with open(log_path, "w") as log_file:
-        done = subprocess.run(cmd + ["--out", str(out)], stdout=log_file, stderr=subprocess.STDOUT,
-                              check=False, cwd=ROOT, timeout=timeout, env=None if env is None else {**os.environ, **env})
+        done = subprocess.run(
+            cmd + ["--out", str(out)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            check=False,
+            cwd=ROOT,
+            timeout=timeout,
+            env=None if env is None else {**os.environ, **env},
+        )
     if done.returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-25:])
         raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{tail}")
@@ -136,12 +156,22 @@ def measure(args: Args, work: Path) -> dict:
     started = time.time()
     result: dict = {"quick": args.quick, "threads": args.threads, "load_average_start": os.getloadavg()}
 
-    ours = run_json([py, str(BENCH_DIR / "ours_dreamer.py"), "measure", *quick, *threads],
-                    "ours: replay, sampling, update", work, timeout=1800)
+    ours = run_json(
+        [py, str(BENCH_DIR / "ours_dreamer.py"), "measure", *quick, *threads],
+        "ours: replay, sampling, update",
+        work,
+        timeout=1800,
+    )
     result["machine"] = ours.pop("machine")
-    soak_sizes = [part for key, value in QUICK_SOAK.items() for part in (f"--{key}", str(value))] if args.quick else []
-    soak = run_json([py, str(BENCH_DIR / "ours_dreamer.py"), "soak", *quick, *threads, *soak_sizes],
-                    "ours: soak", work, timeout=1800)
+    soak_sizes = (
+        [part for key, value in QUICK_SOAK.items() for part in (f"--{key}", str(value))] if args.quick else []
+    )
+    soak = run_json(
+        [py, str(BENCH_DIR / "ours_dreamer.py"), "soak", *quick, *threads, *soak_sizes],
+        "ours: soak",
+        work,
+        timeout=1800,
+    )
     soak.pop("machine")
     result.update(ours)
     result.update(soak)
@@ -154,9 +184,13 @@ def measure(args: Args, work: Path) -> dict:
         result["speed_trials"] = None
     else:
         # an empty compile cache, so that the first update of a compiled variant shows the whole compile time
-        trials = run_json([py, str(BENCH_DIR / "ours_dreamer.py"), "trials", *threads],
-                          "ours: speed trials", work, timeout=3600,
-                          env={"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")})
+        trials = run_json(
+            [py, str(BENCH_DIR / "ours_dreamer.py"), "trials", *threads],
+            "ours: speed trials",
+            work,
+            timeout=3600,
+            env={"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")},
+        )
         result["speed_trials"] = trials["trials"]
         result["speed_trials_batch"] = trials["trial_batch"]
 
@@ -168,8 +202,12 @@ def measure(args: Args, work: Path) -> dict:
         result.update(measure_peer(args, work))
         result.update(measure_matched(args, work))
         # ours again, right after the peer: the median over both passes brackets the peer's time window
-        again = run_json([py, str(BENCH_DIR / "ours_dreamer.py"), "update", *threads], "ours: update again", work,
-                         timeout=1800)
+        again = run_json(
+            [py, str(BENCH_DIR / "ours_dreamer.py"), "update", *threads],
+            "ours: update again",
+            work,
+            timeout=1800,
+        )
         result["update_samples_ms"] = result["update_samples_ms"] + again["update_samples_ms"]
         result["update_ms"] = statistics.median(result["update_samples_ms"])
         result["sample_to_update_ratio"] = result["sample_ms"] / result["update_ms"]
@@ -185,23 +223,38 @@ def measure_gpu(args: Args, work: Path, forensics: bool = True, device: str = "c
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
-        return {"gpu": {"run": False, "reason": "No CUDA device on this machine: the GPU figures (updates/s and "
-                                                "peak GPU memory per --amp mode, env steps/s of the training "
-                                                "loop, GPU-allocated slope past capacity) were not measured"},
-                "forensics": {"run": False, "reason": "No CUDA device on this machine: the forensics check "
-                                                      "(allocator snapshots of a real run, their analysis, an "
-                                                      "induced OOM) did not run"}}
+        return {
+            "gpu": {
+                "run": False,
+                "reason": "No CUDA device on this machine: the GPU figures (updates/s and "
+                "peak GPU memory per --amp mode, env steps/s of the training "
+                "loop, GPU-allocated slope past capacity) were not measured",
+            },
+            "forensics": {
+                "run": False,
+                "reason": "No CUDA device on this machine: the forensics check "
+                "(allocator snapshots of a real run, their analysis, an "
+                "induced OOM) did not run",
+            },
+        }
     py = sys.executable
     quick = ["--quick"] if args.quick else []
     on = ["--device", device]
-    out = {"gpu": run_json([py, str(BENCH_DIR / "ours_dreamer.py"), "gpu", *quick, *on], "ours: GPU", work,
-                           timeout=3600)}
+    out = {
+        "gpu": run_json(
+            [py, str(BENCH_DIR / "ours_dreamer.py"), "gpu", *quick, *on], "ours: GPU", work, timeout=3600
+        )
+    }
     if forensics:
-        out["forensics"] = run_json([py, str(BENCH_DIR / "cuda_forensics.py"), *quick, *on], "ours: forensics", work,
-                                    timeout=3600)
+        out["forensics"] = run_json(
+            [py, str(BENCH_DIR / "cuda_forensics.py"), *quick, *on], "ours: forensics", work, timeout=3600
+        )
     else:
-        out["forensics"] = {"run": False, "reason": "--quick skips the forensics check (three real training runs); "
-                                                    "`python benchmark/run.py --gpu-only --quick` runs it small"}
+        out["forensics"] = {
+            "run": False,
+            "reason": "--quick skips the forensics check (three real training runs); "
+            "`python benchmark/run.py --gpu-only --quick` runs it small",
+        }
     return out
 
 
@@ -209,8 +262,12 @@ def measure_gpu_only(args: Args, work: Path) -> dict:
     from benchmark import bench_utils
 
     started = time.time()
-    result: dict = {"quick": args.quick, "gpu_only": True, "machine": bench_utils.machine(),
-                    "load_average_start": os.getloadavg()}
+    result: dict = {
+        "quick": args.quick,
+        "gpu_only": True,
+        "machine": bench_utils.machine(),
+        "load_average_start": os.getloadavg(),
+    }
     if args.device == "cuda":
         result["gpu_name"] = result["machine"]["gpu"]
     if not args.pong_only:
@@ -230,8 +287,15 @@ ATARI100K_BATCH = {"batch_size": 16, "sequence_length": 64}  # DreamerV3's Atari
 # DreamerV3's Atari100k recipe (its 2023 code's `atari100k`): 100k env steps, train ratio 1024 at batch 16 x 64
 # (one update per env step), float32, and one env. Before issue 40 this run took the script's defaults, which
 # are the seed configuration's: 2 envs and batch 16 x 50 (1.28 updates per env step, two at a time).
-PONG_RECIPE = {"exp_name": "atari100k", "total_timesteps": 100_000, "num_envs": 1, **ATARI100K_BATCH,
-               "train_ratio": 1024.0, "log_interval": 1000, "save_model": True}
+PONG_RECIPE = {
+    "exp_name": "atari100k",
+    "total_timesteps": 100_000,
+    "num_envs": 1,
+    **ATARI100K_BATCH,
+    "train_ratio": 1024.0,
+    "log_interval": 1000,
+    "save_model": True,
+}
 # checkpoints that hold the replay, so that a later invocation continues the run (--pong-resumable)
 PONG_RESUMABLE = {"checkpoint_every": 5000, "checkpoint_buffer": True}
 # what training on CUDA adds to the script's defaults (TF32 matmuls and CUDA-graph capture are already its
@@ -249,12 +313,26 @@ UPDATE_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is one
     ("compile", {"compile": True}),
 )
 # --quick: the soak's tiny model on a few hundred steps, only to check the plumbing
-TINY_MODEL_FIELDS = {"encoder_channels": (4, 4, 4), "embed_dim": 16, "decoder_base_channels": 4,
-                     "decoder_mid_channels": 4, "deterministic_dim": 16, "stochastic_dim": 4,
-                     "stochastic_classes": 4, "hidden_dim": 16}
+TINY_MODEL_FIELDS = {
+    "encoder_channels": (4, 4, 4),
+    "embed_dim": 16,
+    "decoder_base_channels": 4,
+    "decoder_mid_channels": 4,
+    "deterministic_dim": 16,
+    "stochastic_dim": 4,
+    "stochastic_classes": 4,
+    "hidden_dim": 16,
+}
 QUICK_UPDATE_MODEL = {**TINY_MODEL_FIELDS, "batch_size": 4, "sequence_length": 10}
-PONG_QUICK = {**TINY_MODEL_FIELDS, "learning_starts": 100, "train_ratio": 16.0, "log_interval": 100,
-              "video_every": 200, "batch_size": 4, "sequence_length": 16}
+PONG_QUICK = {
+    **TINY_MODEL_FIELDS,
+    "learning_starts": 100,
+    "train_ratio": 16.0,
+    "log_interval": 100,
+    "video_every": 200,
+    "batch_size": 4,
+    "sequence_length": 16,
+}
 PONG_QUICK_RESUMABLE = {"checkpoint_every": 200}
 
 
@@ -272,10 +350,27 @@ def measure_peer(args: Args, work: Path) -> dict:
     py = str(peer_venv.python())
     script = str(BENCH_DIR / "peer_sheeprl.py")
     threads = ["--threads", str(args.threads)]
-    peer = run_json([py, script, "measure", *threads, "--work-dir", str(work)],
-                    "peer: replay, sampling, updates (V3, V1)", work, timeout=3600)
-    soak = run_json([py, script, "soak", *threads, "--work-dir", str(work),
-                     "--bytes-per-step", str(peer["buffer_bytes_per_step"])], "peer: soak", work, timeout=1800)
+    peer = run_json(
+        [py, script, "measure", *threads, "--work-dir", str(work)],
+        "peer: replay, sampling, updates (V3, V1)",
+        work,
+        timeout=3600,
+    )
+    soak = run_json(
+        [
+            py,
+            script,
+            "soak",
+            *threads,
+            "--work-dir",
+            str(work),
+            "--bytes-per-step",
+            str(peer["buffer_bytes_per_step"]),
+        ],
+        "peer: soak",
+        work,
+        timeout=1800,
+    )
     v3, v1 = peer["v3"], peer.get("v1", {})
     out = {
         "peer": "sheeprl",
@@ -307,12 +402,17 @@ MATCHED_PARAMS_TOLERANCE = 0.10  # "matched size": parameter counts within 10 % 
 # SheepRL's decoder starts from a 128 x 4 x 4 map at 64 pixels; ours at 64 pixels has a 4 x 4 bottleneck, so
 # 128 channels there give the same map, and with it the peer's parameter count.
 MATCHED_OURS = {
-    "": (["--image-size", "64", "--decoder-mid-channels", "128"],
-         "ours 64x64x4, `--image-size 64 --decoder-mid-channels 128`"),
+    "": (
+        ["--image-size", "64", "--decoder-mid-channels", "128"],
+        "ours 64x64x4, `--image-size 64 --decoder-mid-channels 128`",
+    ),
     "_84": (["--image-size", "84"], "ours 84x84x4, the seed model"),
     "_64_seed": (["--image-size", "64"], "ours 64x64x4, the seed model (`--image-size 64`)"),
 }
-MATCHED_TARGETED = ("", "_84")  # the rows held to the 1.5x target; `_64_seed` is context (not matched in size)
+MATCHED_TARGETED = (
+    "",
+    "_84",
+)  # the rows held to the 1.5x target; `_64_seed` is context (not matched in size)
 
 
 def measure_matched(args: Args, work: Path) -> dict:
@@ -321,17 +421,36 @@ def measure_matched(args: Args, work: Path) -> dict:
     from benchmark import peer_venv
 
     threads = ["--threads", str(args.threads)]
-    commands = {"peer": [str(peer_venv.python()), str(BENCH_DIR / "peer_sheeprl.py"), "serve", "--matched",
-                         *threads, "--work-dir", str(work)]}
+    commands = {
+        "peer": [
+            str(peer_venv.python()),
+            str(BENCH_DIR / "peer_sheeprl.py"),
+            "serve",
+            "--matched",
+            *threads,
+            "--work-dir",
+            str(work),
+        ]
+    }
     for suffix, (options, _) in MATCHED_OURS.items():
-        commands[f"ours{suffix}"] = [sys.executable, str(BENCH_DIR / "ours_dreamer.py"), "serve", *options, *threads]
+        commands[f"ours{suffix}"] = [
+            sys.executable,
+            str(BENCH_DIR / "ours_dreamer.py"),
+            "serve",
+            *options,
+            *threads,
+        ]
     log("matched size: SheepRL DreamerV3 vs ours at 64 and 84 pixels, alternating single updates")
     from benchmark import bench_utils
 
-    duel = bench_utils.alternate_updates(commands, rounds=MATCHED_ROUNDS, warmup=MATCHED_WARMUP, cwd=str(work))
-    out = {"matched": {**duel, "rounds": MATCHED_ROUNDS, "warmup_rounds": MATCHED_WARMUP},
-           "matched_peer_update_ms": duel["peer"]["update_ms"],
-           "matched_peer_params_total": duel["peer"]["info"]["params_total"]}
+    duel = bench_utils.alternate_updates(
+        commands, rounds=MATCHED_ROUNDS, warmup=MATCHED_WARMUP, cwd=str(work)
+    )
+    out = {
+        "matched": {**duel, "rounds": MATCHED_ROUNDS, "warmup_rounds": MATCHED_WARMUP},
+        "matched_peer_update_ms": duel["peer"]["update_ms"],
+        "matched_peer_params_total": duel["peer"]["info"]["params_total"],
+    }
     for suffix in MATCHED_OURS:
         out[f"matched_update_ms{suffix}"] = duel[f"ours{suffix}"]["update_ms"]
         out[f"matched_params_total{suffix}"] = duel[f"ours{suffix}"]["info"]["params_total"]
@@ -356,15 +475,18 @@ def add_matched_ratios(result: dict) -> None:
     """peer / ours for each of our matched-size contenders (`ratio_update_ms_matched` is the like-for-like one:
     the same pixels and parameter counts within 10 %), overall and round by round."""
     for suffix in MATCHED_OURS:
-        result[f"ratio_update_ms_matched{suffix}"] = ratio(result.get("matched_peer_update_ms"),
-                                                           result.get(f"matched_update_ms{suffix}"))
+        result[f"ratio_update_ms_matched{suffix}"] = ratio(
+            result.get("matched_peer_update_ms"), result.get(f"matched_update_ms{suffix}")
+        )
     if result.get("matched"):
         # the round-by-round ratios: each round's peer update against the ours updates next to it
         peer = result["matched"]["peer"]["samples_ms"]
         for suffix in MATCHED_OURS:
             ours = result["matched"][f"ours{suffix}"]
             ours["ratio_by_round"] = [round(p / o, 3) for p, o in zip(peer, ours["samples_ms"])]
-            ours["params_to_peer"] = round(ours["info"]["params_total"] / result["matched_peer_params_total"], 4)
+            ours["params_to_peer"] = round(
+                ours["info"]["params_total"] / result["matched_peer_params_total"], 4
+            )
 
 
 def verdicts(result: dict) -> dict:
@@ -372,12 +494,15 @@ def verdicts(result: dict) -> dict:
     `--quick` fills a smaller replay, updates a smaller batch and soaks too briefly for a 1 MB per 10k slope)."""
     at_seed_size = not result["quick"]
     out = {
-        "buffer_bytes_per_step <= 7200": (result["buffer_bytes_per_step"] <= TARGET_BYTES_PER_STEP
-                                          if at_seed_size else None),
-        "sample_to_update_ratio <= 0.05": (result["sample_to_update_ratio"] <= TARGET_SAMPLE_TO_UPDATE
-                                           if at_seed_size else None),
-        "soak_uss_slope_mb_per_10k <= 1": (result["soak_uss_slope_mb_per_10k"] <= TARGET_SOAK_MB_PER_10K
-                                           if at_seed_size else None),
+        "buffer_bytes_per_step <= 7200": (
+            result["buffer_bytes_per_step"] <= TARGET_BYTES_PER_STEP if at_seed_size else None
+        ),
+        "sample_to_update_ratio <= 0.05": (
+            result["sample_to_update_ratio"] <= TARGET_SAMPLE_TO_UPDATE if at_seed_size else None
+        ),
+        "soak_uss_slope_mb_per_10k <= 1": (
+            result["soak_uss_slope_mb_per_10k"] <= TARGET_SOAK_MB_PER_10K if at_seed_size else None
+        ),
     }
     out.update(matched_verdicts(result))
     out.update(gpu_verdicts(result))
@@ -395,7 +520,8 @@ def matched_verdicts(result: dict) -> dict:
         size_ok = abs(result["matched"][f"ours{suffix}"]["params_to_peer"] - 1) <= MATCHED_PARAMS_TOLERANCE
         out[f"{label}: parameters within 10 % of SheepRL DreamerV3's"] = size_ok
         out[f"{label}: update >= 1.5x SheepRL DreamerV3's (its 64x64x3)"] = (
-            size_ok and result[f"ratio_update_ms_matched{suffix}"] >= TARGET_UPDATE_SPEEDUP)
+            size_ok and result[f"ratio_update_ms_matched{suffix}"] >= TARGET_UPDATE_SPEEDUP
+        )
     return out
 
 
@@ -405,13 +531,20 @@ def matched_rows(result: dict, bold: bool = True) -> list[str]:
     star = "**" if bold else ""
     rows = []
     for suffix, (_, label) in MATCHED_OURS.items():
-        what = ("matched size and pixels" if suffix == "" else
-                "matched size, ours at 84 pixels" if suffix == "_84" else "our seed model at 64 pixels (smaller)")
-        rows.append(f"| {star}one update, {what}, ms{star} ({label}; "
-                    f"{fmt(result[f'matched_params_total{suffix}'])} vs {fmt(result['matched_peer_params_total'])} "
-                    f"parameters) | {fmt(result[f'matched_update_ms{suffix}'])} | "
-                    f"{fmt(result['matched_peer_update_ms'])} | {star}{fmt(result[f'ratio_update_ms_matched{suffix}'])}"
-                    f"{star} | {'≥ 1.5' if suffix in MATCHED_TARGETED else 'context'} |")
+        what = (
+            "matched size and pixels"
+            if suffix == ""
+            else "matched size, ours at 84 pixels"
+            if suffix == "_84"
+            else "our seed model at 64 pixels (smaller)"
+        )
+        rows.append(
+            f"| {star}one update, {what}, ms{star} ({label}; "
+            f"{fmt(result[f'matched_params_total{suffix}'])} vs {fmt(result['matched_peer_params_total'])} "
+            f"parameters) | {fmt(result[f'matched_update_ms{suffix}'])} | "
+            f"{fmt(result['matched_peer_update_ms'])} | {star}{fmt(result[f'ratio_update_ms_matched{suffix}'])}"
+            f"{star} | {'≥ 1.5' if suffix in MATCHED_TARGETED else 'context'} |"
+        )
     return rows
 
 
@@ -426,32 +559,44 @@ def gpu_verdicts(result: dict) -> dict:
         for mode in ("fp16", "bf16"):  # the target: the seed config with mixed precision fits a 6 GB card
             peak = gpu["amp"].get(mode, {}).get("peak_reserved_mb")
             if peak is not None:
-                out[f"GPU peak reserved with --amp {mode} < 2 GiB"] = peak < TARGET_GPU_PEAK_MB if at_seed_size else None
+                out[f"GPU peak reserved with --amp {mode} < 2 GiB"] = (
+                    peak < TARGET_GPU_PEAK_MB if at_seed_size else None
+                )
         slope = gpu.get("loop", {}).get("gpu_alloc_slope_mb_per_10k")
         if slope is not None:
-            out["GPU allocated flat past capacity (<= 1 MB per 10k)"] = abs(slope) <= TARGET_GPU_SLOPE_MB_PER_10K
+            out["GPU allocated flat past capacity (<= 1 MB per 10k)"] = (
+                abs(slope) <= TARGET_GPU_SLOPE_MB_PER_10K
+            )
     if "pong_env_steps" in result:
         done = result["pong_env_steps"] >= 100_000
         out["Pong: mean return of the last 10 episodes >= 18 at 100k env steps"] = (
-            (result.get("pong_train_return_last_10") or -21) >= TARGET_PONG_RETURN if done else None)
+            (result.get("pong_train_return_last_10") or -21) >= TARGET_PONG_RETURN if done else None
+        )
         out["Pong: the final agent's evaluation >= 18 at 100k env steps"] = (
-            (result.get("pong_final_return") or -21) >= TARGET_PONG_RETURN if done else None)
+            (result.get("pong_final_return") or -21) >= TARGET_PONG_RETURN if done else None
+        )
         out["Pong: 100k env steps within 25 minutes of training"] = (
-            result["pong_wall_s"] <= TARGET_PONG_WALL_MIN * 60 if done else None)
+            result["pong_wall_s"] <= TARGET_PONG_WALL_MIN * 60 if done else None
+        )
     if forensics.get("run", True) and "snapshot_run" in forensics:
         analysis = forensics.get("analysis", {})
-        out["forensics: analysis of a real run reads steady"] = None if "skipped" in analysis else (
-            analysis.get("returncode") == 0 and analysis.get("verdict", "").startswith("steady"))
+        out["forensics: analysis of a real run reads steady"] = (
+            None
+            if "skipped" in analysis
+            else (analysis.get("returncode") == 0 and analysis.get("verdict", "").startswith("steady"))
+        )
         for name in ("oom_in_update", "oom_in_preflight"):
             oom = forensics.get(name, {})
             if "skipped" not in oom:
-                out[f"forensics: {name.replace('_', ' ')} exits {oom.get('expected_returncode')}"] = (
-                    oom.get("returncode") == oom.get("expected_returncode"))
+                out[f"forensics: {name.replace('_', ' ')} exits {oom.get('expected_returncode')}"] = oom.get(
+                    "returncode"
+                ) == oom.get("expected_returncode")
         update = forensics.get("oom_in_update", {})
         if "skipped" not in update:
             out["forensics: OOM report, snapshot and checkpoint written"] = bool(
                 {"report.json", "memory_summary.txt", "snapshot.pickle"} <= set(update.get("oom_files", {}))
-                and update.get("checkpoint_written"))
+                and update.get("checkpoint_written")
+            )
     return out
 
 
@@ -480,10 +625,16 @@ def markdown_table(result: dict) -> str:
         (f"sample one batch, ms ({result['sample_batch']})", "sample_ms", ""),
         (f"one full update, ms ({result['update_batch']})", "update_ms", ""),
         ("sample / update (same batch shape)", "sample_to_update_ratio", "≤ 0.05"),
-        ("sampling: most / least drawn position in an episode (windows cross episodes)",
-         "sampling_position_max_to_min", ""),
-        ("the same under the old rule (windows inside one episode)",
-         "sampling_position_max_to_min_within_episode_rule", ""),
+        (
+            "sampling: most / least drawn position in an episode (windows cross episodes)",
+            "sampling_position_max_to_min",
+            "",
+        ),
+        (
+            "the same under the old rule (windows inside one episode)",
+            "sampling_position_max_to_min_within_episode_rule",
+            "",
+        ),
         ("sampling: draws per stored step, coefficient of variation", "sampling_draws_per_step_cv", ""),
         ("the same for draws by pure chance (Poisson)", "sampling_draws_poisson_cv", ""),
         ("soak: USS − replay, MB per 10k env steps", "soak_uss_slope_mb_per_10k", "≤ 1"),
@@ -502,33 +653,53 @@ def markdown_table(result: dict) -> str:
             line += f" {fmt(result.get(peer_key))} | {fmt(result.get(f'ratio_{key}'))} |"
         lines.append(line + f" {target} |")
     if has_peer:
-        lines.append(f"| SheepRL DreamerV1 update, ms (B16 x T50) | {fmt(result['update_ms'])} | "
-                     f"{fmt(result.get('peer_v1_update_ms'))} | {fmt(result.get('ratio_update_ms_v1'))} | |")
-        lines.append(f"| SheepRL DreamerV1 parameters | {fmt(result['params_total'])} | "
-                     f"{fmt(result.get('peer_v1_params_total'))} | | |")
+        lines.append(
+            f"| SheepRL DreamerV1 update, ms (B16 x T50) | {fmt(result['update_ms'])} | "
+            f"{fmt(result.get('peer_v1_update_ms'))} | {fmt(result.get('ratio_update_ms_v1'))} | |"
+        )
+        lines.append(
+            f"| SheepRL DreamerV1 parameters | {fmt(result['params_total'])} | "
+            f"{fmt(result.get('peer_v1_params_total'))} | | |"
+        )
     if result["quick"]:
         lines.append("")
-        lines.append(f"--quick: a replay of {result['buffer_capacity_steps']:,} steps (not 50k), the update at "
-                     f"{result['update_batch']} (not B16 x T50), a soak of {result['soak_config']['env_steps']:,} "
-                     f"env steps whose slope is measured after a warm-up of "
-                     f"{result['soak_config'].get('warmup_env_steps', 0):,}, over "
-                     f"{result['soak_config'].get('measured_env_steps', 0):,}; the targets are not judged.")
+        lines.append(
+            f"--quick: a replay of {result['buffer_capacity_steps']:,} steps (not 50k), the update at "
+            f"{result['update_batch']} (not B16 x T50), a soak of {result['soak_config']['env_steps']:,} "
+            f"env steps whose slope is measured after a warm-up of "
+            f"{result['soak_config'].get('warmup_env_steps', 0):,}, over "
+            f"{result['soak_config'].get('measured_env_steps', 0):,}; the targets are not judged."
+        )
     lines.append("")
     lines.append("| DQN (StarCraft II split heads, built-in minigame) | value |")
     lines.append("|---|---:|")
-    for key in ("dqn_env_steps_per_s_MoveToBeacon", "dqn_env_steps_per_s_CollectMineralShards",
-                "dqn_greedy_steps_per_s_MoveToBeacon", "dqn_greedy_steps_per_s_CollectMineralShards",
-                "dqn_updates_per_s", "dqn_buffer_bytes_per_step", "dqn_params"):
+    for key in (
+        "dqn_env_steps_per_s_MoveToBeacon",
+        "dqn_env_steps_per_s_CollectMineralShards",
+        "dqn_greedy_steps_per_s_MoveToBeacon",
+        "dqn_greedy_steps_per_s_CollectMineralShards",
+        "dqn_updates_per_s",
+        "dqn_buffer_bytes_per_step",
+        "dqn_params",
+    ):
         lines.append(f"| {key.removeprefix('dqn_').replace('_', ' ')} | {fmt(result.get(key))} |")
     if result.get("speed_trials"):
-        lines += ["", (f"| speed trial ({result['speed_trials_batch']}, full update) | median ms | first update ms "
-                      "| speed-up |"), "|---|---:|---:|---:|"]
+        lines += [
+            "",
+            (
+                f"| speed trial ({result['speed_trials_batch']}, full update) | median ms | first update ms "
+                "| speed-up |"
+            ),
+            "|---|---:|---:|---:|",
+        ]
         for name, trial in result["speed_trials"].items():
             if "error" in trial:
                 lines.append(f"| {name} | failed: {trial['error']} | | |")
             else:
-                lines.append(f"| {name} | {fmt(trial['update_ms'])} | {fmt(trial['first_update_ms'])} | "
-                             f"{fmt(trial.get('speedup_vs_baseline'))} |")
+                lines.append(
+                    f"| {name} | {fmt(trial['update_ms'])} | {fmt(trial['first_update_ms'])} | "
+                    f"{fmt(trial.get('speedup_vs_baseline'))} |"
+                )
     lines += ["", targets_table(result["targets_met"])]
     return "\n".join(lines)
 
@@ -543,29 +714,40 @@ def matched_markdown(result: dict) -> list[str]:
     contenders = "; ".join(
         f"{label}: {o['info']['params_total']:,} parameters ({o['params_to_peer']:.3f} of the peer's), batch obs "
         f"{o['info']['obs']}, median {fmt(o['update_ms'])} ms (min-max {fmt(o['min_ms'])}-{fmt(o['max_ms'])}), "
-        f"peer / ours round by round {min(o['ratio_by_round'])}-{max(o['ratio_by_round'])}" for o, label in ours)
+        f"peer / ours round by round {min(o['ratio_by_round'])}-{max(o['ratio_by_round'])}"
+        for o, label in ours
+    )
     return [
-        (f"- Matched size (the first rows): SheepRL DreamerV3 with `{' '.join(peer['info']['overrides'])}` "
-         f"({peer['info']['params_total']:,} parameters; model {json.dumps(peer['info']['model'])}; batch "
-         f"{json.dumps(peer['info']['batch'])}; median {fmt(peer['update_ms'])} ms, min-max {fmt(peer['min_ms'])}-"
-         f"{fmt(peer['max_ms'])}) against {contenders}. All took turns, one update each, {m['rounds']} rounds "
-         f"after {m['warmup_rounds']} warm-ups, the order rotating every round."),
-        ("- Not like for like: SheepRL's trainer takes only power-of-two frame sizes and no frame stack, so its "
-         "batch holds 64x64 RGB frames (3 channels) where ours holds 4 stacked grey frames (4 channels); at 84 "
-         "pixels ours reads about 1.7x the pixel positions. Its encoder has 4 convolutions whose channels double "
-         f"from the multiplier ({peer['info']['model']['cnn_channels_multiplier']}) and a decoder that mirrors "
-         "it; ours has NatureCNN's 3, and at 64 pixels with `--decoder-mid-channels 128` its decoder starts from "
-         "the same 128 x 4 x 4 map as SheepRL's. SheepRL's imagination runs with autograd on, recording a graph "
-         "through its RSSM at every imagined step; ours rolls the dynamics without gradients (our actor learns "
-         "by REINFORCE on Atari's discrete actions and needs none). Both train in float32 with Adam (SheepRL "
-         f"fused: {peer['info']['model']['fused_adam']}; ours fused)."
-         + (" The unmatched rows below compare our seed model with SheepRL's Atari size S."
-            if result.get("peer_v3") else "")),
+        (
+            f"- Matched size (the first rows): SheepRL DreamerV3 with `{' '.join(peer['info']['overrides'])}` "
+            f"({peer['info']['params_total']:,} parameters; model {json.dumps(peer['info']['model'])}; batch "
+            f"{json.dumps(peer['info']['batch'])}; median {fmt(peer['update_ms'])} ms, min-max {fmt(peer['min_ms'])}-"
+            f"{fmt(peer['max_ms'])}) against {contenders}. All took turns, one update each, {m['rounds']} rounds "
+            f"after {m['warmup_rounds']} warm-ups, the order rotating every round."
+        ),
+        (
+            "- Not like for like: SheepRL's trainer takes only power-of-two frame sizes and no frame stack, so its "
+            "batch holds 64x64 RGB frames (3 channels) where ours holds 4 stacked grey frames (4 channels); at 84 "
+            "pixels ours reads about 1.7x the pixel positions. Its encoder has 4 convolutions whose channels double "
+            f"from the multiplier ({peer['info']['model']['cnn_channels_multiplier']}) and a decoder that mirrors "
+            "it; ours has NatureCNN's 3, and at 64 pixels with `--decoder-mid-channels 128` its decoder starts from "
+            "the same 128 x 4 x 4 map as SheepRL's. SheepRL's imagination runs with autograd on, recording a graph "
+            "through its RSSM at every imagined step; ours rolls the dynamics without gradients (our actor learns "
+            "by REINFORCE on Atari's discrete actions and needs none). Both train in float32 with Adam (SheepRL "
+            f"fused: {peer['info']['model']['fused_adam']}; ours fused)."
+            + (
+                " The unmatched rows below compare our seed model with SheepRL's Atari size S."
+                if result.get("peer_v3")
+                else ""
+            )
+        ),
     ]
 
 
 def targets_table(targets: dict) -> str:
-    return "\n".join(["| target | met |", "|---|---|"] + [f"| {name} | {fmt(met)} |" for name, met in targets.items()])
+    return "\n".join(
+        ["| target | met |", "|---|---|"] + [f"| {name} | {fmt(met)} |" for name, met in targets.items()]
+    )
 
 
 def results_markdown(result: dict, table: str, command: str) -> str:
@@ -573,54 +755,66 @@ def results_markdown(result: dict, table: str, command: str) -> str:
     parts = [
         f"# Benchmark, {result['date']}, {m['cpu']}",
         "",
-        (f"Command: `{command}`. Machine: {m['cpu']}, {m['cpu_count']} CPU cores, {m['platform']}, Python "
-         f"{m['python']}, torch {m['torch']}; {result['threads']} torch thread(s) for every measurement, ours and "
-         f"the peer's. Load average (1, 5, 15 min) at the start {fmt_load(result['load_average_start'])}, at the "
-         f"end {fmt_load(result['load_average_end'])}. Medians of several repetitions after a warm-up (every "
-         "sample is in the JSON file); one run, so the ratios carry this machine's noise."),
+        (
+            f"Command: `{command}`. Machine: {m['cpu']}, {m['cpu_count']} CPU cores, {m['platform']}, Python "
+            f"{m['python']}, torch {m['torch']}; {result['threads']} torch thread(s) for every measurement, ours and "
+            f"the peer's. Load average (1, 5, 15 min) at the start {fmt_load(result['load_average_start'])}, at the "
+            f"end {fmt_load(result['load_average_end'])}. Medians of several repetitions after a warm-up (every "
+            "sample is in the JSON file); one run, so the ratios carry this machine's noise."
+        ),
         "",
         table,
         "",
         "## Configurations",
         "",
         *matched_markdown(result),
-        (f"- Ours: `dreamer_atari.Args()` defaults (the seed configuration): model {json.dumps(result['model'])}; "
-         f"replay of whole episodes, capacity {result['buffer_capacity_steps']:,} steps, filled with "
-         f"{result['buffer_steps_stored']:,} real Pong steps (random actions, 2 envs) in "
-         f"{result['buffer_episodes']} episodes; arrays per step: obs "
-         f"{fmt(result['buffer_obs_bytes_per_step'])} B, aux {fmt(result['buffer_aux_bytes_per_step'])} B."),
-        (f"- Soak (ours): `dreamer_atari.main` with a tiny model {json.dumps(result['soak_config']['model'])}, "
-         f"capacity {result['soak_config']['capacity_steps']} steps, {result['soak_config']['env_steps']:,} env "
-         f"steps, {result['soak_config']['batch']}, {result['soak_config']['updates']} updates; USS and replay "
-         "bytes as the script logs them (debug/cpu/uss_mb, buffer/replay/*), read back from its TensorBoard file; "
-         f"slope = Theil-Sen over the points after a warm-up of "
-         f"{result['soak_config'].get('warmup_env_steps', result['soak_config']['capacity_steps']):,} env steps "
-         f"(the replay full, the first open-loop GIF made), over "
-         f"{result['soak_config'].get('measured_env_steps', 0):,} env steps."),
+        (
+            f"- Ours: `dreamer_atari.Args()` defaults (the seed configuration): model {json.dumps(result['model'])}; "
+            f"replay of whole episodes, capacity {result['buffer_capacity_steps']:,} steps, filled with "
+            f"{result['buffer_steps_stored']:,} real Pong steps (random actions, 2 envs) in "
+            f"{result['buffer_episodes']} episodes; arrays per step: obs "
+            f"{fmt(result['buffer_obs_bytes_per_step'])} B, aux {fmt(result['buffer_aux_bytes_per_step'])} B."
+        ),
+        (
+            f"- Soak (ours): `dreamer_atari.main` with a tiny model {json.dumps(result['soak_config']['model'])}, "
+            f"capacity {result['soak_config']['capacity_steps']} steps, {result['soak_config']['env_steps']:,} env "
+            f"steps, {result['soak_config']['batch']}, {result['soak_config']['updates']} updates; USS and replay "
+            "bytes as the script logs them (debug/cpu/uss_mb, buffer/replay/*), read back from its TensorBoard file; "
+            f"slope = Theil-Sen over the points after a warm-up of "
+            f"{result['soak_config'].get('warmup_env_steps', result['soak_config']['capacity_steps']):,} env steps "
+            f"(the replay full, the first open-loop GIF made), over "
+            f"{result['soak_config'].get('measured_env_steps', 0):,} env steps."
+        ),
     ]
     if result.get("peer"):
         v3, v1 = result["peer_v3"], result.get("peer_v1") or {}
         measured = set(result["peer_config"]["overrides"])
         soak_only = [o for o in result["peer_soak_config"]["overrides"] if o not in measured]
         parts += [
-            (f"- SheepRL {result['peer_versions']['sheeprl']} in its own virtual environment "
-             f"(`benchmark/.peer-venv`: {', '.join(f'{k} {v}' for k, v in result['peer_versions'].items())}). "
-             f"Hydra: `exp=dreamer_v3` (its Atari recipe, size S) or `exp=dreamer_v1`, with "
-             f"`{' '.join(result['peer_config']['overrides'])}`. Its Atari observation is what it stores: "
-             f"{json.dumps(result['peer_buffer_arrays'])} per step, bytes per step by key "
-             f"{json.dumps(result['peer_buffer_bytes_per_step_by_key'])}, memory-mapped files "
-             f"(`buffer.memmap={result['peer_buffer_memmap']}`, its default), buffer filled to "
-             f"{result['peer_buffer_capacity_steps']:,} steps by its own training loop (random actions before "
-             "`learning_starts`) and read back from its checkpoint."),
-            (f"- SheepRL DreamerV3 model: {json.dumps(v3['model'])}, {v3['params_total']:,} parameters; "
-             f"DreamerV1: {json.dumps(v1.get('model'))}, {v1.get('params_total') or 0:,} parameters. Update = its "
-             "`train()` (world model, actor, critic) plus the slow-critic EMA; sampling = its `sample_batches` "
-             "(which also turns the batch into float tensors)."),
-            (f"- Soak (SheepRL): its own training loop (`run_algorithm`), the overrides above plus "
-             f"`{' '.join(soak_only)}`; USS sampled every "
-             f"{result['peer_soak_config']['sample_every_env_steps']} env steps by an `AtariPreprocessing` "
-             "subclass set as its `env.wrapper._target_` (with `env.sync_env=True` the envs step in the training "
-             "process)."),
+            (
+                f"- SheepRL {result['peer_versions']['sheeprl']} in its own virtual environment "
+                f"(`benchmark/.peer-venv`: {', '.join(f'{k} {v}' for k, v in result['peer_versions'].items())}). "
+                f"Hydra: `exp=dreamer_v3` (its Atari recipe, size S) or `exp=dreamer_v1`, with "
+                f"`{' '.join(result['peer_config']['overrides'])}`. Its Atari observation is what it stores: "
+                f"{json.dumps(result['peer_buffer_arrays'])} per step, bytes per step by key "
+                f"{json.dumps(result['peer_buffer_bytes_per_step_by_key'])}, memory-mapped files "
+                f"(`buffer.memmap={result['peer_buffer_memmap']}`, its default), buffer filled to "
+                f"{result['peer_buffer_capacity_steps']:,} steps by its own training loop (random actions before "
+                "`learning_starts`) and read back from its checkpoint."
+            ),
+            (
+                f"- SheepRL DreamerV3 model: {json.dumps(v3['model'])}, {v3['params_total']:,} parameters; "
+                f"DreamerV1: {json.dumps(v1.get('model'))}, {v1.get('params_total') or 0:,} parameters. Update = its "
+                "`train()` (world model, actor, critic) plus the slow-critic EMA; sampling = its `sample_batches` "
+                "(which also turns the batch into float tensors)."
+            ),
+            (
+                f"- Soak (SheepRL): its own training loop (`run_algorithm`), the overrides above plus "
+                f"`{' '.join(soak_only)}`; USS sampled every "
+                f"{result['peer_soak_config']['sample_every_env_steps']} env steps by an `AtariPreprocessing` "
+                "subclass set as its `env.wrapper._target_` (with `env.sync_env=True` the envs step in the training "
+                "process)."
+            ),
         ]
     parts += [
         "",
@@ -628,21 +822,25 @@ def results_markdown(result: dict, table: str, command: str) -> str:
         "",
     ]
     if result.get("speed_trials"):
-        parts.append("The baseline is the script's defaults, which include channels-last convolution weights and "
-                     "inverse-CDF latent sampling (both adopted from earlier trials: same results, less time); the "
-                     "without_* trials take one of them back out. "
-                     "Each trial changes one thing from outside the script and times the same full update on the "
-                     "same batch (seed model, CPU), round robin over the variants after each one's first update; "
-                     "the compile cache starts empty, so a compiled variant's first update includes its compile "
-                     "time. Timings only: whether a variant (bf16 above all) learns as well was not checked here.")
+        parts.append(
+            "The baseline is the script's defaults, which include channels-last convolution weights and "
+            "inverse-CDF latent sampling (both adopted from earlier trials: same results, less time); the "
+            "without_* trials take one of them back out. "
+            "Each trial changes one thing from outside the script and times the same full update on the "
+            "same batch (seed model, CPU), round robin over the variants after each one's first update; "
+            "the compile cache starts empty, so a compiled variant's first update includes its compile "
+            "time. Timings only: whether a variant (bf16 above all) learns as well was not checked here."
+        )
         parts.append("")
         for name, trial in result["speed_trials"].items():
             if "error" in trial:
                 parts.append(f"- {name}: failed ({trial['error']}).")
             else:
-                parts.append(f"- {name}: {fmt(trial['update_ms'])} ms per update, "
-                             f"{fmt(trial.get('speedup_vs_baseline'))}x the baseline (first update "
-                             f"{fmt(trial['first_update_ms'])} ms).")
+                parts.append(
+                    f"- {name}: {fmt(trial['update_ms'])} ms per update, "
+                    f"{fmt(trial.get('speedup_vs_baseline'))}x the baseline (first update "
+                    f"{fmt(trial['first_update_ms'])} ms)."
+                )
     parts += ["", gpu_markdown(result)]
     return "\n".join(parts) + "\n"
 
@@ -657,56 +855,98 @@ def gpu_markdown(result: dict) -> str:
     elif not gpu["amp"]:
         parts.append(f"Device: {gpu['device']}. Eager update and peak memory per --amp: not measured.")
     else:
-        parts += [(f"Device: {gpu['device']}. One update of the seed model on one batch ({gpu['update_batch']}), "
-                   "medians after two warm-up updates; peaks are torch's allocator peaks over those updates."), "",
-                  "| --amp | update ms | updates/s | peak allocated MB | peak reserved MB |", "|---|---:|---:|---:|---:|"]
+        parts += [
+            (
+                f"Device: {gpu['device']}. One update of the seed model on one batch ({gpu['update_batch']}), "
+                "medians after two warm-up updates; peaks are torch's allocator peaks over those updates."
+            ),
+            "",
+            "| --amp | update ms | updates/s | peak allocated MB | peak reserved MB |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for mode, fig in gpu["amp"].items():
             if "error" in fig:
                 parts.append(f"| {mode} | not available: {fig['error']} | | | |")
             else:
-                parts.append(f"| {mode} | {fmt(fig['update_ms'])} | {fmt(fig['updates_per_s'])} | "
-                             f"{fmt(fig.get('peak_alloc_mb'))} | {fmt(fig.get('peak_reserved_mb'))} |")
+                parts.append(
+                    f"| {mode} | {fmt(fig['update_ms'])} | {fmt(fig['updates_per_s'])} | "
+                    f"{fmt(fig.get('peak_alloc_mb'))} | {fmt(fig.get('peak_reserved_mb'))} |"
+                )
     if gpu.get("run", True) and loop is None:
-        parts += ["", f"Training loop past replay capacity: not measured ({gpu.get('loop_reason', 'not run')})."]
+        parts += [
+            "",
+            f"Training loop past replay capacity: not measured ({gpu.get('loop_reason', 'not run')}).",
+        ]
     elif gpu.get("run", True):
-        parts += ["", (f"Training loop (`dreamer_atari.main`, seed model, capacity {loop['capacity_steps']:,} steps, "
-                       f"{loop['env_steps']:,} env steps, {loop['batch']}, {loop['updates']:,} updates): "
-                       f"{fmt(loop['env_steps_per_s'])} env steps/s; GPU allocated after the replay is full: "
-                       f"{fmt(loop.get('gpu_alloc_slope_mb_per_10k'))} MB per 10k env steps (first and last "
-                       f"{json.dumps(loop.get('gpu_alloc_mb_first_last'))} MB).")]
+        parts += [
+            "",
+            (
+                f"Training loop (`dreamer_atari.main`, seed model, capacity {loop['capacity_steps']:,} steps, "
+                f"{loop['env_steps']:,} env steps, {loop['batch']}, {loop['updates']:,} updates): "
+                f"{fmt(loop['env_steps_per_s'])} env steps/s; GPU allocated after the replay is full: "
+                f"{fmt(loop.get('gpu_alloc_slope_mb_per_10k'))} MB per 10k env steps (first and last "
+                f"{json.dumps(loop.get('gpu_alloc_mb_first_last'))} MB)."
+            ),
+        ]
     parts += ["", "## Forensics on a real run", ""]
     if not forensics.get("run", True):
         parts.append(forensics["reason"] + ".")
         return "\n".join(parts)
     run1 = forensics["snapshot_run"]
-    parts += [(f"Device: {forensics['device']}; model: {forensics['model']}. Each step below is the real command "
-               "line in its own process."), "",
-              (f"1. `{run1['command']}`: exit {run1['returncode']}, {run1['wall_s']} s, snapshots "
-               f"{json.dumps(run1.get('snapshots'))}; {run1.get('probe_verdict')}.")]
+    parts += [
+        (
+            f"Device: {forensics['device']}; model: {forensics['model']}. Each step below is the real command "
+            "line in its own process."
+        ),
+        "",
+        (
+            f"1. `{run1['command']}`: exit {run1['returncode']}, {run1['wall_s']} s, snapshots "
+            f"{json.dumps(run1.get('snapshots'))}; {run1.get('probe_verdict')}."
+        ),
+    ]
     analysis = forensics["analysis"]
     if "skipped" in analysis:
         parts.append(f"2. Analysis skipped: {analysis['skipped']}.")
     else:
-        parts += [(f"2. `{analysis['command']}`: exit {analysis['returncode']}, {analysis['wall_s']} s, wrote "
-                   f"{', '.join(analysis['files'])}. It printed:"), "", "```", analysis["printed"], "```"]
-    for number, name, what in ((3, "oom_in_update", "an OOM in the first update (`--no-preallocate`)"),
-                               (4, "oom_in_preflight", "an OOM in the preflight (preallocation on)")):
+        parts += [
+            (
+                f"2. `{analysis['command']}`: exit {analysis['returncode']}, {analysis['wall_s']} s, wrote "
+                f"{', '.join(analysis['files'])}. It printed:"
+            ),
+            "",
+            "```",
+            analysis["printed"],
+            "```",
+        ]
+    for number, name, what in (
+        (3, "oom_in_update", "an OOM in the first update (`--no-preallocate`)"),
+        (4, "oom_in_preflight", "an OOM in the preflight (preallocation on)"),
+    ):
         oom = forensics[name]
         if "skipped" in oom:
             parts.append(f"{number}. {what}: skipped: {oom['skipped']}.")
             continue
         cap = forensics["cap"]
-        parts += ["", (f"{number}. {what}, capped at {fmt(cap['cap_mb'])} MB (fraction {cap['fraction']:.5f} of "
-                       f"{fmt(cap['device_total_mb'])} MB, half of run 1's peak reserved {fmt(cap['run1_peak_reserved_mb'])}"
-                       f" MB): exit {oom['returncode']} (expected {oom['expected_returncode']}), oom/ files "
-                       f"{json.dumps(oom.get('oom_files'))}, checkpoint written: {fmt(oom.get('checkpoint_written'))}.")]
+        parts += [
+            "",
+            (
+                f"{number}. {what}, capped at {fmt(cap['cap_mb'])} MB (fraction {cap['fraction']:.5f} of "
+                f"{fmt(cap['device_total_mb'])} MB, half of run 1's peak reserved {fmt(cap['run1_peak_reserved_mb'])}"
+                f" MB): exit {oom['returncode']} (expected {oom['expected_returncode']}), oom/ files "
+                f"{json.dumps(oom.get('oom_files'))}, checkpoint written: {fmt(oom.get('checkpoint_written'))}."
+            ),
+        ]
         if oom.get("gpu_at_oom"):
             at, later = oom["gpu_at_oom"], oom.get("gpu_when_reported", {})
-            parts.append(f"   GPU allocated at the OOM (observer): {fmt(at['allocated_mb'])} MB, asking for "
-                         f"{fmt(at['requested_mb'])} MB more; when the report was written (the failed step's "
-                         f"tensors dropped): {fmt(later.get('alloc_mb'))} MB.")
+            parts.append(
+                f"   GPU allocated at the OOM (observer): {fmt(at['allocated_mb'])} MB, asking for "
+                f"{fmt(at['requested_mb'])} MB more; when the report was written (the failed step's "
+                f"tensors dropped): {fmt(later.get('alloc_mb'))} MB."
+            )
         if oom.get("top_sites_at_oom"):
-            sites = "; ".join(f"{t['site']} {fmt(t['mb'])} MB in {t['blocks']} blocks" for t in oom["top_sites_at_oom"][:5])
+            sites = "; ".join(
+                f"{t['site']} {fmt(t['mb'])} MB in {t['blocks']} blocks" for t in oom["top_sites_at_oom"][:5]
+            )
             parts.append(f"   Largest live allocation sites in {oom['top_sites_from']}: {sites}.")
         parts += ["", "   What it printed (end of stderr):", "", "```", oom["stderr_tail"], "```"]
     return "\n".join(parts)
@@ -714,10 +954,18 @@ def gpu_markdown(result: dict) -> str:
 
 def gpu_only_markdown(result: dict, table: str, command: str) -> str:
     m = result["machine"]
-    head = [f"# Benchmark (GPU only), {result['date']}, {m.get('gpu', 'no GPU')}", "",
-            (f"Command: `{command}`. Machine: {m.get('gpu')}, {m['cpu']}, {m['cpu_count']} CPU cores, "
-             f"{m['platform']}, Python {m['python']}, torch {m['torch']}. The CPU figures are in the CPU results "
-             "files."), "", table, ""]
+    head = [
+        f"# Benchmark (GPU only), {result['date']}, {m.get('gpu', 'no GPU')}",
+        "",
+        (
+            f"Command: `{command}`. Machine: {m.get('gpu')}, {m['cpu']}, {m['cpu_count']} CPU cores, "
+            f"{m['platform']}, Python {m['python']}, torch {m['torch']}. The CPU figures are in the CPU results "
+            "files."
+        ),
+        "",
+        table,
+        "",
+    ]
     body = gpu_markdown(result) if "gpu" in result else ""
     return "\n".join(head) + body + "\n" + pong_markdown(result) + "\n"
 
@@ -726,20 +974,29 @@ def pong_markdown(result: dict) -> str:
     """The Atari100k Pong run: its command, where it stands, its curve."""
     if "pong_curve" not in result:
         return ""
-    lines = ["## Pong, Atari100k recipe", "",
-             (f"`{result['pong_command']}`" + (" (continued from its last checkpoint)" if result["pong_resumed"] else "")
-              + f": exit {result['pong_returncode']} (143: stopped by its time budget after a checkpoint). "
-              f"{result['pong_env_steps']:,} env steps, {result['pong_updates']:,} updates, "
-              f"{fmt(result['pong_wall_s'])} s of training in all; mean return of the last 10 episodes "
-              f"{fmt(result.get('pong_train_return_last_10'))}, of the final agent's evaluation "
-              f"{fmt(result.get('pong_final_return'))}. Peak GPU reserved {fmt(result['pong_peak_gpu_reserved_mb'])} MB, "
-              f"allocated {fmt(result['pong_peak_gpu_alloc_mb'])} MB; peak host RSS "
-              f"{fmt(result['pong_peak_host_rss_mb'])} MB."), "",
-             "| env step | training s | updates | mean return, last 10 episodes | env steps/s | updates/s |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "## Pong, Atari100k recipe",
+        "",
+        (
+            f"`{result['pong_command']}`"
+            + (" (continued from its last checkpoint)" if result["pong_resumed"] else "")
+            + f": exit {result['pong_returncode']} (143: stopped by its time budget after a checkpoint). "
+            f"{result['pong_env_steps']:,} env steps, {result['pong_updates']:,} updates, "
+            f"{fmt(result['pong_wall_s'])} s of training in all; mean return of the last 10 episodes "
+            f"{fmt(result.get('pong_train_return_last_10'))}, of the final agent's evaluation "
+            f"{fmt(result.get('pong_final_return'))}. Peak GPU reserved {fmt(result['pong_peak_gpu_reserved_mb'])} MB, "
+            f"allocated {fmt(result['pong_peak_gpu_alloc_mb'])} MB; peak host RSS "
+            f"{fmt(result['pong_peak_host_rss_mb'])} MB."
+        ),
+        "",
+        "| env step | training s | updates | mean return, last 10 episodes | env steps/s | updates/s |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     for p in result["pong_points"]:
-        lines.append(f"| {p['env_step']:,} | {fmt(p['wall_s'])} | {p['updates']:,} | {fmt(p['mean_return_last_10'])} "
-                     f"| {fmt(p.get('env_steps_per_s'))} | {fmt(p.get('updates_per_s'))} |")
+        lines.append(
+            f"| {p['env_step']:,} | {fmt(p['wall_s'])} | {p['updates']:,} | {fmt(p['mean_return_last_10'])} "
+            f"| {fmt(p.get('env_steps_per_s'))} | {fmt(p.get('updates_per_s'))} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -806,8 +1063,13 @@ def main_matched_only(args: Args) -> dict:
         fail("--matched-only has no --quick form (it measures the seed model's update).")
     from benchmark import peer_venv
 
-    result: dict = {"threads": args.threads, "load_average_start": os.getloadavg(), "peer": "sheeprl",
-                    "peer_versions": peer_venv.ensure(log=log), "machine": bench_utils.machine()}
+    result: dict = {
+        "threads": args.threads,
+        "load_average_start": os.getloadavg(),
+        "peer": "sheeprl",
+        "peer_versions": peer_venv.ensure(log=log),
+        "machine": bench_utils.machine(),
+    }
     started = time.time()
     (BENCH_DIR / ".work").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="run-", dir=BENCH_DIR / ".work") as work:
@@ -819,16 +1081,35 @@ def main_matched_only(args: Args) -> dict:
     result["targets_met"] = matched_verdicts(result)
     m = result["machine"]
     command = "python benchmark/run.py --peer sheeprl --matched-only"
-    table = "\n".join(["| figure | ours | SheepRL DreamerV3 | peer / ours | target |", "|---|---:|---:|---:|---|",
-                       *matched_rows(result, bold=False), "", targets_table(result["targets_met"])])
+    table = "\n".join(
+        [
+            "| figure | ours | SheepRL DreamerV3 | peer / ours | target |",
+            "|---|---:|---:|---:|---|",
+            *matched_rows(result, bold=False),
+            "",
+            targets_table(result["targets_met"]),
+        ]
+    )
     print(table)
-    text = "\n".join([
-        f"# Matched-size update time, {result['date']}, {m['cpu']}", "",
-        (f"Command: `{command}`. Machine: {m['cpu']}, {m['cpu_count']} CPU cores, {m['platform']}, Python "
-         f"{m['python']}, torch {m['torch']}; {args.threads} torch thread(s) for each side. Load average (1, 5, "
-         f"15 min) at the start {fmt_load(result['load_average_start'])}, at the end "
-         f"{fmt_load(result['load_average_end'])}. Every sample is in the JSON file."), "",
-        table, "", "## Configuration", "", *matched_markdown(result), ""])
+    text = "\n".join(
+        [
+            f"# Matched-size update time, {result['date']}, {m['cpu']}",
+            "",
+            (
+                f"Command: `{command}`. Machine: {m['cpu']}, {m['cpu_count']} CPU cores, {m['platform']}, Python "
+                f"{m['python']}, torch {m['torch']}; {args.threads} torch thread(s) for each side. Load average (1, 5, "
+                f"15 min) at the start {fmt_load(result['load_average_start'])}, at the end "
+                f"{fmt_load(result['load_average_end'])}. Every sample is in the JSON file."
+            ),
+            "",
+            table,
+            "",
+            "## Configuration",
+            "",
+            *matched_markdown(result),
+            "",
+        ]
+    )
     stem = new_results_stem(args.results_dir, f"{result['date']}-{slug(m.get('gpu') or m['cpu'])}-matched")
     Path(f"{stem}.md").write_text(text)
     Path(f"{stem}.json").write_text(json.dumps(result, indent=2))
@@ -850,8 +1131,10 @@ def main_gpu_only(args: Args) -> dict:
     if args.device == "cpu" and not args.quick:
         fail("--gpu-only --device cpu checks the steps at tiny sizes: add --quick.")
     if args.device == "cuda" and not torch.cuda.is_available():
-        fail("--gpu-only needs a CUDA device, and torch sees none on this machine (--device cpu --quick checks the "
-             "steps without one).")
+        fail(
+            "--gpu-only needs a CUDA device, and torch sees none on this machine (--device cpu --quick checks the "
+            "steps without one)."
+        )
     if args.pong_minutes < 0:
         fail(f"--pong-minutes must be 0 or more, got {args.pong_minutes}.")
     if args.pong_only and args.pong_minutes == 0:

@@ -10,8 +10,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "benchmark" / "run.py"
-REQUIRED_KEYS = ("buffer_bytes_per_step", "buffer_bytes_limit", "sample_ms", "update_ms", "sample_to_update_ratio",
-                 "soak_uss_slope_mb_per_10k", "soak_turnovers")
+REQUIRED_KEYS = (
+    "buffer_bytes_per_step",
+    "buffer_bytes_limit",
+    "sample_ms",
+    "update_ms",
+    "sample_to_update_ratio",
+    "soak_uss_slope_mb_per_10k",
+    "soak_turnovers",
+)
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +28,22 @@ def quick_run(tmp_path_factory):
     out = tmp / "quick.json"
     results_dir = tmp / "results"
     done = subprocess.run(
-        [sys.executable, str(RUN), "--quick", "--json", str(out), "--peer", "sheeprl", "--results-dir",
-         str(results_dir)],
-        capture_output=True, text=True, cwd=ROOT, timeout=300, check=False,
+        [
+            sys.executable,
+            str(RUN),
+            "--quick",
+            "--json",
+            str(out),
+            "--peer",
+            "sheeprl",
+            "--results-dir",
+            str(results_dir),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done, json.loads(out.read_text()), results_dir
@@ -55,8 +75,11 @@ def test_quick_figures_are_physically_plausible(quick_run):
     assert 0 < result["sample_to_update_ratio"] < 1
     assert result["dqn_updates_per_s"] > 0 and result["dqn_env_steps_per_s_MoveToBeacon"] > 0
     # targets are defined at the seed sizes: quick does not claim them
-    size_dependent = ("buffer_bytes_per_step <= 7200", "sample_to_update_ratio <= 0.05",
-                      "soak_uss_slope_mb_per_10k <= 1")
+    size_dependent = (
+        "buffer_bytes_per_step <= 7200",
+        "sample_to_update_ratio <= 0.05",
+        "soak_uss_slope_mb_per_10k <= 1",
+    )
     assert {result["targets_met"][name] for name in size_dependent} == {None}
 
 
@@ -74,8 +97,14 @@ def test_quick_prints_a_table_skips_the_peer_and_writes_no_results_file(quick_ru
 @pytest.mark.parametrize("argv, named", [(["--threads", "0"], "--threads"), (["--peer", "nobody"], "peer")])
 def test_bad_input_is_one_clear_error_with_status_2_and_nothing_written(tmp_path, argv, named):
     out = tmp_path / "never.json"
-    done = subprocess.run([sys.executable, str(RUN), "--quick", "--json", str(out), *argv],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, str(RUN), "--quick", "--json", str(out), *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 2
     assert named in done.stderr
     assert "Traceback" not in done.stderr
@@ -85,11 +114,19 @@ def test_bad_input_is_one_clear_error_with_status_2_and_nothing_written(tmp_path
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_gpu_only_without_cuda_is_one_clear_error_and_writes_nothing(tmp_path):
     results_dir = tmp_path / "results"
-    done = subprocess.run([sys.executable, str(RUN), "--gpu-only", "--results-dir", str(results_dir)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, str(RUN), "--gpu-only", "--results-dir", str(results_dir)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 2
-    assert done.stderr.strip() == ("error: --gpu-only needs a CUDA device, and torch sees none on this machine "
-                                   "(--device cpu --quick checks the steps without one).")
+    assert done.stderr.strip() == (
+        "error: --gpu-only needs a CUDA device, and torch sees none on this machine "
+        "(--device cpu --quick checks the steps without one)."
+    )
     assert not results_dir.exists()
 
 
@@ -103,15 +140,39 @@ def test_gpu_only_pong_run_continues_across_invocations(tmp_path):
     # with; with both cores busy, 0.4 minutes gave the first invocation 100 steps and the second none past them
     for invocation in range(2):
         out = tmp_path / f"gpu_only_{invocation}.json"
-        done = subprocess.run([sys.executable, str(RUN), "--gpu-only", "--device", "cpu", "--quick", "--pong-only",
-                               "--pong-minutes", "0.75", "--pong-dir", str(pong_dir), "--json", str(out)],
-                              capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(RUN),
+                "--gpu-only",
+                "--device",
+                "cpu",
+                "--quick",
+                "--pong-only",
+                "--pong-minutes",
+                "0.75",
+                "--pong-dir",
+                str(pong_dir),
+                "--json",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         results.append(json.loads(out.read_text()))
     first, second = results
     assert not first["pong_resumed"] and second["pong_resumed"]
-    assert first["pong_returncode"] == second["pong_returncode"] == 143  # stopped by SIGTERM after a checkpoint
-    assert "--resume PONG_DIR/runs/" in second["pong_command"] and "--checkpoint-buffer" in second["pong_command"]
+    assert (
+        first["pong_returncode"] == second["pong_returncode"] == 143
+    )  # stopped by SIGTERM after a checkpoint
+    assert (
+        "--resume PONG_DIR/runs/" in second["pong_command"]
+        and "--checkpoint-buffer" in second["pong_command"]
+    )
     (_run_dir,) = (pong_dir / "runs").iterdir()  # one run, continued
     assert second["pong_env_steps"] > first["pong_env_steps"] >= 100
     assert second["pong_updates"] > first["pong_updates"] > 0
@@ -119,7 +180,8 @@ def test_gpu_only_pong_run_continues_across_invocations(tmp_path):
     for key in ("pong_curve", "pong_final_return", "pong_peak_host_rss_mb"):
         assert key in second
     assert [p["env_step"] for p in second["pong_curve"]][: len(first["pong_curve"])] == [
-        p["env_step"] for p in first["pong_curve"]]
+        p["env_step"] for p in first["pong_curve"]
+    ]
     sys.path.insert(0, str(ROOT))
     try:
         from benchmark import run as bench_run
@@ -128,23 +190,41 @@ def test_gpu_only_pong_run_continues_across_invocations(tmp_path):
     text = bench_run.pong_markdown(second)
     assert "(continued from its last checkpoint)" in text and f"| {second['pong_env_steps']:,} |" in text
     verdicts = bench_run.gpu_verdicts(second)
-    assert verdicts["Pong: mean return of the last 10 episodes >= 18 at 100k env steps"] is None  # not there yet
+    assert (
+        verdicts["Pong: mean return of the last 10 episodes >= 18 at 100k env steps"] is None
+    )  # not there yet
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU plumbing; on CUDA run.py --gpu-only runs it")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the CPU plumbing; on CUDA run.py --gpu-only runs it"
+)
 def test_forensics_check_runs_the_real_command_lines_on_cpu(tmp_path):
     out = tmp_path / "forensics.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmark" / "cuda_forensics.py"), "--quick", "--device",
-                           "cpu", "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmark" / "cuda_forensics.py"),
+            "--quick",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     run1 = result["snapshot_run"]
     assert run1["returncode"] == 0 and "--memory-snapshot-every 200" in run1["command"]
     # on CPU the snapshot flag warns once and writes nothing; training goes on to the end
-    assert run1["warnings"] == ["memory_utils: memory snapshots need CUDA; --memory-snapshot-every is ignored on "
-                                "this run"]
+    assert run1["warnings"] == [
+        "memory_utils: memory snapshots need CUDA; --memory-snapshot-every is ignored on this run"
+    ]
     assert run1["snapshots"] == {} and "step 600/600" in run1["output_tail"]
     assert run1["probe_verdict"].startswith("probes: loop-start memory")
     for name in ("analysis", "oom_in_update", "oom_in_preflight"):
@@ -158,7 +238,8 @@ def test_forensics_check_runs_the_real_command_lines_on_cpu(tmp_path):
     text = bench_run.gpu_markdown({"gpu": {"run": False, "reason": "No CUDA device"}, "forensics": result})
     assert run1["command"] in text and "Analysis skipped: needs CUDA" in text
     assert bench_run.gpu_verdicts({"quick": True, "gpu": {"run": False}, "forensics": result}) == {
-        "forensics: analysis of a real run reads steady": None}
+        "forensics: analysis of a real run reads steady": None
+    }
 
 
 def test_soak_slope_counts_only_points_after_the_replay_is_full():
@@ -206,29 +287,72 @@ def test_soak_sees_a_reference_leak_in_the_real_training_loop(monkeypatch):
 
 def _cuda_shaped_result() -> dict:
     """The shape that ours_dreamer.py gpu and cuda_forensics.py write on CUDA, with made-up fixture values."""
-    amp = {mode: {"update_ms": ms, "updates_per_s": 1e3 / ms, "peak_alloc_mb": peak, "peak_reserved_mb": peak + 100,
-                  "samples_ms": [ms]} for mode, ms, peak in (("off", 90.0, 2500.0), ("bf16", 70.0, 1500.0),
-                                                              ("fp16", 60.0, 1400.0))}
-    gpu = {"run": True, "device": "Some GPU", "update_batch": "B16 x T50", "amp": amp,
-           "loop": {"capacity_steps": 1000, "env_steps": 4000, "batch": "B16 x T50", "updates": 4480,
-                    "env_steps_per_s": 50.0, "gpu_alloc_slope_mb_per_10k": 0.0, "gpu_alloc_mb_first_last": [80, 80]}}
-    oom = {"fraction": 0.01, "preallocate": False, "returncode": 3, "expected_returncode": 3, "wall_s": 20.0,
-           "stderr_tail": "out of memory at step 1002:\nCUDA out of memory.", "checkpoint_written": True,
-           "oom_files": {"report.json": 1, "memory_summary.txt": 1, "snapshot.pickle": 1},
-           "gpu_at_oom": {"requested_mb": 50.0, "allocated_mb": 700.0, "device_free_mb": 70000.0},
-           "gpu_when_reported": {"alloc_mb": 90.0}, "top_sites_from": "snapshot_at_oom.pickle",
-           "top_sites_at_oom": [{"site": "dreamer_atari.py:1:observe", "mb": 300.0, "blocks": 400}]}
-    forensics = {"device": "Some GPU", "model": "seed", "cap": {"run1_peak_reserved_mb": 1500.0,
-                                                               "device_total_mb": 80000.0, "fraction": 0.0094,
-                                                               "cap_mb": 750.0},
-                 "snapshot_run": {"command": "python dreamer_atari.py --memory-snapshot-every 500", "returncode": 0,
-                                  "wall_s": 60.0, "snapshots": {"snapshot_step_500.pickle": 1},
-                                  "probe_verdict": "probes: loop-start memory is flat (+0.00 MB per 1k steps)"},
-                 "analysis": {"command": "python memory_utils.py analyze", "returncode": 0, "wall_s": 5.0,
-                              "files": {"report.md": 1}, "printed": "| step |\nsteady: no pool grows",
-                              "verdict": "steady: no pool grows"},
-                 "oom_in_update": oom,
-                 "oom_in_preflight": {**oom, "preallocate": True, "oom_files": {}, "checkpoint_written": False}}
+    amp = {
+        mode: {
+            "update_ms": ms,
+            "updates_per_s": 1e3 / ms,
+            "peak_alloc_mb": peak,
+            "peak_reserved_mb": peak + 100,
+            "samples_ms": [ms],
+        }
+        for mode, ms, peak in (("off", 90.0, 2500.0), ("bf16", 70.0, 1500.0), ("fp16", 60.0, 1400.0))
+    }
+    gpu = {
+        "run": True,
+        "device": "Some GPU",
+        "update_batch": "B16 x T50",
+        "amp": amp,
+        "loop": {
+            "capacity_steps": 1000,
+            "env_steps": 4000,
+            "batch": "B16 x T50",
+            "updates": 4480,
+            "env_steps_per_s": 50.0,
+            "gpu_alloc_slope_mb_per_10k": 0.0,
+            "gpu_alloc_mb_first_last": [80, 80],
+        },
+    }
+    oom = {
+        "fraction": 0.01,
+        "preallocate": False,
+        "returncode": 3,
+        "expected_returncode": 3,
+        "wall_s": 20.0,
+        "stderr_tail": "out of memory at step 1002:\nCUDA out of memory.",
+        "checkpoint_written": True,
+        "oom_files": {"report.json": 1, "memory_summary.txt": 1, "snapshot.pickle": 1},
+        "gpu_at_oom": {"requested_mb": 50.0, "allocated_mb": 700.0, "device_free_mb": 70000.0},
+        "gpu_when_reported": {"alloc_mb": 90.0},
+        "top_sites_from": "snapshot_at_oom.pickle",
+        "top_sites_at_oom": [{"site": "dreamer_atari.py:1:observe", "mb": 300.0, "blocks": 400}],
+    }
+    forensics = {
+        "device": "Some GPU",
+        "model": "seed",
+        "cap": {
+            "run1_peak_reserved_mb": 1500.0,
+            "device_total_mb": 80000.0,
+            "fraction": 0.0094,
+            "cap_mb": 750.0,
+        },
+        "snapshot_run": {
+            "command": "python dreamer_atari.py --memory-snapshot-every 500",
+            "returncode": 0,
+            "wall_s": 60.0,
+            "snapshots": {"snapshot_step_500.pickle": 1},
+            "probe_verdict": "probes: loop-start memory is flat (+0.00 MB per 1k steps)",
+        },
+        "analysis": {
+            "command": "python memory_utils.py analyze",
+            "returncode": 0,
+            "wall_s": 5.0,
+            "files": {"report.md": 1},
+            "printed": "| step |\nsteady: no pool grows",
+            "verdict": "steady: no pool grows",
+        },
+        "oom_in_update": oom,
+        "oom_in_preflight": {**oom, "preallocate": True, "oom_files": {}, "checkpoint_written": False},
+    }
     return {"quick": False, "gpu": gpu, "forensics": forensics}
 
 
@@ -274,8 +398,10 @@ def test_alternating_updates_time_each_contender_in_turn_and_rotate_the_order(tm
         sys.path.remove(str(ROOT))
     script = tmp_path / "contender.py"
     script.write_text(CONTENDER.format(root=str(ROOT)))
-    commands = {name: [sys.executable, str(script), str(seconds), name]
-                for name, seconds in (("slow", 0.06), ("fast", 0.02))}
+    commands = {
+        name: [sys.executable, str(script), str(seconds), name]
+        for name, seconds in (("slow", 0.06), ("fast", 0.02))
+    }
     out = bench_utils.alternate_updates(commands, rounds=4, warmup=1)
     assert out["slow"]["info"] == {"name": "slow"} and out["fast"]["info"] == {"name": "fast"}
     for name, low, high in (("slow", 55, 200), ("fast", 18, 55)):
@@ -291,29 +417,51 @@ def test_a_contender_that_dies_is_one_clear_error(tmp_path):
     finally:
         sys.path.remove(str(ROOT))
     with pytest.raises(RuntimeError, match="ended before answering"):
-        bench_utils.alternate_updates({"dead": [sys.executable, "-c", "raise SystemExit(1)"]}, rounds=1, warmup=0)
+        bench_utils.alternate_updates(
+            {"dead": [sys.executable, "-c", "raise SystemExit(1)"]}, rounds=1, warmup=0
+        )
 
 
 def matched_duel(samples: dict, params: dict) -> dict:
     """What `measure_matched` returns, for these samples (ms) and parameter counts of peer and ours."""
-    info = {"peer": {"params_total": params["peer"], "overrides": ["exp=dreamer_v3"],
-                     "batch": {"rgb": "(50, 16, 3, 64, 64)"}, "model": {"cnn_channels_multiplier": 16,
-                                                                         "fused_adam": True}},
-            "ours": {"params_total": params["ours"], "obs": "(16, 50, 4, 64, 64) uint8"},
-            "ours_84": {"params_total": params["ours_84"], "obs": "(16, 50, 4, 84, 84) uint8"},
-            "ours_64_seed": {"params_total": params["ours_64_seed"], "obs": "(16, 50, 4, 64, 64) uint8"}}
-    duel = {name: {"info": info[name], "samples_ms": s, "update_ms": sorted(s)[1], "min_ms": min(s),
-                   "max_ms": max(s)} for name, s in samples.items()}
-    out = {"matched": {**duel, "rounds": 3, "warmup_rounds": 2}, "matched_peer_update_ms": duel["peer"]["update_ms"],
-           "matched_peer_params_total": params["peer"]}
+    info = {
+        "peer": {
+            "params_total": params["peer"],
+            "overrides": ["exp=dreamer_v3"],
+            "batch": {"rgb": "(50, 16, 3, 64, 64)"},
+            "model": {"cnn_channels_multiplier": 16, "fused_adam": True},
+        },
+        "ours": {"params_total": params["ours"], "obs": "(16, 50, 4, 64, 64) uint8"},
+        "ours_84": {"params_total": params["ours_84"], "obs": "(16, 50, 4, 84, 84) uint8"},
+        "ours_64_seed": {"params_total": params["ours_64_seed"], "obs": "(16, 50, 4, 64, 64) uint8"},
+    }
+    duel = {
+        name: {
+            "info": info[name],
+            "samples_ms": s,
+            "update_ms": sorted(s)[1],
+            "min_ms": min(s),
+            "max_ms": max(s),
+        }
+        for name, s in samples.items()
+    }
+    out = {
+        "matched": {**duel, "rounds": 3, "warmup_rounds": 2},
+        "matched_peer_update_ms": duel["peer"]["update_ms"],
+        "matched_peer_params_total": params["peer"],
+    }
     for suffix in ("", "_84", "_64_seed"):
         out[f"matched_update_ms{suffix}"] = duel[f"ours{suffix}"]["update_ms"]
         out[f"matched_params_total{suffix}"] = params[f"ours{suffix}"]
     return out
 
 
-SAMPLES = {"peer": [4000.0, 4200.0, 3900.0], "ours": [2500.0, 2600.0, 2400.0], "ours_84": [2800.0, 2900.0, 2600.0],
-           "ours_64_seed": [2000.0, 2100.0, 1900.0]}
+SAMPLES = {
+    "peer": [4000.0, 4200.0, 3900.0],
+    "ours": [2500.0, 2600.0, 2400.0],
+    "ours_84": [2800.0, 2900.0, 2600.0],
+    "ours_64_seed": [2000.0, 2100.0, 1900.0],
+}
 PARAMS = {"peer": 5_451_272, "ours": 5_517_337, "ours_84": 4_985_769, "ours_64_seed": 3_257_625}
 
 
@@ -325,9 +473,14 @@ def test_matched_size_ratios_render_and_are_judged():
         from benchmark import run as bench_run
     finally:
         sys.path.remove(str(ROOT))
-    result = {"peer": "sheeprl", **matched_duel(SAMPLES, PARAMS), "update_ms": 2800.0,
-              "soak_uss_slope_mb_per_10k": 0.1,
-              **{f"peer_{k}": 1.0 for k in bench_run.PEER_KEYS}, **{k: 1.0 for k in bench_run.PEER_KEYS}}
+    result = {
+        "peer": "sheeprl",
+        **matched_duel(SAMPLES, PARAMS),
+        "update_ms": 2800.0,
+        "soak_uss_slope_mb_per_10k": 0.1,
+        **{f"peer_{k}": 1.0 for k in bench_run.PEER_KEYS},
+        **{k: 1.0 for k in bench_run.PEER_KEYS},
+    }
     bench_run.add_ratios(result)
     assert result["ratio_update_ms_matched"] == pytest.approx(4000 / 2500)
     assert result["ratio_update_ms_matched_84"] == pytest.approx(4000 / 2800)
@@ -337,13 +490,18 @@ def test_matched_size_ratios_render_and_are_judged():
     text = "\n".join(bench_run.matched_markdown(result))
     assert "5,451,272 parameters" in text and "peer / ours round by round 1.429-1.5" in text
     table = "\n".join(bench_run.matched_rows(result))
-    assert table.index("matched size and pixels") < table.index("ours at 84 pixels") < table.index("seed model at 64")
+    assert (
+        table.index("matched size and pixels")
+        < table.index("ours at 84 pixels")
+        < table.index("seed model at 64")
+    )
 
     def judged(params):
         res = {**result, **matched_duel(SAMPLES, params)}
         bench_run.add_ratios(res)
-        verdicts = bench_run.verdicts({**res, "quick": True, "sample_to_update_ratio": 0.0,
-                                       "buffer_bytes_per_step": 0.0})
+        verdicts = bench_run.verdicts(
+            {**res, "quick": True, "sample_to_update_ratio": 0.0, "buffer_bytes_per_step": 0.0}
+        )
         return [v for k, v in verdicts.items() if "SheepRL" in k]
 
     # 64 pixels: size matched and 1.6x; 84 pixels: size matched, 1.43x
@@ -361,8 +519,12 @@ def test_matched_only_writes_its_own_results_file(tmp_path, monkeypatch):
         from benchmark import run as bench_run
     finally:
         sys.path.remove(str(ROOT))
-    samples = {"peer": [4500.0, 4600.0, 4400.0], "ours": [2800.0, 2900.0, 2700.0], "ours_84": [3000.0, 3100.0, 2900.0],
-               "ours_64_seed": [2200.0, 2300.0, 2100.0]}
+    samples = {
+        "peer": [4500.0, 4600.0, 4400.0],
+        "ours": [2800.0, 2900.0, 2700.0],
+        "ours_84": [3000.0, 3100.0, 2900.0],
+        "ours_64_seed": [2200.0, 2300.0, 2100.0],
+    }
     monkeypatch.setattr(peer_venv, "ensure", lambda log: {"sheeprl": "0.8.4"})
     monkeypatch.setattr(bench_run, "measure_matched", lambda args, work: matched_duel(samples, PARAMS))
     result = bench_run.main(bench_run.Args(peer="sheeprl", matched_only=True, results_dir=str(tmp_path)))
@@ -371,9 +533,17 @@ def test_matched_only_writes_its_own_results_file(tmp_path, monkeypatch):
     assert list(result["targets_met"].values()) == [True, True, True, True]
     (md,) = tmp_path.glob("*-matched.md")
     assert "| 1.61 |" in md.read_text() and "SheepRL DreamerV3 with `exp=dreamer_v3`" in md.read_text()
-    assert json.loads(md.with_suffix(".json").read_text())["matched"]["ours_84"]["ratio_by_round"] == [1.5, 1.484, 1.517]
+    assert json.loads(md.with_suffix(".json").read_text())["matched"]["ours_84"]["ratio_by_round"] == [
+        1.5,
+        1.484,
+        1.517,
+    ]
     first = md.read_text()
-    samples["ours"] = [4000.0, 4100.0, 3900.0]  # a second run the same day: its own files, the first one's kept
+    samples["ours"] = [
+        4000.0,
+        4100.0,
+        3900.0,
+    ]  # a second run the same day: its own files, the first one's kept
     bench_run.main(bench_run.Args(peer="sheeprl", matched_only=True, results_dir=str(tmp_path)))
     assert md.read_text() == first
     (second,) = tmp_path.glob("*-matched-2.md")
@@ -395,11 +565,25 @@ def gpu_report_and_session_folder(tmp_path):
 def test_gpu_report_renders_a_session_that_measured_only_the_training_loop(tmp_path):
     # a session's folder may hold gpu_loop.json alone: its slope is a target row and the loop is described
     gpu_report, folder = gpu_report_and_session_folder(tmp_path)
-    loop = {"capacity_steps": 1000, "cudagraph": True, "amp": "off", "env_steps": 4000, "batch": "B16 x T50",
-            "updates": 4482, "env_steps_per_s": 25.7, "gpu_alloc_slope_mb_per_10k": 0.0,
-            "gpu_alloc_mb_first_last": [347.5, 347.5]}
-    shape = {"run": True, "device": "Some GPU", "update_batch": "B16 x T50", "amp": {}, "loop": loop,
-             "machine": {"gpu": "Some GPU"}}
+    loop = {
+        "capacity_steps": 1000,
+        "cudagraph": True,
+        "amp": "off",
+        "env_steps": 4000,
+        "batch": "B16 x T50",
+        "updates": 4482,
+        "env_steps_per_s": 25.7,
+        "gpu_alloc_slope_mb_per_10k": 0.0,
+        "gpu_alloc_mb_first_last": [347.5, 347.5],
+    }
+    shape = {
+        "run": True,
+        "device": "Some GPU",
+        "update_batch": "B16 x T50",
+        "amp": {},
+        "loop": loop,
+        "machine": {"gpu": "Some GPU"},
+    }
     (folder / "gpu_loop.json").write_text(json.dumps(shape))
     result, text = gpu_report.report(folder)
     assert result["gpu_loop"] == loop
@@ -420,21 +604,41 @@ def test_gpu_report_renders_compiled_update_variants_and_judges_the_fastest(tmp_
     def timing(ms, warmup_s=None):
         return {"median_ms": ms, "samples_ms": [ms] * 3, **({"warmup_s": warmup_s} if warmup_s else {})}
 
-    off = {"eager": timing(200.0), "kernels": 6948, "gpu_busy_share": 0.11, "graph": timing(33.5),
-           "compiled": timing(90.0, 70.0), "compiled_graph": timing(12.0, 75.0)}
-    bf16 = {"eager": timing(296.0), "kernels": 7838, "gpu_busy_share": 0.05, "graph": timing(28.0),
-            "compiled": timing(95.0, 71.0), "compiled_graph": timing(9.5, 76.0)}
+    off = {
+        "eager": timing(200.0),
+        "kernels": 6948,
+        "gpu_busy_share": 0.11,
+        "graph": timing(33.5),
+        "compiled": timing(90.0, 70.0),
+        "compiled_graph": timing(12.0, 75.0),
+    }
+    bf16 = {
+        "eager": timing(296.0),
+        "kernels": 7838,
+        "gpu_busy_share": 0.05,
+        "graph": timing(28.0),
+        "compiled": timing(95.0, 71.0),
+        "compiled_graph": timing(9.5, 76.0),
+    }
     equal = {"updates": 8, "captured_from_update": 4, "max_relative_difference": {"losses/image": 2e-4}}
-    profile = {"machine": {"gpu": "Some GPU"}, "batch": "B16 x T50", "command": "python profile", "amp":
-               {"off": off, "bf16": bf16}, "eager_vs_graph": {**equal, "max_relative_difference": {"x": 0.0}},
-               "eager_vs_compiled_graph": equal}
+    profile = {
+        "machine": {"gpu": "Some GPU"},
+        "batch": "B16 x T50",
+        "command": "python profile",
+        "amp": {"off": off, "bf16": bf16},
+        "eager_vs_graph": {**equal, "max_relative_difference": {"x": 0.0}},
+        "eager_vs_compiled_graph": equal,
+    }
     (folder / "profile.json").write_text(json.dumps(profile))
     _, text = gpu_report.report(folder)
     assert "| bf16 | 296 | 28 | 95 (71) | 9.5 (76) | 31.2 | 7,838 | 0.05 |" in text
     target = text.split("(B16 x T50), median |")[1].splitlines()[0]
     assert "9.5 ms (compiled and captured, --amp bf16)" in target and target.endswith("| yes |")
     assert "Compiled and captured against eager" in text and "all updates: 0.0002." in text
-    for fig in (off, bf16):  # compiled and captured slower than captured alone: the best is no longer compiled
+    for fig in (
+        off,
+        bf16,
+    ):  # compiled and captured slower than captured alone: the best is no longer compiled
         fig["compiled_graph"] = timing(40.0, 76.0)
     (folder / "profile.json").write_text(json.dumps(profile))
     _, text = gpu_report.report(folder)
@@ -460,8 +664,10 @@ def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shar
     from benchmark.dqn_calibration import ScriptedShardsClustered, neighbours
 
     args = dqn.with_map_defaults(dqn.Args(map_name="CollectMineralShards", step_mul=64))
-    torch.save({"q_network": dqn.make_q_network(args).state_dict(), "args": dataclasses.asdict(args)},
-               tmp_path / "checkpoint.pt")
+    torch.save(
+        {"q_network": dqn.make_q_network(args).state_dict(), "args": dataclasses.asdict(args)},
+        tmp_path / "checkpoint.pt",
+    )
     made, aimed_counts, nearest_counts, starts = [], [], [], []
     real_make_env = dqn.make_env
 
@@ -484,6 +690,7 @@ def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shar
                 aimed_counts.append(int(neighbours(env, 4.0)[aimed]))
                 nearest_counts.append(int(neighbours(env, 4.0)[nearest]))
             return dqn.encode_action(function, point, env.res)
+
         return select_action
 
     monkeypatch.setattr(dqn, "make_env", make_env)
@@ -496,7 +703,11 @@ def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shar
     together, carried = [], []  # the scripted agent of the target, on the same two episodes as the network
     for k in range(2):
         for scores, pixels in ((together, 0.0), (carried, 2.0)):  # carried 1.5 world units, the map's default
-            env, agent, rng = real_make_env(args, 20_000 + k), report.SCRIPTED[args.map_name](), np.random.default_rng(0)
+            env, agent, rng = (
+                real_make_env(args, 20_000 + k),
+                report.SCRIPTED[args.map_name](),
+                np.random.default_rng(0),
+            )
             obs, done, score = env.reset(), False, 0.0
             assert np.array_equal(env.pickups, starts[k])
             while not done:
@@ -509,8 +720,10 @@ def test_learning_report_counts_the_neighbours_of_the_aimed_and_the_nearest_shar
     pairs = report.paired([(3.0, 1.0), (5.0, 2.0), (4.0, 4.0)])  # differences 2, 3, 0
     assert pairs["difference"] == pytest.approx(5 / 3) and pairs["scripted_mean"] == pytest.approx(7 / 3)
     assert pairs["standard_error"] == pytest.approx(np.std([2, 3, 0], ddof=1) / 3**0.5)
-    seeds = [{"greedy_behaviour": {"scores": [3.0, 5.0], "scripted_scores": [1.0, 4.0]}},
-             {"greedy_behaviour": {"scores": [5.0, 3.0], "scripted_scores": [1.0, 4.0]}}]
+    seeds = [
+        {"greedy_behaviour": {"scores": [3.0, 5.0], "scripted_scores": [1.0, 4.0]}},
+        {"greedy_behaviour": {"scores": [5.0, 3.0], "scripted_scores": [1.0, 4.0]}},
+    ]
     over = report.paired_over_seeds(seeds)  # each episode's mean over the seeds: 4 and 4; differences 3 and 0
     assert over["episodes"] == 2 and over["difference"] == pytest.approx(1.5)
     assert over["standard_error"] == pytest.approx(1.5)  # stdev(3, 0) / sqrt(2), over 2 episodes, not 4
@@ -535,8 +748,10 @@ def test_learning_report_counts_the_clicks_one_pixel_past_a_shard(tmp_path, monk
     from benchmark.dqn_calibration import ScriptedClickTerm
 
     args = dqn.with_map_defaults(dqn.Args(map_name="CollectMineralShards", step_mul=64))
-    torch.save({"q_network": dqn.make_q_network(args).state_dict(), "args": dataclasses.asdict(args)},
-               tmp_path / "checkpoint.pt")
+    torch.save(
+        {"q_network": dqn.make_q_network(args).state_dict(), "args": dataclasses.asdict(args)},
+        tmp_path / "checkpoint.pt",
+    )
     made = []
     real_make_env = dqn.make_env
 
@@ -548,6 +763,7 @@ def test_learning_report_counts_the_clicks_one_pixel_past_a_shard(tmp_path, monk
         def select_action(net, obs, epsilon, rng, device, select_own_only=False):
             function, point = ScriptedClickTerm(past).act(made[-1], obs, rng)
             return dqn.encode_action(function, point, made[-1].res)
+
         return select_action
 
     monkeypatch.setattr(dqn, "make_env", make_env)

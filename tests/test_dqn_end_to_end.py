@@ -322,7 +322,9 @@ def test_out_of_memory_while_acting_copying_or_testing_is_handled_like_an_update
     assert (run / "oom" / "report.json").exists()
     # an OOM while acting or copying stops an episode part-way, to be played again; the test episodes come after
     # the episode has ended and been logged, so a resumed run goes on with the next one
-    assert torch.load(run / "checkpoint.pt", weights_only=False)["interrupted"] is (site != "run_test_episodes")
+    assert torch.load(run / "checkpoint.pt", weights_only=False)["interrupted"] is (
+        site != "run_test_episodes"
+    )
     log = (run / "train.log").read_text()
     # where: the innermost frame in the script (here the call site, as the stand-in lives in this file)
     caller = (
@@ -402,9 +404,7 @@ def test_a_stopped_run_resumes_with_its_replay_and_finishes(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     log = (run / "train.log").read_text()
-    assert (
-        f"resumed stopped at episode {first}, step {saved['global_step']} with its replay" in log
-    )
+    assert f"resumed stopped at episode {first}, step {saved['global_step']} with its replay" in log
     episodes = [
         int(line.split()[0].split("=")[1]) for line in done.stdout.splitlines() if line.startswith("episode=")
     ]

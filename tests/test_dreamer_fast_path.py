@@ -24,8 +24,9 @@ NUM_ACTIONS = 6
 
 def tiny_args(**overrides) -> da.Args:
     """free_nats 0: a tiny model's KL is below the default 1 nat, whose clamp would leave the prior no gradient."""
-    return dreamer_tiny.tiny_args(**{"batch_size": 3, "sequence_length": 6, "imagination_horizon": 4, "free_nats": 0.0,
-                                     **overrides})
+    return dreamer_tiny.tiny_args(
+        **{"batch_size": 3, "sequence_length": 6, "imagination_horizon": 4, "free_nats": 0.0, **overrides}
+    )
 
 
 def random_batch(args, seed=0) -> dict:
@@ -113,8 +114,18 @@ def test_world_model_loss_and_gradients_equal_the_reference_in_float64(monkeypat
         agent.world_model.zero_grad(set_to_none=True)
         loss, parts, (deter, stoch) = da.world_model_loss(agent, data, args)
         loss.backward()
-        values = torch.stack([parts[key].detach() for key in ("losses/image", "losses/reward", "losses/continue",
-                                                               "losses/kl", "losses/world_model")])
+        values = torch.stack(
+            [
+                parts[key].detach()
+                for key in (
+                    "losses/image",
+                    "losses/reward",
+                    "losses/continue",
+                    "losses/kl",
+                    "losses/world_model",
+                )
+            ]
+        )
         return values, torch.cat([deter.detach(), stoch.detach()], -1), gradients(agent.world_model)
 
     fast = run()
@@ -142,9 +153,18 @@ def test_behavior_losses_and_gradients_equal_the_reference_in_float64(monkeypatc
         agent.actor.zero_grad(set_to_none=True), agent.critic.zero_grad(set_to_none=True)
         actor_loss, critic_loss, parts = da.behavior_losses(agent, states, args, update_norm=False)
         (actor_loss + critic_loss).backward()
-        values = torch.stack([actor_loss.detach(), critic_loss.detach(), parts["losses/entropy"].detach(),
-                              parts["debug/imagined_return"].detach()])
-        return values, {**gradients(agent.actor), **{"critic." + k: v for k, v in gradients(agent.critic).items()}}
+        values = torch.stack(
+            [
+                actor_loss.detach(),
+                critic_loss.detach(),
+                parts["losses/entropy"].detach(),
+                parts["debug/imagined_return"].detach(),
+            ]
+        )
+        return values, {
+            **gradients(agent.actor),
+            **{"critic." + k: v for k, v in gradients(agent.critic).items()},
+        }
 
     fast = run()
     monkeypatch.setattr(da, "imagine", reference_imagine)
@@ -272,6 +292,7 @@ def test_observe_equals_the_reference_for_both_latent_kinds(classes):
     is_first = torch.zeros(B, T, dtype=torch.bool)
     is_first[:, 0] = is_first[1, 4] = True
     noise = rssm.noise((T, B), "cpu")
-    for got, expected in zip(rssm.observe(embed, action, is_first, noise),
-                             reference_observe(rssm, embed, action, is_first, noise)):
+    for got, expected in zip(
+        rssm.observe(embed, action, is_first, noise), reference_observe(rssm, embed, action, is_first, noise)
+    ):
         torch.testing.assert_close(got, expected)

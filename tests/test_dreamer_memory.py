@@ -17,7 +17,6 @@ from dreamer_tiny import TINY_FLAGS, tiny_args
 ROOT = Path(__file__).resolve().parent.parent
 
 
-
 def test_acting_builds_no_graph_and_caches_detached_state():
     args = tiny_args(max_episode_steps=30)
     torch.manual_seed(0)
@@ -58,8 +57,13 @@ def test_updates_return_detached_values_that_the_log_sums_on_the_device():
     log = da.UpdateLog("cpu")
     nan = {key: torch.tensor(float("nan")) for key in metrics}
     double = {key: 2 * value for key, value in metrics.items()}
-    for update_values, update_healthy in ((metrics, healthy), (double, healthy), (nan, torch.tensor(False)),
-                                          (nan, torch.tensor(False)), (metrics, healthy)):
+    for update_values, update_healthy in (
+        (metrics, healthy),
+        (double, healthy),
+        (nan, torch.tensor(False)),
+        (nan, torch.tensor(False)),
+        (metrics, healthy),
+    ):
         log.add(update_values, update_healthy)
         log.end_update(update_healthy)
     means, skipped, longest = log.pop()

@@ -23,8 +23,15 @@ def in_tmp(tmp_path, monkeypatch):
 
 
 def catch_args(**overrides) -> da.Args:
-    schedule = dict(env_id=da.CATCH_ID, num_envs=1, total_timesteps=300, learning_starts=100, train_ratio=8.0,
-                    log_interval=100, sequence_length=12)
+    schedule = dict(
+        env_id=da.CATCH_ID,
+        num_envs=1,
+        total_timesteps=300,
+        learning_starts=100,
+        train_ratio=8.0,
+        log_interval=100,
+        sequence_length=12,
+    )
     return dreamer_tiny.tiny_args(**{**schedule, **overrides})
 
 
@@ -51,15 +58,29 @@ def test_catch_is_a_gymnasium_env_with_the_stated_rules():
 
 def test_reward_prediction_counts_and_rates():
     reward = torch.tensor([[1.0, -1.0, 0.0, 0.0, 1.0, 0.0]])
-    predicted = torch.tensor([[0.9, 0.3, 0.6, -0.1, -0.8, 0.0]])  # hit, too small, false alarm, ok, wrong sign
+    predicted = torch.tensor(
+        [[0.9, 0.3, 0.6, -0.1, -0.8, 0.0]]
+    )  # hit, too small, false alarm, ok, wrong sign
     counts = {key: value.item() for key, value in da.reward_prediction_counts(predicted, reward).items()}
-    assert counts == {"debug/reward_nonzero": 3.0, "debug/reward_hits": 1.0, "debug/reward_zero": 3.0,
-                      "debug/reward_false_alarms": 1.0}
+    assert counts == {
+        "debug/reward_nonzero": 3.0,
+        "debug/reward_hits": 1.0,
+        "debug/reward_zero": 3.0,
+        "debug/reward_false_alarms": 1.0,
+    }
     rates = da.reward_quality(dict(counts))
-    assert rates == {"charts/reward_sign_accuracy": pytest.approx(1 / 3),
-                     "charts/reward_false_alarm_rate": pytest.approx(1 / 3)}
-    assert da.reward_quality({"debug/reward_nonzero": 0.0, "debug/reward_zero": 4.0, "debug/reward_hits": 0.0,
-                              "debug/reward_false_alarms": 0.0}) == {"charts/reward_false_alarm_rate": 0.0}
+    assert rates == {
+        "charts/reward_sign_accuracy": pytest.approx(1 / 3),
+        "charts/reward_false_alarm_rate": pytest.approx(1 / 3),
+    }
+    assert da.reward_quality(
+        {
+            "debug/reward_nonzero": 0.0,
+            "debug/reward_zero": 4.0,
+            "debug/reward_hits": 0.0,
+            "debug/reward_false_alarms": 0.0,
+        }
+    ) == {"charts/reward_false_alarm_rate": 0.0}
 
 
 def test_a_tiny_run_writes_open_loop_videos_and_reward_quality(in_tmp, monkeypatch):
@@ -85,7 +106,10 @@ def test_a_tiny_run_writes_open_loop_videos_and_reward_quality(in_tmp, monkeypat
     assert truth.max() == 255 and truth.min() == 0  # Catch's ball and paddle on black
     assert np.abs(error - ((model - truth) / 2 + 127.5)).max() <= 1.5  # grey = no error
     assert sorted(p.name for p in (run_dir / "open_loop").iterdir()) == [
-        "step_100.gif", "step_200.gif", "step_300.gif"]
+        "step_100.gif",
+        "step_200.gif",
+        "step_300.gif",
+    ]
     scalars = {tag: events.Scalars(tag) for tag in events.Tags()["scalars"]}
     for key in ("charts/reward_sign_accuracy", "charts/reward_false_alarm_rate"):
         assert scalars.get(key), f"{key} was not logged"
@@ -98,8 +122,10 @@ def test_a_tiny_run_writes_open_loop_videos_and_reward_quality(in_tmp, monkeypat
 def test_open_loop_video_does_not_change_training(in_tmp):
     with_video = da.main(catch_args(video_every=100, save_model=True, exp_name="video"))
     without = da.main(catch_args(video_every=0, save_model=True, exp_name="plain"))
-    weights = [torch.load(in_tmp / r["run_dir"] / "checkpoint.pt", weights_only=True)["models"]["world_model"]
-               for r in (with_video, without)]
+    weights = [
+        torch.load(in_tmp / r["run_dir"] / "checkpoint.pt", weights_only=True)["models"]["world_model"]
+        for r in (with_video, without)
+    ]
     for name, value in weights[0].items():
         torch.testing.assert_close(value, weights[1][name], rtol=0, atol=0, msg=name)
 

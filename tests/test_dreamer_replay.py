@@ -155,8 +155,12 @@ def test_windows_cross_episode_boundaries_with_is_first_where_an_episode_starts(
         # a stack mixing two episodes' frames would be one the env never produced
         assert hashlib.sha1(stack.tobytes()).hexdigest() in seen, "a rebuilt stack the env never produced"
     for stack in batch["obs"][batch["is_first"]]:
-        assert hashlib.sha1(stack.tobytes()).hexdigest() in first_stacks, "is_first on a step that starts nothing"
-    assert batch["is_first"][:, 1:].sum(1).min() >= 2, "a 16-step window over 6-step episodes crosses two starts"
+        assert hashlib.sha1(stack.tobytes()).hexdigest() in first_stacks, (
+            "is_first on a step that starts nothing"
+        )
+    assert batch["is_first"][:, 1:].sum(1).min() >= 2, (
+        "a 16-step window over 6-step episodes crosses two starts"
+    )
     assert (batch["action"][batch["is_first"]] == 0).all()  # a first step has no action that led to it
 
 
@@ -164,7 +168,9 @@ def synthetic_episode_replay(lengths: list[int], capacity: int = 100_000) -> da.
     """Episodes of the given lengths whose frames carry (episode, step) in their first pixels."""
     replay = da.EpisodeReplay(capacity=capacity, num_envs=1, seed=0, chunk_size=16)
     for e, length in enumerate(lengths):
-        frame = lambda t: np.full((4, 4), 0, np.uint8) + np.array([e % 256, t % 256, e // 256, 0], np.uint8)[:, None]  # noqa: B023 - used in this iteration only
+        frame = lambda t, e=e: (
+            np.full((4, 4), 0, np.uint8) + np.array([e % 256, t % 256, e // 256, 0], np.uint8)[:, None]
+        )
         replay.start_episode(0, np.stack([frame(0)] * 4))
         for t in range(1, length):
             replay.add_step(0, frame(t), 1, 0.0, t == length - 1, t == length - 1)
@@ -176,7 +182,9 @@ def test_every_stored_step_is_sampled_equally_often_whatever_the_episode_lengths
     replay = synthetic_episode_replay(lengths)
     counts: dict[tuple[int, int], int] = {}
     for _ in range(400):
-        obs = replay.sample(64, 16)["obs"][:, :, -1, :, 0].astype(int)  # (B, T, 4): newest frame's first column
+        obs = replay.sample(64, 16)["obs"][:, :, -1, :, 0].astype(
+            int
+        )  # (B, T, 4): newest frame's first column
         for e, t in zip((obs[..., 0] + 256 * obs[..., 2]).ravel(), obs[..., 1].ravel()):
             counts[(e, t)] = counts.get((e, t), 0) + 1
     assert len(counts) == sum(lengths), "some stored steps were never sampled"
@@ -184,7 +192,11 @@ def test_every_stored_step_is_sampled_equally_often_whatever_the_episode_lengths
     expected = 400 * 64 * 16 / sum(lengths)
     # binomial noise at ~1,500 draws per step is ~2.6 %; the old within-episode rule never drew the 2- to
     # 9-step episodes and drew an episode's first step 16x less often than its middle
-    assert values.min() > 0.85 * expected and values.max() < 1.15 * expected, (values.min(), values.max(), expected)
+    assert values.min() > 0.85 * expected and values.max() < 1.15 * expected, (
+        values.min(),
+        values.max(),
+        expected,
+    )
 
 
 def test_a_replay_shorter_than_one_sequence_cannot_sample_and_one_step_more_can():
@@ -222,7 +234,9 @@ def test_world_model_resets_where_a_window_enters_the_next_episode():
     args = tiny_args(sequence_length=12)
     torch.manual_seed(0)
     wm = da.build_agent(args, (4, 84, 84), 6, "cpu").world_model
-    wm.rssm.sample = lambda stats, noise=None: torch.nn.functional.one_hot(stats.argmax(-1), stats.shape[-1]).float().flatten(-2)
+    wm.rssm.sample = lambda stats, noise=None: (
+        torch.nn.functional.one_hot(stats.argmax(-1), stats.shape[-1]).float().flatten(-2)
+    )
     rng = np.random.default_rng(0)
     stream = {  # 5 steps of an episode's end, then 7 of the next episode
         "obs": rng.integers(0, 255, (1, 12, 4, 84, 84), dtype=np.uint8),

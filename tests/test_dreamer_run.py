@@ -26,14 +26,28 @@ LOSS_KEYS = [
     "losses/critic",
     "losses/entropy",
 ]
-CHART_KEYS = ["charts/episodic_return", "charts/episodic_length", "charts/SPS", "charts/updates_per_second",
-              "charts/updates", "charts/train_seconds"]
+CHART_KEYS = [
+    "charts/episodic_return",
+    "charts/episodic_length",
+    "charts/SPS",
+    "charts/updates_per_second",
+    "charts/updates",
+    "charts/train_seconds",
+]
 
 
 def tiny_args(**overrides) -> da.Args:
     """A whole short run: prefill, world-model warm-up, joint training; the default (async) vector env."""
-    schedule = dict(total_timesteps=400, learning_starts=100, warmup_steps=100, train_ratio=2.0, log_interval=100,
-                    max_episode_steps=60, buffer_capacity=500, vector_mode="auto")
+    schedule = dict(
+        total_timesteps=400,
+        learning_starts=100,
+        warmup_steps=100,
+        train_ratio=2.0,
+        log_interval=100,
+        max_episode_steps=60,
+        buffer_capacity=500,
+        vector_mode="auto",
+    )
     return dreamer_tiny.tiny_args(**{**schedule, **overrides})
 
 
@@ -142,7 +156,12 @@ def test_sigterm_writes_a_checkpoint_and_the_run_resumes(in_tmp, to):
         "500",
     ]
     proc = subprocess.Popen(
-        cmd, cwd=in_tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd,
+        cwd=in_tmp,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,  # its own process group: the main process and its two env workers
     )
     try:
@@ -190,8 +209,11 @@ da.main(t.tiny_args(total_timesteps=400, vector_mode="async"))
 """
 
 
-@pytest.mark.parametrize("target, after, checkpointed", [("train_world_model", 3, True), ("preflight", 0, False)],
-                         ids=["in the loop", "at start-up"])
+@pytest.mark.parametrize(
+    "target, after, checkpointed",
+    [("train_world_model", 3, True), ("preflight", 0, False)],
+    ids=["in the loop", "at start-up"],
+)
 def test_an_unexpected_error_shows_its_traceback_keeps_what_was_trained_and_the_process_ends(
     in_tmp, target, after, checkpointed
 ):
@@ -199,8 +221,14 @@ def test_an_unexpected_error_shows_its_traceback_keeps_what_was_trained_and_the_
     writes a checkpoint first, and the process ends (async env workers ignore SIGTERM, so a worker left open
     would block the interpreter's exit forever)."""
     script = CRASHING_RUN.format(tests=str(ROOT / "tests"), root=str(ROOT), target=target, after=after)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=in_tmp, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=in_tmp,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"},
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.rstrip().endswith("RuntimeError: a bug in the code"), proc.stderr[-2000:]
     (run_dir,) = (in_tmp / "runs").iterdir()

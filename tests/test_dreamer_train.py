@@ -23,7 +23,6 @@ def adam_state(optimizer) -> list[torch.Tensor]:
     return [value.clone() for state in optimizer.state.values() for value in state.values()]
 
 
-
 def reference_lambda_return(reward, value, discount, lam, t):
     """By definition: (1 - lam) sum_n lam^(n-1) G_t^(n); the last n-step return takes what weight is left."""
     H = len(value) - 1
@@ -113,7 +112,11 @@ def test_non_finite_loss_skips_the_update_on_the_device_and_changes_nothing():
     batch["reward"][0, 3] = np.nan
     metrics, healthy, states = world_model_update(agent, batch, args)
     assert not healthy and np.isnan(metrics["losses/reward"])
-    states = {**states, "deter": states["deter"] * float("nan"), "stoch": states["stoch"] * float("nan")}  # diverged
+    states = {
+        **states,
+        "deter": states["deter"] * float("nan"),
+        "stoch": states["stoch"] * float("nan"),
+    }  # diverged
     _, behavior_healthy = da.train_behavior(agent, states, args)
     assert not behavior_healthy
     after = [t.detach() for m in modules for t in m.state_dict().values()]
@@ -128,7 +131,9 @@ def test_categorical_latents_follow_their_probabilities_with_straight_through_gr
     rssm = da.WorldModel(tiny_args(), (4, 84, 84), 6).rssm
     logits = torch.randn(1, 3, rssm.classes, requires_grad=True)
     stats = torch.log_softmax(logits, -1)  # (1, latents, classes) log-probabilities, as the RSSM keeps them
-    draws = rssm.sample(stats.expand(20_000, -1, -1)).view(20_000, 3, rssm.classes)  # one-hot (+ straight-through)
+    draws = rssm.sample(stats.expand(20_000, -1, -1)).view(
+        20_000, 3, rssm.classes
+    )  # one-hot (+ straight-through)
     frequencies = draws.detach().mean(0)
     assert torch.allclose(frequencies, stats.exp()[0].detach(), atol=0.015)
     assert torch.allclose(draws.detach().sum(-1), torch.ones(20_000, 3))  # exactly one class per latent
@@ -172,7 +177,9 @@ def test_compile_gives_the_eager_values_on_the_same_batches(monkeypatch):
             agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
             if compiled:
                 da.compile_agent(agent)
-                assert set(agent.world_model.state_dict()) == set(da.WorldModel(args, (4, 84, 84), 6).state_dict())
+                assert set(agent.world_model.state_dict()) == set(
+                    da.WorldModel(args, (4, 84, 84), 6).state_dict()
+                )
             values[compiled] = two_updates(agent, batch, args)
     finally:
         torch._dynamo.reset()
@@ -199,7 +206,11 @@ def test_channels_last_images_give_the_same_update_without_layout_copies(monkeyp
     real = da.prepare_batch
     values = {}
     for layout in (False, True):  # the model is channels-last both times; only the images' layout differs
-        monkeypatch.setattr(da, "prepare_batch", lambda raw, actions, channels_last=False: real(raw, actions, layout))  # noqa: B023 - this iteration only
+        monkeypatch.setattr(
+            da,
+            "prepare_batch",
+            lambda raw, actions, channels_last=False, layout=layout: real(raw, actions, layout),
+        )
         torch.manual_seed(0)
         values[layout] = two_updates(da.build_agent(args, (4, 84, 84), 6, "cpu"), batch, args)
     monkeypatch.undo()
@@ -252,8 +263,9 @@ def test_one_critic_pass_gives_the_losses_and_gradients_of_separate_value_and_lo
             advantage = (returns - value[:-1]) / agent.return_norm.scale()
         actor_loss = -(weight * (log_prob * advantage + args.entropy_coef * entropy)).mean()
         logits = agent.critic(feat[:-1])
-        critic_loss = (weight * (da.twohot_loss(logits, returns, bins)
-                                 + da.twohot_loss(logits, slow_value[:-1], bins))).mean()
+        critic_loss = (
+            weight * (da.twohot_loss(logits, returns, bins) + da.twohot_loss(logits, slow_value[:-1], bins))
+        ).mean()
         return actor_loss, critic_loss
 
     expected, expected_grads = losses_and_grads(reference)
@@ -270,7 +282,11 @@ def test_each_loss_branch_switches_off_alone(switched_off):
     """--no-decoder-loss, --no-reward-loss, --no-kl-loss: the world-model loss is the sum of the branches left on, the
     branch switched off is still logged, and the parameters only it trains get no gradient."""
     term = {"no_decoder_loss": "losses/image", "no_reward_loss": "losses/reward", "no_kl_loss": "losses/kl"}
-    only_it_trains = {"no_decoder_loss": "decoder", "no_reward_loss": "reward_head", "no_kl_loss": "rssm.prior_net"}
+    only_it_trains = {
+        "no_decoder_loss": "decoder",
+        "no_reward_loss": "reward_head",
+        "no_kl_loss": "rssm.prior_net",
+    }
     args = tiny_args(free_nats=0.0, **{switched_off: True})  # free nats 0: the tiny model's KL has a gradient
     torch.manual_seed(0)
     agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
@@ -290,5 +306,9 @@ def test_each_loss_branch_switches_off_alone(switched_off):
     full_args = tiny_args(free_nats=0.0)  # with every branch on, those parameters do learn
     agent.world_model.zero_grad(set_to_none=True)
     da.world_model_loss(agent, data, full_args)[0].backward()
-    grads = [p.grad for name, p in agent.world_model.named_parameters() if name.startswith(only_it_trains[switched_off])]
+    grads = [
+        p.grad
+        for name, p in agent.world_model.named_parameters()
+        if name.startswith(only_it_trains[switched_off])
+    ]
     assert grads and all(g is not None and g.any() for g in grads)

@@ -33,8 +33,15 @@ def run_limited(code: str, limit: int, cwd, timeout: int = 300) -> subprocess.Co
     script = LIMITED.format(root=str(ROOT), limit=limit) + textwrap.dedent(code)
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("RL_")}
-    return subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 @pytest.fixture
@@ -42,9 +49,13 @@ def small_disk(tmp_path):
     """A 3 MB tmpfs mounted at tmp_path/disk, where this process may mount one (root in a container); else skip."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True, check=False)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True, check=False
+    )
     if mounted.returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root); the RLIMIT_FSIZE tests cover the same code")
+        pytest.skip(
+            "cannot mount a small tmpfs here (needs root); the RLIMIT_FSIZE tests cover the same code"
+        )
     try:
         yield disk
     finally:
@@ -57,7 +68,8 @@ def leftovers(folder: Path) -> list[Path]:
 
 def test_a_write_past_a_file_size_limit_removes_the_partial_file_and_says_what_it_needed(tmp_path):
     (tmp_path / "state.pt").write_bytes(b"the last good one")
-    result = run_limited("""
+    result = run_limited(
+        """
         import memory_utils as mu, torch
         state = {"weights": torch.zeros(100_000)}  # 400 kB, past the 100 kB limit
         try:
@@ -65,7 +77,10 @@ def test_a_write_past_a_file_size_limit_removes_the_partial_file_and_says_what_i
         except mu.WriteFailed as exc:
             print("WriteFailed:", exc)
             print("needed", exc.needed_bytes, "free", exc.free_bytes)
-    """, limit=100_000, cwd=tmp_path)
+    """,
+        limit=100_000,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert "WriteFailed: could not write state.pt (needs 400,615 bytes, " in result.stdout, result.stdout
     assert "File too large" in result.stdout and "enforce fail" not in result.stdout
@@ -75,14 +90,18 @@ def test_a_write_past_a_file_size_limit_removes_the_partial_file_and_says_what_i
 
 def test_an_append_past_the_limit_leaves_the_file_whole(tmp_path):
     (tmp_path / "curve.csv").write_text("episode,score\n" + "1,2.0\n" * 100)
-    result = run_limited("""
+    result = run_limited(
+        """
         import memory_utils as mu
         mu.atomic_append("curve.csv", "2,3.0\\n")  # fits
         try:
             mu.atomic_append("curve.csv", "3,4.0\\n" * 20)
         except mu.WriteFailed as exc:
             print("WriteFailed:", exc)
-    """, limit=len("episode,score\n" + "1,2.0\n" * 101) + 20, cwd=tmp_path)
+    """,
+        limit=len("episode,score\n" + "1,2.0\n" * 101) + 20,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     assert "WriteFailed: could not write curve.csv (needs 740 bytes, " in result.stdout, result.stdout
     assert (tmp_path / "curve.csv").read_text() == "episode,score\n" + "1,2.0\n" * 100 + "2,3.0\n"
@@ -90,7 +109,9 @@ def test_an_append_past_the_limit_leaves_the_file_whole(tmp_path):
 
 
 def test_a_full_file_system_keeps_the_last_good_file_and_reports_the_free_space(small_disk):
-    state = {"weights": torch.zeros(300_000)}  # 1.2 MB: one fits on the 3 MB disk beside the other, not a third
+    state = {
+        "weights": torch.zeros(300_000)
+    }  # 1.2 MB: one fits on the 3 MB disk beside the other, not a third
     path = small_disk / "checkpoint.pt"
     mu.atomic_write(path, lambda f: torch.save(state, f), mu.estimate_nbytes(state))
     (small_disk / "ballast").write_bytes(b"\0" * 1_000_000)
@@ -107,7 +128,8 @@ def test_a_full_file_system_keeps_the_last_good_file_and_reports_the_free_space(
 def test_tensorboard_events_on_a_full_disk_are_one_warning_and_the_file_stays_readable(tmp_path):
     """TensorBoard's writer thread dies on a failed write and the next add_scalar raises: guarded, the writer
     drops what does not fit, keeps whole records only, and says so once."""
-    result = run_limited("""
+    result = run_limited(
+        """
         import memory_utils as mu
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter("events")
@@ -118,11 +140,16 @@ def test_tensorboard_events_on_a_full_disk_are_one_warning_and_the_file_stays_re
                 writer.flush()
         writer.close()
         print("training went on to the end")
-    """, limit=20_000, cwd=tmp_path)
+    """,
+        limit=20_000,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "training went on to the end" in result.stdout
     warnings = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "File too large" in warnings[0] and "events.out.tfevents" in warnings[0], warnings
+    assert len(warnings) == 1 and "File too large" in warnings[0] and "events.out.tfevents" in warnings[0], (
+        warnings
+    )
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     (events_file,) = (tmp_path / "events").iterdir()
     assert events_file.stat().st_size <= 20_000
@@ -188,11 +215,14 @@ def test_dreamer_periodic_checkpoints_that_fail_are_warnings_and_the_final_one_i
     assert result.returncode == da.EXIT_WRITE_FAILED, output[-3000:]
     assert "Traceback" not in output and "enforce fail" not in output, output[-3000:]
     periodic = [line for line in output.splitlines() if "checkpoint (periodic) not written" in line]
-    assert len(periodic) == 3 and all("File too large" in line and "checkpoint.pt (needs" in line for line in periodic)
+    assert len(periodic) == 3 and all(
+        "File too large" in line and "checkpoint.pt (needs" in line for line in periodic
+    )
     assert "step 300/300" in result.stdout  # training went on to its end
     (last,) = [line for line in result.stderr.splitlines() if line.startswith("stopping")]
     assert last.startswith("stopping: could not write runs/") and last.endswith(
-        "the run cannot go on without this checkpoint (end of training)."), last
+        "the run cannot go on without this checkpoint (end of training)."
+    ), last
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert not (run_dir / "checkpoint.pt").exists() and leftovers(tmp_path) == []
     assert list((run_dir / "open_loop").iterdir()), output[-3000:]  # the small files were written
@@ -205,9 +235,12 @@ def test_dreamer_with_room_for_one_checkpoint_keeps_it_and_stops_at_the_final_on
     args = da.Args(**{**dreamer_tiny.TINY, "num_envs": 1, "vector_mode": "sync", "amp": "off"})
     agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
     da.preflight(agent, args, (4, 84, 84))  # Adam's moments, as the run has them
-    size = mu.estimate_nbytes([{n: m.state_dict() for n, m in agent.modules().items()},
-                               [o.state_dict() for o in agent.optimizers]])
-    ballast = mu.free_bytes(small_disk) - int(1.6 * size) - 200_000  # room for one checkpoint, events and GIFs
+    size = mu.estimate_nbytes(
+        [{n: m.state_dict() for n, m in agent.modules().items()}, [o.state_dict() for o in agent.optimizers]]
+    )
+    ballast = (
+        mu.free_bytes(small_disk) - int(1.6 * size) - 200_000
+    )  # room for one checkpoint, events and GIFs
     (small_disk / "ballast").write_bytes(b"\0" * ballast)
     result = run_limited(dreamer_code(), limit=2**40, cwd=small_disk)
     output = result.stdout + result.stderr
@@ -222,16 +255,44 @@ def test_dreamer_with_room_for_one_checkpoint_keeps_it_and_stops_at_the_final_on
 
 def test_dreamer_says_at_start_up_when_two_checkpoints_do_not_fit(small_disk):
     (small_disk / "ballast").write_bytes(b"\0" * (mu.free_bytes(small_disk) - 150_000))
-    result = run_limited(DREAMER_RUN.replace("{tiny}", "__import__('dreamer_tiny').TINY").replace(
-        "import dreamer_atari as da", f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); "
-        "import dreamer_atari as da").replace("total_timesteps=300", "total_timesteps=60"), limit=2**40, cwd=small_disk)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("warning:") and "free where" in line]
+    result = run_limited(
+        DREAMER_RUN.replace("{tiny}", "__import__('dreamer_tiny').TINY")
+        .replace(
+            "import dreamer_atari as da",
+            f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import dreamer_atari as da",
+        )
+        .replace("total_timesteps=300", "total_timesteps=60"),
+        limit=2**40,
+        cwd=small_disk,
+    )
+    lines = [
+        line for line in result.stdout.splitlines() if line.startswith("warning:") and "free where" in line
+    ]
     assert len(lines) == 1 and "less than 2 checkpoints of about" in lines[0], result.stdout[-2000:]
 
 
-DQN_TINY = ["--res", "8", "--step-mul", "128", "--buffer-size", "200", "--learning-starts", "10",
-            "--eval-every-episodes", "1", "--num-eval-episodes", "1", "--num-test-episodes", "2",
-            "--memory-log-every", "10", "--leak-warmup-steps", "0", "--log-every-steps", "5"]
+DQN_TINY = [
+    "--res",
+    "8",
+    "--step-mul",
+    "128",
+    "--buffer-size",
+    "200",
+    "--learning-starts",
+    "10",
+    "--eval-every-episodes",
+    "1",
+    "--num-eval-episodes",
+    "1",
+    "--num-test-episodes",
+    "2",
+    "--memory-log-every",
+    "10",
+    "--leak-warmup-steps",
+    "0",
+    "--log-every-steps",
+    "5",
+]
 
 
 def test_dqn_final_checkpoint_that_cannot_be_written_is_one_sentence_and_exit_6(tmp_path):
@@ -248,7 +309,8 @@ def test_dqn_final_checkpoint_that_cannot_be_written_is_one_sentence_and_exit_6(
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("stopped")]
     assert line.startswith("stopped: could not write results/full/checkpoint.pt (needs ") and line.endswith(
-        "File too large; the run cannot go on without this file."), line
+        "File too large; the run cannot go on without this file."
+    ), line
     run = tmp_path / "results" / "full"
     assert (run / "eval" / "test_results.json").exists() and not (run / "checkpoint.pt").exists()
     assert not (tmp_path / "results" / "results.csv").exists() and leftovers(tmp_path) == []

@@ -15,13 +15,22 @@ from benchmark import learning_proof as lp
 
 @pytest.mark.slow
 def test_the_world_model_learns_catch_through_the_scripts_own_loop(tmp_path):
-    out = lp.main(lp.Args(json=str(tmp_path / "proof.json"), seed=3, total_timesteps=1_000, eval_episodes=20,
-                          work_dir=str(tmp_path / "work")))
+    out = lp.main(
+        lp.Args(
+            json=str(tmp_path / "proof.json"),
+            seed=3,
+            total_timesteps=1_000,
+            eval_episodes=20,
+            work_dir=str(tmp_path / "work"),
+        )
+    )
     assert out["env_steps"] == 1_000 and out["updates"] >= 450 and out["behavior_updates"] == out["updates"]
     assert out["optimal_return"] == 1.0 and out["random_return"] < 0 and len(out["final_returns"]) == 20
     (run_dir,) = (tmp_path / "work" / "runs").iterdir()
-    scalars = bench_utils.read_scalars(str(run_dir), ["losses/image", "losses/reward", "losses/actor", "losses/kl",
-                                                      "charts/reward_sign_accuracy"])
+    scalars = bench_utils.read_scalars(
+        str(run_dir),
+        ["losses/image", "losses/reward", "losses/actor", "losses/kl", "charts/reward_sign_accuracy"],
+    )
     for key in ("losses/image", "losses/reward"):
         series = scalars[key]  # {env step: mean over the log interval}
         assert series[max(series)] < 0.2 * series[min(series)], (key, series)
@@ -41,12 +50,24 @@ def test_reached_at_is_the_first_step_where_the_recent_episodes_average_the_targ
 
 def test_the_results_table_has_every_seed_and_when_it_reached_the_target():
     machine = {"cpu": "AMD EPYC", "cpu_count": 2, "torch": "2.13.0+cpu"}
-    runs = [{"seed": seed, "final_return": 0.9, "optimal_return": 1.0, "random_return": -0.6, "env_steps": 2_000,
-             "updates": 1_700, "seconds": 150.0, "machine": machine, "command": f"python ... --seed {seed}",
-             "reached_at": reach, "load_average": {"before": [3.2, 1, 1], "after": [2.1, 1, 1]},
-             "proof_args": {"json": "x", "seed": seed, "reach_fraction": 0.8, "reach_window": 50},
-             "curve": [{"env_step": 1_000, "mean_return": -0.5}, {"env_step": 2_000, "mean_return": 0.9}]}
-            for seed, reach in ((2, 1_200), (1, 1_400))]
+    runs = [
+        {
+            "seed": seed,
+            "final_return": 0.9,
+            "optimal_return": 1.0,
+            "random_return": -0.6,
+            "env_steps": 2_000,
+            "updates": 1_700,
+            "seconds": 150.0,
+            "machine": machine,
+            "command": f"python ... --seed {seed}",
+            "reached_at": reach,
+            "load_average": {"before": [3.2, 1, 1], "after": [2.1, 1, 1]},
+            "proof_args": {"json": "x", "seed": seed, "reach_fraction": 0.8, "reach_window": 50},
+            "curve": [{"env_step": 1_000, "mean_return": -0.5}, {"env_step": 2_000, "mean_return": 0.9}],
+        }
+        for seed, reach in ((2, 1_200), (1, 1_400))
+    ]
     table = lp.summary_markdown(runs)
     rows = [line for line in table.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert rows[0].startswith("| 1 | 0.90 | 1.00 | -0.60 | 1,400 (70%) | 2,000 | 1,700 | 150 | 3.2 / 2.1 |")

@@ -20,8 +20,13 @@ SEGMENT = 2 * 1024 * 1024  # small-pool segments are 2 MiB
 
 def _frames(*sites):
     """Innermost first, as torch records them: library frames around the project's own frame."""
-    frames = [{"filename": "/usr/lib/python3.11/site-packages/torch/nn/modules/linear.py", "line": 125,
-               "name": "forward"}]
+    frames = [
+        {
+            "filename": "/usr/lib/python3.11/site-packages/torch/nn/modules/linear.py",
+            "line": 125,
+            "name": "forward",
+        }
+    ]
     frames += [{"filename": f"/home/user/project/{f}", "line": line, "name": name} for f, line, name in sites]
     return frames
 
@@ -34,29 +39,72 @@ def _snapshot(leaky_blocks, steady_blocks=50, leak_site=("dreamer_atari.py", 412
         nonlocal address
         seg_blocks, offset = [], 0
         for size, state, frames in blocks:
-            seg_blocks.append({"address": address + offset, "size": size, "requested_size": size, "state": state,
-                               "frames": frames})
+            seg_blocks.append(
+                {
+                    "address": address + offset,
+                    "size": size,
+                    "requested_size": size,
+                    "state": state,
+                    "frames": frames,
+                }
+            )
             offset += size
         if offset < total:
-            seg_blocks.append({"address": address + offset, "size": total - offset, "requested_size": 0,
-                               "state": "inactive", "frames": []})
+            seg_blocks.append(
+                {
+                    "address": address + offset,
+                    "size": total - offset,
+                    "requested_size": 0,
+                    "state": "inactive",
+                    "frames": [],
+                }
+            )
         allocated = sum(b["size"] for b in seg_blocks if b["state"] != "inactive")
-        segments.append({"device": 0, "address": address, "total_size": total, "allocated_size": allocated,
-                         "active_size": allocated, "requested_size": allocated, "stream": 0,
-                         "segment_type": kind, "blocks": seg_blocks})
+        segments.append(
+            {
+                "device": 0,
+                "address": address,
+                "total_size": total,
+                "allocated_size": allocated,
+                "active_size": allocated,
+                "requested_size": allocated,
+                "stream": 0,
+                "segment_type": kind,
+                "blocks": seg_blocks,
+            }
+        )
         address += total
 
-    leak = [(4 * KB, "active_allocated", _frames(leak_site, ("dreamer_atari.py", 900, "main")))] * leaky_blocks
-    steady = [(4 * KB, "active_allocated", _frames(("dreamer_atari.py", 300, "train_world_model")))] * steady_blocks
+    leak = [
+        (4 * KB, "active_allocated", _frames(leak_site, ("dreamer_atari.py", 900, "main")))
+    ] * leaky_blocks
+    steady = [
+        (4 * KB, "active_allocated", _frames(("dreamer_atari.py", 300, "train_world_model")))
+    ] * steady_blocks
     small = leak + steady
     per_segment = SEGMENT // (4 * KB)
     for i in range(0, len(small), per_segment):
-        add_segment("small", SEGMENT, small[i:i + per_segment])
-    add_segment("large", 64 * 1024 * 1024,
-                [(40 * 1024 * 1024, "active_allocated", _frames(("dreamer_atari.py", 200, "build_agent"))),
-                 (8 * 1024 * 1024, "active_pending_free", _frames(("dreamer_atari.py", 310, "train_world_model")))])
-    traces = [[{"action": "alloc", "addr": 0x7F0000000000, "size": 4 * KB, "stream": 0, "time_us": 1,
-                "frames": _frames(leak_site)}]]
+        add_segment("small", SEGMENT, small[i : i + per_segment])
+    add_segment(
+        "large",
+        64 * 1024 * 1024,
+        [
+            (40 * 1024 * 1024, "active_allocated", _frames(("dreamer_atari.py", 200, "build_agent"))),
+            (8 * 1024 * 1024, "active_pending_free", _frames(("dreamer_atari.py", 310, "train_world_model"))),
+        ],
+    )
+    traces = [
+        [
+            {
+                "action": "alloc",
+                "addr": 0x7F0000000000,
+                "size": 4 * KB,
+                "stream": 0,
+                "time_us": 1,
+                "frames": _frames(leak_site),
+            }
+        ]
+    ]
     return {"segments": segments, "device_traces": traces}
 
 
@@ -79,7 +127,9 @@ def test_growing_call_site_is_named_with_the_right_slope(tmp_path):
     assert top["site"] == "dreamer_atari.py:412:observe"  # innermost project frame, not torch's linear.py
     assert top["growth_blocks"] == 4000 and top["growth_mb"] == pytest.approx(4000 * 4 / 1024)
     assert analysis.verdict.startswith("leak") and "no_grad" in analysis.verdict
-    assert analysis.rows[0]["large_pool_active_mb"] == pytest.approx(48)  # pending-free blocks count as active
+    assert analysis.rows[0]["large_pool_active_mb"] == pytest.approx(
+        48
+    )  # pending-free blocks count as active
 
 
 def test_steady_series_reads_as_steady(tmp_path):
@@ -123,14 +173,29 @@ def test_analyze_cli_writes_the_report_and_compares_with_logged_scalars(tmp_path
     _write_series(snaps, blocks)
     writer = SummaryWriter(str(run_dir))
     for step, n in zip((1000, 2000, 3000, 4000, 5000), blocks):
-        allocated = mu.summarize_snapshot(_snapshot(n))["totals"]["allocated_mb"]  # what memory_allocated() says
+        allocated = mu.summarize_snapshot(_snapshot(n))["totals"][
+            "allocated_mb"
+        ]  # what memory_allocated() says
         writer.add_scalar(mu.KEY_GPU_ALLOC_MB, allocated, step)
         writer.add_scalar(mu.KEY_GPU_RESERVED_MB, 1.0, step)  # deliberately disagrees
     writer.close()
     out = tmp_path / "analysis"
-    result = subprocess.run([sys.executable, str(ROOT / "memory_utils.py"), "analyze", "--snapshots-dir", str(snaps),
-                             "--events-dir", str(run_dir), "--out-dir", str(out)],
-                            capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "memory_utils.py"),
+            "analyze",
+            "--snapshots-dir",
+            str(snaps),
+            "--events-dir",
+            str(run_dir),
+            "--out-dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr
     assert "slope per 1k steps" in result.stdout and "dreamer_atari.py:412:observe" in result.stdout
     assert "leak:" in result.stdout
@@ -140,7 +205,9 @@ def test_analyze_cli_writes_the_report_and_compares_with_logged_scalars(tmp_path
     assert "<script" not in page and "http" not in page and "data:image/png;base64," in page  # opens offline
     assert "dreamer_atari.py:412:observe" in page
     # every segment is listed, the 2 MiB small-pool ones too (torch's segsum leaves out those under 20 MiB)
-    assert (out / "segments.txt").read_text().count(" small ") == len(mu.load_snapshot(snaps / "snapshot_step_5000.pickle")["segments"]) - 1
+    assert (out / "segments.txt").read_text().count(" small ") == len(
+        mu.load_snapshot(snaps / "snapshot_step_5000.pickle")["segments"]
+    ) - 1
     rows = (out / "growth.csv").read_text().strip().splitlines()
     assert rows[0].startswith("step,active_mb") and len(rows) == 6
     report = (out / "report.md").read_text()
@@ -149,8 +216,12 @@ def test_analyze_cli_writes_the_report_and_compares_with_logged_scalars(tmp_path
 
 
 def test_analyze_cli_bad_path_is_one_line(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "memory_utils.py"), "analyze", "--snapshots-dir",
-                             str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "memory_utils.py"), "analyze", "--snapshots-dir", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
 
@@ -234,7 +305,9 @@ def test_oom_observer_is_not_attached_without_cuda(tmp_path):
 
 
 def test_oom_report_is_written_up_to_the_cuda_calls(tmp_path):
-    exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity ...")
+    exc = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity ..."
+    )
     verdict = mu.LeakVerdict(True, "graph_retention", "memory leak suspected: graphs", {})
     diagnosis = mu.write_oom_report(str(tmp_path), exc, {mu.KEY_RSS_MB: 1234.0}, verdict)
     report = json.loads((tmp_path / "oom" / "report.json").read_text())
@@ -246,24 +319,33 @@ def test_oom_report_is_written_up_to_the_cuda_calls(tmp_path):
 
 def test_oom_diagnosis_explains_wsl_spill_and_contention():
     # the incident: 12.15 GiB allocated on a 6 GiB laptop card under WSL2
-    wsl = mu.diagnose_oom("Tried to allocate 2.00 GiB", allocated_mb=12.15 * 1024, reserved_mb=12.5 * 1024,
-                          free_mb=0.0, total_mb=6 * 1024)
+    wsl = mu.diagnose_oom(
+        "Tried to allocate 2.00 GiB",
+        allocated_mb=12.15 * 1024,
+        reserved_mb=12.5 * 1024,
+        free_mb=0.0,
+        total_mb=6 * 1024,
+    )
     assert "2048 MiB" in wsl and "spilling into shared host memory" in wsl and "WSL2" in wsl
     # the A30 case: another process holds most of the card
-    contended = mu.diagnose_oom("Tried to allocate 512.00 MiB", allocated_mb=900, reserved_mb=1000,
-                                free_mb=300, total_mb=24 * 1024)
+    contended = mu.diagnose_oom(
+        "Tried to allocate 512.00 MiB", allocated_mb=900, reserved_mb=1000, free_mb=300, total_mb=24 * 1024
+    )
     assert "Another process holds a large share" in contended and "spilling" not in contended
     assert "cap" not in wsl and "cap" not in contended
 
 
 def test_oom_diagnosis_names_a_per_process_cap():
     # torch adds "<size> allowed;" to the message when torch.cuda.set_per_process_memory_fraction is in force
-    message = ("CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has a total capacity of 79.19 GiB of which "
-               "77.90 GiB is free. Including non-PyTorch memory, this process has 1.29 GiB memory in use. "
-               "1.20 GiB allowed; Of the allocated memory 1.10 GiB is allocated by PyTorch, and 20.00 MiB is "
-               "reserved by PyTorch but unallocated.")
-    capped = mu.diagnose_oom(message, allocated_mb=1126, reserved_mb=1146, free_mb=77.9 * 1024,
-                             total_mb=79.19 * 1024)
+    message = (
+        "CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has a total capacity of 79.19 GiB of which "
+        "77.90 GiB is free. Including non-PyTorch memory, this process has 1.29 GiB memory in use. "
+        "1.20 GiB allowed; Of the allocated memory 1.10 GiB is allocated by PyTorch, and 20.00 MiB is "
+        "reserved by PyTorch but unallocated."
+    )
+    capped = mu.diagnose_oom(
+        message, allocated_mb=1126, reserved_mb=1146, free_mb=77.9 * 1024, total_mb=79.19 * 1024
+    )
     assert "100 MiB" in capped and "at most 1229 MiB" in capped and "per-process cap" in capped
     assert "Another process" not in capped and "spilling" not in capped
 
@@ -299,22 +381,34 @@ def _shared_blocks_bomb() -> bytes:
     return pickle.dumps({"segments": [segment] * 10_000, "device_traces": []})
 
 
-@pytest.mark.parametrize("bomb, why", [(_memo_bomb, "memo index"), (_empty_sets_bomb, "containers"),
-                                       (_shared_blocks_bomb, "share one list of blocks")])
+@pytest.mark.parametrize(
+    "bomb, why",
+    [
+        (_memo_bomb, "memo index"),
+        (_empty_sets_bomb, "containers"),
+        (_shared_blocks_bomb, "share one list of blocks"),
+    ],
+)
 def test_snapshot_bombs_are_refused_in_one_line_with_bounded_memory(tmp_path, bomb, why):
     snaps = tmp_path / "memory_snapshots"
     snaps.mkdir()
     (snaps / "snapshot_step_1000.pickle").write_bytes(bomb())
     assert (snaps / "snapshot_step_1000.pickle").stat().st_size < 6_000_000
-    script = ("import resource, runpy, sys\n"  # noqa: UP031 - %r quotes the path as Python source
-              "sys.argv = ['memory_utils.py', 'analyze', '--snapshots-dir', sys.argv[1]]\n"
-              "try:\n    runpy.run_path(sys.argv[0] if False else %r, run_name='__main__')\n"
-              "finally:\n    print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
-              % str(ROOT / "memory_utils.py"))
-    done = subprocess.run([sys.executable, "-c", script, str(snaps)], capture_output=True, text=True, timeout=120)
+    script = (
+        "import resource, runpy, sys\n"  # noqa: UP031 - %r quotes the path as Python source
+        "sys.argv = ['memory_utils.py', 'analyze', '--snapshots-dir', sys.argv[1]]\n"
+        "try:\n    runpy.run_path(sys.argv[0] if False else %r, run_name='__main__')\n"
+        "finally:\n    print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+        % str(ROOT / "memory_utils.py")
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(snaps)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     lines = [line for line in done.stderr.splitlines() if not line.startswith("maxrss_kb")]
-    assert lines[0].startswith("warning: skipped snapshot_step_1000.pickle: refused (") and why in lines[0], lines
+    assert lines[0].startswith("warning: skipped snapshot_step_1000.pickle: refused (") and why in lines[0], (
+        lines
+    )
     assert "no readable snapshot_step_<N>.pickle files" in lines[1] and len(lines) == 2
     maxrss_mb = int(done.stderr.split("maxrss_kb ")[1].split()[0]) / 1024
     assert maxrss_mb < 1024, f"the refusal itself took {maxrss_mb:.0f} MB"
@@ -329,29 +423,55 @@ def test_a_real_snapshot_passes_the_stream_check(tmp_path):
 
 def _holders_snapshot(expandable=False, cpp_first=False):
     """One OOM-time snapshot: optimizer state, parameters, a replay batch and activations, as torch records them."""
+
     def frames(*python):
-        out = [{"filename": "/usr/lib/python3.11/site-packages/torch/" + f, "line": 1, "name": n} for f, n in python]
+        out = [
+            {"filename": "/usr/lib/python3.11/site-packages/torch/" + f, "line": 1, "name": n}
+            for f, n in python
+        ]
         out += [{"filename": "/home/user/project/dreamer_atari.py", "line": 1000, "name": "main"}]
         if cpp_first:  # torch's default stacks="all": C++ frames first, the allocator's own innermost
-            out = [{"filename": "c10/cuda/CUDACachingAllocator.cpp", "line": 1, "name": "malloc"},
-                   {"filename": "??", "line": 0, "name": "at::empty"}] + out
+            out = [
+                {"filename": "c10/cuda/CUDACachingAllocator.cpp", "line": 1, "name": "malloc"},
+                {"filename": "??", "line": 0, "name": "at::empty"},
+            ] + out
         return out
 
     blocks = [
         (300, frames(("optim/adam.py", "_init_group"))),
         (120, frames(("nn/modules/module.py", "_apply"))),
-        (40, [{"filename": "/home/user/project/dreamer_atari.py", "line": 1210, "name": "batch_tensors"}]
-         + frames()),
+        (
+            40,
+            [{"filename": "/home/user/project/dreamer_atari.py", "line": 1210, "name": "batch_tensors"}]
+            + frames(),
+        ),
         (500, frames(("nn/modules/linear.py", "forward"))),
     ]
     segments = []
     for i, (mb, block_frames) in enumerate(blocks):
         size = mb * 1024 * 1024
-        segments.append({"device": 0, "address": i << 40, "total_size": size, "allocated_size": size,
-                         "active_size": size, "requested_size": size, "stream": 0, "segment_type": "large",
-                         "is_expandable": expandable,
-                         "blocks": [{"address": i << 40, "size": size, "requested_size": size,
-                                     "state": "active_allocated", "frames": block_frames}]})
+        segments.append(
+            {
+                "device": 0,
+                "address": i << 40,
+                "total_size": size,
+                "allocated_size": size,
+                "active_size": size,
+                "requested_size": size,
+                "stream": 0,
+                "segment_type": "large",
+                "is_expandable": expandable,
+                "blocks": [
+                    {
+                        "address": i << 40,
+                        "size": size,
+                        "requested_size": size,
+                        "state": "active_allocated",
+                        "frames": block_frames,
+                    }
+                ],
+            }
+        )
     return {"segments": segments, "device_traces": [[]]}
 
 
@@ -361,16 +481,23 @@ def test_analyze_reads_one_oom_snapshot_and_says_what_holds_the_memory(tmp_path)
     path.write_bytes(pickle.dumps(_holders_snapshot(cpp_first=True)))
     outputs = []
     for hash_seed in ("0", "1"):  # the order is by size, never by hashing
-        done = subprocess.run([sys.executable, str(ROOT / "memory_utils.py"), "analyze", str(path)],
-                              capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "memory_utils.py"), "analyze", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONHASHSEED": hash_seed},
+        )
         assert done.returncode == 0, done.stderr
         outputs.append(done.stdout)
     assert outputs[0] == outputs[1]
     held = outputs[0].split("What holds the memory at that moment:")[1].splitlines()[1:5]
     assert [line.split(":")[0].strip() for line in held] == [
-        "activations (forward)", "optimizer state", "parameters (model built or moved)",
-        "replay batches (copied to the device)"]
+        "activations (forward)",
+        "optimizer state",
+        "parameters (model built or moved)",
+        "replay batches (copied to the device)",
+    ]
     # C++ frames first (stacks="all"): still attributed to the user's innermost Python frame
     assert "dreamer_atari.py:1210:batch_tensors: 40.00 MB" in outputs[0]
     assert "CUDACachingAllocator" not in outputs[0]
@@ -385,8 +512,15 @@ def test_a_single_jump_in_reserved_memory_is_not_fragmentation(tmp_path):
     for step in (1500, 2000, 2500, 3000):
         path = snaps / f"snapshot_step_{step}.pickle"
         data = mu.load_snapshot(path)
-        data["segments"].append({"device": 0, "address": 1 << 45, "total_size": 42 * 1024 * 1024,
-                                 "segment_type": "large", "blocks": []})
+        data["segments"].append(
+            {
+                "device": 0,
+                "address": 1 << 45,
+                "total_size": 42 * 1024 * 1024,
+                "segment_type": "large",
+                "blocks": [],
+            }
+        )
         path.write_bytes(pickle.dumps(data))
     analysis = mu.analyze_snapshots(snaps)
     assert analysis.verdict.startswith("steady"), analysis.verdict
@@ -398,8 +532,16 @@ def test_fragmentation_advice_knows_whether_expandable_segments_are_on(tmp_path,
     snaps.mkdir()
     for i, step in enumerate(range(1000, 7000, 1000)):
         data = _holders_snapshot(expandable=expandable)
-        data["segments"].append({"device": 0, "address": 1 << 45, "total_size": (10 + 20 * i) * 1024 * 1024,
-                                 "segment_type": "large", "is_expandable": expandable, "blocks": []})
+        data["segments"].append(
+            {
+                "device": 0,
+                "address": 1 << 45,
+                "total_size": (10 + 20 * i) * 1024 * 1024,
+                "segment_type": "large",
+                "is_expandable": expandable,
+                "blocks": [],
+            }
+        )
         (snaps / f"snapshot_step_{step}.pickle").write_bytes(pickle.dumps(data))
     verdict = mu.analyze_snapshots(snaps).verdict
     assert verdict.startswith("fragmentation"), verdict

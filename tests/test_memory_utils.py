@@ -50,11 +50,23 @@ def test_gpu_stats_empty_without_cuda_and_report_keys():
 
 def test_memory_keys_are_the_documented_names():
     assert mu.CPU_KEYS == ("debug/cpu/rss_mb", "debug/cpu/uss_mb", "debug/cpu/anon_mb")
-    assert set(mu.GPU_KEYS) == {f"debug/gpu/{k}" for k in (
-        "alloc_mb", "reserved_mb", "max_alloc_mb", "max_reserved_mb", "small_pool_active_mb",
-        "large_pool_active_mb", "active_blocks", "num_alloc_retries", "num_ooms")}
-    assert set(mu.BUFFER_KEYS.values()) == {f"buffer/replay/{k}" for k in (
-        "total_steps", "num_episodes", "obs_bytes", "aux_bytes")}
+    assert set(mu.GPU_KEYS) == {
+        f"debug/gpu/{k}"
+        for k in (
+            "alloc_mb",
+            "reserved_mb",
+            "max_alloc_mb",
+            "max_reserved_mb",
+            "small_pool_active_mb",
+            "large_pool_active_mb",
+            "active_blocks",
+            "num_alloc_retries",
+            "num_ooms",
+        )
+    }
+    assert set(mu.BUFFER_KEYS.values()) == {
+        f"buffer/replay/{k}" for k in ("total_steps", "num_episodes", "obs_bytes", "aux_bytes")
+    }
 
 
 def test_memory_report_rejects_incomplete_buffer_stats():
@@ -109,18 +121,21 @@ def test_leak_detector_does_not_flag_a_buffer_filling_to_capacity():
     verdict = _run_loop(steps_per_iter=100, iters=30, keep=False, buffer=[], buffer_capacity=20)
     assert not verdict.leaking, verdict.diagnosis
     # the same loop judged without the buffer's bytes would be flagged: the subtraction is what saves it
-    unexplained = _run_loop(steps_per_iter=100, iters=30, keep=False, buffer=[], buffer_capacity=None,
-                            pass_buffer_stats=False)
+    unexplained = _run_loop(
+        steps_per_iter=100, iters=30, keep=False, buffer=[], buffer_capacity=None, pass_buffer_stats=False
+    )
     assert unexplained.leaking and unexplained.cause == "host_references"
 
 
 # The neighbour maps and reads every page of the same file, as a second torch process does with the libraries.
-NEIGHBOUR = ("import mmap, sys\n"
-             "f = open(sys.argv[1], 'rb')\n"
-             "pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
-             "sum(pages[i] for i in range(0, len(pages), mmap.PAGESIZE))\n"
-             "print('ready', flush=True)\n"
-             "sys.stdin.read()\n")
+NEIGHBOUR = (
+    "import mmap, sys\n"
+    "f = open(sys.argv[1], 'rb')\n"
+    "pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
+    "sum(pages[i] for i in range(0, len(pages), mmap.PAGESIZE))\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.read()\n"
+)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="USS and RssAnon as Linux reports them")
@@ -138,8 +153,12 @@ def test_a_neighbour_process_sharing_library_pages_starting_and_ending_is_not_a_
     sum(pages[i] for i in range(0, len(pages), mmap.PAGESIZE))  # resident, and this process's alone
     detector = mu.LeakDetector(warmup_steps=0, window=10, threshold_mb_per_1k=1.0)
     uss = []
-    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(library)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
+    neighbour = subprocess.Popen(
+        [sys.executable, "-c", NEIGHBOUR, str(library)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert neighbour.stdout.readline().strip() == "ready"
         for i in range(10):
@@ -165,11 +184,25 @@ def test_leak_detector_names_gpu_causes_from_the_pools_that_grow():
     frag = mu.LeakDetector(warmup_steps=0, window=10)
     for i in range(20):
         step = 500 * i
-        graphs.observe(step, {mu.KEY_USS_MB: 500.0, mu.KEY_GPU_ALLOC_MB: 100 + 0.1 * step,
-                              mu.KEY_GPU_SMALL_POOL_ACTIVE_MB: 10 + 0.1 * step, mu.KEY_GPU_ACTIVE_BLOCKS: 8000 + 8 * step,
-                              mu.KEY_GPU_RESERVED_MB: 200 + 0.1 * step})
-        frag.observe(step, {mu.KEY_USS_MB: 500.0, mu.KEY_GPU_ALLOC_MB: 100.0, mu.KEY_GPU_ACTIVE_BLOCKS: 900.0,
-                            mu.KEY_GPU_RESERVED_MB: 200 + 0.05 * step})
+        graphs.observe(
+            step,
+            {
+                mu.KEY_USS_MB: 500.0,
+                mu.KEY_GPU_ALLOC_MB: 100 + 0.1 * step,
+                mu.KEY_GPU_SMALL_POOL_ACTIVE_MB: 10 + 0.1 * step,
+                mu.KEY_GPU_ACTIVE_BLOCKS: 8000 + 8 * step,
+                mu.KEY_GPU_RESERVED_MB: 200 + 0.1 * step,
+            },
+        )
+        frag.observe(
+            step,
+            {
+                mu.KEY_USS_MB: 500.0,
+                mu.KEY_GPU_ALLOC_MB: 100.0,
+                mu.KEY_GPU_ACTIVE_BLOCKS: 900.0,
+                mu.KEY_GPU_RESERVED_MB: 200 + 0.05 * step,
+            },
+        )
     g = graphs.check()
     assert g.leaking and g.cause == "graph_retention" and "no_grad" in g.diagnosis
     assert g.slopes[mu.KEY_GPU_SMALL_POOL_ACTIVE_MB] == pytest.approx(100.0)
@@ -182,7 +215,12 @@ def test_leak_detector_ignores_warmup_and_checks_arguments():
     for step in range(0, 10_000, 1000):
         detector.add("debug/cpu/uss_mb", step, float(step))
     assert detector.check().cause == "warming_up"
-    for bad in ({"warmup_steps": -1}, {"window": 1}, {"threshold_mb_per_1k": 0}, {"threshold_mb_per_1k": float("nan")}):
+    for bad in (
+        {"warmup_steps": -1},
+        {"window": 1},
+        {"threshold_mb_per_1k": 0},
+        {"threshold_mb_per_1k": float("nan")},
+    ):
         with pytest.raises(ValueError):
             mu.LeakDetector(**bad)
     with pytest.raises(ValueError, match="finite"):
@@ -246,12 +284,16 @@ def test_wait_for_gpu_returns_when_memory_frees():
 
 def test_wait_for_gpu_times_out():
     gpu = FakeGpu(frees_after=None)
-    assert not mu.wait_for_gpu(4000, poll_s=5, timeout_s=12, probe=gpu.probe, sleep=gpu.sleep, clock=gpu.clock)
+    assert not mu.wait_for_gpu(
+        4000, poll_s=5, timeout_s=12, probe=gpu.probe, sleep=gpu.sleep, clock=gpu.clock
+    )
     assert sum(gpu.sleeps) == 12 and gpu.polls == 4
 
 
-@pytest.mark.parametrize("kwargs,name", [({"min_free_mb": -1}, "min_free_mb"), ({"poll_s": 0}, "poll_s"),
-                                         ({"timeout_s": -5}, "timeout_s")])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [({"min_free_mb": -1}, "min_free_mb"), ({"poll_s": 0}, "poll_s"), ({"timeout_s": -5}, "timeout_s")],
+)
 def test_wait_for_gpu_checks_arguments(kwargs, name):
     args = {"min_free_mb": 10, "poll_s": 1, "timeout_s": 1, "probe": lambda: 0.0, **kwargs}
     with pytest.raises(ValueError, match=name):
@@ -323,15 +365,19 @@ def test_preallocation_handles_several_optimizers_and_refuses_bad_input():
         mu.preallocate_optimizer_state(None, opt_a)
 
 
-ALL_OPTIMIZERS = [c for c in vars(torch.optim).values()
-                  if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer]
+ALL_OPTIMIZERS = [
+    c
+    for c in vars(torch.optim).values()
+    if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+]
 OPTIMIZER_KWARGS = {"SGD": {"lr": 0.01, "momentum": 0.9, "dampening": 0.5}, "Muon": {"lr": 0.02}}
 
 
 def _batchnorm_model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
-                               torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+    )
 
 
 @pytest.mark.parametrize("opt_cls", ALL_OPTIMIZERS, ids=lambda c: c.__name__)
@@ -340,8 +386,11 @@ def test_preallocation_leaves_every_optimizer_and_batchnorm_as_a_fresh_start(opt
     same weights, running statistics and optimizer state as three steps of a twin that never preallocated."""
     name = opt_cls.__name__
     kwargs = OPTIMIZER_KWARGS.get(name, {})
-    trainable = (lambda m: [p for p in m.parameters() if p.ndim == 2]) if name == "Muon" else (
-        lambda m: list(m.parameters()))
+    trainable = (
+        (lambda m: [p for p in m.parameters() if p.ndim == 2])
+        if name == "Muon"
+        else (lambda m: list(m.parameters()))
+    )
     model, twin = _batchnorm_model(), _batchnorm_model()
     optimizer, twin_optimizer = opt_cls(trainable(model), **kwargs), opt_cls(trainable(twin), **kwargs)
     x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
@@ -371,8 +420,9 @@ def test_preallocation_leaves_every_optimizer_and_batchnorm_as_a_fresh_start(opt
 def test_preallocation_refuses_a_step_that_creates_no_state():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match="nothing to preallocate"):
-        mu.preallocate_optimizer_state(lambda: model(torch.ones(2, 4)).sum().backward(),
-                                       torch.optim.SGD(model.parameters(), lr=0.1))
+        mu.preallocate_optimizer_state(
+            lambda: model(torch.ones(2, 4)).sum().backward(), torch.optim.SGD(model.parameters(), lr=0.1)
+        )
 
 
 # --------------------------------------------------------------------------------------- AMP
@@ -395,8 +445,13 @@ def test_amp_on_cpu_is_quiet_and_correct():
 
 # --------------------------------------------------------------------------------------- CLI
 def _cli(*args, **env):
-    return subprocess.run([sys.executable, str(ROOT / "memory_utils.py"), *args], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "memory_utils.py"), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
 
 
 def test_cli_help_lists_the_commands():
@@ -406,13 +461,19 @@ def test_cli_help_lists_the_commands():
         assert command in result.stdout
 
 
-@pytest.mark.parametrize("args,needle", [
-    (("wait", "--min-free", "abc", "--", "true"), "--min-free"),
-    (("wait", "--min-free", "-5", "--allow-no-gpu", "--", "true"), "--min-free"),
-    (("wait", "--min-free", "10", "--allow-no-gpu"), "command"),
-    (("wait", "--min-free", "10", "--fallback-env", "NOEQUALS", "--allow-no-gpu", "--", "true"), "NAME=VALUE"),
-    (("frobnicate",), "frobnicate"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (("wait", "--min-free", "abc", "--", "true"), "--min-free"),
+        (("wait", "--min-free", "-5", "--allow-no-gpu", "--", "true"), "--min-free"),
+        (("wait", "--min-free", "10", "--allow-no-gpu"), "command"),
+        (
+            ("wait", "--min-free", "10", "--fallback-env", "NOEQUALS", "--allow-no-gpu", "--", "true"),
+            "NAME=VALUE",
+        ),
+        (("frobnicate",), "frobnicate"),
+    ],
+)
 def test_cli_bad_arguments_exit_2_with_one_line(args, needle):
     result = _cli(*args)
     assert result.returncode == 2
@@ -468,6 +529,7 @@ class FakeNvml:
 def test_cli_wait_reads_nvml_for_the_visible_gpu_and_never_touches_cuda(monkeypatch, tmp_path):
     """--gpu 1 with CUDA_VISIBLE_DEVICES=3,5 is physical GPU 5: NVML is asked about it, the command gets that card
     by UUID, and the waiting process never initialises CUDA (which would hold memory on the card it waits for)."""
+
     def no_cuda(*args, **kwargs):
         raise AssertionError("the waiting process touched CUDA")
 
@@ -476,9 +538,16 @@ def test_cli_wait_reads_nvml_for_the_visible_gpu_and_never_touches_cuda(monkeypa
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     nvml, sleeps = FakeNvml(frees_after=2), []
     seen = tmp_path / "seen"
-    command = [sys.executable, "-c", f"import os; open({str(seen)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])"]
-    code = mu.main(["wait", "--min-free", "4000", "--sleep", "1", "--timeout", "60", "--gpu", "1", "--", *command],
-                   sleep=sleeps.append, nvml=nvml)
+    command = [
+        sys.executable,
+        "-c",
+        f"import os; open({str(seen)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])",
+    ]
+    code = mu.main(
+        ["wait", "--min-free", "4000", "--sleep", "1", "--timeout", "60", "--gpu", "1", "--", *command],
+        sleep=sleeps.append,
+        nvml=nvml,
+    )
     assert code == 0 and nvml.handles == [5] and nvml.polls == 3 and sleeps == [1, 1]
     assert seen.read_text() == "GPU-fake-5" and not nvml.running
     assert not torch.cuda.is_initialized()
@@ -489,9 +558,14 @@ def test_cli_wait_reads_nvml_for_the_visible_gpu_and_never_touches_cuda(monkeypa
 def test_cli_wait_without_nvml_is_one_line_and_exit_2(capsys):
     assert mu.main(["wait", "--min-free", "10", "--", "true"], nvml=FakeNvml(driver=False)) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("memory_utils.py: error: cannot read the GPU's free memory: NVML does not start (Driver")
+    assert err.startswith(
+        "memory_utils.py: error: cannot read the GPU's free memory: NVML does not start (Driver"
+    )
     assert len(err.splitlines()) == 1
-    assert mu.main(["wait", "--min-free", "10", "--allow-no-gpu", "--", "true"], nvml=FakeNvml(driver=False)) == 0
+    assert (
+        mu.main(["wait", "--min-free", "10", "--allow-no-gpu", "--", "true"], nvml=FakeNvml(driver=False))
+        == 0
+    )
 
 
 def test_cli_wait_reports_a_signal_death_as_the_shell_does():
@@ -504,8 +578,14 @@ def test_cli_wait_stopped_while_waiting_exits_quietly():
         os.kill(os.getpid(), signal.SIGTERM)  # arrives while the memory is still short
         return 0.0
 
-    assert mu.main(["wait", "--min-free", "10", "--sleep", "1", "--timeout", "60", "--", "true"],
-                   probe=probe, sleep=lambda s: None) == 128 + signal.SIGTERM
+    assert (
+        mu.main(
+            ["wait", "--min-free", "10", "--sleep", "1", "--timeout", "60", "--", "true"],
+            probe=probe,
+            sleep=lambda s: None,
+        )
+        == 128 + signal.SIGTERM
+    )
 
 
 def test_cli_wait_passes_a_group_signal_to_the_command_once(tmp_path):
@@ -522,10 +602,25 @@ def test_cli_wait_passes_a_group_signal_to_the_command_once(tmp_path):
         "    time.sleep(0.01)\n"
         "time.sleep(1)  # a second SIGTERM would arrive by now\n"
         "print('terms', len(got), flush=True)\n"
-        "sys.exit(143)\n")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "memory_utils.py"), "wait", "--min-free", "10",
-                             "--allow-no-gpu", "--", sys.executable, str(child)],
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        "sys.exit(143)\n"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "memory_utils.py"),
+            "wait",
+            "--min-free",
+            "10",
+            "--allow-no-gpu",
+            "--",
+            sys.executable,
+            str(child),
+        ],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in proc.stdout:  # the command is up and has its handler
             if line.strip() == "ready":
@@ -541,8 +636,11 @@ def test_cli_wait_passes_a_group_signal_to_the_command_once(tmp_path):
 
 def test_cli_wait_runs_the_command_when_memory_frees(capfd):
     gpu = FakeGpu(frees_after=2)
-    code = mu.main(["wait", "--min-free", "4000", "--sleep", "1", "--timeout", "60", "--", "true"],
-                   probe=gpu.probe, sleep=gpu.sleep)
+    code = mu.main(
+        ["wait", "--min-free", "4000", "--sleep", "1", "--timeout", "60", "--", "true"],
+        probe=gpu.probe,
+        sleep=gpu.sleep,
+    )
     assert code == 0 and gpu.polls == 3
     assert "fallback" not in capfd.readouterr().out
 
@@ -550,8 +648,23 @@ def test_cli_wait_runs_the_command_when_memory_frees(capfd):
 def test_cli_wait_falls_back_on_timeout_and_passes_exit_status(capfd):
     gpu = FakeGpu(frees_after=None)
     command = [sys.executable, "-c", "import os, sys; sys.exit(int(os.environ['RL_BATCH_SIZE']))"]
-    code = mu.main(["wait", "--min-free", "4000", "--sleep", "1", "--timeout", "0",
-                    "--fallback-env", "RL_BATCH_SIZE=3", "--", *command], probe=gpu.probe, sleep=gpu.sleep)
+    code = mu.main(
+        [
+            "wait",
+            "--min-free",
+            "4000",
+            "--sleep",
+            "1",
+            "--timeout",
+            "0",
+            "--fallback-env",
+            "RL_BATCH_SIZE=3",
+            "--",
+            *command,
+        ],
+        probe=gpu.probe,
+        sleep=gpu.sleep,
+    )
     assert code == 3  # the command saw the fallback environment, and its exit status came back
     assert "fallback environment RL_BATCH_SIZE=3" in capfd.readouterr().out
 
@@ -577,9 +690,22 @@ def test_cli_wait_small_mistakes_are_one_line(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().endswith(f"command is not executable: {script}")
     # --fallback-env takes one NAME=VALUE per flag, so the command after it needs no `--`
-    code = mu.main(["wait", "--min-free", "4000", "--timeout", "0", "--fallback-env", "RL_BATCH_SIZE=3",
-                    sys.executable, "-c", "import os, sys; sys.exit(int(os.environ['RL_BATCH_SIZE']))"],
-                   probe=lambda: 0.0, sleep=lambda s: None)
+    code = mu.main(
+        [
+            "wait",
+            "--min-free",
+            "4000",
+            "--timeout",
+            "0",
+            "--fallback-env",
+            "RL_BATCH_SIZE=3",
+            sys.executable,
+            "-c",
+            "import os, sys; sys.exit(int(os.environ['RL_BATCH_SIZE']))",
+        ],
+        probe=lambda: 0.0,
+        sleep=lambda s: None,
+    )
     assert code == 3
 
 
@@ -593,17 +719,27 @@ def test_cli_analyze_to_an_unwritable_folder_is_one_line(tmp_path):
     blocker.write_text("")
     result = _cli("analyze", "--snapshots-dir", str(snapshots), "--out-dir", str(blocker / "report"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "cannot write the report to --out-dir" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert (
+        "cannot write the report to --out-dir" in result.stderr
+        and len(result.stderr.strip().splitlines()) == 1
+    )
 
 
-@pytest.mark.parametrize("call, name", [
-    (lambda: mu.memory_report(buffer_stats={"obs_bytes": None, "aux_bytes": 1, "total_steps": 1, "num_episodes": 1}),
-     "obs_bytes"),
-    (lambda: mu.amp("auto", "banana"), "device"),
-    (lambda: mu.MemorySnapshots(None, 5), "run_dir"),
-    (lambda: mu.MemorySnapshots("runs/x", every=True), "every"),
-    (lambda: mu.LeakDetector(warmup_steps=True), "warmup_steps"),
-])
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (
+            lambda: mu.memory_report(
+                buffer_stats={"obs_bytes": None, "aux_bytes": 1, "total_steps": 1, "num_episodes": 1}
+            ),
+            "obs_bytes",
+        ),
+        (lambda: mu.amp("auto", "banana"), "device"),
+        (lambda: mu.MemorySnapshots(None, 5), "run_dir"),
+        (lambda: mu.MemorySnapshots("runs/x", every=True), "every"),
+        (lambda: mu.LeakDetector(warmup_steps=True), "warmup_steps"),
+    ],
+)
 def test_public_functions_refuse_bad_arguments_with_a_value_error_naming_them(call, name):
     with pytest.raises(ValueError, match=name):
         call()

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from dreamer_tiny import TINY_FLAGS
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 import sweep
+from dreamer_tiny import TINY_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 DQN_TINY = [
@@ -309,7 +309,10 @@ def test_dreamer_update_log_carried_by_a_checkpoint_gives_the_interval_an_uninte
 
     import dreamer_atari as da
 
-    rows = [{"losses/a": torch.tensor(a), "losses/b": torch.tensor(b)} for a, b in ((1.0, 10.0), (3.0, 30.0), (8.0, 80.0))]
+    rows = [
+        {"losses/a": torch.tensor(a), "losses/b": torch.tensor(b)}
+        for a, b in ((1.0, 10.0), (3.0, 30.0), (8.0, 80.0))
+    ]
     healthy = torch.tensor(True)
     uninterrupted, stopped = da.UpdateLog("cpu"), da.UpdateLog("cpu")
     for row in rows:
