@@ -426,7 +426,9 @@ def run_script(command: list[str], cwd: Path, log_path: Path, outcome: dict) -> 
     Under Slurm the script is in this task's process group: Slurm's SIGTERM (preemption, requeue, scancel) reaches
     it directly, once. Locally it gets its own group and this process passes SIGINT/SIGTERM/SIGHUP on, once each."""
     global _child
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # each run starts its own wandb service: wandb records its service in WANDB_SERVICE of the process that used it,
+    # and a run that inherited it would report to that process's service, which may be gone by then
+    env = {**{k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}, "PYTHONUNBUFFERED": "1"}
     env.setdefault("WANDB_RUN_GROUP", Path(cwd).parent.name)
     if "SLURM_CPUS_PER_TASK" in env:  # the task's cores, not the node's (oversubscribed OpenMP crawls)
         env.setdefault("OMP_NUM_THREADS", env["SLURM_CPUS_PER_TASK"])

@@ -210,6 +210,8 @@ def test_local_sweep_of_both_scripts_writes_results_csv_and_summary(tmp_path, mo
 def test_the_runs_of_a_sweep_share_a_wandb_group(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WANDB_RUN_GROUP", raising=False)
+    # what a process that used wandb before keeps (its service, gone by now): each run must start its own
+    monkeypatch.setenv("WANDB_SERVICE", "2-99999-tcp-localhost-1")
     assert (
         sweep.main(
             [
