@@ -109,7 +109,9 @@ class Script:
     owned: tuple[str, ...]
     """fields the sweep sets itself (a run's seed, folders, resume), refused in --grid and after --"""
     fixed_flags: tuple[str, ...]
-    """flags every run gets: where it writes, and a final checkpoint that holds its counters"""
+    """flags every run gets: where it writes, a final checkpoint that holds its counters, and checkpoints that hold
+    the replay, so that a requeued run goes on with the data it had (without it, a resumed Dreamer run waits for a
+    sequence's worth of new steps before it trains again, and ends with fewer updates than an uninterrupted one)"""
 
     def checkpoint(self, run_dir: Path) -> Path | None:
         if self.file == "dreamer_atari.py":
@@ -145,12 +147,23 @@ class Script:
 
 SCRIPTS = {
     "dreamer_atari.py": Script(
-        "dreamer_atari.py", owned=("seed", "resume", "save_model"), fixed_flags=("--save-model",)
+        "dreamer_atari.py",
+        owned=("seed", "resume", "save_model"),
+        fixed_flags=("--save-model", "--checkpoint-buffer"),
     ),
     "dqn_starcraft_split.py": Script(
         "dqn_starcraft_split.py",
         owned=("seed", "seeds", "resume", "run_id", "save_path", "log_dir", "overwrite", "save_model"),
-        fixed_flags=("--run-id", "run", "--save-path", "results", "--log-dir", "runs", "--save-model"),
+        fixed_flags=(
+            "--run-id",
+            "run",
+            "--save-path",
+            "results",
+            "--log-dir",
+            "runs",
+            "--save-model",
+            "--checkpoint-buffer",
+        ),
     ),
 }
 

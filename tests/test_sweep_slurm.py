@@ -35,7 +35,10 @@ SLURM = [
     "--time-min",
     "10",
 ]
-DREAMER_RUN = [*DREAMER_TINY, "--total-timesteps", "600", "--log-interval", "20"]
+# long enough that the requeue at step 100 lands well before the end also on a fast, idle machine (about 100 env
+# steps/s: a 600-step run once finished in the seconds between the requeue and its signal)
+TOTAL = 1500
+DREAMER_RUN = [*DREAMER_TINY, "--total-timesteps", str(TOTAL), "--log-interval", "20"]
 
 
 def wait_for(condition, timeout: float, what: str):
@@ -81,9 +84,9 @@ def sweeps(tmp_path_factory):
     try:
         log = work / "runs" / "requeued" / "defaults__seed1" / "output.log"
         wait_for(
-            lambda: log.exists() and "step 200/600" in log.read_text(),
+            lambda: log.exists() and f"step 100/{TOTAL}" in log.read_text(),
             120,
-            "the Dreamer run to reach step 200",
+            "the Dreamer run to reach step 100",
         )
         subprocess.run(["scontrol", "requeue", jobs["requeued"]], check=True, timeout=30)
         expected = {"requeued": 1, "dqn": 2, "uninterrupted": 1}
@@ -132,7 +135,7 @@ def test_a_sweep_is_one_array_task_per_run_and_ends_in_results_csv(sweeps):
     assert re.findall(r"JobState=(\w+)", info) == ["COMPLETED", "COMPLETED"]
     assert "2 of 2 runs finished" in (dqn / "summary.md").read_text()
     (row,) = read_rows(work / "runs" / "uninterrupted" / "results.csv")
-    assert row["steps"] == "600" and row["attempts"] == "1"
+    assert row["steps"] == str(TOTAL) and row["attempts"] == "1"
 
 
 def final_counters(run_dir: Path) -> dict:
@@ -152,16 +155,16 @@ def test_a_requeued_task_resumes_from_its_checkpoint_with_nothing_lost_or_counte
     assert second["resumed_from"] == f"runs/{events_dir.name}/checkpoint.pt"
     output = (requeued / "output.log").read_text()
     stopped_at = int(re.search(r"checkpoint \(SIGTERM\): \S+ at step (\d+)", output).group(1))
-    assert 200 <= stopped_at < 600
+    assert 100 <= stopped_at < TOTAL
     assert f"resumed {events_dir.name} at step {stopped_at} " in output
 
     # the same totals as the uninterrupted run of the same seed: env steps and updates
     mine, reference = final_counters(requeued), final_counters(uninterrupted)
     for key in ("global_step", "updates", "behavior_updates"):
         assert mine[key] == reference[key], key
-    assert mine["global_step"] == 600
+    assert mine["global_step"] == TOTAL
     (row,) = read_rows(work / "runs" / "requeued" / "results.csv")
-    assert row["steps"] == "600" and row["attempts"] == "2"
+    assert row["steps"] == str(TOTAL) and row["attempts"] == "2"
 
     # an unbroken curve: every logged step once, the same steps as the uninterrupted run, in the files as written
     (reference_dir,) = (uninterrupted / "runs").iterdir()
@@ -171,4 +174,4 @@ def test_a_requeued_task_resumes_from_its_checkpoint_with_nothing_lost_or_counte
         assert written == sorted(set(written)), tag
     accumulator = EventAccumulator(str(events_dir), size_guidance={"scalars": 0})
     accumulator.Reload()
-    assert [event.step for event in accumulator.Scalars("charts/SPS")] == list(range(20, 601, 20))
+    assert [event.step for event in accumulator.Scalars("charts/SPS")] == list(range(20, TOTAL + 1, 20))
