@@ -1519,9 +1519,8 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> tu
 # Run plumbing: files, signals, results row
 # ---------------------------------------------------------------------------------------------------------
 EXIT_OOM = 3
-EXIT_WRITE_FAILED = (
-    6  # a file the run cannot go on without (config, final or interrupted checkpoint, results)
-)
+# a file the run cannot go on without (config, final or interrupted checkpoint, results) could not be written
+EXIT_WRITE_FAILED = 6
 
 
 class RunInterrupted(BaseException):

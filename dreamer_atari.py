@@ -1512,27 +1512,24 @@ def train_world_model(agent: Agent, raw: dict[str, torch.Tensor], args: Args):
     return metrics, healthy, start
 
 
-def imagine(agent: Agent, start_states, horizon: int, noise: tuple | None = None):
+def imagine(agent: Agent, start_states, horizon: int):
     """Roll the prior forward `horizon` steps with the actor, from (N, ...) start states.
 
     The rollout runs without gradients: the actor learns by REINFORCE and the critic from fixed targets, so only
     the actor's log-probabilities and entropy need a graph. The actor therefore runs once more after the loop, with
     gradients, on all imagined states at once: one forward and one backward pass for the whole rollout instead of
-    one per step (the same values). `noise` (action uniforms (H, N, 1), latent noise (H, N, ...)) is drawn here
-    when None. Returns feat (H+1, N, F) detached, log_prob (H, N), entropy (H, N).
+    one per step (the same values). The random numbers of the whole rollout are drawn in two calls. Returns feat
+    (H+1, N, F) detached, log_prob (H, N), entropy (H, N).
     """
     deter, stoch, _ = start_states
     rssm = agent.world_model.rssm
-    if noise is None:
-        noise = (
-            torch.rand(horizon, deter.shape[0], 1, device=deter.device),
-            rssm.noise((horizon, deter.shape[0]), deter.device),
-        )
+    action_uniforms = torch.rand(horizon, deter.shape[0], 1, device=deter.device)  # (H, N, 1)
+    latent_noise = rssm.noise((horizon, deter.shape[0]), deter.device)  # (H, N, ...)
     step = agent.compiled.get("imagine_step", imagine_step)
     with torch.no_grad():
         deters, stochs, actions = [deter], [stoch], []
-        for action_uniform, latent_noise in zip(noise[0].unbind(0), noise[1].unbind(0)):
-            action, deter, stoch = step(agent.actor, rssm, deter, stoch, action_uniform, latent_noise)
+        for action_uniform, noise in zip(action_uniforms.unbind(0), latent_noise.unbind(0)):
+            action, deter, stoch = step(agent.actor, rssm, deter, stoch, action_uniform, noise)
             deters.append(deter), stochs.append(stoch), actions.append(action)
         feat = torch.cat([torch.stack(deters), torch.stack(stochs)], -1)  # (H+1, N, F)
         action = torch.stack(actions)  # (H, N, A) one-hot

@@ -198,7 +198,7 @@ def estimate_nbytes(obj: Any) -> int:
     return walk(obj)
 
 
-class _CountingFile:
+class _ErrorKeepingFile:
     """The file object a serializer writes to: passes bytes on, and keeps the first OSError it raised (torch.save
     turns a failed write into an unhelpful RuntimeError; this keeps the real reason)."""
 
@@ -238,7 +238,7 @@ def atomic_write(
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_", suffix="_" + os.path.basename(path))
         with os.fdopen(fd, "wb") as raw:
-            out = _CountingFile(raw)
+            out = _ErrorKeepingFile(raw)
             if callable(data):
                 data(out)
             else:
@@ -548,9 +548,8 @@ class LeakVerdict:
     checks in a row: what `--abort-on-leak` acts on), the `cause`, a plain-English `diagnosis`, the slopes."""
 
     leaking: bool
-    cause: (
-        str  # "none" | "warming_up" | "graph_retention" | "gpu_tensors" | "fragmentation" | "host_references"
-    )
+    # "none" | "warming_up" | "graph_retention" | "gpu_tensors" | "fragmentation" | "host_references"
+    cause: str
     diagnosis: str
     slopes: dict[str, float]
     abort: bool = False
@@ -567,26 +566,14 @@ HOST_UNEXPLAINED_MB = "host_beyond_buffer_mb"
 # its targets: no abort and at most 1 % suspected checks on steady memory, level shifts and released sawtooths,
 # and a leak of 1 MB per 1k steps found within 20k steps of its start.
 GROWTH_Z = 5.0  # slope over its standard error
-SLOPE_FRACTION = (
-    0.5  # a window's slope must reach this share of the threshold: a leak just at the threshold is
-)
-# estimated below it half the time, and the significance test already keeps noise out
+# a window's slope must reach this share of the threshold: a leak just at the threshold is estimated below it half
+# the time, and the significance test already keeps noise out
+SLOPE_FRACTION = 0.5
 STEP_RATIO = 0.8  # a straight line must fit better than the best single jump
 STAIRCASE_RATIO = 1.2  # and not clearly worse than two jumps (a slow leak's ramp fits two about as well)
 RELEASE_Z = 6.0  # a fall of this many noise units is a release: the memory was given back
-SCALES = (
-    4,
-    6,
-    9,
-    12,
-    15,
-    18,
-    21,
-    24,
-    30,
-    36,
-    48,
-)  # windows (samples) tried, shortest first: a fast leak shows in a short one
+# windows (samples) tried, shortest first: a fast leak shows in a short one
+SCALES = (4, 6, 9, 12, 15, 18, 21, 24, 30, 36, 48)
 RELEASE_GRACE = 32  # samples without a release after which a releasing series is judged like any other
 
 

@@ -58,12 +58,11 @@ def reference_observe(rssm, embed, action, is_first, noise=None):
     return deter, torch.stack(stochs, 1), torch.stack(posteriors, 1), rssm.prior(deter)
 
 
-def reference_imagine(agent, start_states, horizon, noise=None):
+def reference_imagine(agent, start_states, horizon):
     """The imagined rollout with the actor's graph built at every step, as the definition reads."""
     deter, stoch, _ = start_states
     rssm = agent.world_model.rssm
-    if noise is None:
-        noise = (torch.rand(horizon, deter.shape[0], 1), rssm.noise((horizon, deter.shape[0]), deter.device))
+    noise = (torch.rand(horizon, deter.shape[0], 1), rssm.noise((horizon, deter.shape[0]), deter.device))
     feats, log_probs, entropies = [], [], []
     for t in range(horizon):
         feat = torch.cat([deter, stoch], -1)

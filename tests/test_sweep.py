@@ -236,6 +236,33 @@ def test_the_runs_of_a_sweep_share_a_wandb_group(tmp_path, monkeypatch):
     assert b"\x32" + bytes([len(group)]) + group in run_file.read_bytes()
 
 
+def stop_sweep_when(argv: list[str], cwd: Path, log: Path, marker: str, kill_script: bool) -> tuple[int, str]:
+    """Start a local sweep, and once its run's log shows `marker`, SIGKILL the training script (`kill_script`) or
+    send the sweep itself SIGTERM. Returns the sweep's exit status and stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "sweep.py"), *argv],
+        cwd=cwd,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and marker in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, f"the run never logged {marker!r}"
+            time.sleep(0.1)
+        if kill_script:
+            (script,) = psutil.Process(proc.pid).children()
+            script.send_signal(signal.SIGKILL)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, err
+
+
 def steps_in_files(events_dir: Path, tag: str) -> list[int]:
     """Every step of `tag` in the event files as written, purged ones included."""
     steps = []
@@ -264,25 +291,8 @@ def test_a_killed_run_resumes_from_its_checkpoint_with_each_step_once(tmp_path):
         "400",
     ]
     log = tmp_path / "runs" / "killed" / "defaults__seed1" / "output.log"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "sweep.py"), *argv],
-        cwd=tmp_path,
-        text=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not (log.exists() and "step 560/1000" in log.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 560"
-            time.sleep(0.2)
-        (script,) = psutil.Process(proc.pid).children()
-        script.send_signal(signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 1 and "failed with exit status 137" in err, err
+    returncode, err = stop_sweep_when(argv, tmp_path, log, "step 560/1000", kill_script=True)
+    assert returncode == 1 and "failed with exit status 137" in err, err
     (events_dir,) = (tmp_path / "runs/killed/defaults__seed1/runs").iterdir()
     assert max(steps_in_files(events_dir, "charts/SPS")) > 400  # logged past the checkpoint at step 400
 
@@ -359,24 +369,8 @@ def test_a_local_sweep_stopped_by_sigterm_continues_when_run_again(tmp_path):
         "20",
     ]
     log = tmp_path / "runs" / "stopped" / "defaults__seed1" / "output.log"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "sweep.py"), *argv],
-        cwd=tmp_path,
-        text=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not (log.exists() and "episode=2 " in log.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach episode 2"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 143 and "stopped by SIGTERM after writing its checkpoint" in err, err
+    returncode, err = stop_sweep_when(argv, tmp_path, log, "episode=2 ", kill_script=False)
+    assert returncode == 143 and "stopped by SIGTERM after writing its checkpoint" in err, err
     assert "Traceback" not in err and not (log.parent.parent / "defaults__seed2").exists()
 
     done = run_sweep(*argv, cwd=tmp_path)
@@ -398,25 +392,8 @@ def test_a_run_killed_before_any_checkpoint_starts_afresh_when_run_again(tmp_pat
     starts the run over in a clean folder (the script would refuse a folder holding a run), each step logged once."""
     argv = ["dqn_starcraft_split.py", "--name", "fresh", "--", *DQN_TINY, "--num-episodes", "20"]
     log = tmp_path / "runs" / "fresh" / "defaults__seed1" / "output.log"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "sweep.py"), *argv],
-        cwd=tmp_path,
-        text=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not (log.exists() and "episode=2 " in log.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach episode 2"
-            time.sleep(0.1)
-        (script,) = psutil.Process(proc.pid).children()
-        script.send_signal(signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 1 and "failed with exit status 137" in err, err
+    returncode, err = stop_sweep_when(argv, tmp_path, log, "episode=2 ", kill_script=True)
+    assert returncode == 1 and "failed with exit status 137" in err, err
 
     done = run_sweep(*argv, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
