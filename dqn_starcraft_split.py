@@ -1751,6 +1751,7 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resume_step: int |
     """The run folder, config.json, logging, seeding, environments, networks, optimizer (its state preallocated),
     replay and memory instruments, in the order that fixes every random number."""
     allocator = mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
+    mu.one_malloc_arena()  # memory: before TensorBoard's and wandb's threads, whose own heaps are never trimmed
     device = resolve_device(args)
     batch_size, fallback_used, wait_line = wait_for_memory(args, device)  # before building anything
 
@@ -1984,7 +1985,9 @@ def out_of_memory_ends_the_run(run: Run, global_step: int):
 def log_memory(run: Run, global_step: int) -> None:
     """The memory report and the leak check, every `memory_log_every` agent steps."""
     try:
-        # memory: memory_report() collects garbage and trims the heap first (live memory)
+        # memory: TensorBoard's queued records are written first, and memory_report() collects garbage and trims
+        # the heap, so this is live memory
+        run.writer.flush()
         run.last_report = mu.memory_report(buffer_stats=run.rb.stats(), device=run.device)
         for key, value in {**run.last_report, **run.probes.scalars()}.items():
             run.writer.add_scalar(key, value, global_step)

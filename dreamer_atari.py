@@ -2230,6 +2230,7 @@ def set_up(args: Args) -> Run:
     """Validation, the run folder, TensorBoard (and wandb), seeding, the agent (its optimizer state made by the
     preflight), the replay, and the state of a resumed run."""
     mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
+    mu.one_malloc_arena()  # memory: before TensorBoard's and wandb's threads, whose own heaps are never trimmed
     device, resume_state = check_input(args)
     run_name = (
         resume_state["run_name"]
@@ -2455,7 +2456,9 @@ def log_point(run: Run) -> None:
     run.next_log = (step // args.log_interval + 1) * args.log_interval
     elapsed = max(time.time() - run.start_time, 1e-9)
     sps = (step - run.start_step) / elapsed
-    # memory: memory_report() collects garbage and trims the heap first, so this is live memory
+    # memory: records still queued for TensorBoard's thread (an open-loop GIF's is 0.2-0.7 MB, copied twice there)
+    # are written first, and memory_report() collects garbage and trims the heap, so this is live memory
+    run.writer.flush()
     run.last_report = mu.memory_report(buffer_stats=run.replay.stats(), device=run.device)
     interval_means, skipped, longest_skipped_run = run.update_log.pop()  # the interval's one host sync
     counters["nonfinite_updates"] += skipped

@@ -367,10 +367,10 @@ def _update(agent, batch: dict, args: da.Args) -> None:
 SOAK_VIDEO_EVERY = 2_000  # the soak makes open-loop GIFs as training does, the first one inside the warm-up
 
 
-def soak_warmup(capacity: int, warmup: int) -> int:
+def soak_warmup(capacity: int, warmup: int, video_every: int = SOAK_VIDEO_EVERY) -> int:
     """The env step from which the soak's slope is measured: the replay full, and every periodic thing of the loop
     (log points, the leak detector, the first open-loop GIF and the imports it makes) done at least once."""
-    return max(capacity, warmup, SOAK_VIDEO_EVERY + 1)
+    return max(capacity, warmup, video_every + 1)
 
 
 def soak_args(
@@ -381,13 +381,16 @@ def soak_args(
     seq: int = 16,
     train_every: int = 64,
     warmup: int = 0,
+    video_every: int = SOAK_VIDEO_EVERY,
+    env_id: str | None = None,
 ) -> da.Args:
     return seed_args(
+        **({"env_id": env_id} if env_id else {}),
         **TINY_MODEL,
         buffer_capacity=capacity,
         # the warm-up, then `turnovers` replay capacities measured
-        total_timesteps=soak_warmup(capacity, warmup) + capacity * turnovers + 2 * every,
-        video_every=SOAK_VIDEO_EVERY,
+        total_timesteps=soak_warmup(capacity, warmup, video_every) + capacity * turnovers + 2 * every,
+        video_every=video_every,
         learning_starts=256,
         warmup_steps=0,
         batch_size=batch,
@@ -400,9 +403,18 @@ def soak_args(
     )
 
 
-def cmd_soak(capacity: int, turnovers: int, every: int, warmup: int = 0) -> dict:
-    args = soak_args(capacity, turnovers, every, warmup=warmup)
-    measured_from = soak_warmup(capacity, warmup)
+def cmd_soak(
+    capacity: int,
+    turnovers: int,
+    every: int,
+    warmup: int = 0,
+    video_every: int = SOAK_VIDEO_EVERY,
+    env_id: str | None = None,
+) -> dict:
+    """`video_every` and `env_id` change what the soak stresses: open-loop GIFs every 250 env steps on Catch-v0
+    show in 20k steps a per-GIF creep that Pong's one per 2,000 spreads over 160k."""
+    args = soak_args(capacity, turnovers, every, warmup=warmup, video_every=video_every, env_id=env_id)
+    measured_from = soak_warmup(capacity, warmup, video_every)
     # the script's own memory_report() trims the heap before measuring, so USS is live memory
     with tempfile.TemporaryDirectory(prefix="soak-") as work:
         cwd = os.getcwd()
@@ -424,6 +436,7 @@ def cmd_soak(capacity: int, turnovers: int, every: int, warmup: int = 0) -> dict
             steps, anon, full_at=measured_from, capacity=capacity
         )["soak_uss_slope_mb_per_10k"]
     out["soak_config"] = {
+        "env_id": args.env_id,
         "model": TINY_MODEL,
         "capacity_steps": capacity,
         "env_steps": args.total_timesteps,
@@ -562,6 +575,10 @@ def main() -> None:
         help="soak: env steps before the slope is measured (at least the capacity and the first GIF)",
     )
     parser.add_argument("--every", type=int, default=250, help="soak: env steps between memory samples")
+    parser.add_argument(
+        "--video-every", type=int, default=SOAK_VIDEO_EVERY, help="soak: env steps between open-loop GIFs"
+    )
+    parser.add_argument("--env-id", default=None, help="soak: the environment (default: the seed's, Pong)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.command == "serve":
@@ -575,7 +592,9 @@ def main() -> None:
     elif args.command == "trials":
         result = cmd_trials(args.trials, args.trial_reps)
     elif args.command == "soak":
-        result = cmd_soak(args.capacity, args.turnovers, args.every, args.warmup)
+        result = cmd_soak(
+            args.capacity, args.turnovers, args.every, args.warmup, args.video_every, args.env_id
+        )
     else:
         result = cmd_gpu(args.quick, args.device, tuple(args.parts))
     result["machine"] = bench_utils.machine()

@@ -16,11 +16,13 @@ from benchmark import bench_utils
 
 
 class MemoryProbedAtariPreprocessing(gym.wrappers.AtariPreprocessing):
-    """`AtariPreprocessing` plus one `(env steps of all envs, USS MB)` sample every `every` steps of all envs."""
+    """`AtariPreprocessing` plus one `(env steps of all envs, USS MB)` sample every `every` steps of all envs, and
+    beside it resident anonymous memory (`anon_samples`, Linux), the figure our soak judges."""
 
     every = 250
     steps = 0
     samples: ClassVar[list[tuple[int, float]]] = []
+    anon_samples: ClassVar[list[tuple[int, float]]] = []
 
     def step(self, action):
         out = super().step(action)
@@ -29,4 +31,7 @@ class MemoryProbedAtariPreprocessing(gym.wrappers.AtariPreprocessing):
         if cls.steps % cls.every == 0:
             bench_utils.trim_host_memory()  # live memory: no garbage, no cached free pages (as for ours)
             cls.samples.append((cls.steps, mu.process_uss_mb()))
+            anon = mu.process_anon_mb()
+            if anon is not None:
+                cls.anon_samples.append((cls.steps, anon))
         return out

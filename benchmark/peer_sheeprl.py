@@ -266,7 +266,8 @@ def cmd_soak(args) -> dict:
     from benchmark.peer_probe import MemoryProbedAtariPreprocessing as Probe
 
     Probe.every = args.every
-    total = args.capacity * (args.turnovers + 1) + 2 * args.every
+    measured_from = max(args.capacity, args.warmup)  # as ours: the replay full and the loop warmed up
+    total = measured_from + args.capacity * args.turnovers + 2 * args.every
     overrides = ["exp=dreamer_v3", *SEED_OVERRIDES, *RUN_OVERRIDES, *TINY_V3_OVERRIDES] + [
         f"buffer.size={args.capacity}",
         f"algo.total_steps={total}",
@@ -286,11 +287,18 @@ def cmd_soak(args) -> dict:
     # Once full, the ring buffer's arrays have a fixed size: subtracting them moves the level, not the slope.
     buffer_mb = args.capacity * args.bytes_per_step / (1024 * 1024)
     unexplained = [uss - buffer_mb for _, uss in Probe.samples]
-    out = bench_utils.soak_summary(steps, unexplained, full_at=args.capacity, capacity=args.capacity)
+    out = bench_utils.soak_summary(steps, unexplained, full_at=measured_from, capacity=args.capacity)
+    if Probe.anon_samples:
+        anon_steps = [s for s, _ in Probe.anon_samples]
+        anon = [value - buffer_mb for _, value in Probe.anon_samples]
+        out["soak_anon_slope_mb_per_10k"] = bench_utils.soak_summary(
+            anon_steps, anon, full_at=measured_from, capacity=args.capacity
+        )["soak_uss_slope_mb_per_10k"]
     out["soak_config"] = {
         "overrides": overrides,
         "capacity_steps": args.capacity,
         "env_steps": total,
+        "warmup_env_steps": measured_from,
         "buffer_mb_subtracted": buffer_mb,
         "sample_every_env_steps": args.every,
     }
@@ -308,6 +316,9 @@ def main() -> None:
     soak = sub.add_parser("soak")
     soak.add_argument("--capacity", type=int, default=1000)
     soak.add_argument("--turnovers", type=int, default=10)
+    soak.add_argument(
+        "--warmup", type=int, default=0, help="env steps before the slope is measured (at least the capacity)"
+    )
     soak.add_argument("--every", type=int, default=250)
     soak.add_argument("--learning-starts", type=int, default=256)
     soak.add_argument("--train-every", type=int, default=64)

@@ -35,6 +35,11 @@ import tyro
 TARGET_BYTES_PER_STEP = 7_200
 TARGET_SAMPLE_TO_UPDATE = 0.05
 TARGET_SOAK_MB_PER_10K = 1.0
+# issue 42: resident anonymous memory beyond the replay over >= 50k env steps, and within 3x of the peer's
+TARGET_SOAK_ANON_MB_PER_10K = 0.1
+TARGET_SOAK_TO_PEER = 3.0
+# the peer's soak over the same window as ours (the defaults of ours_dreamer.py soak)
+PEER_SOAK = {"turnovers": 50, "warmup": 3_000}
 # --quick's soak: a small replay, but the slope is still measured after a warm-up (the replay full, the first
 # open-loop GIF and its one-time imports done) and over 3,000 env steps, not over the warm-up itself
 QUICK_SOAK = {"capacity": 150, "every": 150, "warmup": 2_500, "turnovers": 20}
@@ -366,6 +371,7 @@ def measure_peer(args: Args, work: Path) -> dict:
             str(work),
             "--bytes-per-step",
             str(peer["buffer_bytes_per_step"]),
+            *[part for key, value in PEER_SOAK.items() for part in (f"--{key}", str(value))],
         ],
         "peer: soak",
         work,
@@ -385,6 +391,7 @@ def measure_peer(args: Args, work: Path) -> dict:
         "peer_update_ms": v3["update_ms"],
         "peer_sample_to_update_ratio": v3["sample_ms"] / v3["update_ms"],
         "peer_soak_uss_slope_mb_per_10k": soak["soak_uss_slope_mb_per_10k"],
+        "peer_soak_anon_slope_mb_per_10k": soak.get("soak_anon_slope_mb_per_10k"),
         "peer_soak_turnovers": soak["soak_turnovers"],
         "peer_soak_config": soak["soak_config"],
         "peer_v3": v3,
@@ -503,7 +510,18 @@ def verdicts(result: dict) -> dict:
         "soak_uss_slope_mb_per_10k <= 1": (
             result["soak_uss_slope_mb_per_10k"] <= TARGET_SOAK_MB_PER_10K if at_seed_size else None
         ),
+        "soak_anon_slope_mb_per_10k <= 0.1": (
+            result["soak_anon_slope_mb_per_10k"] <= TARGET_SOAK_ANON_MB_PER_10K
+            if at_seed_size and result.get("soak_anon_slope_mb_per_10k") is not None
+            else None
+        ),
     }
+    peer_anon = result.get("peer_soak_anon_slope_mb_per_10k")
+    if at_seed_size and peer_anon is not None and result.get("soak_anon_slope_mb_per_10k") is not None:
+        # the peer's soak covers the same window (PEER_SOAK) with the same kind of tiny model
+        out["soak_anon_slope_mb_per_10k within 3x of the peer's"] = (
+            result["soak_anon_slope_mb_per_10k"] <= TARGET_SOAK_TO_PEER * peer_anon
+        )
     out.update(matched_verdicts(result))
     out.update(gpu_verdicts(result))
     return out

@@ -79,6 +79,7 @@ def test_quick_figures_are_physically_plausible(quick_run):
         "buffer_bytes_per_step <= 7200",
         "sample_to_update_ratio <= 0.05",
         "soak_uss_slope_mb_per_10k <= 1",
+        "soak_anon_slope_mb_per_10k <= 0.1",
     )
     assert {result["targets_met"][name] for name in size_dependent} == {None}
 
