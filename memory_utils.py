@@ -547,7 +547,8 @@ def memory_report(buffer_stats: dict | None = None, device=None, trim: bool = Tr
 # ---------------------------------------------------------------------------------------------------------
 # Leak detection
 # ---------------------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=64)
+# memory: made per call, not cached per length: a cache keyed by the window's length grew while the leak detector's
+# window filled (96 lengths, up to 73 kB of indices each); the arrays cost tens of microseconds per check
 def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.triu_indices(n, k=1)
 
@@ -609,7 +610,6 @@ def noise_scale(values) -> float:
     return float(1.4826 * np.median(np.abs(diffs - np.median(diffs))) / math.sqrt(2.0))
 
 
-@functools.lru_cache(maxsize=64)
 def _two_cuts(n: int) -> tuple[np.ndarray, np.ndarray]:
     first, second = np.triu_indices(n - 1, k=1)
     return first + 1, second + 1  # 1 <= i < j <= n - 1
