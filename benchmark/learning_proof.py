@@ -77,6 +77,8 @@ class Args:
     """learning rate of the actor"""
     critic_lr: float = 1e-3
     """learning rate of the critic"""
+    world_model_grad_clip: float = 1000.0
+    """the world model's gradient-norm clip (the script's default)"""
     image_size: int = 84
     """side of Catch's frames in pixels"""
     batch_size: int = 8
@@ -173,6 +175,7 @@ def prove(args: Args) -> dict:
         world_model_lr=args.world_model_lr,
         actor_lr=args.actor_lr,
         critic_lr=args.critic_lr,
+        world_model_grad_clip=args.world_model_grad_clip,
         image_size=args.image_size,
         learning_starts=args.learning_starts,
         batch_size=args.batch_size,
