@@ -1985,9 +1985,8 @@ def out_of_memory_ends_the_run(run: Run, global_step: int):
 def log_memory(run: Run, global_step: int) -> None:
     """The memory report and the leak check, every `memory_log_every` agent steps."""
     try:
-        # memory: TensorBoard's queued records are written first, and memory_report() collects garbage and trims
-        # the heap, so this is live memory
-        run.writer.flush()
+        run.writer.flush()  # memory: no TensorBoard record still queued is read as growth
+        # memory: memory_report() collects garbage and trims the heap first (live memory)
         run.last_report = mu.memory_report(buffer_stats=run.rb.stats(), device=run.device)
         for key, value in {**run.last_report, **run.probes.scalars()}.items():
             run.writer.add_scalar(key, value, global_step)

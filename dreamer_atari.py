@@ -2456,9 +2456,8 @@ def log_point(run: Run) -> None:
     run.next_log = (step // args.log_interval + 1) * args.log_interval
     elapsed = max(time.time() - run.start_time, 1e-9)
     sps = (step - run.start_step) / elapsed
-    # memory: records still queued for TensorBoard's thread (an open-loop GIF's is 0.2-0.7 MB, copied twice there)
-    # are written first, and memory_report() collects garbage and trims the heap, so this is live memory
-    run.writer.flush()
+    run.writer.flush()  # memory: no TensorBoard record still queued (a GIF's: 0.2-0.7 MB) is read as growth
+    # memory: memory_report() collects garbage and trims the heap first, so this is live memory
     run.last_report = mu.memory_report(buffer_stats=run.replay.stats(), device=run.device)
     interval_means, skipped, longest_skipped_run = run.update_log.pop()  # the interval's one host sync
     counters["nonfinite_updates"] += skipped

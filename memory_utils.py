@@ -374,6 +374,18 @@ def _proc_smaps_private_kb(path: str = "/proc/self/smaps_rollup") -> float | Non
         return None
 
 
+@functools.cache  # looked up once per process, not at every memory report
+def _glibc():
+    """The C library where it is glibc on Linux (it has `malloc_trim` and `mallopt`), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None  # musl has neither
+
+
 def trim_host_memory() -> bool:
     """Collect garbage, then hand the allocator's free heap pages back to the kernel (glibc `malloc_trim(0)`).
 
@@ -381,13 +393,10 @@ def trim_host_memory() -> bool:
     program does, which hides a slow leak and fakes a fast one. Returns whether the trim ran (glibc only).
     """
     gc.collect()
-    if not sys.platform.startswith("linux"):
+    libc = _glibc()
+    if libc is None:
         return False
-    try:
-        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return False
-    malloc_trim(0)
+    libc.malloc_trim(0)
     return True
 
 
@@ -405,13 +414,8 @@ def one_malloc_arena() -> bool:
     arena the same memory is freed into the main heap, which `trim_host_memory` returns. A user's
     MALLOC_ARENA_MAX is left as it is; other C libraries (musl, macOS) are left alone.
     """
-    if os.environ.get("MALLOC_ARENA_MAX") or not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return bool(mallopt(_M_ARENA_MAX, 1))
+    libc = None if os.environ.get("MALLOC_ARENA_MAX") else _glibc()
+    return libc is not None and bool(libc.mallopt(_M_ARENA_MAX, 1))
 
 
 def process_rss_mb() -> float:
@@ -547,8 +551,7 @@ def memory_report(buffer_stats: dict | None = None, device=None, trim: bool = Tr
 # ---------------------------------------------------------------------------------------------------------
 # Leak detection
 # ---------------------------------------------------------------------------------------------------------
-# memory: made per call, not cached per length: a cache keyed by the window's length grew while the leak detector's
-# window filled (96 lengths, up to 73 kB of indices each); the arrays cost tens of microseconds per check
+# memory: not cached per window length (that cache grew as the detector's window filled, up to 73 kB a length)
 def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.triu_indices(n, k=1)
 

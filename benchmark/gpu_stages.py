@@ -38,6 +38,7 @@ from benchmark.run import (
     ROOT,
     UPDATE_VARIANTS,
     Args,
+    check_gpu_only_device,
     fail,
     fmt,
     fmt_load,
@@ -62,23 +63,12 @@ SIGTERM_GRACE_S = 30.0  # the Pong run's checkpoint and exit after SIGTERM, befo
 
 def check_staged_args(args: Args) -> None:
     """One sentence and exit status 2 for each bad combination, before anything starts."""
-    import torch
 
-    if args.peer is not None:
-        fail("--gpu-only measures our GPU figures alone; drop --peer.")
+    check_gpu_only_device(args)
     if args.pong_only:
         fail("--pong-only is the Pong run of the full suite; with --stage, ask for --stage pong.")
     if len(set(args.stage)) != len(args.stage):
         fail(f"--stage names a stage twice: {' '.join(args.stage)}.")
-    if args.device not in ("cuda", "cpu"):
-        fail(f"--device must be cuda or cpu, got {args.device!r}.")
-    if args.device == "cpu" and not args.quick:
-        fail("--gpu-only --device cpu checks the steps at tiny sizes: add --quick.")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        fail(
-            "--gpu-only needs a CUDA device, and torch sees none on this machine (--device cpu --quick checks the "
-            "steps without one)."
-        )
     if "update" in args.stage and not args.update_minutes > 0:
         fail(f"--update-minutes must be greater than 0, got {args.update_minutes}.")
     if "pong" in args.stage and not args.pong_minutes > 0:

@@ -37,6 +37,7 @@ import torch
 import dreamer_atari as da
 import memory_utils as mu
 from benchmark import bench_utils
+from benchmark.run import TINY_MODEL_FIELDS
 
 MB = 1024.0 * 1024.0
 # `--quick` sizes: everything smaller, stated in the output, so the whole quick run stays under a minute.
@@ -56,17 +57,9 @@ FULL = {
     "sample_reps": 20,
     "evenness_batches": 10_000,
 }
-# The tiny model of the soak: host-memory growth of the loop, not learning, is under test.
-TINY_MODEL = {
-    "encoder_channels": (4, 4, 4),
-    "embed_dim": 16,
-    "decoder_base_channels": 4,
-    "decoder_mid_channels": 4,
-    "deterministic_dim": 16,
-    "stochastic_dim": 4,
-    "stochastic_classes": 4,
-    "hidden_dim": 16,
-}
+# The tiny model of the soak (run.py's, which --quick uses too): host-memory growth of the loop, not learning, is
+# under test.
+TINY_MODEL = TINY_MODEL_FIELDS
 
 
 def seed_args(**overrides) -> da.Args:
@@ -225,22 +218,7 @@ def cmd_measure(quick: bool) -> dict:
     # the ratio compares sampling and updating at the same batch shape
     out["sample_to_update_ratio"] = update_sample["median_ms"] / updating["median_ms"]
     out.update(agent_params(agent))
-    out["model"] = {
-        k: getattr(args, k)
-        for k in (
-            "encoder_channels",
-            "embed_dim",
-            "decoder_base_channels",
-            "decoder_mid_channels",
-            "deterministic_dim",
-            "stochastic_dim",
-            "stochastic_classes",
-            "hidden_dim",
-            "reward_bins",
-            "imagination_horizon",
-            "amp",
-        )
-    }
+    out["model"] = {k: getattr(args, k) for k in (*da.MODEL_FLAGS, "imagination_horizon", "amp")}
     out["model"]["amp_resolved"] = agent.amp.mode
     optimizer = agent.world_model_optimizer
     out["model"]["optimizer"] = (

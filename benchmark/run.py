@@ -1135,13 +1135,10 @@ def main_matched_only(args: Args) -> dict:
     return result
 
 
-def main_gpu_only(args: Args) -> dict:
+def check_gpu_only_device(args: Args) -> None:
+    """--gpu-only's checks of --peer and --device, staged or not: one sentence and exit status 2."""
     import torch
 
-    if args.stage:
-        from benchmark import gpu_stages
-
-        return gpu_stages.main_staged(args)
     if args.peer is not None:
         fail("--gpu-only measures our GPU figures alone; drop --peer.")
     if args.device not in ("cuda", "cpu"):
@@ -1153,6 +1150,15 @@ def main_gpu_only(args: Args) -> dict:
             "--gpu-only needs a CUDA device, and torch sees none on this machine (--device cpu --quick checks the "
             "steps without one)."
         )
+
+
+def main_gpu_only(args: Args) -> dict:
+
+    if args.stage:
+        from benchmark import gpu_stages
+
+        return gpu_stages.main_staged(args)
+    check_gpu_only_device(args)
     if args.pong_minutes < 0:
         fail(f"--pong-minutes must be 0 or more, got {args.pong_minutes}.")
     if args.pong_only and args.pong_minutes == 0:

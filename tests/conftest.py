@@ -50,3 +50,40 @@ def _garbage_collector_skips_what_earlier_modules_left():
     gc.collect()
     gc.freeze()
     yield
+
+
+def record_memory_order(monkeypatch) -> list[str]:
+    """What a run does, in order, of: choosing one malloc arena, opening its TensorBoard writer (whose thread starts
+    then), flushing that writer, and taking a memory report."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    import memory_utils as mu
+
+    events: list[str] = []
+    one_arena, init, flush, report = (
+        mu.one_malloc_arena,
+        SummaryWriter.__init__,
+        SummaryWriter.flush,
+        mu.memory_report,
+    )
+
+    def record(name, fn):
+        def wrapped(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(mu, "one_malloc_arena", record("one_arena", one_arena))
+    monkeypatch.setattr(SummaryWriter, "__init__", record("writer", init))
+    monkeypatch.setattr(SummaryWriter, "flush", record("flush", flush))
+    monkeypatch.setattr(mu, "memory_report", record("report", report))
+    return events
+
+
+def assert_memory_order(events: list[str]) -> None:
+    # one heap for every thread before the writer's thread exists, so the trim can return what that thread freed
+    assert "one_arena" in events and events.index("one_arena") < events.index("writer"), events
+    # every reading is taken with the writer's queue written out (no GIF record in flight counted as growth)
+    reports = [i for i, name in enumerate(events) if name == "report"]
+    assert reports and all(events[i - 1] == "flush" for i in reports), events

@@ -16,30 +16,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import dqn_starcraft_split as dqn
 import memory_utils as mu
+from dqn_tiny import TINY_FLAGS
 
 SCRIPT = Path(dqn.__file__)
-TINY = [
-    "--res",
-    "8",
-    "--step-mul",
-    "128",
-    "--buffer-size",
-    "200",
-    "--learning-starts",
-    "10",
-    "--eval-every-episodes",
-    "1",
-    "--num-eval-episodes",
-    "1",
-    "--num-test-episodes",
-    "2",
-    "--memory-log-every",
-    "10",
-    "--leak-warmup-steps",
-    "0",
-    "--log-every-steps",
-    "5",
-]
+TINY = TINY_FLAGS
 
 
 def clean_env(**extra):
@@ -522,3 +502,17 @@ def test_a_checkpoint_resumes_only_with_the_spatial_head_it_was_trained_with(tmp
         dqn.load_checkpoint(path, dataclasses.replace(args, fine_kernel=1))
     with pytest.raises(dqn.ConfigError, match="--coarse-level False, but this run asks for True"):
         dqn.load_checkpoint(path, dataclasses.replace(args, coarse_level=True))
+
+
+def test_memory_is_read_on_one_heap_with_tensorboards_queue_written(tmp_path, monkeypatch):
+    from conftest import assert_memory_order, record_memory_order
+
+    monkeypatch.chdir(tmp_path)
+    events = record_memory_order(monkeypatch)
+    args, sources = dqn.parse_args([*TINY, "--num-episodes", "2", "--run-id", "order", "--no-save-model"], {})
+    threads = torch.get_num_threads()
+    try:
+        assert dqn.main(args, sources) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert_memory_order(events)

@@ -414,3 +414,11 @@ def test_out_of_memory_at_start_up_writes_a_report_and_stops_before_training(in_
     assert (run_dir / "oom" / "report.json").exists() and not (run_dir / "checkpoint.pt").exists()
     err = capsys.readouterr().err
     assert "out of memory at start-up (in preflight" in err and "--batch-size 2 x --sequence-length 8" in err
+
+
+def test_memory_is_read_on_one_heap_with_tensorboards_queue_written(in_tmp, monkeypatch):
+    from conftest import assert_memory_order, record_memory_order
+
+    events = record_memory_order(monkeypatch)
+    da.main(tiny_args(total_timesteps=200, vector_mode="sync"))
+    assert_memory_order(events)

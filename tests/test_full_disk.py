@@ -18,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import dqn_starcraft_split as dqn
 import dreamer_atari as da
 import memory_utils as mu
+from dqn_tiny import TINY_FLAGS as DQN_TINY
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMITED = """
@@ -269,30 +270,6 @@ def test_dreamer_says_at_start_up_when_two_checkpoints_do_not_fit(small_disk):
         line for line in result.stdout.splitlines() if line.startswith("warning:") and "free where" in line
     ]
     assert len(lines) == 1 and "less than 2 checkpoints of about" in lines[0], result.stdout[-2000:]
-
-
-DQN_TINY = [
-    "--res",
-    "8",
-    "--step-mul",
-    "128",
-    "--buffer-size",
-    "200",
-    "--learning-starts",
-    "10",
-    "--eval-every-episodes",
-    "1",
-    "--num-eval-episodes",
-    "1",
-    "--num-test-episodes",
-    "2",
-    "--memory-log-every",
-    "10",
-    "--leak-warmup-steps",
-    "0",
-    "--log-every-steps",
-    "5",
-]
 
 
 def test_dqn_final_checkpoint_that_cannot_be_written_is_one_sentence_and_exit_6(tmp_path):
