@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -246,6 +247,7 @@ BAD_ARGS = {
     "missing resume file": dict(resume="nowhere.pt"),
     "bad gamma": dict(gamma=1.5),
     "image too small for the encoder": dict(image_size=32),
+    "no frames in a stack": dict(frame_stack=0),
 }
 
 
@@ -378,6 +380,39 @@ def test_image_size_64_trains_on_pong_and_resuming_at_84_is_refused(in_tmp, caps
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err == "error: --resume checkpoint was trained with --image-size 64, but this run asks for 84."
+
+
+def test_one_frame_stacks_train_resume_with_their_replay_and_resuming_with_four_is_refused(in_tmp, capsys):
+    """--frame-stack 1: the env gives one frame an observation, the encoder reads one channel and the decoder draws
+    one, the replay stores each frame once and gives it back from a checkpoint as one-frame stacks, and the
+    checkpoint remembers the stack."""
+    first = da.main(
+        tiny_args(
+            frame_stack=1, total_timesteps=120, learning_starts=60, save_model=True, checkpoint_buffer=True
+        )
+    )
+    assert first["updates"] > 0
+    path = in_tmp / first["run_dir"] / "checkpoint.pt"
+    saved = load_checkpoint(path)
+    assert saved["models"]["world_model"]["encoder.net.0.weight"].shape[1] == 1
+    assert saved["models"]["world_model"]["decoder.net.4.weight"].shape[1] == 1
+    episodes = saved["replay"]["episodes"]
+    assert all(len(ep["frames"]) == len(ep["action"]) for ep in episodes)  # no older frames before the first
+    replay = da.EpisodeReplay(500, 2, seed=0)
+    replay.load_state_dict(saved["replay"])
+    batch = replay.sample(2, 8)
+    assert batch["obs"].shape == (2, 8, 1, 84, 84)
+    stored = np.concatenate([ep["frames"].numpy() for ep in episodes])
+    for frame in batch["obs"][:, :, 0].reshape(-1, 84, 84):  # every sampled frame is a stored one
+        assert (stored == frame).all((1, 2)).any()
+    second = da.main(tiny_args(frame_stack=1, total_timesteps=200, save_model=True, resume=str(path)))
+    assert second["updates"] > first["updates"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        da.main(tiny_args(total_timesteps=300, resume=str(path)))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --resume checkpoint was trained with --frame-stack 1, but this run asks for 4."
 
 
 def _oom(*args, **kwargs):

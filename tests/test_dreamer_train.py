@@ -197,6 +197,30 @@ def test_encoder_and_decoder_follow_the_image_size(size):
     assert decoder(torch.zeros(3, 16)).shape == (3, 4, size, size)
 
 
+@pytest.mark.parametrize("channels", [1, 4])
+@pytest.mark.parametrize("size", [84, 64, 66])
+def test_the_decoders_last_layer_on_cpu_is_its_transposed_convolution(size, channels):
+    """On CPU the decoder's last layer runs as a convolution and a pixel shuffle: the outputs and the gradients
+    (of its input, weight and bias) are those of the transposed convolution itself, in float64, also where the
+    layer pads its output (66 pixels: two rows and columns of bias alone)."""
+    torch.manual_seed(0)
+    decoder = da.AtariConvDecoder(10, channels, 4, 4, size).double()
+    layer = decoder.net[-1]
+    hidden = torch.randn(3, 4, *([da.nature_cnn_sizes(size)[0]] * 2), dtype=torch.float64, requires_grad=True)
+    reference, subpixel = layer(hidden), da.transposed_conv_as_subpixel(hidden, layer)
+    assert subpixel.shape == reference.shape == (3, channels, size, size)
+    torch.testing.assert_close(subpixel, reference, rtol=0, atol=1e-12)
+    upstream = torch.randn_like(reference)
+    wrt = [hidden, layer.weight, layer.bias]
+    for got, want in zip(
+        torch.autograd.grad(subpixel, wrt, upstream), torch.autograd.grad(reference, wrt, upstream)
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    feat = torch.randn(3, 10, dtype=torch.float64)  # the decoder's own forward takes that path on CPU
+    hidden = decoder.net[:-1](decoder.linear(feat).unflatten(-1, (4, decoder.side, decoder.side)))
+    torch.testing.assert_close(decoder(feat), layer(hidden), rtol=0, atol=1e-12)
+
+
 def test_channels_last_images_give_the_same_update_without_layout_copies(monkeypatch):
     """The float images laid out channels-last (as the channels-last encoder and decoder use them) change no
     logged value of two updates from the same weights on the same batches, and the image loss then compares two
