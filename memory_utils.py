@@ -718,6 +718,38 @@ def growth_evidence(
     return False, why, robust_slope(x[-sizes[-1] :], y[-sizes[-1] :])
 
 
+class SampleWindow:
+    """The last `size` (step, value) samples of one metric, in one array allocated with the first sample: the
+    detector's own memory stays the same from then on (a deque of float pairs grew by about 130 bytes a sample and
+    metric until it was full, 24k env steps into a run at a 250-step log interval, and a soak read that as the
+    run's growth)."""
+
+    def __init__(self, size: int):
+        self.rows = np.zeros((size, 2))  # (step, value) per sample, a ring
+        self.count = 0  # samples held
+        self.next = 0  # the row the next sample goes to
+
+    def __len__(self) -> int:
+        return self.count
+
+    def append(self, step: float, value: float) -> None:
+        self.rows[self.next] = step, value
+        self.next = (self.next + 1) % len(self.rows)
+        self.count = min(self.count + 1, len(self.rows))
+
+    def clear(self) -> None:
+        self.count = self.next = 0
+
+    @property
+    def last_step(self) -> float:
+        return float(self.rows[self.next - 1, 0])
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, values), oldest first: copies made for one check and freed after it."""
+        ordered = np.roll(self.rows, -self.next, axis=0)[len(self.rows) - self.count :]
+        return ordered[:, 0], ordered[:, 1]
+
+
 class LeakDetector:
     """Watches memory over steps and names the likely cause when it grows for good.
 
@@ -770,19 +802,19 @@ class LeakDetector:
         self.min_samples = min_samples
         self.scales = tuple(size for size in SCALES if size < window) + (window,)
         self.abort_after = abort_after
-        self.samples: dict[str, deque] = {}
+        self.samples: dict[str, SampleWindow] = {}  # warm-up samples show noise, releases
         self.suspected_in_a_row = 0
 
     def add(self, metric: str, step: int, value: float) -> None:
         _require(isinstance(metric, str) and metric, "metric must be a non-empty string")
         _require(_is_number(step) and step >= 0, f"step must be a number >= 0, got {step!r}")
         _require(_is_number(value), f"value for {metric} must be a finite number, got {value!r}")
-        series = self.samples.setdefault(
-            metric, deque(maxlen=self.window)
-        )  # warm-up samples show noise, releases
-        if series and step <= series[-1][0]:
+        series = self.samples.get(metric)
+        if series is None:
+            series = self.samples[metric] = SampleWindow(self.window)
+        if len(series) and step <= series.last_step:
             series.clear()  # the step counter went backwards (a resumed run): start the window again
-        series.append((float(step), float(value)))
+        series.append(float(step), float(value))
 
     def observe(self, step: int, report: dict) -> None:
         """Record every known metric of a `memory_report()` dict, plus host memory minus buffer bytes."""
@@ -810,14 +842,17 @@ class LeakDetector:
         `growth_evidence` for the metrics `check` decides on, a robust slope over the recent samples for the rest."""
         out = {}
         for metric, series in self.samples.items():
-            judged = [(step, value) for step, value in series if step >= self.warmup_steps]
-            if len(judged) < self.min_samples:
+            steps, values = series.arrays()
+            judged = steps >= self.warmup_steps
+            if judged.sum() < self.min_samples:
                 continue
             if metric not in self.JUDGED:
-                steps, values = zip(*judged[-24:])
-                out[metric] = (False, "not judged", 1000.0 * robust_slope(steps, values))
+                out[metric] = (
+                    False,
+                    "not judged",
+                    1000.0 * robust_slope(steps[judged][-24:], values[judged][-24:]),
+                )
                 continue
-            steps, values = zip(*series)
             threshold = self.block_threshold if metric == KEY_GPU_ACTIVE_BLOCKS else self.threshold
             out[metric] = growth_evidence(
                 steps,

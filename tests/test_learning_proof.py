@@ -1,6 +1,6 @@
 """A shortened learning proof in CI: dreamer_atari.py's own loop on Catch-v0 (benchmark/learning_proof.py).
 
-The full proof (2,500 env steps, about three minutes on a 2-core CPU; results in
+The full proof (2,400 env steps, about three minutes on a 2-core CPU; results in
 benchmark/results/learning_proof/) does not fit beside the rest of the suite, so CI trains 1,000 env steps and
 asserts the learning that has happened by then: the world model has learned to draw the game and to predict its
 reward from pixels (both losses far below where they started, the sign of some real rewards predicted), its
