@@ -64,6 +64,7 @@ MB = 1024.0 * 1024.0
 KEY_RSS_MB = "debug/cpu/rss_mb"
 KEY_USS_MB = "debug/cpu/uss_mb"
 KEY_ANON_MB = "debug/cpu/anon_mb"
+KEY_HEAP_IN_USE_MB = "debug/cpu/heap_in_use_mb"
 KEY_GPU_ALLOC_MB = "debug/gpu/alloc_mb"
 KEY_GPU_RESERVED_MB = "debug/gpu/reserved_mb"
 KEY_GPU_MAX_ALLOC_MB = "debug/gpu/max_alloc_mb"
@@ -74,7 +75,7 @@ KEY_GPU_ACTIVE_BLOCKS = "debug/gpu/active_blocks"
 KEY_GPU_NUM_ALLOC_RETRIES = "debug/gpu/num_alloc_retries"
 KEY_GPU_NUM_OOMS = "debug/gpu/num_ooms"
 
-CPU_KEYS = (KEY_RSS_MB, KEY_USS_MB, KEY_ANON_MB)
+CPU_KEYS = (KEY_RSS_MB, KEY_USS_MB, KEY_ANON_MB, KEY_HEAP_IN_USE_MB)
 GPU_KEYS = (
     KEY_GPU_ALLOC_MB,
     KEY_GPU_RESERVED_MB,
@@ -400,6 +401,37 @@ def trim_host_memory() -> bool:
     return True
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def heap_in_use_mb() -> float | None:
+    """MB of live blocks that glibc's malloc has handed out, in every arena and as mmaps (`mallinfo2`, glibc 2.33
+    or later; None elsewhere): C and C++ allocations (numpy arrays, torch CPU tensors, Python objects over 512
+    bytes) that are not yet freed. Resident anonymous memory minus this is what lives outside malloc's live
+    blocks: free heap pages it keeps resident, Python's small-object arenas, thread stacks."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return (info.uordblks + info.hblkhd) / MB
+
+
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number
 
 
@@ -536,6 +568,9 @@ def memory_report(buffer_stats: dict | None = None, device=None, trim: bool = Tr
         anon = process_anon_mb()
         if anon is not None:
             report[KEY_ANON_MB] = float(anon)
+        heap = heap_in_use_mb()
+        if heap is not None:
+            report[KEY_HEAP_IN_USE_MB] = float(heap)
     except Exception as exc:  # noqa: BLE001
         _warn_once("host_memory", f"reading host memory failed ({exc}); host figures are left out")
     gpu = gpu_memory_stats(device)

@@ -400,7 +400,13 @@ def cmd_soak(
         try:
             result = da.main(args)
             # anon_mb is logged where the system reports it (Linux): read_scalars leaves out what is missing
-            keys = [mu.KEY_USS_MB, mu.BUFFER_KEYS["obs_bytes"], mu.BUFFER_KEYS["aux_bytes"], mu.KEY_ANON_MB]
+            keys = [
+                mu.KEY_USS_MB,
+                mu.BUFFER_KEYS["obs_bytes"],
+                mu.BUFFER_KEYS["aux_bytes"],
+                mu.KEY_ANON_MB,
+                mu.KEY_HEAP_IN_USE_MB,
+            ]
             scalars = bench_utils.read_scalars(os.path.join(work, result["run_dir"]), keys)
         finally:
             os.chdir(cwd)
@@ -413,6 +419,18 @@ def cmd_soak(
         out["soak_anon_slope_mb_per_10k"] = bench_utils.soak_summary(
             steps, anon, full_at=measured_from, capacity=capacity
         )["soak_uss_slope_mb_per_10k"]
+    if (
+        mu.KEY_HEAP_IN_USE_MB in scalars
+    ):  # glibc: what of it is live malloc'd blocks, and what lives outside them
+        heap = [scalars[mu.KEY_HEAP_IN_USE_MB][s] - b for s, b in zip(steps, buffer_mb)]
+        out["soak_heap_in_use_slope_mb_per_10k"] = bench_utils.soak_summary(
+            steps, heap, full_at=measured_from, capacity=capacity
+        )["soak_uss_slope_mb_per_10k"]
+        if mu.KEY_ANON_MB in scalars:
+            outside = [scalars[mu.KEY_ANON_MB][s] - scalars[mu.KEY_HEAP_IN_USE_MB][s] for s in steps]
+            out["soak_anon_outside_heap_slope_mb_per_10k"] = bench_utils.soak_summary(
+                steps, outside, full_at=measured_from, capacity=capacity
+            )["soak_uss_slope_mb_per_10k"]
     out["soak_config"] = {
         "env_id": args.env_id,
         "model": TINY_MODEL,

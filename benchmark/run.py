@@ -657,6 +657,8 @@ def markdown_table(result: dict) -> str:
         ("the same for draws by pure chance (Poisson)", "sampling_draws_poisson_cv", ""),
         ("soak: USS − replay, MB per 10k env steps", "soak_uss_slope_mb_per_10k", "≤ 1"),
         ("soak: resident anonymous − replay, MB per 10k", "soak_anon_slope_mb_per_10k", ""),
+        ("soak: of which live malloc'd blocks − replay", "soak_heap_in_use_slope_mb_per_10k", ""),
+        ("soak: of which outside malloc's live blocks", "soak_anon_outside_heap_slope_mb_per_10k", ""),
         ("soak: replay turnovers", "soak_turnovers", "≥ 10"),
         ("parameters (world model + actor + critic)", "params_total", ""),
     ]

@@ -48,8 +48,26 @@ def test_gpu_stats_empty_without_cuda_and_report_keys():
     assert not any(k.startswith("debug/gpu/") for k in report)
 
 
+def test_heap_in_use_follows_a_c_allocation_and_its_free():
+    """glibc's live malloc'd bytes: an 8 MB numpy array (an mmapped block) and 2,000 blocks of 4 kB (in the heap)
+    count while they live and stop counting when freed."""
+    before = mu.heap_in_use_mb()
+    big = np.ones(1_000_000)  # 8 MB
+    small = [np.ones(512) for _ in range(2_000)]  # 2,000 x 4 kB
+    during = mu.heap_in_use_mb()
+    del big, small
+    after = mu.heap_in_use_mb()
+    assert during - before == pytest.approx(8.0 + 8.0, abs=1.0), (before, during)
+    assert after - before == pytest.approx(0.0, abs=0.5), (before, after)
+
+
 def test_memory_keys_are_the_documented_names():
-    assert mu.CPU_KEYS == ("debug/cpu/rss_mb", "debug/cpu/uss_mb", "debug/cpu/anon_mb")
+    assert mu.CPU_KEYS == (
+        "debug/cpu/rss_mb",
+        "debug/cpu/uss_mb",
+        "debug/cpu/anon_mb",
+        "debug/cpu/heap_in_use_mb",
+    )
     assert set(mu.GPU_KEYS) == {
         f"debug/gpu/{k}"
         for k in (
@@ -230,8 +248,8 @@ def test_leak_detector_ignores_warmup_and_checks_arguments():
 def test_the_leak_detectors_own_memory_does_not_grow_while_its_window_fills():
     """The detector keeps each metric's window in one array made with its first sample, so what it holds does not
     grow while its window fills (96 memory reports: 24k env steps at a 250-step log interval), which a soak would
-    read as the run's growth. From its 12th report (its first verdicts made) to its 200th, 13 metrics: about 18 kB
-    more (numpy's own one-time allocations), against 145 kB with a deque of float pairs per metric."""
+    read as the run's growth. From its 12th report (its first verdicts made) to its 200th, 14 metrics: about 18 kB
+    more (numpy's own one-time allocations), against 145 kB with a deque of float pairs per metric (13 metrics)."""
     import tracemalloc
 
     detector = mu.LeakDetector(warmup_steps=0, window=96)
@@ -251,7 +269,7 @@ def test_the_leak_detectors_own_memory_does_not_grow_while_its_window_fills():
         full = reports(range(12 * 250, 200 * 250, 250))
     finally:
         tracemalloc.stop()
-    assert len(detector.samples) == len(keys) + 1 == 13  # every key and host memory beyond the replay
+    assert len(detector.samples) == len(keys) + 1 == 14  # every key and host memory beyond the replay
     assert all(len(series) == 96 for series in detector.samples.values())
     assert full - early < 50_000, (early, full)
 
