@@ -354,15 +354,22 @@ def test_abort_on_leak_stops_with_a_checkpoint(in_tmp, monkeypatch, capsys):
     assert "memory leak suspected: test" in capsys.readouterr().out
 
 
+def refused(capsys, args: da.Args) -> str:
+    """The one line a run of `args` is refused with (exit 2), output before it dropped."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        da.main(args)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip()
+
+
 def test_resume_with_other_model_sizes_is_refused_before_anything_starts(in_tmp, capsys):
     first = da.main(tiny_args(total_timesteps=100, save_model=True, vector_mode="sync"))
     path = in_tmp / first["run_dir"] / "checkpoint.pt"
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        da.main(tiny_args(total_timesteps=200, hidden_dim=32, resume=str(path)))
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err == "error: --resume checkpoint was trained with --hidden-dim 16, but this run asks for 32."
+    assert (
+        refused(capsys, tiny_args(total_timesteps=200, hidden_dim=32, resume=str(path)))
+        == "error: --resume checkpoint was trained with --hidden-dim 16, but this run asks for 32."
+    )
 
 
 def test_image_size_64_trains_on_pong_and_resuming_at_84_is_refused(in_tmp, capsys):
@@ -374,12 +381,10 @@ def test_image_size_64_trains_on_pong_and_resuming_at_84_is_refused(in_tmp, caps
     saved = load_checkpoint(path)
     assert saved["models"]["world_model"]["decoder.net.4.weight"].shape[-1] == 8
     assert saved["models"]["world_model"]["encoder.net.7.weight"].shape[-1] == 8 * 4 * 4  # c3 x 4 x 4
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        da.main(tiny_args(total_timesteps=200, resume=str(path)))
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err == "error: --resume checkpoint was trained with --image-size 64, but this run asks for 84."
+    assert (
+        refused(capsys, tiny_args(total_timesteps=200, resume=str(path)))
+        == "error: --resume checkpoint was trained with --image-size 64, but this run asks for 84."
+    )
 
 
 def test_one_frame_stacks_train_resume_with_their_replay_and_resuming_with_four_is_refused(in_tmp, capsys):
@@ -407,12 +412,10 @@ def test_one_frame_stacks_train_resume_with_their_replay_and_resuming_with_four_
         assert (stored == frame).all((1, 2)).any()
     second = da.main(tiny_args(frame_stack=1, total_timesteps=200, save_model=True, resume=str(path)))
     assert second["updates"] > first["updates"]
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        da.main(tiny_args(total_timesteps=300, resume=str(path)))
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err == "error: --resume checkpoint was trained with --frame-stack 1, but this run asks for 4."
+    assert (
+        refused(capsys, tiny_args(total_timesteps=300, resume=str(path)))
+        == "error: --resume checkpoint was trained with --frame-stack 1, but this run asks for 4."
+    )
 
 
 def _oom(*args, **kwargs):
