@@ -6,6 +6,7 @@ Each command runs in its own process (run.py starts them) and writes one JSON ob
     python benchmark/ours_dreamer.py update --out PATH              # the seed-config update alone
     python benchmark/ours_dreamer.py trials --out PATH              # defaults without channels_last / inverse-CDF, compile, bf16
     python benchmark/ours_dreamer.py soak --out PATH [--capacity N] [--warmup N] [--turnovers N]  # tiny-model main
+    python benchmark/ours_dreamer.py soak --out PATH --no-updates    # the same loop, never training
     python benchmark/ours_dreamer.py gpu --out PATH [--quick]       # CUDA: updates/s and peak memory per --amp
 
 The seed configuration is `dreamer_atari.Args()` as it is: Pong, 2 envs, capacity 50k steps, batch 16 x 50.
@@ -361,6 +362,7 @@ def soak_args(
     warmup: int = 0,
     video_every: int = SOAK_VIDEO_EVERY,
     env_id: str | None = None,
+    updates: bool = True,
 ) -> da.Args:
     return seed_args(
         **({"env_id": env_id} if env_id else {}),
@@ -369,7 +371,7 @@ def soak_args(
         # the warm-up, then `turnovers` replay capacities measured
         total_timesteps=soak_warmup(capacity, warmup, video_every) + capacity * turnovers + 2 * every,
         video_every=video_every,
-        learning_starts=256,
+        learning_starts=256 if updates else 10**9,  # without updates: the loop, replay and logging alone
         warmup_steps=0,
         batch_size=batch,
         sequence_length=seq,
@@ -388,10 +390,14 @@ def cmd_soak(
     warmup: int = 0,
     video_every: int = SOAK_VIDEO_EVERY,
     env_id: str | None = None,
+    updates: bool = True,
 ) -> dict:
     """`video_every` and `env_id` change what the soak stresses: open-loop GIFs every 250 env steps on Catch-v0
-    show in 20k steps a per-GIF creep that Pong's one per 2,000 spreads over 160k."""
-    args = soak_args(capacity, turnovers, every, warmup=warmup, video_every=video_every, env_id=env_id)
+    show in 20k steps a per-GIF creep that Pong's one per 2,000 spreads over 160k. Without `updates` the same loop
+    never trains (nor makes GIFs): what the env, replay, logging and leak detector keep, apart from training."""
+    args = soak_args(
+        capacity, turnovers, every, warmup=warmup, video_every=video_every, env_id=env_id, updates=updates
+    )
     measured_from = soak_warmup(capacity, warmup, video_every)
     # the script's own memory_report() trims the heap before measuring, so USS is live memory
     with tempfile.TemporaryDirectory(prefix="soak-") as work:
@@ -439,6 +445,7 @@ def cmd_soak(
         "warmup_env_steps": measured_from,  # the slope is measured from here to the end
         "measured_env_steps": steps[-1] - min(s for s in steps if s >= measured_from),
         "video_every": args.video_every,
+        "training": updates,
         "batch": f"B{args.batch_size} x T{args.sequence_length}",
         "updates": result["updates"],
         "sample_every_env_steps": every,
@@ -575,6 +582,11 @@ def main() -> None:
         "--video-every", type=int, default=SOAK_VIDEO_EVERY, help="soak: env steps between open-loop GIFs"
     )
     parser.add_argument("--env-id", default=None, help="soak: the environment (default: the seed's, Pong)")
+    parser.add_argument(
+        "--no-updates",
+        action="store_true",
+        help="soak: the same loop without training (the prefill never ends)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.command == "serve":
@@ -589,7 +601,13 @@ def main() -> None:
         result = cmd_trials(args.trials, args.trial_reps)
     elif args.command == "soak":
         result = cmd_soak(
-            args.capacity, args.turnovers, args.every, args.warmup, args.video_every, args.env_id
+            args.capacity,
+            args.turnovers,
+            args.every,
+            args.warmup,
+            args.video_every,
+            args.env_id,
+            updates=not args.no_updates,
         )
     else:
         result = cmd_gpu(args.quick, args.device, tuple(args.parts))
