@@ -760,6 +760,7 @@ class SampleWindow:
     run's growth)."""
 
     def __init__(self, size: int):
+        # memory: one array for the whole window, so the detector's own footprint never grows as it fills
         self.rows = np.zeros((size, 2))  # (step, value) per sample, a ring
         self.count = 0  # samples held
         self.next = 0  # the row the next sample goes to

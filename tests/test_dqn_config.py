@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dqn_starcraft_split as dqn
+from dqn_tiny import TINY_FLAGS
 
 SCRIPT = Path(dqn.__file__)
 
@@ -151,14 +152,7 @@ def test_settings_that_cannot_work_together_are_refused(argv, field):
 def test_a_reused_run_id_is_refused_unless_overwrite(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RL_")}
     tiny = [
-        "--res",
-        "8",
-        "--step-mul",
-        "128",
-        "--buffer-size",
-        "200",
-        "--learning-starts",
-        "10",
+        *TINY_FLAGS,
         "--num-episodes",
         "1",
         "--num-test-episodes",

@@ -17,29 +17,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
 import sweep
+from dqn_tiny import TINY_FLAGS as DQN_TINY_FLAGS
 from dreamer_tiny import TINY_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
-DQN_TINY = [
-    "--res",
-    "8",
-    "--step-mul",
-    "128",
-    "--buffer-size",
-    "200",
-    "--learning-starts",
-    "10",
-    "--eval-every-episodes",
-    "0",
-    "--num-test-episodes",
-    "2",
-    "--memory-log-every",
-    "10",
-    "--leak-warmup-steps",
-    "0",
-    "--log-every-steps",
-    "5",
-]
+DQN_TINY = [*DQN_TINY_FLAGS, "--eval-every-episodes", "0"]  # no evaluation episodes in a sweep
 DREAMER_TINY = [
     *TINY_FLAGS,
     "--env-id",
