@@ -265,7 +265,9 @@ def main() -> None:
     )
     result: dict = {
         "machine": bench_utils.machine(),
-        "command": " ".join(["python", "benchmark/update_variants.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "benchmark/update_variants.py", *sys.argv[1:]]).replace(
+            str(cli.out), "OUT_JSON"
+        ),
         "device": torch.cuda.get_device_name(device) if on_cuda else str(device),
         "batch": f"B{base.batch_size} x T{base.sequence_length}",
         "batch_from": f"one batch sampled from {replay.total_steps:,} real Pong steps (random actions)",
