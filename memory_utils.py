@@ -422,8 +422,9 @@ class _MallInfo2(ctypes.Structure):
 def heap_in_use_mb() -> float | None:
     """MB of live blocks that glibc's malloc has handed out, in every arena and as mmaps (`mallinfo2`, glibc 2.33
     or later; None elsewhere): C and C++ allocations (numpy arrays, torch CPU tensors, Python objects over 512
-    bytes) that are not yet freed. Resident anonymous memory minus this is what lives outside malloc's live
-    blocks: free heap pages it keeps resident, Python's small-object arenas, thread stacks."""
+    bytes) that are not yet freed, with glibc's overhead per block. Resident anonymous memory minus this is what
+    lives outside malloc's live blocks: free heap space it cannot give back (after `trim_host_memory`, the
+    fragments of partly used pages), Python's small-object arenas, thread stacks."""
     libc = _glibc()
     if libc is None or not hasattr(libc, "mallinfo2"):
         return None

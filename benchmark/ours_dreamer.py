@@ -425,9 +425,8 @@ def cmd_soak(
         out["soak_anon_slope_mb_per_10k"] = bench_utils.soak_summary(
             steps, anon, full_at=measured_from, capacity=capacity
         )["soak_uss_slope_mb_per_10k"]
-    if (
-        mu.KEY_HEAP_IN_USE_MB in scalars
-    ):  # glibc: what of it is live malloc'd blocks, and what lives outside them
+    # glibc: what of it is live malloc'd blocks, and what lives outside them
+    if mu.KEY_HEAP_IN_USE_MB in scalars:
         heap = [scalars[mu.KEY_HEAP_IN_USE_MB][s] - b for s, b in zip(steps, buffer_mb)]
         out["soak_heap_in_use_slope_mb_per_10k"] = bench_utils.soak_summary(
             steps, heap, full_at=measured_from, capacity=capacity
