@@ -450,6 +450,20 @@ def cmd_soak(
         "sample_every_env_steps": every,
         "buffer_mb_subtracted_first_last": [round(buffer_mb[0], 3), round(buffer_mb[-1], 3)],
     }
+    # every reading, so that any window's slope can be computed again from the file
+    out["soak_samples"] = {
+        "env_step": steps,
+        "replay_mb": buffer_mb,
+        **{
+            name: [scalars[key][s] for s in steps]
+            for name, key in (
+                ("uss_mb", mu.KEY_USS_MB),
+                ("anon_mb", mu.KEY_ANON_MB),
+                ("heap_in_use_mb", mu.KEY_HEAP_IN_USE_MB),
+            )
+            if key in scalars
+        },
+    }
     return out
 
 

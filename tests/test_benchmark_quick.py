@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import memory_utils as mu
+
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "benchmark" / "run.py"
 REQUIRED_KEYS = (
@@ -71,6 +73,13 @@ def test_quick_figures_are_physically_plausible(quick_run):
     assert result["soak_turnovers"] >= 10
     if sys.platform.startswith("linux"):
         assert isinstance(result["soak_anon_slope_mb_per_10k"], float)
+        # every reading is kept, and the reported slope is the one those readings give from the warm-up on
+        samples = result["soak_samples"]
+        steps = samples["env_step"]
+        assert steps == sorted(steps) and {len(v) for v in samples.values()} == {len(steps)}
+        start = result["soak_config"]["warmup_env_steps"]
+        kept = [(s, a - r) for s, a, r in zip(steps, samples["anon_mb"], samples["replay_mb"]) if s >= start]
+        assert 10_000 * mu.robust_slope(*zip(*kept)) == pytest.approx(result["soak_anon_slope_mb_per_10k"])
     assert result["sample_ms"] > 0 and result["update_ms"] > 0
     assert 0 < result["sample_to_update_ratio"] < 1
     assert result["dqn_updates_per_s"] > 0 and result["dqn_env_steps_per_s_MoveToBeacon"] > 0
