@@ -23,7 +23,10 @@ detected leak with `--abort-on-leak`, and a run of non-finite losses. `--resume 
 """
 
 import dataclasses
+import functools
 import gc
+import math
+import mmap
 import os
 import random
 import signal
@@ -528,15 +531,55 @@ def replay_capacity(args: Args) -> int:
     return args.buffer_capacity if args.buffer_capacity is not None else args.total_timesteps
 
 
+def mapped_arrays(shapes: dict[str, tuple[tuple, np.dtype]]) -> dict[str, np.ndarray]:
+    """Uninitialised arrays of these (shape, dtype), all in one anonymous memory map of their own.
+
+    memory: the replay keeps its storage out of the malloc heap. Its small arrays (a chunk's actions and rewards:
+    tens of bytes) live for a whole turnover of the replay. In the heap, among the short-lived tensors of the
+    updates, each one kept a page resident after the tensors around it were freed, and resident memory crept up
+    turnover after turnover (benchmark/results/soak/README.md). A map of its own goes back to the system whole
+    as soon as its last array is dropped."""
+    fields = sorted(shapes.items(), key=lambda field: -np.dtype(field[1][1]).itemsize)  # each one aligned
+    sizes = [math.prod(shape) * np.dtype(dtype).itemsize for _, (shape, dtype) in fields]
+    block = mmap.mmap(-1, max(sum(sizes), 1))
+    arrays, offset = {}, 0
+    for (name, (shape, dtype)), size in zip(fields, sizes):
+        arrays[name] = np.frombuffer(block, dtype, math.prod(shape), offset).reshape(shape)
+        offset += size
+    return arrays
+
+
+class ChunkBlocks:
+    """The chunks of an episode's five arrays, mapped together (`mapped_arrays`): chunk i of every field lives in
+    one map. The frames reach chunk i k - 1 steps before the rest; the map waits here for the others' views."""
+
+    def __init__(self, shapes: dict[str, tuple[tuple, np.dtype]]):
+        self.shapes = shapes
+        self.waiting: dict[int, dict[str, np.ndarray]] = {}  # chunk index -> views not yet taken
+
+    def take(self, name: str, index: int) -> np.ndarray:
+        views = self.waiting.get(index)
+        if views is None:
+            views = self.waiting[index] = mapped_arrays(self.shapes)
+        view = views.pop(name)
+        if not views:
+            del self.waiting[index]
+        return view
+
+
 class ChunkedArray:
     """A growable array kept as fixed-size numpy chunks, so it can grow without copying and drop its front.
 
     Logical indices run from `start` (first kept element) to `end` (one past the last). A finished episode is
-    compacted into one exact-size array, so stored bytes match stored steps.
+    compacted into one exact-size array, so stored bytes match stored steps. `allocate(i)` gives chunk i's
+    array (default: `np.empty`).
     """
 
-    def __init__(self, item_shape: tuple, dtype, chunk_size: int):
+    def __init__(
+        self, item_shape: tuple, dtype, chunk_size: int, allocate: Callable[[int], np.ndarray] | None = None
+    ):
         self.item_shape, self.dtype, self.chunk_size = tuple(item_shape), np.dtype(dtype), chunk_size
+        self.allocate = allocate
         self.chunks: list[np.ndarray] = []
         self.start = 0
         self.end = 0
@@ -553,7 +596,9 @@ class ChunkedArray:
         assert not self.compacted, "a compacted array is read-only"
         offset = (self.end - self.start) % self.chunk_size
         if offset == 0 and self.end - self.start == len(self.chunks) * self.chunk_size:
-            self.chunks.append(np.empty((self.chunk_size, *self.item_shape), self.dtype))
+            index = self.start // self.chunk_size + len(self.chunks)
+            shape = (self.chunk_size, *self.item_shape)
+            self.chunks.append(self.allocate(index) if self.allocate else np.empty(shape, self.dtype))
         self.chunks[-1][offset] = item
         self.end += 1
 
@@ -580,11 +625,13 @@ class ChunkedArray:
         self.start += self.chunk_size
         return self.chunk_size
 
-    def compact(self) -> None:
-        """Replace the chunks by one exact-size array (frees the unused tail of the last chunk)."""
+    def compact(self, exact: np.ndarray | None = None) -> None:
+        """Replace the chunks by one exact-size array, `exact` or a new one (frees the unused tail of the last
+        chunk)."""
         if self.compacted:
             return
-        exact = np.empty((len(self), *self.item_shape), self.dtype)
+        if exact is None:
+            exact = np.empty((len(self), *self.item_shape), self.dtype)
         self.read_into(exact, self.start, self.end)
         self.chunks = [exact]
         self.compacted = True
@@ -595,17 +642,22 @@ class Episode:
     j - (k - 1), and step t's stack is frames[t : t + k].
 
     Per step: one 84x84 uint8 frame, the action that led to it (uint8), the reward received on arriving
-    (float32), is_first and is_terminal (bool). The k - 1 older frames of the first stack are stored once.
+    (float32), is_first and is_terminal (bool). The k - 1 older frames of the first stack are stored once. All
+    five live in memory maps of their own (`mapped_arrays`), each chunk's in one.
     """
+
+    FIELDS = ("frames", "action", "reward", "is_first", "is_terminal")
 
     def __init__(self, first_obs: np.ndarray, chunk_size: int):
         stack, height, width = first_obs.shape  # (4, 84, 84) uint8
         self.stack = stack
-        self.frames = ChunkedArray((height, width), np.uint8, chunk_size)
-        self.action = ChunkedArray((), np.uint8, chunk_size)
-        self.reward = ChunkedArray((), np.float32, chunk_size)
-        self.is_first = ChunkedArray((), np.bool_, chunk_size)
-        self.is_terminal = ChunkedArray((), np.bool_, chunk_size)
+        item = {"frames": ((height, width), np.uint8), "action": ((), np.uint8), "reward": ((), np.float32)}
+        item |= {"is_first": ((), np.bool_), "is_terminal": ((), np.bool_)}
+        blocks = ChunkBlocks({name: ((chunk_size, *shape), dtype) for name, (shape, dtype) in item.items()})
+        for name, (shape, dtype) in item.items():
+            # memory: the arrays hold the blocks, never the episode, so an evicted episode is freed at once
+            setattr(self, name, ChunkedArray(shape, dtype, chunk_size, functools.partial(blocks.take, name)))
+        self.blocks = blocks
         self.done = False
         for frame in first_obs[:-1]:
             self.frames.append(frame)
@@ -640,10 +692,16 @@ class Episode:
         self.frames.drop_front_chunk()  # frames run k - 1 ahead, so step `start` still has its whole stack
         return dropped
 
+    def arrays(self) -> dict[str, ChunkedArray]:
+        return {name: getattr(self, name) for name in self.FIELDS}
+
     def finish(self) -> None:
         self.done = True
-        for array in (self.frames, *self.aux):
-            array.compact()
+        arrays = self.arrays()
+        exact = mapped_arrays({name: ((len(a), *a.item_shape), a.dtype) for name, a in arrays.items()})
+        for name, array in arrays.items():
+            array.compact(exact[name])
+        self.blocks.waiting.clear()  # a chunk the frames began that the episode's end left unused
 
     @property
     def obs_bytes(self) -> int:
@@ -845,12 +903,16 @@ class EpisodeReplay:
             frames = arrays["frames"].numpy()
             stack = len(frames) - len(arrays["action"]) + 1  # an episode stores k - 1 frames more than steps
             episode = Episode(frames[:stack], self.chunk_size)
-            episode.frames.chunks, episode.frames.end = [frames.copy()], len(frames)
-            for name in ("action", "reward", "is_first", "is_terminal"):
-                array = getattr(episode, name)
-                array.chunks, array.end = [arrays[name].numpy().copy()], len(arrays[name])
-            for array in (episode.frames, *episode.aux):
-                array.compacted = True
+            saved = {name: arrays[name].numpy() for name in Episode.FIELDS}
+            exact = mapped_arrays({name: (array.shape, array.dtype) for name, array in saved.items()})
+            for name, array in episode.arrays().items():
+                exact[name][:] = saved[name]
+                array.chunks, array.start, array.end, array.compacted = (
+                    [exact[name]],
+                    0,
+                    len(saved[name]),
+                    True,
+                )
             episode.done = True
             self.episodes.append(episode)
             self.total_steps += episode.num_steps

@@ -118,6 +118,14 @@ def soak_summary(steps: Sequence[int], unexplained_mb: Sequence[float], full_at:
     }
 
 
+def window_slope(steps: Sequence[int], values: Sequence[float], start: int, stop: int) -> float | None:
+    """Theil-Sen slope in MB per 10k env steps of the points with start <= step <= stop (None under 3 points)."""
+    points = [(s, v) for s, v in zip(steps, values) if start <= s <= stop]
+    if len(points) < 3:
+        return None
+    return mu.robust_slope([p[0] for p in points], [p[1] for p in points]) * 10_000
+
+
 def cpu_name() -> str:
     """The CPU's model name as the kernel reports it (falls back to the platform's processor string)."""
     try:

@@ -294,6 +294,10 @@ def cmd_soak(args) -> dict:
         out["soak_anon_slope_mb_per_10k"] = bench_utils.soak_summary(
             anon_steps, anon, full_at=measured_from, capacity=args.capacity
         )["soak_uss_slope_mb_per_10k"]
+        # as ours: the warm-up's own slope, from the replay full (and past ours' first GIF) to the window
+        out["soak_anon_slope_warmup_mb_per_10k"] = bench_utils.window_slope(
+            anon_steps, anon, max(args.capacity, 2_001), measured_from
+        )
     out["soak_config"] = {
         "overrides": overrides,
         "capacity_steps": args.capacity,
@@ -302,6 +306,11 @@ def cmd_soak(args) -> dict:
         "buffer_mb_subtracted": buffer_mb,
         "sample_every_env_steps": args.every,
     }
+    # every reading, as ours keeps them (the replay's bytes are the constant buffer_mb_subtracted)
+    out["soak_samples"] = {"env_step": steps, "uss_mb": [uss for _, uss in Probe.samples]}
+    if Probe.anon_samples:
+        out["soak_samples"]["anon_env_step"] = [s for s, _ in Probe.anon_samples]
+        out["soak_samples"]["anon_mb"] = [value for _, value in Probe.anon_samples]
     return out
 
 

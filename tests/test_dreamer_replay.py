@@ -2,6 +2,7 @@
 
 import gc
 import hashlib
+import mmap
 import weakref
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import dreamer_atari as da
+import memory_utils as mu
 from dreamer_tiny import tiny_args
 
 
@@ -113,6 +115,36 @@ def test_batch_never_shares_memory_with_storage(pong_envs):
             assert not any(np.shares_memory(tensor.numpy(), chunk) for chunk in storage)
 
 
+def memory_map_of(array: np.ndarray):
+    """The object that owns an array's memory (a view's base of bases)."""
+    while isinstance(array, np.ndarray):
+        array = array.base
+    return array.obj if isinstance(array, memoryview) else array
+
+
+def test_replay_storage_lives_in_memory_maps_of_its_own_one_per_chunk(pong_envs):
+    replay = da.EpisodeReplay(capacity=10_000, num_envs=2, seed=0, chunk_size=16)
+    collect(pong_envs, replay, 150)  # finished (compacted) episodes and two in progress
+    restored = da.EpisodeReplay(capacity=10_000, num_envs=2, seed=0, chunk_size=16)
+    restored.load_state_dict(replay.state_dict())
+    for episode in [*replay.episodes, *restored.episodes]:
+        arrays = episode.arrays()
+        for index in range(len(episode.action.chunks)):
+            maps = {id(memory_map_of(array.chunks[index])) for array in arrays.values()}
+            assert len(maps) == 1, "a chunk's fields in more than one map"
+            assert isinstance(memory_map_of(episode.action.chunks[index]), mmap.mmap)
+
+
+@pytest.mark.skipif(mu.heap_in_use_mb() is None, reason="glibc's mallinfo2 reads the heap")
+def test_filling_the_replay_leaves_the_malloc_heap_as_it_was(pong_envs):
+    replay = da.EpisodeReplay(capacity=10_000, num_envs=2, seed=0)
+    before = mu.heap_in_use_mb()
+    collect(pong_envs, replay, 1_000)
+    stored = sum(replay.stats()[key] for key in ("obs_bytes", "aux_bytes")) / mu.MB
+    assert stored > 10
+    assert mu.heap_in_use_mb() - before < 0.1 * stored
+
+
 def test_evicted_episode_is_freed_after_updates(pong_envs):
     args = tiny_args()
     torch.manual_seed(0)
@@ -123,6 +155,7 @@ def test_evicted_episode_is_freed_after_updates(pong_envs):
     assert oldest.done
     frames_ref = weakref.ref(oldest.frames.chunks[0])
     reward_ref = weakref.ref(oldest.reward.chunks[0])
+    map_ref = weakref.ref(memory_map_of(oldest.frames.chunks[0]))  # the episode's storage, outside the heap
     episode_ref = weakref.ref(oldest)
     del oldest
     for _ in range(4):  # updates on batches that come from the oldest episode too
@@ -133,6 +166,7 @@ def test_evicted_episode_is_freed_after_updates(pong_envs):
     gc.collect()
     assert episode_ref() is None, "an evicted episode is still referenced"
     assert frames_ref() is None and reward_ref() is None, "an evicted episode's arrays are still alive"
+    assert map_ref() is None, "an evicted episode's memory map is still alive"
 
 
 def test_windows_cross_episode_boundaries_with_is_first_where_an_episode_starts():
