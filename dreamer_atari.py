@@ -531,6 +531,9 @@ def replay_capacity(args: Args) -> int:
     return args.buffer_capacity if args.buffer_capacity is not None else args.total_timesteps
 
 
+_MAPS_EXHAUSTED: list[OSError] = []  # the first failed map, so that the warning is said once
+
+
 def mapped_arrays(shapes: dict[str, tuple[tuple, np.dtype]]) -> dict[str, np.ndarray]:
     """Uninitialised arrays of these (shape, dtype), all in one anonymous memory map of their own.
 
@@ -538,10 +541,21 @@ def mapped_arrays(shapes: dict[str, tuple[tuple, np.dtype]]) -> dict[str, np.nda
     tens of bytes) live for a whole turnover of the replay. In the heap, among the short-lived tensors of the
     updates, each one kept a page resident after the tensors around it were freed, and resident memory crept up
     turnover after turnover (benchmark/results/soak/README.md). A map of its own goes back to the system whole
-    as soon as its last array is dropped."""
+    as soon as its last array is dropped. Where the system allows no more maps (Linux: `vm.max_map_count`, about
+    65k, which a replay of many very short episodes can reach), the arrays go in the heap instead, said once."""
     fields = sorted(shapes.items(), key=lambda field: -np.dtype(field[1][1]).itemsize)  # each one aligned
     sizes = [math.prod(shape) * np.dtype(dtype).itemsize for _, (shape, dtype) in fields]
-    block = mmap.mmap(-1, max(sum(sizes), 1))
+    try:
+        block = mmap.mmap(-1, max(sum(sizes), 1))
+    except OSError as exc:
+        if not _MAPS_EXHAUSTED:
+            _MAPS_EXHAUSTED.append(exc)
+            print(
+                f"replay: warning: no more memory maps ({exc.strerror}; Linux: sysctl vm.max_map_count); "
+                "new replay arrays go in the heap, where host memory may creep",
+                file=sys.stderr,
+            )
+        return {name: np.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
     arrays, offset = {}, 0
     for (name, (shape, dtype)), size in zip(fields, sizes):
         arrays[name] = np.frombuffer(block, dtype, math.prod(shape), offset).reshape(shape)
@@ -572,12 +586,10 @@ class ChunkedArray:
 
     Logical indices run from `start` (first kept element) to `end` (one past the last). A finished episode is
     compacted into one exact-size array, so stored bytes match stored steps. `allocate(i)` gives chunk i's
-    array (default: `np.empty`).
+    array.
     """
 
-    def __init__(
-        self, item_shape: tuple, dtype, chunk_size: int, allocate: Callable[[int], np.ndarray] | None = None
-    ):
+    def __init__(self, item_shape: tuple, dtype, chunk_size: int, allocate: Callable[[int], np.ndarray]):
         self.item_shape, self.dtype, self.chunk_size = tuple(item_shape), np.dtype(dtype), chunk_size
         self.allocate = allocate
         self.chunks: list[np.ndarray] = []
@@ -596,9 +608,7 @@ class ChunkedArray:
         assert not self.compacted, "a compacted array is read-only"
         offset = (self.end - self.start) % self.chunk_size
         if offset == 0 and self.end - self.start == len(self.chunks) * self.chunk_size:
-            index = self.start // self.chunk_size + len(self.chunks)
-            shape = (self.chunk_size, *self.item_shape)
-            self.chunks.append(self.allocate(index) if self.allocate else np.empty(shape, self.dtype))
+            self.chunks.append(self.allocate(self.start // self.chunk_size + len(self.chunks)))
         self.chunks[-1][offset] = item
         self.end += 1
 
@@ -625,13 +635,11 @@ class ChunkedArray:
         self.start += self.chunk_size
         return self.chunk_size
 
-    def compact(self, exact: np.ndarray | None = None) -> None:
-        """Replace the chunks by one exact-size array, `exact` or a new one (frees the unused tail of the last
+    def compact(self, exact: np.ndarray) -> None:
+        """Replace the chunks by `exact`, an array of exactly len(self) items (frees the unused tail of the last
         chunk)."""
         if self.compacted:
             return
-        if exact is None:
-            exact = np.empty((len(self), *self.item_shape), self.dtype)
         self.read_into(exact, self.start, self.end)
         self.chunks = [exact]
         self.compacted = True
@@ -907,12 +915,7 @@ class EpisodeReplay:
             exact = mapped_arrays({name: (array.shape, array.dtype) for name, array in saved.items()})
             for name, array in episode.arrays().items():
                 exact[name][:] = saved[name]
-                array.chunks, array.start, array.end, array.compacted = (
-                    [exact[name]],
-                    0,
-                    len(saved[name]),
-                    True,
-                )
+                array.chunks, array.end, array.compacted = [exact[name]], len(saved[name]), True
             episode.done = True
             self.episodes.append(episode)
             self.total_steps += episode.num_steps

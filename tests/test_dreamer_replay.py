@@ -135,6 +135,21 @@ def test_replay_storage_lives_in_memory_maps_of_its_own_one_per_chunk(pong_envs)
             assert isinstance(memory_map_of(episode.action.chunks[index]), mmap.mmap)
 
 
+def test_without_more_memory_maps_the_replay_goes_on_in_the_heap_and_says_so_once(
+    pong_envs, monkeypatch, capsys
+):
+    def no_more_maps(*_):
+        raise OSError(12, "Cannot allocate memory")  # what mmap gives past vm.max_map_count
+
+    monkeypatch.setattr(da, "_MAPS_EXHAUSTED", [])
+    monkeypatch.setattr(da.mmap, "mmap", no_more_maps)
+    replay = da.EpisodeReplay(capacity=10_000, num_envs=2, seed=0, chunk_size=16)
+    collect(pong_envs, replay, 150)  # finished and in-progress episodes, many chunks
+    assert replay.sample(4, 8)["obs"].shape == (4, 8, 4, 84, 84)
+    assert all(memory_map_of(ep.frames.chunks[0]) is None for ep in replay.episodes)  # numpy's own memory
+    assert capsys.readouterr().err.count("no more memory maps") == 1
+
+
 @pytest.mark.skipif(mu.heap_in_use_mb() is None, reason="glibc's mallinfo2 reads the heap")
 def test_filling_the_replay_leaves_the_malloc_heap_as_it_was(pong_envs):
     replay = da.EpisodeReplay(capacity=10_000, num_envs=2, seed=0)
