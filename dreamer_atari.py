@@ -25,6 +25,7 @@ detected leak with `--abort-on-leak`, and a run of non-finite losses. `--resume 
 import dataclasses
 import functools
 import gc
+import itertools
 import math
 import mmap
 import os
@@ -111,13 +112,13 @@ class Args:
     """at most this many no-op actions at the start of an episode"""
     max_episode_steps: int = 0
     """truncate episodes after this many agent steps (0 = the game's own limit)"""
-    image_size: int = 84
-    """side of the square grey frames in pixels (Atari frames are resized to it; DreamerV3's own Atari setting is
-    64); the encoder and decoder follow it"""
-    frame_stack: int = 4
+    image_size: int | None = None
+    """side of the square grey frames in pixels (Atari frames are resized to it); the encoder and decoder follow
+    it. Unset: the --model's own (dreamerv3: 64, DreamerV3's Atari setting; nature: 84)"""
+    frame_stack: int | None = None
     """frames stacked into each observation, newest last (the encoder reads them as channels, the decoder
-    reconstructs them all). DreamerV3 stacks none: its recurrent state carries the past. 1 suits tasks whose
-    frame shows the whole state, such as Catch-v0, and makes the image work of an update a quarter"""
+    reconstructs them all). Unset: the --model's own (dreamerv3: 1, as DreamerV3, whose recurrent state carries
+    the past; nature: 4). 1 suits tasks whose frame shows the whole state, such as Catch-v0"""
 
     # replay
     buffer_capacity: int | None = None
@@ -129,23 +130,30 @@ class Args:
     """the length of each replayed sequence"""
 
     # model
-    encoder_channels: tuple[int, int, int] = (32, 64, 64)
-    """channels of the three NatureCNN encoder convolutions"""
+    model: Literal["dreamerv3", "nature"] = "dreamerv3"
+    """the networks' shapes. dreamerv3: DreamerV3's (2023) size S: 4x4 stride-2 convolutions with a LayerNorm over
+    channels and SiLU (32-64-128-256 channels, 64 pixels down to 4x4), a decoder that mirrors them, a GRU with
+    LayerNorm and an update-gate bias of -1, 512 units, DreamerV3's initialisation. nature: the seed model, a
+    NatureCNN encoder over 4 stacked 84x84 frames, a decoder through a 7x7 bottleneck, torch's GRUCell, 200 units,
+    torch's default initialisation. The size flags below left unset take the model's values"""
+    encoder_channels: tuple[int, ...] | None = None
+    """channels of the encoder's convolutions (the decoder mirrors them with dreamerv3). Unset: dreamerv3 (32, 64,
+    128, 256), one 4x4 stride-2 convolution each; nature (32, 64, 64), exactly three"""
     embed_dim: int = 512
-    """size of the encoder's output features"""
+    """nature only: size of the encoder's output features (dreamerv3's are its last map, flattened)"""
     decoder_base_channels: int = 32
-    """channels of the decoder's last hidden map (the one before it has twice this)"""
+    """nature only: channels of the decoder's last hidden map (the one before it has twice this)"""
     decoder_mid_channels: int = 16
-    """channels of the decoder's bottleneck map (7x7 at 84 pixels; small: it sets the size of the decoder's linear
-    layer)"""
-    deterministic_dim: int = 200
-    """size of the RSSM's deterministic (GRU) state `deter`"""
+    """nature only: channels of the decoder's bottleneck map (7x7 at 84 pixels; small: it sets the size of the
+    decoder's linear layer)"""
+    deterministic_dim: int | None = None
+    """size of the RSSM's deterministic (GRU) state `deter`. Unset: dreamerv3 512, nature 200"""
     stochastic_dim: int = 32
     """number of stochastic latent variables in `stoch`"""
     stochastic_classes: int = 32
     """classes per categorical latent; 0 gives DreamerV1 Gaussian latents"""
-    hidden_dim: int = 200
-    """width of the RSSM's and the heads' hidden layers"""
+    hidden_dim: int | None = None
+    """width of the RSSM's and the heads' hidden layers. Unset: dreamerv3 512, nature 200"""
     unimix: float = 0.01
     """share of the uniform distribution mixed into categorical latents and the policy"""
     reward_bins: int = 255
@@ -195,6 +203,9 @@ class Args:
     """switch off the KL loss (isolation experiments)"""
     imagination_horizon: int = 15
     """length of the imagined rollouts"""
+    continue_mode: bool = True
+    """imagined rollouts are discounted by the continue head's mode (0 or 1, as DreamerV3); --no-continue-mode
+    uses its probability (the seed's choice)"""
     gamma: float = 0.997
     """the discount factor"""
     return_lambda: float = 0.95
@@ -238,6 +249,27 @@ class Args:
     memory_probes: bool = False
     """record memory at each stage of the loop and the update (debug/probe/*) to name the stage that grows"""
 
+    def __post_init__(self):
+        # the size flags left unset take the chosen model's values (an unknown --model is check_args' to refuse)
+        for name, value in MODEL_DEFAULTS.get(self.model, {}).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+
+
+# ALGO LOGIC: each --model's sizes, for the flags left unset
+MODEL_DEFAULTS = {
+    "dreamerv3": dict(
+        image_size=64,
+        frame_stack=1,
+        encoder_channels=(32, 64, 128, 256),
+        deterministic_dim=512,
+        hidden_dim=512,
+    ),
+    "nature": dict(
+        image_size=84, frame_stack=4, encoder_channels=(32, 64, 64), deterministic_dim=200, hidden_dim=200
+    ),
+}
+
 
 class ArgsError(ValueError):
     """One sentence about one bad input value."""
@@ -245,6 +277,8 @@ class ArgsError(ValueError):
 
 def check_args(args: Args) -> None:
     """Raise ArgsError naming the first bad value and what is allowed. Starts no env, touches no file."""
+    if args.model not in MODEL_DEFAULTS:
+        raise ArgsError(f"--model must be one of {', '.join(MODEL_DEFAULTS)}, got {args.model!r}.")
     positive = {
         "--total-timesteps": args.total_timesteps,
         "--frame-stack": args.frame_stack,
@@ -279,8 +313,13 @@ def check_args(args: Args) -> None:
     for flag, value in non_negative.items():
         if value < 0:
             raise ArgsError(f"{flag} must be 0 or more, got {value}.")
-    if min(args.encoder_channels) < 1:
+    if not args.encoder_channels or min(args.encoder_channels) < 1:
         raise ArgsError(f"--encoder-channels must all be at least 1, got {args.encoder_channels}.")
+    if args.model == "nature" and len(args.encoder_channels) != 3:
+        raise ArgsError(
+            f"--encoder-channels takes exactly three values with --model nature (its three convolutions), got "
+            f"{args.encoder_channels}."
+        )
     if args.buffer_capacity is not None and args.buffer_capacity < args.sequence_length:
         raise ArgsError(
             f"--buffer-capacity ({args.buffer_capacity}) must be at least --sequence-length "
@@ -323,6 +362,13 @@ def check_args(args: Args) -> None:
         raise ArgsError(
             f"--image-size must be between {MIN_IMAGE_SIZE} and {MAX_IMAGE_SIZE} pixels (the encoder's "
             f"three convolutions need at least {MIN_IMAGE_SIZE}), got {args.image_size}."
+        )
+    halvings = len(args.encoder_channels)
+    if args.model == "dreamerv3" and (args.image_size % 2**halvings or args.image_size < 2 ** (halvings + 1)):
+        raise ArgsError(
+            f"--image-size {args.image_size} does not suit --model dreamerv3 with {halvings} convolutions, each of "
+            f"which halves the side: it must be a multiple of {2**halvings} of at least {2 ** (halvings + 1)} "
+            f"(64 with the default four)."
         )
     if not is_atari(args.env_id):
         side = args.image_size
@@ -1094,6 +1140,90 @@ def transposed_conv_as_subpixel(x: torch.Tensor, layer: nn.ConvTranspose2d) -> t
     return out + layer.bias.view(1, -1, 1, 1)
 
 
+class ChannelNorm(nn.Module):
+    """LayerNorm over the channels of each pixel of an (N, C, H, W) map, as DreamerV3's convolutions use it (on a
+    channels-last map both permutes are free)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvEncoder(nn.Module):
+    """DreamerV3's encoder: (N, C, S, S) float in [-0.5, 0.5] -> (N, E). Each convolution (4x4, stride 2) halves the
+    side and is followed by a LayerNorm over channels and SiLU: 64 -> 32 -> 16 -> 8 -> 4 with four; E is the last
+    map flattened (4 x 4 x 256 = 4,096 at the defaults)."""
+
+    def __init__(self, in_channels: int, channels: tuple[int, ...], image_size: int):
+        super().__init__()
+        layers = []
+        for previous, current in zip((in_channels, *channels[:-1]), channels):
+            # no bias: the LayerNorm after it has one
+            layers += [nn.Conv2d(previous, current, 4, 2, 1, bias=False), ChannelNorm(current), nn.SiLU()]
+        self.net = nn.Sequential(*layers, nn.Flatten())
+        self.embed_dim = channels[-1] * (image_size >> len(channels)) ** 2
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.net(image)
+
+
+class ConvDecoder(nn.Module):
+    """DreamerV3's decoder, the encoder mirrored: (N, F) -> a linear layer to the encoder's last map (4 x 4 x 256 at
+    the defaults), then 4x4 stride-2 transposed convolutions that double the side, each but the last followed by a
+    LayerNorm over channels and SiLU -> (N, C, S, S) image mean."""
+
+    def __init__(self, feat_dim: int, out_channels: int, channels: tuple[int, ...], image_size: int):
+        super().__init__()
+        self.channels, self.side = channels[-1], image_size >> len(channels)
+        self.linear = nn.Linear(feat_dim, self.channels * self.side * self.side)
+        widths = channels[::-1]  # (256, 128, 64, 32)
+        layers = []
+        for previous, current in itertools.pairwise(widths):
+            layers += [
+                nn.ConvTranspose2d(previous, current, 4, 2, 1, bias=False),
+                ChannelNorm(current),
+                nn.SiLU(),
+            ]
+        layers.append(nn.ConvTranspose2d(widths[-1], out_channels, 4, 2, 1))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, feat: torch.Tensor) -> torch.Tensor:
+        return self.net(self.linear(feat).unflatten(-1, (self.channels, self.side, self.side)))
+
+
+class LayerNormGRUCell(nn.Module):
+    """DreamerV3's GRU: (input (N, I), state (N, D)) -> state (N, D). One linear layer on [input, state] and a
+    LayerNorm give the reset, candidate and update parts; the update gate's bias of -1 makes the state change slowly
+    from the start."""
+
+    def __init__(self, input_dim: int, hidden_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(input_dim + hidden_dim, 3 * hidden_dim, bias=False)
+        self.norm = nn.LayerNorm(3 * hidden_dim)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        reset, candidate, update = upcast(self.norm(self.linear(torch.cat([x, state], -1)))).chunk(3, -1)
+        candidate = torch.tanh(torch.sigmoid(reset) * candidate)
+        update = torch.sigmoid(update - 1.0)
+        return update * candidate + (1 - update) * state
+
+
+@torch.no_grad()
+def dreamerv3_init_(module: nn.Module) -> None:
+    """DreamerV3's initialisation of every linear and convolution weight in `module`: a normal truncated at two
+    standard deviations, with variance 1 / the mean of fan-in and fan-out; biases zero."""
+    for layer in module.modules():
+        if isinstance(layer, (nn.Linear, nn.Conv2d, nn.ConvTranspose2d)):
+            fan_in, fan_out = nn.init._calculate_fan_in_and_fan_out(layer.weight)
+            std = math.sqrt(2.0 / (fan_in + fan_out)) / 0.87962566103423978  # the truncation's lost variance
+            nn.init.trunc_normal_(layer.weight, 0.0, std, -2 * std, 2 * std)
+            if layer.bias is not None:
+                nn.init.zeros_(layer.bias)
+
+
 class RSSM(nn.Module):
     """Recurrent state-space model: `deter` (GRU state) and `stoch` (categorical or Gaussian latents).
 
@@ -1111,6 +1241,7 @@ class RSSM(nn.Module):
         classes: int,
         hidden_dim: int,
         unimix: float,
+        layer_norm_gru: bool = False,
     ):
         super().__init__()
         self.deter_dim, self.stoch_dim, self.classes, self.unimix = deter_dim, stoch_dim, classes, unimix
@@ -1119,7 +1250,9 @@ class RSSM(nn.Module):
         self.img_in = nn.Sequential(
             nn.Linear(self.stoch_flat + num_actions, hidden_dim), nn.LayerNorm(hidden_dim), nn.SiLU()
         )
-        self.gru = nn.GRUCell(hidden_dim, deter_dim)
+        self.gru = (
+            LayerNormGRUCell(hidden_dim, deter_dim) if layer_norm_gru else nn.GRUCell(hidden_dim, deter_dim)
+        )
         self.prior_net = nn.Sequential(
             nn.Linear(deter_dim, hidden_dim),
             nn.LayerNorm(hidden_dim),
@@ -1134,7 +1267,7 @@ class RSSM(nn.Module):
         )
 
     def initial(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        dtype = self.gru.weight_hh.dtype  # float32 (also under autocast), float64 in the equality tests
+        dtype = self.prior_net[0].weight.dtype  # float32 (also under autocast), float64 in the equality tests
         return (
             torch.zeros(n, self.deter_dim, device=device, dtype=dtype),
             torch.zeros(n, self.stoch_flat, device=device, dtype=dtype),
@@ -1241,20 +1374,31 @@ class RSSM(nn.Module):
 class WorldModel(nn.Module):
     def __init__(self, args: Args, obs_shape: tuple, num_actions: int):
         super().__init__()
-        self.encoder = NatureCNNEncoder(obs_shape[0], args.encoder_channels, args.embed_dim, obs_shape[-1])
+        channels, side = obs_shape[0], obs_shape[-1]
+        if args.model == "dreamerv3":
+            self.encoder = ConvEncoder(channels, args.encoder_channels, side)
+            embed_dim = self.encoder.embed_dim
+        else:
+            self.encoder = NatureCNNEncoder(channels, args.encoder_channels, args.embed_dim, side)
+            embed_dim = args.embed_dim
+        self.embed_dim = embed_dim
         self.rssm = RSSM(
-            args.embed_dim,
+            embed_dim,
             num_actions,
             args.deterministic_dim,
             args.stochastic_dim,
             args.stochastic_classes,
             args.hidden_dim,
             args.unimix,
+            layer_norm_gru=args.model == "dreamerv3",
         )
         feat_dim = args.deterministic_dim + self.rssm.stoch_flat
-        self.decoder = AtariConvDecoder(
-            feat_dim, obs_shape[0], args.decoder_base_channels, args.decoder_mid_channels, obs_shape[-1]
-        )
+        if args.model == "dreamerv3":
+            self.decoder = ConvDecoder(feat_dim, channels, args.encoder_channels, side)
+        else:
+            self.decoder = AtariConvDecoder(
+                feat_dim, channels, args.decoder_base_channels, args.decoder_mid_channels, side
+            )
         self.reward_head = mlp(feat_dim, args.reward_bins, args.hidden_dim, zero_output=True)
         self.continue_head = mlp(feat_dim, 1, args.hidden_dim)
         self.register_buffer("bins", torch.linspace(-20.0, 20.0, args.reward_bins))
@@ -1352,13 +1496,22 @@ class Agent:
 
 def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent:
     device = torch.device(device)
-    world_model = WorldModel(args, obs_shape, num_actions).to(device)
+    world_model = WorldModel(args, obs_shape, num_actions)
+    feat_dim = args.deterministic_dim + world_model.rssm.stoch_flat
+    actor = Actor(feat_dim, num_actions, args.hidden_dim, args.unimix)
+    critic = Critic(feat_dim, args.hidden_dim, args.reward_bins)
+    if args.model == "dreamerv3":
+        for module in (world_model, actor, critic):
+            dreamerv3_init_(module)
+        for zeroed in (
+            world_model.reward_head[-1],
+            critic.net[-1],
+        ):  # they start predicting 0, as DreamerV3's
+            nn.init.zeros_(zeroed.weight), nn.init.zeros_(zeroed.bias)
+    world_model, actor, critic = world_model.to(device), actor.to(device), critic.to(device)
     if args.channels_last:
         world_model.encoder.to(memory_format=torch.channels_last)
         world_model.decoder.to(memory_format=torch.channels_last)
-    feat_dim = args.deterministic_dim + world_model.rssm.stoch_flat
-    actor = Actor(feat_dim, num_actions, args.hidden_dim, args.unimix).to(device)
-    critic = Critic(feat_dim, args.hidden_dim, args.reward_bins).to(device)
     slow_critic = Critic(feat_dim, args.hidden_dim, args.reward_bins).to(device)
     slow_critic.load_state_dict(critic.state_dict())
     slow_critic.requires_grad_(False)
@@ -1676,7 +1829,9 @@ def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = 
     critic_logits = agent.critic(feat)  # (H+1, N, K)
     with torch.no_grad():
         reward = twohot_mean(wm.reward_head(feat), wm.bins)  # (H+1, N)
-        continues = torch.sigmoid(upcast(wm.continue_head(feat).squeeze(-1)))
+        continues = torch.sigmoid(upcast(wm.continue_head(feat).squeeze(-1)))  # (H+1, N)
+        if args.continue_mode:  # DreamerV3: an imagined state either goes on or ends
+            continues = (continues > 0.5).to(continues.dtype)
         continues[0] = start_states[2]  # the start state's own continue flag is known
         discount = args.gamma * continues
         value = twohot_mean(critic_logits.detach(), agent.critic.bins)  # (H+1, N)
@@ -1854,19 +2009,20 @@ class PinnedBatches:
 
 
 OPEN_LOOP_CONTEXT = 5  # frames the model sees before it imagines, as DreamerV3's report does
+RECALL_SEQUENCES = 16  # replayed sequences whose open-loop predictions score ball recall on Pong
 
 
 @torch.no_grad()
-def open_loop_frames(
+def open_loop_predictions(
     agent: Agent, batch: dict[str, np.ndarray], context: int = OPEN_LOOP_CONTEXT
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """What the world model predicts without looking: it observes the first `context` steps of each replayed
-    sequence, then imagines the rest from the real actions (prior samples). Returns (T, n * 84, 3 * 84) uint8
-    frames: one row per sequence with truth | model | error (grey 128 = no error) of the newest frame of each
-    stack. Past an episode boundary inside a sequence the model cannot know the new episode's frames."""
+    sequence, then imagines the rest from the real actions (prior samples). Returns (truth, model), each (n, T, S, S)
+    uint8: the newest frame of each stack and the model's reconstruction (steps < context) or prediction of it.
+    Past an episode boundary inside a sequence the model cannot know the new episode's frames."""
     wm, rssm = agent.world_model, agent.world_model.rssm
     data = batch_to_device(batch, agent.num_actions, agent.device)
-    image = data["image"]  # (n, T, 4, 84, 84) in [-0.5, 0.5]
+    image = data["image"]  # (n, T, C, S, S) in [-0.5, 0.5]
     n, T = image.shape[:2]
     context = min(context, T)
     with agent.amp.autocast():
@@ -1879,13 +2035,115 @@ def open_loop_frames(
             s = rssm.sample(rssm.prior(d))
             feats.append(torch.cat([d, s], -1).unsqueeze(1))
         feat = torch.cat(feats, 1)  # (n, T, F)
-        model = wm.decoder(feat.flatten(0, 1)).unflatten(0, (n, T))  # (n, T, 4, 84, 84)
-    truth = image[:, :, -1].float() + 0.5  # (n, T, 84, 84) in [0, 1]
-    model = (model[:, :, -1].float() + 0.5).clamp(0.0, 1.0)
-    error = (model - truth + 1.0) / 2.0
-    rows = torch.cat([truth, model, error], -1)  # (n, T, 84, 252)
-    frames = rows.permute(1, 0, 2, 3).flatten(1, 2)  # (T, n * 84, 252)
-    return (frames * 255).round().to(torch.uint8).cpu().numpy()
+        model = wm.decoder(feat.flatten(0, 1)).unflatten(0, (n, T))  # (n, T, C, S, S)
+    truth = batch["obs"][:, :, -1]  # (n, T, S, S) uint8
+    model = ((model[:, :, -1].float() + 0.5).clamp(0.0, 1.0) * 255).round().to(torch.uint8).cpu().numpy()
+    return truth, model
+
+
+def open_loop_strip(truth: np.ndarray, model: np.ndarray) -> np.ndarray:
+    """(n, T, S, S) truth and model frames -> (T, n * S, 3 * S) uint8: one row per sequence with truth | model |
+    error (grey 128 = no error)."""
+    error = ((model.astype(np.int16) - truth + 256) // 2).astype(np.uint8)
+    rows = np.concatenate([truth, model, error], -1)  # (n, T, S, 3S)
+    return np.ascontiguousarray(rows.transpose(1, 0, 2, 3).reshape(truth.shape[1], -1, rows.shape[-1]))
+
+
+def open_loop_frames(
+    agent: Agent, batch: dict[str, np.ndarray], context: int = OPEN_LOOP_CONTEXT
+) -> np.ndarray:
+    """`open_loop_predictions` as a strip of frames (`open_loop_strip`)."""
+    return open_loop_strip(*open_loop_predictions(agent, batch, context))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ball fidelity on Pong: does the world model draw the ball? (A model without the ball cannot imagine a point.)
+# ---------------------------------------------------------------------------------------------------------
+PONG_SCREEN_ROWS = 210
+PONG_PLAYFIELD = (34, 194)  # screen rows between the top and bottom walls (the score sits above the top wall)
+BALL_EDGE = 25  # grey levels above the background: a pixel the ball covers in part
+# the ball's brightest pixel: 89-149 above the background at 64-84 pixels, while a paddle, even whole, is 61
+BALL_PEAK = 75
+BALL_MAX_SIDE = (
+    6 / 160,
+    8 / 210,
+)  # width, height: at most the ball (2 x 4 screen pixels) seen twice, max-pooled
+OPEN_LOOP_RECALL_STEPS = (5, 10)  # open-loop steps after the last observed frame that ball recall scores
+
+
+def pong_playfield(side: int) -> slice:
+    """The rows of an (S, S) Pong frame between the walls, clear of the rows the walls blend into."""
+    top, bottom = PONG_PLAYFIELD
+    return slice(math.ceil(top * side / PONG_SCREEN_ROWS), math.floor(bottom * side / PONG_SCREEN_ROWS))
+
+
+def find_balls(frame: np.ndarray) -> tuple[np.ndarray, float]:
+    """Pong's ball in an (S, S) uint8 grey frame: (mask (S, S) bool of its pixels, background grey level). The ball is
+    a small bright object in the playfield: a connected patch of pixels at least BALL_EDGE above the background,
+    whose brightest pixel is at least BALL_PEAK above it (a paddle is dimmer) and which is no larger than the ball.
+    The mask is empty when the ball is not in play or touches a paddle; every ball-like patch is in it."""
+    import cv2
+
+    side = frame.shape[-1]
+    rows = pong_playfield(side)
+    field = frame[rows].astype(np.int16)
+    background = float(np.median(field))
+    contrast = field - background
+    count, labels, stats, _ = cv2.connectedComponentsWithStats(
+        (contrast >= BALL_EDGE).astype(np.uint8), connectivity=8
+    )
+    max_width = math.ceil(BALL_MAX_SIDE[0] * side) + 1
+    max_height = math.ceil(BALL_MAX_SIDE[1] * side) + 1
+    mask = np.zeros(frame.shape, bool)
+    for label in range(1, count):
+        width, height = stats[label, cv2.CC_STAT_WIDTH], stats[label, cv2.CC_STAT_HEIGHT]
+        patch = labels == label
+        if width <= max_width and height <= max_height and contrast[patch].max() >= BALL_PEAK:
+            mask[rows][patch] = True
+    return mask, background
+
+
+def ball_hits(truth: np.ndarray, model: np.ndarray) -> tuple[int, int]:
+    """Ball pixels a model draws, over frames (..., S, S) uint8: (hits, ball pixels). A ball pixel of the true frame
+    (`find_balls`) is drawn when the model's pixel is within half the pixel's contrast (its grey level above the
+    background) of the truth, and stands out of the model's own background (its playfield's median) by at least
+    half that contrast: a missing or displaced ball scores 0, a faint one counts as missing, and so does a frame
+    drawn all grey at about the ball's level."""
+    hits = pixels = 0
+    rows = pong_playfield(truth.shape[-1])
+    for true_frame, model_frame in zip(
+        truth.reshape(-1, *truth.shape[-2:]), model.reshape(-1, *model.shape[-2:])
+    ):
+        mask, background = find_balls(true_frame)
+        if mask.any():
+            half = (true_frame[mask].astype(np.float32) - background) / 2
+            drawn = model_frame[mask].astype(np.float32)
+            close = np.abs(drawn - true_frame[mask]) <= half
+            stands_out = drawn - float(np.median(model_frame[rows])) >= half
+            hits += int((close & stands_out).sum())
+            pixels += int(mask.sum())
+    return hits, pixels
+
+
+def ball_recall(truth: np.ndarray, model: np.ndarray, context: int = OPEN_LOOP_CONTEXT) -> dict[str, float]:
+    """Ball recall (the share of the ball's pixels the model draws, `ball_hits`) of open-loop predictions (n, T, S,
+    S): on the `context` observed frames (`world_model/ball_recall_observed`) and on the frames 5 and 10 steps after
+    the last observed one (`world_model/ball_recall_open_loop_5`, `_10`). A figure whose frames hold no ball, or
+    that the sequences are too short for, is left out."""
+    parts = {"observed": (truth[:, :context], model[:, :context])}
+    for k in OPEN_LOOP_RECALL_STEPS:
+        if context - 1 + k < truth.shape[1]:
+            parts[f"open_loop_{k}"] = (truth[:, context - 1 + k], model[:, context - 1 + k])
+    out = {}
+    for name, (true_frames, model_frames) in parts.items():
+        hits, pixels = ball_hits(true_frames, model_frames)
+        if pixels:
+            out[f"world_model/ball_recall_{name}"] = hits / pixels
+    return out
+
+
+def is_pong(env_id: str) -> bool:
+    return is_atari(env_id) and "pong" in env_id.lower()
 
 
 def log_open_loop(
@@ -1899,7 +2157,8 @@ def log_open_loop(
     num_sequences: int = 4,
 ) -> str:
     """Open-loop predictions of replayed sequences as an animated GIF: in TensorBoard's image tab (and wandb's
-    media, which syncs it as a video) under `videos/open_loop`, and as `open_loop/step_<N>.gif` in the run dir.
+    media, which syncs it as a video) under `videos/open_loop`, and as `open_loop/step_<N>.gif` in the run dir. On
+    Pong, beside it, the ball recall of the predictions (`ball_recall`) over RECALL_SEQUENCES sequences.
     Uses its own random generators, so the training batches and latents that follow are the same with or
     without it."""
     import io
@@ -1907,11 +2166,18 @@ def log_open_loop(
     from PIL import Image
     from tensorboard.compat.proto.summary_pb2 import Summary
 
-    batch = replay.sample(num_sequences, args.sequence_length, rng=rng)
+    # Pong: ball recall over more sequences than the GIF shows (its first `num_sequences`)
+    batch = replay.sample(
+        RECALL_SEQUENCES if is_pong(args.env_id) else num_sequences, args.sequence_length, rng=rng
+    )
     devices = [agent.device] if agent.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(int(rng.integers(2**31)))
-        frames = open_loop_frames(agent, batch)  # (T, H, W) uint8
+        truth, model = open_loop_predictions(agent, batch)  # (n, T, S, S) uint8
+    if is_pong(args.env_id):
+        for key, value in ball_recall(truth, model).items():
+            writer.add_scalar(key, value, step)
+    frames = open_loop_strip(truth[:num_sequences], model[:num_sequences])  # (T, H, W) uint8
     images = [Image.fromarray(frame) for frame in frames]
     gif = io.BytesIO()
     images[0].save(gif, format="GIF", save_all=True, append_images=images[1:], duration=100, loop=0)
@@ -2025,6 +2291,7 @@ def load_checkpoint(path: str) -> dict:
 
 MODEL_FLAGS = (
     "env_id",
+    "model",
     "image_size",
     "frame_stack",
     "encoder_channels",
@@ -2039,13 +2306,14 @@ MODEL_FLAGS = (
 )
 
 
-FLAGS_BEFORE_THEY_EXISTED = {"image_size": 84, "frame_stack": 4}
+FLAGS_BEFORE_THEY_EXISTED = {"model": "nature", "image_size": 84, "frame_stack": 4}
 
 
 def check_checkpoint_matches(state: dict, args: Args) -> None:
     """The flags that shape the networks must be the ones the checkpoint was trained with."""
     for name in MODEL_FLAGS:
-        # checkpoints written before --image-size and --frame-stack existed: 84-pixel frames, stacks of 4
+        # checkpoints written before --model, --image-size and --frame-stack existed: the nature model, 84-pixel
+        # frames, stacks of 4
         saved, wanted = state["args"].get(name, FLAGS_BEFORE_THEY_EXISTED.get(name)), getattr(args, name)
         if isinstance(wanted, tuple):
             saved = tuple(saved) if saved is not None else None

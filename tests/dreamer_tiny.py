@@ -1,4 +1,7 @@
-"""Tiny dreamer_atari.py sizes shared by the Dreamer tests: real Pong frames, a model that trains in ms."""
+"""Tiny dreamer_atari.py sizes shared by the Dreamer tests: real Pong frames, a model that trains in ms.
+
+The sizes suit both models: the default (dreamerv3: single 64x64 frames, three convolutions down to 8x8) and
+`model="nature"` (4 stacked 84x84 frames), which the tests about frame stacks use."""
 
 import torch
 
@@ -27,6 +30,11 @@ def _flag(name: str, value) -> list[str]:
 
 
 TINY_FLAGS = [part for name, value in TINY.items() for part in _flag(name, value)]
+
+
+def obs_shape(args: da.Args) -> tuple[int, int, int]:
+    """(frame stack, side, side): one observation of the model `args` describes."""
+    return (args.frame_stack, args.image_size, args.image_size)
 
 
 def tiny_args(**overrides) -> da.Args:

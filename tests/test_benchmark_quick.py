@@ -65,8 +65,8 @@ def test_quick_writes_every_required_figure_as_a_number(quick_run):
 @pytest.mark.slow
 def test_quick_figures_are_physically_plausible(quick_run):
     _, result, _ = quick_run
-    # real arrays: at least one 84x84 frame plus the auxiliary fields per stored step, and far below the seed's
-    # four stacked frames (28,224 B)
+    # real arrays: at least one 84x84 frame (the seed configuration's model) plus the auxiliary fields per stored
+    # step, and far below the seed's four stacked frames (28,224 B)
     assert result["buffer_bytes_limit"] >= 84 * 84
     assert result["buffer_bytes_limit"] <= result["buffer_bytes_per_step"] < 2 * 84 * 84
     assert result["buffer_stats_agree"] is True

@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import dreamer_atari as da
 import memory_utils as mu
-from dreamer_tiny import TINY_FLAGS, tiny_args
+from dreamer_tiny import TINY_FLAGS, obs_shape, tiny_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_acting_builds_no_graph_and_caches_detached_state():
     args = tiny_args(max_episode_steps=30)
     torch.manual_seed(0)
-    agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
+    agent = da.build_agent(args, obs_shape(args), 6, "cpu")
     player = da.Player(agent, num_envs=2)
     envs = da.make_vector_env(args, "test", seed=0)
     saved = []
@@ -44,8 +44,8 @@ def test_acting_builds_no_graph_and_caches_detached_state():
 def test_updates_return_detached_values_that_the_log_sums_on_the_device():
     args = tiny_args()
     torch.manual_seed(0)
-    agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
-    batch = da.synthetic_batch(args, (4, 84, 84))
+    agent = da.build_agent(args, obs_shape(args), 6, "cpu")
+    batch = da.synthetic_batch(args, obs_shape(args))
     batch["obs"] = np.random.default_rng(0).integers(0, 255, batch["obs"].shape, dtype=np.uint8)
     metrics, healthy, start = da.train_world_model(agent, da.batch_tensors(batch, "cpu"), args)
     behavior, behavior_healthy = da.train_behavior(agent, start, args)

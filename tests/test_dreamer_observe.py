@@ -99,10 +99,11 @@ def test_a_tiny_run_writes_open_loop_videos_and_reward_quality(in_tmp, monkeypat
     assert [v.step for v in videos] == [100, 200, 300]
     gif = Image.open(io.BytesIO(videos[-1].encoded_image_string))
     assert gif.format == "GIF" and gif.n_frames == args.sequence_length
-    assert gif.size == (3 * 84, 4 * 84)  # 4 sequences, each truth | model | error
+    side = args.image_size
+    assert gif.size == (3 * side, 4 * side)  # 4 sequences, each truth | model | error
     gif.seek(args.sequence_length - 1)
     frame = np.asarray(gif.convert("L")).astype(float)
-    truth, model, error = frame[:84, :84], frame[:84, 84 : 2 * 84], frame[:84, 2 * 84 :]
+    truth, model, error = frame[:side, :side], frame[:side, side : 2 * side], frame[:side, 2 * side :]
     assert truth.max() == 255 and truth.min() == 0  # Catch's ball and paddle on black
     assert np.abs(error - ((model - truth) / 2 + 127.5)).max() <= 1.5  # grey = no error
     assert sorted(p.name for p in (run_dir / "open_loop").iterdir()) == [
@@ -115,8 +116,34 @@ def test_a_tiny_run_writes_open_loop_videos_and_reward_quality(in_tmp, monkeypat
         assert scalars.get(key), f"{key} was not logged"
         assert all(0.0 <= e.value <= 1.0 for e in scalars[key])
     assert not any(key.startswith("debug/reward_") for key in scalars), "raw counts are logged as rates only"
+    assert not any(key.startswith("world_model/ball_recall") for key in scalars), "Catch has no ball recall"
     (wandb_run,) = (in_tmp / "wandb").glob("offline-run-*")
     assert list(wandb_run.rglob("*.gif")), "the open-loop video did not reach wandb"
+
+
+def test_a_pong_run_logs_ball_recall_beside_its_open_loop_videos(in_tmp):
+    args = dreamer_tiny.tiny_args(
+        total_timesteps=240,
+        learning_starts=100,
+        train_ratio=8.0,
+        log_interval=100,
+        video_every=100,
+        sequence_length=16,  # 5 observed steps and 10 open loop
+    )
+    result = da.main(args)
+    events = EventAccumulator(str(in_tmp / result["run_dir"]), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    video_steps = [v.step for v in events.Images("videos/open_loop")]
+    assert len(video_steps) == 2
+    for key in (
+        "world_model/ball_recall_observed",
+        "world_model/ball_recall_open_loop_5",
+        "world_model/ball_recall_open_loop_10",
+    ):
+        # a figure is left out only where its frames hold no ball: a random policy's Pong has one in most
+        recall = events.Scalars(key)
+        assert [e.step for e in recall] == video_steps, key
+        assert all(0.0 <= e.value <= 1.0 for e in recall)
 
 
 def test_open_loop_video_does_not_change_training(in_tmp):
@@ -150,7 +177,7 @@ def test_a_run_on_an_env_that_ignores_actions_stops_before_writing_anything(in_t
     if "test/DeadCatch-v0" not in gym.registry:
         gym.register("test/DeadCatch-v0", entry_point=lambda **kw: IgnoreActions(da.CatchEnv(**kw)))
     with pytest.raises(SystemExit) as exit_info:
-        da.main(catch_args(env_id="test/DeadCatch-v0"))
+        da.main(catch_args(env_id="test/DeadCatch-v0", model="nature"))  # the nature model: 84-pixel frames
     assert exit_info.value.code == da.EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "test/DeadCatch-v0" in err[0] and "ignores actions" in err[0]

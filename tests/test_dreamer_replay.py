@@ -1,4 +1,7 @@
-"""EpisodeReplay on real Pong frames: stacks rebuilt right, bytes per step, eviction, batches own memory."""
+"""EpisodeReplay on real Pong frames: stacks rebuilt right, bytes per step, eviction, batches own memory.
+
+The frames are the nature model's, 4 stacked 84x84 ones: the stacks rebuilt from single stored frames are what most
+of these tests check (the default model's single 64x64 frames are a stack of one, tested in test_dreamer_run.py)."""
 
 import gc
 import hashlib
@@ -35,7 +38,7 @@ def collect(envs, replay, steps: int, seed: int = 0, seen: set | None = None):
 
 @pytest.fixture(scope="module")
 def pong_envs():
-    envs = da.make_vector_env(tiny_args(max_episode_steps=60), "test", seed=0)
+    envs = da.make_vector_env(tiny_args(model="nature", max_episode_steps=60), "test", seed=0)
     yield envs
     envs.close()
 
@@ -86,7 +89,7 @@ def test_whole_oldest_episodes_are_evicted_first(pong_envs):
 
 
 def test_an_episode_longer_than_the_capacity_is_trimmed_from_the_front():
-    envs = da.make_vector_env(tiny_args(num_envs=1), "test", seed=0)
+    envs = da.make_vector_env(tiny_args(model="nature", num_envs=1), "test", seed=0)
     try:
         replay = da.EpisodeReplay(capacity=100, num_envs=1, seed=0, chunk_size=16)
         collect(envs, replay, 300)  # a Pong episode lasts far longer than 300 steps
@@ -161,7 +164,7 @@ def test_filling_the_replay_leaves_the_malloc_heap_as_it_was(pong_envs):
 
 
 def test_evicted_episode_is_freed_after_updates(pong_envs):
-    args = tiny_args()
+    args = tiny_args(model="nature")
     torch.manual_seed(0)
     agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
     replay = da.EpisodeReplay(capacity=150, num_envs=2, seed=0)
@@ -186,7 +189,7 @@ def test_evicted_episode_is_freed_after_updates(pong_envs):
 
 def test_windows_cross_episode_boundaries_with_is_first_where_an_episode_starts():
     """Pong cut into 6-step episodes, sequences of 16: each window spans several episodes (none fits one)."""
-    envs = da.make_vector_env(tiny_args(max_episode_steps=5), "test", seed=0)
+    envs = da.make_vector_env(tiny_args(model="nature", max_episode_steps=5), "test", seed=0)
     replay = da.EpisodeReplay(capacity=10_000, num_envs=2, seed=0)
     seen: set = set()
     try:
@@ -280,7 +283,7 @@ def test_a_trimmed_episode_resets_the_state_where_a_window_enters_it():
 def test_world_model_resets_where_a_window_enters_the_next_episode():
     """The posterior of an episode's steps is the same whether its window starts at the episode or comes from
     the end of the one before (latent draws replaced by their modes, so both are deterministic)."""
-    args = tiny_args(sequence_length=12)
+    args = tiny_args(model="nature", sequence_length=12)
     torch.manual_seed(0)
     wm = da.build_agent(args, (4, 84, 84), 6, "cpu").world_model
     wm.rssm.sample = lambda stats, noise=None: (

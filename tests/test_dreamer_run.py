@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import dreamer_atari as da
 import dreamer_tiny
 import memory_utils as mu
-from dreamer_tiny import TINY_FLAGS
+from dreamer_tiny import TINY_FLAGS, obs_shape
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_KEYS = [
@@ -129,7 +129,7 @@ def test_resume_with_buffer(in_tmp):
     replay = da.EpisodeReplay(500, 2, seed=0)
     replay.load_state_dict(saved["replay"])
     assert replay.total_steps == stored and all(ep.done for ep in replay.episodes)
-    assert replay.sample(2, 8)["obs"].shape == (2, 8, 4, 84, 84)
+    assert replay.sample(2, 8)["obs"].shape == (2, 8, *obs_shape(tiny_args()))
 
 
 @pytest.mark.parametrize("to", ["process", "group"])
@@ -337,7 +337,7 @@ def test_a_run_of_non_finite_updates_stops_with_the_last_finite_weights(in_tmp, 
     assert saved["counters"]["global_step"] == 200  # the first log point after updates start
     assert saved["counters"]["nonfinite_updates"] == saved["counters"]["updates"] > 3
     torch.manual_seed(args.seed)  # the world model main built: every one of its steps was skipped
-    initial = da.build_agent(args, (4, 84, 84), 6, "cpu").world_model.state_dict()
+    initial = da.build_agent(args, obs_shape(args), 6, "cpu").world_model.state_dict()
     for name, value in saved["models"]["world_model"].items():
         assert torch.equal(value, initial[name]), f"{name} moved although every step was skipped"
     assert f"{saved['counters']['updates']} updates in a row had a non-finite loss" in capsys.readouterr().err
@@ -372,28 +372,44 @@ def test_resume_with_other_model_sizes_is_refused_before_anything_starts(in_tmp,
     )
 
 
-def test_image_size_64_trains_on_pong_and_resuming_at_84_is_refused(in_tmp, capsys):
-    """DreamerV3's 64x64 Atari frames: the emulator's frames are resized, the decoder draws 64x64 (one row of
-    output padding), the replay stores 64x64 frames, and the checkpoint remembers the size."""
-    first = da.main(tiny_args(total_timesteps=120, learning_starts=60, image_size=64, save_model=True))
+def test_resume_with_the_other_model_is_refused(in_tmp, capsys):
+    first = da.main(tiny_args(total_timesteps=100, save_model=True, vector_mode="sync"))
+    path = in_tmp / first["run_dir"] / "checkpoint.pt"
+    assert (
+        refused(capsys, tiny_args(model="nature", total_timesteps=200, resume=str(path)))
+        == "error: --resume checkpoint was trained with --model dreamerv3, but this run asks for nature."
+    )
+
+
+def test_nature_model_at_64_pixels_trains_on_pong_and_resuming_at_84_is_refused(in_tmp, capsys):
+    """The nature model on DreamerV3's 64x64 Atari frames: the emulator's frames are resized, the decoder draws
+    64x64 (one row of output padding), the replay stores 64x64 frames, and the checkpoint remembers the size."""
+    first = da.main(
+        tiny_args(model="nature", total_timesteps=120, learning_starts=60, image_size=64, save_model=True)
+    )
     assert first["updates"] > 0
     path = in_tmp / first["run_dir"] / "checkpoint.pt"
     saved = load_checkpoint(path)
     assert saved["models"]["world_model"]["decoder.net.4.weight"].shape[-1] == 8
     assert saved["models"]["world_model"]["encoder.net.7.weight"].shape[-1] == 8 * 4 * 4  # c3 x 4 x 4
     assert (
-        refused(capsys, tiny_args(total_timesteps=200, resume=str(path)))
+        refused(capsys, tiny_args(model="nature", total_timesteps=200, resume=str(path)))
         == "error: --resume checkpoint was trained with --image-size 64, but this run asks for 84."
     )
 
 
 def test_one_frame_stacks_train_resume_with_their_replay_and_resuming_with_four_is_refused(in_tmp, capsys):
-    """--frame-stack 1: the env gives one frame an observation, the encoder reads one channel and the decoder draws
-    one, the replay stores each frame once and gives it back from a checkpoint as one-frame stacks, and the
-    checkpoint remembers the stack."""
+    """--frame-stack 1 with the nature model (the default model's own): the env gives one frame an observation, the
+    encoder reads one channel and the decoder draws one, the replay stores each frame once and gives it back from a
+    checkpoint as one-frame stacks, and the checkpoint remembers the stack."""
     first = da.main(
         tiny_args(
-            frame_stack=1, total_timesteps=120, learning_starts=60, save_model=True, checkpoint_buffer=True
+            model="nature",
+            frame_stack=1,
+            total_timesteps=120,
+            learning_starts=60,
+            save_model=True,
+            checkpoint_buffer=True,
         )
     )
     assert first["updates"] > 0
@@ -410,10 +426,12 @@ def test_one_frame_stacks_train_resume_with_their_replay_and_resuming_with_four_
     stored = np.concatenate([ep["frames"].numpy() for ep in episodes])
     for frame in batch["obs"][:, :, 0].reshape(-1, 84, 84):  # every sampled frame is a stored one
         assert (stored == frame).all((1, 2)).any()
-    second = da.main(tiny_args(frame_stack=1, total_timesteps=200, save_model=True, resume=str(path)))
+    second = da.main(
+        tiny_args(model="nature", frame_stack=1, total_timesteps=200, save_model=True, resume=str(path))
+    )
     assert second["updates"] > first["updates"]
     assert (
-        refused(capsys, tiny_args(total_timesteps=300, resume=str(path)))
+        refused(capsys, tiny_args(model="nature", total_timesteps=300, resume=str(path)))
         == "error: --resume checkpoint was trained with --frame-stack 1, but this run asks for 4."
     )
 

@@ -234,8 +234,8 @@ def test_dreamer_with_room_for_one_checkpoint_keeps_it_and_stops_at_the_final_on
     import dreamer_tiny
 
     args = da.Args(**{**dreamer_tiny.TINY, "num_envs": 1, "vector_mode": "sync", "amp": "off"})
-    agent = da.build_agent(args, (4, 84, 84), 6, "cpu")
-    da.preflight(agent, args, (4, 84, 84))  # Adam's moments, as the run has them
+    agent = da.build_agent(args, dreamer_tiny.obs_shape(args), 6, "cpu")
+    da.preflight(agent, args, dreamer_tiny.obs_shape(args))  # Adam's moments, as the run has them
     size = mu.estimate_nbytes(
         [{n: m.state_dict() for n, m in agent.modules().items()}, [o.state_dict() for o in agent.optimizers]]
     )
