@@ -96,9 +96,9 @@ def pong_section(folder: Path, stem: Path) -> dict | None:
     return {
         "command": command,
         "pong_curve": [
-            {"env_step": p["env_step"], "mean_return_last_10": p["mean_return_last_10"]} for p in points
+            {"env_step": p["env_step"], "mean_return_last10": p["mean_return_last10"]} for p in points
         ],
-        "pong_final_return": last["mean_return_last_10"],
+        "pong_final_return": last["mean_return_last10"],
         "pong_env_steps": last["env_step"],
         "pong_updates": last["updates"],
         "pong_wall_s": last["wall_s"],
@@ -328,7 +328,7 @@ def report(folder: Path) -> tuple[dict, str]:
         ]
         for p in pong["points"]:
             lines.append(
-                f"| {p['env_step']:,} | {fmt(p['wall_s'])} | {fmt(p['mean_return_last_10'])} | "
+                f"| {p['env_step']:,} | {fmt(p['wall_s'])} | {fmt(p['mean_return_last10'])} | "
                 f"{fmt(p['reward_sign_accuracy'])} | {fmt(p['image_loss'])} | {fmt(p['kl_loss'])} | "
                 f"{fmt(p['actor_entropy'])} | {fmt(p['imagined_return'])} | {fmt(p.get('updates_per_s'))} | "
                 f"{fmt(p['gpu_alloc_mb'])} | {fmt(p['host_rss_mb'])} |"

@@ -320,6 +320,8 @@ def read_curve(run_dir: Path | None) -> tuple[dict, dict] | None:
 
 def pong_figures(curve: dict, scalars: dict, learning_starts: int, launched: float, resumed: bool) -> dict:
     """The curve's figures: each log point, the steady training rate, memory peaks, start-up time."""
+    from benchmark import pong_curve
+
     points = curve["points"]
     last = points[-1]
     training = [p for p in points if p["env_step"] > learning_starts]
@@ -344,7 +346,10 @@ def pong_figures(curve: dict, scalars: dict, learning_starts: int, launched: flo
         "env_step",
         "wall_s",
         "updates",
-        "mean_return_last_10",
+        "mean_return_last10",
+        "ball_recall_observed",
+        "ball_recall_open_loop_5",
+        "ball_recall_open_loop_10",
         "episodes",
         "env_steps_per_s",
         "updates_per_s",
@@ -352,14 +357,17 @@ def pong_figures(curve: dict, scalars: dict, learning_starts: int, launched: flo
         "gpu_alloc_mb",
         "host_rss_mb",
     )
+    dreamerv3 = pong_curve.reference()
     figures = {
+        # the curves drawn beside ours on the plot: DreamerV3's own runs, from the score file this names
+        "pong_reference": dreamerv3["source"] if dreamerv3 else None,
         "pong_curve": [{key: p.get(key) for key in keys} for p in points],
         "pong_points": points,
         "pong_episode_returns": curve["episode_returns"],
         "pong_env_steps": last["env_step"],
         "pong_updates": last["updates"],
         "pong_wall_s": last["wall_s"],
-        "pong_train_return_last_10": last["mean_return_last_10"],
+        "pong_train_return_last_10": last["mean_return_last10"],
         "pong_env_steps_per_s": rate,
         "pong_startup_s": startup_s,
         "pong_peak_gpu_reserved_mb": peak("peak_gpu_reserved_mb"),
@@ -752,16 +760,29 @@ def pong_markdown_staged(result: dict) -> list[str]:
             "",
             f"![curve]({result['results_stem']}_pong_curve.png)",
             "",
+        ]
+        reference = result.get("pong_reference")
+        if reference:
+            lines += [
+                (
+                    f"Grey lines on the return plot: DreamerV3's own five Atari100k Pong runs (2023 code), from "
+                    f"`{reference['path']}` of {reference['repository']} at commit {reference['commit'][:7]} "
+                    f"({reference['note']})."
+                ),
+                "",
+            ]
+        lines += [
             (
-                "| env step | training s | updates | mean return, last 10 | env steps/s | updates/s | GPU reserved "
-                "MB (peak) | GPU alloc MB | host RSS MB |"
+                "| env step | training s | updates | mean return, last 10 | ball recall, observed | ball recall, 5 "
+                "steps open loop | env steps/s | updates/s | GPU reserved MB (peak) | GPU alloc MB | host RSS MB |"
             ),
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for p in result["pong_curve"]:
             lines.append(
                 f"| {p['env_step']:,} | {fmt(p['wall_s'])} | {fmt(p['updates'])} | "
-                f"{fmt(p['mean_return_last_10'])} | {fmt(p.get('env_steps_per_s'))} | "
+                f"{fmt(p['mean_return_last10'])} | {fmt(p.get('ball_recall_observed'))} | "
+                f"{fmt(p.get('ball_recall_open_loop_5'))} | {fmt(p.get('env_steps_per_s'))} | "
                 f"{fmt(p.get('updates_per_s'))} | {fmt(p.get('peak_gpu_reserved_mb'))} | "
                 f"{fmt(p.get('gpu_alloc_mb'))} | {fmt(p.get('host_rss_mb'))} |"
             )

@@ -25,6 +25,9 @@ DIAGNOSTICS = {
     "actor_entropy": "losses/entropy",
     "imagined_return": "debug/imagined_return",
     "return_scale": "debug/return_scale",
+    "ball_recall_observed": "world_model/ball_recall_observed",
+    "ball_recall_open_loop_5": "world_model/ball_recall_open_loop_5",
+    "ball_recall_open_loop_10": "world_model/ball_recall_open_loop_10",
 }
 MEMORY = {
     "peak_gpu_reserved_mb": "debug/gpu/max_reserved_mb",
@@ -67,7 +70,7 @@ def curve(scalars: dict[str, list[tuple[int, float, float]]], last_episodes: int
             "env_step": step,
             "wall_s": round(elapsed, 1),
             "updates": round(updates),
-            "mean_return_last_10": float(np.mean(finished)) if finished else None,
+            "mean_return_last10": float(np.mean(finished)) if finished else None,
             "episodes": sum(1 for episode_step, _ in episodes if episode_step <= step),
         }
         if previous is not None and elapsed > previous["wall_s"]:
@@ -78,6 +81,21 @@ def curve(scalars: dict[str, list[tuple[int, float, float]]], last_episodes: int
         points.append(point)
         previous = point
     return {"points": points, "episode_returns": [{"env_step": s, "return": v} for s, v in episodes]}
+
+
+# DreamerV3's own Atari100k Pong runs (2023 code, five seeds), read from its score file once (see the file's "source")
+REFERENCE = Path(__file__).resolve().parent / "results" / "dreamerv3_atari100k_pong.json"
+
+
+def reference() -> dict | None:
+    """DreamerV3's five Pong curves: {"source": repository, commit, path, note; "runs": [{seed, agent_step,
+    return}]}, or None when the file is missing."""
+    return json.loads(REFERENCE.read_text()) if REFERENCE.exists() else None
+
+
+def _points(points: list[dict], key: str) -> tuple[list, list]:
+    pairs = [(p["env_step"], p[key]) for p in points if p.get(key) is not None]
+    return [s for s, _ in pairs], [v for _, v in pairs]
 
 
 def plot(result: dict, path: str, title: str) -> None:
@@ -97,14 +115,24 @@ def plot(result: dict, path: str, title: str) -> None:
         alpha=0.4,
         label="episode",
     )
-    ax.plot(steps, [p["mean_return_last_10"] for p in points], label="mean of last 10")
-    ax.set(title="return", xlabel="env step", ylim=(-21.5, 21.5))
-    ax.legend()
+    ax.plot(steps, [p["mean_return_last10"] for p in points], label="mean of last 10")
+    dreamerv3 = reference()
+    if dreamerv3:
+        for i, run in enumerate(dreamerv3["runs"]):
+            label = "DreamerV3 (2023), 5 seeds" if i == 0 else None
+            ax.plot(run["agent_step"], run["return"], color="grey", lw=0.8, alpha=0.7, label=label)
+    ax.set(title="return", xlabel="env step", ylim=(-21.5, 21.5), xlim=(0, 1.05 * max(steps[-1], 20_000)))
+    ax.legend(fontsize=7)
     ax = axes[0][1]
     ax.plot(steps, [p["reward_sign_accuracy"] for p in points], label="reward sign accuracy")
     ax.plot(steps, [p["actor_entropy"] for p in points], label="actor entropy (nats)")
+    for key, label in (
+        ("ball_recall_observed", "ball recall, observed"),
+        ("ball_recall_open_loop_5", "ball recall, 5 steps open loop"),
+    ):
+        ax.plot(*_points(points, key), "o-", ms=3, label=label)
     ax.set(title="world model and actor", xlabel="env step")
-    ax.legend()
+    ax.legend(fontsize=7)
     ax = axes[1][0]
     ax.plot(steps, [p.get("updates_per_s") for p in points], label="updates/s")
     ax.plot(steps, [p.get("env_steps_per_s") for p in points], label="env steps/s")

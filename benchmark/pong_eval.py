@@ -33,7 +33,8 @@ def agent_from_checkpoint(path: str, device: torch.device) -> tuple[da.Agent, da
     state = da.load_checkpoint(path)
     fields = {f.name: f for f in dataclasses.fields(da.Args)}
     saved = {k: (tuple(v) if isinstance(v, list) else v) for k, v in state["args"].items() if k in fields}
-    args = dataclasses.replace(da.Args(), **saved)
+    # a checkpoint from before --model, --image-size or --frame-stack existed: the nature model's values
+    args = da.Args(**{**da.FLAGS_BEFORE_THEY_EXISTED, **saved})
     obs_shape, num_actions = da.env_spaces(args)
     agent = da.build_agent(
         dataclasses.replace(args, cudagraph=False, compile=False), obs_shape, num_actions, device

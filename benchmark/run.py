@@ -299,6 +299,7 @@ PONG_RECIPE = {
     **ATARI100K_BATCH,
     "train_ratio": 1024.0,
     "log_interval": 1000,
+    "video_every": 2000,  # open-loop images and, beside them, ball recall (at log points)
     "save_model": True,
 }
 # checkpoints that hold the replay, so that a later invocation continues the run (--pong-resumable)
@@ -1016,7 +1017,7 @@ def pong_markdown(result: dict) -> str:
     ]
     for p in result["pong_points"]:
         lines.append(
-            f"| {p['env_step']:,} | {fmt(p['wall_s'])} | {p['updates']:,} | {fmt(p['mean_return_last_10'])} "
+            f"| {p['env_step']:,} | {fmt(p['wall_s'])} | {p['updates']:,} | {fmt(p['mean_return_last10'])} "
             f"| {fmt(p.get('env_steps_per_s'))} | {fmt(p.get('updates_per_s'))} |"
         )
     return "\n".join(lines) + "\n"

@@ -228,6 +228,9 @@ def main() -> None:
     )
     parser.add_argument("--variants", nargs="+", help="only these (default: training, then the whole table)")
     parser.add_argument(
+        "--model", default="dreamerv3", choices=sorted(da.MODEL_DEFAULTS), help="dreamer_atari.py's --model"
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="torch threads on a CPU (CUDA: torch's default)"
     )
     cli = parser.parse_args()
@@ -243,8 +246,8 @@ def main() -> None:
     if not on_cuda:
         torch.set_num_threads(cli.threads)
     base = dataclasses.replace(
-        da.Args(), cuda=on_cuda, **ATARI100K_BATCH
-    )  # the script's defaults, DreamerV3's batch
+        da.Args(model=cli.model), cuda=on_cuda, **ATARI100K_BATCH
+    )  # the script's defaults for that model, DreamerV3's batch
     if cli.quick:
         base = dataclasses.replace(base, **QUICK_UPDATE_MODEL)
     reps = 3 if cli.quick else cli.reps

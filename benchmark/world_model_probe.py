@@ -1,0 +1,357 @@
+"""World-model probe: does a model learn to draw Pong's ball? The world model alone, trained on a fixed Pong dataset.
+
+    python benchmark/world_model_probe.py --json benchmark/results/world_model_probe/cpu.json --minutes 30
+    python benchmark/world_model_probe.py --json probe.json --device cuda --batch-size 16 --sequence-length 64 --minutes 3
+
+1. A Pong dataset is collected once (cached in --cache-dir): a policy that follows the ball with its paddle (from
+   the emulator's RAM) and acts at random a quarter of the time, so that rallies last and the ball is in play in
+   most frames; the frames at both sizes the models read (64 and 84 pixels), from two emulators in lockstep. Its
+   last --held-out-steps steps are held out.
+2. For each configuration (a set of dreamer_atari.py flags; `dreamerv3` is the script's default, `nature` the seed's
+   model), the world model alone trains on the rest with the training loop's own update (`make_update_steps`:
+   captured in a CUDA graph on a GPU), at --batch-size x --sequence-length, for --minutes or --updates.
+3. Every --eval-every updates, on the same held-out sequences for every configuration: ball recall
+   (`dreamer_atari.ball_recall`) on the 5 observed frames and 5 and 10 steps open loop, and the squared error of
+   the observed frames. One JSON (every point of every curve) and a PNG of the curves.
+
+The batch: training replays 16 x 64 = 1,024 frames per update at DreamerV3's Atari100k settings, one update per env
+step. A CPU probe of 8 x 16 reconstructs 128 frames per update: eight of its updates see the frames of one
+training update, so the JSON says, beside the updates, how many frames each configuration reconstructed and the
+training env step that matches at one update per env step. On a GPU, --batch-size 16 --sequence-length 64 is
+training's own batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import tyro
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+import dreamer_atari as da
+from benchmark import bench_utils
+
+ENV_ID = "ALE/Pong-v5"
+# Pong's RAM: the ball's row and the player's (right) paddle's top row
+RAM_BALL_Y, RAM_PLAYER_Y = 54, 51
+PADDLE_HALF = 8  # screen rows from the paddle's top to its middle
+NOOP, UP, DOWN = 0, 2, 3
+# the configurations: dreamer_atari.Args fields over the script's defaults (empty: the default model)
+CONFIGS = {
+    "dreamerv3": {},
+    "nature": {"model": "nature"},
+    "dreamerv3-half": {"encoder_channels": (16, 32, 64, 128), "deterministic_dim": 256, "hidden_dim": 256},
+}
+
+
+@dataclasses.dataclass
+class Args:
+    json: str
+    """where to write the results (the PNG of the curves goes beside it, same name)"""
+    configs: tuple[str, ...] = ("dreamerv3", "nature")
+    """configurations to train, in order (see CONFIGS)"""
+    minutes: float = 30.0
+    """training time per configuration (evaluations not counted)"""
+    updates: int = 0
+    """stop each configuration after this many updates instead (0 = by --minutes alone)"""
+    batch_size: int = 8
+    """sequences per update"""
+    sequence_length: int = 16
+    """steps per sequence"""
+    eval_every: int = 100
+    """updates between evaluations"""
+    eval_sequences: int = 32
+    """held-out sequences scored at each evaluation (of OPEN_LOOP_CONTEXT + 10 + 1 steps)"""
+    dataset_steps: int = 30_000
+    """agent steps of the dataset"""
+    held_out_steps: int = 3_000
+    """the dataset's last steps, kept for evaluation (a new episode for the model where they begin)"""
+    random_share: float = 0.25
+    """share of the collecting policy's actions taken at random"""
+    seed: int = 1
+    """seed of the dataset, the models and the sampling"""
+    device: str = "cpu"
+    """cpu or cuda"""
+    threads: int = 2
+    """torch threads on a CPU"""
+    cache_dir: str = "benchmark/.work/world_model_probe"
+    """where the dataset is kept between runs"""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The dataset
+# ---------------------------------------------------------------------------------------------------------
+SIDES = (64, 84)
+
+
+def collect(args: Args) -> dict:
+    """{side: arrays} for each of SIDES, the same emulator steps at each size, and the collection's figures."""
+    path = Path(args.cache_dir) / f"pong_{args.dataset_steps}_seed{args.seed}_random{args.random_share}.npz"
+    if path.exists():
+        with np.load(path) as saved:
+            data = {key: saved[key] for key in saved.files}
+        return data
+    envs = {
+        side: da.make_env(ENV_ID, 0, False, "", da.Args(image_size=side, frame_stack=1))() for side in SIDES
+    }
+    rng = np.random.default_rng(args.seed)
+    n = args.dataset_steps
+    data = {f"frames{side}": np.empty((n, side, side), np.uint8) for side in SIDES}
+    data |= {
+        "action": np.zeros(n, np.uint8),
+        "reward": np.zeros(n, np.float32),
+        "is_first": np.zeros(n, bool),
+        "is_terminal": np.zeros(n, bool),
+    }
+    episode, start, over = 0, True, False
+    action, reward, terminated = 0, 0.0, False
+    for t in range(n):
+        if start:  # a new episode: its first step has no action or reward
+            obs = {side: env.reset(seed=args.seed * 1000 + episode)[0] for side, env in envs.items()}
+            episode, action, reward, terminated, over = episode + 1, 0, 0.0, False, False
+        for side in SIDES:
+            data[f"frames{side}"][t] = obs[side][-1]
+        # as the replay stores a step: its frame, the action that led to it, the reward and flags on arriving
+        data["action"][t], data["reward"][t] = action, reward
+        data["is_first"][t], data["is_terminal"][t] = start, terminated
+        start = over
+        if over:  # the episode's last frame is stored; the next step starts a new one
+            continue
+        ram = envs[SIDES[0]].unwrapped.ale.getRAM()
+        ball, paddle = int(ram[RAM_BALL_Y]), int(ram[RAM_PLAYER_Y]) + PADDLE_HALF
+        if rng.random() < args.random_share:
+            action = int(rng.integers(6))
+        elif ball and abs(ball - paddle) >= 4:  # ball 0: none in play
+            action = DOWN if ball > paddle else UP
+        else:
+            action = NOOP
+        steps = {side: env.step(action) for side, env in envs.items()}
+        if len({float(step[1]) for step in steps.values()}) != 1:
+            raise RuntimeError("the two emulators diverged")
+        _, reward, terminated, truncated, _ = steps[SIDES[0]]
+        obs = {side: step[0] for side, step in steps.items()}
+        over = bool(terminated or truncated)
+    for env in envs.values():
+        env.close()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path.with_suffix(".tmp.npz"), **data)
+    os.replace(path.with_suffix(".tmp.npz"), path)
+    return data
+
+
+def split_replays(data: dict, args: Args, train_args: da.Args) -> tuple[da.EpisodeReplay, da.EpisodeReplay]:
+    """The dataset at the configuration's frame size and stack, as two replays: training and held out (the last
+    --held-out-steps). They sample with the training loop's own code."""
+    frames, stack = data[f"frames{train_args.image_size}"], train_args.frame_stack
+    held_out_from = len(frames) - args.held_out_steps
+    replays = []
+    for begin, end in ((0, held_out_from), (held_out_from, len(frames))):
+        replay = da.EpisodeReplay(end - begin, num_envs=1, seed=args.seed)
+        for t in range(begin, end):
+            if data["is_first"][t] or t == begin:
+                replay.start_episode(0, np.repeat(frames[t][None], stack, 0))
+                continue
+            over = t + 1 == end or bool(data["is_first"][t + 1])
+            replay.add_step(
+                0,
+                frames[t],
+                int(data["action"][t]),
+                float(data["reward"][t]),
+                bool(data["is_terminal"][t]),
+                over,
+            )
+        replays.append(replay)
+    return replays[0], replays[1]
+
+
+def in_play_share(frames: np.ndarray) -> float:
+    return float(np.mean([da.find_balls(frame)[0].any() for frame in frames]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training and evaluation
+# ---------------------------------------------------------------------------------------------------------
+def evaluate(agent: da.Agent, eval_batch: dict[str, np.ndarray]) -> dict:
+    """Ball recall and the observed frames' squared error (per pixel, on [0, 1] frames) on the held-out sequences;
+    the latent samples from a fixed seed, so every evaluation draws the same noise."""
+    devices = [agent.device] if agent.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(0)
+        truth, model = da.open_loop_predictions(agent, eval_batch)  # (n, T, S, S) uint8
+    context = da.OPEN_LOOP_CONTEXT
+    error = (model[:, :context].astype(np.float32) - truth[:, :context]) / 255.0
+    recall = da.ball_recall(truth, model)
+    return {
+        "ball_recall_observed": recall.get("world_model/ball_recall_observed"),
+        "ball_recall_open_loop_5": recall.get("world_model/ball_recall_open_loop_5"),
+        "ball_recall_open_loop_10": recall.get("world_model/ball_recall_open_loop_10"),
+        "observed_mse": float((error**2).mean()),
+    }
+
+
+def train_config(name: str, data: dict, args: Args) -> dict:
+    overrides = CONFIGS[name]
+    train_args = da.Args(
+        **overrides,
+        env_id=ENV_ID,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        sequence_length=args.sequence_length,
+        cuda=args.device == "cuda",
+    )
+    da.check_args(train_args)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if train_args.tf32 else "highest")
+    train, held_out = split_replays(data, args, train_args)
+    stack, side = train_args.frame_stack, train_args.image_size
+    agent = da.build_agent(train_args, (stack, side, side), 6, device)
+    world_model_step, _ = da.make_update_steps(agent, train_args)
+    eval_length = da.OPEN_LOOP_CONTEXT + max(da.OPEN_LOOP_RECALL_STEPS) + 1
+    eval_batch = held_out.sample(args.eval_sequences, eval_length, rng=np.random.default_rng(args.seed))
+    sample_rng = np.random.default_rng(args.seed + 1)
+    curve, losses = [], []
+    train_s, updates = 0.0, 0
+
+    def point() -> dict:
+        figures = evaluate(agent, eval_batch)
+        row = {
+            "updates": updates,
+            "train_s": round(train_s, 1),
+            "frames_reconstructed": updates * args.batch_size * args.sequence_length,
+            "train_image_loss": float(np.mean(losses)) if losses else None,
+            **figures,
+        }
+        losses.clear()
+        print(f"[{name}] {json.dumps(row)}", flush=True)
+        return row
+
+    curve.append(point())
+    budget_s = args.minutes * 60
+    while (args.updates == 0 or updates < args.updates) and train_s < budget_s:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(args.eval_every):
+            batch = da.batch_tensors(
+                train.sample(args.batch_size, args.sequence_length, rng=sample_rng), device
+            )
+            metrics, _, _ = world_model_step(batch)
+            losses.append(metrics["losses/image"])
+            updates += 1
+            if args.updates and updates >= args.updates:
+                break
+        losses[:] = [float(loss) for loss in losses]  # one host sync per evaluation interval
+        train_s += time.perf_counter() - started
+        curve.append(point())
+    last = curve[-1]
+    per_update = train_s / max(updates, 1)
+    return {
+        "name": name,
+        "is_default": not overrides,
+        "flags": overrides,
+        "model": train_args.model,
+        "image_size": side,
+        "frame_stack": stack,
+        "world_model_parameters": bench_utils.param_count(agent.world_model),
+        "batch": [args.batch_size, args.sequence_length],
+        "updates": updates,
+        "train_s": round(train_s, 1),
+        "ms_per_update": round(per_update * 1e3, 2),
+        "frames_reconstructed": last["frames_reconstructed"],
+        # at training's 16 x 64 and one update per env step, the env step whose updates reconstructed as many frames
+        "matching_training_env_step": last["frames_reconstructed"] // (16 * 64),
+        "ball_recall_observed": last["ball_recall_observed"],
+        "ball_recall_open_loop_5": last["ball_recall_open_loop_5"],
+        "ball_recall_open_loop_10": last["ball_recall_open_loop_10"],
+        "observed_mse": last["observed_mse"],
+        "curve": curve,
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ("ball_recall_observed", "ball_recall_open_loop_5", "observed_mse")
+    titles = (
+        "ball recall, observed frames",
+        "ball recall, 5 steps open loop",
+        "squared error per pixel, observed",
+    )
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for config in result["configurations"]:
+        updates = [p["updates"] for p in config["curve"]]
+        for ax, key in zip(axes, keys):
+            values = [np.nan if p[key] is None else p[key] for p in config["curve"]]
+            label = config["name"] + (" (default)" if config["is_default"] else "")
+            ax.plot(updates, values, label=label)
+    for ax, title in zip(axes, titles):
+        ax.set_title(title)
+        ax.set_xlabel(f"updates (batch {result['batch'][0]} x {result['batch'][1]})")
+        ax.grid(alpha=0.3)
+    axes[2].set_yscale("log")
+    axes[0].legend()
+    fig.suptitle(f"World-model probe on Pong, {result['machine']['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(args: Args) -> dict:
+    if not 0 < args.held_out_steps < args.dataset_steps // 2:
+        raise SystemExit(
+            f"--held-out-steps must be between 1 and half of --dataset-steps, got {args.held_out_steps}."
+        )
+    unknown = [name for name in args.configs if name not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here.")
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    data = collect(args)
+    machine = bench_utils.machine()
+    machine["device"] = torch.cuda.get_device_name() if args.device == "cuda" else machine.get("cpu", "cpu")
+    result = {
+        "what": "the world model alone trained on a fixed Pong dataset; ball recall on held-out sequences",
+        "command": "python " + " ".join(sys.argv),
+        "machine": machine,
+        "torch": torch.__version__,
+        "batch": [args.batch_size, args.sequence_length],
+        "training_batch": [16, 64],
+        "dataset": {
+            "env_id": ENV_ID,
+            "steps": args.dataset_steps,
+            "episodes": int(data["is_first"].sum()),
+            "held_out_steps": args.held_out_steps,
+            "policy": f"follows the ball with the paddle (RAM), random actions {args.random_share:.0%} of the time",
+            "ball_in_play_share_64": in_play_share(data["frames64"]),
+            "collect_s": round(time.perf_counter() - started, 1),
+        },
+        "args": dataclasses.asdict(args),
+        "configurations": [],
+    }
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for name in args.configs:
+        result["configurations"].append(train_config(name, data, args))
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        plot(result, out.with_suffix(".png"))
+    return result
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
