@@ -85,6 +85,9 @@ class Args:
     """torch threads on a CPU"""
     cache_dir: str = "benchmark/.work/world_model_probe"
     """where the dataset is kept between runs"""
+    note: str = ""
+    """what else ran on the machine meanwhile, or anything else the results need to be read right (kept in the JSON
+    and the folder's README)"""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -310,6 +313,48 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def fmt(value, digits: int = 3) -> str:
+    return "—" if value is None else f"{value:.{digits}g}"
+
+
+def summary_markdown(results: dict[str, dict]) -> str:
+    """The README of a results folder: one table row per configuration of each results file in it."""
+    lines = [
+        "# World-model probe: does the world model learn to draw Pong's ball?",
+        "",
+        "Each results file is one `benchmark/world_model_probe.py` run (its command, machine, dataset and every point "
+        "of every curve are in the JSON; the PNG beside it draws the curves). The world model alone trains on a fixed "
+        "Pong dataset; ball recall is the share of the ball's pixels it draws on held-out sequences "
+        "(`dreamer_atari.ball_recall`), on the 5 observed frames and 5 and 10 steps open loop. Frames: the frames its "
+        "updates reconstructed; training env step: the Atari100k env step whose updates (16 x 64, one per env step) "
+        "reconstruct as many.",
+        "",
+        "| results | machine | configuration | default | batch | updates | frames | training env step | "
+        "ball recall, observed | 5 open loop | 10 open loop | squared error per pixel, observed | ms per update |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, result in sorted(results.items()):
+        for config in result["configurations"]:
+            lines.append(
+                f"| [{name}]({name}) | {result['machine']['device']} | {config['name']} | "
+                f"{'yes' if config['is_default'] else ''} | {config['batch'][0]} x {config['batch'][1]} | "
+                f"{config['updates']:,} | {config['frames_reconstructed']:,} | "
+                f"{config['matching_training_env_step']:,} | {fmt(config['ball_recall_observed'])} | "
+                f"{fmt(config['ball_recall_open_loop_5'])} | {fmt(config['ball_recall_open_loop_10'])} | "
+                f"{fmt(config['observed_mse'])} | {config['ms_per_update']} |"
+            )
+    lines += [""] + [
+        f"- `{name}`: `{result['command']}`" + (f". {result['note']}" if result.get("note") else "")
+        for name, result in sorted(results.items())
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(folder: Path) -> None:
+    results = {path.name: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))}
+    (folder / "README.md").write_text(summary_markdown(results))
+
+
 def main(args: Args) -> dict:
     if not 0 < args.held_out_steps < args.dataset_steps // 2:
         raise SystemExit(
@@ -328,6 +373,7 @@ def main(args: Args) -> dict:
     result = {
         "what": "the world model alone trained on a fixed Pong dataset; ball recall on held-out sequences",
         "command": "python " + " ".join(sys.argv),
+        "note": args.note,
         "machine": machine,
         "torch": torch.__version__,
         "batch": [args.batch_size, args.sequence_length],
@@ -350,6 +396,7 @@ def main(args: Args) -> dict:
         result["configurations"].append(train_config(name, data, args))
         out.write_text(json.dumps(result, indent=1) + "\n")
         plot(result, out.with_suffix(".png"))
+        write_summary(out.parent)
     return result
 
 
