@@ -3,15 +3,18 @@
 Run:
     python dreamer_atari.py --env-id ALE/Pong-v5 --total-timesteps 1000000
 
-What it does: a world model (NatureCNN encoder, RSSM with 32x32 categorical latents, image decoder, symlog
-two-hot reward head, continue head) learns from replayed sequences; an actor and a critic learn from
-15-step rollouts imagined by that model. Replay keeps every 84x84 frame once, as uint8, and rebuilds the
-4-frame stacks when it samples.
+What it does: a world model (DreamerV3's size-S convolutional encoder and decoder on 64x64 grey frames, an RSSM
+with a LayerNorm GRU and 32x32 categorical latents, symlog two-hot reward head, continue head) learns from replayed
+sequences; an actor and a critic learn from 15-step rollouts imagined by that model. `--model nature` gives the
+seed's smaller model (NatureCNN on 4 stacked 84x84 frames). Replay keeps every frame once, as uint8, and rebuilds
+frame stacks when it samples. The shape comments below are the nature model's, (4, 84, 84) an observation; the
+default's is (1, 64, 64).
 
 What it logs, every `--log-interval` env steps, to TensorBoard in `runs/{run_name}` (and wandb with
 `--track`): `charts/*` (episodic return and length, SPS, updates per second), `losses/*` (world model,
 image, reward, continue, kl, actor, critic, entropy), the `memory_utils.memory_report()` keys (process and
-GPU memory, replay size), and `debug/nonfinite_updates`. A leak detector reads the memory figures and says
+GPU memory, replay size), `debug/nonfinite_updates`, and on Pong `world_model/ball_recall_*` (the share of the ball's
+pixels the world model draws) beside the open-loop videos. A leak detector reads the memory figures and says
 in plain words when memory grows for a reason other than the replay filling up.
 
 Step counts (`global_step`, `--total-timesteps`, `--buffer-capacity`, ...) are agent steps summed over the

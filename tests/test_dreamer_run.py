@@ -248,6 +248,8 @@ BAD_ARGS = {
     "bad gamma": dict(gamma=1.5),
     "image too small for the encoder": dict(image_size=32),
     "no frames in a stack": dict(frame_stack=0),
+    "a side the dreamerv3 encoder cannot halve to the end": dict(image_size=60),
+    "four convolutions for the nature model": dict(model="nature", encoder_channels=(4, 8, 8, 8)),
 }
 
 

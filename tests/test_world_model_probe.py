@@ -1,0 +1,74 @@
+"""The world-model probe's plumbing at tiny sizes: real Pong data at both frame sizes, the held-out split, a results
+file with one entry per configuration, and its folder's README. (Whether a model learns the ball is the probe's own
+question, answered in benchmark/results/world_model_probe/, not here.)"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from benchmark import world_model_probe as probe
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("probe")
+    args = probe.Args(
+        json=str(folder / "results" / "probe.json"),
+        configs=("nature",),
+        updates=2,
+        batch_size=2,
+        sequence_length=16,
+        eval_every=2,
+        eval_sequences=2,
+        dataset_steps=400,
+        held_out_steps=100,
+        threads=1,
+        cache_dir=str(folder / "cache"),
+        note="a test",
+    )
+    torch.manual_seed(0)
+    return args, probe.main(args), probe.collect(args)
+
+
+def test_the_dataset_holds_the_same_steps_at_both_sizes_with_the_ball_in_play(tiny):
+    _, result, data = tiny
+    assert data["frames64"].shape == (400, 64, 64) and data["frames84"].shape == (400, 84, 84)
+    # the same emulator steps: the frames change at the same steps at both sizes
+    moved64 = (np.diff(data["frames64"].astype(np.int16), axis=0) != 0).any((1, 2))
+    moved84 = (np.diff(data["frames84"].astype(np.int16), axis=0) != 0).any((1, 2))
+    assert (moved64 == moved84).all()
+    assert data["is_first"][0] and data["action"][0] == 0 and data["reward"][0] == 0
+    assert result["dataset"]["ball_in_play_share_64"] > 0.5
+
+
+def test_the_held_out_steps_are_apart_from_the_training_ones(tiny):
+    args, _, data = tiny
+    train_args = probe.da.Args(model="nature")
+    train, held_out = probe.split_replays(data, args, train_args)
+    assert (train.total_steps, held_out.total_steps) == (300, 100)
+    held_out_frames = {frame.tobytes() for frame in data["frames84"][-args.held_out_steps :]}
+    batch = held_out.sample(4, 16, rng=np.random.default_rng(0))
+    assert all(frame.tobytes() in held_out_frames for frame in batch["obs"][:, :, -1].reshape(-1, 84, 84))
+    assert held_out.episodes[0].frames.item_shape == (84, 84)
+
+
+def test_the_results_file_has_one_entry_per_configuration_and_a_readme(tiny):
+    args, result, _ = tiny
+    saved = json.loads(probe.Path(args.json).read_text())
+    assert saved == json.loads(json.dumps(result))
+    (config,) = saved["configurations"]
+    assert config["name"] == "nature" and config["is_default"] is False and config["updates"] == 2
+    assert [p["updates"] for p in config["curve"]] == [0, 2]
+    for key in ("ball_recall_observed", "ball_recall_open_loop_5"):
+        assert key in config
+    assert config["frames_reconstructed"] == 2 * 2 * 16
+    readme = (probe.Path(args.json).parent / "README.md").read_text()
+    assert "| [probe.json](probe.json) |" in readme and "| nature |" in readme and "a test" in readme
+    assert probe.Path(args.json).with_suffix(".png").stat().st_size > 0
+
+
+def test_unknown_configurations_are_refused():
+    with pytest.raises(SystemExit, match="unknown"):
+        probe.main(probe.Args(json="unused.json", configs=("nope",)))
