@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 import ale_py
+import cv2
 import gymnasium as gym
 import numpy as np
 import psutil
@@ -363,7 +364,7 @@ def check_args(args: Args) -> None:
         )
     if not MIN_IMAGE_SIZE <= args.image_size <= MAX_IMAGE_SIZE:
         raise ArgsError(
-            f"--image-size must be between {MIN_IMAGE_SIZE} and {MAX_IMAGE_SIZE} pixels (the encoder's "
+            f"--image-size must be between {MIN_IMAGE_SIZE} and {MAX_IMAGE_SIZE} pixels (the nature encoder's "
             f"three convolutions need at least {MIN_IMAGE_SIZE}), got {args.image_size}."
         )
     halvings = len(args.encoder_channels)
@@ -1163,7 +1164,7 @@ class ConvEncoder(nn.Module):
     def __init__(self, in_channels: int, channels: tuple[int, ...], image_size: int):
         super().__init__()
         layers = []
-        for previous, current in zip((in_channels, *channels[:-1]), channels):
+        for previous, current in itertools.pairwise((in_channels, *channels)):
             # no bias: the LayerNorm after it has one
             layers += [nn.Conv2d(previous, current, 4, 2, 1, bias=False), ChannelNorm(current), nn.SiLU()]
         self.net = nn.Sequential(*layers, nn.Flatten())
@@ -1220,8 +1221,13 @@ def dreamerv3_init_(module: nn.Module) -> None:
     standard deviations, with variance 1 / the mean of fan-in and fan-out; biases zero."""
     for layer in module.modules():
         if isinstance(layer, (nn.Linear, nn.Conv2d, nn.ConvTranspose2d)):
-            fan_in, fan_out = nn.init._calculate_fan_in_and_fan_out(layer.weight)
-            std = math.sqrt(2.0 / (fan_in + fan_out)) / 0.87962566103423978  # the truncation's lost variance
+            weight = (
+                layer.weight
+            )  # (out, in, ...) or, transposed, (in, out, ...): the sum of fans is the same
+            taps = weight[0, 0].numel()  # kernel positions (1 for a linear layer)
+            std = (
+                math.sqrt(2.0 / ((weight.shape[0] + weight.shape[1]) * taps)) / 0.87962566103423978
+            )  # truncation
             nn.init.trunc_normal_(layer.weight, 0.0, std, -2 * std, 2 * std)
             if layer.bias is not None:
                 nn.init.zeros_(layer.bias)
@@ -1506,10 +1512,8 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
     if args.model == "dreamerv3":
         for module in (world_model, actor, critic):
             dreamerv3_init_(module)
-        for zeroed in (
-            world_model.reward_head[-1],
-            critic.net[-1],
-        ):  # they start predicting 0, as DreamerV3's
+        # the reward head and the critic start predicting 0, as DreamerV3's
+        for zeroed in (world_model.reward_head[-1], critic.net[-1]):
             nn.init.zeros_(zeroed.weight), nn.init.zeros_(zeroed.bias)
     world_model, actor, critic = world_model.to(device), actor.to(device), critic.to(device)
     if args.channels_last:
@@ -2052,13 +2056,6 @@ def open_loop_strip(truth: np.ndarray, model: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(rows.transpose(1, 0, 2, 3).reshape(truth.shape[1], -1, rows.shape[-1]))
 
 
-def open_loop_frames(
-    agent: Agent, batch: dict[str, np.ndarray], context: int = OPEN_LOOP_CONTEXT
-) -> np.ndarray:
-    """`open_loop_predictions` as a strip of frames (`open_loop_strip`)."""
-    return open_loop_strip(*open_loop_predictions(agent, batch, context))
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Ball fidelity on Pong: does the world model draw the ball? (A model without the ball cannot imagine a point.)
 # ---------------------------------------------------------------------------------------------------------
@@ -2085,8 +2082,6 @@ def find_balls(frame: np.ndarray) -> tuple[np.ndarray, float]:
     a small bright object in the playfield: a connected patch of pixels at least BALL_EDGE above the background,
     whose brightest pixel is at least BALL_PEAK above it (a paddle is dimmer) and which is no larger than the ball.
     The mask is empty when the ball is not in play or touches a paddle; every ball-like patch is in it."""
-    import cv2
-
     side = frame.shape[-1]
     rows = pong_playfield(side)
     field = frame[rows].astype(np.int16)

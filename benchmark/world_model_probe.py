@@ -97,7 +97,9 @@ SIDES = (64, 84)
 
 
 def collect(args: Args) -> dict:
-    """{side: arrays} for each of SIDES, the same emulator steps at each size, and the collection's figures."""
+    """The dataset: `frames64` and `frames84` (N, S, S) uint8, the same emulator steps at both sizes, and per step
+    `action` (the one that led to it), `reward`, `is_first`, `is_terminal`, as the replay stores them. Read from
+    --cache-dir when it was collected before."""
     path = Path(args.cache_dir) / f"pong_{args.dataset_steps}_seed{args.seed}_random{args.random_share}.npz"
     if path.exists():
         with np.load(path) as saved:
@@ -223,7 +225,7 @@ def train_config(name: str, data: dict, args: Args) -> dict:
     eval_length = da.OPEN_LOOP_CONTEXT + max(da.OPEN_LOOP_RECALL_STEPS) + 1
     eval_batch = held_out.sample(args.eval_sequences, eval_length, rng=np.random.default_rng(args.seed))
     sample_rng = np.random.default_rng(args.seed + 1)
-    curve, losses = [], []
+    curve, losses = [], []  # losses: each evaluation interval's mean image loss
     train_s, updates = 0.0, 0
 
     def point() -> dict:
@@ -245,16 +247,19 @@ def train_config(name: str, data: dict, args: Args) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
+        # summed on the device (the captured update's outputs are overwritten by the next call): one host read per
+        # evaluation interval
+        loss_sum, interval_updates = torch.zeros((), device=device), 0
         for _ in range(args.eval_every):
             batch = da.batch_tensors(
                 train.sample(args.batch_size, args.sequence_length, rng=sample_rng), device
             )
             metrics, _, _ = world_model_step(batch)
-            losses.append(metrics["losses/image"])
-            updates += 1
+            loss_sum = loss_sum + metrics["losses/image"]
+            updates, interval_updates = updates + 1, interval_updates + 1
             if args.updates and updates >= args.updates:
                 break
-        losses[:] = [float(loss) for loss in losses]  # one host sync per evaluation interval
+        losses.append(loss_sum.item() / interval_updates)
         train_s += time.perf_counter() - started
         curve.append(point())
     last = curve[-1]
