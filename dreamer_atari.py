@@ -5,8 +5,8 @@ Run:
 
 What it does: a world model (DreamerV3's size-S convolutional encoder and decoder on 64x64 grey frames, an RSSM
 with a LayerNorm GRU and 32x32 categorical latents, symlog two-hot reward head, continue head) learns from replayed
-sequences; an actor and a critic learn from 15-step rollouts imagined by that model. `--model nature` gives the
-seed's smaller model (NatureCNN on 4 stacked 84x84 frames). Replay keeps every frame once, as uint8, and rebuilds
+sequences; an actor and a critic learn from 15-step rollouts imagined by that model. `--model nature` gives a
+smaller model (NatureCNN on 4 stacked 84x84 frames). Replay keeps every frame once, as uint8, and rebuilds
 frame stacks when it samples. The shape comments below are the nature model's, (4, 84, 84) an observation; the
 default's is (1, 64, 64).
 
@@ -27,7 +27,6 @@ detected leak with `--abort-on-leak`, and a run of non-finite losses. `--resume 
 
 import dataclasses
 import functools
-import gc
 import itertools
 import math
 import mmap
@@ -36,7 +35,6 @@ import random
 import signal
 import sys
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -137,7 +135,7 @@ class Args:
     model: Literal["dreamerv3", "nature"] = "dreamerv3"
     """the networks' shapes. dreamerv3: DreamerV3's (2023) size S: 4x4 stride-2 convolutions with a LayerNorm over
     channels and SiLU (32-64-128-256 channels, 64 pixels down to 4x4), a decoder that mirrors them, a GRU with
-    LayerNorm and an update-gate bias of -1, 512 units, DreamerV3's initialisation. nature: the seed model, a
+    LayerNorm and an update-gate bias of -1, 512 units, DreamerV3's initialisation. nature: a smaller model, a
     NatureCNN encoder over 4 stacked 84x84 frames, a decoder through a 7x7 bottleneck, torch's GRUCell, 200 units,
     torch's default initialisation. The size flags below left unset take the model's values"""
     encoder_channels: tuple[int, ...] | None = None
@@ -173,7 +171,7 @@ class Args:
     """env steps of random actions that fill the replay before any update (DreamerV3: about 1k)"""
     warmup_steps: int = 0
     """env steps after `learning_starts` during which only the world model trains. DreamerV3 trains world
-    model and behaviour together from the start (0); the seed configuration used 25000"""
+    model and behaviour together from the start (0)"""
     train_ratio: float = 1024.0
     """replayed steps per env step. DreamerV3 learned Pong with 1024 at batch 16 x 64, one update per agent
     step; keeping the replayed-steps figure, batch 16 x 50 gives 1.28 updates per env step"""
@@ -209,7 +207,7 @@ class Args:
     """length of the imagined rollouts"""
     continue_mode: bool = True
     """imagined rollouts are discounted by the continue head's mode (0 or 1, as DreamerV3); --no-continue-mode
-    uses its probability (the seed's choice)"""
+    uses its probability"""
     gamma: float = 0.997
     """the discount factor"""
     return_lambda: float = 0.95
@@ -280,9 +278,18 @@ class ArgsError(ValueError):
 
 
 def check_args(args: Args) -> None:
-    """Raise ArgsError naming the first bad value and what is allowed. Starts no env, touches no file."""
+    """Raise ArgsError naming the first bad value and what is allowed. Builds one env at most, writes nothing."""
     if args.model not in MODEL_DEFAULTS:
         raise ArgsError(f"--model must be one of {', '.join(MODEL_DEFAULTS)}, got {args.model!r}.")
+    check_ranges(args)
+    check_model_sizes(args)
+    check_env(args)
+    if args.resume is not None and not os.path.isfile(args.resume):
+        raise ArgsError(f"--resume {args.resume!r} does not exist or is not a file.")
+
+
+def check_ranges(args: Args) -> None:
+    """The numbers that must be positive, non-negative, within 0 and 1, or greater than 0."""
     positive = {
         "--total-timesteps": args.total_timesteps,
         "--frame-stack": args.frame_stack,
@@ -317,22 +324,6 @@ def check_args(args: Args) -> None:
     for flag, value in non_negative.items():
         if value < 0:
             raise ArgsError(f"{flag} must be 0 or more, got {value}.")
-    if not args.encoder_channels or min(args.encoder_channels) < 1:
-        raise ArgsError(f"--encoder-channels must all be at least 1, got {args.encoder_channels}.")
-    if args.model == "nature" and len(args.encoder_channels) != 3:
-        raise ArgsError(
-            f"--encoder-channels takes exactly three values with --model nature (its three convolutions), got "
-            f"{args.encoder_channels}."
-        )
-    if args.buffer_capacity is not None and args.buffer_capacity < args.sequence_length:
-        raise ArgsError(
-            f"--buffer-capacity ({args.buffer_capacity}) must be at least --sequence-length "
-            f"({args.sequence_length}): the replay could never hold one sequence."
-        )
-    if args.stochastic_classes == 1 or args.stochastic_classes < 0:
-        raise ArgsError(
-            f"--stochastic-classes must be 0 (Gaussian) or at least 2, got {args.stochastic_classes}."
-        )
     if not args.train_ratio > 0:
         raise ArgsError(f"--train-ratio must be greater than 0, got {args.train_ratio}.")
     for flag, value in {
@@ -355,12 +346,25 @@ def check_args(args: Args) -> None:
     }.items():
         if not value > 0:
             raise ArgsError(f"{flag} must be greater than 0, got {value}.")
-    try:
-        spec = gym.spec(args.env_id)
-    except gym.error.Error:
+
+
+def check_model_sizes(args: Args) -> None:
+    """Sizes the networks can be built with: channels, the replay against a sequence, latents, the image side."""
+    if not args.encoder_channels or min(args.encoder_channels) < 1:
+        raise ArgsError(f"--encoder-channels must all be at least 1, got {args.encoder_channels}.")
+    if args.model == "nature" and len(args.encoder_channels) != 3:
         raise ArgsError(
-            f"--env-id {args.env_id!r} is not a registered environment; ALE ids look like ALE/Pong-v5, "
-            f"and {CATCH_ID} is the built-in test task."
+            f"--encoder-channels takes exactly three values with --model nature (its three convolutions), got "
+            f"{args.encoder_channels}."
+        )
+    if args.buffer_capacity is not None and args.buffer_capacity < args.sequence_length:
+        raise ArgsError(
+            f"--buffer-capacity ({args.buffer_capacity}) must be at least --sequence-length "
+            f"({args.sequence_length}): the replay could never hold one sequence."
+        )
+    if args.stochastic_classes == 1 or args.stochastic_classes < 0:
+        raise ArgsError(
+            f"--stochastic-classes must be 0 (Gaussian) or at least 2, got {args.stochastic_classes}."
         )
     if not MIN_IMAGE_SIZE <= args.image_size <= MAX_IMAGE_SIZE:
         raise ArgsError(
@@ -374,6 +378,17 @@ def check_args(args: Args) -> None:
             f"which halves the side: it must be a multiple of {2**halvings} of at least {2 ** (halvings + 1)} "
             f"(64 with the default four)."
         )
+
+
+def check_env(args: Args) -> None:
+    """A registered env id; a non-Atari env must give frames of --image-size (built once to see)."""
+    try:
+        spec = gym.spec(args.env_id)
+    except gym.error.Error:
+        raise ArgsError(
+            f"--env-id {args.env_id!r} is not a registered environment; ALE ids look like ALE/Pong-v5, "
+            f"and {CATCH_ID} is the built-in test task."
+        )
     if not is_atari(args.env_id):
         side = args.image_size
         # builds the env once, before anything is written
@@ -384,8 +399,6 @@ def check_args(args: Args) -> None:
                 f"takes Atari ids (ALE/...) or environments that give {side}x{side} grey uint8 frames "
                 f"(--image-size {side})."
             )
-    if args.resume is not None and not os.path.isfile(args.resume):
-        raise ArgsError(f"--resume {args.resume!r} does not exist or is not a file.")
 
 
 class CatchEnv(gym.Env):
@@ -1379,6 +1392,27 @@ class RSSM(nn.Module):
         # the prior depends on deter alone: all steps at once, after the loop
         return deter, torch.stack(stochs, 1), torch.stack(posteriors, 1), self.prior(deter)
 
+    def observe_reference(
+        self, embed: torch.Tensor, action: torch.Tensor, is_first: torch.Tensor, noise=None
+    ):
+        """The algorithm `observe` computes, as the paper writes it: one step at a time through the readable cell
+        (`img_step`, `posterior`, `sample`), the state reset to zeros where an episode starts. The same arguments
+        and results as `observe`, which must equal it (tests/test_dreamer_fast_path.py, in float64); start a change
+        to the RSSM here, then carry it into `observe_step`."""
+        B, T = embed.shape[:2]
+        if noise is None:
+            noise = self.noise((T, B), embed.device)
+        deter, stoch = self.initial(B, embed.device)
+        deters, stochs, posteriors = [], [], []
+        for t in range(T):
+            keep = (~is_first[:, t]).to(deter.dtype).unsqueeze(-1)  # (B, 1)
+            deter = self.img_step(deter * keep, stoch * keep, action[:, t] * keep)
+            posterior = self.posterior(deter, embed[:, t])
+            stoch = self.sample(posterior, noise[t])
+            deters.append(deter), stochs.append(stoch), posteriors.append(posterior)
+        deter = torch.stack(deters, 1)  # (B, T, D)
+        return deter, torch.stack(stochs, 1), torch.stack(posteriors, 1), self.prior(deter)
+
 
 class WorldModel(nn.Module):
     def __init__(self, args: Args, obs_shape: tuple, num_actions: int):
@@ -1443,22 +1477,87 @@ class Critic(nn.Module):
 class ReturnNormalizer(nn.Module):
     """EMA of the 5th and 95th percentiles of lambda-returns; scale = max(1, P95 - P5)."""
 
-    def __init__(self, decay: float):
+    def __init__(self):
         super().__init__()
-        self.decay = decay
         self.register_buffer("low", torch.zeros(()))
         self.register_buffer("high", torch.zeros(()))
         self.register_buffer("levels", torch.tensor([0.05, 0.95]), persistent=False)
 
     @torch.no_grad()
-    def update(self, returns: torch.Tensor) -> None:
+    def update(self, returns: torch.Tensor, rate: torch.Tensor) -> None:
+        """Move the EMAs toward this rollout's percentiles by `rate` (1 - --return-norm-decay, a 0-d tensor)."""
         quantiles = torch.quantile(upcast(returns.detach()).flatten(), self.levels)  # (2,): one sort for both
         for ema, quantile in zip((self.low, self.high), quantiles.unbind(0)):
             # a non-finite rollout (its update is skipped) leaves the EMA as it was, without a host sync
-            ema.copy_(torch.where(torch.isfinite(quantile), ema.lerp(quantile, 1 - self.decay), ema))
+            ema.copy_(torch.where(torch.isfinite(quantile), ema.lerp(quantile, rate), ema))
 
     def scale(self) -> torch.Tensor:
         return torch.clamp(self.high - self.low, min=1.0)
+
+
+# ALGO LOGIC: the numbers a researcher may schedule during a run. The update reads each as a 0-d device tensor,
+# never as a Python float: a CUDA graph replays the values it was captured with, so a float read at capture time
+# would keep its first value for the whole run on a GPU while it changed on the CPU.
+SCHEDULED = (
+    "kl_dyn_scale",
+    "kl_rep_scale",
+    "free_nats",
+    "entropy_coef",
+    "gamma",
+    "return_lambda",
+    "return_norm_decay",
+    "slow_critic_fraction",
+    "world_model_grad_clip",
+    "actor_critic_grad_clip",
+)
+LEARNING_RATES = {"world_model_lr": "world_model", "actor_lr": "actor", "critic_lr": "critic"}
+# numbers the update reads that follow from a scheduled one: (the one, how)
+DERIVED_SETTINGS = {
+    "return_norm_rate": ("return_norm_decay", lambda x: 1 - x),
+    "one_minus_lambda": ("return_lambda", lambda x: 1 - x),
+}
+
+
+class UpdateSettings:
+    """The scheduled numbers (`SCHEDULED`) and the learning rates as 0-d tensors on the update's device, changed
+    in place from the loop with `set`, which a captured update sees at its next replay:
+
+        run.agent.settings.set("kl_dyn_scale", min(0.5, step / 10_000))   # a KL warm-up
+
+    `settings["name"]` is the tensor the update reads, `values` the floats. The learning rates are the optimizers'
+    own `lr` tensors (a checkpoint's optimizer state restores them; the other numbers start from the flags, and a
+    schedule written as a function of the step carries on where it was). Derived numbers (`1 - decay`, `1 - lambda`) are computed in double
+    when set, as the update computed them from floats, so that the losses are the same to the last bit."""
+
+    def __init__(self, args: Args, optimizers: dict[str, torch.optim.Optimizer], device, dtype):
+        self.values = {name: float(getattr(args, name)) for name in (*SCHEDULED, *LEARNING_RATES)}
+        self.tensors = {
+            name: torch.tensor(self.values[name], device=device, dtype=dtype) for name in SCHEDULED
+        }
+        for name, (source, derive) in DERIVED_SETTINGS.items():
+            self.tensors[name] = torch.tensor(derive(self.values[source]), device=device, dtype=dtype)
+        for name, optimizer in LEARNING_RATES.items():
+            self.tensors[name] = optimizers[optimizer].param_groups[0]["lr"]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def set(self, name: str, value: float) -> None:
+        """Write `value` into the tensor the update reads (and into the numbers derived from it)."""
+        if name not in self.values:
+            raise KeyError(f"{name!r} is not a scheduled setting; these are: {', '.join(self.values)}")
+        self.values[name] = float(value)
+        self.tensors[name].fill_(float(value))
+        for derived, (source, derive) in DERIVED_SETTINGS.items():
+            if source == name:
+                self.tensors[derived].fill_(derive(float(value)))
+
+
+def learning_rate(value: float, device) -> torch.Tensor:
+    """A learning rate as a 0-d tensor on `device`, the form fused Adam reads at each step without the host. CUDA's
+    fused Adam reads a float32 tensor; the CPU's computes in double, as from a float."""
+    device = torch.device(device)
+    return torch.tensor(value, device=device, dtype=torch.float32 if device.type == "cuda" else torch.float64)
 
 
 @dataclass
@@ -1478,6 +1577,7 @@ class Agent:
     scalers: dict[str, torch.amp.GradScaler]  # "world_model", "actor", "critic"
     device: torch.device
     num_actions: int
+    settings: UpdateSettings
     compiled: dict[str, Callable] = dataclasses.field(
         default_factory=dict
     )  # --compile: compiled step functions
@@ -1524,25 +1624,32 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
     slow_critic.requires_grad_(False)
     amp = mu.amp(args.amp, device)
     adam = {"fused": True, "capturable": captured(args, device)}  # capture needs capturable
+    # fused Adam: one kernel per step, and it can skip a step on the device (see `clip_and_step`)
+    optimizers = {
+        name: torch.optim.Adam(
+            module.parameters(),
+            lr=learning_rate(getattr(args, f"{name}_lr"), device),
+            eps=getattr(args, f"{name}_eps"),
+            **adam,
+        )
+        for name, module in (("world_model", world_model), ("actor", actor), ("critic", critic))
+    }
     return Agent(
         world_model=world_model,
         actor=actor,
         critic=critic,
         slow_critic=slow_critic,
-        return_norm=ReturnNormalizer(args.return_norm_decay).to(device),
-        # fused Adam: one kernel per step, and it can skip a step on the device (see `clip_and_step`)
-        world_model_optimizer=torch.optim.Adam(
-            world_model.parameters(), lr=args.world_model_lr, eps=args.world_model_eps, **adam
-        ),
-        actor_optimizer=torch.optim.Adam(actor.parameters(), lr=args.actor_lr, eps=args.actor_eps, **adam),
-        critic_optimizer=torch.optim.Adam(
-            critic.parameters(), lr=args.critic_lr, eps=args.critic_eps, **adam
-        ),
+        return_norm=ReturnNormalizer().to(device),
+        world_model_optimizer=optimizers["world_model"],
+        actor_optimizer=optimizers["actor"],
+        critic_optimizer=optimizers["critic"],
         amp=amp,
         # one scaler per optimizer: an overflow in one loss shrinks that loss's scale alone
         scalers={name: amp.new_scaler() for name in ("world_model", "actor", "critic")},
         device=device,
         num_actions=num_actions,
+        # float32 (float64 in the equality tests, whose default dtype it is)
+        settings=UpdateSettings(args, optimizers, device, torch.get_default_dtype()),
     )
 
 
@@ -1580,15 +1687,22 @@ class Player:
 # tensors, named where they are made, which the training loop reads once per log interval)
 # ---------------------------------------------------------------------------------------------------------
 def lambda_returns(
-    reward: torch.Tensor, value: torch.Tensor, discount: torch.Tensor, lambda_: float
+    reward: torch.Tensor,
+    value: torch.Tensor,
+    discount: torch.Tensor,
+    lambda_: torch.Tensor | float,
+    one_minus_lambda: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """R_t = r_{t+1} + d_{t+1} ((1 - lambda) v_{t+1} + lambda R_{t+1}), R_H = v_H.
 
     reward, value, discount: (H+1, N) for imagined states s_0..s_H (the reward and discount of s_k are those
     received on arriving at s_k). Returns (H, N) for s_0..s_{H-1}. The terms that do not depend on R_{t+1} are
-    computed for all steps at once, so the loop is one fused multiply-add per step.
+    computed for all steps at once, so the loop is one fused multiply-add per step. `one_minus_lambda`: 1 - lambda
+    as computed in double where lambda is a tensor (`UpdateSettings`).
     """
-    base = reward[1:] + discount[1:] * (1 - lambda_) * value[1:]  # (H, N)
+    if one_minus_lambda is None:
+        one_minus_lambda = 1 - lambda_
+    base = reward[1:] + discount[1:] * one_minus_lambda * value[1:]  # (H, N)
     factor = discount[1:] * lambda_  # (H, N)
     returns = [value[-1]]
     for base_t, factor_t in zip(reversed(base.unbind(0)), reversed(factor.unbind(0))):
@@ -1655,9 +1769,10 @@ def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args):
     )
     dyn = wm.rssm.kl(posterior.detach(), prior)  # (B, T)
     rep = wm.rssm.kl(posterior, prior.detach())
+    settings = agent.settings
     kl_loss = (
-        args.kl_dyn_scale * dyn.clamp(min=args.free_nats).mean()
-        + args.kl_rep_scale * rep.clamp(min=args.free_nats).mean()
+        settings["kl_dyn_scale"] * dyn.clamp(min=settings["free_nats"]).mean()
+        + settings["kl_rep_scale"] * rep.clamp(min=settings["free_nats"]).mean()
     )
     # ALGO LOGIC: the loss branches, each switchable for isolation experiments
     loss = continue_loss
@@ -1712,10 +1827,11 @@ def clip_and_step(
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler,
     parameters: list[torch.Tensor],
-    clip: float,
+    clip: torch.Tensor,
     loss_finite: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """After the backward pass: unscale (fp16), clip, and step unless the loss or the gradient is non-finite.
+    """After the backward pass: unscale (fp16), clip to the norm `clip` (a 0-d tensor: see `UpdateSettings`), and
+    step unless the loss or the gradient is non-finite.
 
     No host synchronisation: a skipped step is skipped on the device, through the `found_inf` tensor that fused
     Adam reads (the way torch's GradScaler skips steps), so weights, moments and step count stay exactly as they
@@ -1723,7 +1839,11 @@ def clip_and_step(
     not a fault. Returns (grad_norm, healthy), 0-d tensors; `healthy` is False for a step skipped as a fault.
     """
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, clip, foreach=True)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    # torch's clip_grad_norm_ turns its max_norm into a float, which a captured graph would keep: the same
+    # arithmetic (reciprocal, then the clip), with the clip as a tensor
+    torch._foreach_mul_(grads, torch.clamp((grad_norm + 1e-6).reciprocal() * clip, max=1.0))
     if scaler.is_enabled():
         scaler.step(optimizer)
         scaler.update()
@@ -1755,7 +1875,7 @@ def train_world_model(agent: Agent, raw: dict[str, torch.Tensor], args: Args):
         optimizer,
         scaler,
         list(agent.world_model.parameters()),
-        args.world_model_grad_clip,
+        agent.settings["world_model_grad_clip"],
         torch.isfinite(torch.stack(list(metrics.values()))).all(),
     )
     optimizer.zero_grad(set_to_none=True)  # memory: gradients are not kept between updates
@@ -1792,6 +1912,29 @@ def imagine(agent: Agent, start_states, horizon: int):
     probs = agent.actor(feat[:-1])  # (H, N, A), with gradients
     log_probs = probs.log()
     return feat, (log_probs * action).sum(-1), -(probs * log_probs).sum(-1)
+
+
+def imagine_reference(agent: Agent, start_states, horizon: int):
+    """The imagined rollout `imagine` computes, as the definition reads: the actor's graph built at every step. The
+    same random numbers, arguments and results as `imagine`, which must equal it (tests/test_dreamer_fast_path.py,
+    in float64)."""
+    deter, stoch, _ = start_states
+    rssm = agent.world_model.rssm
+    action_uniforms = torch.rand(horizon, deter.shape[0], 1, device=deter.device)  # (H, N, 1)
+    latent_noise = rssm.noise((horizon, deter.shape[0]), deter.device)  # (H, N, ...)
+    feats, log_probs, entropies = [], [], []
+    for t in range(horizon):
+        feat = torch.cat([deter, stoch], -1)
+        probs = agent.actor(feat)
+        action = one_hot_draw(probs.detach(), action_uniforms[t]).to(probs.dtype)
+        log_probs.append((probs.log() * action).sum(-1))
+        entropies.append(-(probs * probs.log()).sum(-1))
+        feats.append(feat)
+        with torch.no_grad():
+            deter = rssm.img_step(deter, stoch, action)
+            stoch = rssm.sample(rssm.prior(deter), latent_noise[t])
+    feats.append(torch.cat([deter, stoch], -1))
+    return torch.stack(feats).detach(), torch.stack(log_probs), torch.stack(entropies)
 
 
 def imagine_step(actor: "Actor", rssm: RSSM, deter, stoch, action_uniform, latent_noise) -> tuple:
@@ -1840,16 +1983,19 @@ def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = 
         if args.continue_mode:  # DreamerV3: an imagined state either goes on or ends
             continues = (continues > 0.5).to(continues.dtype)
         continues[0] = start_states[2]  # the start state's own continue flag is known
-        discount = args.gamma * continues
+        settings = agent.settings
+        discount = settings["gamma"] * continues
         value = twohot_mean(critic_logits.detach(), agent.critic.bins)  # (H+1, N)
         slow_value = agent.slow_critic.value(feat[:-1])  # (H, N): the critic regresses states s_0..s_{H-1}
-        returns = lambda_returns(reward, value, discount, args.return_lambda)  # (H, N)
+        returns = lambda_returns(
+            reward, value, discount, settings["return_lambda"], settings["one_minus_lambda"]
+        )  # (H, N)
         weight = torch.cumprod(torch.cat([torch.ones_like(discount[:1]), discount[:-2]]), 0)  # (H, N)
         if update_norm:
-            agent.return_norm.update(returns)
+            agent.return_norm.update(returns, settings["return_norm_rate"])
         advantage = (returns - value[:-1]) / agent.return_norm.scale()
     # ALGO LOGIC: REINFORCE on normalised advantages + entropy; the critic is pulled toward the slow critic
-    actor_loss = -(weight * (log_prob * advantage + args.entropy_coef * entropy)).mean()
+    actor_loss = -(weight * (log_prob * advantage + settings["entropy_coef"] * entropy)).mean()
     critic_loss = (
         weight
         * (
@@ -1886,14 +2032,14 @@ def train_behavior(agent: Agent, start: dict[str, torch.Tensor], args: Args):
         agent.actor_optimizer,
         scalers["actor"],
         list(agent.actor.parameters()),
-        args.actor_critic_grad_clip,
+        agent.settings["actor_critic_grad_clip"],
         torch.isfinite(actor_loss.detach()),
     )
     critic_norm, critic_healthy = clip_and_step(
         agent.critic_optimizer,
         scalers["critic"],
         list(agent.critic.parameters()),
-        args.actor_critic_grad_clip,
+        agent.settings["actor_critic_grad_clip"],
         torch.isfinite(critic_loss.detach()),
     )
     for optimizer in (agent.actor_optimizer, agent.critic_optimizer):
@@ -1902,10 +2048,35 @@ def train_behavior(agent: Agent, start: dict[str, torch.Tensor], args: Args):
         torch.no_grad()
     ):  # one fused kernel for all the slow critic's tensors; it stays put when the critic did
         slow, fast = list(agent.slow_critic.parameters()), list(agent.critic.parameters())
-        torch._foreach_lerp_(slow, fast, [args.slow_critic_fraction * critic_healthy.float()] * len(slow))
+        fraction = agent.settings["slow_critic_fraction"] * critic_healthy.to(slow[0].dtype)
+        torch._foreach_lerp_(slow, fast, [fraction] * len(slow))
     metrics["debug/actor_grad_norm"] = actor_norm.detach().float()
     metrics["debug/critic_grad_norm"] = critic_norm.detach().float()
     return metrics, actor_healthy & critic_healthy
+
+
+class CaptureInvalid(RuntimeError):
+    """A setting the captured update read as a Python value changed after capture (one sentence naming it)."""
+
+
+def capture_settings(agent: Agent, args: Args) -> Callable[[], dict]:
+    """What a captured update keeps as it was at capture: every `Args` field and each optimizer's hyperparameters
+    (a tensor by identity: its value may change in place, the object may not). Returns a function that reads them
+    now; `CudaGraphed` compares its result with the one taken at capture before each replay."""
+
+    def read() -> dict:
+        values = {f"args.{key}": value for key, value in vars(args).items()}
+        for name, optimizer in agent.named_optimizers().items():
+            for key, value in optimizer.param_groups[0].items():
+                if key != "params":
+                    values[f"the {name} optimizer's {key!r}"] = (
+                        ("tensor", id(value)) if isinstance(value, torch.Tensor) else value
+                    )
+        for key, value in agent.settings.tensors.items():
+            values[f"settings[{key!r}]"] = ("tensor", id(value))
+        return values
+
+    return read
 
 
 class CudaGraphed:
@@ -1916,33 +2087,73 @@ class CudaGraphed:
     values (the updates above do neither): a replay repeats exactly the captured work. The warm-up calls are real
     updates; they run on a side stream, as capture requires. (tensordict's CudaGraphModule does the same job; this
     is the part of it an update needs, without the dependency.)
+
+    A replay repeats the Python values `fn` read when it was captured. `settings()` (see `capture_settings`) reads
+    those values; a replay after one of them changed raises `CaptureInvalid` naming it, instead of silently
+    training on the old value. Scheduled numbers go through `UpdateSettings`, whose tensors a replay reads.
     """
 
-    def __init__(self, fn: Callable[[dict[str, torch.Tensor]], tuple], warmup: int = 3):
+    def __init__(
+        self,
+        fn: Callable[[dict[str, torch.Tensor]], tuple],
+        warmup: int = 3,
+        settings: Callable[[], dict] | None = None,
+    ):
         self.fn, self.warmup, self.calls = fn, warmup, 0
+        self.settings = settings or dict
+        self.captured_settings: dict | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_inputs: dict[str, torch.Tensor] = {}
         self.static_outputs: tuple = ()
-        self.side_stream = torch.cuda.Stream()
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> tuple:
-        if self.graph is not None:
-            for key, value in inputs.items():
-                self.static_inputs[key].copy_(value, non_blocking=True)
-            self.graph.replay()
-            return self.static_outputs
+        if self.captured_settings is not None:
+            self.check_settings()
+            return self.replay(inputs)
         self.calls += 1
         if self.calls <= self.warmup:
-            self.side_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.side_stream):
-                outputs = self.fn(inputs)
-            torch.cuda.current_stream().wait_stream(self.side_stream)
-            return outputs
+            return self.run_eagerly(inputs)
+        self.captured_settings = self.settings()
+        return self.capture(inputs)
+
+    def check_settings(self) -> None:
+        """Refuse to replay when a value read at capture has changed since (a dict comparison: microseconds)."""
+        now = self.settings()
+        if now == self.captured_settings:
+            return
+        changed = next(
+            key
+            for key in {**now, **self.captured_settings}
+            if now.get(key) != self.captured_settings.get(key)
+        )
+        raise CaptureInvalid(
+            f"{changed} changed from {self.captured_settings.get(changed)!r} to {now.get(changed)!r} after the update "
+            f"was captured in a CUDA graph, which would go on using the old value: schedule it with "
+            f"agent.settings.set(...) (see UpdateSettings), or run with --no-cudagraph."
+        )
+
+    def run_eagerly(self, inputs: dict[str, torch.Tensor]) -> tuple:
+        """A warm-up update, on a side stream as capture requires."""
+        if not hasattr(self, "side_stream"):
+            self.side_stream = torch.cuda.Stream()
+        self.side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side_stream):
+            outputs = self.fn(inputs)
+        torch.cuda.current_stream().wait_stream(self.side_stream)
+        return outputs
+
+    def capture(self, inputs: dict[str, torch.Tensor]) -> tuple:
         self.static_inputs = {key: value.clone() for key, value in inputs.items()}
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.static_outputs = self.fn(self.static_inputs)
         self.graph.replay()  # capture runs nothing: this replay is this call's update
+        return self.static_outputs
+
+    def replay(self, inputs: dict[str, torch.Tensor]) -> tuple:
+        for key, value in inputs.items():
+            self.static_inputs[key].copy_(value, non_blocking=True)
+        self.graph.replay()
         return self.static_outputs
 
 
@@ -1962,7 +2173,8 @@ def make_update_steps(agent: Agent, args: Args):
         return train_behavior(agent, start, args)
 
     if captured(args, agent.device):
-        return CudaGraphed(world_model_step), CudaGraphed(behavior_step)
+        settings = capture_settings(agent, args)
+        return CudaGraphed(world_model_step, settings=settings), CudaGraphed(behavior_step, settings=settings)
     return world_model_step, behavior_step
 
 
@@ -2266,13 +2478,22 @@ def save_checkpoint(
     }
     if torch.cuda.is_available() and agent.device.type == "cuda":
         state["rng"]["cuda"] = torch.cuda.get_rng_state(agent.device)
-    # a crash or a full disk while writing never leaves a half-written checkpoint behind (mu.WriteFailed)
-    mu.atomic_write(path, lambda f: torch.save(state, f), needed_bytes=mu.estimate_nbytes(state))
+    # a crash or a full disk while writing never leaves a half-written checkpoint behind (mu.WriteFailed); the
+    # checksum beside it (checkpoint.pt.sha256) lets a resumed run refuse a file changed since
+    mu.save_checked(path, lambda f: torch.save(state, f), needed_bytes=mu.estimate_nbytes(state))
     return path
 
 
 def load_checkpoint(path: str) -> dict:
-    """Load with weights_only=True; any failure is one ArgsError sentence."""
+    """Verify against the checksum beside it, then load with weights_only=True; any failure is one ArgsError
+    sentence, and the file stays where it is."""
+    if not os.path.isfile(path):
+        raise ArgsError(f"--resume {path!r} does not exist or is not a file.")
+    try:
+        if note := mu.verify_checkpoint(path):
+            print(note)
+    except mu.CheckpointInvalid as exc:
+        raise ArgsError(f"--resume: {exc}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - corrupt, truncated, or not a checkpoint at all
@@ -2322,17 +2543,27 @@ def check_checkpoint_matches(state: dict, args: Args) -> None:
             )
 
 
+def load_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """torch's `load_state_dict` replaces each param group, learning-rate tensor included: the saved rate goes into
+    the optimizer's own device tensor instead, which `UpdateSettings` and a captured update hold."""
+    rates = [group["lr"] for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, rate in zip(optimizer.param_groups, rates):
+        rate.fill_(float(group["lr"]))
+        group["lr"] = rate
+
+
 def restore_checkpoint(state: dict, agent: Agent, replay: EpisodeReplay, rng: np.random.Generator) -> dict:
     try:
         for name, module in agent.modules().items():
             module.load_state_dict(state["models"][name])
-        agent.world_model_optimizer.load_state_dict(state["optimizers"]["world_model"])
-        agent.actor_optimizer.load_state_dict(state["optimizers"]["actor"])
-        agent.critic_optimizer.load_state_dict(state["optimizers"]["critic"])
+        for name, optimizer in agent.named_optimizers().items():
+            load_optimizer(optimizer, state["optimizers"][name])
     except (RuntimeError, KeyError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0]
         raise ArgsError(f"the checkpoint does not match these model flags ({first_line[:160]}).")
-    # earlier checkpoints held one scaler shared by the three optimizers
+
+    # a checkpoint with one scaler ("scaler") shares it among the three optimizers
     saved_scalers = state.get("scalers") or {name: state.get("scaler") for name in agent.scalers}
     for name, scaler in agent.scalers.items():
         if saved_scalers.get(name):
@@ -2500,13 +2731,6 @@ class ProgressLine:
         self.pending = False
 
 
-def oom_site(exc: BaseException) -> str:
-    """Where in this script an out-of-memory error came from: the innermost of its functions on the traceback."""
-    here = os.path.abspath(__file__)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == here]
-    return f"in {frames[-1].name}, line {frames[-1].lineno}" if frames else "outside this script"
-
-
 def exit_with(message: str, code: int) -> None:
     print(message, file=sys.stderr, flush=True)
     raise SystemExit(code)
@@ -2517,7 +2741,8 @@ def exit_with(message: str, code: int) -> None:
 # ---------------------------------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """Everything one training run holds between loop iterations; made by `set_up`."""
+    """Everything one training run holds between loop iterations; made by `set_up`: first the learner (agent,
+    replay, update steps), then the instruments that watch it (`instrument`)."""
 
     args: Args
     device: torch.device
@@ -2531,16 +2756,18 @@ class Run:
     counters: dict
     world_model_step: Callable
     behavior_step: Callable
-    staging: "PinnedBatches | None"
     update_log: UpdateLog
-    probes: "mu.StageProbes"
-    snapshots: "mu.MemorySnapshots"
-    leak_detector: "mu.LeakDetector"
-    progress: ProgressLine
-    next_log: int
-    next_checkpoint: int | None
-    next_video: int | None
-    video_rng: np.random.Generator
+    obs_shape: tuple
+    # instruments and schedules (`instrument`)
+    staging: "PinnedBatches | None" = None
+    probes: "mu.StageProbes | None" = None
+    snapshots: "mu.MemorySnapshots | None" = None
+    leak_detector: "mu.LeakDetector | None" = None
+    progress: ProgressLine | None = None
+    next_log: int = 0
+    next_checkpoint: int | None = None
+    next_video: int | None = None
+    video_rng: np.random.Generator | None = None
     start_time: float = dataclasses.field(default_factory=time.time)
     start_step: int = 0
     start_updates: int = 0
@@ -2549,7 +2776,7 @@ class Run:
     last_return: float | None = None
     last_verdict: "mu.LeakVerdict | None" = None
     said_replay_short: bool = False
-    stop_signal: list = dataclasses.field(default_factory=list)  # signals received, handled at the loop's top
+    stop: mu.StopSignals = dataclasses.field(default_factory=mu.StopSignals)  # read at the loop's top
 
     @property
     def checkpoint_path(self) -> str:
@@ -2592,18 +2819,74 @@ def check_input(args: Args) -> tuple[torch.device, dict | None]:
     return device, resume_state
 
 
+NEW_COUNTERS = {
+    "global_step": 0,
+    "updates": 0,
+    "behavior_updates": 0,
+    "updates_owed": 0.0,
+    "nonfinite_updates": 0,
+    "episodes": 0,
+    "train_seconds": 0.0,  # wall time of this run, summed over its resumed parts
+}
+
+
 def set_up(args: Args) -> Run:
-    """Validation, the run folder, TensorBoard (and wandb), seeding, the agent (its optimizer state made by the
-    preflight), the replay, and the state of a resumed run."""
+    """The run, in the order it is made: the input checked (bad input exits 2 before anything is written), its
+    folder and logs, the learner (agent, replay, update steps; a resumed run's state restored), then the
+    instruments that watch it."""
     mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
     mu.one_malloc_arena()  # memory: before TensorBoard's and wandb's threads, whose own heaps are never trimmed
     device, resume_state = check_input(args)
-    run_name = (
-        resume_state["run_name"]
-        if resume_state
-        else f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_name, run_dir, writer = open_run(args, resume_state)
+    seed_everything(args, device)
+    # the env workers start with the loop, where one `finally` closes them whatever happens; until then one env
+    # gives the shapes (an async worker left open would block this process's exit: workers ignore SIGTERM)
+    obs_shape, num_actions = env_spaces(args)  # (--frame-stack, S, S), number of actions
+    agent = build_agent_at_start(args, obs_shape, num_actions, device, run_dir, writer)
+    replay = EpisodeReplay(replay_capacity(args), args.num_envs, seed=args.seed)
+    say_replay_size(replay.capacity, obs_shape)
+    rng = np.random.default_rng(args.seed)
+    counters = dict(NEW_COUNTERS)
+    if resume_state is not None:
+        try:
+            counters.update(restore_checkpoint(resume_state, agent, replay, rng))
+        except ArgsError as exc:
+            writer.close()
+            exit_with(f"error: {exc}", EXIT_BAD_INPUT)
+        print(f"resumed {run_name} at step {counters['global_step']} ({counters['updates']} updates)")
+        resume_state = None  # memory: the loaded tensors are now inside the modules; drop the copies
+    if args.memory_probes:  # before the update steps are made: they may be captured
+        attach_memory_probes(agent, probes := mu.StageProbes(enabled=True, device=device))
+    world_model_step, behavior_step = make_update_steps(agent, args)
+    run = Run(
+        args=args,
+        device=device,
+        run_name=run_name,
+        run_dir=run_dir,
+        writer=writer,
+        agent=agent,
+        replay=replay,
+        player=Player(agent, args.num_envs),
+        rng=rng,
+        counters=counters,
+        world_model_step=world_model_step,
+        behavior_step=behavior_step,
+        update_log=UpdateLog(device),
+        obs_shape=obs_shape,
     )
-    run_dir = f"runs/{run_name}"
+    instrument(run, probes if args.memory_probes else mu.StageProbes(enabled=False, device=device))
+    return run
+
+
+def open_run(args: Args, resume_state: dict | None) -> tuple[str, str, SummaryWriter]:
+    """The run's folder (`runs/{run_name}`, claimed atomically: a name another run already holds gets a suffix;
+    a resumed run goes on in its own), TensorBoard and, with --track, wandb. Returns (run name, folder, writer)."""
+    if resume_state is not None:
+        run_name = resume_state["run_name"]
+        run_dir = f"runs/{run_name}"
+    else:
+        wanted = f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        run_dir, run_name = mu.claim_run_dir("runs", wanted)
     if args.track:
         import wandb
 
@@ -2629,18 +2912,23 @@ def set_up(args: Args) -> Run:
         "hyperparameters",
         "|param|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|" for key, value in vars(args).items()),
     )
+    return run_name, run_dir, writer
 
+
+def seed_everything(args: Args, device: torch.device) -> None:
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if args.tf32 else "highest")
-    rng = np.random.default_rng(args.seed)
 
-    # the env workers start with the loop, where one `finally` closes them whatever happens; until then one env
-    # gives the shapes (an async worker left open would block this process's exit: workers ignore SIGTERM)
-    obs_shape, num_actions = env_spaces(args)  # (--frame-stack, S, S), number of actions
+
+def build_agent_at_start(
+    args: Args, obs_shape: tuple, num_actions: int, device: torch.device, run_dir: str, writer: SummaryWriter
+) -> Agent:
+    """`build_agent`, compiled with --compile, its optimizer state made by the preflight; out of memory here (the
+    worst-case update does not fit) is a report and exit 3 before any training."""
     if device.type == "cuda":
         mu.install_oom_observer(run_dir)
     try:
@@ -2649,95 +2937,66 @@ def set_up(args: Args) -> Run:
             compile_agent(agent)
         if args.preallocate:
             preflight(agent, args, obs_shape)
+        return agent
     except torch.OutOfMemoryError as exc:
-        where = oom_site(exc)
-        traceback.clear_frames(exc.__traceback__)  # memory: the failed step's tensors go before the report
-        oom_error = exc.with_traceback(None)
-        del exc
-        agent = None
-        gc.collect()
-        diagnosis = mu.write_oom_report(run_dir, oom_error, {}, device=device, advice=OOM_ADVICE)
+        agent = None  # memory: the half-built agent goes before the report
+        oom = mu.out_of_memory(exc, __file__, run_dir, device=device, advice=OOM_ADVICE)
         writer.close()
         exit_with(
-            f"out of memory at start-up ({where}), before any training: a worst-case update (--batch-size "
-            f"{args.batch_size} x --sequence-length {args.sequence_length}) does not fit here.\n{diagnosis}",
+            f"out of memory at start-up ({oom.where}), before any training: a worst-case update (--batch-size "
+            f"{args.batch_size} x --sequence-length {args.sequence_length}) does not fit here.\n{oom.diagnosis}",
             EXIT_OOM,
         )
-    replay = EpisodeReplay(replay_capacity(args), args.num_envs, seed=args.seed)
-    say_replay_size(replay.capacity, obs_shape)
-    if args.save_model or args.checkpoint_every:  # a full disk: say so now, not at the first checkpoint
-        checkpoint_bytes = mu.estimate_nbytes(
-            [
-                {n: m.state_dict() for n, m in agent.modules().items()},
-                [o.state_dict() for o in agent.optimizers],
-            ]
-        )
-        if args.checkpoint_buffer:
-            checkpoint_bytes += replay.capacity * (obs_shape[-2] * obs_shape[-1] + REPLAY_AUX_BYTES_PER_STEP)
-        if warning := mu.disk_space_warning(run_dir, checkpoint_bytes):
-            print(warning)
 
-    counters = {
-        "global_step": 0,
-        "updates": 0,
-        "behavior_updates": 0,
-        "updates_owed": 0.0,
-        "nonfinite_updates": 0,
-        "episodes": 0,
-        "train_seconds": 0.0,  # wall time of this run, summed over its resumed parts
-    }
-    if resume_state is not None:
-        try:
-            counters.update(restore_checkpoint(resume_state, agent, replay, rng))
-        except ArgsError as exc:
-            writer.close()
-            exit_with(f"error: {exc}", EXIT_BAD_INPUT)
-        print(f"resumed {run_name} at step {counters['global_step']} ({counters['updates']} updates)")
-        resume_state = None  # memory: the loaded tensors are now inside the modules; drop the copies
 
-    probes = mu.StageProbes(enabled=args.memory_probes, device=device)
-    if args.memory_probes:
-        attach_memory_probes(agent, probes)
-    world_model_step, behavior_step = make_update_steps(agent, args)
-    update_log = UpdateLog(device)
+def instrument(run: Run, probes: "mu.StageProbes") -> None:
+    """What watches the run: memory probes, allocator snapshots, the leak detector, the disk check, the progress
+    line; and the schedule of log points, checkpoints and videos (from the step a resumed run starts at)."""
+    args, counters, step = run.args, run.counters, run.step
     if "update_log" in counters:  # resumed: the updates the stopped run made since its last log point
-        update_log.restore(counters.pop("update_log"))
-    step = counters["global_step"]
-    behavior_starts = args.learning_starts + args.warmup_steps
-    return Run(
-        args=args,
-        device=device,
-        run_name=run_name,
-        run_dir=run_dir,
-        writer=writer,
-        agent=agent,
-        replay=replay,
-        player=Player(agent, args.num_envs),
-        rng=rng,
-        counters=counters,
-        world_model_step=world_model_step,
-        behavior_step=behavior_step,
-        # memory: on CUDA, batches are sampled into two reused pinned buffers and copied without blocking
-        staging=PinnedBatches(synthetic_batch(args, obs_shape), device) if device.type == "cuda" else None,
-        update_log=update_log,
-        probes=probes,
-        snapshots=mu.MemorySnapshots(
-            run_dir, every=args.memory_snapshot_every, max_entries=args.snapshot_max_entries, device=device
-        ),
-        leak_detector=mu.LeakDetector(warmup_steps=step + args.leak_warmup_steps),
-        progress=ProgressLine(
-            args.total_timesteps, device, phase_starts=(args.learning_starts, behavior_starts)
-        ),
-        next_log=(step // args.log_interval + 1) * args.log_interval,
-        next_checkpoint=(step // args.checkpoint_every + 1) * args.checkpoint_every
-        if args.checkpoint_every
-        else None,
-        next_video=(step // args.video_every + 1) * args.video_every if args.video_every else None,
-        video_rng=np.random.default_rng([args.seed, step]),
-        start_step=step,
-        start_updates=counters["updates"],
-        seconds_before=counters.get("train_seconds", 0.0),  # a checkpoint from before this counter has none
+        run.update_log.restore(counters.pop("update_log"))
+    # a full disk: say so now, not at the first checkpoint
+    checkpoints = args.save_model or args.checkpoint_every
+    if checkpoints and (warning := mu.disk_space_warning(run.run_dir, checkpoint_nbytes(run))):
+        print(warning)
+    # memory: on CUDA, batches are sampled into two reused pinned buffers and copied without blocking
+    if run.device.type == "cuda":
+        run.staging = PinnedBatches(synthetic_batch(args, run.obs_shape), run.device)
+    run.probes = probes
+    run.snapshots = mu.MemorySnapshots(
+        run.run_dir,
+        every=args.memory_snapshot_every,
+        max_entries=args.snapshot_max_entries,
+        device=run.device,
     )
+    run.leak_detector = mu.LeakDetector(warmup_steps=step + args.leak_warmup_steps)
+    behavior_starts = args.learning_starts + args.warmup_steps
+    run.progress = ProgressLine(
+        args.total_timesteps, run.device, phase_starts=(args.learning_starts, behavior_starts)
+    )
+    run.next_log = (step // args.log_interval + 1) * args.log_interval
+    if args.checkpoint_every:
+        run.next_checkpoint = (step // args.checkpoint_every + 1) * args.checkpoint_every
+    if args.video_every:
+        run.next_video = (step // args.video_every + 1) * args.video_every
+    run.video_rng = np.random.default_rng([args.seed, step])
+    run.start_step, run.start_updates = step, counters["updates"]
+    run.seconds_before = counters.get("train_seconds", 0.0)  # a checkpoint from before this counter has none
+
+
+def checkpoint_nbytes(run: Run) -> int:
+    """About how large a checkpoint of this run is: the modules, the optimizer state and, with
+    --checkpoint-buffer, the replay at capacity."""
+    nbytes = mu.estimate_nbytes(
+        [
+            {n: m.state_dict() for n, m in run.agent.modules().items()},
+            [o.state_dict() for o in run.agent.optimizers],
+        ]
+    )
+    if run.args.checkpoint_buffer:
+        side = run.obs_shape[-1]
+        nbytes += run.replay.capacity * (side * side + REPLAY_AUX_BYTES_PER_STEP)
+    return nbytes
 
 
 def collect(run: Run, envs, obs: np.ndarray, is_first: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -2880,82 +3139,77 @@ def checkpoint(run: Run, reason: str, required: bool = True) -> None:
 
 def out_of_memory(run: Run, exc: torch.OutOfMemoryError) -> None:
     """Any OOM of the loop (acting, sampling, an update, an open-loop video): a report, a checkpoint, exit 3."""
-    where = oom_site(exc)
-    # memory: clear the failed step's frames so its tensors are freed before the report looks
-    traceback.clear_frames(exc.__traceback__)
-    oom_error = exc.with_traceback(None)
-    del exc
-    gc.collect()
-    diagnosis = mu.write_oom_report(
+    oom = mu.out_of_memory(
+        exc,
+        __file__,
         run.run_dir,
-        oom_error,
-        run.last_report,
+        last_report=run.last_report,
         verdict=run.last_verdict,
         device=run.device,
         advice=OOM_ADVICE,
     )
-    if run.device.type == "cuda":
-        torch.cuda.empty_cache()  # after the report, so it still shows any fragmentation
     checkpoint(run, "out of memory")
-    exit_with(f"out of memory at step {run.step} ({where}):\n{diagnosis}", EXIT_OOM)
+    exit_with(f"out of memory at step {run.step} ({oom.where}):\n{oom.diagnosis}", EXIT_OOM)
 
 
 def main(args: Args) -> dict:
     """Train; returns the final counters (global_step, updates, ...) and the run directory."""
     run = set_up(args)
-    previous_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for sig in previous_handlers:
-        signal.signal(sig, lambda signum, frame: run.stop_signal.append(signum))
-    run.progress.mark(run.step)
     envs = make_vector_env(args, run.run_name, args.seed)
-    try:
-        obs, _ = envs.reset(seed=args.seed + run.step)
-        for i in range(args.num_envs):
-            run.replay.start_episode(i, obs[i])
-        is_first = np.ones(args.num_envs, np.bool_)
-        while run.step < args.total_timesteps:
-            run.probes("loop_start")
-            if run.stop_signal:
-                checkpoint(run, signal.Signals(run.stop_signal[0]).name)
-                raise SystemExit(128 + run.stop_signal[0])
-            # ALGO LOGIC: one vector step of experience, then the updates it owes
-            obs, is_first = collect(run, envs, obs, is_first)
-            run.probes("after_collect")
-            train(run)
-            diagnose(run)
-            if run.step >= run.next_log:
-                log_point(run)
-            if run.next_checkpoint is not None and run.step >= run.next_checkpoint:
-                run.next_checkpoint = (run.step // args.checkpoint_every + 1) * args.checkpoint_every
-                checkpoint(
-                    run, "periodic", required=False
-                )  # a full disk: a warning, the next interval tries again
-        if args.save_model:
-            checkpoint(run, "end of training")
-        if args.memory_probes:
-            run.progress.say(run.probes.verdict())
-    except torch.OutOfMemoryError as exc:
-        out_of_memory(run, exc)
-    except Exception as exc:
-        # anything else (an env that crashed, a bug): keep what was trained, then show the traceback
+    # SIGINT and SIGTERM are recorded from here on, and read at the top of the loop
+    with run.stop:
         try:
-            checkpoint(
-                run, f"crashed with {type(exc).__name__}", required=False
-            )  # the crash is the error to show
-        except Exception as save_error:  # noqa: BLE001 - the original error is the one to show
-            run.progress.say(f"could not write a checkpoint after the crash ({save_error})")
-        raise
-    finally:
-        for sig, handler in previous_handlers.items():
-            signal.signal(sig, handler)
-        run.snapshots.close()
-        envs.close()
-        run.writer.close()
-        if args.track:
-            import wandb
+            loop(run, envs)
+        except torch.OutOfMemoryError as exc:
+            out_of_memory(run, exc)
+        except Exception as exc:
+            # anything else (an env that crashed, a bug): keep what was trained, then show the traceback
+            try:
+                checkpoint(run, f"crashed with {type(exc).__name__}", required=False)
+            except Exception as save_error:  # noqa: BLE001 - the original error is the one to show
+                run.progress.say(f"could not write a checkpoint after the crash ({save_error})")
+            raise
+        finally:
+            run.snapshots.close()
+            envs.close()
+            run.writer.close()
+            if args.track:
+                import wandb
 
-            wandb.finish()
+                wandb.finish()
     return {**run.counters, "run_dir": run.run_dir, "run_name": run.run_name}
+
+
+def loop(run: Run, envs) -> None:
+    """Collect, train, watch, log and checkpoint until --total-timesteps; a stop signal checkpoints at the top of
+    an iteration and exits 128 + N."""
+    args = run.args
+    run.progress.mark(run.step)
+    obs, _ = envs.reset(seed=args.seed + run.step)
+    for i in range(args.num_envs):
+        run.replay.start_episode(i, obs[i])
+    is_first = np.ones(args.num_envs, np.bool_)
+    while run.step < args.total_timesteps:
+        run.probes("loop_start")
+        if run.stop.received:
+            checkpoint(run, run.stop.name)
+            raise SystemExit(run.stop.exit_code)
+        # ALGO LOGIC: one vector step of experience, then the updates it owes; a schedule goes here too
+        # (`run.agent.settings.set(name, value)`: see UpdateSettings)
+        obs, is_first = collect(run, envs, obs, is_first)
+        run.probes("after_collect")
+        train(run)
+        diagnose(run)
+        if run.step >= run.next_log:
+            log_point(run)
+        if run.next_checkpoint is not None and run.step >= run.next_checkpoint:
+            run.next_checkpoint = (run.step // args.checkpoint_every + 1) * args.checkpoint_every
+            # a full disk: a warning, the next interval tries again
+            checkpoint(run, "periodic", required=False)
+    if args.save_model:
+        checkpoint(run, "end of training")
+    if args.memory_probes:
+        run.progress.say(run.probes.verdict())
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import ctypes.util
 import dataclasses
 import functools
 import gc
+import hashlib
 import itertools
 import json
 import math
@@ -39,6 +40,7 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,7 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -57,6 +59,7 @@ except ImportError:  # pragma: no cover - exercised by tests through monkeypatch
     psutil = None
 
 MB = 1024.0 * 1024.0
+MB_INT = 1024 * 1024
 
 # ---------------------------------------------------------------------------------------------------------
 # Logging keys: defined once, here. Both training scripts log exactly these names.
@@ -221,11 +224,15 @@ class _ErrorKeepingFile:
 
 
 def atomic_write(
-    path: str | os.PathLike, data: bytes | Callable[[Any], Any], needed_bytes: int | None = None
+    path: str | os.PathLike,
+    data: bytes | Callable[[Any], Any],
+    needed_bytes: int | None = None,
+    before_replace: Callable[[str], None] | None = None,
 ) -> int:
     """Write `path` all at once or not at all: a temporary file in the same folder, flushed to disk (fsync), then
     renamed over `path`. `data` is the bytes, or a function that writes to the open binary file (`lambda f:
-    torch.save(state, f)`). Returns the bytes written.
+    torch.save(state, f)`). `before_replace(temporary path)` runs once the file is on disk, before the rename (an
+    exception there leaves `path` as it was). Returns the bytes written.
 
     A write that fails for lack of room, quota, a read-only or failing disk removes the temporary file and raises
     `WriteFailed` (the file, the bytes it needed, the free space); the previous file at `path` stays as it was.
@@ -247,6 +254,8 @@ def atomic_write(
             raw.flush()
             os.fsync(raw.fileno())
             written = raw.tell()
+        if before_replace is not None:
+            before_replace(tmp)
         os.replace(tmp, path)
         tmp = None
         return written
@@ -1730,6 +1739,182 @@ def write_oom_report(
     except Exception as err:  # noqa: BLE001
         _warn_once("oom_report", f"could not write the OOM report to {oom_dir} ({err})")
     return diagnosis
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A run's life: its folder, stop signals, out of memory, verified checkpoints
+# ---------------------------------------------------------------------------------------------------------
+def claim_run_dir(
+    parent: str | os.PathLike, name: str, say: Callable[[str], None] = print
+) -> tuple[str, str]:
+    """Create `parent/name` for a new run and return (its path, its name). Creating a folder is atomic: of two runs
+    that want the same name (started in the same second with the same seed), one gets it and the other the first
+    free `name-2`, `name-3`, ..., said in one line, so that no two runs ever write into one folder."""
+    os.makedirs(parent, exist_ok=True)
+    for attempt in itertools.count(1):
+        candidate = name if attempt == 1 else f"{name}-{attempt}"
+        path = os.path.join(os.fspath(parent), candidate)
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        if attempt > 1:
+            say(f"run folder {os.path.join(os.fspath(parent), name)} is taken; this run writes to {path}")
+        return path, candidate
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class StopSignals:
+    """SIGINT and SIGTERM recorded, not raised, while the `with` block runs: the loop reads `received` at the top
+    of each iteration, where everything is consistent, checkpoints and exits with `exit_code` (128 + N). A signal
+    that raised wherever the loop happened to be could land inside a checkpoint write, a memory report or a
+    library's `except Exception`. The previous handlers come back when the block ends."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self):
+        self.received: list[int] = []
+        self._previous: dict = {}
+
+    def __enter__(self) -> Self:
+        for name in self.SIGNALS:
+            sig = getattr(signal, name)
+            self._previous[sig] = signal.signal(sig, lambda signum, frame: self.received.append(signum))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    @property
+    def name(self) -> str | None:
+        """The first signal received (`SIGTERM`), or None."""
+        return signal.Signals(self.received[0]).name if self.received else None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.received[0]
+
+
+@dataclasses.dataclass
+class OutOfMemory:
+    """What `out_of_memory` found: `where` in the script it happened, the error (its traceback dropped), and the
+    diagnosis written to `{run_dir}/oom/` (None when no report was asked for)."""
+
+    where: str
+    error: BaseException
+    diagnosis: str | None
+
+
+def out_of_memory(
+    exc: BaseException,
+    script: str,
+    run_dir: str | None = None,
+    *,
+    release: Callable[[], None] | None = None,
+    last_report: dict | None = None,
+    verdict=None,
+    device=None,
+    advice: str = DEFAULT_OOM_ADVICE,
+) -> OutOfMemory:
+    """The out-of-memory sequence of a training script, in one call from its `except torch.OutOfMemoryError`:
+    1. where it happened: the innermost frame of `script` (pass `__file__`) on the traceback;
+    2. the failed step's tensors dropped: its frames cleared and the traceback detached from the error;
+    3. `release()` (optimizer state made by the failed step, say), then garbage collected;
+    4. the report written to `{run_dir}/oom/` (`write_oom_report`), unless `run_dir` is None;
+    5. the CUDA cache emptied, after the report so that it still shows any fragmentation.
+    Never raises (the report's own failures are warnings)."""
+    import traceback
+
+    here = os.path.abspath(script)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == here]
+    where = f"in {frames[-1].name}, line {frames[-1].lineno}" if frames else "outside this script"
+    traceback.clear_frames(exc.__traceback__)  # memory: the failed step's tensors go before the report looks
+    error = exc.with_traceback(None)
+    if release is not None:
+        release()
+    gc.collect()
+    diagnosis = None
+    if run_dir is not None:
+        diagnosis = write_oom_report(
+            run_dir, error, last_report, verdict=verdict, device=device, advice=advice
+        )
+    if _cuda_ready():
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+    return OutOfMemory(where, error, diagnosis)
+
+
+CHECKSUM_SUFFIX = ".sha256"
+
+
+class CheckpointInvalid(ValueError):
+    """A checkpoint whose bytes are not the ones written (changed, truncated or replaced); the message is one
+    sentence naming the file."""
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """`sha256:<hex>` of a file's bytes, read in 1 MB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(MB_INT), b""):
+            digest.update(block)
+    return "sha256:" + digest.hexdigest()
+
+
+def _accepted_digests(sidecar: str) -> list[str]:
+    try:
+        with open(sidecar, encoding="utf-8") as f:
+            return [line.split()[0] for line in f if line.strip()]
+    except (FileNotFoundError, UnicodeDecodeError, IndexError):
+        return []
+
+
+def save_checked(
+    path: str | os.PathLike, data: bytes | Callable[[Any], Any], needed_bytes: int | None = None
+) -> int:
+    """`atomic_write` of a checkpoint with its checksum beside it, in `path + ".sha256"`.
+
+    The order keeps the pair consistent whenever the process dies: the new file's checksum is added to the
+    sidecar before the rename (the sidecar then accepts the old and the new file), and the old one is dropped
+    after it. A full disk raises `WriteFailed` with the previous checkpoint and its checksum untouched."""
+    path = os.fspath(path)
+    sidecar = path + CHECKSUM_SUFFIX
+    new: list[str] = []
+
+    def add_checksum(tmp: str) -> None:
+        new.append(file_digest(tmp))
+        kept = [d for d in _accepted_digests(sidecar) if d != new[0]][:1]
+        atomic_write(sidecar, "".join(f"{d}\n" for d in new + kept).encode())
+
+    written = atomic_write(path, data, needed_bytes, before_replace=add_checksum)
+    with contextlib.suppress(WriteFailed):  # a full disk now: the sidecar still accepts the new file
+        atomic_write(sidecar, f"{new[0]}\n".encode())
+    return written
+
+
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """Check a checkpoint against the checksum `save_checked` wrote beside it, before anything loads it (torch's
+    loader does not check its archive's checksums: flipped bytes inside a tensor load without a word). Raises
+    `CheckpointInvalid` (one sentence; the file is left where it is) when the bytes differ; returns None when
+    verified, or one line to print when the file has no checksum (written before checksums existed, or copied
+    without its `.sha256`)."""
+    path = os.fspath(path)
+    sidecar = path + CHECKSUM_SUFFIX
+    accepted = _accepted_digests(sidecar)
+    if not os.path.exists(sidecar):
+        return f"note: {path} has no {CHECKSUM_SUFFIX} beside it, so it could not be verified; loading it as it is"
+    if not accepted:
+        raise CheckpointInvalid(
+            f"{sidecar} is not a checksum file, so {path} cannot be verified; it is left as it is."
+        )
+    if file_digest(path) not in accepted:
+        raise CheckpointInvalid(
+            f"{path} does not match its checksum in {sidecar} (changed, truncated or replaced since it was "
+            f"written); it is left as it is."
+        )
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------

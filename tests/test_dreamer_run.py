@@ -480,3 +480,114 @@ def test_memory_is_read_on_one_heap_with_tensorboards_queue_written(in_tmp, monk
     events = record_memory_order(monkeypatch)
     da.main(tiny_args(total_timesteps=200, vector_mode="sync"))
     assert_memory_order(events)
+
+
+def largest_tensor_record(path) -> tuple[int, int]:
+    """(offset, size) in the file of the largest tensor's bytes inside a torch.save archive (a zip file)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = np.frombuffer(f.read(4), "<u2")
+    return info.header_offset + 30 + int(name_length) + int(extra_length), info.file_size
+
+
+def flip_bytes_inside_a_tensor(path) -> None:
+    offset, size = largest_tensor_record(path)
+    data = bytearray(Path(path).read_bytes())
+    start = offset + size // 2
+    data[start : start + 200] = bytes(b ^ 0x5A for b in data[start : start + 200])
+    Path(path).write_bytes(bytes(data))
+
+
+def truncate(path) -> None:
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) - 1000])
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "another run's"])
+def test_a_checkpoint_changed_since_it_was_written_is_refused_and_left_as_it_is(in_tmp, capsys, damage):
+    first = da.main(tiny_args(total_timesteps=100, save_model=True, vector_mode="sync"))
+    path = in_tmp / first["run_dir"] / "checkpoint.pt"
+    assert (in_tmp / first["run_dir"] / "checkpoint.pt.sha256").exists()
+    if damage == "flipped":
+        flip_bytes_inside_a_tensor(path)
+        load_checkpoint(path)  # torch loads it without a word: the checksum is what catches it
+    elif damage == "truncated":
+        truncate(path)
+    else:
+        other = da.main(tiny_args(total_timesteps=100, save_model=True, vector_mode="sync", seed=2))
+        (in_tmp / other["run_dir"] / "checkpoint.pt").replace(path)
+    damaged = path.read_bytes()
+    message = refused(capsys, tiny_args(total_timesteps=200, resume=str(path)))
+    assert message.startswith("error: --resume: ") and "does not match its checksum" in message, message
+    assert len(message.splitlines()) == 1 and "Traceback" not in message
+    assert path.read_bytes() == damaged, "the refused checkpoint was changed"
+
+
+def test_a_checkpoint_without_its_checksum_resumes_and_says_it_could_not_be_verified(in_tmp, capsys):
+    """A checkpoint written before checksums existed (or copied without its .sha256) still resumes."""
+    first = da.main(tiny_args(total_timesteps=100, save_model=True, vector_mode="sync"))
+    path = in_tmp / first["run_dir"] / "checkpoint.pt"
+    (in_tmp / first["run_dir"] / "checkpoint.pt.sha256").unlink()
+    capsys.readouterr()
+    result = da.main(tiny_args(total_timesteps=200, save_model=True, vector_mode="sync", resume=str(path)))
+    assert result["global_step"] == 200
+    out = capsys.readouterr().out
+    assert out.count("could not be verified") == 1, out
+    assert mu.verify_checkpoint(path) is None, "the resumed run's checkpoint has a checksum again"
+
+
+SAME_CLOCK = """
+import os, runpy, sys, time
+time.time = lambda: 1_800_000_000.0  # both processes see the same second
+sys.argv = {argv!r}
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_two_runs_started_in_the_same_second_with_the_same_seed_get_a_folder_each(in_tmp):
+    """A shell loop over learning rates starts runs in the same second with the same seed: each claims its own
+    folder (the second name gets a suffix, said in one line), and neither writes into the other's."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    runs = []
+    for lr in ("1e-4", "3e-4"):
+        argv = [
+            str(ROOT / "dreamer_atari.py"),
+            *TINY_FLAGS,
+            "--total-timesteps",
+            "150",
+            "--learning-starts",
+            "100",
+        ]
+        argv += ["--train-ratio", "2", "--max-episode-steps", "60", "--vector-mode", "sync", "--save-model"]
+        argv += ["--world-model-lr", lr]
+        code = SAME_CLOCK.format(argv=argv)
+        runs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                cwd=in_tmp,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [proc.communicate(timeout=300)[0] for proc in runs]
+    assert [proc.returncode for proc in runs] == [0, 0], outputs
+    folders = sorted((in_tmp / "runs").iterdir())
+    base = folders[0].name
+    assert [f.name for f in folders] == [base, base + "-2"], folders
+    assert base.endswith("__1800000000")
+    said = [line for out in outputs for line in out.splitlines() if "is taken" in line]
+    assert len(said) == 1 and said[0].endswith(f"runs/{base}-2"), outputs
+    lrs = set()
+    for folder in folders:
+        assert len(list(folder.glob("events.out.tfevents.*"))) == 1, "TensorBoard files of two runs mixed"
+        state = load_checkpoint(folder / "checkpoint.pt")
+        assert state["run_name"] == folder.name
+        lrs.add(state["args"]["world_model_lr"])
+    assert lrs == {1e-4, 3e-4}, "one run's checkpoint overwrote the other's"
