@@ -121,6 +121,9 @@ class Args:
     """frames stacked into each observation, newest last (the encoder reads them as channels, the decoder
     reconstructs them all). Unset: the --model's own (dreamerv3: 1, as DreamerV3, whose recurrent state carries
     the past; nature: 4). 1 suits tasks whose frame shows the whole state, such as Catch-v0"""
+    rgb: bool = False
+    """Atari frames in colour, 3 channels each (DreamerV3 reads RGB), instead of grey: 3x the replay's frame
+    bytes; the open-loop images and ball recall read them in grey"""
 
     # replay
     buffer_capacity: int | None = None
@@ -389,6 +392,10 @@ def check_env(args: Args) -> None:
             f"--env-id {args.env_id!r} is not a registered environment; ALE ids look like ALE/Pong-v5, "
             f"and {CATCH_ID} is the built-in test task."
         )
+    if args.rgb and not is_atari(args.env_id):
+        raise ArgsError(
+            f"--rgb takes Atari ids (ALE/...), whose frames come in colour; {args.env_id!r} gives grey."
+        )
     if not is_atari(args.env_id):
         side = args.image_size
         # builds the env once, before anything is written
@@ -486,8 +493,14 @@ def make_env(env_id: str, idx: int, capture_video: bool, run_name: str, args: Ar
             env = gym.make(env_id, **kwargs)
         if is_atari(env_id):
             env = gym.wrappers.AtariPreprocessing(
-                env, frame_skip=4, screen_size=args.image_size, grayscale_obs=True, noop_max=args.noop_max
+                env,
+                frame_skip=4,
+                screen_size=args.image_size,
+                grayscale_obs=not args.rgb,
+                noop_max=args.noop_max,
             )
+            if args.rgb:  # (S, S, 3) -> (3, S, S): a frame's channels first, as the encoder reads them
+                env = channels_first(env)
         if args.max_episode_steps > 0:
             env = gym.wrappers.TimeLimit(env, args.max_episode_steps)
         env = gym.wrappers.RecordEpisodeStatistics(env)
@@ -497,9 +510,18 @@ def make_env(env_id: str, idx: int, capture_video: bool, run_name: str, args: Ar
     return thunk
 
 
+def channels_first(env: gym.Env) -> gym.Env:
+    """Colour frames (S, S, 3) as (3, S, S)."""
+    space = env.observation_space
+    shape = (space.shape[2], *space.shape[:2])
+    return gym.wrappers.TransformObservation(
+        env, lambda obs: np.ascontiguousarray(obs.transpose(2, 0, 1)), gym.spaces.Box(0, 255, shape, np.uint8)
+    )
+
+
 def env_spaces(args: Args) -> tuple[tuple, int]:
-    """The stacked observation shape (--frame-stack, S, S) and the number of actions, from one env opened and
-    closed."""
+    """The stacked observation shape, (--frame-stack, S, S) or (--frame-stack, 3, S, S) with --rgb, and the number
+    of actions, from one env opened and closed."""
     env = make_env(args.env_id, 0, False, "", args)()
     try:
         return env.observation_space.shape, int(env.action_space.n)
@@ -576,7 +598,7 @@ REPLAY_AUX_BYTES_PER_STEP = 1 + 4 + 1 + 1  # action uint8, reward float32, is_fi
 def say_replay_size(capacity: int, obs_shape: tuple) -> None:
     """Print how much host memory the replay grows to, and warn when that is more than this machine has free."""
     # memory: the replay is the run's largest host allocation: say its size before it grows, not at 3 a.m.
-    full = capacity * (obs_shape[-2] * obs_shape[-1] + REPLAY_AUX_BYTES_PER_STEP)
+    full = capacity * (math.prod(obs_shape[1:]) + REPLAY_AUX_BYTES_PER_STEP)
     available = psutil.virtual_memory().available
     print(
         f"replay: up to {capacity:,} steps, about {full / 2**30:.2f} GiB of host memory when full "
@@ -720,9 +742,13 @@ class Episode:
     FIELDS = ("frames", "action", "reward", "is_first", "is_terminal")
 
     def __init__(self, first_obs: np.ndarray, chunk_size: int):
-        stack, height, width = first_obs.shape  # (4, 84, 84) uint8
+        stack, *frame_shape = first_obs.shape  # (4, 84, 84) uint8; a colour frame is (3, S, S)
         self.stack = stack
-        item = {"frames": ((height, width), np.uint8), "action": ((), np.uint8), "reward": ((), np.float32)}
+        item = {
+            "frames": (tuple(frame_shape), np.uint8),
+            "action": ((), np.uint8),
+            "reward": ((), np.float32),
+        }
         item |= {"is_first": ((), np.bool_), "is_terminal": ((), np.bool_)}
         blocks = ChunkBlocks({name: ((chunk_size, *shape), dtype) for name, (shape, dtype) in item.items()})
         for name, (shape, dtype) in item.items():
@@ -904,9 +930,9 @@ class EpisodeReplay:
         buffers on CUDA). Pass another `rng` to sample without changing the training batches to come."""
         T = sequence_length
         windows = self.draw_windows(batch_size, T, rng)
-        stack, (height, width) = windows[0][0][0].stack, windows[0][0][0].frames.item_shape
+        stack, frame_shape = windows[0][0][0].stack, windows[0][0][0].frames.item_shape
         shapes = {
-            "obs": ((batch_size, T, stack, height, width), np.uint8),
+            "obs": ((batch_size, T, stack, *frame_shape), np.uint8),
             "action": ((batch_size, T), np.uint8),
             "reward": ((batch_size, T), np.float32),
             "is_first": ((batch_size, T), np.bool_),
@@ -925,7 +951,7 @@ class EpisodeReplay:
         action, reward, is_first, is_terminal = (
             arrays[key] for key in ("action", "reward", "is_first", "is_terminal")
         )
-        frames = np.empty((T + stack - 1, height, width), np.uint8)  # one piece's frames, reused
+        frames = np.empty((T + stack - 1, *frame_shape), np.uint8)  # one piece's frames, reused
         for b, pieces in enumerate(windows):
             filled = 0
             for episode, begin, take in pieces:
@@ -1417,7 +1443,10 @@ class RSSM(nn.Module):
 class WorldModel(nn.Module):
     def __init__(self, args: Args, obs_shape: tuple, num_actions: int):
         super().__init__()
-        channels, side = obs_shape[0], obs_shape[-1]
+        channels, side = (
+            math.prod(obs_shape[:-2]),
+            obs_shape[-1],
+        )  # stacked frames (x 3 in colour) as channels
         if args.model == "dreamerv3":
             self.encoder = ConvEncoder(channels, args.encoder_channels, side)
             embed_dim = self.encoder.embed_dim
@@ -1671,7 +1700,8 @@ class Player:
         """obs (N, 4, 84, 84) uint8, is_first (N,) bool -> actions (N,) int64."""
         wm, device = self.agent.world_model, self.agent.device
         with self.agent.amp.autocast():
-            image = torch.as_tensor(obs, device=device).float() / 255.0 - 0.5  # (N, 4, 84, 84)
+            # (N, 4, 84, 84); a colour stack's frames and channels together
+            image = torch.as_tensor(obs, device=device).flatten(1, -3).float() / 255.0 - 0.5
             keep = torch.as_tensor(~is_first, device=device).float().unsqueeze(-1)  # (N, 1)
             deter = wm.rssm.img_step(self.deter * keep, self.stoch * keep, self.prev_action * keep)
             stoch = wm.rssm.sample(wm.rssm.posterior(deter, wm.encoder(image)))
@@ -1731,7 +1761,8 @@ def prepare_batch(
     With `channels_last` the float images are laid out as the channels-last encoder and decoder use them: the
     encoder reads them and the image loss compares them with the decoder's output without a layout copy
     (three copies of the whole batch per update otherwise, and a strided loss)."""
-    obs = raw["obs"]  # (B, T, 4, 84, 84) uint8
+    obs = raw["obs"]  # (B, T, 4, 84, 84) uint8; in colour (B, T, stack, 3, S, S)
+    obs = obs.flatten(2, -3)  # (B, T, C, S, S): a colour stack's frames and channels together
     layout = torch.channels_last if channels_last else torch.contiguous_format
     image = obs.flatten(0, 1).to(torch.float32, memory_format=layout).div_(255.0).sub_(0.5)
     image = image.unflatten(0, obs.shape[:2])
@@ -2237,7 +2268,8 @@ def open_loop_predictions(
 ) -> tuple[np.ndarray, np.ndarray]:
     """What the world model predicts without looking: it observes the first `context` steps of each replayed
     sequence, then imagines the rest from the real actions (prior samples). Returns (truth, model), each (n, T, S, S)
-    uint8: the newest frame of each stack and the model's reconstruction (steps < context) or prediction of it.
+    uint8: the newest frame of each stack and the model's reconstruction (steps < context) or prediction of it
+    (colour frames in grey, `grey`).
     Past an episode boundary inside a sequence the model cannot know the new episode's frames."""
     wm, rssm = agent.world_model, agent.world_model.rssm
     data = batch_to_device(batch, agent.num_actions, agent.device)
@@ -2255,9 +2287,20 @@ def open_loop_predictions(
             feats.append(torch.cat([d, s], -1).unsqueeze(1))
         feat = torch.cat(feats, 1)  # (n, T, F)
         model = wm.decoder(feat.flatten(0, 1)).unflatten(0, (n, T))  # (n, T, C, S, S)
-    truth = batch["obs"][:, :, -1]  # (n, T, S, S) uint8
-    model = ((model[:, :, -1].float() + 0.5).clamp(0.0, 1.0) * 255).round().to(torch.uint8).cpu().numpy()
-    return truth, model
+    truth = batch["obs"][:, :, -1]  # (n, T, S, S) uint8; in colour (n, T, 3, S, S)
+    colour = truth.ndim == 5
+    newest = model[:, :, -3:] if colour else model[:, :, -1]  # the newest frame's channels
+    model = ((newest.float() + 0.5).clamp(0.0, 1.0) * 255).round().to(torch.uint8).cpu().numpy()
+    return (grey(truth), grey(model)) if colour else (truth, model)
+
+
+GREY_WEIGHTS = (0.299, 0.587, 0.114)  # ITU-R BT.601, as OpenCV's and ALE's own grey frames
+
+
+def grey(frames: np.ndarray) -> np.ndarray:
+    """Colour frames (..., 3, S, S) uint8 in grey (..., S, S) uint8, weighted as the grey frames are."""
+    weights = np.asarray(GREY_WEIGHTS, np.float32).reshape(3, 1, 1)
+    return np.rint((frames.astype(np.float32) * weights).sum(-3)).clip(0, 255).astype(np.uint8)
 
 
 def open_loop_strip(truth: np.ndarray, model: np.ndarray) -> np.ndarray:
@@ -2513,6 +2556,7 @@ MODEL_FLAGS = (
     "model",
     "image_size",
     "frame_stack",
+    "rgb",
     "encoder_channels",
     "embed_dim",
     "decoder_base_channels",
@@ -2525,13 +2569,13 @@ MODEL_FLAGS = (
 )
 
 
-FLAGS_BEFORE_THEY_EXISTED = {"model": "nature", "image_size": 84, "frame_stack": 4}
+FLAGS_BEFORE_THEY_EXISTED = {"model": "nature", "image_size": 84, "frame_stack": 4, "rgb": False}
 
 
 def check_checkpoint_matches(state: dict, args: Args) -> None:
     """The flags that shape the networks must be the ones the checkpoint was trained with."""
     for name in MODEL_FLAGS:
-        # checkpoints written before --model, --image-size and --frame-stack existed: the nature model, 84-pixel
+        # checkpoints written before --model, --image-size, --frame-stack and --rgb existed: the nature model, 84-pixel
         # frames, stacks of 4
         saved, wanted = state["args"].get(name, FLAGS_BEFORE_THEY_EXISTED.get(name)), getattr(args, name)
         if isinstance(wanted, tuple):
@@ -2994,8 +3038,7 @@ def checkpoint_nbytes(run: Run) -> int:
         ]
     )
     if run.args.checkpoint_buffer:
-        side = run.obs_shape[-1]
-        nbytes += run.replay.capacity * (side * side + REPLAY_AUX_BYTES_PER_STEP)
+        nbytes += run.replay.capacity * (math.prod(run.obs_shape[1:]) + REPLAY_AUX_BYTES_PER_STEP)
     return nbytes
 
 

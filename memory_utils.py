@@ -12,6 +12,10 @@ Library:
     install_oom_observer,
     write_oom_report                     forensics: where in the loop memory grows, and why an OOM hit
     analyze_snapshots                    growth tables and top allocation sites from snapshot files
+    claim_run_dir, StopSignals,
+    out_of_memory, save_checked,
+    verify_checkpoint                    a run's life: its own folder, stop signals read at the loop's top, the
+                                         out-of-memory sequence in one call, checkpoints with a checksum beside them
 
 CLI (`python memory_utils.py --help`):
     report      print the memory report of a fresh process (and the CUDA devices it sees)
@@ -980,10 +984,10 @@ class LeakDetector:
 # Allocator settings
 # ---------------------------------------------------------------------------------------------------------
 ALLOC_ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-# The incident team's setting was expandable_segments:True,garbage_collection_threshold:0.7,max_split_size_mb:128.
-# torch 2.13 parses all three, but with expandable segments on, max_split_size_mb makes reserved memory grow
-# without bound under a mixed large/small allocation pattern (pytorch/pytorch#123548, still open), so it is
-# only used where expandable segments are not available (native Windows).
+# Expandable segments and a garbage-collection threshold. torch 2.13 also parses max_split_size_mb, but with
+# expandable segments on it makes reserved memory grow without bound under a mixed large/small allocation pattern
+# (pytorch/pytorch#123548, still open), so it is only used where expandable segments are not available (native
+# Windows).
 DEFAULT_ALLOC_CONF = "expandable_segments:True,garbage_collection_threshold:0.7"
 FALLBACK_ALLOC_CONF = "garbage_collection_threshold:0.7,max_split_size_mb:128"
 

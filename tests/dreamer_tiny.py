@@ -32,9 +32,11 @@ def _flag(name: str, value) -> list[str]:
 TINY_FLAGS = [part for name, value in TINY.items() for part in _flag(name, value)]
 
 
-def obs_shape(args: da.Args) -> tuple[int, int, int]:
-    """(frame stack, side, side): one observation of the model `args` describes."""
-    return (args.frame_stack, args.image_size, args.image_size)
+def obs_shape(args: da.Args) -> tuple[int, ...]:
+    """(frame stack, side, side), or (frame stack, 3, side, side) with --rgb: one observation of the model `args`
+    describes."""
+    colour = (3,) if args.rgb else ()
+    return (args.frame_stack, *colour, args.image_size, args.image_size)
 
 
 def tiny_args(**overrides) -> da.Args:

@@ -107,11 +107,12 @@ def test_recall_scores_observed_and_open_loop_frames_apart():
     assert da.ball_recall(empty, empty, context) == {}
 
 
-@pytest.mark.parametrize("side", [64, 84])
-def test_real_pong_frames_agree_with_the_emulator(side):
+@pytest.mark.parametrize("side, rgb", [(64, False), (84, False), (64, True)], ids=["64", "84", "64 colour"])
+def test_real_pong_frames_agree_with_the_emulator(side, rgb):
     """On real frames, a ball is found where the emulator's RAM says one is in play, and not elsewhere (they
-    disagree where the ball touches a paddle and for a frame at each serve)."""
-    args = da.Args(image_size=side, frame_stack=1)
+    disagree where the ball touches a paddle and for a frame at each serve). Colour frames (--rgb) are scored in
+    grey (`da.grey`), as the open-loop predictions are."""
+    args = da.Args(image_size=side, frame_stack=1, rgb=rgb)
     env = da.make_env("ALE/Pong-v5", 0, False, "", args)()
     try:
         env.reset(seed=3)
@@ -121,8 +122,25 @@ def test_real_pong_frames_agree_with_the_emulator(side):
             obs, *_ = env.step(int(rng.integers(6)))
             ball_in_play = ale.getRAM()[54] != 0
             in_play += ball_in_play
-            agree += ball_in_play == da.find_balls(obs[-1])[0].any()
+            frame = da.grey(obs[-1]) if rgb else obs[-1]
+            agree += ball_in_play == da.find_balls(frame)[0].any()
     finally:
         env.close()
     assert in_play > steps / 2
     assert agree >= 0.85 * steps
+
+
+def test_colour_frames_in_grey_weigh_their_channels_as_opencv_does():
+    """`grey` gives the grey level OpenCV's RGB-to-grey conversion (the one grey Atari frames come from) gives."""
+    import cv2
+
+    frames = np.random.default_rng(0).integers(0, 256, (2, 5, 3, 16, 16), dtype=np.uint8)  # (n, T, 3, S, S)
+    ours = da.grey(frames)
+    assert ours.shape == (2, 5, 16, 16) and ours.dtype == np.uint8
+    theirs = np.stack(
+        [
+            cv2.cvtColor(np.ascontiguousarray(f.transpose(1, 2, 0)), cv2.COLOR_RGB2GRAY)
+            for f in frames.reshape(-1, 3, 16, 16)
+        ]
+    )
+    assert np.abs(ours.reshape(-1, 16, 16).astype(int) - theirs).max() <= 1

@@ -250,6 +250,7 @@ BAD_ARGS = {
     "no frames in a stack": dict(frame_stack=0),
     "a side the dreamerv3 encoder cannot halve to the end": dict(image_size=60),
     "four convolutions for the nature model": dict(model="nature", encoder_channels=(4, 8, 8, 8)),
+    "colour frames of a grey env": dict(env_id=da.CATCH_ID, rgb=True),
 }
 
 
@@ -591,3 +592,26 @@ def test_two_runs_started_in_the_same_second_with_the_same_seed_get_a_folder_eac
         assert state["run_name"] == folder.name
         lrs.add(state["args"]["world_model_lr"])
     assert lrs == {1e-4, 3e-4}, "one run's checkpoint overwrote the other's"
+
+
+def test_colour_frames_train_log_ball_recall_and_resume_only_in_colour(in_tmp, capsys):
+    """--rgb: frames stored as (3, S, S) uint8, the model reads stack x 3 channels, the open-loop images and ball
+    recall in grey; a grey run cannot resume a colour checkpoint."""
+    first = da.main(
+        tiny_args(rgb=True, total_timesteps=300, save_model=True, vector_mode="sync", video_every=200)
+    )
+    run_dir = in_tmp / first["run_dir"]
+    assert first["updates"] > 0
+    scalars = read_scalars(run_dir)
+    assert "world_model/ball_recall_observed" in scalars and "losses/image" in scalars
+    state = load_checkpoint(run_dir / "checkpoint.pt")
+    assert state["models"]["world_model"]["encoder.net.0.weight"].shape[1] == 3  # (out, 3 channels, k, k)
+    assert (run_dir / "open_loop" / "step_200.gif").exists()
+    resumed = da.main(
+        tiny_args(rgb=True, total_timesteps=400, vector_mode="sync", resume=str(run_dir / "checkpoint.pt"))
+    )
+    assert resumed["global_step"] == 400
+    assert (
+        refused(capsys, tiny_args(total_timesteps=500, resume=str(run_dir / "checkpoint.pt")))
+        == "error: --resume checkpoint was trained with --rgb True, but this run asks for False."
+    )
