@@ -1314,6 +1314,10 @@ class RSSM(nn.Module):
             nn.Linear(hidden_dim, stats_dim),
         )
 
+    # observe's backward pass: hand-written where it applies (see `backward_through_time_applies`); False gives
+    # autograd's backward of the per-step loop (the same gradients, more operations)
+    backward_through_time = True
+
     def initial(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.prior_net[0].weight.dtype  # float32 (also under autocast), float64 in the equality tests
         return (
@@ -1382,14 +1386,14 @@ class RSSM(nn.Module):
 
     def observe(self, embed: torch.Tensor, action: torch.Tensor, is_first: torch.Tensor, noise=None):
         """Posterior rollout over a sequence: the same as calling `img_step`, `posterior` and `sample` at each step
-        (the reference; a test holds them equal), in fewer kernels.
+        (the reference; a test holds them equal), in fewer kernels. Its backward pass is hand-written where it
+        applies (`ObserveBackwardThroughTime`: the weight gradients once for all steps, after the loop).
 
         embed (B, T, E); action (B, T, A) one-hot, the action that led to step t; is_first (B, T); noise (T, B, ...)
         the sampling noise of each step (drawn here when None). Returns deter (B, T, D), stoch (B, T, S), posterior
         and prior stats (B, T, ...).
         """
         B, T = embed.shape[:2]
-        deter, stoch = self.initial(B, embed.device)
         keep = (~is_first).float().unsqueeze(-1)  # (B, T, 1): 0 where an episode starts
         if noise is None:
             noise = self.noise((T, B), embed.device)
@@ -1404,6 +1408,18 @@ class RSSM(nn.Module):
             img_first.weight[:, : self.stoch_flat],
             post_first.weight[:, : self.deter_dim],
         )
+        inputs = (keep, action_in, embed_in, noise, stoch_weight, deter_weight)
+        if self.backward_through_time_applies(embed):
+            deter, stoch, posterior = ObserveBackwardThroughTime.apply(self, *inputs, *self.scan_parameters())
+        else:
+            deter, stoch, posterior = self.observe_loop(*inputs)
+        # the prior depends on deter alone: all steps at once, after the loop
+        return deter, stoch, posterior, self.prior(deter)
+
+    def observe_loop(self, keep, action_in, embed_in, noise, stoch_weight, deter_weight):
+        """`observe_step` at each step of a sequence (`observe`'s inputs, see there): deter (B, T, D), stoch (B, T,
+        S), posterior (B, T, ...). Autograd records every step, unless `ObserveBackwardThroughTime` runs it."""
+        deter, stoch = self.initial(keep.shape[0], keep.device)
         deters, stochs, posteriors = [], [], []
         # unbind: one view per step, and one stack in the backward pass (indexing [:, t] would zero-fill and add a
         # whole (B, T, H) gradient at every step)
@@ -1414,9 +1430,33 @@ class RSSM(nn.Module):
                 deter, stoch, keep_t, action_t, embed_t, noise_t, stoch_weight, deter_weight
             )
             deters.append(deter), stochs.append(stoch), posteriors.append(posterior)
-        deter = torch.stack(deters, 1)  # (B, T, D)
-        # the prior depends on deter alone: all steps at once, after the loop
-        return deter, torch.stack(stochs, 1), torch.stack(posteriors, 1), self.prior(deter)
+        return torch.stack(deters, 1), torch.stack(stochs, 1), torch.stack(posteriors, 1)
+
+    def backward_through_time_applies(self, embed: torch.Tensor) -> bool:
+        """Whether `observe` takes `ObserveBackwardThroughTime` (its hand-written backward pass): with gradients,
+        categorical latents and no autocast. Gaussian latents (classes 0) and --amp take autograd's backward of
+        `observe_loop` (tests/test_dreamer_fast_path.py checks which runs); without gradients both are the loop."""
+        return (
+            self.backward_through_time
+            and self.classes > 0
+            and torch.is_grad_enabled()
+            and not torch.is_autocast_enabled(embed.device.type)
+        )
+
+    def scan_parameters(self) -> list[torch.Tensor]:
+        """The parameters `observe_step` uses besides the first layers' (whose shares `observe` passes in), in the
+        order `ObserveBackwardThroughTime` returns their gradients: img_in's and the posterior's LayerNorms, the
+        posterior's output layer, then the GRU's own (`LayerNormGRUCell` or `nn.GRUCell`)."""
+        img_norm, post_norm, post_out = self.img_in[1], self.posterior_net[1], self.posterior_net[3]
+        return [
+            img_norm.weight,
+            img_norm.bias,
+            post_norm.weight,
+            post_norm.bias,
+            post_out.weight,
+            post_out.bias,
+            *self.gru.parameters(),
+        ]
 
     def observe_reference(
         self, embed: torch.Tensor, action: torch.Tensor, is_first: torch.Tensor, noise=None
@@ -1438,6 +1478,282 @@ class RSSM(nn.Module):
             deters.append(deter), stochs.append(stoch), posteriors.append(posterior)
         deter = torch.stack(deters, 1)  # (B, T, D)
         return deter, torch.stack(stochs, 1), torch.stack(posteriors, 1), self.prior(deter)
+
+
+def silu_derivative(x: torch.Tensor) -> torch.Tensor:
+    """d silu(x) / dx = sigmoid(x) (1 + x (1 - sigmoid(x)))."""
+    sigmoid = torch.sigmoid(x)
+    return sigmoid * (1 + x * (1 - sigmoid))
+
+
+def layer_norm_stats(x: torch.Tensor, norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`norm(x)` (..., N), with the mean and 1 / std (..., 1) of each row that its backward pass reads."""
+    return torch.native_layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+def layer_norm_input_grad(grad, x, mean, rstd, norm: nn.LayerNorm) -> torch.Tensor:
+    """The gradient of a LayerNorm's input x (..., N) from that of its output, in one operation: with
+    n = (x - mean) rstd and g = grad * weight, d x = rstd (g - mean(g) - n mean(g n)), means over the row."""
+    mask = [True, False, False]
+    return torch.ops.aten.native_layer_norm_backward(
+        grad, x, norm.normalized_shape, mean, rstd, norm.weight, norm.bias, mask
+    )[0]
+
+
+def layer_norm_affine_grads(grad, x, mean, rstd, norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of a LayerNorm's weight and bias (N,), summed over all rows of x (..., N): sum(grad n) and
+    sum(grad), n = (x - mean) rstd."""
+    mask = [False, True, True]
+    _, weight_grad, bias_grad = torch.ops.aten.native_layer_norm_backward(
+        grad, x, norm.normalized_shape, mean, rstd, norm.weight, norm.bias, mask
+    )
+    return weight_grad, bias_grad
+
+
+class LayerNormGRUBackward:
+    """`LayerNormGRUCell`'s part of `ObserveBackwardThroughTime`: its activations for all steps at once, the input
+    gradients of one step, and the weight gradients of all steps.
+
+    Forward: [reset, candidate, update] = LayerNorm(W [x, state]) (3 x (.., D)); cand = tanh(sigmoid(reset)
+    candidate); u = sigmoid(update - 1); deter = u cand + (1 - u) state.
+    """
+
+    def __init__(self, gru: LayerNormGRUCell, x: torch.Tensor, state: torch.Tensor):
+        """x (T, B, H) and state (T, B, D): each step's input and (reset-masked) previous deter."""
+        self.gru, self.x_dim = gru, x.shape[-1]
+        self.inputs = torch.cat([x, state], -1)  # (T, B, H + D)
+        self.pre_norm = F.linear(self.inputs, gru.linear.weight)  # (T, B, 3D)
+        normed, self.mean, self.rstd = layer_norm_stats(self.pre_norm, gru.norm)
+        reset, candidate, update = normed.chunk(3, -1)  # (T, B, D) each
+        reset = torch.sigmoid(reset)
+        cand = torch.tanh(reset * candidate)
+        update = torch.sigmoid(update - 1.0)
+        d_cand = update * (1 - cand * cand)  # d deter / d (sigmoid(reset) candidate)
+        # d deter / d [reset, candidate, update] (the LayerNorm's output), unit by unit
+        self.gate_grads = torch.stack(
+            [
+                d_cand * candidate * reset * (1 - reset),
+                d_cand * reset,
+                (cand - state) * update * (1 - update),
+            ],
+            -2,
+        )  # (T, B, 3, D)
+        self.state_grad = 1 - update  # (T, B, D): d deter / d state, the direct path
+        self.norm_grads, self.pre_norm_grads = [], []  # per step, in reverse order
+
+    def step(self, t: int, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """d x (B, H) and d state (B, D) of step t from d deter (B, D)."""
+        norm_grad = (grad.unsqueeze(-2) * self.gate_grads[t]).flatten(-2)  # (B, 3D)
+        pre_norm_grad = layer_norm_input_grad(
+            norm_grad, self.pre_norm[t], self.mean[t], self.rstd[t], self.gru.norm
+        )  # (B, 3D)
+        input_grad = pre_norm_grad @ self.gru.linear.weight  # (B, H + D)
+        self.norm_grads.append(norm_grad), self.pre_norm_grads.append(pre_norm_grad)
+        x_grad, state_grad = input_grad[:, : self.x_dim], input_grad[:, self.x_dim :]
+        return x_grad, torch.addcmul(state_grad, self.state_grad[t], grad)
+
+    def weight_grads(self) -> list[torch.Tensor]:
+        """Gradients of linear.weight (3D, H + D), norm.weight and norm.bias (3D,), summed over all steps."""
+        norm_grad = torch.stack(self.norm_grads[::-1]).flatten(0, 1)  # (T * B, 3D)
+        pre_norm_grad = torch.stack(self.pre_norm_grads[::-1]).flatten(0, 1)  # (T * B, 3D)
+        linear_grad = pre_norm_grad.T @ self.inputs.flatten(0, 1)
+        norm_weight_grad, norm_bias_grad = layer_norm_affine_grads(
+            norm_grad,
+            self.pre_norm.flatten(0, 1),
+            self.mean.flatten(0, 1),
+            self.rstd.flatten(0, 1),
+            self.gru.norm,
+        )
+        return [linear_grad, norm_weight_grad, norm_bias_grad]
+
+
+class TorchGRUBackward:
+    """`nn.GRUCell`'s part of `ObserveBackwardThroughTime` (the nature model), as `LayerNormGRUBackward`.
+
+    Forward: [r, z, n] input parts i = W_ih x + b_ih and state parts s = W_hh state + b_hh (3 x (.., D)); r =
+    sigmoid(i_r + s_r), z = sigmoid(i_z + s_z), n = tanh(i_n + r s_n); deter = (1 - z) n + z state.
+    """
+
+    def __init__(self, gru: nn.GRUCell, x: torch.Tensor, state: torch.Tensor):
+        """x (T, B, H) and state (T, B, D): each step's input and (reset-masked) previous deter."""
+        self.gru, self.x, self.state = gru, x, state
+        input_r, input_z, input_n = F.linear(x, gru.weight_ih, gru.bias_ih).chunk(3, -1)  # (T, B, D) each
+        state_r, state_z, state_n = F.linear(state, gru.weight_hh, gru.bias_hh).chunk(3, -1)
+        r = torch.sigmoid(input_r + state_r)
+        z = torch.sigmoid(input_z + state_z)
+        n = torch.tanh(input_n + r * state_n)
+        d_n = (1 - z) * (1 - n * n)  # d deter / d (i_n + r s_n)
+        d_r = d_n * state_n * r * (1 - r)  # d deter / d (i_r + s_r)
+        d_z = (state - n) * z * (1 - z)  # d deter / d (i_z + s_z)
+        self.input_part_grads = torch.stack([d_r, d_z, d_n], -2)  # (T, B, 3, D): d deter / d i
+        self.state_part_grads = torch.stack([d_r, d_z, d_n * r], -2)  # (T, B, 3, D): d deter / d s
+        self.state_grad = z  # (T, B, D): d deter / d state, the direct path
+        self.input_grads, self.state_grads = [], []  # per step, in reverse order
+
+    def step(self, t: int, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """d x (B, H) and d state (B, D) of step t from d deter (B, D)."""
+        input_grad = (grad.unsqueeze(-2) * self.input_part_grads[t]).flatten(-2)  # (B, 3D)
+        state_grad = (grad.unsqueeze(-2) * self.state_part_grads[t]).flatten(-2)  # (B, 3D)
+        self.input_grads.append(input_grad), self.state_grads.append(state_grad)
+        x_grad = input_grad @ self.gru.weight_ih  # (B, H)
+        return x_grad, torch.addmm(self.state_grad[t] * grad, state_grad, self.gru.weight_hh)
+
+    def weight_grads(self) -> list[torch.Tensor]:
+        """Gradients of weight_ih (3D, H), weight_hh (3D, D), bias_ih and bias_hh (3D,), summed over all steps."""
+        input_grad = torch.stack(self.input_grads[::-1]).flatten(0, 1)  # (T * B, 3D)
+        state_grad = torch.stack(self.state_grads[::-1]).flatten(0, 1)  # (T * B, 3D)
+        return [
+            input_grad.T @ self.x.flatten(0, 1),
+            state_grad.T @ self.state.flatten(0, 1),
+            input_grad.sum(0),
+            state_grad.sum(0),
+        ]
+
+
+class ObserveBackwardThroughTime(torch.autograd.Function):
+    """`RSSM.observe`'s loop with a hand-written backward pass through time (categorical latents, no autocast).
+
+    Autograd's backward pass of the per-step loop computes, at every step, that step's share of the gradient of each
+    of the ~12 weight tensors the step uses, and adds it up: most of its operations. Only the gradients of the state
+    (deter, stoch) must be computed one step after another, in reverse; a weight's gradient is a sum over all B x T
+    rows of (its layer's output gradient) x (its layer's input), so it is computed once, after the loop, as one large
+    product. So the forward pass runs `RSSM.observe_loop` without a graph, keeping only its inputs and outputs; the
+    backward pass recomputes the steps' activations for all steps at once (given the states, no step depends on
+    another), walks the steps in reverse for the state gradients, then forms the weight gradients. Equal to
+    autograd's in float64 (tests/test_dreamer_fast_path.py). The forward pass calls `observe_step`, compiled with
+    --compile; the backward pass runs eagerly.
+
+    A step (`observe_step`), with the previous deter and stoch masked by keep (0 where an episode starts):
+    img = silu(LN(stoch Ws^T + action_in)); deter = GRU(img, deter); post = silu(LN(deter Wd^T + embed_in));
+    probs = softmax(post Wo^T + bo) (B, S, C); mixed = (1 - unimix) probs + unimix / C; posterior = log(mixed);
+    stoch = one_hot + mixed - sg(mixed) (straight-through: d stoch / d posterior = mixed).
+    """
+
+    @staticmethod
+    def forward(ctx, rssm, keep, action_in, embed_in, noise, stoch_weight, deter_weight, *parameters):
+        """`rssm.observe_loop(keep, ..., deter_weight)` (no graph: autograd.Function runs this without one);
+        `parameters` are `rssm.scan_parameters()`, passed so that autograd knows the outputs depend on them."""
+        deter, stoch, posterior = rssm.observe_loop(
+            keep, action_in, embed_in, noise, stoch_weight, deter_weight
+        )
+        ctx.rssm = rssm
+        ctx.save_for_backward(
+            keep, action_in, embed_in, stoch_weight, deter_weight, deter, stoch, *parameters
+        )
+        return deter, stoch, posterior
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, deter_grad, stoch_grad, posterior_grad):
+        """d outputs (B, T, ...) -> d inputs, in `forward`'s order (None for rssm, keep and noise)."""
+        rssm = ctx.rssm
+        keep, action_in, embed_in, stoch_weight, deter_weight, deter, stoch, *_ = ctx.saved_tensors
+        img_norm, post_norm, post_out = rssm.img_in[1], rssm.posterior_net[1], rssm.posterior_net[3]
+        S, C, unimix = rssm.stoch_dim, rssm.classes, rssm.unimix
+        T = deter.shape[1]
+        # time-major from here, (T, B, ...): a step's rows are contiguous
+        keep = keep.transpose(0, 1).to(deter.dtype)  # (T, B, 1)
+        deter, stoch = deter.transpose(0, 1), stoch.transpose(0, 1)  # (T, B, D), (T, B, S*C)
+        deter_grad, stoch_grad = deter_grad.transpose(0, 1), stoch_grad.transpose(0, 1)
+        posterior_grad = posterior_grad.transpose(0, 1)  # (T, B, S, C)
+
+        # 1. every step's activations at once, from the states the forward pass returned
+        deter_prev = torch.cat([torch.zeros_like(deter[:1]), deter[:-1]]) * keep  # (T, B, D)
+        stoch_prev = torch.cat([torch.zeros_like(stoch[:1]), stoch[:-1]]) * keep  # (T, B, S*C)
+        img_pre = F.linear(stoch_prev, stoch_weight) + action_in.transpose(0, 1)  # (T, B, H)
+        img_normed, img_mean, img_rstd = layer_norm_stats(img_pre, img_norm)
+        img = F.silu(img_normed)  # (T, B, H): the GRU's input
+        img_silu_grad = silu_derivative(img_normed)
+        gru = (LayerNormGRUBackward if isinstance(rssm.gru, LayerNormGRUCell) else TorchGRUBackward)(
+            rssm.gru, img, deter_prev
+        )
+        post_pre = F.linear(deter, deter_weight) + embed_in.transpose(0, 1)  # (T, B, H)
+        post_normed, post_mean, post_rstd = layer_norm_stats(post_pre, post_norm)
+        post = F.silu(post_normed)  # (T, B, H)
+        post_silu_grad = silu_derivative(post_normed)
+        probs = F.softmax(post_out(post).unflatten(-1, (S, C)), -1)  # (T, B, S, C)
+        probs_share = (1 - unimix) * probs  # (T, B, S, C)
+        mixed = probs_share + unimix / C  # the posterior's probabilities, as `_stats` computes them
+        # softmax's backward reads probs * d probs. Through posterior = log(mixed): d probs = (1 - unimix) d posterior
+        # / mixed; through the straight-through stoch (d stoch / d posterior = mixed, so d stoch / d mixed = 1):
+        # d probs = (1 - unimix) d stoch. `own_grad` is the share of each step's own output gradients, for all steps
+        # at once; `carried_factor` multiplies the stoch gradient that step t + 1 sends back (0 where it starts an
+        # episode)
+        own_grad = probs_share / mixed * posterior_grad
+        own_grad = torch.addcmul(own_grad, probs_share, stoch_grad.unflatten(-1, (S, C)))  # (T, B, S, C)
+        keep_next = torch.cat([keep[1:], torch.zeros_like(keep[:1])]).unsqueeze(-1)  # (T, B, 1, 1)
+        carried_factor = probs_share * keep_next  # (T, B, S, C)
+
+        # 2. the steps in reverse: the state gradients (the only sequential part), and each layer's output gradient,
+        # kept for step 3
+        logits_grads, post_norm_grads, post_pre_grads, img_norm_grads, img_pre_grads = [], [], [], [], []
+        deter_carry = deter_grad[T - 1]  # (B, D): d deter_t from the outputs and the later steps
+        stoch_carry = None  # (B, S*C): d (stoch_t * keep_{t+1}), from step t + 1's img_in
+        for t in reversed(range(T)):
+            # posterior head: probs * d probs -> d logits (softmax) -> d post_pre (silu, LayerNorm)
+            probs_grad = own_grad[t]
+            if stoch_carry is not None:
+                probs_grad = torch.addcmul(probs_grad, carried_factor[t], stoch_carry.unflatten(-1, (S, C)))
+            logits_grad = torch.addcmul(probs_grad, probs[t], probs_grad.sum(-1, keepdim=True), value=-1)
+            logits_grad = logits_grad.flatten(-2)  # (B, S*C)
+            post_norm_grad = (logits_grad @ post_out.weight) * post_silu_grad[t]  # (B, H)
+            post_pre_grad = layer_norm_input_grad(
+                post_norm_grad, post_pre[t], post_mean[t], post_rstd[t], post_norm
+            )  # (B, H)
+            deter_total = torch.addmm(deter_carry, post_pre_grad, deter_weight)  # (B, D): all of d deter_t
+            # GRU, then img_in: d img -> d img_pre (silu, LayerNorm) -> d stoch_prev
+            img_grad, deter_prev_grad = gru.step(t, deter_total)  # (B, H), (B, D)
+            img_norm_grad = img_grad * img_silu_grad[t]
+            img_pre_grad = layer_norm_input_grad(
+                img_norm_grad, img_pre[t], img_mean[t], img_rstd[t], img_norm
+            )
+            logits_grads.append(logits_grad), post_norm_grads.append(post_norm_grad)
+            post_pre_grads.append(post_pre_grad), img_norm_grads.append(img_norm_grad)
+            img_pre_grads.append(img_pre_grad)
+            if t > 0:  # the previous step's state gradients, masked where this step starts an episode
+                deter_carry = torch.addcmul(deter_grad[t - 1], keep[t], deter_prev_grad)
+                stoch_carry = img_pre_grad @ stoch_weight  # (B, S*C); keep[t] is in carried_factor
+        logits_grad, post_norm_grad, post_pre_grad, img_norm_grad, img_pre_grad = (
+            torch.stack(grads[::-1])  # (T, B, ...)
+            for grads in (logits_grads, post_norm_grads, post_pre_grads, img_norm_grads, img_pre_grads)
+        )
+
+        # 3. the weight gradients, each a sum over all T x B rows: one product or one reduction
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            """(T, B, ...) -> (T * B, ...)."""
+            return x.flatten(0, 1)
+
+        img_norm_weight_grad, img_norm_bias_grad = layer_norm_affine_grads(
+            rows(img_norm_grad), rows(img_pre), rows(img_mean), rows(img_rstd), img_norm
+        )
+        post_norm_weight_grad, post_norm_bias_grad = layer_norm_affine_grads(
+            rows(post_norm_grad), rows(post_pre), rows(post_mean), rows(post_rstd), post_norm
+        )
+        parameter_grads = [
+            img_norm_weight_grad,
+            img_norm_bias_grad,
+            post_norm_weight_grad,
+            post_norm_bias_grad,
+            rows(logits_grad).T @ rows(post),  # (S*C, H)
+            rows(logits_grad).sum(0),
+            *gru.weight_grads(),
+        ]
+        stoch_weight_grad = rows(img_pre_grad).T @ rows(stoch_prev)  # (H, S*C)
+        deter_weight_grad = rows(post_pre_grad).T @ rows(deter)  # (H, D)
+        action_in_grad, embed_in_grad = (
+            img_pre_grad.transpose(0, 1),
+            post_pre_grad.transpose(0, 1),
+        )  # (B, T, H)
+        return (
+            None,
+            None,
+            action_in_grad,
+            embed_in_grad,
+            None,
+            stoch_weight_grad,
+            deter_weight_grad,
+            *parameter_grads,
+        )
 
 
 class WorldModel(nn.Module):
