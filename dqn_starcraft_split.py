@@ -1,6 +1,6 @@
 """Split-head Double DQN for the StarCraft II minigames MoveToBeacon and CollectMineralShards.
 
-The network reads the screen and minimap feature layers and the player vector and has two Q heads:
+The network reads the screen and minimap feature layers and the player vector and has a list of Q heads (HEADS):
 one over non-spatial functions (no_op, select_army) and one over screen points, a map for each spatial
 function (Move_screen(x, y), select_point(x, y): the latter lets the two marines of CollectMineralShards split).
 
@@ -11,21 +11,23 @@ Every `Args` field can also be set with an `RL_*` environment variable (RL_BATCH
 command line wins over the variable, the variable over the default.
 
 Writes, per run: `{save_path}/{run_id}/config.json` (values and where each came from), `train.log`,
-`checkpoint.pt`, `eval/test_results.json` (greedy test episodes), `eval/curve.csv` (periodic greedy
-tests during training), `videos/*.mp4` (the final test episodes, with `--capture-video`); TensorBoard
-events in `{log_dir}/{run_id}` (`charts/*`, `losses/*`, and the memory keys of memory_utils); and one row
-per finished run in `{save_path}/results.csv`.
+`checkpoint.pt` and its checksum `checkpoint.pt.sha256`, `eval/test_results.json` (greedy test episodes),
+`eval/curve.csv` (periodic greedy tests during training), `videos/*.mp4` (the final test episodes, with
+`--capture-video`); TensorBoard events in `{log_dir}/{run_id}` (`charts/*`, `losses/*`, and the memory keys of
+memory_utils); and one row per finished run in `{save_path}/results.csv`. Each run claims its folder when it
+starts: a default run id that another run took already (same map, seed and second) gets a suffix (`-2`).
 
 Exit status: 0 done; 2 a bad value (one sentence on stderr, nothing written); 130/143 stopped by
-SIGINT/SIGTERM (checkpoint saved, no results row); 3 CUDA out of memory (report in `{run_id}/oom/`,
-checkpoint saved, no results row). `--resume {save_path}/{run_id}/checkpoint.pt` continues a stopped run in its
-folder (networks, optimizer, scheduler, loss scaler, counters, RNG states; the replay with `--checkpoint-buffer`).
+SIGINT/SIGTERM at the next agent step (checkpoint saved, no results row); 3 CUDA out of memory (report in
+`{run_id}/oom/`, checkpoint saved, no results row). `--resume {save_path}/{run_id}/checkpoint.pt` continues a
+stopped run in its folder (networks, optimizer, scheduler, loss scaler, counters, RNG states; the replay with
+`--checkpoint-buffer`), once the checkpoint matches its checksum.
 """
 
 import contextlib
 import csv
 import dataclasses
-import gc
+import fcntl
 import io
 import json
 import logging
@@ -34,10 +36,8 @@ import os
 import platform
 import random
 import shutil
-import signal
 import sys
 import time
-import traceback
 import types
 import typing
 from dataclasses import dataclass
@@ -55,7 +55,7 @@ import memory_utils as mu
 @dataclass
 class Args:
     # experiment
-    exp_name: str = "dqn_starcraft_split"
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment (part of the default run id)"""
     seed: int = 1
     """seed of the experiment"""
@@ -326,45 +326,72 @@ PLAYER_SIZE = 11  # player_id, minerals, vespene, food_used, food_cap, food_army
 # What the replay stores besides the feature layers: the player vector and the share of the map's timer gone
 # (pysc2's game_loop over the episode's loops), which the network reads with --timer-input.
 PLAYER_INPUT_SIZE = PLAYER_SIZE + 1
-# The action space: pysc2 functions (ids from pysc2/lib/actions.py) split over the two Q heads. The non-spatial
-# head scores NONSPATIAL_FUNCTIONS; the spatial head has one res x res map per SPATIAL_FUNCTIONS entry, its value
-# at (x, y) being that function called at that point. One flat action index, used by acting, the replay buffer
-# and the TD target alike, numbers them all (F = len(NONSPATIAL_FUNCTIONS)):
-#     0 .. F-1                       the non-spatial function NONSPATIAL_FUNCTIONS[index]
-#     F + k * res * res + y * res + x  the k-th spatial function at screen point (x, y)
-# which is the column order of torch.cat([q_nonspatial, q_spatial], 1). Acting takes the best available index
-# over both heads, so choosing a function is comparing values. The action mask has one entry per FUNCTIONS;
-# with --select-own-only, `point_mask` also limits select_point's points to our own units. The index is what the
+# The action space: pysc2 functions (ids from pysc2/lib/actions.py) split over the Q heads of HEADS. A head scores
+# its functions, each either called without arguments (one value) or at a screen point (one res x res map, its value
+# at (x, y) being that function called at that point). One flat action index, used by acting, the replay buffer
+# and the TD target alike, numbers them all, head after head, function after function, point after point:
+#     0 .. F-1                         the non-spatial head's functions (F of them)
+#     F + k * res * res + y * res + x  the spatial head's k-th function at screen point (x, y)
+# which is the column order of torch.cat([q.flatten(1) for q in q_network(...)], 1). Acting takes the best available
+# index over all heads, so choosing a function is comparing values. The action mask has one entry per FUNCTIONS;
+# with --select-own-only, `point_masks` also limits select_point's points to our own units. The index is what the
 # agent chooses and the replay stores; `game_call` turns it into the call sent to the game, where --move-through
 # carries a Move on past the chosen point.
 FUNCTION_IDS = {"no_op": 0, "select_point": 2, "select_army": 7, "Move_screen": 331}
-NONSPATIAL_FUNCTIONS = ("no_op", "select_army")
-SPATIAL_FUNCTIONS = ("Move_screen", "select_point")
-FUNCTIONS = NONSPATIAL_FUNCTIONS + SPATIAL_FUNCTIONS
+
+
+@dataclass(frozen=True)
+class Head:
+    """One Q head's share of the action space: its functions (names in FUNCTION_IDS), each called either without
+    arguments or at a point of the screen."""
+
+    functions: tuple[str, ...]
+    takes_point: bool
+
+    def points(self, res: int) -> int:
+        """Actions per function: one per screen point, or one."""
+        return res * res if self.takes_point else 1
+
+
+# ALGO LOGIC: the heads, in the order of the flat action index. Another head is an entry here, its module in
+# SplitQNetwork.heads (in this order), and its call in the environments (Pysc2MiniGame.function_call).
+HEADS = (
+    Head(("no_op", "select_army"), takes_point=False),
+    Head(("Move_screen", "select_point"), takes_point=True),
+)
+FUNCTIONS = tuple(name for head in HEADS for name in head.functions)  # the action mask's order
+HEAD_OF = {name: head for head in HEADS for name in head.functions}
 MOVE_SCREEN = FUNCTION_IDS["Move_screen"]
 SELECT_POINT = FUNCTION_IDS["select_point"]
 
 
 def action_mask(available_actions: np.ndarray) -> np.ndarray:
-    """(F + S,) bool: which of FUNCTIONS (non-spatial, then spatial) are available."""
+    """(len(FUNCTIONS),) bool: which of FUNCTIONS (head after head) are available."""
     return np.isin([FUNCTION_IDS[name] for name in FUNCTIONS], available_actions)
 
 
 def decode_action(index: int, res: int) -> tuple[int, tuple[int, int] | None]:
     """Flat action index -> (function id, point or None)."""
-    if index < len(NONSPATIAL_FUNCTIONS):
-        return FUNCTION_IDS[NONSPATIAL_FUNCTIONS[index]], None
-    spatial, point = divmod(index - len(NONSPATIAL_FUNCTIONS), res * res)
-    return FUNCTION_IDS[SPATIAL_FUNCTIONS[spatial]], (point % res, point // res)
+    for head in HEADS:
+        size = len(head.functions) * head.points(res)
+        if index < size:
+            function, point = divmod(index, head.points(res))
+            xy = (point % res, point // res) if head.takes_point else None
+            return FUNCTION_IDS[head.functions[function]], xy
+        index -= size
+    raise ValueError(f"action index beyond the {len(HEADS)} heads' actions at res {res}")
 
 
 def encode_action(function_id: int, point: tuple[int, int] | None, res: int) -> int:
     """(function id, point or None) -> flat action index; the inverse of decode_action."""
     name = next(name for name in FUNCTIONS if FUNCTION_IDS[name] == function_id)
-    if name in NONSPATIAL_FUNCTIONS:
-        return NONSPATIAL_FUNCTIONS.index(name)
-    x, y = point
-    return len(NONSPATIAL_FUNCTIONS) + SPATIAL_FUNCTIONS.index(name) * res * res + y * res + x
+    first = 0  # the flat index of the head's first action
+    for head in HEADS:
+        if name in head.functions:
+            index = first + head.functions.index(name) * head.points(res)
+            return index + (point[1] * res + point[0] if head.takes_point else 0)
+        first += len(head.functions) * head.points(res)
+    raise AssertionError("unreachable: every function belongs to a head")
 
 
 def game_call(
@@ -449,6 +476,7 @@ def screen_rect(
 
 
 def episode_steps(step_mul: int) -> int:
+    """Agent steps of one episode of the map's 120-second timer at `step_mul` game loops per step."""
     return round(EPISODE_SECONDS * GAME_LOOPS_PER_SECOND / step_mul)
 
 
@@ -505,6 +533,7 @@ class BuiltinMiniGame:
         return np.stack([self.rng.uniform(x0, x1, n), self.rng.uniform(y0, y1, n)], axis=1)
 
     def _spawn_beacon(self) -> None:
+        """A new beacon where the map script puts one (MoveToBeacon)."""
         hole_x, hole_y, hole_radius = BEACON_SPAWN_HOLE_WORLD
         hole = np.array(world_to_screen_units(hole_x, hole_y, self.world_units))
         while True:  # the map script draws again until both conditions hold
@@ -515,6 +544,7 @@ class BuiltinMiniGame:
         self.pickups, self.pickup_radius = p[None], BEACON_RADIUS
 
     def _spawn_shards(self) -> None:
+        """A new field of NUM_SHARDS shards where the map script puts them (CollectMineralShards)."""
         points = []
         while len(points) < NUM_SHARDS:
             p = self._uniform_points(SHARD_SPAWN_WORLD, 1)[0]
@@ -523,9 +553,11 @@ class BuiltinMiniGame:
         self.pickups, self.pickup_radius = np.array(points), SHARD_RADIUS
 
     def _spawn_pickups(self) -> None:
+        """The map's pickups: a beacon or a field of shards."""
         self._spawn_beacon() if self.map_name == "MoveToBeacon" else self._spawn_shards()
 
     def reset(self) -> dict:
+        """A new episode: marines and pickups where the map puts them; the first observation."""
         self.steps = 0
         self.marines = self._uniform_points(PLAYABLE_WORLD, self.num_marines)  # (M, 2) screen units
         self.targets = self.marines.copy()  # where each marine is walking to
@@ -534,6 +566,7 @@ class BuiltinMiniGame:
         return self._observe()
 
     def available_actions(self) -> np.ndarray:
+        """The function ids pysc2 would offer now."""
         # select_point is always available in pysc2, select_army whenever there is an army (always here)
         ids = [FUNCTION_IDS["no_op"], SELECT_POINT, FUNCTION_IDS["select_army"]]
         if self.selected.any():
@@ -541,6 +574,7 @@ class BuiltinMiniGame:
         return np.array(ids, np.int64)
 
     def step(self, function_id: int, point: tuple[int, int] | None = None):
+        """One agent step: the call, then `step_mul` game loops of walking; (obs, reward, done)."""
         if function_id not in self.available_actions():
             raise ValueError(
                 f"function {function_id} is not available now (available: {self.available_actions()})"
@@ -607,6 +641,7 @@ class BuiltinMiniGame:
         return discs
 
     def _render(self, gx, gy, with_hit_points: bool):
+        """One view's layers: player_relative, selected, unit_density and, on the screen, hit points."""
         marines = self._discs(gx, gy, self.marines, MARINE_RADIUS)  # (M, res, res)
         pickups = self._discs(gx, gy, self.pickups, self.pickup_radius)  # (P, res, res)
         player_relative = np.zeros((self.res, self.res), np.int32)
@@ -618,6 +653,7 @@ class BuiltinMiniGame:
         return player_relative, selected, density.astype(np.int32), hit_points
 
     def _observe(self) -> dict:
+        """The observation dict, as pysc2's feature layers give it."""
         pr, sel, density, hp = self._render(self.screen_x, self.screen_y, True)
         mpr, msel, _, _ = self._render(self.mini_x, self.mini_y, False)
         n = self.num_marines
@@ -631,7 +667,7 @@ class BuiltinMiniGame:
         }
 
     def close(self) -> None:
-        pass
+        """Nothing to release."""
 
 
 def import_pysc2():
@@ -649,6 +685,7 @@ def import_pysc2():
     original_shuffle = random.shuffle
 
     def legacy_shuffle(x, random_fn=None):
+        """random.shuffle as it was before Python 3.11, with its `random` argument."""
         if random_fn is None:
             return original_shuffle(x)
         for i in reversed(range(1, len(x))):
@@ -670,6 +707,7 @@ def sc2_game_dir() -> str:
 
 
 def check_sc2_installed() -> None:
+    """ConfigError (one sentence) unless pysc2 imports and the game is installed where it looks."""
     try:
         import_pysc2()
     except ImportError:
@@ -700,6 +738,7 @@ class Pysc2MiniGame:
     def make(
         cls, map_name: str, res: int, step_mul: int, seed: int, world_units: float = Args.screen_world_units
     ) -> "Pysc2MiniGame":
+        """A pysc2 SC2Env of the minigame, with the built-in game's screen scale."""
         sc2_env, _ = import_pysc2()
         env = sc2_env.SC2Env(
             map_name=map_name,
@@ -716,6 +755,7 @@ class Pysc2MiniGame:
         return cls(env, res)
 
     def _convert(self, timestep) -> tuple[dict, float, bool]:
+        """A pysc2 TimeStep -> (observation dict, reward, done)."""
         o = timestep.observation
         screen, minimap = o["feature_screen"], o["feature_minimap"]
         obs = {
@@ -728,6 +768,7 @@ class Pysc2MiniGame:
         return obs, float(timestep.reward), bool(timestep.last())
 
     def reset(self) -> dict:
+        """A new episode of the game; the first observation."""
         return self._convert(self.env.reset()[0])[0]
 
     def function_call(self, function_id: int, point: tuple[int, int] | None = None):
@@ -743,13 +784,16 @@ class Pysc2MiniGame:
         return self.actions.FunctionCall(function_id, [])
 
     def step(self, function_id: int, point: tuple[int, int] | None = None):
+        """One agent step in the game: (obs, reward, done)."""
         return self._convert(self.env.step([self.function_call(function_id, point)])[0])
 
     def close(self) -> None:
+        """Close the game."""
         self.env.close()
 
 
 def make_env(args: Args, seed: int):
+    """The minigame of `args.backend`: the built-in numpy replica or the real game through pysc2."""
     if args.backend == "pysc2":
         return Pysc2MiniGame.make(args.map_name, args.res, args.step_mul, seed, args.screen_world_units)
     return BuiltinMiniGame(args.map_name, args.res, args.step_mul, seed, args.screen_world_units)
@@ -778,6 +822,7 @@ class SplitReplayBuffer:
         self.pos, self.size = 0, 0
 
     def add(self, obs: dict, action: int, reward: float, done: bool) -> None:
+        """Store one transition at the ring's position (the state, its action, reward and done)."""
         i = self.pos
         for k, layer in enumerate(SCREEN_LAYERS):
             self.screen[layer.name][i] = obs["feature_screen"][k]
@@ -797,6 +842,7 @@ class SplitReplayBuffer:
         return self.size if self.dones[newest] else self.size - 1
 
     def _states(self, idx: np.ndarray) -> dict:
+        """The states of slots `idx`, copied out of the ring."""
         # memory: fancy indexing copies, so a batch never aliases the ring (evicted slots can be overwritten)
         return {
             "screen": np.stack([self.screen[l.name][idx] for l in SCREEN_LAYERS], 1),  # (B, Ls, H, W) int16
@@ -840,6 +886,7 @@ class SplitReplayBuffer:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """The arrays and position of a `state_dict`; the newest transition ends its episode."""
         for group in ("screen", "minimap"):
             for name, value in state[group].items():
                 getattr(self, group)[name][...] = value.numpy()
@@ -851,6 +898,7 @@ class SplitReplayBuffer:
             self.dones[(self.pos - 1) % self.capacity] = True
 
     def bytes_per_step(self) -> tuple[int, int]:
+        """(observation bytes, other bytes) one stored agent step takes."""
         obs = sum(a.itemsize * self.res * self.res for a in [*self.screen.values(), *self.minimap.values()])
         aux = (
             self.player.itemsize * PLAYER_INPUT_SIZE
@@ -876,6 +924,7 @@ class SplitReplayBuffer:
 # Network
 # ---------------------------------------------------------------------------------------------------------
 def layer_channels(layers) -> int:
+    """Input channels of `preprocess_layers` for these layers."""
     return sum(l.scale if (l.categorical and l.scale > 2) else 1 for l in layers)
 
 
@@ -925,15 +974,100 @@ def class_distance(selected: torch.Tensor, classes: torch.Tensor) -> torch.Tenso
     return classes * distance[:, None]
 
 
+class Features(typing.NamedTuple):
+    """What the trunk of SplitQNetwork hands each head."""
+
+    pooled: torch.Tensor  # (B, 2E): the fused features' mean and max over the screen
+    fused: torch.Tensor  # (B, E, H/2, W/2): the fused features at half resolution
+    fine_input: torch.Tensor  # (B, C, H, W): the full-resolution screen (and, with click_distance, distances)
+    available: torch.Tensor  # (B, len(FUNCTIONS)) float: the action mask
+
+
+class NonSpatialHead(nn.Module):
+    """Q of each function without arguments, (B, F, 1), from the pooled features and the available actions.
+
+    The available actions are an input, as in SC2LE's agents: "is Move_screen available" (is the army selected)
+    is one clean bit for the head that chooses between no_op and select_army, which do the same in every state but
+    the first, unselected one of an episode (there no_op leaves the marine standing)."""
+
+    def __init__(self, num_functions: int, fused_channels: int, hidden: int):
+        super().__init__()
+        self.mlp = nn.Sequential(
+            nn.Linear(2 * fused_channels + len(FUNCTIONS), hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, num_functions),
+        )
+
+    def forward(self, features: Features) -> torch.Tensor:
+        """Features -> (B, F, 1)."""
+        return self.mlp(torch.cat([features.pooled, features.available], 1))[:, :, None]
+
+
+class SpatialHead(nn.Module):
+    """Q of each spatial function at each screen point, (B, S, H*W): a coarse term from the fused features (where the
+    marines are, what is selected), either upsampled back to res x res or one level per function (`coarse_level`),
+    plus a small convolution over the full-resolution screen (`fine_kernel`), so that a click can land on an exact
+    pixel.
+
+    The fine term alone can say "the target is at this pixel". Its output is multiplied by a fixed gain, which is a
+    learning-rate multiplier for this one layer (`fine_gain`); its zero start keeps the gain from amplifying initial
+    noise."""
+
+    def __init__(
+        self,
+        num_functions: int,
+        res: int,
+        fused_channels: int,
+        fine_channels: int,
+        coarse_level: bool,
+        fine_kernel: int,
+        fine_gain: float,
+    ):
+        super().__init__()
+        self.res, self.coarse_level, self.fine_gain = res, coarse_level, fine_gain
+        if coarse_level:
+            self.coarse = nn.Linear(2 * fused_channels, num_functions)  # from the pooled features
+        else:
+            self.coarse = nn.Conv2d(fused_channels, num_functions, 1)  # from each half-resolution cell
+        self.fine = nn.Conv2d(fine_channels, num_functions, fine_kernel, padding=fine_kernel // 2)
+        nn.init.zeros_(self.fine.weight)
+        nn.init.zeros_(self.fine.bias)
+
+    def forward(self, features: Features) -> torch.Tensor:
+        """Features -> (B, S, H*W)."""
+        if self.coarse_level:
+            coarse = self.coarse(features.pooled)[:, :, None, None]  # (B, S, 1, 1): one level per function
+        else:
+            coarse = F.interpolate(self.coarse(features.fused), size=(self.res, self.res), mode="nearest")
+        return (coarse + self.fine_gain * self.fine(features.fine_input)).flatten(2)  # (B, S, H*W)
+
+
+# The state_dict keys of format-3 checkpoints, whose heads' layers belonged to the network itself -> today's keys.
+FORMAT_3_KEYS = (
+    ("nonspatial_head.", "nonspatial_head.mlp."),
+    ("spatial_coarse.", "spatial_head.coarse."),
+    ("spatial_fine.", "spatial_head.fine."),
+)
+
+
+def rename_format_3_keys(module, state_dict, prefix, *unused) -> None:
+    """A load_state_dict pre-hook: a format-3 state_dict (it has `spatial_fine.weight`) gets today's keys."""
+    if prefix + "spatial_fine.weight" not in state_dict:
+        return
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        for old, new in FORMAT_3_KEYS:
+            if key.startswith(prefix + old):
+                state_dict[prefix + new + key[len(prefix + old) :]] = state_dict.pop(key)
+                break
+
+
 class SplitQNetwork(nn.Module):
     """Screen and minimap conv towers + the tiled embedding of the player vector and the available actions,
-    fused; two Q heads: one value per non-spatial function, and one res x res map per spatial function.
+    fused; one Q head per entry of HEADS: one value per non-spatial function (NonSpatialHead), and one res x res
+    map per spatial function (SpatialHead).
 
-    The towers work at half resolution (a stride-2 first conv) to keep an update cheap on a CPU. The spatial
-    head adds two terms: a coarse one from the fused features (context: where the marines are, what is
-    selected), either upsampled back to res x res or one level per function (`coarse_level`), and a small conv
-    over the full-resolution screen (`fine_kernel`: so a click can land on an exact pixel).
-    The context layers widen what the fused features see from a few pixels to the whole screen.
+    The towers work at half resolution (a stride-2 first conv) to keep an update cheap on a CPU. The context layers
+    widen what the fused features see from a few pixels to the whole screen.
     """
 
     def __init__(
@@ -965,48 +1099,34 @@ class SplitQNetwork(nn.Module):
             nn.Conv2d(tower_channels, tower_channels, 3, padding=1),
             nn.ReLU(),
         )
-        num_available, num_spatial = len(FUNCTIONS), len(SPATIAL_FUNCTIONS)
         self.player_inputs = PLAYER_SIZE + timer_input  # the timer is the last column of `player_input`
         self.player_embed = nn.Sequential(
-            nn.Linear(self.player_inputs + num_available, player_channels), nn.ReLU()
+            nn.Linear(self.player_inputs + len(FUNCTIONS), player_channels), nn.ReLU()
         )
         self.fuse = nn.Sequential(
             nn.Conv2d(2 * tower_channels + player_channels, fused_channels, 1), nn.ReLU()
         )
-        self.coarse_level = coarse_level
-        if coarse_level:
-            self.spatial_coarse = nn.Linear(2 * fused_channels, num_spatial)  # from the pooled features
-        else:
-            self.spatial_coarse = nn.Conv2d(fused_channels, num_spatial, 1)  # from each half-resolution cell
-        # The fine term alone can say "the target is at this pixel". Its output is multiplied by a fixed gain,
-        # which is a learning-rate multiplier for this one layer (`--fine-gain`); its zero start keeps the
-        # gain from amplifying initial noise.
         self.click_distance = click_distance
-        fine_in = screen_in + CLASS_CHANNELS * click_distance
-        self.spatial_fine = nn.Conv2d(fine_in, num_spatial, fine_kernel, padding=fine_kernel // 2)
-        nn.init.zeros_(self.spatial_fine.weight)
-        nn.init.zeros_(self.spatial_fine.bias)
-        self.fine_gain = fine_gain
-        # The available actions are an input too, as in SC2LE's agents: "is Move_screen available" (is the army
-        # selected) is one clean bit for the head that chooses between no_op and select_army, which do the same
-        # in every state but the first, unselected one of an episode (there no_op leaves the marine standing).
-        self.nonspatial_head = nn.Sequential(
-            nn.Linear(2 * fused_channels + num_available, nonspatial_hidden),
-            nn.ReLU(),
-            nn.Linear(nonspatial_hidden, len(NONSPATIAL_FUNCTIONS)),
+        fine_channels = screen_in + CLASS_CHANNELS * click_distance
+        # The order of creation decides each layer's initial weights from the seed, and the order of registration
+        # the optimizer's order of parameters (which the checkpoints' optimizer state follows): the spatial head,
+        # the non-spatial head, then the context layers, as the committed results were trained.
+        self.spatial_head = SpatialHead(
+            len(HEADS[1].functions), res, fused_channels, fine_channels, coarse_level, fine_kernel, fine_gain
         )
-        # Created last: the order of creation decides each layer's initial weights from the seed, and the
-        # committed results were trained with this order.
+        self.nonspatial_head = NonSpatialHead(len(HEADS[0].functions), fused_channels, nonspatial_hidden)
         self.context = nn.ModuleList(
             nn.Conv2d(fused_channels, fused_channels, 3, padding=2**i, dilation=2**i)
             for i in range(context_layers)
         )
+        # ALGO LOGIC: the heads in the order of HEADS (the flat action index); each one is registered above
+        self.heads = (self.nonspatial_head, self.spatial_head)
+        assert len(self.heads) == len(HEADS), "one module per entry of HEADS"
+        self.register_load_state_dict_pre_hook(rename_format_3_keys)
 
-    def forward(self, screen, minimap, player, available):
-        """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, PLAYER_INPUT_SIZE), `player_input`;
-        available (B, F + S) bool, the action mask -> Q (B, F), Q (B, S*H*W): together, one value per flat action
-        index."""
-        available = available.float()  # (B, F + S)
+    def features(self, screen, minimap, player, available) -> Features:
+        """The trunk: the towers, the player embedding and the context layers (see `forward` for the inputs)."""
+        available = available.float()  # (B, len(FUNCTIONS))
         selected = screen[:, SELECTED_LAYER]  # (B, H, W)
         screen = preprocess_layers(screen, SCREEN_LAYERS)  # (B, Cs, H, W)
         fine_input = [screen]
@@ -1029,59 +1149,87 @@ class SplitQNetwork(nn.Module):
             ]
             fused = fused + context  # (B, E, H/2, W/2)
         pooled = torch.cat([fused.mean((2, 3)), fused.amax((2, 3))], 1)  # (B, 2E)
-        q_nonspatial = self.nonspatial_head(torch.cat([pooled, available], 1))  # (B, F)
-        if self.coarse_level:
-            coarse = self.spatial_coarse(pooled)[
-                :, :, None, None
-            ]  # (B, S, 1, 1): one level per spatial function
-        else:
-            coarse = F.interpolate(self.spatial_coarse(fused), size=(self.res, self.res), mode="nearest")
-        q_spatial = (coarse + self.fine_gain * self.spatial_fine(fine_input)).flatten(1)  # (B, S*H*W)
-        return q_nonspatial, q_spatial
+        return Features(pooled, fused, fine_input, available)
+
+    def forward(self, screen, minimap, player, available) -> list[torch.Tensor]:
+        """screen (B, Ls, H, W), minimap (B, Lm, H, W) integer; player (B, PLAYER_INPUT_SIZE), `player_input`;
+        available (B, len(FUNCTIONS)) bool, the action mask -> per head of HEADS, Q (B, F, P): one value per
+        function and point (P = 1 for functions without arguments). Flattened and concatenated, one value per flat
+        action index."""
+        features = self.features(screen, minimap, player, available)
+        return [head(features) for head in self.heads]
 
 
-def make_q_network(args: Args) -> SplitQNetwork:
-    args = with_map_defaults(args)
-    return SplitQNetwork(
-        args.res,
-        args.tower_channels,
-        args.fused_channels,
-        args.context_layers,
-        args.click_distance,
-        args.timer_input,
-        args.player_channels,
-        args.nonspatial_hidden,
-        args.fine_gain,
-        args.fine_kernel,
-        args.coarse_level,
-    )
+# SplitQNetwork's settings: the keyword arguments of make_q_network besides the map and the resolution.
+NETWORK_SETTINGS = (
+    "tower_channels",
+    "fused_channels",
+    "context_layers",
+    "click_distance",
+    "timer_input",
+    "player_channels",
+    "nonspatial_hidden",
+    "fine_gain",
+    "fine_kernel",
+    "coarse_level",
+)
+
+
+def make_q_network(*, map_name: str = Args.map_name, res: int = Args.res, **settings) -> SplitQNetwork:
+    """The Q network from keywords alone, e.g. `make_q_network(map_name="MoveToBeacon", res=32, fine_gain=5.0)`:
+    each of NETWORK_SETTINGS left out (or None) is the map's default (MAP_DEFAULTS), else SplitQNetwork's."""
+    unknown = set(settings) - set(NETWORK_SETTINGS)
+    if unknown:
+        raise TypeError(f"make_q_network() got settings it does not know: {', '.join(sorted(unknown))}")
+    defaults = {name: value for name, value in MAP_DEFAULTS[map_name].items() if name in NETWORK_SETTINGS}
+    given = {name: value for name, value in settings.items() if value is not None}
+    return SplitQNetwork(res, **{**defaults, **given})
+
+
+def network_settings(args: Args) -> dict:
+    """A run's keyword arguments of make_q_network: `make_q_network(**network_settings(args))`."""
+    return {
+        "map_name": args.map_name,
+        "res": args.res,
+        **{name: getattr(args, name) for name in NETWORK_SETTINGS},
+    }
 
 
 SELF = 1  # player_relative of our own units
 
 
-def point_mask(screen: torch.Tensor, select_own_only: bool) -> torch.Tensor | None:
-    """screen (B, Ls, H, W) integer -> (B, S, H*W) bool: the points at which each spatial function may be
-    called, or None for everywhere. With `select_own_only`, select_point only at our own units' pixels."""
+def point_masks(screen: torch.Tensor, select_own_only: bool) -> list[torch.Tensor | None]:
+    """screen (B, Ls, H, W) integer -> per head of HEADS, (B, F, H*W) bool: the points at which each of its
+    functions may be called, or None for everywhere. With `select_own_only`, select_point only at our own units'
+    pixels."""
     if not select_own_only:
-        return None
+        return [None] * len(HEADS)
     own = (screen[:, 0] == SELF).flatten(1)  # (B, H*W); player_relative is screen layer 0
     anywhere = torch.ones_like(own)
-    return torch.stack([own if name == "select_point" else anywhere for name in SPATIAL_FUNCTIONS], 1)
+    return [
+        torch.stack([own if name == "select_point" else anywhere for name in head.functions], 1)
+        if head.takes_point
+        else None
+        for head in HEADS
+    ]
 
 
-def masked_q(q_nonspatial, q_spatial, mask, points=None):
-    """Both heads as one Q per flat action index (B, F + S*H*W); unavailable functions, and points outside
-    `points` (from `point_mask`), get -inf."""
-    num_nonspatial = q_nonspatial.shape[1]
-    num_spatial = mask.shape[1] - num_nonspatial
-    neg_inf = torch.finfo(q_nonspatial.dtype).min
-    q_nonspatial = q_nonspatial.masked_fill(~mask[:, :num_nonspatial], neg_inf)
-    q_spatial = q_spatial.unflatten(1, (num_spatial, -1))  # (B, S, H*W)
-    q_spatial = q_spatial.masked_fill(~mask[:, num_nonspatial:, None], neg_inf)
-    if points is not None:
-        q_spatial = q_spatial.masked_fill(~points, neg_inf)
-    return torch.cat([q_nonspatial, q_spatial.flatten(1)], 1)
+def allowed_actions(qs: list[torch.Tensor], mask: torch.Tensor, points: list) -> list[torch.Tensor]:
+    """Per head, (B, F, P) bool, the shape of its Q in `qs`: the actions that may be chosen, those whose function
+    is available (`mask`, (B, len(FUNCTIONS)), head after head) at a point `points` (`point_masks`) allows."""
+    allowed, first = [], 0
+    for q, head_points in zip(qs, points, strict=True):
+        available = mask[:, first : first + q.shape[1], None]  # (B, F, 1)
+        first += q.shape[1]
+        allowed.append(available.expand(q.shape) if head_points is None else available & head_points)
+    return allowed
+
+
+def masked_q(qs: list[torch.Tensor], mask: torch.Tensor, points: list) -> torch.Tensor:
+    """All heads as one Q per flat action index (B, A); actions `allowed_actions` leaves out get -inf."""
+    neg_inf = torch.finfo(qs[0].dtype).min
+    allowed = allowed_actions(qs, mask, points)
+    return torch.cat([q.masked_fill(~ok, neg_inf).flatten(1) for q, ok in zip(qs, allowed)], 1)
 
 
 def to_tensors(states: dict, device) -> dict:
@@ -1112,13 +1260,13 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
     """The n-step Double-DQN target of each sampled transition, (B,):
 
         y = sum_{j<n} gamma^j r_{i+j}  +  gamma^n * V(s_{i+n}),   summed only up to the end of the episode,
-        V(s') = the best available function in s': a non-spatial function's value, or a spatial function's value
-                at its best point,
+        V(s') = the best available function in s', over all heads: a function's value without arguments, or a
+                spatial function's value at its best point,
 
     where V is 0 if the episode ended within the n steps (the map's timer is a true terminal: pysc2 gives
-    discount 0). Double DQN: the online network selects (the non-spatial function; per spatial function, its
+    discount 0). Double DQN: the online network selects (a non-spatial head's function; per spatial function, its
     point) and the target network evaluates what was selected; plain DQN: the target network does both. An
-    unavailable function in s' is never selected and never counts, nor is a point outside `point_mask`.
+    unavailable function in s' is never selected and never counts, nor is a point outside `point_masks`.
     """
     # ALGO LOGIC: the learning target, all of it in this function
     rewards, dones = batch["rewards"], batch["dones"]  # (B, n) each
@@ -1126,38 +1274,26 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
     next_inputs = (next_obs["screen"], next_obs["minimap"], next_obs["player"], next_obs["mask"])
     with torch.no_grad():
         # the n-step return, cut at the end of the episode (later rewards belong to the next one)
-        returns, ended = (
-            torch.zeros_like(rewards[:, 0]),
-            torch.zeros_like(dones[:, 0], dtype=torch.bool),
-        )  # (B,)
+        returns = torch.zeros_like(rewards[:, 0])  # (B,)
+        ended = torch.zeros_like(dones[:, 0], dtype=torch.bool)  # (B,)
         for j in range(rewards.shape[1]):
             returns = returns + torch.where(ended, 0.0, args.gamma**j * rewards[:, j])
             ended = ended | (dones[:, j] > 0)
         # V(s'): selection by the online network, evaluation by the target network
         with amp.autocast():
-            target_ns, target_sp = target_network(*next_inputs)  # (B, F), (B, S*H*W)
-            online_ns, online_sp = q_network(*next_inputs) if args.use_double_dqn else (target_ns, target_sp)
-        online_ns, online_sp, target_ns, target_sp = (
-            q.float() for q in (online_ns, online_sp, target_ns, target_sp)
-        )
-        num_nonspatial = target_ns.shape[1]
-        nonspatial_ok, spatial_ok = next_obs["mask"][:, :num_nonspatial], next_obs["mask"][:, num_nonspatial:]
-        neg_inf = torch.finfo(target_ns.dtype).min
-        best_function = online_ns.masked_fill(~nonspatial_ok, neg_inf).argmax(1, keepdim=True)  # (B, 1)
-        online_sp = online_sp.unflatten(1, (spatial_ok.shape[1], -1))  # (B, S, H*W)
-        points = point_mask(next_obs["screen"], args.select_own_only)
-        if points is not None:
-            online_sp = online_sp.masked_fill(~points, neg_inf)
-            spatial_ok = spatial_ok & points.any(2)  # a function with no point left is not available
-        best_point = online_sp.argmax(2, keepdim=True)  # (B, S, 1)
-        value_ns = target_ns.masked_fill(~nonspatial_ok, neg_inf).gather(1, best_function).squeeze(1)  # (B,)
-        value_sp = (
-            target_sp.unflatten(1, (spatial_ok.shape[1], -1)).gather(2, best_point).squeeze(2)
-        )  # (B, S)
-        value_sp = (
-            value_sp.masked_fill(~spatial_ok, neg_inf).max(1).values
-        )  # the best available spatial function
-        next_value = torch.maximum(value_ns, value_sp)  # (B,)
+            target_qs = [q.float() for q in target_network(*next_inputs)]  # per head (B, F, P)
+            online_qs = [q.float() for q in q_network(*next_inputs)] if args.use_double_dqn else target_qs
+        points = point_masks(next_obs["screen"], args.select_own_only)
+        allowed = allowed_actions(target_qs, next_obs["mask"], points)
+        neg_inf = torch.finfo(torch.float32).min
+        picks = []  # per head (B, G): the target network's value of each selection the online network made
+        for head, online, target, ok in zip(HEADS, online_qs, target_qs, allowed, strict=True):
+            if not head.takes_point:  # one selection among the head's functions: (B, 1, F)
+                online, target, ok = online.transpose(1, 2), target.transpose(1, 2), ok.transpose(1, 2)
+            best = online.masked_fill(~ok, neg_inf).argmax(2, keepdim=True)  # (B, G, 1); a point per function
+            value = target.gather(2, best).squeeze(2)  # (B, G)
+            picks.append(value.masked_fill(~ok.any(2), neg_inf))  # nothing available there: it never counts
+        next_value = torch.cat(picks, 1).max(1).values  # (B,): the best selection over all heads
         next_value = torch.where(ended, torch.zeros_like(next_value), next_value)  # -inf never leaks through
         return returns + args.gamma ** rewards.shape[1] * next_value
 
@@ -1167,17 +1303,19 @@ def td_loss(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSetup
 
     Every transition's action came from exactly one head (a function from the non-spatial head or a point from
     the spatial head), so each transition contributes one TD error, Q_head(s, a) - y, where y bootstraps from
-    the better of the two heads in s'. The errors of both heads are averaged together over the batch: a batch
-    mostly of Move_screen steps mostly trains the spatial head, and no head is weighted by hand.
+    the best of all heads in s'. The errors of all heads are averaged together over the batch: a batch mostly of
+    Move_screen steps mostly trains the spatial head, and no head is weighted by hand.
     """
     obs = batch["obs"]
     with amp.autocast():
-        q_ns, q_sp = q_network(obs["screen"], obs["minimap"], obs["player"], obs["mask"])
-    q_taken = torch.cat([q_ns, q_sp], 1).float().gather(1, batch["actions"][:, None]).squeeze(1)  # (B,)
+        qs = q_network(obs["screen"], obs["minimap"], obs["player"], obs["mask"])  # per head (B, F, P)
+    q_all = torch.cat([q.flatten(1) for q in qs], 1).float()  # (B, A): one value per flat action index
+    q_taken = q_all.gather(1, batch["actions"][:, None]).squeeze(1)  # (B,)
     return F.smooth_l1_loss(q_taken, td_target(q_network, target_network, batch, args, amp)), q_taken
 
 
 def batch_to_device(sample: dict, device) -> dict:
+    """A sampled batch (numpy) as tensors on `device`."""
     return {
         "obs": to_tensors(sample["obs"], device),
         "next_obs": to_tensors(sample["next_obs"], device),
@@ -1208,6 +1346,7 @@ def dummy_batch(batch_size: int, res: int, n_step: int, device) -> dict:
     """A worst-case-sized batch (all actions available) for optimizer-state preallocation."""
 
     def states():
+        """Zero states of the batch's shape, every action available."""
         return {
             "screen": np.zeros((batch_size, len(SCREEN_LAYERS), res, res), np.int16),
             "minimap": np.zeros((batch_size, len(MINIMAP_LAYERS), res, res), np.int16),
@@ -1234,6 +1373,7 @@ def preallocate(
     batch = dummy_batch(batch_size, args.res, args.n_step, device)
 
     def step_fn():
+        """One forward and backward pass of the TD loss on the dummy batch."""
         loss, _ = td_loss(q_network, target_network, batch, args, amp)
         amp.scaler.scale(loss).backward()
 
@@ -1241,66 +1381,64 @@ def preallocate(
     return mu.preallocate_optimizer_state(step_fn, optimizer, modules=[q_network, target_network])
 
 
-def preallocate_or_fall_back(
-    q_network,
-    target_network,
-    optimizer,
-    amp,
-    args: Args,
-    sources: dict,
-    batch_size: int,
-    fallback_used: bool,
-    device,
-    run_dir: str,
-    logger,
-) -> tuple[float, int, bool]:
-    """Preallocate optimizer state (the A30 incident: the first step is where memory runs out). If that runs out
-    of memory and the user asked for a fallback (--wait-for-gpu-mb, or --fallback-batch-size set), wait for the
-    memory once more and retry at the fallback batch; otherwise, or if that fails too, write the OOM report and
-    stop with exit 3 before anything is trained. Returns (peak MB, batch size, whether the fallback is used)."""
+def drop_optimizer_state(optimizer) -> None:
+    """The gradients and optimizer state a failed step made: dropped, so that a retry starts from nothing."""
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.state.clear()
+
+
+def preallocate_or_fall_back(run: "Run", sources: dict) -> float:
+    """Preallocate the optimizer state (the first step is where memory runs out). If that runs out of memory and
+    the user asked for a fallback (--wait-for-gpu-mb, or --fallback-batch-size set), wait for the memory once more
+    and retry at the fallback batch (`run.batch_size`, `run.fallback_used`); otherwise, or if that fails too, write
+    the OOM report and stop with exit 3 before anything is trained. Returns the peak MB."""
+    args, agent = run.args, run.agent
     fallback_asked = args.wait_for_gpu_mb > 0 or sources.get("fallback_batch_size", "default") != "default"
     while True:
+        fallback_left = fallback_asked and run.batch_size > args.fallback_batch_size
         try:
-            return (
-                preallocate(q_network, target_network, optimizer, amp, args, batch_size, device),
-                batch_size,
-                fallback_used,
+            return preallocate(
+                agent.q_network,
+                agent.target_network,
+                agent.optimizer,
+                run.amp,
+                args,
+                run.batch_size,
+                run.device,
             )
         except torch.OutOfMemoryError as exc:
-            where = oom_site(exc)
-            traceback.clear_frames(
-                exc.__traceback__
-            )  # memory: the failed step's tensors go before the report
-            error = exc.with_traceback(None)
-            del exc
-        optimizer.zero_grad(set_to_none=True)
-        optimizer.state.clear()
-        gc.collect()
-        if fallback_asked and batch_size > args.fallback_batch_size:
-            logger.info(
-                f"preallocation: batch {batch_size} does not fit ({str(error).splitlines()[0]}); "
-                f"retrying with the fallback batch size {args.fallback_batch_size}"
+            oom = mu.out_of_memory(
+                exc,
+                __file__,
+                None if fallback_left else run.run_dir,  # the report, once no fallback is left
+                release=lambda: drop_optimizer_state(agent.optimizer),
+                device=run.device,
             )
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                if args.wait_for_gpu_mb > 0:
-                    mu.wait_for_gpu(
-                        args.wait_for_gpu_mb, args.wait_poll_s, args.wait_timeout_s, device=device
-                    )
-            batch_size, fallback_used = args.fallback_batch_size, True
-            continue
-        diagnosis = mu.write_oom_report(run_dir, error, None, device=device)
-        logger.info(
-            f"out of memory at start-up ({where}): optimizer-state preallocation at batch {batch_size} "
-            f"does not fit, so nothing was trained.\n{diagnosis}\n"
-            + (
-                ""
-                if fallback_asked
-                else "--wait-for-gpu-mb MB (wait for room) or --fallback-batch-size N "
-                "(retry smaller) let the run go on instead."
+        if not fallback_left:
+            run.logger.info(
+                f"out of memory at start-up ({oom.where}): optimizer-state preallocation at batch "
+                f"{run.batch_size} does not fit, so nothing was trained.\n{oom.diagnosis}\n"
+                + (
+                    ""
+                    if fallback_asked
+                    else "--wait-for-gpu-mb MB (wait for room) or --fallback-batch-size N "
+                    "(retry smaller) let the run go on instead."
+                )
             )
+            raise RunInterrupted("out of memory", EXIT_OOM)
+        run.logger.info(
+            f"preallocation: batch {run.batch_size} does not fit ({str(oom.error).splitlines()[0]}); "
+            f"retrying with the fallback batch size {args.fallback_batch_size}"
         )
-        raise RunInterrupted("out of memory", EXIT_OOM)
+        if run.device.type == "cuda" and args.wait_for_gpu_mb > 0:
+            mu.wait_for_gpu(
+                args.wait_for_gpu_mb,
+                args.wait_poll_s,
+                args.wait_timeout_s,
+                device=run.device,
+                sleep=sleep_unless_stopped(run.stop),
+            )
+        run.batch_size, run.fallback_used = args.fallback_batch_size, True
 
 
 def make_scheduler(optimizer, args: Args):
@@ -1317,6 +1455,7 @@ def make_scheduler(optimizer, args: Args):
 
 
 def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> float:
+    """Epsilon at step `t`: from `start_e` down to `end_e` over `duration` steps, then `end_e`."""
     slope = (end_e - start_e) / duration
     return max(slope * t + start_e, end_e)
 
@@ -1336,21 +1475,21 @@ def select_action(
         own = np.flatnonzero(obs["feature_screen"][0] == SELF) if select_own_only else None
         if own is not None and own.size == 0:
             mask[FUNCTIONS.index("select_point")] = False  # nothing of ours on the screen to select
-        function = int(rng.choice(np.flatnonzero(mask)))  # index into FUNCTIONS
-        if function < len(NONSPATIAL_FUNCTIONS):
-            return function
+        name = FUNCTIONS[int(rng.choice(np.flatnonzero(mask)))]
         res = q_network.res
-        if own is not None and FUNCTIONS[function] == "select_point":
+        if not HEAD_OF[name].takes_point:
+            return encode_action(FUNCTION_IDS[name], None, res)
+        if own is not None and name == "select_point":
             point = int(rng.choice(own))
         else:
             point = int(rng.integers(0, res * res))
-        return encode_action(FUNCTION_IDS[FUNCTIONS[function]], (point % res, point // res), res)
+        return encode_action(FUNCTION_IDS[name], (point % res, point // res), res)
     states = to_tensors(obs_to_states(obs), device)
     # memory: acting builds no graph
     with torch.no_grad():
-        q_ns, q_sp = q_network(states["screen"], states["minimap"], states["player"], states["mask"])
-        points = point_mask(states["screen"], select_own_only)
-        return int(masked_q(q_ns.float(), q_sp.float(), states["mask"], points).argmax(1).item())
+        qs = q_network(states["screen"], states["minimap"], states["player"], states["mask"])
+        points = point_masks(states["screen"], select_own_only)
+        return int(masked_q([q.float() for q in qs], states["mask"], points).argmax(1).item())
 
 
 # Colours of the video frames, by player_relative value: background, self (marines), ally, neutral (beacon,
@@ -1372,6 +1511,7 @@ def render_screen(obs: dict) -> np.ndarray:
 
 
 def write_video(frames: list[np.ndarray], path: str) -> None:
+    """The frames as an mp4 at VIDEO_FPS."""
     from moviepy import ImageSequenceClip  # imported only when videos are recorded
 
     clip = ImageSequenceClip(frames, fps=VIDEO_FPS)
@@ -1389,15 +1529,19 @@ def run_test_episodes(
     video_dir: str | None = None,
     select_own_only: bool = False,
     through_pixels: float = 0.0,
+    stop: mu.StopSignals | None = None,
 ) -> list[float]:
     """Test episodes (greedy at epsilon 0); returns each episode's score. With `video_dir`, each episode's
-    screen is written to `{video_dir}/test-episode-{k}.mp4`. Moves are carried `through_pixels` on (game_call)."""
+    screen is written to `{video_dir}/test-episode-{k}.mp4`. Moves are carried `through_pixels` on (game_call).
+    A stop signal ends them at the top of a step (RunInterrupted)."""
     rng = np.random.default_rng(0)
     scores = []
     for k in range(num_episodes):
         obs, done, score = env.reset(), False, 0.0
         frames = [render_screen(obs)] if video_dir else None
         while not done:
+            if stop is not None:
+                check_stop(stop)
             action = select_action(q_network, obs, epsilon, rng, device, select_own_only)
             obs, reward, done = env.step(*game_call(action, obs, res, through_pixels))
             score += reward
@@ -1418,6 +1562,7 @@ class ConfigError(Exception):
 
 
 def env_var_name(field: str) -> str:
+    """The RL_* variable of an Args field."""
     return "RL_" + field.upper()
 
 
@@ -1524,24 +1669,32 @@ EXIT_WRITE_FAILED = 6
 
 
 class RunInterrupted(BaseException):
-    """A run stopped early (a signal, or CUDA out of memory): it checkpoints and writes no results row. A
-    BaseException, as KeyboardInterrupt is: raised by a signal handler wherever the loop is, it must not be taken for
-    an ordinary error by an `except Exception` (the memory report's swallowed a SIGTERM and training went on)."""
+    """A run stopped early (a stop signal, seen at the top of an agent step, or CUDA out of memory): it checkpoints
+    and writes no results row. A BaseException, as KeyboardInterrupt is, so that no `except Exception` between the
+    loop and the checkpoint code takes it for an ordinary error."""
 
     def __init__(self, reason: str, exit_code: int):
         super().__init__(reason)
         self.exit_code = exit_code
 
 
-def oom_site(exc: BaseException) -> str:
-    """Where in this script an out-of-memory error came from: the innermost of its functions on the traceback."""
-    here = os.path.abspath(__file__)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == here]
-    return f"in {frames[-1].name}, line {frames[-1].lineno}" if frames else "outside this script"
+def check_stop(stop: mu.StopSignals) -> None:
+    """At the top of every agent step (training, evaluation and test episodes): a SIGINT or SIGTERM received since
+    the last step stops the run here, where nothing is half done (RunInterrupted: checkpoint, exit 128 + N)."""
+    if stop.received:
+        raise RunInterrupted(stop.name, stop.exit_code)
 
 
-def _raise_interrupted(signum, frame):
-    raise RunInterrupted(signal.Signals(signum).name, 128 + signum)
+def sleep_unless_stopped(stop: mu.StopSignals):
+    """A `sleep` for mu.wait_for_gpu that ends the wait for GPU memory (RunInterrupted) once a stop signal came."""
+
+    def sleep(seconds: float) -> None:
+        """Sleep, unless a stop signal came (before or during)."""
+        check_stop(stop)
+        time.sleep(seconds)
+        check_stop(stop)
+
+    return sleep
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
@@ -1550,7 +1703,10 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     mu.atomic_write(path, data)
 
 
-CHECKPOINT_FORMAT = "dqn_starcraft_split/3"  # 3: every setting in RESUME_MUST_MATCH recorded in its args
+# 4: the heads' weights under `nonspatial_head.mlp.` and `spatial_head.`; 3 (the same but for those keys, which
+# SplitQNetwork renames on load) is read too
+CHECKPOINT_FORMAT = "dqn_starcraft_split/4"
+READABLE_FORMATS = (CHECKPOINT_FORMAT, "dqn_starcraft_split/3")
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
 RESUME_MUST_MATCH = (
     "backend",
@@ -1559,16 +1715,7 @@ RESUME_MUST_MATCH = (
     "step_mul",
     "screen_world_units",
     "n_step",
-    "tower_channels",
-    "fused_channels",
-    "context_layers",
-    "click_distance",
-    "timer_input",
-    "player_channels",
-    "nonspatial_hidden",
-    "fine_gain",
-    "fine_kernel",
-    "coarse_level",
+    *NETWORK_SETTINGS,
     "move_through",
 )
 # what the saved scheduler state holds: loaded into another schedule it would not fit, or would silently override
@@ -1589,7 +1736,8 @@ def save_checkpoint(
     extra: dict | None = None,
 ) -> None:
     """Tensors and plain containers only (loads with weights_only=True); `extra`: the scaler, RNG states,
-    recent scores and, with --checkpoint-buffer, the replay."""
+    recent scores and, with --checkpoint-buffer, the replay. Written all at once or not at all, with its checksum
+    beside it (`checkpoint.pt.sha256`), which `load_checkpoint` checks before it reads a byte."""
     buffer = io.BytesIO()
     torch.save(
         {
@@ -1606,13 +1754,19 @@ def save_checkpoint(
         },
         buffer,
     )
-    atomic_write_bytes(path, buffer.getvalue())
+    mu.save_checked(path, buffer.getvalue())
 
 
 def load_checkpoint(path: str, args: Args) -> dict:
-    """A checkpoint to resume from, checked against this run's settings; any problem is one ConfigError."""
+    """A checkpoint to resume from, its bytes checked against its checksum (`checkpoint.pt.sha256`) and its settings
+    against this run's; any problem is one ConfigError, and the file is left where it is. A checkpoint without a
+    checksum (written before checkpoints had one) is read, after one line on stderr."""
     if not os.path.isfile(path):
         raise ConfigError(f"--resume {path!r} does not exist or is not a file.")
+    try:
+        note = mu.verify_checkpoint(path)  # torch.load does not notice changed bytes inside a tensor
+    except mu.CheckpointInvalid as exc:
+        raise ConfigError(f"--resume {exc}") from None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - corrupt, truncated, or not a checkpoint at all
@@ -1620,7 +1774,7 @@ def load_checkpoint(path: str, args: Args) -> dict:
         raise ConfigError(f"--resume {path!r} is not a readable checkpoint ({first_line[:160]}).") from None
     if not isinstance(state, dict) or not {"format", "rng", "q_network", "args"} <= set(state):
         raise ConfigError(f"--resume {path!r} is not a {CHECKPOINT_FORMAT} checkpoint that can be resumed.")
-    if state["format"] != CHECKPOINT_FORMAT:
+    if state["format"] not in READABLE_FORMATS:
         raise ConfigError(
             f"--resume {path!r} was written by another version of this script ({state['format']}, "
             f"this one reads {CHECKPOINT_FORMAT}); start a new run."
@@ -1634,6 +1788,8 @@ def load_checkpoint(path: str, args: Args) -> dict:
                 f"--resume checkpoint was trained with --{name.replace('_', '-')} {saved}, but this run "
                 f"asks for {wanted}."
             )
+    if note:
+        print(note, file=sys.stderr)
     return state
 
 
@@ -1654,24 +1810,38 @@ RESULTS_COLUMNS = (
 )
 
 
+@contextlib.contextmanager
+def folder_lock(folder: str):
+    """An exclusive lock on `folder` while the block runs, so that runs ending at once rewrite the CSV across runs
+    in turn (flock on the folder itself: no lock file is left behind)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def append_results_row(path: str, row: dict) -> None:
     """Append one row to the CSV across runs, atomically (the whole file is rewritten and renamed)."""
-    existing = b""
-    if os.path.exists(path):
-        with open(path, "rb") as f:
-            existing = f.read()
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=RESULTS_COLUMNS, lineterminator="\n")
-    if not existing:
-        writer.writeheader()
-    writer.writerow(row)
-    if existing and not existing.endswith(b"\n"):
-        existing += b"\n"
-    atomic_write_bytes(path, existing + text.getvalue().encode())
+    with folder_lock(os.path.dirname(os.path.abspath(path))):
+        existing = b""
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                existing = f.read()
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=RESULTS_COLUMNS, lineterminator="\n")
+        if not existing:
+            writer.writeheader()
+        writer.writerow(row)
+        if existing and not existing.endswith(b"\n"):
+            existing += b"\n"
+        atomic_write_bytes(path, existing + text.getvalue().encode())
 
 
 def make_logger(run_dir: str, run_id: str) -> logging.Logger:
-    logger = logging.getLogger(f"dqn_starcraft_split.{run_id}")
+    """train.log in the run folder, and stdout: each line with its time."""
+    logger = logging.getLogger(f"{__name__}.{run_id}")
     logger.setLevel(logging.INFO)
     logger.propagate = False
     logger.handlers.clear()
@@ -1686,11 +1856,13 @@ def make_logger(run_dir: str, run_id: str) -> logging.Logger:
 
 
 def resolve_device(args: Args) -> torch.device:
+    """CUDA when asked for and present, else the CPU."""
     return torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
 
 
-def wait_for_memory(args: Args, device) -> tuple[int, bool, str | None]:
-    """Before anything is built: (batch size to use, whether the fallback is used, a line to log)."""
+def wait_for_memory(args: Args, device, stop: mu.StopSignals) -> tuple[int, bool, str | None]:
+    """Before anything is built: (batch size to use, whether the fallback is used, a line to log). A stop signal
+    ends the wait (RunInterrupted)."""
     if args.wait_for_gpu_mb <= 0:
         return args.batch_size, False, None
     if device.type != "cuda":
@@ -1699,7 +1871,13 @@ def wait_for_memory(args: Args, device) -> tuple[int, bool, str | None]:
             False,
             (f"wait: --wait-for-gpu-mb {args.wait_for_gpu_mb:g} ignored: no CUDA device, training on CPU"),
         )
-    if mu.wait_for_gpu(args.wait_for_gpu_mb, args.wait_poll_s, args.wait_timeout_s, device=device):
+    if mu.wait_for_gpu(
+        args.wait_for_gpu_mb,
+        args.wait_poll_s,
+        args.wait_timeout_s,
+        device=device,
+        sleep=sleep_unless_stopped(stop),
+    ):
         return args.batch_size, False, f"wait: {args.wait_for_gpu_mb:g} MB free on {device}"
     return (
         args.fallback_batch_size,
@@ -1711,12 +1889,49 @@ def wait_for_memory(args: Args, device) -> tuple[int, bool, str | None]:
     )
 
 
+def claim_run_folder(save_path: str, run_id: str, chosen: bool) -> str:
+    """Create a new run's folder so that no two runs ever share one; returns the run id it got. A default run id
+    (`{map}__{exp_name}__{seed}__{unix time}`) that another run took already gets a suffix (`-2`, said in one line);
+    a `--run-id` the user chose is refused (ConfigError) when its folder holds a run (a config.json)."""
+    if not chosen:
+        return mu.claim_run_dir(save_path, run_id)[1]  # creating a folder is atomic: one run gets each name
+    folder = os.path.join(save_path, run_id)
+    os.makedirs(folder, exist_ok=True)
+    try:  # creating config.json is atomic too: of two runs given the same --run-id at once, one gets it
+        with open(os.path.join(folder, "config.json"), "x"):
+            pass  # set_up writes its content
+    except FileExistsError:
+        raise ConfigError(run_id_taken(run_id, folder)) from None
+    return run_id
+
+
+def run_id_taken(run_id: str, folder: str) -> str:
+    """The sentence that refuses a --run-id whose folder holds a run."""
+    return (
+        f"run id {run_id!r} already holds a run in {folder}; pass --overwrite to replace it, "
+        f"or choose another --run-id."
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------
 @dataclass
+class Agent:
+    """The learner `build_agent` makes from Args and a seed."""
+
+    q_network: SplitQNetwork
+    target_network: SplitQNetwork
+    optimizer: torch.optim.Optimizer
+    scheduler: typing.Any  # a per-episode learning-rate schedule, or None
+    rb: SplitReplayBuffer
+    rng: np.random.Generator  # exploration and replay sampling
+
+
+@dataclass
 class Run:
-    """What one seed's run holds: made by `set_up`, read by the training loop, closed by `close`."""
+    """What one seed's run holds: opened by `open_run`, given its agent, environments and memory instruments by
+    `set_up`, read by the training loop, closed by `close`."""
 
     args: Args
     seed: int
@@ -1724,37 +1939,92 @@ class Run:
     run_dir: str
     device: torch.device
     amp: mu.AmpSetup
+    stop: mu.StopSignals  # SIGINT and SIGTERM, recorded; read at the top of every agent step
+    config: dict  # config.json as written
     logger: logging.Logger
     writer: typing.Any  # torch.utils.tensorboard.SummaryWriter
-    env: typing.Any  # BuiltinMiniGame or Pysc2MiniGame
-    eval_env: typing.Any  # a second built-in game, or the same pysc2 game
-    q_network: SplitQNetwork
-    target_network: SplitQNetwork
-    optimizer: torch.optim.Optimizer
-    scheduler: typing.Any
-    rb: SplitReplayBuffer
-    rng: np.random.Generator  # exploration and replay sampling
     batch_size: int
     fallback_used: bool
-    leak: mu.LeakDetector
-    probes: mu.StageProbes
-    snapshots: mu.MemorySnapshots
-    curve_path: str
-    checkpoint_path: str
-    through_pixels: float  # --move-through, in screen pixels
+    agent: Agent | None = None
+    env: typing.Any = None  # BuiltinMiniGame or Pysc2MiniGame
+    eval_env: typing.Any = None  # a second built-in game, or the same pysc2 game
+    through_pixels: float = 0.0  # --move-through, in screen pixels
+    leak: mu.LeakDetector | None = None
+    probes: mu.StageProbes | None = None
+    snapshots: mu.MemorySnapshots | None = None
     last_report: dict | None = None  # the latest memory report and leak verdict, for an OOM report
     last_verdict: typing.Any = None
     memory_report_failed: bool = False
 
+    @property
+    def checkpoint_path(self) -> str:
+        """Where the run's checkpoint goes."""
+        return os.path.join(self.run_dir, "checkpoint.pt")
 
-def set_up(args: Args, sources: dict, seed: int, run_id: str, resume_step: int | None) -> Run:
-    """The run folder, config.json, logging, seeding, environments, networks, optimizer (its state preallocated),
-    replay and memory instruments, in the order that fixes every random number."""
+    @property
+    def curve_path(self) -> str:
+        """The periodic greedy tests' CSV."""
+        return os.path.join(self.run_dir, "eval", "curve.csv")
+
+
+def build_agent(args: Args, seed: int, device) -> Agent:
+    """ALGO LOGIC: the seeds, the online and target networks, Adam, the learning-rate schedule and the replay, in the
+    order that fixes every random number."""
+    torch.set_num_threads(args.torch_num_threads)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    rng = np.random.default_rng(seed)
+    q_network = make_q_network(**network_settings(args)).to(device)
+    target_network = make_q_network(**network_settings(args)).to(device)
+    target_network.load_state_dict(q_network.state_dict())
+    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
+    scheduler = make_scheduler(optimizer, args)
+    rb = SplitReplayBuffer(args.buffer_size, args.res)
+    return Agent(q_network, target_network, optimizer, scheduler, rb, rng)
+
+
+def set_up(
+    args: Args, sources: dict, seed: int, run_id: str, resume_step: int | None, stop: mu.StopSignals
+) -> Run:
+    """A run ready to train: its folder's files and logs (`open_run`), its environments, the agent and its replay
+    (`build_agent`) with the optimizer state preallocated, then the memory instruments (`instrument`)."""
+    run = open_run(args, sources, seed, run_id, resume_step, stop)
+    args = run.args
+    run.env = make_env(args, seed)
+    run.eval_env = make_env(args, seed + 10_000) if args.backend == "builtin" else run.env
+    run.through_pixels = args.move_through * args.res / args.screen_world_units
+    run.agent = build_agent(args, seed, run.device)
+    prealloc_mb = preallocate_or_fall_back(run, sources)
+    if run.config["batch_size_used"] != run.batch_size:  # the fallback batch, after an OOM at preallocation
+        run.config.update(
+            batch_size_used=run.batch_size,
+            fallback_used=True,
+            fallback_reason="optimizer-state preallocation ran out of memory at the full batch",
+        )
+        atomic_write_bytes(
+            os.path.join(run.run_dir, "config.json"), json.dumps(run.config, indent=2).encode()
+        )
+    run.logger.info(
+        f"run {run.run_id}: device {run.device}, amp {run.amp.mode}, batch {run.batch_size}"
+        f"{' (fallback)' if run.fallback_used else ''}, optimizer state preallocated ({prealloc_mb:.1f} MB peak)"
+    )
+    instrument(run)
+    return run
+
+
+def open_run(
+    args: Args, sources: dict, seed: int, run_id: str, resume_step: int | None, stop: mu.StopSignals
+) -> Run:
+    """The run's folder, claimed for a new run (`claim_run_folder`: the run id may get a suffix), with config.json,
+    train.log and eval/curve.csv; wandb and TensorBoard; after waiting for GPU memory when asked to."""
     allocator = mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
     mu.one_malloc_arena()  # memory: before TensorBoard's and wandb's threads, whose own heaps are never trimmed
     device = resolve_device(args)
-    batch_size, fallback_used, wait_line = wait_for_memory(args, device)  # before building anything
-
+    batch_size, fallback_used, wait_line = wait_for_memory(args, device, stop)  # before building anything
+    if resume_step is None:  # a resumed run goes on in its own folder
+        run_id = claim_run_folder(args.save_path, run_id, chosen=args.run_id is not None)
     run_dir = os.path.join(args.save_path, run_id)
     os.makedirs(os.path.join(run_dir, "eval"), exist_ok=True)
     logger = make_logger(run_dir, run_id)
@@ -1777,23 +2047,41 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resume_step: int |
         "machine": platform.machine(),
     }
     atomic_write_bytes(os.path.join(run_dir, "config.json"), json.dumps(config, indent=2).encode())
+    curve_path = os.path.join(run_dir, "eval", "curve.csv")
+    if resume_step is None or not os.path.exists(curve_path):
+        atomic_write_bytes(
+            curve_path, b"episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n"
+        )
+    if args.track and not start_wandb(args, run_id, run_dir, logger):
+        args = dataclasses.replace(args, track=False)
+    writer = open_tensorboard(args, sources, run_id, resume_step, logger)
+    return Run(
+        args, seed, run_id, run_dir, device, amp, stop, config, logger, writer, batch_size, fallback_used
+    )
 
-    if args.track:
-        try:
-            import wandb
 
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=dataclasses.asdict(args),
-                name=run_id,
-                dir=run_dir,
-                save_code=True,
-            )
-        except Exception as exc:  # noqa: BLE001 - tracking must never stop training
-            logger.info(f"wandb: tracking disabled ({type(exc).__name__}: {exc})")
-            args = dataclasses.replace(args, track=False)
+def start_wandb(args: Args, run_id: str, run_dir: str, logger) -> bool:
+    """Track the run in Weights and Biases (offline with WANDB_MODE=offline); False, after one line, if it fails."""
+    try:
+        import wandb
+
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            sync_tensorboard=True,
+            config=dataclasses.asdict(args),
+            name=run_id,
+            dir=run_dir,
+            save_code=True,
+        )
+        return True
+    except Exception as exc:  # noqa: BLE001 - tracking must never stop training
+        logger.info(f"wandb: tracking disabled ({type(exc).__name__}: {exc})")
+        return False
+
+
+def open_tensorboard(args: Args, sources: dict, run_id: str, resume_step: int | None, logger):
+    """The SummaryWriter of `{log_dir}/{run_id}`, with the hyperparameters as its first text."""
     # imported here: pysc2 must pick protobuf's runtime first
     from torch.utils.tensorboard import SummaryWriter
 
@@ -1808,96 +2096,34 @@ def set_up(args: Args, sources: dict, seed: int, run_id: str, resume_step: int |
         "|param|value|source|\n|-|-|-|\n"
         + "\n".join(f"|{k}|{v}|{sources[k]}|" for k, v in dataclasses.asdict(args).items()),
     )
+    return writer
 
-    torch.set_num_threads(args.torch_num_threads)
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    rng = np.random.default_rng(seed)
 
-    env = make_env(args, seed)
-    eval_env = make_env(args, seed + 10_000) if args.backend == "builtin" else env
-    q_network = make_q_network(args).to(device)
-    target_network = make_q_network(args).to(device)
-    target_network.load_state_dict(q_network.state_dict())
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
-    scheduler = make_scheduler(optimizer, args)
-    prealloc_mb, batch_size, fallback_used = preallocate_or_fall_back(
-        q_network,
-        target_network,
-        optimizer,
-        amp,
-        args,
-        sources,
-        batch_size,
-        fallback_used,
-        device,
-        run_dir,
-        logger,
-    )
-    if config["batch_size_used"] != batch_size:  # the fallback batch, after an OOM at preallocation
-        config.update(
-            batch_size_used=batch_size,
-            fallback_used=True,
-            fallback_reason="optimizer-state preallocation ran out of memory at the full batch",
-        )
-        atomic_write_bytes(os.path.join(run_dir, "config.json"), json.dumps(config, indent=2).encode())
-    logger.info(
-        f"run {run_id}: device {device}, amp {amp.mode}, batch {batch_size}"
-        f"{' (fallback)' if fallback_used else ''}, optimizer state preallocated ({prealloc_mb:.1f} MB peak)"
-    )
-    rb = SplitReplayBuffer(args.buffer_size, args.res)
-    obs_bytes, aux_bytes = rb.bytes_per_step()
-    logger.info(
+def instrument(run: Run) -> None:
+    """The memory instruments: the replay's size in train.log, a full disk said now (not at the first checkpoint),
+    stage probes, allocator snapshots, a snapshot at the moment of a CUDA OOM, and the leak detector."""
+    args, agent = run.args, run.agent
+    obs_bytes, aux_bytes = agent.rb.bytes_per_step()
+    run.logger.info(
         f"replay: {obs_bytes} B of observations + {aux_bytes} B of the rest per step, "
         f"{(obs_bytes + aux_bytes) * args.buffer_size / 2**20:.0f} MB when full"
     )
     checkpoint_bytes = mu.estimate_nbytes(
-        [q_network.state_dict(), target_network.state_dict(), optimizer.state_dict()]
+        [agent.q_network.state_dict(), agent.target_network.state_dict(), agent.optimizer.state_dict()]
     )
     checkpoint_bytes += (obs_bytes + aux_bytes) * args.buffer_size if args.checkpoint_buffer else 0
-    if warning := mu.disk_space_warning(run_dir, checkpoint_bytes):  # a full disk: said now, not at the end
-        logger.info(warning)
-    # forensics: stage probes, allocator snapshots, and a snapshot at the moment of a CUDA OOM
-    probes = mu.StageProbes(enabled=args.memory_probes, device=device)
-    snapshots = mu.MemorySnapshots(
-        run_dir, every=args.memory_snapshot_every, max_entries=args.snapshot_max_entries, device=device
+    if warning := mu.disk_space_warning(run.run_dir, checkpoint_bytes):
+        run.logger.info(warning)
+    run.probes = mu.StageProbes(enabled=args.memory_probes, device=run.device)
+    run.snapshots = mu.MemorySnapshots(
+        run.run_dir,
+        every=args.memory_snapshot_every,
+        max_entries=args.snapshot_max_entries,
+        device=run.device,
     )
-    if device.type == "cuda":
-        mu.install_oom_observer(run_dir)
-
-    curve_path = os.path.join(run_dir, "eval", "curve.csv")
-    if resume_step is None or not os.path.exists(curve_path):
-        atomic_write_bytes(
-            curve_path, b"episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n"
-        )
-    return Run(
-        args=args,
-        seed=seed,
-        run_id=run_id,
-        run_dir=run_dir,
-        device=device,
-        amp=amp,
-        logger=logger,
-        writer=writer,
-        env=env,
-        eval_env=eval_env,
-        q_network=q_network,
-        target_network=target_network,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        rb=rb,
-        rng=rng,
-        batch_size=batch_size,
-        fallback_used=fallback_used,
-        leak=mu.LeakDetector(warmup_steps=args.leak_warmup_steps),
-        probes=probes,
-        snapshots=snapshots,
-        curve_path=curve_path,
-        checkpoint_path=os.path.join(run_dir, "checkpoint.pt"),
-        through_pixels=args.move_through * args.res / args.screen_world_units,
-    )
+    if run.device.type == "cuda":
+        mu.install_oom_observer(run.run_dir)
+    run.leak = mu.LeakDetector(warmup_steps=args.leak_warmup_steps)
 
 
 def restore(run: Run, state: dict) -> tuple[int, int, int, list[float]]:
@@ -1905,11 +2131,11 @@ def restore(run: Run, state: dict) -> tuple[int, int, int, list[float]]:
     run; returns (first episode to play, global step, last episode, recent training scores)."""
     # an interrupted episode starts again; a finished one is followed by the next
     first_episode = state["episode"] + (0 if state["interrupted"] else 1)
-    run.q_network.load_state_dict(state["q_network"])
-    run.target_network.load_state_dict(state["target_network"])
-    run.optimizer.load_state_dict(state["optimizer"])
-    if run.scheduler is not None and state["scheduler"] is not None:
-        run.scheduler.load_state_dict(state["scheduler"])
+    run.agent.q_network.load_state_dict(state["q_network"])
+    run.agent.target_network.load_state_dict(state["target_network"])
+    run.agent.optimizer.load_state_dict(state["optimizer"])
+    if run.agent.scheduler is not None and state["scheduler"] is not None:
+        run.agent.scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler"):
         run.amp.scaler.load_state_dict(state["scaler"])
     rngs = state["rng"]
@@ -1917,12 +2143,12 @@ def restore(run: Run, state: dict) -> tuple[int, int, int, list[float]]:
     random.setstate(rngs["python"])
     kind, keys, pos, has_gauss, gauss = rngs["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    run.rng.bit_generator.state = rngs["actions"]
+    run.agent.rng.bit_generator.state = rngs["actions"]
     for name, game in (("env", run.env), ("eval_env", run.eval_env)):
         if name in rngs and hasattr(game, "rng"):
             game.rng.bit_generator.state = rngs[name]
     if state.get("replay") is not None:
-        run.rb.load_state_dict(state["replay"])
+        run.agent.rb.load_state_dict(state["replay"])
     run.logger.info(
         f"resumed {run.run_id} at episode {first_episode}, step {state['global_step']}"
         f"{' with its replay' if state.get('replay') is not None else ' (replay not saved)'}"
@@ -1937,7 +2163,7 @@ def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-        "actions": run.rng.bit_generator.state,
+        "actions": run.agent.rng.bit_generator.state,
     }
     for name, game in (("env", run.env), ("eval_env", run.eval_env)):
         if hasattr(game, "rng"):
@@ -1946,14 +2172,14 @@ def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list
         "rng": rngs,
         "scaler": run.amp.scaler.state_dict(),
         "recent_train_scores": list(recent_train_scores),
-        "replay": run.rb.state_dict() if run.args.checkpoint_buffer else None,
+        "replay": run.agent.rb.state_dict() if run.args.checkpoint_buffer else None,
     }
     save_checkpoint(
         run.checkpoint_path,
-        run.q_network,
-        run.target_network,
-        run.optimizer,
-        run.scheduler,
+        run.agent.q_network,
+        run.agent.target_network,
+        run.agent.optimizer,
+        run.agent.scheduler,
         episode,
         global_step,
         run.args,
@@ -1965,20 +2191,20 @@ def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list
 @contextlib.contextmanager
 def out_of_memory_ends_the_run(run: Run, global_step: int):
     """A CUDA OOM while acting, copying a batch, updating or testing: the report in oom/, the diagnosis in
-    train.log, then RunInterrupted (checkpoint, exit 3), as a signal would."""
+    train.log, then RunInterrupted (checkpoint, exit 3), as a stop signal would."""
     try:
         yield
     except torch.OutOfMemoryError as exc:
-        where = oom_site(exc)
-        # memory: drop the failed step's tensors before the report looks at what is left
-        traceback.clear_frames(exc.__traceback__)
-        error = exc.with_traceback(None)
-        del exc
-        gc.collect()
-        diagnosis = mu.write_oom_report(
-            run.run_dir, error, run.last_report, verdict=run.last_verdict, device=run.device
+        # memory: the failed step's tensors are dropped before the report looks at what is left
+        oom = mu.out_of_memory(
+            exc,
+            __file__,
+            run.run_dir,
+            last_report=run.last_report,
+            verdict=run.last_verdict,
+            device=run.device,
         )
-        run.logger.info(f"out of memory at step {global_step} ({where}):\n{diagnosis}")
+        run.logger.info(f"out of memory at step {global_step} ({oom.where}):\n{oom.diagnosis}")
         raise RunInterrupted("out of memory", EXIT_OOM) from None
 
 
@@ -1987,7 +2213,7 @@ def log_memory(run: Run, global_step: int) -> None:
     try:
         run.writer.flush()  # memory: no TensorBoard record still queued is read as growth
         # memory: memory_report() collects garbage and trims the heap first (live memory)
-        run.last_report = mu.memory_report(buffer_stats=run.rb.stats(), device=run.device)
+        run.last_report = mu.memory_report(buffer_stats=run.agent.rb.stats(), device=run.device)
         for key, value in {**run.last_report, **run.probes.scalars()}.items():
             run.writer.add_scalar(key, value, global_step)
         if run.args.memory_probes:
@@ -2006,6 +2232,7 @@ def log_memory(run: Run, global_step: int) -> None:
 def log_episode(
     run: Run, episode: int, global_step: int, score: float, length: int, epsilon: float, lr: float
 ):
+    """`charts/*` of a finished training episode, and its line on stdout."""
     run.writer.add_scalar("charts/episodic_return", score, global_step)
     run.writer.add_scalar("charts/episodic_length", length, global_step)
     run.writer.add_scalar("charts/epsilon", epsilon, global_step)
@@ -2029,7 +2256,7 @@ def evaluate(
     args = run.args
     with out_of_memory_ends_the_run(run, global_step):
         test_scores = run_test_episodes(
-            run.q_network,
+            run.agent.q_network,
             run.eval_env,
             args.num_eval_episodes,
             args.res,
@@ -2037,6 +2264,7 @@ def evaluate(
             args.test_epsilon,
             select_own_only=args.select_own_only,
             through_pixels=run.through_pixels,
+            stop=run.stop,
         )
     test_mean = float(np.mean(test_scores))
     train_mean = float(np.mean(recent_train_scores))
@@ -2070,7 +2298,7 @@ def finish(
     args = run.args
     with out_of_memory_ends_the_run(run, global_step):
         test_scores = run_test_episodes(
-            run.q_network,
+            run.agent.q_network,
             run.eval_env,
             args.num_test_episodes,
             args.res,
@@ -2079,6 +2307,7 @@ def finish(
             video_dir=os.path.join(run.run_dir, "videos") if args.capture_video else None,
             select_own_only=args.select_own_only,
             through_pixels=run.through_pixels,
+            stop=run.stop,
         )
     verdict = run.leak.check()
     results = {
@@ -2136,11 +2365,10 @@ def save_interrupted(
     recent_train_scores: list,
     replay_episode: bool,
 ):
-    """A signal or a CUDA OOM stopped the run: a checkpoint, a line in train.log, no results row. With
+    """A stop signal or a CUDA OOM stopped the run: a checkpoint, a line in train.log, no results row. With
     `replay_episode` the resumed run plays `episode` again from its start (`global_step` is the step it began at);
-    without it (the episode had ended and was logged) the resumed run goes on with the next one."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    without it (the episode had ended and was logged) the resumed run goes on with the next one. Another stop
+    signal meanwhile is only recorded: the checkpoint is written whole."""
     save_run(run, episode, global_step, recent_train_scores, interrupted=replay_episode)
     run.logger.info(
         f"interrupted by {reason} at episode {episode}, step {global_step}: checkpoint saved to "
@@ -2152,6 +2380,7 @@ def save_interrupted(
 
 
 def close(run: Run) -> None:
+    """The end of a finished run: TensorBoard, the environments, the snapshots and wandb closed."""
     run.writer.close()
     run.env.close()
     run.snapshots.close()
@@ -2163,72 +2392,73 @@ def close(run: Run) -> None:
         wandb.finish()
 
 
+def play_episode(run: Run, global_step: int, start_time: float) -> tuple[int, float, int, float]:
+    """One training episode from `global_step` on: act, store, and update every `train_frequency` agent steps;
+    returns (global step, score, length, the last epsilon). A stop signal ends it at the top of a step."""
+    args, agent, probes = run.args, run.agent, run.probes
+    obs, done, score, length = run.env.reset(), False, 0.0, 0
+    while not done:
+        check_stop(run.stop)
+        probes("loop_start")
+        epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
+        with out_of_memory_ends_the_run(run, global_step):
+            action = select_action(agent.q_network, obs, epsilon, agent.rng, run.device, args.select_own_only)
+        next_obs, reward, done = run.env.step(*game_call(action, obs, args.res, run.through_pixels))
+        agent.rb.add(obs, action, reward, done)
+        probes("after_collect")
+        obs = next_obs
+        score += reward
+        length += 1
+        global_step += 1
+
+        # ALGO LOGIC: training
+        if global_step > args.learning_starts and global_step % args.train_frequency == 0:
+            with out_of_memory_ends_the_run(run, global_step):
+                batch = batch_to_device(agent.rb.sample(run.batch_size, agent.rng, args.n_step), run.device)
+            probes("after_sample")
+            with out_of_memory_ends_the_run(run, global_step):
+                metrics = update(agent.q_network, agent.target_network, agent.optimizer, run.amp, batch, args)
+            probes("after_optimizer_step")
+            if global_step % args.log_every_steps < args.train_frequency:
+                for key, value in metrics.items():  # memory: floats, once per interval
+                    run.writer.add_scalar(key, value.item(), global_step)
+                run.writer.add_scalar("charts/SPS", global_step / (time.time() - start_time), global_step)
+        if global_step % args.target_network_frequency == 0:
+            agent.target_network.load_state_dict(agent.q_network.state_dict())
+        probes.end_iteration(global_step)
+        run.snapshots.maybe_dump(global_step)
+        if global_step % args.memory_log_every == 0 and not run.memory_report_failed:
+            log_memory(run, global_step)
+    return global_step, score, length, epsilon
+
+
 def train_one_seed(
-    args: Args, sources: dict, seed: int, run_id: str, resume_state: dict | None = None
+    args: Args, sources: dict, seed: int, run_id: str, stop: mu.StopSignals, resume_state: dict | None = None
 ) -> dict:
     """One complete run (or the rest of one, from `resume_state`); returns its results row. Raises RunInterrupted
-    (after checkpointing) on a signal or a CUDA OOM."""
+    (after checkpointing) on a stop signal or a CUDA OOM."""
     wall_start = time.time()
-    run = set_up(
-        args, sources, seed, run_id, resume_step=None if resume_state is None else resume_state["global_step"]
-    )
-    args, rb, rng, probes = run.args, run.rb, run.rng, run.probes
-    q_network, target_network = run.q_network, run.target_network
+    resume_step = None if resume_state is None else resume_state["global_step"]
+    run = set_up(args, sources, seed, run_id, resume_step, stop)
+    args = run.args
     global_step, episode, recent_train_scores, first_episode = 0, 0, [], 1
     if resume_state is not None:
         first_episode, global_step, episode, recent_train_scores = restore(run, resume_state)
         resume_state = None  # memory: the loaded tensors live in the networks now
     start_time = time.time()
     stopped_by = "num_episodes"
-    episode_start, episode_over = (
-        global_step,
-        False,
-    )  # where the episode being played began; whether it is over
+    episode_over = False  # whether the episode being played has ended and been logged
     try:
         for episode in range(first_episode, args.num_episodes + 1):
-            episode_start, episode_over = global_step, False
-            obs, done, score, length = run.env.reset(), False, 0.0, 0
-            while not done:
-                probes("loop_start")
-                epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
-                with out_of_memory_ends_the_run(run, global_step):
-                    action = select_action(q_network, obs, epsilon, rng, run.device, args.select_own_only)
-                next_obs, reward, done = run.env.step(*game_call(action, obs, args.res, run.through_pixels))
-                rb.add(obs, action, reward, done)
-                probes("after_collect")
-                obs = next_obs
-                score += reward
-                length += 1
-                global_step += 1
-
-                # ALGO LOGIC: training
-                if global_step > args.learning_starts and global_step % args.train_frequency == 0:
-                    with out_of_memory_ends_the_run(run, global_step):
-                        batch = batch_to_device(rb.sample(run.batch_size, rng, args.n_step), run.device)
-                    probes("after_sample")
-                    with out_of_memory_ends_the_run(run, global_step):
-                        metrics = update(q_network, target_network, run.optimizer, run.amp, batch, args)
-                    probes("after_optimizer_step")
-                    if global_step % args.log_every_steps < args.train_frequency:
-                        # memory: floats, once per interval
-                        for key, value in metrics.items():
-                            run.writer.add_scalar(key, value.item(), global_step)
-                        run.writer.add_scalar(
-                            "charts/SPS", global_step / (time.time() - start_time), global_step
-                        )
-                if global_step % args.target_network_frequency == 0:
-                    target_network.load_state_dict(q_network.state_dict())
-                probes.end_iteration(global_step)
-                run.snapshots.maybe_dump(global_step)
-                if global_step % args.memory_log_every == 0 and not run.memory_report_failed:
-                    log_memory(run, global_step)
-
+            episode_over = False
+            # global_step moves on once the episode is over: a stopped episode is played again on resume
+            global_step, score, length, epsilon = play_episode(run, global_step, start_time)
             recent_train_scores = (recent_train_scores + [score])[-args.eval_every_episodes or -1 :]
-            lr = run.optimizer.param_groups[0]["lr"]
+            lr = run.agent.optimizer.param_groups[0]["lr"]
             log_episode(run, episode, global_step, score, length, epsilon, lr)
             episode_over = True
-            if run.scheduler is not None:
-                run.scheduler.step()  # ALGO LOGIC: the schedule moves once per episode
+            if run.agent.scheduler is not None:
+                run.agent.scheduler.step()  # ALGO LOGIC: the schedule moves once per episode
             over_time = args.time_limit_min > 0 and time.time() - start_time >= 60 * args.time_limit_min
             if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
                 evaluate(run, episode, global_step, epsilon, lr, recent_train_scores, start_time)
@@ -2239,14 +2469,7 @@ def train_one_seed(
         row = finish(run, episode, global_step, recent_train_scores, stopped_by, start_time, wall_start)
     except RunInterrupted as exc:
         # an episode stopped part-way is played again on resume: its steps are counted then, not twice
-        save_interrupted(
-            run,
-            exc,
-            episode,
-            global_step if episode_over else episode_start,
-            recent_train_scores,
-            replay_episode=not episode_over,
-        )
+        save_interrupted(run, exc, episode, global_step, recent_train_scores, replay_episode=not episode_over)
         raise
     close(run)
     return row
@@ -2256,16 +2479,18 @@ def drop_results_rows(path: str, run_id: str) -> None:
     """Remove an earlier run's row from the CSV across runs (`--overwrite`), atomically."""
     if not os.path.exists(path):
         return
-    with open(path, newline="") as f:
-        rows = [row for row in csv.DictReader(f) if row.get("run_id") != run_id]
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=RESULTS_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_bytes(path, text.getvalue().encode())
+    with folder_lock(os.path.dirname(os.path.abspath(path))):
+        with open(path, newline="") as f:
+            rows = [row for row in csv.DictReader(f) if row.get("run_id") != run_id]
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=RESULTS_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_bytes(path, text.getvalue().encode())
 
 
 def main(args: Args, sources: dict) -> int:
+    """Every seed's run, one after another; the exit status (0, or the first run's that did not finish)."""
     args = with_map_defaults(args)
     seeds = list(args.seeds) or [args.seed]
     base_id = args.run_id or f"{args.map_name}__{args.exp_name}__{{seed}}__{int(time.time())}"
@@ -2293,41 +2518,51 @@ def main(args: Args, sources: dict) -> int:
         )
         seeds = [args.seed]
         run_ids = {args.seed: os.path.basename(os.path.dirname(os.path.abspath(args.resume)))}
-    for (
-        run_id
-    ) in run_ids.values():  # before anything is written: an earlier run is never overwritten by accident
-        folder = os.path.join(args.save_path, run_id)
-        if resume_state is None and os.path.exists(os.path.join(folder, "config.json")):
-            if not args.overwrite:
-                print(
-                    f"error: run id {run_id!r} already holds a run in {folder}; pass --overwrite to replace it, "
-                    f"or choose another --run-id.",
-                    file=sys.stderr,
-                )
-                return 2
-            shutil.rmtree(folder)
-            shutil.rmtree(os.path.join(args.log_dir, run_id), ignore_errors=True)
-            drop_results_rows(os.path.join(args.save_path, "results.csv"), run_id)
-    signal.signal(signal.SIGTERM, _raise_interrupted)
-    signal.signal(signal.SIGINT, _raise_interrupted)
+    elif args.run_id is not None and not take_chosen_run_ids(args, run_ids.values()):
+        return 2
     os.makedirs(args.save_path, exist_ok=True)
-    for seed in seeds:
-        run_id = run_ids[seed]
-        try:
-            row = train_one_seed(dataclasses.replace(args, seed=seed), sources, seed, run_id, resume_state)
-        except RunInterrupted as exc:
-            print(f"stopped by {exc}; remaining seeds not run", file=sys.stderr)
-            return exc.exit_code
-        except mu.WriteFailed as exc:  # config, test results, the final or interrupted checkpoint
-            print(f"stopped: {exc}; the run cannot go on without this file.", file=sys.stderr)
-            return EXIT_WRITE_FAILED
-        # The row is the very last thing a run writes, in one atomic rename: an interrupted run has none.
-        try:
-            append_results_row(os.path.join(args.save_path, "results.csv"), row)
-        except mu.WriteFailed as exc:
-            print(f"stopped: {exc}; this run's results row is not saved.", file=sys.stderr)
-            return EXIT_WRITE_FAILED
+    with mu.StopSignals() as stop:  # SIGINT and SIGTERM are recorded; the loop stops at its next step
+        for seed in seeds:
+            try:
+                check_stop(
+                    stop
+                )  # a signal during the last seed's final checkpoint: the next one does not start
+                row = train_one_seed(
+                    dataclasses.replace(args, seed=seed), sources, seed, run_ids[seed], stop, resume_state
+                )
+            except RunInterrupted as exc:
+                print(f"stopped by {exc}; remaining seeds not run", file=sys.stderr)
+                return exc.exit_code
+            except ConfigError as error:  # another run took this --run-id since the check above
+                print(f"error: {error}", file=sys.stderr)
+                return 2
+            except mu.WriteFailed as exc:  # config, test results, the final or interrupted checkpoint
+                print(f"stopped: {exc}; the run cannot go on without this file.", file=sys.stderr)
+                return EXIT_WRITE_FAILED
+            # The row is the very last thing a run writes, in one atomic rename: an interrupted run has none.
+            try:
+                append_results_row(os.path.join(args.save_path, "results.csv"), row)
+            except mu.WriteFailed as exc:
+                print(f"stopped: {exc}; this run's results row is not saved.", file=sys.stderr)
+                return EXIT_WRITE_FAILED
     return 0
+
+
+def take_chosen_run_ids(args: Args, run_ids) -> bool:
+    """Before anything is written: the folders of the run ids the user chose (--run-id) hold no run, or, with
+    --overwrite, their runs are removed (folder, TensorBoard events, results row). False after one sentence on
+    stderr when one holds a run and --overwrite is not given: an earlier run is never overwritten by accident."""
+    for run_id in run_ids:
+        folder = os.path.join(args.save_path, run_id)
+        if not os.path.exists(os.path.join(folder, "config.json")):
+            continue
+        if not args.overwrite:
+            print(f"error: {run_id_taken(run_id, folder)}", file=sys.stderr)
+            return False
+        shutil.rmtree(folder)
+        shutil.rmtree(os.path.join(args.log_dir, run_id), ignore_errors=True)
+        drop_results_rows(os.path.join(args.save_path, "results.csv"), run_id)
+    return True
 
 
 if __name__ == "__main__":

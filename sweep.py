@@ -16,8 +16,10 @@ with `WANDB_RUN_GROUP=<sweep>` so that the wandb runs of a sweep (`-- --track`) 
 
 Preemption and time limits: Slurm's SIGTERM reaches the script, which writes a checkpoint and exits 143; the task
 is requeued (`scontrol requeue`, preemption with requeue, or submitit's own requeue 90 s before `--time-min` runs
-out) and then finds the checkpoint in its folder and continues from it with `--resume`. Running the same command
-again with the same `--name` also continues every run that did not finish, and skips those that did.
+out) and then finds the checkpoint in its folder and continues from it with `--resume`, once the checkpoint matches
+the checksum the script wrote beside it (one that does not is not resumed from: the run fails in one line and the
+file stays where it is). Running the same command again with the same `--name` also continues every run that did
+not finish, and skips those that did.
 
 Each finished run writes `result.json` in its folder and every attempt a line of `attempts.jsonl`; the last run to
 finish writes `runs/<sweep>/results.csv` (run, seed, overrides, final score, steps, wall time, peak memory) and
@@ -129,7 +131,9 @@ class Script:
         if self.file == "dreamer_atari.py":
             import torch
 
-            state = torch.load(self.checkpoint(run_dir), map_location="cpu", weights_only=True)
+            checkpoint = self.checkpoint(run_dir)
+            verify_checkpoint(checkpoint)
+            state = torch.load(checkpoint, map_location="cpu", weights_only=True)
             returns = [event.value for event in scalars(self.events_dir(run_dir), "charts/episodic_return")]
             score = sum(returns[-10:]) / len(returns[-10:]) if returns else math.nan
             return {
@@ -425,6 +429,18 @@ def wait_for_free_gpu(plan: Plan, log) -> None:
     )
 
 
+def verify_checkpoint(path: Path) -> str | None:
+    """memory_utils' check of a checkpoint against the checksum the script wrote beside it, before the sweep reads
+    or resumes it: RunFailed (one sentence) when its bytes are not the ones written; a line to log when it has no
+    checksum (written before checkpoints had one), else None."""
+    import memory_utils as mu
+
+    try:
+        return mu.verify_checkpoint(path)
+    except mu.CheckpointInvalid as exc:
+        raise RunFailed(str(exc)) from None
+
+
 def in_slurm() -> bool:
     return "SLURM_JOB_ID" in os.environ
 
@@ -498,6 +514,13 @@ def run_one(plan: Plan, index: int) -> dict:
 
     wait_for_free_gpu(plan, log)
     resume = plan.script.checkpoint(run_dir)
+    if resume is not None:
+        try:
+            if note := verify_checkpoint(resume):
+                log(f"sweep: {note}")
+        except RunFailed as exc:  # not resumed from, and not removed: the run is left for a look
+            log(f"sweep: {exc}")
+            raise RunFailed(f"run {run.name} is not resumed: {exc}") from None
     stale = [run_dir / name for name in ("runs", "results") if (run_dir / name).exists()]
     if resume is None and stale:  # an earlier attempt died before any checkpoint: start that run afresh
         log(f"sweep: no checkpoint from the earlier attempt; removing {', '.join(p.name for p in stale)}")

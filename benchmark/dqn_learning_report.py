@@ -94,7 +94,7 @@ def trained_network(folder: Path) -> tuple[dqn.SplitQNetwork, dqn.Args]:
             if k in dqn.Args.__dataclass_fields__
         }
     )
-    net = dqn.make_q_network(args)
+    net = dqn.make_q_network(**dqn.network_settings(args))
     net.load_state_dict(state["q_network"])
     return net.eval(), args
 

@@ -51,8 +51,9 @@ def measure(quick: bool) -> dict:
     rng = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
     # the larger of the two maps' default networks: CollectMineralShards's, with its context layers
-    q_network = dqn.make_q_network(dataclasses.replace(args, map_name="CollectMineralShards"))
-    target_network = dqn.make_q_network(dataclasses.replace(args, map_name="CollectMineralShards"))
+    settings = dqn.network_settings(dataclasses.replace(args, map_name="CollectMineralShards"))
+    q_network = dqn.make_q_network(**settings)
+    target_network = dqn.make_q_network(**settings)
     target_network.load_state_dict(q_network.state_dict())
     steps = 500 if quick else 5_000
     out: dict = {

@@ -1,6 +1,7 @@
 """RL_* environment variables under the command line, and bad values refused before anything is written."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +113,7 @@ def test_bad_values_exit_2_with_one_sentence_and_write_nothing(tmp_path, args, e
 
 def test_cpu_machine_ignores_the_gpu_wait_in_one_line():
     args = dqn.Args(wait_for_gpu_mb=1000, batch_size=8, fallback_batch_size=2)
-    batch, fallback, line = dqn.wait_for_memory(args, dqn.torch.device("cpu"))
+    batch, fallback, line = dqn.wait_for_memory(args, dqn.torch.device("cpu"), dqn.mu.StopSignals())
     assert (batch, fallback) == (8, False) and "ignored: no CUDA device" in line
 
 
@@ -122,9 +123,30 @@ def test_gpu_wait_timeout_continues_with_the_fallback_batch(monkeypatch):
     args = dqn.Args(
         wait_for_gpu_mb=1000, wait_poll_s=1, wait_timeout_s=5, batch_size=8, fallback_batch_size=2
     )
-    batch, fallback, line = dqn.wait_for_memory(args, dqn.torch.device("cuda"))
+    batch, fallback, line = dqn.wait_for_memory(args, dqn.torch.device("cuda"), dqn.mu.StopSignals())
     assert (batch, fallback) == (2, True) and "fallback batch size 2" in line
     assert calls[0][0] == (1000, 1, 5)
+
+
+def test_a_stop_signal_ends_the_wait_for_gpu_memory_at_its_next_poll(monkeypatch):
+    """SIGTERM while the run waits for GPU memory (up to --wait-timeout-s): the wait ends at its next poll, as
+    RunInterrupted with exit status 143, before anything is built or written."""
+    stop, polls = dqn.mu.StopSignals(), []
+
+    def free_mb() -> float:  # never enough memory; the signal comes after the second look
+        polls.append(1)
+        if len(polls) == 2:
+            stop.received.append(signal.SIGTERM)
+        return 0.0
+
+    real_wait = dqn.mu.wait_for_gpu
+    monkeypatch.setattr(
+        dqn.mu, "wait_for_gpu", lambda *a, **k: real_wait(*a, probe=free_mb, verbose=False, **k)
+    )
+    args = dqn.Args(wait_for_gpu_mb=1000, wait_poll_s=0.001, wait_timeout_s=5)
+    with pytest.raises(dqn.RunInterrupted) as stopped:
+        dqn.wait_for_memory(args, dqn.torch.device("cuda"), stop)
+    assert stopped.value.exit_code == 128 + signal.SIGTERM and len(polls) == 2
 
 
 @pytest.mark.parametrize("name, closest", [("RL_BATCHSIZE", "RL_BATCH_SIZE"), ("RL_EPS_DECAY", None)])
@@ -266,23 +288,34 @@ def test_each_rule_refuses_its_bad_value_in_one_sentence():
 
 
 def test_model_settings_reach_the_network():
-    net = dqn.make_q_network(
-        dqn.Args(
-            res=8,
-            tower_channels=4,
-            fused_channels=6,
-            context_layers=2,
-            player_channels=2,
-            nonspatial_hidden=5,
-            fine_gain=3.0,
-            fine_kernel=5,
-        )
+    args = dqn.Args(
+        res=8,
+        tower_channels=4,
+        fused_channels=6,
+        context_layers=2,
+        player_channels=2,
+        nonspatial_hidden=5,
+        fine_gain=3.0,
+        fine_kernel=5,
     )
+    net = dqn.make_q_network(**dqn.network_settings(args))
     assert net.screen_tower[0].out_channels == 4 and net.minimap_tower[2].out_channels == 4
     assert net.fuse[0].out_channels == 6 and net.player_embed[0].out_features == 2
     assert [conv.dilation for conv in net.context] == [(1, 1), (2, 2)]
-    assert net.nonspatial_head[0].out_features == 5 and net.fine_gain == 3.0
-    assert net.spatial_fine.kernel_size == (5, 5) and net.spatial_fine.padding == (2, 2)
+    assert net.nonspatial_head.mlp[0].out_features == 5 and net.spatial_head.fine_gain == 3.0
+    assert net.spatial_head.fine.kernel_size == (5, 5) and net.spatial_head.fine.padding == (2, 2)
+
+
+def test_a_network_is_built_from_keywords_alone_without_args():
+    """make_q_network needs no Args: keywords, the rest the map's defaults; an unknown setting is refused."""
+    net = dqn.make_q_network(map_name="MoveToBeacon", res=8, fine_gain=5.0)
+    assert net.res == 8 and net.spatial_head.fine_gain == 5.0 and len(net.context) == 0
+    assert (
+        dqn.make_q_network(map_name="CollectMineralShards", res=8, fine_gain=None).spatial_head.fine_gain
+        == 30
+    )
+    with pytest.raises(TypeError, match="fine_gian"):
+        dqn.make_q_network(res=8, fine_gian=5.0)
 
 
 def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
@@ -321,15 +354,15 @@ def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
         assert args.problems() == [] and all(getattr(args, name) is None for name in defaults)
         filled = dqn.with_map_defaults(args)
         assert {name: getattr(filled, name) for name in defaults} == defaults
-        net = dqn.make_q_network(args)
+        net = dqn.make_q_network(**dqn.network_settings(args))
         assert len(net.context) == defaults["context_layers"]
         assert net.click_distance == defaults["click_distance"]
         assert net.player_embed[0].in_features == dqn.PLAYER_SIZE + defaults["timer_input"] + len(
             dqn.FUNCTIONS
         )
-        assert net.coarse_level == defaults["coarse_level"]
-        assert net.spatial_fine.kernel_size == (defaults["fine_kernel"],) * 2
-        assert net.fine_gain == defaults["fine_gain"]
+        assert net.spatial_head.coarse_level == defaults["coarse_level"]
+        assert net.spatial_head.fine.kernel_size == (defaults["fine_kernel"],) * 2
+        assert net.spatial_head.fine_gain == defaults["fine_gain"]
         given = dqn.Args(
             res=8,
             map_name=map_name,
@@ -346,8 +379,9 @@ def test_network_settings_default_to_the_maps_own_and_a_given_value_wins():
             step_lr_step_size=3,
             step_lr_gamma=0.9,
         )
-        assert dqn.with_map_defaults(given) == given and len(dqn.make_q_network(given).context) == 1
-        assert dqn.make_q_network(given).spatial_fine.kernel_size == (5, 5)
+        net = dqn.make_q_network(**dqn.network_settings(given))
+        assert dqn.with_map_defaults(given) == given and len(net.context) == 1
+        assert net.spatial_head.fine.kernel_size == (5, 5)
     parsed, sources = dqn.parse_args(["--map-name", "CollectMineralShards"], environ={})
     assert parsed.context_layers is None and sources["context_layers"] == "default"
     parsed, sources = dqn.parse_args(["--click-distance", "False"], environ={"RL_TIMER_INPUT": "1"})
@@ -366,7 +400,9 @@ def test_the_timer_input_is_what_separates_two_states_that_differ_only_in_time_l
         torch.manual_seed(0)
         net = dqn.SplitQNetwork(8, context_layers=0, timer_input=timer_input)
         torch.nn.init.normal_(net.player_embed[0].weight)  # a weight on every input, the timer's too
-        q = [net(*dqn.to_tensors(dqn.obs_to_states(o), "cpu").values())[0] for o in (obs, late)]
+        q = [
+            net(*dqn.to_tensors(dqn.obs_to_states(o), "cpu").values())[0] for o in (obs, late)
+        ]  # non-spatial
         assert torch.equal(q[0], q[1]) != timer_input, timer_input
 
 
@@ -384,10 +420,9 @@ def test_with_coarse_level_the_full_resolution_term_alone_decides_where_to_click
         net = dqn.SplitQNetwork(res, coarse_level=coarse_level)
         with torch.no_grad():
             q = [
-                net(screen, states["minimap"], states["player"], states["mask"])[1]
+                net(screen, states["minimap"], states["player"], states["mask"])[1]  # (B, S, H*W)
                 for screen in (states["screen"], moved)
             ]
-        q = [x.unflatten(1, (len(dqn.SPATIAL_FUNCTIONS), res * res)) for x in q]
         assert (q[0].amax(2) == q[0].amin(2)).all().item() == coarse_level, coarse_level
         assert not torch.equal(q[0], q[1])
 
@@ -404,10 +439,10 @@ def test_a_one_pixel_click_term_values_each_pixel_by_that_pixel_alone(fine_kerne
     beside[0, 0, 4, 5] = 3  # ... and a shard (player_relative 3) on the next pixel
     torch.manual_seed(0)
     net = dqn.SplitQNetwork(16, coarse_level=True, fine_kernel=fine_kernel)
-    torch.nn.init.normal_(net.spatial_fine.weight)
+    torch.nn.init.normal_(net.spatial_head.fine.weight)
     with torch.no_grad():
         q = [
-            net(s, states["minimap"], states["player"], states["mask"])[1].unflatten(1, (2, 16, 16))
+            net(s, states["minimap"], states["player"], states["mask"])[1].unflatten(2, (16, 16))
             for s in (screen, beside)
         ]
     q = [x - x[:, :, :1, :1] for x in q]  # relative to pixel (0, 0): the coarse level drops out
@@ -431,7 +466,7 @@ def test_context_layers_let_a_click_see_marines_across_the_screen(res):
         moved = screen.clone()
         moved[0, 0, 24:26, 24:26] = 1  # ... and a unit of ours appears far away: player_relative 1
         q = [
-            net(s, states["minimap"], states["player"], states["mask"])[1][0, 0].item()
+            net(s, states["minimap"], states["player"], states["mask"])[1][0, 0, 0].item()
             for s in (screen, moved)
         ]
         change[layers] = abs(q[1] - q[0])

@@ -89,7 +89,7 @@ def test_tiny_run_over_two_seeds_writes_every_output(tmp_path):
     assert all(
         config["args"][name] == dqn.MAP_DEFAULTS["MoveToBeacon"][name] for name in left_out
     )  # as values
-    dqn.make_q_network(dqn.Args(res=8, map_name="MoveToBeacon")).load_state_dict(checkpoint["q_network"])
+    dqn.make_q_network(map_name="MoveToBeacon", res=8).load_state_dict(checkpoint["q_network"])
 
     events = EventAccumulator(str(tmp_path / "runs" / "tiny-seed4"))
     events.Reload()
@@ -148,6 +148,49 @@ def test_sigterm_leaves_a_checkpoint_and_no_results_row(tmp_path, to):
     assert not (run / "eval" / "test_results.json").exists()
     assert "interrupted by SIGTERM" in (run / "train.log").read_text()
     assert not [p for p in (tmp_path / "results").rglob(".tmp_*")]
+
+
+@pytest.mark.parametrize("during", ["training", "test episodes"])
+def test_a_stop_signal_stops_the_run_at_the_next_agent_step(tmp_path, monkeypatch, during):
+    """SIGTERM is only recorded where it lands (here inside a step sent to the game, which goes on to its end), and
+    the run stops at the top of the next agent step: a checkpoint, exit 143, no results row. In training the
+    episode is played again on resume; in the final test episodes (all training episodes logged) the resumed run
+    goes on from there."""
+    real_game_call, calls, returned = dqn.game_call, [], []
+    signal_at = 20 if during == "training" else 31  # mid-episode 2; the first step of the test (2 x 15 steps)
+
+    def game_call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+            returned.append(True)  # the handler did not raise: this step is completed
+        return real_game_call(*args, **kwargs)
+
+    monkeypatch.setattr(dqn, "game_call", game_call)
+    argv = [
+        *TINY,
+        "--num-episodes",
+        "2",
+        "--eval-every-episodes",
+        "0",
+        "--num-test-episodes",
+        "3",
+        "--run-id",
+        "sig",
+    ]
+    assert _run_in_process(tmp_path, monkeypatch, argv) == 128 + signal.SIGTERM
+    assert returned == [True] and len(calls) == signal_at  # no step after the one the signal landed in
+    run = tmp_path / "results" / "sig"
+    saved = torch.load(run / "checkpoint.pt", weights_only=True)
+    if during == "training":
+        assert (saved["episode"], saved["global_step"], saved["interrupted"]) == (2, 15, True)
+    else:
+        assert (saved["episode"], saved["global_step"], saved["interrupted"]) == (2, 30, False)
+    assert "interrupted by SIGTERM" in (run / "train.log").read_text()
+    assert (
+        not (run / "eval" / "test_results.json").exists()
+        and not (tmp_path / "results" / "results.csv").exists()
+    )
 
 
 def test_results_row_is_appended_whole(tmp_path):
@@ -308,7 +351,7 @@ def test_out_of_memory_while_acting_copying_or_testing_is_handled_like_an_update
     log = (run / "train.log").read_text()
     # where: the innermost frame in the script (here the call site, as the stand-in lives in this file)
     caller = (
-        "evaluate" if site == "run_test_episodes" else "train_one_seed"
+        "evaluate" if site == "run_test_episodes" else "play_episode"
     )  # the periodic test: its own function
     assert "out of memory at step" in log and f"(in {caller}, line" in log
     assert not (tmp_path / "results" / "results.csv").exists()
@@ -497,7 +540,7 @@ def test_a_checkpoint_resumes_only_with_the_spatial_head_it_was_trained_with(tmp
     )
     path = saved_checkpoint(tmp_path, args, context_layers=0, coarse_level=False, fine_kernel=3)
     state = dqn.load_checkpoint(path, args)
-    dqn.make_q_network(args).load_state_dict(state["q_network"])
+    dqn.make_q_network(**dqn.network_settings(args)).load_state_dict(state["q_network"])
     with pytest.raises(dqn.ConfigError, match="--fine-kernel 3, but this run asks for 1"):
         dqn.load_checkpoint(path, dataclasses.replace(args, fine_kernel=1))
     with pytest.raises(dqn.ConfigError, match="--coarse-level False, but this run asks for True"):

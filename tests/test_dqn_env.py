@@ -407,7 +407,8 @@ def test_select_own_only_draws_and_picks_select_point_on_our_marines_alone():
     draws = [dqn.select_action(net, none_of_ours, 1.0, rng, "cpu", select_own_only=True) for _ in range(300)]
     assert set(draws) == {0, 1}  # no_op and select_army; nothing selected yet, so no Move_screen either
     with torch.no_grad():
-        net.spatial_fine.bias[1] = 5.0  # select_point scores 150 (gain 30) at every pixel,
-        net.spatial_fine.weight[1, 0, 0, 0] = 1.0  # and 30 more on bare ground (player_relative's channel 0)
+        fine = net.spatial_head.fine  # the full-resolution click term
+        fine.bias[1] = 5.0  # select_point scores 150 (gain 30) at every pixel,
+        fine.weight[1, 0, 0, 0] = 1.0  # and 30 more on bare ground (player_relative's channel 0)
     assert dqn.select_action(net, obs, 0.0, rng, "cpu") - select_base not in own
     assert dqn.select_action(net, obs, 0.0, rng, "cpu", select_own_only=True) - select_base in own

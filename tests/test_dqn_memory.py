@@ -178,7 +178,7 @@ def test_bf16_autocast_runs_every_forward_on_cpu():
     q, target = make_nets()
     dtypes = []
     for net in (q, target):
-        net.spatial_coarse.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+        net.spatial_head.coarse.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
     loss, _ = dqn.td_loss(q, target, real_batch(), dqn.Args(res=8), setup)
     assert dtypes == [torch.bfloat16] * 3  # online on s, target on s', online on s' (double DQN)
     assert loss.dtype == torch.float32 and torch.isfinite(loss)

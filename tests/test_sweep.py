@@ -385,3 +385,37 @@ def test_a_run_killed_before_any_checkpoint_starts_afresh_when_run_again(tmp_pat
     assert row["steps"] == "300"
     written = steps_in_files(log.parent / "runs" / "run", "charts/episodic_return")
     assert written == list(range(15, 301, 15))  # one per episode, from the fresh start only
+
+
+def test_a_checkpoint_that_fails_its_checksum_is_not_resumed(tmp_path, monkeypatch):
+    """A run whose checkpoint is not the one its script wrote (its checksum beside it differs) is not resumed: the
+    run fails in one line, the script is not started and the file stays for a look. One without a checksum (written
+    before checkpoints had one) is resumed, after a note in the run's log."""
+    import memory_utils as mu
+
+    plan = sweep.plan_sweep(
+        sweep.Args(script="dqn_starcraft_split.py", root=str(tmp_path), name="s", min_free_mb=0), []
+    )
+    run_dir = Path(plan.sweep_dir) / plan.runs[0].name
+    checkpoint = run_dir / "results" / "run" / "checkpoint.pt"
+    checkpoint.parent.mkdir(parents=True)
+    mu.save_checked(checkpoint, b"the checkpoint as written")
+    checkpoint.write_bytes(b"the checkpoint changed since")
+    started = []
+    monkeypatch.setattr(sweep, "run_script", lambda command, *args: started.append(command))
+    with pytest.raises(sweep.RunFailed, match=r"is not resumed: .*checkpoint.pt does not match its checksum"):
+        sweep.run_one(plan, 0)
+    assert started == [] and checkpoint.read_bytes() == b"the checkpoint changed since"
+    assert "does not match its checksum" in (run_dir / "output.log").read_text()
+
+    (run_dir / "results" / "run" / "checkpoint.pt.sha256").unlink()
+
+    def stopped_by_sigterm(command, cwd, log_path, outcome):
+        started.append(command)
+        outcome["exit_code"] = 128 + signal.SIGTERM
+
+    monkeypatch.setattr(sweep, "run_script", stopped_by_sigterm)
+    with pytest.raises(sweep.RunStopped):
+        sweep.run_one(plan, 0)
+    assert started[0][-2:] == ["--resume", str(checkpoint)]
+    assert "could not be verified" in (run_dir / "output.log").read_text()

@@ -1,0 +1,166 @@
+"""Checkpoints that cannot lie: dqn_starcraft_split.py writes `checkpoint.pt.sha256` beside each checkpoint and
+`--resume` refuses a checkpoint whose bytes are not the ones written (one sentence, exit 2, the file left as it
+is); one from before checksums resumes after one line. And the checkpoints of format 3, whose heads' weights had
+other names, still load."""
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import dqn_starcraft_split as dqn
+from dqn_tiny import TINY_FLAGS
+
+SCRIPT = Path(dqn.__file__)
+ONE_EPISODE = [*TINY_FLAGS, "--num-episodes", "1", "--eval-every-episodes", "0", "--num-test-episodes", "1"]
+
+
+def main_in(cwd: Path, argv: list[str]) -> int:
+    """dqn.main in `cwd`, as the command line `argv` would run it."""
+    here, threads = os.getcwd(), torch.get_num_threads()
+    os.chdir(cwd)
+    try:
+        return dqn.main(*dqn.parse_args(argv, {}))
+    finally:
+        os.chdir(here)
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory) -> Path:
+    """Two finished one-episode runs, `first` (seed 1) and `other` (seed 2), each with its checkpoint."""
+    root = tmp_path_factory.mktemp("runs")
+    for run_id, seed in (("first", "1"), ("other", "2")):
+        assert main_in(root, [*ONE_EPISODE, "--run-id", run_id, "--seed", seed]) == 0
+    return root
+
+
+@pytest.fixture
+def run(two_runs, tmp_path) -> Path:
+    """A copy of the `first` run's folder (results/first) to spoil, beside a copy of `other`."""
+    shutil.copytree(two_runs / "results", tmp_path / "results")
+    return tmp_path / "results" / "first"
+
+
+def tensor_bytes(path: Path) -> tuple[int, int]:
+    """(offset, size) in the file of the largest tensor torch.save stored (uncompressed, in `archive/data/N`)."""
+    with zipfile.ZipFile(path) as archive:
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+    return info.header_offset + 30 + name_length + extra_length, info.file_size
+
+
+def flip_200_bytes(path: Path) -> None:
+    offset, size = tensor_bytes(path)
+    assert size >= 400
+    data = bytearray(path.read_bytes())
+    for k in range(offset + size // 2 - 100, offset + size // 2 + 100):
+        data[k] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def spoil(run: Path, how: str) -> None:
+    checkpoint = run / "checkpoint.pt"
+    if how == "flipped":
+        flip_200_bytes(checkpoint)
+        torch.load(checkpoint, weights_only=True)  # torch reads it without a word: only the checksum tells
+    elif how == "truncated":
+        checkpoint.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
+    elif how == "another run's":  # copied over it without its .sha256
+        shutil.copyfile(run.parent / "other" / "checkpoint.pt", checkpoint)
+    else:
+        checkpoint.write_text("not a checkpoint\n")
+
+
+@pytest.mark.parametrize("how", ["flipped", "truncated", "another run's", "not a checkpoint"])
+def test_a_checkpoint_that_is_not_the_one_written_is_refused_in_one_sentence(run, capsys, how):
+    spoil(run, how)
+    spoiled = (run / "checkpoint.pt").read_bytes()
+    checksum = (run / "checkpoint.pt.sha256").read_bytes()
+    code = main_in(
+        run.parent.parent, [*ONE_EPISODE, "--num-episodes", "2", "--resume", str(run / "checkpoint.pt")]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: --resume {run / 'checkpoint.pt'} does not match its checksum in ")
+    assert err.strip().endswith("it is left as it is.") and "Traceback" not in err
+    assert (run / "checkpoint.pt").read_bytes() == spoiled and (
+        run / "checkpoint.pt.sha256"
+    ).read_bytes() == checksum
+    assert "resumed" not in (run / "train.log").read_text()  # nothing was trained from it
+
+
+def test_the_command_line_refuses_a_changed_checkpoint_with_exit_2_and_no_traceback(run):
+    flip_200_bytes(run / "checkpoint.pt")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            *ONE_EPISODE,
+            "--num-episodes",
+            "2",
+            "--resume",
+            str(run / "checkpoint.pt"),
+        ],
+        cwd=run.parent.parent,
+        env={k: v for k, v in os.environ.items() if not k.startswith("RL_")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
+    assert "does not match its checksum" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_checkpoint_without_its_checksum_resumes_after_one_line(run, capsys):
+    """A checkpoint written before checkpoints had a checksum (or copied without it) is read, after one line."""
+    (run / "checkpoint.pt.sha256").unlink()
+    code = main_in(
+        run.parent.parent, [*ONE_EPISODE, "--num-episodes", "2", "--resume", str(run / "checkpoint.pt")]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 0 and len(err) == 1 and "could not be verified" in err[0], err
+    assert "resumed first at episode 2" in (run / "train.log").read_text()
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["episode"] == 2
+    assert (
+        dqn.mu.verify_checkpoint(run / "checkpoint.pt") is None
+    )  # the new checkpoint has its checksum again
+
+
+def test_every_checkpoint_is_written_with_its_checksum(run):
+    assert dqn.mu.verify_checkpoint(run / "checkpoint.pt") is None
+    assert (run / "checkpoint.pt.sha256").read_text().startswith("sha256:")
+
+
+def test_a_format_3_checkpoint_loads_and_resumes(run, capsys):
+    """Format 3 kept the heads' layers on the network itself (`nonspatial_head.0.weight`, `spatial_coarse.*`,
+    `spatial_fine.*`): its networks load into today's, weight for weight, and the run resumes from it."""
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    new_to_old = {new: old for old, new in dqn.FORMAT_3_KEYS}
+    for network in ("q_network", "target_network"):
+        renamed = {}
+        for key, value in state[network].items():
+            prefix = next((new for new in new_to_old if key.startswith(new)), None)
+            renamed[new_to_old[prefix] + key[len(prefix) :] if prefix else key] = value
+        state[network] = renamed
+    assert "nonspatial_head.0.weight" in state["q_network"] and "spatial_fine.weight" in state["q_network"]
+    state["format"] = "dqn_starcraft_split/3"
+    (run / "checkpoint.pt.sha256").unlink()
+    torch.save(state, run / "checkpoint.pt")
+    net = dqn.make_q_network(map_name="MoveToBeacon", res=8)
+    net.load_state_dict(state["q_network"])
+    assert torch.equal(net.nonspatial_head.mlp[0].weight, state["q_network"]["nonspatial_head.0.weight"])
+    assert torch.equal(net.spatial_head.fine.weight, state["q_network"]["spatial_fine.weight"])
+    code = main_in(
+        run.parent.parent, [*ONE_EPISODE, "--num-episodes", "2", "--resume", str(run / "checkpoint.pt")]
+    )
+    assert code == 0, capsys.readouterr().err
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["format"] == dqn.CHECKPOINT_FORMAT
