@@ -38,7 +38,7 @@ import torch
 import dreamer_atari as da
 import memory_utils as mu
 from benchmark import bench_utils
-from benchmark.run import TINY_MODEL_FIELDS
+from benchmark.common import TINY_MODEL_FIELDS
 
 MB = 1024.0 * 1024.0
 # `--quick` sizes: everything smaller, stated in the output, so the whole quick run stays under a minute.
@@ -58,8 +58,8 @@ FULL = {
     "sample_reps": 20,
     "evenness_batches": 10_000,
 }
-# The tiny model of the soak (run.py's, which --quick uses too): host-memory growth of the loop, not learning, is
-# under test.
+# The tiny model of the soak (common.TINY_MODEL_FIELDS, which run.py's --quick uses too): host-memory growth
+# of the loop, not learning, is under test.
 TINY_MODEL = TINY_MODEL_FIELDS
 
 

@@ -7,22 +7,20 @@
     python benchmark/run.py --gpu-only           # CUDA: the GPU figures and the forensics check alone
 
 Prints a markdown table; `--json PATH` writes every figure as one JSON object. Each figure is measured here,
-by the code under benchmark/, never typed in: see benchmark/README.md for what each one means and how.
+by the code under benchmark/, never typed in: see benchmark/README.md for what each one means and how. The
+options (`Args`), the targets and the output helpers that the modules it runs share live in common.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
@@ -31,24 +29,33 @@ if str(ROOT) not in sys.path:
 
 import tyro
 
-# The issue's targets (thresholds to compare against, not measurements).
-TARGET_BYTES_PER_STEP = 7_200
-TARGET_SAMPLE_TO_UPDATE = 0.05
-TARGET_SOAK_MB_PER_10K = 1.0
-# issue 42: resident anonymous memory beyond the replay over >= 50k env steps, and within 3x of the peer's
-TARGET_SOAK_ANON_MB_PER_10K = 0.1
-TARGET_SOAK_TO_PEER = 3.0
+from benchmark.common import (
+    TARGET_BYTES_PER_STEP,
+    TARGET_GPU_PEAK_MB,
+    TARGET_GPU_SLOPE_MB_PER_10K,
+    TARGET_PONG_RETURN,
+    TARGET_PONG_WALL_MIN,
+    TARGET_SAMPLE_TO_UPDATE,
+    TARGET_SOAK_ANON_MB_PER_10K,
+    TARGET_SOAK_MB_PER_10K,
+    TARGET_SOAK_TO_PEER,
+    TARGET_UPDATE_SPEEDUP,
+    Args,
+    check_gpu_only_device,
+    fail,
+    fmt,
+    fmt_load,
+    gpu_markdown,
+    log,
+    new_results_stem,
+    slug,
+)
+
 # the peer's soak over the same window as ours (the defaults of ours_dreamer.py soak)
 PEER_SOAK = {"turnovers": 100, "warmup": 53_000}
 # --quick's soak: a small replay, but the slope is still measured after a warm-up (the replay full, the first
 # open-loop GIF and its one-time imports done) and over 3,000 env steps, not over the warm-up itself
 QUICK_SOAK = {"capacity": 150, "every": 150, "warmup": 2_500, "turnovers": 20}
-TARGET_UPDATE_SPEEDUP = 1.5
-TARGET_GPU_PEAK_MB = 2_048  # the seed config with AMP fits a 6 GB laptop card with room to spare
-TARGET_GPU_SLOPE_MB_PER_10K = 1.0
-TARGET_PONG_RETURN = 18.0  # Atari100k Pong: mean return of the last 10 episodes at 100k env steps
-TARGET_PONG_WALL_MIN = 25.0  # minutes of training for those 100k env steps on one H100
-TARGET_UPDATE_MS = 10.0  # one update at the seed config on that GPU
 REQUIRED_KEYS = (
     "buffer_bytes_per_step",
     "buffer_bytes_limit",
@@ -66,63 +73,6 @@ PEER_KEYS = (
     "soak_uss_slope_mb_per_10k",
     "soak_turnovers",
 )
-
-
-@dataclasses.dataclass
-class Args:
-    quick: bool = False
-    """smaller stated sizes, under a minute; skips the peer, the speed trials and the results files"""
-    json: str | None = None
-    """also write every figure to this JSON file"""
-    peer: Literal["sheeprl"] | None = None
-    """also measure this peer in its own virtual environment (benchmark/.peer-venv)"""
-    threads: int = 1
-    """torch threads of every measurement, ours and the peer's alike"""
-    results_dir: str = str(BENCH_DIR / "results")
-    """where a full run writes <date>-<machine>.md and .json"""
-    gpu_only: bool = False
-    """the GPU figures, the forensics check (snapshots, analysis, an induced OOM) and the Atari100k Pong run"""
-    device: str = "cuda"
-    """--gpu-only: the device; `cpu` (with --quick) runs the same steps at tiny sizes, to check them without a GPU"""
-    pong_minutes: float = 15.0
-    """--gpu-only: minutes of the Atari100k Pong run (0 = none). It continues from its last checkpoint in
-    --pong-dir, so separate invocations take it to 100k env steps"""
-    pong_dir: str = str(BENCH_DIR / ".work" / "pong")
-    """--gpu-only: where the Pong run lives between invocations (its checkpoints hold the replay)"""
-    pong_only: bool = False
-    """--gpu-only: just continue the Pong run (no other figures)"""
-    matched_only: bool = False
-    """with --peer sheeprl: only the matched-size comparison (SheepRL's DreamerV3 at our model's size against
-    ours at 64 and 84 pixels, taking turns update by update), written to <date>-<machine>-matched.md and .json"""
-    stage: tuple[Literal["update", "pong"], ...] = ()
-    """--gpu-only: only these stages, in this order, into one results file rewritten as each step ends. `update`:
-    the update variants (UPDATE_VARIANTS) at B16 x T64; `pong`: the Atari100k Pong run (PONG_RECIPE), its curve
-    every --pong-curve-every env steps, then its final agent evaluated. Unset: the full GPU suite"""
-    update_minutes: float = 4.0
-    """--stage update: its time cap; variants not reached by then are reported as not measured"""
-    budget_minutes: float | None = None
-    """--stage: this whole invocation ends within this many minutes (the Pong run's training is cut short so that
-    its evaluation and the results fit in); unset: only the stages' own caps"""
-    pong_resumable: bool = True
-    """checkpoints every 5k env steps hold the replay, so a later invocation continues the run; --no-pong-resumable
-    (a machine whose disk goes back): one weights-only checkpoint at the end, for the evaluation"""
-    pong_curve_every: int = 5000
-    """--stage pong: write the curve (results JSON, markdown, PNG) every this many env steps (--quick: 100)"""
-    pong_eval_episodes: int = 10
-    """episodes the final agent plays after the Pong run, all at once in as many envs (0 = no evaluation)"""
-    pong_eval_minutes: float = 1.5
-    """time cap of that evaluation; episodes unfinished by then are reported as unfinished"""
-    pong_args: str = ""
-    """more dreamer_atari.py flags for the Pong run, as one value: --pong-args="--amp bf16" (kept in the results)"""
-
-
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def log(message: str) -> None:
-    print(f"[benchmark] {message}", file=sys.stderr, flush=True)
 
 
 def run_json(cmd: list[str], what: str, work: Path, timeout: float, env: dict | None = None) -> dict:
@@ -284,67 +234,9 @@ def measure_gpu_only(args: Args, work: Path) -> dict:
     return result
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The GPU stages (`--gpu-only --stage update pong`, benchmark/gpu_stages.py): one table of update variants and one
-# Pong recipe, both as dreamer_atari.Args fields. A field this version of the script lacks is left out and said so.
-# ---------------------------------------------------------------------------------------------------------
-ATARI100K_BATCH = {"batch_size": 16, "sequence_length": 64}  # DreamerV3's Atari100k batch
-# DreamerV3's Atari100k recipe (its 2023 code's `atari100k`): 100k env steps, train ratio 1024 at batch 16 x 64
-# (one update per env step), float32, and one env. Before issue 40 this run took the script's defaults, which
-# are the seed configuration's: 2 envs and batch 16 x 50 (1.28 updates per env step, two at a time).
-PONG_RECIPE = {
-    "exp_name": "atari100k",
-    "total_timesteps": 100_000,
-    "num_envs": 1,
-    **ATARI100K_BATCH,
-    "train_ratio": 1024.0,
-    "log_interval": 1000,
-    "video_every": 2000,  # open-loop images and, beside them, ball recall (at log points)
-    "save_model": True,
-}
-# checkpoints that hold the replay, so that a later invocation continues the run (--pong-resumable)
-PONG_RESUMABLE = {"checkpoint_every": 5000, "checkpoint_buffer": True}
-# what training on CUDA adds to the script's defaults (TF32 matmuls and CUDA-graph capture are already its
-# defaults on CUDA); the update stage's `training` variant uses the same dict.
-CUDA_FAST_PATH: dict = {}
-# every fast path off: each variant below changes only what it names from this
-FAST_PATHS_OFF = {"tf32": False, "amp": "off", "compile": False, "cudagraph": False}
-UPDATE_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is one more line
-    ("fp32", {}),
-    ("tf32", {"tf32": True}),
-    ("bf16", {"amp": "bf16"}),
-    ("cudagraph", {"cudagraph": True}),
-    ("bf16+cudagraph", {"amp": "bf16", "cudagraph": True}),
-    ("tf32+compile+cudagraph", {"tf32": True, "compile": True, "cudagraph": True}),
-    ("compile", {"compile": True}),
-)
-# --quick: the soak's tiny model on a few hundred steps, only to check the plumbing
-TINY_MODEL_FIELDS = {
-    "encoder_channels": (4, 4, 4),
-    "embed_dim": 16,
-    "decoder_base_channels": 4,
-    "decoder_mid_channels": 4,
-    "deterministic_dim": 16,
-    "stochastic_dim": 4,
-    "stochastic_classes": 4,
-    "hidden_dim": 16,
-}
-QUICK_UPDATE_MODEL = {**TINY_MODEL_FIELDS, "batch_size": 4, "sequence_length": 10}
-PONG_QUICK = {
-    **TINY_MODEL_FIELDS,
-    "learning_starts": 100,
-    "train_ratio": 16.0,
-    "log_interval": 100,
-    "video_every": 200,
-    "batch_size": 4,
-    "sequence_length": 16,
-}
-PONG_QUICK_RESUMABLE = {"checkpoint_every": 200}
-
-
 def run_pong(args: Args, progress=None) -> dict:
     """Run (or continue) the Atari100k Pong run for --pong-minutes (see gpu_stages.run_pong)."""
-    from benchmark import gpu_stages
+    from benchmark.gpu import gpu_stages
 
     return gpu_stages.run_pong(args, progress=progress)
 
@@ -623,20 +515,6 @@ def gpu_verdicts(result: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------------------
-def fmt(value, digits: int = 3) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        if value != 0 and (abs(value) >= 1e4 or abs(value) < 1e-3):
-            return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.2e}"
-        return f"{value:,.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
-    return str(value)
-
-
 def markdown_table(result: dict) -> str:
     has_peer = result.get("peer") is not None
     rows = [
@@ -868,113 +746,6 @@ def results_markdown(result: dict, table: str, command: str) -> str:
     return "\n".join(parts) + "\n"
 
 
-def gpu_markdown(result: dict) -> str:
-    """The GPU figures and the forensics check, or why they are missing."""
-    gpu, forensics = result["gpu"], result["forensics"]
-    parts = ["## GPU", ""]
-    loop = gpu.get("loop")
-    if not gpu.get("run", True):
-        parts.append(gpu["reason"] + ".")
-    elif not gpu["amp"]:
-        parts.append(f"Device: {gpu['device']}. Eager update and peak memory per --amp: not measured.")
-    else:
-        parts += [
-            (
-                f"Device: {gpu['device']}. One update of the seed model on one batch ({gpu['update_batch']}), "
-                "medians after two warm-up updates; peaks are torch's allocator peaks over those updates."
-            ),
-            "",
-            "| --amp | update ms | updates/s | peak allocated MB | peak reserved MB |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for mode, fig in gpu["amp"].items():
-            if "error" in fig:
-                parts.append(f"| {mode} | not available: {fig['error']} | | | |")
-            else:
-                parts.append(
-                    f"| {mode} | {fmt(fig['update_ms'])} | {fmt(fig['updates_per_s'])} | "
-                    f"{fmt(fig.get('peak_alloc_mb'))} | {fmt(fig.get('peak_reserved_mb'))} |"
-                )
-    if gpu.get("run", True) and loop is None:
-        parts += [
-            "",
-            f"Training loop past replay capacity: not measured ({gpu.get('loop_reason', 'not run')}).",
-        ]
-    elif gpu.get("run", True):
-        parts += [
-            "",
-            (
-                f"Training loop (`dreamer_atari.main`, seed model, capacity {loop['capacity_steps']:,} steps, "
-                f"{loop['env_steps']:,} env steps, {loop['batch']}, {loop['updates']:,} updates): "
-                f"{fmt(loop['env_steps_per_s'])} env steps/s; GPU allocated after the replay is full: "
-                f"{fmt(loop.get('gpu_alloc_slope_mb_per_10k'))} MB per 10k env steps (first and last "
-                f"{json.dumps(loop.get('gpu_alloc_mb_first_last'))} MB)."
-            ),
-        ]
-    parts += ["", "## Forensics on a real run", ""]
-    if not forensics.get("run", True):
-        parts.append(forensics["reason"] + ".")
-        return "\n".join(parts)
-    run1 = forensics["snapshot_run"]
-    parts += [
-        (
-            f"Device: {forensics['device']}; model: {forensics['model']}. Each step below is the real command "
-            "line in its own process."
-        ),
-        "",
-        (
-            f"1. `{run1['command']}`: exit {run1['returncode']}, {run1['wall_s']} s, snapshots "
-            f"{json.dumps(run1.get('snapshots'))}; {run1.get('probe_verdict')}."
-        ),
-    ]
-    analysis = forensics["analysis"]
-    if "skipped" in analysis:
-        parts.append(f"2. Analysis skipped: {analysis['skipped']}.")
-    else:
-        parts += [
-            (
-                f"2. `{analysis['command']}`: exit {analysis['returncode']}, {analysis['wall_s']} s, wrote "
-                f"{', '.join(analysis['files'])}. It printed:"
-            ),
-            "",
-            "```",
-            analysis["printed"],
-            "```",
-        ]
-    for number, name, what in (
-        (3, "oom_in_update", "an OOM in the first update (`--no-preallocate`)"),
-        (4, "oom_in_preflight", "an OOM in the preflight (preallocation on)"),
-    ):
-        oom = forensics[name]
-        if "skipped" in oom:
-            parts.append(f"{number}. {what}: skipped: {oom['skipped']}.")
-            continue
-        cap = forensics["cap"]
-        parts += [
-            "",
-            (
-                f"{number}. {what}, capped at {fmt(cap['cap_mb'])} MB (fraction {cap['fraction']:.5f} of "
-                f"{fmt(cap['device_total_mb'])} MB, half of run 1's peak reserved {fmt(cap['run1_peak_reserved_mb'])}"
-                f" MB): exit {oom['returncode']} (expected {oom['expected_returncode']}), oom/ files "
-                f"{json.dumps(oom.get('oom_files'))}, checkpoint written: {fmt(oom.get('checkpoint_written'))}."
-            ),
-        ]
-        if oom.get("gpu_at_oom"):
-            at, later = oom["gpu_at_oom"], oom.get("gpu_when_reported", {})
-            parts.append(
-                f"   GPU allocated at the OOM (observer): {fmt(at['allocated_mb'])} MB, asking for "
-                f"{fmt(at['requested_mb'])} MB more; when the report was written (the failed step's "
-                f"tensors dropped): {fmt(later.get('alloc_mb'))} MB."
-            )
-        if oom.get("top_sites_at_oom"):
-            sites = "; ".join(
-                f"{t['site']} {fmt(t['mb'])} MB in {t['blocks']} blocks" for t in oom["top_sites_at_oom"][:5]
-            )
-            parts.append(f"   Largest live allocation sites in {oom['top_sites_from']}: {sites}.")
-        parts += ["", "   What it printed (end of stderr):", "", "```", oom["stderr_tail"], "```"]
-    return "\n".join(parts)
-
-
 def gpu_only_markdown(result: dict, table: str, command: str) -> str:
     m = result["machine"]
     head = [
@@ -1021,26 +792,6 @@ def pong_markdown(result: dict) -> str:
             f"| {fmt(p.get('env_steps_per_s'))} | {fmt(p.get('updates_per_s'))} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def fmt_load(load) -> str:
-    return ", ".join(f"{x:.2f}" for x in load)
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
-
-
-def new_results_stem(results_dir: str, name: str) -> Path:
-    """<results_dir>/<name>, or <name>-2, -3, ... where an earlier run of the same day and machine left its files
-    there: a run never overwrites another's results."""
-    folder = Path(results_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    stem, n = folder / name, 1
-    while any((folder / f"{stem.name}{ext}").exists() for ext in (".md", ".json")):
-        n += 1
-        stem = folder / f"{name}-{n}"
-    return stem
 
 
 def main(args: Args) -> dict:
@@ -1140,27 +891,10 @@ def main_matched_only(args: Args) -> dict:
     return result
 
 
-def check_gpu_only_device(args: Args) -> None:
-    """--gpu-only's checks of --peer and --device, staged or not: one sentence and exit status 2."""
-    import torch
-
-    if args.peer is not None:
-        fail("--gpu-only measures our GPU figures alone; drop --peer.")
-    if args.device not in ("cuda", "cpu"):
-        fail(f"--device must be cuda or cpu, got {args.device!r}.")
-    if args.device == "cpu" and not args.quick:
-        fail("--gpu-only --device cpu checks the steps at tiny sizes: add --quick.")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        fail(
-            "--gpu-only needs a CUDA device, and torch sees none on this machine (--device cpu --quick checks the "
-            "steps without one)."
-        )
-
-
 def main_gpu_only(args: Args) -> dict:
 
     if args.stage:
-        from benchmark import gpu_stages
+        from benchmark.gpu import gpu_stages
 
         return gpu_stages.main_staged(args)
     check_gpu_only_device(args)

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 
 import dreamer_atari as da
-from benchmark import gpu_stages, run, update_variants
+from benchmark import common
+from benchmark.gpu import gpu_stages, update_variants
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "benchmark" / "run.py"
-LEASE = ROOT / "benchmark" / "gpu_lease.sh"
+LEASE = ROOT / "benchmark" / "gpu" / "gpu_lease.sh"
 ISSUE_KEYS = (
     "gpu_name",
     "update_ms_b16_t64",
@@ -71,7 +72,7 @@ def staged(tmp_path_factory):
 def test_staged_run_writes_one_results_file_with_the_issue_keys_machine_command_and_samples(staged):
     result, results_dir, _ = staged
     (json_file,) = results_dir.glob("*.json")
-    assert json_file.name == f"{result['date']}-{run.slug(result['machine']['cpu'])}.json"
+    assert json_file.name == f"{result['date']}-{common.slug(result['machine']['cpu'])}.json"
     written = json.loads(json_file.read_text())
     for key in ISSUE_KEYS:
         assert key in written, key
@@ -96,9 +97,9 @@ def test_staged_run_writes_one_results_file_with_the_issue_keys_machine_command_
 def test_every_update_variant_is_measured_or_says_why_not(staged):
     result, _, _ = staged
     variants = result["update"]["variants"]
-    assert list(variants) == ["training", *(name for name, _ in run.UPDATE_VARIANTS)]
+    assert list(variants) == ["training", *(name for name, _ in common.UPDATE_VARIANTS)]
     fields = {f.name for f in dataclasses.fields(da.Args)}
-    for name, overrides in run.UPDATE_VARIANTS:
+    for name, overrides in common.UPDATE_VARIANTS:
         entry = variants[name]
         if set(overrides) - fields:
             assert entry["skipped"].startswith("not available in this version"), name
@@ -154,7 +155,7 @@ def test_a_variant_that_names_a_field_this_version_lacks_is_skipped_and_the_rest
     )
     assert args.amp == "bf16" and all(
         getattr(args, k) == v
-        for k, v in run.CUDA_FAST_PATH.items()
+        for k, v in common.CUDA_FAST_PATH.items()
         if k in {f.name for f in dataclasses.fields(da.Args)}
     )
 

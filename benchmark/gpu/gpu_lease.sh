@@ -2,7 +2,7 @@
 # One GPU lease: issue 40's benchmark stages on a bare device machine, every result written into $OUT as it is
 # measured. Run by the device tool in the repository root, with the wheels of `.whl/` carried along:
 #
-#   bash benchmark/gpu_lease.sh [MODE] [more run.py flags, e.g. --pong-args="--amp bf16"]
+#   bash benchmark/gpu/gpu_lease.sh [MODE] [more run.py flags, e.g. --pong-args="--amp bf16"]
 #
 # One device command (ends within GPU_LEASE_BUDGET_S seconds, default 575, under the tool's 600 s per command):
 #   all     (default) `run.py --gpu-only --stage update pong`: the update variants (at most 3 minutes), then the
@@ -31,7 +31,8 @@
 # `.whl/`); `.whl/fallback/` holds a newer typing_extensions, installed only where the machine's is older than
 # typeguard needs.
 #
-# GPU_LEASE_CPU_CHECK=1 GPU_LEASE_PYTHON=.venv/bin/python GPU_LEASE_BUDGET_S=240 OUT=/tmp/x bash benchmark/gpu_lease.sh
+# GPU_LEASE_CPU_CHECK=1 GPU_LEASE_PYTHON=.venv/bin/python GPU_LEASE_BUDGET_S=240 OUT=/tmp/x \
+#     bash benchmark/gpu/gpu_lease.sh
 # checks the script without a GPU: no wheels installed (the environment's own packages), `--device cpu --quick`;
 # with GPU_LEASE_DIR, GPU_LEASE_SPAN_S and GPU_LEASE_PONG_MINUTES (the Pong run's own cap, default 30) the two
 # calls too (tests/test_gpu_stages.py).
@@ -171,7 +172,7 @@ collect() { # $1: this call's number
     if [ -f "$lease_dir/pong/train.log" ]; then
         tail -n 200 "$lease_dir/pong/train.log" >"$OUT/pong_train_log_tail.txt"
     fi
-    if ! "$py" benchmark/gpu_lease_note.py "$OUT/$(basename "$results")" "$lease_dir" --call "$1"; then
+    if ! "$py" benchmark/gpu/gpu_lease_note.py "$OUT/$(basename "$results")" "$lease_dir" --call "$1"; then
         say "the calls were not written into the results: their markdown as the run left it"
         cp "${results%.json}.md" "$OUT/"
     fi
@@ -186,10 +187,11 @@ margin_s=$((poll_s + 10)) # the copy and the note
 
 if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
     rm -rf "$lease_dir"
-    mkdir -p "$lease_dir/results" "$lease_dir/code/benchmark"
+    mkdir -p "$lease_dir/results" "$lease_dir/code/benchmark/gpu"
     # the run reads its code from its own copy: call 2's fresh working tree never changes it under the run
     cp dreamer_atari.py memory_utils.py "$lease_dir/code/"
     cp benchmark/*.py "$lease_dir/code/benchmark/"
+    cp benchmark/gpu/*.py "$lease_dir/code/benchmark/gpu/"
     span_s=${GPU_LEASE_SPAN_S:-740}
     record call_1_mode "$mode"
     record call_1_started "$started_at"

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmark.run import (
+from benchmark.common import (
     BENCH_DIR,
     CUDA_FAST_PATH,
     PONG_QUICK,
@@ -188,7 +188,7 @@ def run_update_stage(
     quick = ["--quick"] if args.quick else []
     cmd = [
         sys.executable,
-        str(BENCH_DIR / "update_variants.py"),
+        str(BENCH_DIR / "gpu" / "update_variants.py"),
         "--out",
         str(out),
         "--device",
@@ -200,7 +200,7 @@ def run_update_stage(
     # a fresh compile cache: compiled variants show what compiling costs a new user
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-update")}
     result["update_command"] = " ".join(
-        ["python", "benchmark/update_variants.py", "--device", args.device, *quick]
+        ["python", "benchmark/gpu/update_variants.py", "--device", args.device, *quick]
     )
     result["update_cap_s"] = cap_s
     started, seen, stopped = time.time(), None, False
@@ -615,7 +615,7 @@ def plot_curve(curve: dict, stem: Path, env_steps: int) -> None:
 
 def open_loop_images(run_dir: Path, stem: Path) -> list[dict]:
     """The run's first and last open-loop GIFs as PNG strips beside the results (gpu_report.open_loop_strip)."""
-    from benchmark.gpu_report import open_loop_strip
+    from benchmark.gpu.gpu_report import open_loop_strip
 
     gifs = sorted((run_dir / "open_loop").glob("step_*.gif"), key=lambda p: int(p.stem.split("_")[1]))
     strips = []
@@ -861,7 +861,7 @@ def staged_markdown(result: dict) -> str:
 
 
 def lease_markdown(result: dict) -> list[str]:
-    """The device calls a run spanned (`gpu_lease.sh start` and `finish`, benchmark/gpu_lease_note.py)."""
+    """The device calls a run spanned (`gpu_lease.sh start` and `finish`, benchmark/gpu/gpu_lease_note.py)."""
     lease = result.get("lease")
     if not lease:
         return []

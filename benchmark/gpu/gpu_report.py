@@ -1,10 +1,10 @@
 """The GPU results file, assembled from the raw outputs of one GPU session (nothing typed in by hand).
 
-    python benchmark/gpu_report.py benchmark/results/<date>-<gpu>/     # writes <date>-<gpu>.md and .json beside it
+    python benchmark/gpu/gpu_report.py benchmark/results/<date>-<gpu>/   # writes <date>-<gpu>.md and .json beside it
 
 The folder holds what each measurement wrote there, under these names (any may be missing; the report says so):
-  profile.json, profile_<amp>.txt   benchmark/gpu_update_profile.py: eager, captured (and compiled) update, kernels,
-                                    equality
+  profile.json, profile_<amp>.txt   benchmark/gpu/gpu_update_profile.py: eager, captured (and compiled)
+                                    update, kernels, equality
   prototype_profile.json            the same, of an earlier version of the update (for the before/after)
   gpu_amp.json                      benchmark/ours_dreamer.py gpu --parts amp: eager update and peak memory per --amp
   forensics.json                    benchmark/cuda_forensics.py: snapshots, their analysis, induced OOMs
@@ -22,12 +22,12 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmark import pong_curve
-from benchmark.run import (
+from benchmark.common import (
     TARGET_GPU_PEAK_MB,
     TARGET_GPU_SLOPE_MB_PER_10K,
     TARGET_PONG_RETURN,
@@ -146,7 +146,7 @@ def report(folder: Path) -> tuple[dict, str]:
         (
             f"Machine: {machine.get('gpu')} ({smi}), {machine.get('cpu')}, {machine.get('cpu_count')} CPU cores, "
             f"Python {machine.get('python')}, torch {machine.get('torch')}. Raw outputs: `{folder.name}/` (every "
-            f"sample); this file is written from them by `python benchmark/gpu_report.py "
+            f"sample); this file is written from them by `python benchmark/gpu/gpu_report.py "
             f"{folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder.name}/`."
         ),
         "",

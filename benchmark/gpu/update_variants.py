@@ -1,13 +1,14 @@
 """The update variants at DreamerV3's Atari100k batch (B16 x T64), on one real replayed Pong batch.
 
-    python benchmark/update_variants.py --out PATH                          # CUDA
-    python benchmark/update_variants.py --out PATH --device cpu --quick     # the same steps, tiny, without a GPU
+    python benchmark/gpu/update_variants.py --out PATH                        # CUDA
+    python benchmark/gpu/update_variants.py --out PATH --device cpu --quick   # the same steps, tiny, without a GPU
 
 `run.py --gpu-only --stage update` runs it in its own process with a time cap. The variants are the table
-`run.UPDATE_VARIANTS` (name, Args field overrides), each on top of every fast path off (`run.FAST_PATHS_OFF`),
-and first `training`: the script's defaults plus what the Pong stage turns on (`run.CUDA_FAST_PATH`), the update
-the Pong run trains with. A variant that names an Args field this version of dreamer_atari.py lacks is reported as
-not available and skipped, and so is one this device cannot run (CUDA graphs on a CPU).
+`common.UPDATE_VARIANTS` (name, Args field overrides), each on top of every fast path off
+(`common.FAST_PATHS_OFF`), and first `training`: the script's defaults plus what the Pong stage turns on
+(`common.CUDA_FAST_PATH`), the update the Pong run trains with. A variant that names an Args field this
+version of dreamer_atari.py lacks is reported as not available and skipped, and so is one this device cannot
+run (CUDA graphs on a CPU).
 
 For each variant: its agent built by the script's `build_agent` (and `compile_agent` with `compile`), its update
 steps by `make_update_steps` (captured in CUDA graphs by `CudaGraphed` with `cudagraph`), fed as the training loop
@@ -30,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -44,8 +45,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dreamer_atari as da
 from benchmark import bench_utils
+from benchmark.common import (
+    ATARI100K_BATCH,
+    CUDA_FAST_PATH,
+    FAST_PATHS_OFF,
+    QUICK_UPDATE_MODEL,
+    UPDATE_VARIANTS,
+)
 from benchmark.ours_dreamer import fill_replay
-from benchmark.run import ATARI100K_BATCH, CUDA_FAST_PATH, FAST_PATHS_OFF, QUICK_UPDATE_MODEL, UPDATE_VARIANTS
 
 MB = 2.0**20
 ARGS_FIELDS = {field.name for field in dataclasses.fields(da.Args)}
@@ -268,7 +275,7 @@ def main() -> None:
     )
     result: dict = {
         "machine": bench_utils.machine(),
-        "command": " ".join(["python", "benchmark/update_variants.py", *sys.argv[1:]]).replace(
+        "command": " ".join(["python", "benchmark/gpu/update_variants.py", *sys.argv[1:]]).replace(
             str(cli.out), "OUT_JSON"
         ),
         "device": torch.cuda.get_device_name(device) if on_cuda else str(device),
