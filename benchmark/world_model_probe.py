@@ -5,10 +5,10 @@
 
 1. A Pong dataset is collected once (cached in --cache-dir): a policy that follows the ball with its paddle (from
    the emulator's RAM) and acts at random a quarter of the time, so that rallies last and the ball is in play in
-   most frames; the frames at both sizes the models read (64 and 84 pixels), from two emulators in lockstep. Its
-   last --held-out-steps steps are held out.
-2. For each configuration (a set of dreamer_atari.py flags; `dreamerv3` is the script's default, `nature` the seed's
-   model), the world model alone trains on the rest with the training loop's own update (`make_update_steps`:
+   most frames; the frames at both sizes the models read (64 and 84 pixels, grey) and at 64 in colour (`--rgb`),
+   from three emulators in lockstep. Its last --held-out-steps steps are held out.
+2. For each configuration (a set of dreamer_atari.py flags; `dreamerv3` is the script's default, `nature` its
+   smaller model, `dreamerv3-rgb` the default in colour), the world model alone trains on the rest with the training loop's own update (`make_update_steps`:
    captured in a CUDA graph on a GPU), at --batch-size x --sequence-length, for --minutes or --updates.
 3. Every --eval-every updates, on the same held-out sequences for every configuration: ball recall
    (`dreamer_atari.ball_recall`) on the 5 observed frames and 5 and 10 steps open loop, and the squared error of
@@ -50,6 +50,7 @@ CONFIGS = {
     "dreamerv3": {},
     "nature": {"model": "nature"},
     "dreamerv3-half": {"encoder_channels": (16, 32, 64, 128), "deterministic_dim": 256, "hidden_dim": 256},
+    "dreamerv3-rgb": {"rgb": True},
 }
 
 
@@ -93,24 +94,37 @@ class Args:
 # ---------------------------------------------------------------------------------------------------------
 # The dataset
 # ---------------------------------------------------------------------------------------------------------
-SIDES = (64, 84)
+# the dataset's frames: each the same emulator steps, at a size, in grey or colour
+FRAMES = {
+    "frames64": {"image_size": 64},
+    "frames84": {"image_size": 84},
+    "frames64rgb": {"image_size": 64, "rgb": True},
+}
+
+
+def frames_key(train_args: da.Args) -> str:
+    """Which of the dataset's frames a configuration trains on."""
+    return f"frames{train_args.image_size}" + ("rgb" if train_args.rgb else "")
 
 
 def collect(args: Args) -> dict:
-    """The dataset: `frames64` and `frames84` (N, S, S) uint8, the same emulator steps at both sizes, and per step
-    `action` (the one that led to it), `reward`, `is_first`, `is_terminal`, as the replay stores them. Read from
-    --cache-dir when it was collected before."""
+    """The dataset: `frames64` and `frames84` (N, S, S) and `frames64rgb` (N, 3, 64, 64) uint8, the same emulator
+    steps at both sizes and in colour, and per step `action` (the one that led to it), `reward`, `is_first`,
+    `is_terminal`, as the replay stores them. Read from --cache-dir when it was collected before (with every kind of
+    frames)."""
     path = Path(args.cache_dir) / f"pong_{args.dataset_steps}_seed{args.seed}_random{args.random_share}.npz"
     if path.exists():
         with np.load(path) as saved:
             data = {key: saved[key] for key in saved.files}
-        return data
+        if set(FRAMES) <= set(data):
+            return data
     envs = {
-        side: da.make_env(ENV_ID, 0, False, "", da.Args(image_size=side, frame_stack=1))() for side in SIDES
+        key: da.make_env(ENV_ID, 0, False, "", da.Args(**settings, frame_stack=1))()
+        for key, settings in FRAMES.items()
     }
     rng = np.random.default_rng(args.seed)
     n = args.dataset_steps
-    data = {f"frames{side}": np.empty((n, side, side), np.uint8) for side in SIDES}
+    data = {key: np.empty((n, *env.observation_space.shape[1:]), np.uint8) for key, env in envs.items()}
     data |= {
         "action": np.zeros(n, np.uint8),
         "reward": np.zeros(n, np.float32),
@@ -121,17 +135,17 @@ def collect(args: Args) -> dict:
     action, reward, terminated = 0, 0.0, False
     for t in range(n):
         if start:  # a new episode: its first step has no action or reward
-            obs = {side: env.reset(seed=args.seed * 1000 + episode)[0] for side, env in envs.items()}
+            obs = {key: env.reset(seed=args.seed * 1000 + episode)[0] for key, env in envs.items()}
             episode, action, reward, terminated, over = episode + 1, 0, 0.0, False, False
-        for side in SIDES:
-            data[f"frames{side}"][t] = obs[side][-1]
+        for key in FRAMES:
+            data[key][t] = obs[key][-1]
         # as the replay stores a step: its frame, the action that led to it, the reward and flags on arriving
         data["action"][t], data["reward"][t] = action, reward
         data["is_first"][t], data["is_terminal"][t] = start, terminated
         start = over
         if over:  # the episode's last frame is stored; the next step starts a new one
             continue
-        ram = envs[SIDES[0]].unwrapped.ale.getRAM()
+        ram = envs["frames64"].unwrapped.ale.getRAM()
         ball, paddle = int(ram[RAM_BALL_Y]), int(ram[RAM_PLAYER_Y]) + PADDLE_HALF
         if rng.random() < args.random_share:
             action = int(rng.integers(6))
@@ -139,11 +153,11 @@ def collect(args: Args) -> dict:
             action = DOWN if ball > paddle else UP
         else:
             action = NOOP
-        steps = {side: env.step(action) for side, env in envs.items()}
+        steps = {key: env.step(action) for key, env in envs.items()}
         if len({float(step[1]) for step in steps.values()}) != 1:
-            raise RuntimeError("the two emulators diverged")
-        _, reward, terminated, truncated, _ = steps[SIDES[0]]
-        obs = {side: step[0] for side, step in steps.items()}
+            raise RuntimeError("the emulators diverged")
+        _, reward, terminated, truncated, _ = steps["frames64"]
+        obs = {key: step[0] for key, step in steps.items()}
         over = bool(terminated or truncated)
     for env in envs.values():
         env.close()
@@ -156,7 +170,7 @@ def collect(args: Args) -> dict:
 def split_replays(data: dict, args: Args, train_args: da.Args) -> tuple[da.EpisodeReplay, da.EpisodeReplay]:
     """The dataset at the configuration's frame size and stack, as two replays: training and held out (the last
     --held-out-steps). They sample with the training loop's own code."""
-    frames, stack = data[f"frames{train_args.image_size}"], train_args.frame_stack
+    frames, stack = data[frames_key(train_args)], train_args.frame_stack
     held_out_from = len(frames) - args.held_out_steps
     replays = []
     for begin, end in ((0, held_out_from), (held_out_from, len(frames))):
@@ -220,7 +234,8 @@ def train_config(name: str, data: dict, args: Args) -> dict:
         torch.set_float32_matmul_precision("high" if train_args.tf32 else "highest")
     train, held_out = split_replays(data, args, train_args)
     stack, side = train_args.frame_stack, train_args.image_size
-    agent = da.build_agent(train_args, (stack, side, side), 6, device)
+    obs_shape = (stack, *data[frames_key(train_args)].shape[1:])  # (stack, S, S), in colour (stack, 3, S, S)
+    agent = da.build_agent(train_args, obs_shape, 6, device)
     world_model_step, _ = da.make_update_steps(agent, train_args)
     eval_length = da.OPEN_LOOP_CONTEXT + max(da.OPEN_LOOP_RECALL_STEPS) + 1
     eval_batch = held_out.sample(args.eval_sequences, eval_length, rng=np.random.default_rng(args.seed))

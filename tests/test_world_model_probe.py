@@ -16,7 +16,7 @@ def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("probe")
     args = probe.Args(
         json=str(folder / "results" / "probe.json"),
-        configs=("nature",),
+        configs=("nature", "dreamerv3-rgb"),
         updates=2,
         batch_size=2,
         sequence_length=16,
@@ -32,13 +32,15 @@ def tiny(tmp_path_factory):
     return args, probe.main(args), probe.collect(args)
 
 
-def test_the_dataset_holds_the_same_steps_at_both_sizes_with_the_ball_in_play(tiny):
+def test_the_dataset_holds_the_same_steps_at_both_sizes_and_in_colour_with_the_ball_in_play(tiny):
     _, result, data = tiny
     assert data["frames64"].shape == (400, 64, 64) and data["frames84"].shape == (400, 84, 84)
-    # the same emulator steps: the frames change at the same steps at both sizes
+    assert data["frames64rgb"].shape == (400, 3, 64, 64)
+    # the same emulator steps: the frames change at the same steps at both sizes and in colour
     moved64 = (np.diff(data["frames64"].astype(np.int16), axis=0) != 0).any((1, 2))
     moved84 = (np.diff(data["frames84"].astype(np.int16), axis=0) != 0).any((1, 2))
-    assert (moved64 == moved84).all()
+    moved_rgb = (np.diff(data["frames64rgb"].astype(np.int16), axis=0) != 0).any((1, 2, 3))
+    assert (moved64 == moved84).all() and (moved64 == moved_rgb).all()
     assert data["is_first"][0] and data["action"][0] == 0 and data["reward"][0] == 0
     assert result["dataset"]["ball_in_play_share_64"] > 0.5
 
@@ -58,8 +60,9 @@ def test_the_results_file_has_one_entry_per_configuration_and_a_readme(tiny):
     args, result, _ = tiny
     saved = json.loads(probe.Path(args.json).read_text())
     assert saved == json.loads(json.dumps(result))
-    (config,) = saved["configurations"]
+    config, colour = saved["configurations"]
     assert config["name"] == "nature" and config["is_default"] is False and config["updates"] == 2
+    assert colour["name"] == "dreamerv3-rgb" and colour["updates"] == 2
     assert [p["updates"] for p in config["curve"]] == [0, 2]
     for key in ("ball_recall_observed", "ball_recall_open_loop_5"):
         assert key in config
