@@ -25,6 +25,7 @@ Checkpoints (`runs/{run_name}/checkpoint.pt`) hold only tensors and plain contai
 detected leak with `--abort-on-leak`, and a run of non-finite losses. `--resume PATH` continues the run.
 """
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -1756,6 +1757,53 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
         )
 
 
+class ObserveBackwardMismatch(RuntimeError):
+    """`RSSM.observe_step` and the hand-written backward of `ObserveBackwardThroughTime` compute different things."""
+
+
+def check_observe_backward(rssm: RSSM, tolerance: float = 1e-8) -> None:
+    """At start-up, before any training: the hand-written backward against autograd's, on a copy of `rssm` in float64
+    on the CPU (2 sequences of 4 steps, an episode start inside one). `ObserveBackwardThroughTime` recomputes the
+    step with its own code, so a change to `observe_step` that is not carried into it would train on wrong
+    gradients without a word; this raises ObserveBackwardMismatch instead. Milliseconds; the global random state is
+    left as it was."""
+    if not rssm.backward_through_time or rssm.classes == 0:
+        return
+    reference = copy.deepcopy(rssm).cpu().double()
+    embed_dim = reference.posterior_net[0].in_features - reference.deter_dim
+    num_actions = reference.img_in[0].in_features - reference.stoch_flat
+    B, T = 2, 4
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        embed = torch.randn(B, T, embed_dim, dtype=torch.float64)
+        action = F.one_hot(torch.randint(num_actions, (B, T)), num_actions).double()
+        is_first = torch.zeros(B, T, dtype=torch.bool)
+        is_first[:, 0], is_first[1, 2] = True, True
+        noise = reference.noise((T, B), "cpu")
+        weights = [torch.randn(B, T, reference.deter_dim), torch.randn(B, T, reference.stoch_flat)]
+    parameters = [p for p in reference.parameters() if p.requires_grad]
+
+    def gradients(hand_written: bool) -> list[torch.Tensor]:
+        reference.backward_through_time = hand_written
+        embed_ = embed.clone().requires_grad_(True)
+        deter, stoch, posterior, _ = reference.observe(embed_, action, is_first, noise)
+        loss = (deter * weights[0]).sum() + (stoch * weights[1]).sum() + posterior.exp().square().sum()
+        return torch.autograd.grad(loss, [embed_, *parameters], allow_unused=True)
+
+    names = ["embed", *(name for name, p in reference.named_parameters() if p.requires_grad)]
+    for name, ours, autograd in zip(names, gradients(True), gradients(False)):
+        ours = torch.zeros_like(autograd) if ours is None and autograd is not None else ours
+        if autograd is None:
+            continue
+        error = (ours - autograd).abs().max().item() / max(autograd.abs().max().item(), 1e-12)
+        if not error <= tolerance:
+            raise ObserveBackwardMismatch(
+                f"RSSM.observe's hand-written backward (ObserveBackwardThroughTime) gives another gradient of {name} "
+                f"than autograd's (relative error {error:.1e}): a change to observe_step must be carried into its "
+                f"backward, or set RSSM.backward_through_time = False to train with autograd's."
+            )
+
+
 class WorldModel(nn.Module):
     def __init__(self, args: Args, obs_shape: tuple, num_actions: int):
         super().__init__()
@@ -3293,6 +3341,7 @@ def build_agent_at_start(
         mu.install_oom_observer(run_dir)
     try:
         agent = build_agent(args, obs_shape, num_actions, device)
+        check_observe_backward(agent.world_model.rssm)  # before --compile replaces observe_step
         if args.compile:
             compile_agent(agent)
         if args.preallocate:

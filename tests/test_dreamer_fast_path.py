@@ -374,3 +374,32 @@ def test_gaussian_latents_autocast_and_no_grad_take_the_per_step_loop():
     assert backward(0) == "autograd"
     assert backward(4, autocast=True) == "autograd"
     assert backward(4, grad=False) == "none"
+
+
+def test_a_change_to_the_observe_step_not_carried_into_its_backward_stops_the_run_before_training(
+    monkeypatch, tmp_path
+):
+    """The hand-written backward recomputes the step with its own code: a changed `observe_step` would train on the
+    old step's gradients. The start-up check compares it with autograd's and refuses, naming the way out."""
+    real_step = da.RSSM.observe_step
+
+    def changed_step(self, *inputs):
+        deter, stoch, posterior = real_step(self, *inputs)
+        return 1.01 * deter, stoch, posterior  # a researcher's change to the step
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(da.RSSM, "observe_step", changed_step)
+    args = tiny_args(total_timesteps=50, learning_starts=10, train_ratio=18.0, num_envs=1, vector_mode="sync")
+    with pytest.raises(da.ObserveBackwardMismatch, match="backward_through_time = False"):
+        da.main(args)
+    monkeypatch.setattr(da.RSSM, "backward_through_time", False)  # autograd's backward follows any change
+    assert da.main(args)["global_step"] == 50
+
+
+def test_the_start_up_check_passes_both_models_and_leaves_the_random_state_alone():
+    for model in ("dreamerv3", "nature"):
+        args = tiny_args(model=model)
+        rssm = da.WorldModel(args, obs_shape(args), NUM_ACTIONS).rssm
+        state = torch.get_rng_state()
+        da.check_observe_backward(rssm)
+        assert torch.equal(state, torch.get_rng_state())
