@@ -1649,32 +1649,25 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
         """d outputs (B, T, ...) -> d inputs, in `forward`'s order (None for rssm, keep and noise)."""
         rssm = ctx.rssm
         keep, action_in, embed_in, stoch_weight, deter_weight, deter, stoch, *_ = ctx.saved_tensors
-        img_norm, post_norm, post_out = rssm.img_in[1], rssm.posterior_net[1], rssm.posterior_net[3]
-        S, C, unimix = rssm.stoch_dim, rssm.classes, rssm.unimix
-        T = deter.shape[1]
         # time-major from here, (T, B, ...): a step's rows are contiguous
         keep = keep.transpose(0, 1).to(deter.dtype)  # (T, B, 1)
         deter, stoch = deter.transpose(0, 1), stoch.transpose(0, 1)  # (T, B, D), (T, B, S*C)
-        deter_grad, stoch_grad = deter_grad.transpose(0, 1), stoch_grad.transpose(0, 1)
-        posterior_grad = posterior_grad.transpose(0, 1)  # (T, B, S, C)
-
+        grads = (deter_grad.transpose(0, 1), stoch_grad.transpose(0, 1), posterior_grad.transpose(0, 1))
         # 1. every step's activations at once, from the states the forward pass returned
-        deter_prev = torch.cat([torch.zeros_like(deter[:1]), deter[:-1]]) * keep  # (T, B, D)
-        stoch_prev = torch.cat([torch.zeros_like(stoch[:1]), stoch[:-1]]) * keep  # (T, B, S*C)
-        img_pre = F.linear(stoch_prev, stoch_weight) + action_in.transpose(0, 1)  # (T, B, H)
-        img_normed, img_mean, img_rstd = layer_norm_stats(img_pre, img_norm)
-        img = F.silu(img_normed)  # (T, B, H): the GRU's input
-        img_silu_grad = silu_derivative(img_normed)
-        gru = (LayerNormGRUBackward if isinstance(rssm.gru, LayerNormGRUCell) else TorchGRUBackward)(
-            rssm.gru, img, deter_prev
-        )
-        post_pre = F.linear(deter, deter_weight) + embed_in.transpose(0, 1)  # (T, B, H)
-        post_normed, post_mean, post_rstd = layer_norm_stats(post_pre, post_norm)
-        post = F.silu(post_normed)  # (T, B, H)
-        post_silu_grad = silu_derivative(post_normed)
-        probs = F.softmax(post_out(post).unflatten(-1, (S, C)), -1)  # (T, B, S, C)
-        probs_share = (1 - unimix) * probs  # (T, B, S, C)
-        mixed = probs_share + unimix / C  # the posterior's probabilities, as `_stats` computes them
+        acts = ObserveActivations(rssm, keep, action_in, embed_in, stoch_weight, deter_weight, deter, stoch)
+        # 2. the steps in reverse: the state gradients (the only sequential part) and each layer's output gradient
+        layer_grads = ObserveBackwardThroughTime.reverse_steps(acts, keep, *grads)
+        # 3. the weight gradients, each a sum over all T x B rows: one product or one reduction
+        return ObserveBackwardThroughTime.weight_grads(acts, layer_grads)
+
+    @staticmethod
+    def reverse_steps(acts: "ObserveActivations", keep, deter_grad, stoch_grad, posterior_grad) -> tuple:
+        """The steps in reverse, time-major (T, B, ...) gradients of the outputs in: the gradients of each layer's
+        output at every step (T, B, ...), for `weight_grads`: logits, post_norm, post_pre, img_norm, img_pre."""
+        rssm = acts.rssm
+        post_norm, post_out = rssm.posterior_net[1], rssm.posterior_net[3]
+        S, C, T = rssm.stoch_dim, rssm.classes, acts.deter.shape[0]
+        probs, probs_share, mixed = acts.probs, acts.probs_share, acts.mixed
         # softmax's backward reads probs * d probs. Through posterior = log(mixed): d probs = (1 - unimix) d posterior
         # / mixed; through the straight-through stoch (d stoch / d posterior = mixed, so d stoch / d mixed = 1):
         # d probs = (1 - unimix) d stoch. `own_grad` is the share of each step's own output gradients, for all steps
@@ -1684,9 +1677,6 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
         own_grad = torch.addcmul(own_grad, probs_share, stoch_grad.unflatten(-1, (S, C)))  # (T, B, S, C)
         keep_next = torch.cat([keep[1:], torch.zeros_like(keep[:1])]).unsqueeze(-1)  # (T, B, 1, 1)
         carried_factor = probs_share * keep_next  # (T, B, S, C)
-
-        # 2. the steps in reverse: the state gradients (the only sequential part), and each layer's output gradient,
-        # kept for step 3
         logits_grads, post_norm_grads, post_pre_grads, img_norm_grads, img_pre_grads = [], [], [], [], []
         deter_carry = deter_grad[T - 1]  # (B, D): d deter_t from the outputs and the later steps
         stoch_carry = None  # (B, S*C): d (stoch_t * keep_{t+1}), from step t + 1's img_in
@@ -1697,50 +1687,59 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
                 probs_grad = torch.addcmul(probs_grad, carried_factor[t], stoch_carry.unflatten(-1, (S, C)))
             logits_grad = torch.addcmul(probs_grad, probs[t], probs_grad.sum(-1, keepdim=True), value=-1)
             logits_grad = logits_grad.flatten(-2)  # (B, S*C)
-            post_norm_grad = (logits_grad @ post_out.weight) * post_silu_grad[t]  # (B, H)
+            post_norm_grad = (logits_grad @ post_out.weight) * acts.post_silu_grad[t]  # (B, H)
             post_pre_grad = layer_norm_input_grad(
-                post_norm_grad, post_pre[t], post_mean[t], post_rstd[t], post_norm
+                post_norm_grad, acts.post_pre[t], acts.post_mean[t], acts.post_rstd[t], post_norm
             )  # (B, H)
-            deter_total = torch.addmm(deter_carry, post_pre_grad, deter_weight)  # (B, D): all of d deter_t
+            deter_total = torch.addmm(
+                deter_carry, post_pre_grad, acts.deter_weight
+            )  # (B, D): all of d deter_t
             # GRU, then img_in: d img -> d img_pre (silu, LayerNorm) -> d stoch_prev
-            img_grad, deter_prev_grad = gru.step(t, deter_total)  # (B, H), (B, D)
-            img_norm_grad = img_grad * img_silu_grad[t]
+            img_grad, deter_prev_grad = acts.gru.step(t, deter_total)  # (B, H), (B, D)
+            img_norm_grad = img_grad * acts.img_silu_grad[t]
             img_pre_grad = layer_norm_input_grad(
-                img_norm_grad, img_pre[t], img_mean[t], img_rstd[t], img_norm
+                img_norm_grad, acts.img_pre[t], acts.img_mean[t], acts.img_rstd[t], rssm.img_in[1]
             )
             logits_grads.append(logits_grad), post_norm_grads.append(post_norm_grad)
             post_pre_grads.append(post_pre_grad), img_norm_grads.append(img_norm_grad)
             img_pre_grads.append(img_pre_grad)
             if t > 0:  # the previous step's state gradients, masked where this step starts an episode
                 deter_carry = torch.addcmul(deter_grad[t - 1], keep[t], deter_prev_grad)
-                stoch_carry = img_pre_grad @ stoch_weight  # (B, S*C); keep[t] is in carried_factor
-        logits_grad, post_norm_grad, post_pre_grad, img_norm_grad, img_pre_grad = (
+                stoch_carry = img_pre_grad @ acts.stoch_weight  # (B, S*C); keep[t] is in carried_factor
+        return tuple(
             torch.stack(grads[::-1])  # (T, B, ...)
             for grads in (logits_grads, post_norm_grads, post_pre_grads, img_norm_grads, img_pre_grads)
         )
 
-        # 3. the weight gradients, each a sum over all T x B rows: one product or one reduction
+    @staticmethod
+    def weight_grads(acts: "ObserveActivations", layer_grads: tuple) -> tuple:
+        """`backward`'s result from the layers' output gradients (`reverse_steps`): each weight's gradient one
+        product or one reduction over all T x B rows."""
+        rssm = acts.rssm
+        img_norm, post_norm = rssm.img_in[1], rssm.posterior_net[1]
+        logits_grad, post_norm_grad, post_pre_grad, img_norm_grad, img_pre_grad = layer_grads
+
         def rows(x: torch.Tensor) -> torch.Tensor:
             """(T, B, ...) -> (T * B, ...)."""
             return x.flatten(0, 1)
 
         img_norm_weight_grad, img_norm_bias_grad = layer_norm_affine_grads(
-            rows(img_norm_grad), rows(img_pre), rows(img_mean), rows(img_rstd), img_norm
+            rows(img_norm_grad), rows(acts.img_pre), rows(acts.img_mean), rows(acts.img_rstd), img_norm
         )
         post_norm_weight_grad, post_norm_bias_grad = layer_norm_affine_grads(
-            rows(post_norm_grad), rows(post_pre), rows(post_mean), rows(post_rstd), post_norm
+            rows(post_norm_grad), rows(acts.post_pre), rows(acts.post_mean), rows(acts.post_rstd), post_norm
         )
         parameter_grads = [
             img_norm_weight_grad,
             img_norm_bias_grad,
             post_norm_weight_grad,
             post_norm_bias_grad,
-            rows(logits_grad).T @ rows(post),  # (S*C, H)
+            rows(logits_grad).T @ rows(acts.post),  # (S*C, H)
             rows(logits_grad).sum(0),
-            *gru.weight_grads(),
+            *acts.gru.weight_grads(),
         ]
-        stoch_weight_grad = rows(img_pre_grad).T @ rows(stoch_prev)  # (H, S*C)
-        deter_weight_grad = rows(post_pre_grad).T @ rows(deter)  # (H, D)
+        stoch_weight_grad = rows(img_pre_grad).T @ rows(acts.stoch_prev)  # (H, S*C)
+        deter_weight_grad = rows(post_pre_grad).T @ rows(acts.deter)  # (H, D)
         action_in_grad, embed_in_grad = (
             img_pre_grad.transpose(0, 1),
             post_pre_grad.transpose(0, 1),
@@ -1755,6 +1754,33 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
             deter_weight_grad,
             *parameter_grads,
         )
+
+
+class ObserveActivations:
+    """Every step's activations of `RSSM.observe_step` at once, time-major (T, B, ...), recomputed from the states
+    the forward pass returned (given deter and stoch, no step depends on another): what `ObserveBackwardThroughTime`
+    reads."""
+
+    def __init__(self, rssm, keep, action_in, embed_in, stoch_weight, deter_weight, deter, stoch):
+        """keep (T, B, 1), deter (T, B, D), stoch (T, B, S*C) time-major; action_in and embed_in (B, T, H)."""
+        img_norm, post_norm, post_out = rssm.img_in[1], rssm.posterior_net[1], rssm.posterior_net[3]
+        S, C, unimix = rssm.stoch_dim, rssm.classes, rssm.unimix
+        self.rssm, self.stoch_weight, self.deter_weight, self.deter = rssm, stoch_weight, deter_weight, deter
+        deter_prev = torch.cat([torch.zeros_like(deter[:1]), deter[:-1]]) * keep  # (T, B, D)
+        self.stoch_prev = torch.cat([torch.zeros_like(stoch[:1]), stoch[:-1]]) * keep  # (T, B, S*C)
+        self.img_pre = F.linear(self.stoch_prev, stoch_weight) + action_in.transpose(0, 1)  # (T, B, H)
+        img_normed, self.img_mean, self.img_rstd = layer_norm_stats(self.img_pre, img_norm)
+        img = F.silu(img_normed)  # (T, B, H): the GRU's input
+        self.img_silu_grad = silu_derivative(img_normed)
+        gru_kind = LayerNormGRUBackward if isinstance(rssm.gru, LayerNormGRUCell) else TorchGRUBackward
+        self.gru = gru_kind(rssm.gru, img, deter_prev)
+        self.post_pre = F.linear(deter, deter_weight) + embed_in.transpose(0, 1)  # (T, B, H)
+        post_normed, self.post_mean, self.post_rstd = layer_norm_stats(self.post_pre, post_norm)
+        self.post = F.silu(post_normed)  # (T, B, H)
+        self.post_silu_grad = silu_derivative(post_normed)
+        self.probs = F.softmax(post_out(self.post).unflatten(-1, (S, C)), -1)  # (T, B, S, C)
+        self.probs_share = (1 - unimix) * self.probs  # (T, B, S, C)
+        self.mixed = self.probs_share + unimix / C  # the posterior's probabilities, as `_stats` computes them
 
 
 class ObserveBackwardMismatch(RuntimeError):
