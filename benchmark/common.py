@@ -144,6 +144,10 @@ UPDATE_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is one
     ("bf16+cudagraph", {"amp": "bf16", "cudagraph": True}),
     ("tf32+compile+cudagraph", {"tf32": True, "compile": True, "cudagraph": True}),
     ("compile", {"compile": True}),
+    (
+        "tf32+cudagraph, autograd observe backward",
+        {"tf32": True, "cudagraph": True, "observe_backward": "autograd"},
+    ),
 )
 # --quick: the soak's tiny model on a few hundred steps, only to check the plumbing
 TINY_MODEL_FIELDS = {

@@ -390,9 +390,9 @@ def test_a_change_to_the_observe_step_not_carried_into_its_backward_stops_the_ru
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(da.RSSM, "observe_step", changed_step)
     args = tiny_args(total_timesteps=50, learning_starts=10, train_ratio=18.0, num_envs=1, vector_mode="sync")
-    with pytest.raises(da.ObserveBackwardMismatch, match="backward_through_time = False"):
+    with pytest.raises(da.ObserveBackwardMismatch, match="--observe-backward autograd"):
         da.main(args)
-    monkeypatch.setattr(da.RSSM, "backward_through_time", False)  # autograd's backward follows any change
+    args.observe_backward = "autograd"  # autograd's backward follows any change
     assert da.main(args)["global_step"] == 50
 
 

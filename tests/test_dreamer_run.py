@@ -251,6 +251,7 @@ BAD_ARGS = {
     "a side the dreamerv3 encoder cannot halve to the end": dict(image_size=60),
     "four convolutions for the nature model": dict(model="nature", encoder_channels=(4, 8, 8, 8)),
     "colour frames of a grey env": dict(env_id=da.CATCH_ID, rgb=True),
+    "an unknown observe backward": dict(observe_backward="numerical"),
 }
 
 

@@ -178,9 +178,10 @@ def count_update(args: da.Args) -> dict[str, dict[str, int]]:
     return {"world_model": world.by_region(), "behavior": behavior.by_region()}
 
 
-def measure(model: str, size: str) -> dict:
+def measure(model: str, size: str, observe_backward: str = "hand-written") -> dict:
     """Counts at (T, H), (T - 1, H) and (T, H - 1), and the per-step differences."""
     sizes = {**(TINY if size == "tiny" else MODEST), "model": model, "amp": "off", "num_envs": 1}
+    sizes["observe_backward"] = observe_backward
     T, H = sizes["sequence_length"], sizes["imagination_horizon"]
     base = count_update(da.Args(**sizes))
     short_t = count_update(da.Args(**{**sizes, "sequence_length": T - 1}))
@@ -254,8 +255,7 @@ def main() -> None:
     )
     options = parser.parse_args()
     torch.set_num_threads(1)
-    da.RSSM.backward_through_time = options.observe_backward == "hand-written"
-    result = measure(options.model, options.size)
+    result = measure(options.model, options.size, options.observe_backward)
     result["observe_backward"] = options.observe_backward
     result["machine"] = bench_utils.machine()
     result["command"] = " ".join(["python", "benchmark/gpu/update_regions.py", *sys.argv[1:]])
