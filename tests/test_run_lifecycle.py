@@ -46,15 +46,15 @@ def test_a_taken_name_is_said_in_one_line(tmp_path):
 
 
 def test_stop_signals_are_recorded_not_raised_and_the_old_handlers_come_back():
-    before = signal.getsignal(signal.SIGTERM)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     with mu.StopSignals() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.received == [signal.SIGTERM, signal.SIGINT]
         assert stop.name == "SIGTERM" and stop.exit_code == 128 + signal.SIGTERM
-    assert signal.getsignal(signal.SIGTERM) is before
-    with pytest.raises(KeyboardInterrupt):  # Python's own SIGINT handler again
-        os.kill(os.getpid(), signal.SIGINT)
+    # the handlers in force before (pytest's worker processes ignore SIGINT; a plain Python raises
+    # KeyboardInterrupt), whatever they were
+    assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
 def failing_step(alive: dict):
