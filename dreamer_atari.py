@@ -2534,6 +2534,7 @@ class CudaGraphed:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_inputs: dict[str, torch.Tensor] = {}
         self.static_outputs: tuple = ()
+        self.side_stream: torch.cuda.Stream | None = None
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> tuple:
         if self.captured_settings is not None:
@@ -2563,7 +2564,7 @@ class CudaGraphed:
 
     def run_eagerly(self, inputs: dict[str, torch.Tensor]) -> tuple:
         """A warm-up update, on a side stream as capture requires."""
-        if not hasattr(self, "side_stream"):
+        if self.side_stream is None:  # made at the first call: a CPU run never makes one
             self.side_stream = torch.cuda.Stream()
         self.side_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side_stream):
@@ -3297,8 +3298,9 @@ def set_up(args: Args) -> Run:
             exit_with(f"error: {exc}", EXIT_BAD_INPUT)
         print(f"resumed {run_name} at step {counters['global_step']} ({counters['updates']} updates)")
         resume_state = None  # memory: the loaded tensors are now inside the modules; drop the copies
+    probes = mu.StageProbes(enabled=args.memory_probes, device=device)
     if args.memory_probes:  # before the update steps are made: they may be captured
-        attach_memory_probes(agent, probes := mu.StageProbes(enabled=True, device=device))
+        attach_memory_probes(agent, probes)
     world_model_step, behavior_step = make_update_steps(agent, args)
     run = Run(
         args=args,
@@ -3316,7 +3318,7 @@ def set_up(args: Args) -> Run:
         update_log=UpdateLog(device),
         obs_shape=obs_shape,
     )
-    instrument(run, probes if args.memory_probes else mu.StageProbes(enabled=False, device=device))
+    instrument(run, probes)
     return run
 
 
