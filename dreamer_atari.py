@@ -130,6 +130,10 @@ class Args:
     buffer_capacity: int | None = None
     """replay capacity in env steps; whole oldest episodes are evicted first. Unset: the replay keeps every step
     of the run (DreamerV3's Atari100k setting; about 7.1 KB of host memory per Pong step, printed at start)"""
+    replay_frames: Literal["auto", "device", "host"] = "auto"
+    """where the replay's frames live: `device` (a tensor on the training device; batches are gathered there, no
+    frame crosses from the host per update), `host` (host memory; batches are copied over), or `auto` (device on
+    CUDA when a full replay takes at most a quarter of the GPU's free memory, else host; said at start)"""
     batch_size: int = 16
     """the number of sequences per world-model batch"""
     sequence_length: int = 50
@@ -603,10 +607,10 @@ def check_actions_change_frames(
 REPLAY_AUX_BYTES_PER_STEP = 1 + 4 + 1 + 1  # action uint8, reward float32, is_first, is_terminal
 
 
-def say_replay_size(capacity: int, obs_shape: tuple) -> None:
+def say_replay_size(capacity: int, obs_shape: tuple, frames_on_device: bool = False) -> None:
     """Print how much host memory the replay grows to, and warn when that is more than this machine has free."""
     # memory: the replay is the run's largest host allocation: say its size before it grows, not at 3 a.m.
-    full = capacity * (math.prod(obs_shape[1:]) + REPLAY_AUX_BYTES_PER_STEP)
+    full = capacity * ((0 if frames_on_device else math.prod(obs_shape[1:])) + REPLAY_AUX_BYTES_PER_STEP)
     available = psutil.virtual_memory().available
     print(
         f"replay: up to {capacity:,} steps, about {full / 2**30:.2f} GiB of host memory when full "
@@ -617,6 +621,24 @@ def say_replay_size(capacity: int, obs_shape: tuple) -> None:
             f"replay: warning: a full replay would take more than 80 % of the memory available now; "
             f"--buffer-capacity {int(0.5 * available / (full / capacity)):,} would take about half"
         )
+
+
+def replay_frames_device(args: Args, device: torch.device, obs_shape: tuple) -> torch.device | None:
+    """Where the replay's frames live (`--replay-frames`): the training device, or host memory (None); said in one
+    line."""
+    full = replay_capacity(args) * math.prod(obs_shape[1:])  # a full replay's frames, one per step
+    if args.replay_frames == "host" or (args.replay_frames == "auto" and device.type != "cuda"):
+        return None
+    if args.replay_frames == "auto":
+        free = torch.cuda.mem_get_info(device)[0]
+        if full > free / 4:
+            print(
+                f"replay: frames in host memory: a full replay's {full / 2**30:.2f} GiB of frames is over a quarter "
+                f"of the GPU's {free / 2**30:.1f} GiB free (--replay-frames device puts them there anyway)"
+            )
+            return None
+    print(f"replay: frames on {device} ({full / 2**30:.2f} GiB when full); batches are gathered there")
+    return device
 
 
 def replay_capacity(args: Args) -> int:
@@ -738,6 +760,157 @@ class ChunkedArray:
         self.compacted = True
 
 
+class FrameStore:
+    """The replay's frames in one tensor on a device (`--replay-frames device`), so that a batch's stacks are
+    gathered there in one indexing operation instead of copied on the host and sent over.
+
+    The tensor's rows (one frame each) are handed out in blocks of `block` rows. Each env writes its frames in the
+    order it makes them into blocks of its own: its frame number `seq` (counted from its first) is in row
+    table[seq // block] * block + seq % block. The replay evicts each env's frames oldest first (whole episodes,
+    or the front of one still being played), so a block goes back to the free list as soon as the env's oldest
+    kept frame is past it. Written frames wait in host memory and cross together (`flush`) before anything reads
+    the rows: on CUDA from pinned memory without blocking, so storing a frame never waits for a running update."""
+
+    FLUSH_EVERY = 256  # frames that wait at most (before learning starts no batch is sampled to flush them)
+
+    def __init__(self, frame_shape: tuple, num_envs: int, block: int, num_blocks: int, device):
+        self.frame_shape, self.block, self.device = tuple(frame_shape), block, torch.device(device)
+        self.rows = torch.empty((num_blocks * block, *frame_shape), dtype=torch.uint8, device=self.device)
+        self.free = list(range(num_blocks - 1, -1, -1))  # block ids; the next one handed out is the last
+        self.tables: list[deque[int]] = [
+            deque() for _ in range(num_envs)
+        ]  # env -> its block ids, oldest first
+        self.first_block = [0] * num_envs  # env -> the block number (seq // block) of tables[env][0]
+        self.written = [0] * num_envs  # env -> frames written so far: the seq of its next frame
+        self.cached: list[np.ndarray | None] = [
+            None
+        ] * num_envs  # env -> its table as an array, until it changes
+        self.pending: list[np.ndarray] = []  # frames not yet on the device, with their rows
+        self.pending_rows: list[int] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes
+
+    def append(self, env: int, frame: np.ndarray) -> None:
+        seq = self.written[env]
+        if seq % self.block == 0:
+            if not self.free:
+                self.grow()
+            self.tables[env].append(self.free.pop())
+            self.cached[env] = None
+        self.pending.append(np.array(frame, np.uint8))  # a copy: the env may reuse its array
+        self.pending_rows.append(self.tables[env][-1] * self.block + seq % self.block)
+        self.written[env] += 1
+        if len(self.pending) >= self.FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        """Queue the waiting frames' copy into their rows (one copy and one indexed write)."""
+        if not self.pending:
+            return
+        # a row written twice in one copy would keep either frame (CUDA's indexed write has no order)
+        assert len(set(self.pending_rows)) == len(self.pending_rows), (
+            "a row was handed out again before the flush"
+        )
+        frames = torch.from_numpy(np.stack(self.pending))  # (n, S, S) uint8
+        rows = torch.tensor(self.pending_rows, dtype=torch.int64)
+        if self.device.type == "cuda":
+            # pinned: the copy runs without blocking; torch keeps the pinned block until the copy has read it
+            frames, rows = frames.pin_memory(), rows.pin_memory()
+        self.rows.index_copy_(
+            0, rows.to(self.device, non_blocking=True), frames.to(self.device, non_blocking=True)
+        )
+        self.pending, self.pending_rows = [], []
+
+    def release_before(self, env: int, seq: int) -> None:
+        """The env keeps no frame before `seq` any more: its blocks wholly before it go back to the free list."""
+        table = self.tables[env]
+        if table and (self.first_block[env] + 1) * self.block <= seq:
+            self.flush()  # a waiting frame's row may be handed out again below
+        while table and (self.first_block[env] + 1) * self.block <= seq:
+            self.free.append(table.popleft())
+            self.first_block[env] += 1
+            self.cached[env] = None
+
+    def grow(self) -> None:
+        """A quarter more rows (the replay holds more short episodes than it was sized for: each stores
+        frame_stack - 1 frames more than steps); said in one line."""
+        self.flush()
+        blocks = len(self.rows) // self.block
+        more = max(1, blocks // 4)
+        extra = torch.empty((more * self.block, *self.frame_shape), dtype=torch.uint8, device=self.device)
+        self.rows = torch.cat([self.rows, extra])
+        self.free = list(range(blocks + more - 1, blocks - 1, -1)) + self.free
+        print(
+            f"replay: the frame store grew to {len(self.rows):,} frames ({self.rows.nbytes / 2**20:.0f} MiB)"
+        )
+
+    def row_of(self, env: int, seqs: np.ndarray) -> np.ndarray:
+        """The rows (same shape, int64) of the env's frames `seqs`."""
+        if self.cached[env] is None:
+            self.cached[env] = np.fromiter(self.tables[env], np.int64, len(self.tables[env]))
+        blocks = seqs // self.block - self.first_block[env]
+        return self.cached[env][blocks] * self.block + seqs % self.block
+
+    def read(self, env: int, begin: int, stop: int) -> np.ndarray:
+        """A host copy of the env's frames [begin, stop) (for checkpoints and the open-loop report)."""
+        self.flush()
+        rows = torch.from_numpy(self.row_of(env, np.arange(begin, stop)))
+        return self.rows[rows.to(self.device)].cpu().numpy()
+
+
+class DeviceFrames:
+    """An episode's frames in a `FrameStore`: the part of `ChunkedArray` that `Episode` uses, with the same logical
+    indices. Frame i is the env's frame `first + i`. Not compacted when the episode ends: the env's next episode
+    continues in the same block."""
+
+    def __init__(self, store: FrameStore, env: int, item_shape: tuple, chunk_size: int):
+        self.store, self.env, self.item_shape, self.chunk_size = store, env, tuple(item_shape), chunk_size
+        self.dtype = np.dtype(np.uint8)
+        self.first = store.written[env]  # the env's number of this episode's frame 0
+        self.start = 0
+        self.end = 0
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # the store's rows are counted once, as the replay's device bytes
+
+    def append(self, frame) -> None:
+        assert self.store.written[self.env] == self.first + self.end, (
+            "one episode at a time writes an env's frames"
+        )
+        self.store.append(self.env, frame)
+        self.end += 1
+
+    def read_into(self, out: np.ndarray, begin: int, stop: int) -> None:
+        assert self.start <= begin <= stop <= self.end
+        out[:] = self.store.read(self.env, self.first + begin, self.first + stop)
+
+    def rows(self, begin: int, steps: int, stack: int) -> np.ndarray:
+        """The rows (steps, stack) of the stacks of `steps` steps from step `begin`: step t's stack is frames
+        [t, t + stack), as in `Episode`."""
+        seqs = self.first + begin + np.arange(steps)[:, None] + np.arange(stack)  # (steps, stack)
+        assert begin >= self.start and begin + steps + stack - 1 <= self.end
+        return self.store.row_of(self.env, seqs)
+
+    def drop_front_chunk(self) -> int:
+        self.start += self.chunk_size
+        self.store.release_before(self.env, self.first + self.start)
+        return self.chunk_size
+
+    def compact(self, exact: np.ndarray) -> None:
+        """Nothing to do: an env's frames are packed in its blocks."""
+
+    def release(self) -> None:
+        """The episode is evicted: its frames go (the env's earlier episodes went before it)."""
+        self.start = self.end
+        self.store.release_before(self.env, self.first + self.end)
+
+
 class Episode:
     """One episode: with stacks of k frames (4 by default), frame j of `frames` is the newest frame of step
     j - (k - 1), and step t's stack is frames[t : t + k].
@@ -749,7 +922,8 @@ class Episode:
 
     FIELDS = ("frames", "action", "reward", "is_first", "is_terminal")
 
-    def __init__(self, first_obs: np.ndarray, chunk_size: int):
+    def __init__(self, first_obs: np.ndarray, chunk_size: int, frames: DeviceFrames | None = None):
+        """`frames`: where the frames go when they live in a `FrameStore`; host arrays when None."""
         stack, *frame_shape = first_obs.shape  # (4, 84, 84) uint8; a colour frame is (3, S, S)
         self.stack = stack
         item = {
@@ -758,6 +932,9 @@ class Episode:
             "reward": ((), np.float32),
         }
         item |= {"is_first": ((), np.bool_), "is_terminal": ((), np.bool_)}
+        if frames is not None:
+            del item["frames"]
+            self.frames = frames
         blocks = ChunkBlocks({name: ((chunk_size, *shape), dtype) for name, (shape, dtype) in item.items()})
         for name, (shape, dtype) in item.items():
             # memory: the arrays hold the blocks, never the episode, so an evicted episode is freed at once
@@ -802,11 +979,17 @@ class Episode:
 
     def finish(self) -> None:
         self.done = True
-        arrays = self.arrays()
+        arrays = {name: array for name, array in self.arrays().items() if isinstance(array, ChunkedArray)}
         exact = mapped_arrays({name: ((len(a), *a.item_shape), a.dtype) for name, a in arrays.items()})
         for name, array in arrays.items():
             array.compact(exact[name])
         self.blocks.waiting.clear()  # a chunk the frames began that the episode's end left unused
+
+    def evict(self) -> None:
+        """The replay drops this episode: frames in a `FrameStore` go back to its free list (host arrays are freed
+        with the episode)."""
+        if isinstance(self.frames, DeviceFrames):
+            self.frames.release()
 
     @property
     def obs_bytes(self) -> int:
@@ -823,10 +1006,15 @@ class EpisodeReplay:
     Episodes still being played are sampleable. When an episode alone outgrows the capacity, its oldest chunk
     is dropped instead. Sampled sequences may cross from one stored episode into the next (DreamerV3 samples a
     stream the same way), so short episodes are sampled too and every stored step about equally often.
+
+    With `frames_device`, the frames live in a `FrameStore` on that device (the rest stays in host memory) and
+    training batches are gathered there (`sample_rows`, `gather`): the same batches as `sample` gives.
     """
 
-    def __init__(self, capacity: int, num_envs: int, seed: int, chunk_size: int | None = None):
-        self.capacity = capacity
+    def __init__(
+        self, capacity: int, num_envs: int, seed: int, chunk_size: int | None = None, frames_device=None
+    ):
+        self.capacity, self.num_envs = capacity, num_envs
         # memory: chunks bound the unused tail of an episode being written to one chunk per env
         # (64 steps: 0.45 MB, i.e. under 20 bytes per stored step with 2 envs at the default capacity)
         self.chunk_size = chunk_size or int(np.clip(capacity // 64, 16, 64))
@@ -834,9 +1022,28 @@ class EpisodeReplay:
         self.current: list[Episode | None] = [None] * num_envs
         self.total_steps = 0
         self.rng = np.random.default_rng(seed)
+        self.frames_device = None if frames_device is None else torch.device(frames_device)
+        self.store: FrameStore | None = None  # made with the first episode, which gives the frames' shape
+
+    def new_episode(self, env_idx: int, first_obs: np.ndarray) -> Episode:
+        if self.frames_device is None:
+            return Episode(first_obs, self.chunk_size)
+        if self.store is None:
+            # a full replay's frames, each episode's frame_stack - 1 extra frames and each env's partly used
+            # blocks; a replay of many short episodes grows it
+            blocks = math.ceil(1.05 * self.capacity / self.chunk_size) + 2 * self.num_envs + 2
+            self.store = FrameStore(
+                first_obs.shape[1:], self.num_envs, self.chunk_size, blocks, self.frames_device
+            )
+        frames = DeviceFrames(self.store, env_idx, first_obs.shape[1:], self.chunk_size)
+        return Episode(first_obs, self.chunk_size, frames)
 
     def start_episode(self, env_idx: int, obs: np.ndarray) -> None:
-        episode = Episode(obs, self.chunk_size)
+        if (
+            self.current[env_idx] is not None
+        ):  # an env reset in the middle of an episode: that episode has ended
+            self.current[env_idx].finish()
+        episode = self.new_episode(env_idx, obs)
         self.current[env_idx] = episode
         self.episodes.append(episode)
         self.total_steps += 1
@@ -883,6 +1090,7 @@ class EpisodeReplay:
                 if episode.done:
                     # memory: the only reference to a finished episode lives in this deque
                     self.episodes.remove(episode)
+                    episode.evict()
                     freed = episode.num_steps
                 elif episode.num_steps > 1:
                     freed = episode.drop_front()
@@ -935,12 +1143,40 @@ class EpisodeReplay:
         """A batch of windows (`draw_windows`). A window may run from the end of one episode into the next one:
         `is_first` marks where, and the world model resets its state there. Every returned array is a fresh
         copy that owns its memory, or, with `out`, is written into the caller's arrays of the same shapes (pinned
-        buffers on CUDA). Pass another `rng` to sample without changing the training batches to come."""
-        T = sequence_length
-        windows = self.draw_windows(batch_size, T, rng)
+        buffers on CUDA). Pass another `rng` to sample without changing the training batches to come. With the
+        frames in a `FrameStore` they are copied back from it (training gathers them there instead: `sample_rows`)."""
+        return self.fill(self.draw_windows(batch_size, sequence_length, rng), sequence_length, "obs", out)
+
+    def sample_rows(
+        self,
+        batch_size: int,
+        sequence_length: int,
+        rng: np.random.Generator | None = None,
+        out: dict[str, np.ndarray] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """`sample` for frames in a `FrameStore`: the same windows and arrays, with `rows` (B, T, k) int64 in place
+        of obs: where each stack's frames are in the store. `gather`, on the device, makes the batch from them."""
+        self.store.flush()  # queued before the gather that reads them
+        return self.fill(self.draw_windows(batch_size, sequence_length, rng), sequence_length, "rows", out)
+
+    def gather(self, indices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch that `sample` gives, from `sample_rows`' arrays moved to the store's device: obs (B, T, k, ...)
+        uint8 is one indexing of the store's rows (a new tensor: it never aliases the store)."""
+        batch = {"obs": self.store.rows[indices["rows"]]}  # (B, T, 4, 84, 84) uint8
+        return batch | {key: value for key, value in indices.items() if key != "rows"}
+
+    def fill(
+        self, windows: list, sequence_length: int, frames_key: str, out: dict[str, np.ndarray] | None
+    ) -> dict[str, np.ndarray]:
+        """The arrays of these windows: the frames' stacks as `obs` (copies) or as `rows` (where they are in the
+        `FrameStore`), then action, reward, is_first and is_terminal."""
+        T, batch_size = sequence_length, len(windows)
         stack, frame_shape = windows[0][0][0].stack, windows[0][0][0].frames.item_shape
         shapes = {
             "obs": ((batch_size, T, stack, *frame_shape), np.uint8),
+            "rows": ((batch_size, T, stack), np.int64),
+        }
+        shapes = {frames_key: shapes[frames_key]} | {
             "action": ((batch_size, T), np.uint8),
             "reward": ((batch_size, T), np.float32),
             "is_first": ((batch_size, T), np.bool_),
@@ -955,7 +1191,6 @@ class EpisodeReplay:
             if out is not None
             else {key: np.empty(shape, dtype) for key, (shape, dtype) in shapes.items()}
         )
-        obs = arrays["obs"]  # (B, T, 4, 84, 84) uint8
         action, reward, is_first, is_terminal = (
             arrays[key] for key in ("action", "reward", "is_first", "is_terminal")
         )
@@ -963,11 +1198,15 @@ class EpisodeReplay:
         for b, pieces in enumerate(windows):
             filled = 0
             for episode, begin, take in pieces:
-                # each piece rebuilds its stacks from its own episode's frames: a stack never mixes two episodes
-                episode.frames.read_into(frames[: take + stack - 1], begin, begin + take + stack - 1)
-                for k in range(stack):
-                    obs[b, filled : filled + take, k] = frames[k : k + take]
                 piece = slice(filled, filled + take)
+                # each piece rebuilds its stacks from its own episode's frames: a stack never mixes two episodes
+                if frames_key == "rows":
+                    arrays["rows"][b, piece] = episode.frames.rows(begin, take, stack)  # (take, k)
+                else:
+                    obs = arrays["obs"]  # (B, T, 4, 84, 84) uint8
+                    episode.frames.read_into(frames[: take + stack - 1], begin, begin + take + stack - 1)
+                    for k in range(stack):
+                        obs[b, piece, k] = frames[k : k + take]
                 episode.action.read_into(action[b, piece], begin, begin + take)
                 episode.reward.read_into(reward[b, piece], begin, begin + take)
                 episode.is_first.read_into(is_first[b, piece], begin, begin + take)
@@ -979,12 +1218,14 @@ class EpisodeReplay:
         return arrays
 
     def stats(self) -> dict[str, int]:
-        """Sizes from the real arrays (feeds `memory_utils.memory_report(buffer_stats=...)`)."""
+        """Sizes from the real arrays (feeds `memory_utils.memory_report(buffer_stats=...)`): obs_bytes in host
+        memory, obs_device_bytes the `FrameStore`'s rows (0 without one)."""
         return {
             "total_steps": self.total_steps,
             "num_episodes": len(self.episodes),
             "obs_bytes": sum(ep.obs_bytes for ep in self.episodes),
             "aux_bytes": sum(ep.aux_bytes for ep in self.episodes),
+            "obs_device_bytes": 0 if self.store is None else self.store.nbytes,
         }
 
     def state_dict(self) -> dict:
@@ -1002,17 +1243,27 @@ class EpisodeReplay:
         return {"episodes": saved, "rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
+        """A saved replay into this one (empty, or dropped first). Frames going to a `FrameStore` are written as the
+        first env's: saved episodes are the oldest, so they are evicted before its new ones, in order."""
+        for episode in self.episodes:
+            episode.evict()
         self.episodes.clear()
         self.total_steps = 0
         for arrays in state["episodes"]:
             frames = arrays["frames"].numpy()
             stack = len(frames) - len(arrays["action"]) + 1  # an episode stores k - 1 frames more than steps
-            episode = Episode(frames[:stack], self.chunk_size)
+            episode = self.new_episode(0, frames[:stack])
             saved = {name: arrays[name].numpy() for name in Episode.FIELDS}
-            exact = mapped_arrays({name: (array.shape, array.dtype) for name, array in saved.items()})
-            for name, array in episode.arrays().items():
+            host = {
+                name: array for name, array in episode.arrays().items() if isinstance(array, ChunkedArray)
+            }
+            exact = mapped_arrays({name: (saved[name].shape, saved[name].dtype) for name in host})
+            for name, array in host.items():
                 exact[name][:] = saved[name]
                 array.chunks, array.end, array.compacted = [exact[name]], len(saved[name]), True
+            if isinstance(episode.frames, DeviceFrames):
+                for frame in saved["frames"][stack:]:
+                    episode.frames.append(frame)
             episode.done = True
             self.episodes.append(episode)
             self.total_steps += episode.num_steps
@@ -3286,8 +3537,9 @@ def set_up(args: Args) -> Run:
     # gives the shapes (an async worker left open would block this process's exit: workers ignore SIGTERM)
     obs_shape, num_actions = env_spaces(args)  # (--frame-stack, S, S), number of actions
     agent = build_agent_at_start(args, obs_shape, num_actions, device, run_dir, writer)
-    replay = EpisodeReplay(replay_capacity(args), args.num_envs, seed=args.seed)
-    say_replay_size(replay.capacity, obs_shape)
+    frames_device = replay_frames_device(args, device, obs_shape)
+    replay = EpisodeReplay(replay_capacity(args), args.num_envs, seed=args.seed, frames_device=frames_device)
+    say_replay_size(replay.capacity, obs_shape, frames_on_device=frames_device is not None)
     rng = np.random.default_rng(args.seed)
     counters = dict(NEW_COUNTERS)
     if resume_state is not None:
@@ -3406,7 +3658,11 @@ def instrument(run: Run, probes: "mu.StageProbes") -> None:
         print(warning)
     # memory: on CUDA, batches are sampled into two reused pinned buffers and copied without blocking
     if run.device.type == "cuda":
-        run.staging = PinnedBatches(synthetic_batch(args, run.obs_shape), run.device)
+        template = synthetic_batch(args, run.obs_shape)
+        if run.replay.frames_device is not None:  # the batch's rows in the frame store instead of its frames
+            template["rows"] = np.zeros((args.batch_size, args.sequence_length, run.obs_shape[0]), np.int64)
+            del template["obs"]
+        run.staging = PinnedBatches(template, run.device)
     run.probes = probes
     run.snapshots = mu.MemorySnapshots(
         run.run_dir,
@@ -3443,13 +3699,17 @@ def checkpoint_nbytes(run: Run) -> int:
     return nbytes
 
 
-def collect(run: Run, envs, obs: np.ndarray, is_first: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One vector step into the replay (random actions until learning starts); returns the next obs and is_first."""
+def choose_actions(run: Run, obs: np.ndarray, is_first: np.ndarray) -> np.ndarray:
+    """The envs' next actions (N,): random until learning starts, then the policy's (which waits for the GPU to
+    finish the updates queued before, and reads the actions back: the loop's one sync per env step)."""
+    if run.counters["global_step"] < run.args.learning_starts:
+        return run.rng.integers(run.agent.num_actions, size=run.args.num_envs)
+    return run.player.act(obs, is_first)
+
+
+def step_envs(run: Run, envs, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One vector step into the replay; returns the next obs and is_first."""
     args, counters = run.args, run.counters
-    if counters["global_step"] < args.learning_starts:
-        actions = run.rng.integers(run.agent.num_actions, size=args.num_envs)
-    else:
-        actions = run.player.act(obs, is_first)
     next_obs, rewards, terminations, truncations, infos = envs.step(actions)
     run.replay.add(next_obs, actions, rewards, terminations, truncations, infos)
     if "final_info" in infos and "episode" in infos["final_info"]:
@@ -3467,7 +3727,8 @@ def train(run: Run) -> None:
     """The updates this env step owes at --train-ratio, one batch at a time (never sampled all at once to "catch
     up"): a world-model update, then (once behaviour learning has started) an actor-critic update from its states."""
     args, counters, replay = run.args, run.counters, run.replay
-    if counters["global_step"] < args.learning_starts:
+    step = counters["global_step"] + args.num_envs  # the env step they go with (it runs while they do)
+    if step < args.learning_starts:
         return
     if not replay.can_sample(args.sequence_length):
         if not run.said_replay_short:
@@ -3480,21 +3741,34 @@ def train(run: Run) -> None:
     counters["updates_owed"] += args.num_envs * args.train_ratio / (args.batch_size * args.sequence_length)
     while counters["updates_owed"] >= 1.0:
         counters["updates_owed"] -= 1.0
-        if run.staging is not None:
-            replay.sample(args.batch_size, args.sequence_length, out=run.staging.host_arrays())
-            raw = run.staging.to_device()
-        else:
-            raw = batch_tensors(replay.sample(args.batch_size, args.sequence_length), run.device)
+        raw = sample_batch(run)
         run.probes("after_sample")
         metrics, healthy, start = run.world_model_step(raw)
         run.update_log.add(metrics, healthy)
-        if counters["global_step"] >= args.learning_starts + args.warmup_steps:
+        if step >= args.learning_starts + args.warmup_steps:
             behavior_metrics, behavior_healthy = run.behavior_step(start)
             run.update_log.add(behavior_metrics, behavior_healthy)
             healthy = healthy & behavior_healthy
             counters["behavior_updates"] += 1
         run.update_log.end_update(healthy)
         counters["updates"] += 1
+
+
+def sample_batch(run: Run) -> dict[str, torch.Tensor]:
+    """One training batch on the device, still uint8 and bool. Frames on the device: the host draws the windows
+    and sends where their frames are (a few KB), the device gathers them. Frames in host memory: the host copies
+    them into a pinned buffer (on CUDA) and sends the batch."""
+    args, replay = run.args, run.replay
+    B, T = args.batch_size, args.sequence_length
+    if replay.frames_device is not None:
+        if run.staging is not None:
+            replay.sample_rows(B, T, out=run.staging.host_arrays())
+            return replay.gather(run.staging.to_device())
+        return replay.gather(batch_tensors(replay.sample_rows(B, T), run.device))
+    if run.staging is not None:
+        replay.sample(B, T, out=run.staging.host_arrays())
+        return run.staging.to_device()
+    return batch_tensors(replay.sample(B, T), run.device)
 
 
 def diagnose(run: Run) -> None:
@@ -3640,9 +3914,12 @@ def loop(run: Run, envs) -> None:
             raise SystemExit(run.stop.exit_code)
         # ALGO LOGIC: one vector step of experience, then the updates it owes; a schedule goes here too
         # (`run.agent.settings.set(name, value)`: see UpdateSettings)
-        obs, is_first = collect(run, envs, obs, is_first)
-        run.probes("after_collect")
+        actions = choose_actions(run, obs, is_first)
+        # the updates owed so far are queued first: on a GPU they run while the envs step (the newest step joins
+        # the replay after them, so the next batches can draw it)
         train(run)
+        obs, is_first = step_envs(run, envs, actions)
+        run.probes("after_collect")
         diagnose(run)
         if run.step >= run.next_log:
             log_point(run)

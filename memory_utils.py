@@ -100,6 +100,8 @@ BUFFER_KEYS = {
     "obs_bytes": "buffer/replay/obs_bytes",
     "aux_bytes": "buffer/replay/aux_bytes",
 }
+# optional in buffer_stats: replay bytes kept on the device (frames gathered there), not in host memory
+BUFFER_DEVICE_KEY = "buffer/replay/obs_device_bytes"
 PROBE_KEY_PREFIX = "debug/probe/"
 
 # which gpu_memory_stats() field feeds which logging key
@@ -559,7 +561,7 @@ def memory_report(buffer_stats: dict | None = None, device=None, trim: bool = Tr
 
     Host keys always (`debug/cpu/anon_mb` where the system reports it: Linux); GPU keys when CUDA is
     available (and `device`, if given, is a CUDA device); `buffer/replay/*` keys when `buffer_stats`
-    (total_steps, num_episodes, obs_bytes, aux_bytes) is given.
+    (total_steps, num_episodes, obs_bytes, aux_bytes; optionally obs_device_bytes) is given.
     Every value is a Python float, so logging it never keeps a tensor alive.
     """
     if buffer_stats is not None:
@@ -594,6 +596,8 @@ def memory_report(buffer_stats: dict | None = None, device=None, trim: bool = Tr
     if buffer_stats is not None:
         for field, key in BUFFER_KEYS.items():
             report[key] = float(buffer_stats[field])
+        if "obs_device_bytes" in buffer_stats:
+            report[BUFFER_DEVICE_KEY] = float(buffer_stats["obs_device_bytes"])
     return report
 
 
