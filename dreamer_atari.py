@@ -1691,6 +1691,11 @@ class RSSM(nn.Module):
             deters.append(deter), stochs.append(stoch), posteriors.append(posterior)
         return torch.stack(deters, 1), torch.stack(stochs, 1), torch.stack(posteriors, 1)
 
+    def reverse_step(self, *inputs) -> tuple:
+        """One step of the hand-written backward pass (`ObserveBackwardThroughTime.reverse_step`, see there).
+        `--compile` compiles this function once and reuses it at every step, as `observe_step`."""
+        return ObserveBackwardThroughTime.reverse_step(self, *inputs)
+
     def backward_through_time_applies(self, embed: torch.Tensor) -> bool:
         """Whether `observe` takes `ObserveBackwardThroughTime` (its hand-written backward pass): with gradients,
         categorical latents and no autocast. Gaussian latents (classes 0) and --amp take autograd's backward of
@@ -1798,23 +1803,26 @@ class LayerNormGRUBackward:
             -2,
         )  # (T, B, 3, D)
         self.state_grad = 1 - update  # (T, B, D): d deter / d state, the direct path
-        self.norm_grads, self.pre_norm_grads = [], []  # per step, in reverse order
 
-    def step(self, t: int, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """d x (B, H) and d state (B, D) of step t from d deter (B, D)."""
-        norm_grad = (grad.unsqueeze(-2) * self.gate_grads[t]).flatten(-2)  # (B, 3D)
-        pre_norm_grad = layer_norm_input_grad(
-            norm_grad, self.pre_norm[t], self.mean[t], self.rstd[t], self.gru.norm
-        )  # (B, 3D)
-        input_grad = pre_norm_grad @ self.gru.linear.weight  # (B, H + D)
-        self.norm_grads.append(norm_grad), self.pre_norm_grads.append(pre_norm_grad)
-        x_grad, state_grad = input_grad[:, : self.x_dim], input_grad[:, self.x_dim :]
-        return x_grad, torch.addcmul(state_grad, self.state_grad[t], grad)
+    def step_inputs(self) -> list[torch.Tensor]:
+        """What `step` reads of each step, time-major (T, B, ...)."""
+        return [self.gate_grads, self.pre_norm, self.mean, self.rstd, self.state_grad]
 
-    def weight_grads(self) -> list[torch.Tensor]:
-        """Gradients of linear.weight (3D, H + D), norm.weight and norm.bias (3D,), summed over all steps."""
-        norm_grad = torch.stack(self.norm_grads[::-1]).flatten(0, 1)  # (T * B, 3D)
-        pre_norm_grad = torch.stack(self.pre_norm_grads[::-1]).flatten(0, 1)  # (T * B, 3D)
+    @staticmethod
+    def step(gru: LayerNormGRUCell, grad, gate_grads, pre_norm, mean, rstd, state_grad) -> tuple:
+        """d x (B, H) and d state (B, D) of one step from d deter (B, D) and that step's `step_inputs`, with what
+        `weight_grads` reads: (the LayerNorm's output gradient, its input gradient) (B, 3D) each."""
+        norm_grad = (grad.unsqueeze(-2) * gate_grads).flatten(-2)  # (B, 3D)
+        pre_norm_grad = layer_norm_input_grad(norm_grad, pre_norm, mean, rstd, gru.norm)  # (B, 3D)
+        input_grad = pre_norm_grad @ gru.linear.weight  # (B, H + D)
+        x_dim = gru.linear.in_features - grad.shape[-1]
+        x_grad, state_part = input_grad[:, :x_dim], input_grad[:, x_dim:]
+        return x_grad, torch.addcmul(state_part, state_grad, grad), (norm_grad, pre_norm_grad)
+
+    def weight_grads(self, saved: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients of linear.weight (3D, H + D), norm.weight and norm.bias (3D,), summed over all steps, from
+        `step`'s saved gradients stacked time-major (T, B, 3D)."""
+        norm_grad, pre_norm_grad = (grad.flatten(0, 1) for grad in saved)  # (T * B, 3D)
         linear_grad = pre_norm_grad.T @ self.inputs.flatten(0, 1)
         norm_weight_grad, norm_bias_grad = layer_norm_affine_grads(
             norm_grad,
@@ -1847,20 +1855,24 @@ class TorchGRUBackward:
         self.input_part_grads = torch.stack([d_r, d_z, d_n], -2)  # (T, B, 3, D): d deter / d i
         self.state_part_grads = torch.stack([d_r, d_z, d_n * r], -2)  # (T, B, 3, D): d deter / d s
         self.state_grad = z  # (T, B, D): d deter / d state, the direct path
-        self.input_grads, self.state_grads = [], []  # per step, in reverse order
 
-    def step(self, t: int, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """d x (B, H) and d state (B, D) of step t from d deter (B, D)."""
-        input_grad = (grad.unsqueeze(-2) * self.input_part_grads[t]).flatten(-2)  # (B, 3D)
-        state_grad = (grad.unsqueeze(-2) * self.state_part_grads[t]).flatten(-2)  # (B, 3D)
-        self.input_grads.append(input_grad), self.state_grads.append(state_grad)
-        x_grad = input_grad @ self.gru.weight_ih  # (B, H)
-        return x_grad, torch.addmm(self.state_grad[t] * grad, state_grad, self.gru.weight_hh)
+    def step_inputs(self) -> list[torch.Tensor]:
+        """What `step` reads of each step, time-major (T, B, ...)."""
+        return [self.input_part_grads, self.state_part_grads, self.state_grad]
 
-    def weight_grads(self) -> list[torch.Tensor]:
-        """Gradients of weight_ih (3D, H), weight_hh (3D, D), bias_ih and bias_hh (3D,), summed over all steps."""
-        input_grad = torch.stack(self.input_grads[::-1]).flatten(0, 1)  # (T * B, 3D)
-        state_grad = torch.stack(self.state_grads[::-1]).flatten(0, 1)  # (T * B, 3D)
+    @staticmethod
+    def step(gru: nn.GRUCell, grad, input_part_grads, state_part_grads, direct_grad) -> tuple:
+        """d x (B, H) and d state (B, D) of one step from d deter (B, D) and that step's `step_inputs`, with what
+        `weight_grads` reads: the gradients of the input and state parts (B, 3D) each."""
+        input_grad = (grad.unsqueeze(-2) * input_part_grads).flatten(-2)  # (B, 3D)
+        state_grad = (grad.unsqueeze(-2) * state_part_grads).flatten(-2)  # (B, 3D)
+        x_grad = input_grad @ gru.weight_ih  # (B, H)
+        return x_grad, torch.addmm(direct_grad * grad, state_grad, gru.weight_hh), (input_grad, state_grad)
+
+    def weight_grads(self, saved: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients of weight_ih (3D, H), weight_hh (3D, D), bias_ih and bias_hh (3D,), summed over all steps,
+        from `step`'s saved gradients stacked time-major (T, B, 3D)."""
+        input_grad, state_grad = (grad.flatten(0, 1) for grad in saved)  # (T * B, 3D)
         return [
             input_grad.T @ self.x.flatten(0, 1),
             state_grad.T @ self.state.flatten(0, 1),
@@ -1879,8 +1891,8 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
     product. So the forward pass runs `RSSM.observe_loop` without a graph, keeping only its inputs and outputs; the
     backward pass recomputes the steps' activations for all steps at once (given the states, no step depends on
     another), walks the steps in reverse for the state gradients, then forms the weight gradients. Equal to
-    autograd's in float64 (tests/test_dreamer_fast_path.py). The forward pass calls `observe_step`, compiled with
-    --compile; the backward pass runs eagerly.
+    autograd's in float64 (tests/test_dreamer_fast_path.py). The forward pass calls `observe_step` and the backward
+    pass `RSSM.reverse_step` at each step, both compiled with --compile.
 
     A step (`observe_step`), with the previous deter and stoch masked by keep (0 where an episode starts):
     img = silu(LN(stoch Ws^T + action_in)); deter = GRU(img, deter); post = silu(LN(deter Wd^T + embed_in));
@@ -1921,53 +1933,99 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
     @staticmethod
     def reverse_steps(acts: "ObserveActivations", keep, deter_grad, stoch_grad, posterior_grad) -> tuple:
         """The steps in reverse, time-major (T, B, ...) gradients of the outputs in: the gradients of each layer's
-        output at every step (T, B, ...), for `weight_grads`: logits, post_norm, post_pre, img_norm, img_pre."""
+        output at every step (T, B, ...), for `weight_grads`: logits, post_norm, post_pre, img_norm, img_pre, then
+        the GRU's own (see its `step`)."""
         rssm = acts.rssm
-        post_norm, post_out = rssm.posterior_net[1], rssm.posterior_net[3]
         S, C, T = rssm.stoch_dim, rssm.classes, acts.deter.shape[0]
-        probs, probs_share, mixed = acts.probs, acts.probs_share, acts.mixed
+        probs_share, mixed = acts.probs_share, acts.mixed
         # softmax's backward reads probs * d probs. Through posterior = log(mixed): d probs = (1 - unimix) d posterior
         # / mixed; through the straight-through stoch (d stoch / d posterior = mixed, so d stoch / d mixed = 1):
         # d probs = (1 - unimix) d stoch. `own_grad` is the share of each step's own output gradients, for all steps
         # at once; `carried_factor` multiplies the stoch gradient that step t + 1 sends back (0 where it starts an
-        # episode)
+        # episode, and after the last step)
         own_grad = probs_share / mixed * posterior_grad
         own_grad = torch.addcmul(own_grad, probs_share, stoch_grad.unflatten(-1, (S, C)))  # (T, B, S, C)
         keep_next = torch.cat([keep[1:], torch.zeros_like(keep[:1])]).unsqueeze(-1)  # (T, B, 1, 1)
         carried_factor = probs_share * keep_next  # (T, B, S, C)
-        logits_grads, post_norm_grads, post_pre_grads, img_norm_grads, img_pre_grads = [], [], [], [], []
-        deter_carry = deter_grad[T - 1]  # (B, D): d deter_t from the outputs and the later steps
-        stoch_carry = None  # (B, S*C): d (stoch_t * keep_{t+1}), from step t + 1's img_in
+        deter_grad_prev = torch.cat(
+            [torch.zeros_like(deter_grad[:1]), deter_grad[:-1]]
+        )  # (T, B, D): step t - 1's
+        step_inputs = [
+            own_grad,
+            carried_factor,
+            acts.probs,
+            acts.post_silu_grad,
+            acts.post_pre,
+            acts.post_mean,
+            acts.post_rstd,
+            acts.img_silu_grad,
+            acts.img_pre,
+            acts.img_mean,
+            acts.img_rstd,
+            deter_grad_prev,
+            keep,
+            *acts.gru.step_inputs(),
+        ]
+        steps = list(zip(*(tensor.unbind(0) for tensor in step_inputs)))  # views, step by step
+        deter_carry = deter_grad[T - 1].contiguous()  # (B, D): d deter_t from the outputs and the later steps
+        stoch_carry = torch.zeros_like(
+            acts.stoch_prev[0]
+        )  # (B, S*C): d (stoch_t * keep_{t+1}), from step t + 1
+        saved = []
         for t in reversed(range(T)):
-            # posterior head: probs * d probs -> d logits (softmax) -> d post_pre (silu, LayerNorm)
-            probs_grad = own_grad[t]
-            if stoch_carry is not None:
-                probs_grad = torch.addcmul(probs_grad, carried_factor[t], stoch_carry.unflatten(-1, (S, C)))
-            logits_grad = torch.addcmul(probs_grad, probs[t], probs_grad.sum(-1, keepdim=True), value=-1)
-            logits_grad = logits_grad.flatten(-2)  # (B, S*C)
-            post_norm_grad = (logits_grad @ post_out.weight) * acts.post_silu_grad[t]  # (B, H)
-            post_pre_grad = layer_norm_input_grad(
-                post_norm_grad, acts.post_pre[t], acts.post_mean[t], acts.post_rstd[t], post_norm
-            )  # (B, H)
-            deter_total = torch.addmm(
-                deter_carry, post_pre_grad, acts.deter_weight
-            )  # (B, D): all of d deter_t
-            # GRU, then img_in: d img -> d img_pre (silu, LayerNorm) -> d stoch_prev
-            img_grad, deter_prev_grad = acts.gru.step(t, deter_total)  # (B, H), (B, D)
-            img_norm_grad = img_grad * acts.img_silu_grad[t]
-            img_pre_grad = layer_norm_input_grad(
-                img_norm_grad, acts.img_pre[t], acts.img_mean[t], acts.img_rstd[t], rssm.img_in[1]
+            deter_carry, stoch_carry, layer_grads = rssm.reverse_step(
+                acts.gru.step, acts.deter_weight, acts.stoch_weight, deter_carry, stoch_carry, *steps[t]
             )
-            logits_grads.append(logits_grad), post_norm_grads.append(post_norm_grad)
-            post_pre_grads.append(post_pre_grad), img_norm_grads.append(img_norm_grad)
-            img_pre_grads.append(img_pre_grad)
-            if t > 0:  # the previous step's state gradients, masked where this step starts an episode
-                deter_carry = torch.addcmul(deter_grad[t - 1], keep[t], deter_prev_grad)
-                stoch_carry = img_pre_grad @ acts.stoch_weight  # (B, S*C); keep[t] is in carried_factor
-        return tuple(
-            torch.stack(grads[::-1])  # (T, B, ...)
-            for grads in (logits_grads, post_norm_grads, post_pre_grads, img_norm_grads, img_pre_grads)
-        )
+            saved.append(layer_grads)
+        return tuple(torch.stack(grads[::-1]) for grads in zip(*saved))  # (T, B, ...) each
+
+    @staticmethod
+    def reverse_step(
+        rssm,
+        gru_step,
+        deter_weight,
+        stoch_weight,
+        deter_carry,
+        stoch_carry,
+        own_grad,
+        carried_factor,
+        probs,
+        post_silu_grad,
+        post_pre,
+        post_mean,
+        post_rstd,
+        img_silu_grad,
+        img_pre,
+        img_mean,
+        img_rstd,
+        deter_grad_prev,
+        keep,
+        *gru_inputs,
+    ) -> tuple:
+        """One step of `reverse_steps`, step t's tensors in (B, ...): d deter_t and d stoch_t carried from the
+        later steps in, those of step t - 1 out (masked where step t starts an episode), with the gradients of each
+        layer's output at step t. `RSSM.reverse_step` calls this; --compile compiles it once for every step."""
+        S, C = rssm.stoch_dim, rssm.classes
+        post_norm, post_out = rssm.posterior_net[1], rssm.posterior_net[3]
+        # posterior head: probs * d probs -> d logits (softmax) -> d post_pre (silu, LayerNorm)
+        probs_grad = torch.addcmul(own_grad, carried_factor, stoch_carry.unflatten(-1, (S, C)))  # (B, S, C)
+        logits_grad = torch.addcmul(probs_grad, probs, probs_grad.sum(-1, keepdim=True), value=-1)
+        logits_grad = logits_grad.flatten(-2)  # (B, S*C)
+        post_norm_grad = (logits_grad @ post_out.weight) * post_silu_grad  # (B, H)
+        post_pre_grad = layer_norm_input_grad(
+            post_norm_grad, post_pre, post_mean, post_rstd, post_norm
+        )  # (B, H)
+        deter_total = torch.addmm(deter_carry, post_pre_grad, deter_weight)  # (B, D): all of d deter_t
+        # GRU, then img_in: d img -> d img_pre (silu, LayerNorm) -> d stoch_prev
+        img_grad, deter_prev_grad, gru_grads = gru_step(rssm.gru, deter_total, *gru_inputs)  # (B, H), (B, D)
+        img_norm_grad = img_grad * img_silu_grad
+        img_pre_grad = layer_norm_input_grad(img_norm_grad, img_pre, img_mean, img_rstd, rssm.img_in[1])
+        # the previous step's state gradients, masked where this step starts an episode (keep is in
+        # carried_factor for stoch); at t = 0 they go nowhere
+        deter_carry = torch.addcmul(deter_grad_prev, keep, deter_prev_grad)
+        stoch_carry = img_pre_grad @ stoch_weight  # (B, S*C)
+        layer_grads = (logits_grad, post_norm_grad, post_pre_grad, img_norm_grad, img_pre_grad, *gru_grads)
+        return deter_carry, stoch_carry, layer_grads
 
     @staticmethod
     def weight_grads(acts: "ObserveActivations", layer_grads: tuple) -> tuple:
@@ -1975,7 +2033,7 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
         product or one reduction over all T x B rows."""
         rssm = acts.rssm
         img_norm, post_norm = rssm.img_in[1], rssm.posterior_net[1]
-        logits_grad, post_norm_grad, post_pre_grad, img_norm_grad, img_pre_grad = layer_grads
+        logits_grad, post_norm_grad, post_pre_grad, img_norm_grad, img_pre_grad, *gru_grads = layer_grads
 
         def rows(x: torch.Tensor) -> torch.Tensor:
             """(T, B, ...) -> (T * B, ...)."""
@@ -1994,7 +2052,7 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
             post_norm_bias_grad,
             rows(logits_grad).T @ rows(acts.post),  # (S*C, H)
             rows(logits_grad).sum(0),
-            *acts.gru.weight_grads(),
+            *acts.gru.weight_grads(gru_grads),
         ]
         stoch_weight_grad = rows(img_pre_grad).T @ rows(acts.stoch_prev)  # (H, S*C)
         deter_weight_grad = rows(post_pre_grad).T @ rows(acts.deter)  # (H, D)
@@ -2627,8 +2685,8 @@ def imagine_step(actor: "Actor", rssm: RSSM, deter, stoch, action_uniform, laten
 
 
 def compile_agent(agent: Agent, backend: str = "inductor") -> None:
-    """--compile: torch.compile what an update repeats. One RSSM observe step and one imagination step are each
-    compiled once and reused at every step of a sequence (compiling a whole unrolled sequence takes minutes); the
+    """--compile: torch.compile what an update repeats. One RSSM observe step, one step of its hand-written backward
+    pass (`RSSM.reverse_step`) and one imagination step are each compiled once and reused at every step of a sequence (compiling a whole unrolled sequence takes minutes); the
     encoder, decoder and heads, which run once per update over all steps, are compiled too. Each compiles as one
     whole graph (`fullgraph=True`: a graph break is an error, not a silent slow path). The functions are the eager
     ones, and the modules keep their state_dict keys, so checkpoints are the same either way."""
@@ -2638,6 +2696,7 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
         return torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
 
     wm.rssm.observe_step = compile_(wm.rssm.observe_step)
+    wm.rssm.reverse_step = compile_(wm.rssm.reverse_step)
     agent.compiled["imagine_step"] = compile_(imagine_step)
     for module in (
         wm.encoder,

@@ -222,10 +222,13 @@ def update_ops(sequence_length: int, horizon: int) -> tuple[collections.Counter,
 # with autograd's backward of the observe loop: 82, 47 and 1,265, the nature model 89, 49 and 1,320; before the fast
 # paths: 101, 123 and 1,957). benchmark/gpu/update_regions.py splits these counts by region. The ceilings guard the speed
 # of an update on a GPU, which is bound by the number of kernels it launches: a change that adds operations to the
-# loops raises these figures on purpose and in this file, with the reason.
+# loops raises these figures on purpose and in this file, with the reason. 1,155 became 1,162 when every step of the
+# hand-written backward became the same function (`reverse_step`, so that --compile compiles one graph for all
+# steps): the first step carries a zero stoch gradient and a contiguous deter gradient in, and the last one carries its
+# gradients out (7 operations per update, eager; a compiled step fuses them).
 OBSERVE_STEP_CEILING = 49
 IMAGINE_STEP_CEILING = 47
-UPDATE_CEILING = 1_155
+UPDATE_CEILING = 1_162
 
 
 def over_budget(ceiling: str, measured: str, ops: collections.Counter) -> str:
@@ -269,7 +272,13 @@ def test_compiled_steps_are_whole_graphs_and_do_not_recompile(monkeypatch):
     try:
         torch.manual_seed(0)
         agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
-        da.compile_agent(agent, backend="aot_eager")
+        graphs_code = []
+
+        def backend(graph, example_inputs):  # aot_eager, noting each graph's code
+            graphs_code.append(graph.code)
+            return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
+
+        da.compile_agent(agent, backend=backend)
         world_model_step, behavior_step = da.make_update_steps(agent, args)
 
         def update(seed):
@@ -280,8 +289,12 @@ def test_compiled_steps_are_whole_graphs_and_do_not_recompile(monkeypatch):
         counters = torch._dynamo.utils.counters
         assert update(0)
         graphs = counters["stats"]["unique_graphs"]
-        assert graphs >= 9  # the observe step, the imagination step, encoder, decoder and heads
+        assert (
+            graphs >= 10
+        )  # the observe step and its reverse step, the imagination step, encoder, decoder, heads
         assert not counters["graph_break"]
+        # the hand-written backward's step ran compiled (inside the backward pass): one graph for every step
+        assert sum("native_layer_norm_backward" in code for code in graphs_code) == 1
         monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
         for seed in (1, 2):
             assert update(seed)
