@@ -2686,8 +2686,9 @@ def imagine_step(actor: "Actor", rssm: RSSM, deter, stoch, action_uniform, laten
 
 def compile_agent(agent: Agent, backend: str = "inductor") -> None:
     """--compile: torch.compile what an update repeats. One RSSM observe step, one step of its hand-written backward
-    pass (`RSSM.reverse_step`) and one imagination step are each compiled once and reused at every step of a sequence (compiling a whole unrolled sequence takes minutes); the
-    encoder, decoder and heads, which run once per update over all steps, are compiled too. Each compiles as one
+    pass (`RSSM.reverse_step`) and one imagination step are each compiled once and reused at every step of a
+    sequence (compiling a whole unrolled sequence takes minutes); the encoder, decoder and heads, which run once per
+    update over all steps, are compiled too. Each compiles as one
     whole graph (`fullgraph=True`: a graph break is an error, not a silent slow path). The functions are the eager
     ones, and the modules keep their state_dict keys, so checkpoints are the same either way."""
     wm = agent.world_model
