@@ -2390,33 +2390,69 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
 
 
 class Player:
-    """Acts in the vector env: keeps each env's latent state across steps, always detached."""
+    """Acts in the vector env: keeps each env's latent state across steps, always detached, in tensors updated in
+    place (the same memory from the first step to the last, which a CUDA graph's replay needs).
 
-    def __init__(self, agent: Agent, num_envs: int):
+    On CUDA with `capture` (--cudagraph), `policy_step` is captured in a CUDA graph after 3 eager steps
+    (`CudaGraphed`), the observations cross from a pinned buffer without blocking, and the actions come back with
+    the one wait of the env step."""
+
+    def __init__(self, agent: Agent, num_envs: int, capture: bool = False):
         self.agent, self.num_envs = agent, num_envs
+        self.deter: torch.Tensor | None = None
         self.reset()
+        self.on_cuda = agent.device.type == "cuda"
+        self.policy = CudaGraphed(self.policy_step) if capture and self.on_cuda else self.policy_step
+        self.pinned: dict[str, torch.Tensor] = {}  # CUDA: host buffers of obs, is_first and the actions
 
     def reset(self) -> None:
         device, rssm = self.agent.device, self.agent.world_model.rssm
-        self.deter, self.stoch = rssm.initial(self.num_envs, device)  # (N, D), (N, S)
-        self.prev_action = torch.zeros(self.num_envs, self.agent.num_actions, device=device)  # (N, A) one-hot
+        deter, stoch = rssm.initial(self.num_envs, device)  # (N, D), (N, S)
+        prev_action = torch.zeros(self.num_envs, self.agent.num_actions, device=device)  # (N, A) one-hot
+        if self.deter is None:
+            self.deter, self.stoch, self.prev_action = deter, stoch, prev_action
+        else:  # in place: a captured policy step reads and writes these very tensors
+            self.deter.copy_(deter), self.stoch.copy_(stoch), self.prev_action.copy_(prev_action)
 
     # memory: acting builds no graph; otherwise each step's graph stays reachable from the cached state
     @torch.no_grad()
-    def act(self, obs: np.ndarray, is_first: np.ndarray) -> np.ndarray:
-        """obs (N, 4, 84, 84) uint8, is_first (N,) bool -> actions (N,) int64."""
-        wm, device = self.agent.world_model, self.agent.device
+    def policy_step(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        """obs (N, 4, 84, 84) uint8 and is_first (N,) bool on the device -> actions (N,) int64 on the device; the
+        cached state moves on. No host read and no Python branch on a tensor, so it can be captured."""
+        wm = self.agent.world_model
         with self.agent.amp.autocast():
             # (N, 4, 84, 84); a colour stack's frames and channels together
-            image = torch.as_tensor(obs, device=device).flatten(1, -3).float() / 255.0 - 0.5
-            keep = torch.as_tensor(~is_first, device=device).float().unsqueeze(-1)  # (N, 1)
+            image = inputs["obs"].flatten(1, -3).float() / 255.0 - 0.5
+            keep = (~inputs["is_first"]).float().unsqueeze(-1)  # (N, 1)
             deter = wm.rssm.img_step(self.deter * keep, self.stoch * keep, self.prev_action * keep)
             stoch = wm.rssm.sample(wm.rssm.posterior(deter, wm.encoder(image)))
             action = categorical_draw(self.agent.actor(torch.cat([deter, stoch], -1)))  # (N,)
-        # memory: the cached state is stored detached, so it can never carry a graph into the next step
-        self.deter, self.stoch = deter.detach().float(), stoch.detach().float()
-        self.prev_action = one_hot(action, self.agent.num_actions)
-        return action.cpu().numpy()
+        # memory: the cached state is written under no_grad, so it can never carry a graph into the next step
+        self.deter.copy_(deter), self.stoch.copy_(stoch)
+        self.prev_action.copy_(one_hot(action, self.agent.num_actions))
+        return (action,)
+
+    def act(self, obs: np.ndarray, is_first: np.ndarray) -> np.ndarray:
+        """obs (N, 4, 84, 84) uint8, is_first (N,) bool -> actions (N,) int64."""
+        if not self.on_cuda:
+            inputs = {"obs": torch.as_tensor(obs), "is_first": torch.as_tensor(is_first)}
+            return self.policy(inputs)[0].numpy()
+        if not self.pinned:
+            self.pinned = {
+                "obs": torch.empty(obs.shape, dtype=torch.uint8).pin_memory(),
+                "is_first": torch.empty(is_first.shape, dtype=torch.bool).pin_memory(),
+                "action": torch.empty(len(obs), dtype=torch.int64).pin_memory(),
+            }
+        # the last step's copies out of these buffers have finished: its actions were read after them
+        self.pinned["obs"].numpy()[:] = obs
+        self.pinned["is_first"].numpy()[:] = is_first
+        inputs = {
+            key: self.pinned[key].to(self.agent.device, non_blocking=True) for key in ("obs", "is_first")
+        }
+        (action,) = self.policy(inputs)
+        self.pinned["action"].copy_(action, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # the env step's one wait: for the updates queued before, too
+        return self.pinned["action"].numpy().copy()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -3622,7 +3658,7 @@ def set_up(args: Args) -> Run:
         writer=writer,
         agent=agent,
         replay=replay,
-        player=Player(agent, args.num_envs),
+        player=Player(agent, args.num_envs, capture=captured(args, device)),
         rng=rng,
         counters=counters,
         world_model_step=world_model_step,

@@ -41,6 +41,42 @@ def test_acting_builds_no_graph_and_caches_detached_state():
         assert cached.grad_fn is None and not cached.requires_grad, f"cached {name} carries a graph"
 
 
+def test_acting_keeps_its_state_in_place_and_reads_nothing_back_inside_the_policy_step():
+    """What capturing the policy step in a CUDA graph needs (a replay reads and writes the memory it captured, and
+    cannot read a tensor back to the host): the cached state stays in the same tensors from step to step, reset
+    included, and the step dispatches no host read; its actions are those of the readable cell's step."""
+    from test_dreamer_fast_path import OpCounter
+
+    args = tiny_args()
+    torch.manual_seed(0)
+    agent = da.build_agent(args, obs_shape(args), 6, "cpu")
+    player = da.Player(agent, num_envs=3)
+    addresses = [player.deter.data_ptr(), player.stoch.data_ptr(), player.prev_action.data_ptr()]
+    rng = np.random.default_rng(0)
+    for step in range(6):
+        obs = rng.integers(0, 255, (3, *obs_shape(args)), dtype=np.uint8)
+        is_first = np.array([step == 0, step == 3, False])
+        deter, stoch, prev_action = player.deter.clone(), player.stoch.clone(), player.prev_action.clone()
+        state = torch.get_rng_state()
+        with OpCounter() as counter:
+            actions = player.act(obs, is_first)
+        assert counter.ops["aten._local_scalar_dense"] == 0 and counter.ops["aten.item"] == 0
+        torch.set_rng_state(state)  # the same step by the readable cell, from the same state and noise
+        with torch.no_grad():
+            wm = agent.world_model
+            keep = torch.as_tensor(~is_first).float().unsqueeze(-1)
+            expected_deter = wm.rssm.img_step(deter * keep, stoch * keep, prev_action * keep)
+            image = torch.as_tensor(obs).flatten(1, -3).float() / 255.0 - 0.5
+            expected_stoch = wm.rssm.sample(wm.rssm.posterior(expected_deter, wm.encoder(image)))
+            expected = da.categorical_draw(agent.actor(torch.cat([expected_deter, expected_stoch], -1)))
+        np.testing.assert_array_equal(actions, expected.numpy())
+        torch.testing.assert_close(player.deter, expected_deter)
+        assert [player.deter.data_ptr(), player.stoch.data_ptr(), player.prev_action.data_ptr()] == addresses
+    player.reset()
+    assert [player.deter.data_ptr(), player.stoch.data_ptr(), player.prev_action.data_ptr()] == addresses
+    assert not player.deter.any() and not player.prev_action.any()
+
+
 def test_updates_return_detached_values_that_the_log_sums_on_the_device():
     args = tiny_args()
     torch.manual_seed(0)
