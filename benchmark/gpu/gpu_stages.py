@@ -263,6 +263,7 @@ def merge_update_figures(result: dict, out: Path, final: bool, why_missing: str 
             "update_fastest_variant": fastest,
             "update_ms_fastest": measured[fastest]["update_ms"] if fastest else None,
             "update_sample_ms": data.get("sample_ms"),
+            "outside_update_ms_per_env_step": data.get("outside_update_ms_per_env_step"),
             "peak_gpu_reserved_mb_fp32": variants.get("fp32", {}).get("peak_gpu_reserved_mb"),
             "peak_gpu_reserved_mb_tf32": variants.get("tf32", {}).get("peak_gpu_reserved_mb"),
             "peak_gpu_reserved_mb_bf16": variants.get("bf16", {}).get("peak_gpu_reserved_mb"),
@@ -698,7 +699,9 @@ def update_markdown(result: dict) -> list[str]:
             f"synchronisation after each. Variants change the named Args fields from every fast path off "
             f"({json.dumps(data.get('fast_paths_off'))}); `training` is the script's defaults plus "
             f"{json.dumps(data.get('cuda_fast_path'))} on CUDA, the update the Pong run trains with. Sampling one "
-            f"batch on the CPU: {fmt(data.get('sample_ms'))} ms. Stage: {fmt(result.get('update_wall_s'))} s, exit "
+            f"batch on the CPU: {fmt(data.get('sample_ms'))} ms. Everything outside the update per env step (act, "
+            f"sample and gather on the device, env step, store; 1 Pong env): "
+            f"{fmt(data.get('outside_update_ms_per_env_step'))} ms. Stage: {fmt(result.get('update_wall_s'))} s, exit "
             f"{result.get('update_returncode')}"
             + (", stopped by its time cap." if result.get("update_stopped_by_cap") else ".")
         ),

@@ -28,7 +28,9 @@ import gc
 import json
 import statistics
 import sys
+import tempfile
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +44,7 @@ mu.configure_allocator(verbose=False)  # what dreamer_atari.main does first: the
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.tensorboard import SummaryWriter
 
 import dreamer_atari as da
 from benchmark import bench_utils
@@ -224,6 +227,66 @@ def measure_variant(
     return figures
 
 
+def time_outside_update(base: da.Args, device: torch.device, steps: int, warmup: int) -> dict:
+    """Everything the training loop does per env step besides the update, done by the script's own functions as
+    its loop does them (`choose_actions`, `sample_batch`, `step_envs`), on one real Pong env (the Atari100k
+    recipe: one update per env step), the replay's frames on the device (`--replay-frames device`), acting
+    captured on CUDA: the policy step, one batch sampled and gathered, the env step and storing it. Each iteration
+    ends with a device synchronisation, so a figure holds all of its GPU work. The weights are untrained: the cost
+    does not depend on them."""
+    on_cuda = device.type == "cuda"
+    args = dataclasses.replace(
+        base, num_envs=1, vector_mode="sync", learning_starts=0, replay_frames="device", cudagraph=on_cuda
+    )
+    envs = da.make_vector_env(args, "benchmark", seed=0)
+    obs_shape, num_actions = envs.single_observation_space.shape, int(envs.single_action_space.n)
+    agent = da.build_agent(args, obs_shape, num_actions, device)
+    replay = da.EpisodeReplay(10_000, 1, seed=0, frames_device=device)
+    staging = None
+    if on_cuda:
+        template = da.synthetic_batch(args, obs_shape)
+        template["rows"] = np.zeros((args.batch_size, args.sequence_length, obs_shape[0]), np.int64)
+        del template["obs"]
+        staging = da.PinnedBatches(template, device)
+    with tempfile.TemporaryDirectory() as logs:
+        run = types.SimpleNamespace(
+            args=args,
+            device=device,
+            agent=agent,
+            replay=replay,
+            staging=staging,
+            player=da.Player(agent, 1, capture=da.captured(args, device)),
+            rng=np.random.default_rng(0),
+            counters={"global_step": 0, "episodes": 0},
+            writer=SummaryWriter(logs),
+            last_return=None,
+        )
+        try:
+            obs, _ = envs.reset(seed=0)
+            replay.start_episode(0, obs[0])
+            is_first = np.ones(1, np.bool_)
+            while not replay.can_sample(args.sequence_length):  # random steps until a batch can be drawn
+                obs, is_first = da.step_envs(run, envs, run.rng.integers(num_actions, size=1))
+            samples = []
+            for i in range(warmup + steps):
+                sync(device)
+                begin = time.perf_counter()
+                actions = da.choose_actions(run, obs, is_first)
+                da.sample_batch(run)
+                obs, is_first = da.step_envs(run, envs, actions)
+                sync(device)
+                if i >= warmup:
+                    samples.append(1e3 * (time.perf_counter() - begin))
+        finally:
+            run.writer.close()
+            envs.close()
+    return {
+        "outside_update_ms_per_env_step": statistics.median(samples),
+        "outside_update_samples_ms": samples,
+        "outside_update_setup": "1 Pong env, frames on the device, acting captured on CUDA, untrained weights",
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -299,6 +362,14 @@ def main() -> None:
         tmp.write_text(json.dumps(result, indent=1))
         tmp.replace(out)  # a reader never sees half a file
 
+    try:
+        result.update(time_outside_update(base, device, steps=reps * 5, warmup=cli.warmup))
+        print(
+            f"outside the update: {result['outside_update_ms_per_env_step']:.2f} ms per env step", flush=True
+        )
+    except Exception as exc:  # noqa: BLE001 - a figure that cannot be measured is a finding, not the end
+        result["outside_update_error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        print(f"outside the update: failed, {result['outside_update_error']}", flush=True)
     save()
     table = [("training", None), *UPDATE_VARIANTS]
     for name, overrides in table:
