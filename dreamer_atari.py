@@ -2531,6 +2531,26 @@ def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args):
     B, T = image.shape[:2]
     embed = wm.encoder(image.flatten(0, 1)).unflatten(0, (B, T))  # (B, T, E)
     deter, stoch, posterior, prior = wm.rssm.observe(embed, data["action"], data["is_first"])
+    # the losses on the posterior states: one graph with --compile
+    losses = agent.compiled.get("world_model_losses", world_model_losses)
+    loss, parts = losses(wm, agent.settings, data, deter, stoch, posterior, prior, args)
+    return loss, parts, (deter, stoch)
+
+
+def world_model_losses(
+    wm: "WorldModel",
+    settings: "UpdateSettings",
+    data: dict[str, torch.Tensor],
+    deter,
+    stoch,
+    posterior,
+    prior,
+    args,
+):
+    """`world_model_loss` from the posterior rollout on: reconstruction, reward, continue and KL losses. Returns
+    (loss, parts). `--compile` compiles it as one graph, so the heads' and losses' elementwise work fuses."""
+    image = data["image"]
+    B, T = image.shape[:2]
     feat = torch.cat([deter, stoch], -1)  # (B, T, D + S)
     reconstruction = wm.decoder(feat.flatten(0, 1)).unflatten(0, (B, T))  # (B, T, 4, 84, 84)
     # squared error summed over each image, averaged over images (one fused kernel each way)
@@ -2543,7 +2563,6 @@ def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args):
     )
     dyn = wm.rssm.kl(posterior.detach(), prior)  # (B, T)
     rep = wm.rssm.kl(posterior, prior.detach())
-    settings = agent.settings
     kl_loss = (
         settings["kl_dyn_scale"] * dyn.clamp(min=settings["free_nats"]).mean()
         + settings["kl_rep_scale"] * rep.clamp(min=settings["free_nats"]).mean()
@@ -2565,7 +2584,7 @@ def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args):
         "debug/kl_value": dyn.mean(),
         **reward_prediction_counts(twohot_mean(reward_logits.detach(), wm.bins), data["reward"]),
     }
-    return loss, parts, (deter, stoch)
+    return loss, parts
 
 
 REWARD_COUNT_KEYS = ("reward_nonzero", "reward_hits", "reward_zero", "reward_false_alarms")
@@ -2724,7 +2743,8 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
     """--compile: torch.compile what an update repeats. One RSSM observe step, one step of its hand-written backward
     pass (`RSSM.reverse_step`) and one imagination step are each compiled once and reused at every step of a
     sequence (compiling a whole unrolled sequence takes minutes); the encoder, decoder and heads, which run once per
-    update over all steps, are compiled too. Each compiles as one
+    update over all steps, are compiled too, and so are the world model's losses (`world_model_losses`) and the
+    actor-critic targets (`imagined_targets`, the lambda-return loop included), each as one graph. Each compiles as one
     whole graph (`fullgraph=True`: a graph break is an error, not a silent slow path). The functions are the eager
     ones, and the modules keep their state_dict keys, so checkpoints are the same either way."""
     wm = agent.world_model
@@ -2735,6 +2755,8 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
     wm.rssm.observe_step = compile_(wm.rssm.observe_step)
     wm.rssm.reverse_step = compile_(wm.rssm.reverse_step)
     agent.compiled["imagine_step"] = compile_(imagine_step)
+    agent.compiled["world_model_losses"] = compile_(world_model_losses)
+    agent.compiled["imagined_targets"] = compile_(imagined_targets)
     for module in (
         wm.encoder,
         wm.decoder,
@@ -2749,27 +2771,15 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
 
 def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = True):
     """Actor and critic losses on an imagined rollout. Returns (actor_loss, critic_loss, parts)."""
-    wm = agent.world_model
     feat, log_prob, entropy = imagine(agent, start_states, args.imagination_horizon)  # (H+1, N, F), (H, N)
     # one critic pass gives both the values the targets bootstrap from (detached) and the logits its loss trains
     critic_logits = agent.critic(feat)  # (H+1, N, K)
     with torch.no_grad():
-        reward = twohot_mean(wm.reward_head(feat), wm.bins)  # (H+1, N)
-        continues = torch.sigmoid(upcast(wm.continue_head(feat).squeeze(-1)))  # (H+1, N)
-        if args.continue_mode:  # DreamerV3: an imagined state either goes on or ends
-            continues = (continues > 0.5).to(continues.dtype)
-        continues[0] = start_states[2]  # the start state's own continue flag is known
-        settings = agent.settings
-        discount = settings["gamma"] * continues
-        value = twohot_mean(critic_logits.detach(), agent.critic.bins)  # (H+1, N)
-        slow_value = agent.slow_critic.value(feat[:-1])  # (H, N): the critic regresses states s_0..s_{H-1}
-        returns = lambda_returns(
-            reward, value, discount, settings["return_lambda"], settings["one_minus_lambda"]
-        )  # (H, N)
-        weight = torch.cumprod(torch.cat([torch.ones_like(discount[:1]), discount[:-2]]), 0)  # (H, N)
-        if update_norm:
-            agent.return_norm.update(returns, settings["return_norm_rate"])
-        advantage = (returns - value[:-1]) / agent.return_norm.scale()
+        targets = agent.compiled.get("imagined_targets", imagined_targets)
+        returns, weight, advantage, slow_value = targets(
+            agent, feat, critic_logits, start_states[2], args, update_norm
+        )
+    settings = agent.settings
     # ALGO LOGIC: REINFORCE on normalised advantages + entropy; the critic is pulled toward the slow critic
     actor_loss = -(weight * (log_prob * advantage + settings["entropy_coef"] * entropy)).mean()
     critic_loss = (
@@ -2787,6 +2797,32 @@ def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = 
         "debug/return_scale": agent.return_norm.scale(),
     }
     return actor_loss, critic_loss, parts
+
+
+def imagined_targets(
+    agent: Agent, feat, critic_logits, start_continue, args: Args, update_norm: bool
+) -> tuple:
+    """What the actor and critic learn toward on an imagined rollout, without gradients: feat (H+1, N, F) and the
+    critic's logits (H+1, N, K) in. Returns lambda-returns, the discount weights, the normalised advantages and the
+    slow critic's values, (H, N) each. `--compile` compiles it as one graph: the lambda-return loop and the
+    elementwise work around it fuse into a few kernels."""
+    wm, settings = agent.world_model, agent.settings
+    reward = twohot_mean(wm.reward_head(feat), wm.bins)  # (H+1, N)
+    continues = torch.sigmoid(upcast(wm.continue_head(feat).squeeze(-1)))  # (H+1, N)
+    if args.continue_mode:  # DreamerV3: an imagined state either goes on or ends
+        continues = (continues > 0.5).to(continues.dtype)
+    continues[0] = start_continue  # the start state's own continue flag is known
+    discount = settings["gamma"] * continues
+    value = twohot_mean(critic_logits.detach(), agent.critic.bins)  # (H+1, N)
+    slow_value = agent.slow_critic.value(feat[:-1])  # (H, N): the critic regresses states s_0..s_{H-1}
+    returns = lambda_returns(
+        reward, value, discount, settings["return_lambda"], settings["one_minus_lambda"]
+    )  # (H, N)
+    weight = torch.cumprod(torch.cat([torch.ones_like(discount[:1]), discount[:-2]]), 0)  # (H, N)
+    if update_norm:
+        agent.return_norm.update(returns, settings["return_norm_rate"])
+    advantage = (returns - value[:-1]) / agent.return_norm.scale()
+    return returns, weight, advantage, slow_value
 
 
 def train_behavior(agent: Agent, start: dict[str, torch.Tensor], args: Args):
