@@ -241,6 +241,13 @@ else
     say "the run's process is gone without an exit status (killed?)"
 fi
 collect "$call" || status=1
+# call 2, the run over: the tests that need CUDA, with the time left (pytest travels among the wheels), into lease.log
+if [ "$call" = 2 ] && [ -f "$lease_dir/run.rc" ] && [ "$(seconds_left)" -gt 60 ] && "$py" -c "import pytest" 2>/dev/null; then
+    say "the tests that need CUDA (tests/test_dreamer_cuda.py, the CUDA test of tests/test_dreamer_frame_store.py)"
+    timeout "$(($(seconds_left) - 15))" "$py" -m pytest -q -o addopts= -p no:cacheprovider tests/test_dreamer_cuda.py \
+        tests/test_dreamer_frame_store.py -k cuda
+    say "CUDA tests: exit $?"
+fi
 say "in \$OUT:"
 ls -la "$OUT"
 exit "$status"

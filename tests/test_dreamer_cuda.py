@@ -1,0 +1,52 @@
+"""The CUDA paths of dreamer_atari.py that a CPU cannot run: acting captured in a CUDA graph, the replay's frames on
+the GPU, updates captured, all in a whole tiny run that resumes. Skipped without CUDA; the GPU lease runs them
+(`benchmark/gpu/gpu_lease.sh finish`, with pytest among the carried wheels)."""
+
+import numpy as np
+import pytest
+import torch
+
+import dreamer_atari as da
+from dreamer_tiny import obs_shape, tiny_args
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_cuda_captured_acting_reads_fresh_inputs_and_moves_its_state_as_the_eager_cell_does():
+    """After the warm-up steps the policy step is a graph replay: each step must still read this step's
+    observations and episode starts and the state the last step left, and write the new state in place."""
+    args = tiny_args()
+    torch.manual_seed(0)
+    agent = da.build_agent(args, obs_shape(args), 6, "cuda")
+    player = da.Player(agent, num_envs=3, capture=True)
+    rng = np.random.default_rng(0)
+    wm = agent.world_model
+    for step in range(8):  # 3 eager, the capture, then replays
+        obs = rng.integers(0, 255, (3, *obs_shape(args)), dtype=np.uint8)
+        is_first = np.array([step == 0, step == 5, False])
+        deter, stoch, prev_action = player.deter.clone(), player.stoch.clone(), player.prev_action.clone()
+        actions = player.act(obs, is_first)
+        with torch.no_grad():
+            keep = torch.as_tensor(~is_first, device="cuda").float().unsqueeze(-1)
+            expected = wm.rssm.img_step(deter * keep, stoch * keep, prev_action * keep)
+        torch.testing.assert_close(player.deter, expected, rtol=1e-4, atol=1e-5)
+        assert actions.shape == (3,) and ((actions >= 0) & (actions < 6)).all()
+        np.testing.assert_array_equal(player.prev_action.argmax(-1).cpu().numpy(), actions)
+        latents = player.stoch.unflatten(-1, (args.stochastic_dim, args.stochastic_classes))
+        assert torch.equal(latents.sum(-1), torch.ones_like(latents[..., 0]))  # one class per latent
+    assert isinstance(player.policy, da.CudaGraphed) and player.policy.graph is not None
+
+
+def test_cuda_tiny_run_with_frames_on_the_gpu_and_captured_updates_trains_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    schedule = dict(learning_starts=100, train_ratio=8.0, max_episode_steps=60, buffer_capacity=300)
+    first = da.main(
+        tiny_args(total_timesteps=300, save_model=True, checkpoint_buffer=True, model="nature", **schedule)
+    )
+    assert first["updates"] > 10  # well past the warm-up updates and the capture
+    state = torch.load(f"{first['run_dir']}/checkpoint.pt", map_location="cpu", weights_only=True)
+    assert state["counters"]["nonfinite_updates"] == 0
+    second = da.main(
+        tiny_args(total_timesteps=400, model="nature", resume=f"{first['run_dir']}/checkpoint.pt", **schedule)
+    )
+    assert second["global_step"] == 400 and second["updates"] > first["updates"]
