@@ -208,6 +208,9 @@ def measure_variant(
             figures["kernels_counted_as"] = "CUDA kernels (torch.profiler) of one update" + (
                 " (graph replay)" if captured else ""
             )
+        if not captured and not args.compile:
+            # the CPU's proxy (aten operations dispatched) of the same eager update, beside its real kernels
+            figures["aten_ops_per_update"] = count_aten_ops(update, device)
         figures["peak_gpu_reserved_mb"] = torch.cuda.max_memory_reserved(device) / MB
         figures["peak_gpu_allocated_mb"] = torch.cuda.max_memory_allocated(device) / MB
     elif args.compile:
