@@ -178,6 +178,103 @@ def count_update(args: da.Args) -> dict[str, dict[str, int]]:
     return {"world_model": world.by_region(), "behavior": behavior.by_region()}
 
 
+# profiler events that launch no kernel: allocations, views and shape bookkeeping
+NOT_KERNEL_EVENTS = frozenset(
+    "aten::" + name
+    for name in [
+        "empty",
+        "empty_strided",
+        "empty_like",
+        "view",
+        "as_strided",
+        "detach",
+        "alias",
+        "reshape",
+        "_reshape_alias",
+        "resize_",
+        "lift_fresh",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "slice",
+        "select",
+        "unsqueeze",
+        "squeeze",
+        "unflatten",
+        "flatten",
+        "_unsafe_view",
+        "unbind",
+        "split",
+        "chunk",
+        "narrow",
+        "set_",
+        "result_type",
+        "resolve_conj",
+        "resolve_neg",
+        "_local_scalar_dense",
+        "item",
+        "numpy_T",
+        "contiguous",
+        "to",
+        "_to_copy_meta",
+    ]
+)
+
+
+def count_compiled_update(args: da.Args) -> int:
+    """Kernel calls of the third world-model and behaviour update with --compile (Inductor on the CPU): the kernels
+    Inductor generated (each call profiled by name: `cpp.enable_kernel_profile`) and the aten operations that run
+    outside them (the matmuls and convolutions the graphs call, the eager code between graphs), allocations and
+    views left out. Inductor's CPU kernels fuse about as its GPU kernels do, so this estimates a compiled update's
+    CUDA kernels; a GPU profile is the real count."""
+    import torch._dynamo
+    import torch._inductor.config
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    torch._inductor.config.cpp.enable_kernel_profile = True
+    torch.manual_seed(0)
+    obs_shape = (args.frame_stack, args.image_size, args.image_size)
+    agent = da.build_agent(args, obs_shape, NUM_ACTIONS, "cpu")
+    da.compile_agent(agent)
+    raw = da.batch_tensors(random_batch(args, obs_shape), "cpu")
+    world_model_step, behavior_step = da.make_update_steps(agent, args)
+    for _ in range(2):
+        _, _, start = world_model_step(raw)
+        behavior_step(start)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _, _, start = world_model_step(raw)
+        behavior_step(start)
+    count = 0
+    for event in prof.events():
+        if "cpp_fused" in event.name:
+            count += 1
+        elif event.name.startswith("aten::") and event.name not in NOT_KERNEL_EVENTS:
+            # an aten operation called from Python or from a graph, not from another aten operation (aten::linear
+            # counts once, not again as the addmm it calls)
+            parent = event.cpu_parent
+            while parent is not None and not parent.name.startswith("aten::"):
+                parent = parent.cpu_parent
+            count += parent is None
+    return count
+
+
+def measure_compiled(model: str, size: str) -> dict:
+    """Compiled kernel calls at (T, H), (T - 1, H) and (T, H - 1), and the per-step differences."""
+    sizes = {**(TINY if size == "tiny" else MODEST), "model": model, "amp": "off", "num_envs": 1}
+    T, H = sizes["sequence_length"], sizes["imagination_horizon"]
+    base = count_compiled_update(da.Args(**sizes))
+    short_t = count_compiled_update(da.Args(**{**sizes, "sequence_length": T - 1}))
+    short_h = count_compiled_update(da.Args(**{**sizes, "imagination_horizon": H - 1}))
+    return {
+        "update": base,
+        "per_observe_step": base - short_t,
+        "per_imagination_step": base - short_h,
+        "counted_as": count_compiled_update.__doc__.split(":")[0].strip() + " (see update_regions.py)",
+    }
+
+
 def measure(model: str, size: str, observe_backward: str = "hand-written") -> dict:
     """Counts at (T, H), (T - 1, H) and (T, H - 1), and the per-step differences."""
     sizes = {**(TINY if size == "tiny" else MODEST), "model": model, "amp": "off", "num_envs": 1}
@@ -253,9 +350,21 @@ def main() -> None:
         default="hand-written",
         help="observe's backward pass: the script's hand-written one (where it applies) or autograd's, for comparison",
     )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also count the kernel calls of the --compile path (Inductor on the CPU), whole update and per step",
+    )
     options = parser.parse_args()
     torch.set_num_threads(1)
     result = measure(options.model, options.size, options.observe_backward)
+    if options.compiled:
+        result["compiled"] = measure_compiled(options.model, options.size)
+        compiled = result["compiled"]
+        print(
+            f"compiled (--compile, Inductor on the CPU): {compiled['update']} kernel calls per update, "
+            f"{compiled['per_observe_step']} per observe step, {compiled['per_imagination_step']} per imagination step"
+        )
     result["observe_backward"] = options.observe_backward
     result["machine"] = bench_utils.machine()
     result["command"] = " ".join(["python", "benchmark/gpu/update_regions.py", *sys.argv[1:]])
