@@ -129,7 +129,8 @@ class Args:
     # replay
     buffer_capacity: int | None = None
     """replay capacity in env steps; whole oldest episodes are evicted first. Unset: the replay keeps every step
-    of the run (DreamerV3's Atari100k setting; about 7.1 KB of host memory per Pong step, printed at start)"""
+    of the run (DreamerV3's Atari100k setting; about 4.1 KB per Pong step, 7.1 with --model nature, printed at
+    start; see --replay-frames for where)"""
     replay_frames: Literal["auto", "device", "host"] = "auto"
     """where the replay's frames live: `device` (a tensor on the training device; batches are gathered there, no
     frame crosses from the host per update), `host` (host memory; batches are copied over), or `auto` (device on
