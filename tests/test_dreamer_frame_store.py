@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dreamer_atari as da
+import memory_utils as mu
 
 FRAME = (5, 6)  # small frames of random bytes: a wrong row shows as a wrong frame
 
@@ -168,7 +169,9 @@ def run_weights(**overrides) -> tuple[dict, dict]:
     """A seeded tiny Pong run with a saved replay; its result and checkpoint."""
     from dreamer_tiny import tiny_args
 
-    schedule = dict(learning_starts=100, train_ratio=8.0, max_episode_steps=60, buffer_capacity=150)
+    schedule = dict(
+        learning_starts=100, train_ratio=8.0, max_episode_steps=60, buffer_capacity=150, log_interval=100
+    )
     result = da.main(
         tiny_args(
             total_timesteps=240,
@@ -194,6 +197,13 @@ def test_a_run_with_frames_on_the_device_trains_exactly_as_one_with_frames_in_ho
     assert "replay: frames on cpu" in capsys.readouterr().out
     assert result["updates"] > 0
     assert on_device["counters"]["updates"] == on_host["counters"]["updates"] == result["updates"]
+    # the memory log says where the frames are: none in host memory, the store's bytes on the device
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(result["run_dir"], size_guidance={"scalars": 0})
+    events.Reload()
+    assert all(e.value == 0 for e in events.Scalars(mu.BUFFER_KEYS["obs_bytes"]))
+    assert all(e.value > 0 for e in events.Scalars(mu.BUFFER_DEVICE_KEY))
     for module, weights in on_host["models"].items():
         for name, tensor in weights.items():
             assert torch.equal(on_device["models"][module][name], tensor), f"{module}.{name}"
