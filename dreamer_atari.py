@@ -1323,6 +1323,14 @@ def one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     dozen classes is one of the slowest kernels of an update on a GPU), the step `CDF >= u` becomes one-hot by a
     product with a difference matrix. The last CDF column is doubled, so rounding never leaves a row without a
     class. The uniforms come from the caller, drawn for a whole sequence at once."""
+    if torch.compiler.is_compiling():
+        # compiled (--compile): the same draw as a cumulative sum and a difference, which Inductor fuses with the
+        # work around them (each product below would stay a matmul kernel of its own)
+        with torch.autocast(probs.device.type, enabled=False):
+            cdf = probs.float().cumsum(-1)
+            cdf = torch.cat([cdf[..., :-1], torch.full_like(cdf[..., -1:], 2.0)], -1)
+            above = (cdf >= uniform).float()  # (..., C): 0 up to the drawn class, 1 from it
+            return above - F.pad(above[..., :-1], (1, 0))
     classes, key = probs.shape[-1], (probs.shape[-1], probs.device)
     if key not in _DRAW_MATRICES:
         eye = torch.eye(classes, dtype=torch.float32, device=probs.device)

@@ -427,3 +427,24 @@ def test_the_start_up_check_passes_both_models_and_leaves_the_random_state_alone
         state = torch.get_rng_state()
         da.check_observe_backward(rssm)
         assert torch.equal(state, torch.get_rng_state())
+
+
+def test_the_compiled_draw_picks_the_classes_the_eager_draw_picks():
+    """Compiled, `one_hot_draw` takes a cumulative sum and a difference instead of its two products (which would stay
+    matmul kernels of their own): the same one-hots from the same probabilities and uniforms, the last class included
+    when rounding leaves the CDF short of a uniform."""
+    torch.manual_seed(0)
+    probs = torch.softmax(3 * torch.randn(4096, 32), -1)
+    probs[0] = 0.0
+    probs[0, 5] = 1.0  # one class certain
+    uniform = torch.rand(4096, 1)
+    uniform[1] = 1.0 - 1e-7  # beyond any CDF that rounding left short of 1
+    compiled = torch.compile(da.one_hot_draw, backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    try:
+        drawn = compiled(probs, uniform)
+    finally:
+        torch._dynamo.reset()
+    expected = da.one_hot_draw(probs, uniform)
+    assert torch.equal(drawn, expected)
+    assert torch.equal(drawn.sum(-1), torch.ones(4096)) and drawn[0, 5] == 1
