@@ -218,9 +218,9 @@ def update_ops(sequence_length: int, horizon: int) -> tuple[collections.Counter,
 
 # Ceilings of non-view aten operations of the default model at the tiny sizes on the CPU (a GPU fuses the GRU cell's
 # elementwise ops, so it launches fewer). Measured when set: 49 per observe step (34 forward, 15 in the hand-written
-# backward pass), 47 per imagination step, 1,155 for an update at T = 6, H = 4 (the nature model: 52, 49 and 1,191;
-# with autograd's backward of the observe loop: 82, 47 and 1,265, the nature model 89, 49 and 1,320; before the fast
-# paths: 101, 123 and 1,957). benchmark/gpu/update_regions.py splits these counts by region. The ceilings guard the speed
+# backward pass), 47 per imagination step, 1,155 for an update at T = 6, H = 4 (the nature model: 52, 49 and 1,191,
+# now 1,198; with autograd's backward of the observe loop: 82, 47 and 1,265, the nature model 89, 49 and 1,320; before
+# the fast paths: 101, 123 and 1,957). benchmark/gpu/update_regions.py splits these counts by region. The ceilings guard the speed
 # of an update on a GPU, which is bound by the number of kernels it launches: a change that adds operations to the
 # loops raises these figures on purpose and in this file, with the reason. 1,155 became 1,162 when every step of the
 # hand-written backward became the same function (`reverse_step`, so that --compile compiles one graph for all

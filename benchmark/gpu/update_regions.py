@@ -339,6 +339,53 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def readme(folder: Path) -> str:
+    """The results folder's README.md, from its JSON files (`M_S_B.json`, B the observe backward)."""
+    runs = {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))}
+    some = next(iter(runs.values()))
+    lines = [
+        "# Operations per Dreamer update, by region",
+        "",
+        "`python benchmark/gpu/update_regions.py --model M --size S --observe-backward B [--compiled] --out "
+        "M_S_B.json`, on the CPU",
+        f"({some['machine'].get('cpu', '?')}, torch {some['torch']}, one thread): the aten operations (views "
+        "excluded; on a GPU about one kernel each) of one world-model update and one behaviour update, by region. "
+        "`autograd` is autograd's backward of the observe scan (the update before the hand-written backward through "
+        "time), `hand-written` the script's default now (`ObserveBackwardThroughTime`). `compiled`: the kernel calls "
+        "of the same update with --compile (Inductor on the CPU: its generated kernels and the aten operations "
+        "called from Python or a graph, allocations and views excluded), an estimate of a compiled update's CUDA "
+        "kernels. Each JSON file holds every region's count, the per-step counts, the sizes, the machine and the "
+        "command. This README is written by `update_regions.py --readme`.",
+        "",
+        "| model | size | observe forward / backward, autograd | the same, hand-written | per observe step, autograd "
+        "| hand-written | compiled | per imagination step, hand-written | compiled | update, autograd | hand-written "
+        "| compiled |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model in ("dreamerv3", "nature"):
+        for size in ("tiny", "modest"):
+            auto, hand = runs.get(f"{model}_{size}_autograd"), runs.get(f"{model}_{size}_hand-written")
+            if not (auto and hand):
+                continue
+            sizes = hand["sizes"]
+            compiled = hand.get("compiled", {})
+
+            def regions(run):
+                return f"{run['total']['observe forward']} / {run['total']['observe backward']}"
+
+            lines.append(
+                f"| {model} | {size} ({sizes['batch_size']} x {sizes['sequence_length']}, H "
+                f"{sizes['imagination_horizon']}) | {regions(auto)} | {regions(hand)} "
+                f"| {sum(auto['per_observe_step'].values())} | {sum(hand['per_observe_step'].values())} "
+                f"| {compiled.get('per_observe_step', '—')} | {sum(hand['per_imagination_step'].values())} "
+                f"| {compiled.get('per_imagination_step', '—')} | {auto['update_total']:,} "
+                f"| {hand['update_total']:,} | {compiled['update']:,} |"
+                if compiled
+                else f"| {model} | {size} | {regions(auto)} | {regions(hand)} | — | — | — | — | — | — | — | — |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("dreamerv3", "nature"), default="dreamerv3")
@@ -355,7 +402,11 @@ def main() -> None:
         action="store_true",
         help="also count the kernel calls of the --compile path (Inductor on the CPU), whole update and per step",
     )
+    parser.add_argument("--readme", metavar="FOLDER", help="only write FOLDER/README.md from its JSON files")
     options = parser.parse_args()
+    if options.readme:
+        (Path(options.readme) / "README.md").write_text(readme(Path(options.readme)))
+        return
     torch.set_num_threads(1)
     result = measure(options.model, options.size, options.observe_backward)
     if options.compiled:
