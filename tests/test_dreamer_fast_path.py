@@ -231,6 +231,12 @@ IMAGINE_STEP_CEILING = 47
 UPDATE_CEILING = 1_162
 
 
+# The same for the --compile path: kernel calls of one compiled update at benchmark/gpu/update_regions.py's tiny sizes
+# (Inductor on the CPU: its generated kernels and the aten operations called from Python or a graph), 598 when set
+# (1,162 operations eager; at 4 x 64, H 15: 1,923 against 4,533, benchmark/results/update_regions/README.md).
+COMPILED_UPDATE_CEILING = 598
+
+
 def over_budget(ceiling: str, measured: str, ops: collections.Counter) -> str:
     return (
         f"this test guards speed: on a GPU an update costs about one kernel launch per operation, and the update now "
@@ -260,6 +266,30 @@ def test_an_update_stays_within_its_operation_budget():
     # no operation that reads a tensor back to the host (it would stall the GPU and break graph capture)
     assert world["aten._local_scalar_dense"] == 0 and behavior["aten._local_scalar_dense"] == 0
     assert world["aten.item"] == 0 and behavior["aten.item"] == 0
+
+
+def test_a_compiled_update_stays_within_its_kernel_budget(monkeypatch):
+    """--compile: the kernels one compiled update calls, counted by benchmark/gpu/update_regions.py (Inductor's CPU
+    kernels fuse about as its GPU ones do, so the count estimates a compiled update's CUDA kernels)."""
+    import torch._inductor.config
+
+    from benchmark.gpu import update_regions
+
+    monkeypatch.setattr(
+        torch._inductor.config.cpp, "enable_kernel_profile", False
+    )  # restored after the count
+    sizes = {**update_regions.TINY, "model": "dreamerv3", "amp": "off", "num_envs": 1}
+    try:
+        count = update_regions.count_compiled_update(da.Args(**sizes))
+    finally:
+        torch._dynamo.reset()
+    assert count <= COMPILED_UPDATE_CEILING, (
+        f"this test guards speed: a compiled update on a GPU costs about one launch per kernel it calls, and it now "
+        f"calls {count}, more than COMPILED_UPDATE_CEILING ({COMPILED_UPDATE_CEILING}) allows. If the change is meant "
+        f"to cost more, set COMPILED_UPDATE_CEILING in tests/test_dreamer_fast_path.py to the measured count in the "
+        f"same commit and say why; otherwise find what stopped fusing (python benchmark/gpu/update_regions.py "
+        f"--compiled lists the count per step)."
+    )
 
 
 def test_compiled_steps_are_whole_graphs_and_do_not_recompile(monkeypatch):
