@@ -1646,9 +1646,10 @@ class RSSM(nn.Module):
         (see `noise`), stoch_weight and deter_weight the other shares' weights. Returns deter, stoch, posterior.
         `--compile` compiles this function once and reuses it at every step."""
         deter, stoch = deter * keep, stoch * keep
-        hidden = F.linear(stoch, stoch_weight) + action_in  # = img_in[0](cat[stoch, action])
+        # one fused product-and-sum each: = img_in[0](cat[stoch, action]), then = posterior_net[0](cat[deter, embed])
+        hidden = torch.addmm(action_in, stoch, stoch_weight.t())
         deter = self.gru(upcast(self.img_in[1:](hidden)), deter)
-        hidden = F.linear(deter, deter_weight) + embed_in  # = posterior_net[0](cat[deter, embed])
+        hidden = torch.addmm(embed_in, deter, deter_weight.t())
         posterior = self._stats(self.posterior_net[1:](hidden))
         return deter, self.sample(posterior, noise), posterior
 
