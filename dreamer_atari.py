@@ -239,11 +239,12 @@ class Args:
     """CUDA: float32 matrix products on TensorFloat-32 tensor cores (`torch.set_float32_matmul_precision("high")`;
     convolutions already use TF32 by default); --no-tf32 keeps them in full float32"""
     observe_backward: Literal["hand-written", "autograd"] = "hand-written"
-    """the observe scan's backward pass: hand-written (`ObserveBackwardThroughTime`: 49 operations per step instead
-    of 82, the same gradients) or autograd's, which follows any change to `RSSM.observe_step` at once"""
+    """the observe scan's backward pass: hand-written (`ObserveBackwardThroughTime`: 47 operations per step instead
+    of 80, the same gradients) or autograd's, which follows any change to `RSSM.observe_step` at once"""
     compile: bool = False
-    """torch.compile the steps an update repeats (one RSSM step, one imagination step) and the encoder, decoder
-    and heads: fewer, fused kernels; the first updates take longer while it compiles"""
+    """torch.compile the steps an update repeats (one RSSM step and one step of its backward, one imagination step),
+    the world model's losses and the actor-critic targets, and the encoder, decoder and heads: fewer, fused kernels;
+    the first updates take longer while it compiles"""
     cudagraph: bool = True
     """CUDA only (the CPU runs eagerly): capture the world-model update and the behaviour update in CUDA graphs after
     3 eager updates and replay them (the same functions; no Python or kernel-launch cost per op). Takes --amp off or

@@ -234,7 +234,7 @@ UPDATE_CEILING = 1_150
 
 # The same for the --compile path: kernel calls of one compiled update at benchmark/gpu/update_regions.py's tiny sizes
 # (Inductor on the CPU: its generated kernels and the aten operations called from Python or a graph), 598 when set
-# (1,162 operations eager; at 4 x 64, H 15: 1,923 against 4,533, benchmark/results/update_regions/README.md).
+# (1,150 operations eager; at 4 x 64, H 15: 1,923 against 4,405, benchmark/results/update_regions/README.md).
 COMPILED_UPDATE_CEILING = 598
 
 
