@@ -779,14 +779,12 @@ class FrameStore:
         self.frame_shape, self.block, self.device = tuple(frame_shape), block, torch.device(device)
         self.rows = torch.empty((num_blocks * block, *frame_shape), dtype=torch.uint8, device=self.device)
         self.free = list(range(num_blocks - 1, -1, -1))  # block ids; the next one handed out is the last
-        self.tables: list[deque[int]] = [
-            deque() for _ in range(num_envs)
-        ]  # env -> its block ids, oldest first
+        # env -> its block ids, oldest first
+        self.tables: list[deque[int]] = [deque() for _ in range(num_envs)]
         self.first_block = [0] * num_envs  # env -> the block number (seq // block) of tables[env][0]
         self.written = [0] * num_envs  # env -> frames written so far: the seq of its next frame
-        self.cached: list[np.ndarray | None] = [
-            None
-        ] * num_envs  # env -> its table as an array, until it changes
+        # env -> its table as an array, until it changes
+        self.cached: list[np.ndarray | None] = [None] * num_envs
         self.pending: list[np.ndarray] = []  # frames not yet on the device, with their rows
         self.pending_rows: list[int] = []
 
@@ -1041,9 +1039,8 @@ class EpisodeReplay:
         return Episode(first_obs, self.chunk_size, frames)
 
     def start_episode(self, env_idx: int, obs: np.ndarray) -> None:
-        if (
-            self.current[env_idx] is not None
-        ):  # an env reset in the middle of an episode: that episode has ended
+        # an env reset in the middle of an episode: that episode has ended
+        if self.current[env_idx] is not None:
             self.current[env_idx].finish()
         episode = self.new_episode(env_idx, obs)
         self.current[env_idx] = episode
@@ -1196,7 +1193,8 @@ class EpisodeReplay:
         action, reward, is_first, is_terminal = (
             arrays[key] for key in ("action", "reward", "is_first", "is_terminal")
         )
-        frames = np.empty((T + stack - 1, *frame_shape), np.uint8)  # one piece's frames, reused
+        if frames_key == "obs":
+            frames = np.empty((T + stack - 1, *frame_shape), np.uint8)  # one piece's frames, reused
         for b, pieces in enumerate(windows):
             filled = 0
             for episode, begin, take in pieces:
@@ -1958,9 +1956,8 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
         own_grad = torch.addcmul(own_grad, probs_share, stoch_grad.unflatten(-1, (S, C)))  # (T, B, S, C)
         keep_next = torch.cat([keep[1:], torch.zeros_like(keep[:1])]).unsqueeze(-1)  # (T, B, 1, 1)
         carried_factor = probs_share * keep_next  # (T, B, S, C)
-        deter_grad_prev = torch.cat(
-            [torch.zeros_like(deter_grad[:1]), deter_grad[:-1]]
-        )  # (T, B, D): step t - 1's
+        # (T, B, D): at step t, step t - 1's output gradient of deter
+        deter_grad_prev = torch.cat([torch.zeros_like(deter_grad[:1]), deter_grad[:-1]])
         step_inputs = [
             own_grad,
             carried_factor,
@@ -1979,9 +1976,8 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
         ]
         steps = list(zip(*(tensor.unbind(0) for tensor in step_inputs)))  # views, step by step
         deter_carry = deter_grad[T - 1].contiguous()  # (B, D): d deter_t from the outputs and the later steps
-        stoch_carry = torch.zeros_like(
-            acts.stoch_prev[0]
-        )  # (B, S*C): d (stoch_t * keep_{t+1}), from step t + 1
+        # (B, S*C): d (stoch_t * keep_{t+1}), from step t + 1 (none after the last step)
+        stoch_carry = torch.zeros_like(acts.stoch_prev[0])
         saved = []
         for t in reversed(range(T)):
             deter_carry, stoch_carry, layer_grads = rssm.reverse_step(
@@ -3020,6 +3016,16 @@ def attach_memory_probes(agent: Agent, probes: "mu.StageProbes") -> None:
     agent.world_model_optimizer.register_step_post_hook(lambda *_: probes("after_optimizer_step"))
 
 
+def staging_template(args: Args, obs_shape: tuple, frames_on_device: bool) -> dict[str, np.ndarray]:
+    """The arrays a training batch is sampled into on the host (`PinnedBatches`' shapes): the batch itself, or, with
+    the frames on the device, the rows of its stacks in the `FrameStore` (B, T, k) int64 in place of its frames."""
+    template = synthetic_batch(args, obs_shape)
+    if frames_on_device:
+        template["rows"] = np.zeros((args.batch_size, args.sequence_length, obs_shape[0]), np.int64)
+        del template["obs"]
+    return template
+
+
 class PinnedBatches:
     """Two pinned host buffers that batches are sampled into and copied to the GPU from without blocking, so the
     CPU samples the next batch while the GPU trains on this one. A buffer is written again only after the copy
@@ -3801,10 +3807,9 @@ def instrument(run: Run, probes: "mu.StageProbes") -> None:
         print(warning)
     # memory: on CUDA, batches are sampled into two reused pinned buffers and copied without blocking
     if run.device.type == "cuda":
-        template = synthetic_batch(args, run.obs_shape)
-        if run.replay.frames_device is not None:  # the batch's rows in the frame store instead of its frames
-            template["rows"] = np.zeros((args.batch_size, args.sequence_length, run.obs_shape[0]), np.int64)
-            del template["obs"]
+        template = staging_template(
+            args, run.obs_shape, frames_on_device=run.replay.frames_device is not None
+        )
         run.staging = PinnedBatches(template, run.device)
     run.probes = probes
     run.snapshots = mu.MemorySnapshots(

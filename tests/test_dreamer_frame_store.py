@@ -225,3 +225,23 @@ def test_a_run_with_frames_on_the_device_trains_exactly_as_one_with_frames_in_ho
         )
     )
     assert resumed["global_step"] == 300 and resumed["updates"] > result["updates"]
+
+
+def test_the_staging_template_is_what_either_sampler_fills():
+    """On CUDA, batches are sampled into pinned buffers shaped by `staging_template`: with the frames on the device,
+    their rows in place of the frames; the samplers check every shape and dtype of the arrays they fill."""
+    from dreamer_tiny import tiny_args
+
+    args = tiny_args(batch_size=3, sequence_length=5)
+    obs_shape = (4, *FRAME)
+    host, device = replays(capacity=200)
+    drive([host, device], 60, seed=9)
+    rows = da.staging_template(args, obs_shape, frames_on_device=True)
+    assert "obs" not in rows and rows["rows"].shape == (3, 5, 4)
+    filled = device.sample_rows(3, 5, rng=np.random.default_rng(0), out=rows)
+    expected = host.sample(
+        3, 5, rng=np.random.default_rng(0), out=da.staging_template(args, obs_shape, False)
+    )
+    gathered = device.gather(da.batch_tensors(filled, "cpu"))
+    for key, value in expected.items():
+        np.testing.assert_array_equal(gathered[key].numpy(), value, err_msg=key)

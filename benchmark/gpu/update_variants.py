@@ -247,10 +247,7 @@ def time_outside_update(base: da.Args, device: torch.device, steps: int, warmup:
     replay = da.EpisodeReplay(10_000, 1, seed=0, frames_device=device)
     staging = None
     if on_cuda:
-        template = da.synthetic_batch(args, obs_shape)
-        template["rows"] = np.zeros((args.batch_size, args.sequence_length, obs_shape[0]), np.int64)
-        del template["obs"]
-        staging = da.PinnedBatches(template, device)
+        staging = da.PinnedBatches(da.staging_template(args, obs_shape, frames_on_device=True), device)
     with tempfile.TemporaryDirectory() as logs:
         run = types.SimpleNamespace(
             args=args,
