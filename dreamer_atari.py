@@ -105,8 +105,8 @@ class Args:
     # environment
     env_id: str = "ALE/Pong-v5"
     """the id of the Atari environment"""
-    num_envs: int = 2
-    """the number of parallel game environments"""
+    num_envs: int = 1
+    """the number of parallel game environments (DreamerV3's Atari100k recipe: 1)"""
     vector_mode: Literal["auto", "sync", "async"] = "auto"
     """`async` (a process per env), `sync` (all in this process), or `auto` (async when num_envs > 1)"""
     repeat_action_probability: float = 0.0
@@ -122,9 +122,10 @@ class Args:
     """frames stacked into each observation, newest last (the encoder reads them as channels, the decoder
     reconstructs them all). Unset: the --model's own (dreamerv3: 1, as DreamerV3, whose recurrent state carries
     the past; nature: 4). 1 suits tasks whose frame shows the whole state, such as Catch-v0"""
-    rgb: bool = False
-    """Atari frames in colour, 3 channels each (DreamerV3 reads RGB), instead of grey: 3x the replay's frame
-    bytes; the open-loop images and ball recall read them in grey"""
+    rgb: bool | None = None
+    """Atari frames in colour, 3 channels each, or grey (--no-rgb: a third of the replay's frame bytes, and a ball
+    that weighs 3.75x less in the image loss). Unset: colour for Atari with --model dreamerv3 (DreamerV3 reads RGB),
+    grey otherwise; the open-loop images and the ball measure read colour frames in grey"""
 
     # replay
     buffer_capacity: int | None = None
@@ -137,8 +138,8 @@ class Args:
     CUDA when a full replay takes at most a quarter of the GPU's free memory, else host; said at start)"""
     batch_size: int = 16
     """the number of sequences per world-model batch"""
-    sequence_length: int = 50
-    """the length of each replayed sequence"""
+    sequence_length: int = 64
+    """the length of each replayed sequence (DreamerV3: 64); its first step starts from the initial state"""
 
     # model
     model: Literal["dreamerv3", "nature"] = "dreamerv3"
@@ -167,6 +168,9 @@ class Args:
     """width of the RSSM's and the heads' hidden layers. Unset: dreamerv3 512, nature 200"""
     unimix: float = 0.01
     """share of the uniform distribution mixed into categorical latents and the policy"""
+    initial_state: Literal["learned", "zeros"] = "learned"
+    """the state each episode (and each replayed sequence) starts from: learned (DreamerV3: deter = tanh(w) of a
+    learned vector w, stoch the prior's mode from it) or zeros"""
     reward_bins: int = 255
     """two-hot bins (on the symlog scale) of the reward head and the critic"""
     channels_last: bool = True
@@ -182,8 +186,8 @@ class Args:
     """env steps after `learning_starts` during which only the world model trains. DreamerV3 trains world
     model and behaviour together from the start (0)"""
     train_ratio: float = 1024.0
-    """replayed steps per env step. DreamerV3 learned Pong with 1024 at batch 16 x 64, one update per agent
-    step; keeping the replayed-steps figure, batch 16 x 50 gives 1.28 updates per env step"""
+    """replayed steps per env step: updates per env step = train_ratio / (batch_size x sequence_length). DreamerV3
+    learned Pong with 1024 at batch 16 x 64: one update per agent step"""
     world_model_lr: float = 1e-4
     """learning rate of the world model"""
     actor_lr: float = 3e-5
@@ -206,6 +210,9 @@ class Args:
     """weight of the representation KL term, KL(posterior || sg(prior))"""
     free_nats: float = 1.0
     """each KL term is clipped below at this many nats"""
+    image_loss_scale: float = 1.0
+    """weight of the image reconstruction loss (DreamerV3: 1); the probe's configurations that ask how much the
+    ball's pixels weigh scale it"""
     no_decoder_loss: bool = False
     """switch off the image reconstruction loss (isolation experiments)"""
     no_reward_loss: bool = False
@@ -269,6 +276,8 @@ class Args:
         for name, value in MODEL_DEFAULTS.get(self.model, {}).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        if self.rgb is None:  # colour where the frames have it and the model is DreamerV3's
+            self.rgb = self.model == "dreamerv3" and env_has_colour(self.env_id)
 
 
 # ALGO LOGIC: each --model's sizes, for the flags left unset
@@ -294,6 +303,8 @@ def check_args(args: Args) -> None:
     """Raise ArgsError naming the first bad value and what is allowed. Builds one env at most, writes nothing."""
     if args.model not in MODEL_DEFAULTS:
         raise ArgsError(f"--model must be one of {', '.join(MODEL_DEFAULTS)}, got {args.model!r}.")
+    if args.initial_state not in ("learned", "zeros"):
+        raise ArgsError(f"--initial-state must be learned or zeros, got {args.initial_state!r}.")
     if args.observe_backward not in ("hand-written", "autograd"):
         raise ArgsError(
             f"--observe-backward must be hand-written or autograd, got {args.observe_backward!r}."
@@ -341,10 +352,13 @@ def check_ranges(args: Args) -> None:
     for flag, value in non_negative.items():
         if value < 0:
             raise ArgsError(f"{flag} must be 0 or more, got {value}.")
+    if not args.image_loss_scale >= 0:
+        raise ArgsError(f"--image-loss-scale must be 0 or more, got {args.image_loss_scale}.")
     if not args.train_ratio > 0:
         raise ArgsError(f"--train-ratio must be greater than 0, got {args.train_ratio}.")
+    if not 0.0 < args.gamma <= 1.0:  # the imagination weights divide by it
+        raise ArgsError(f"--gamma must be greater than 0 and at most 1, got {args.gamma}.")
     for flag, value in {
-        "--gamma": args.gamma,
         "--return-lambda": args.return_lambda,
         "--repeat-action-probability": args.repeat_action_probability,
         "--unimix": args.unimix,
@@ -484,6 +498,15 @@ register_catch()
 
 def is_atari(env_id: str) -> bool:
     return "ale_py" in str(gym.spec(env_id).entry_point)
+
+
+def env_has_colour(env_id: str) -> bool:
+    """Whether `env_id` gives colour frames (Atari); False for an id that is not registered (`check_env` refuses
+    it)."""
+    try:
+        return is_atari(env_id)
+    except gym.error.Error:
+        return False
 
 
 def env_kwargs(env_id: str, args: Args) -> dict:
@@ -1211,9 +1234,9 @@ class EpisodeReplay:
                 episode.reward.read_into(reward[b, piece], begin, begin + take)
                 episode.is_first.read_into(is_first[b, piece], begin, begin + take)
                 episode.is_terminal.read_into(is_terminal[b, piece], begin, begin + take)
-                if filled > 0:
-                    # the state resets where a piece starts, also where an episode's front was trimmed
-                    is_first[b, filled] = True
+                # the state resets where a piece starts, also where an episode's front was trimmed, and at each
+                # window's first step (DreamerV3's replay: a sequence starts from the initial state, with no action)
+                is_first[b, filled] = True
                 filled += take
         return arrays
 
@@ -1352,13 +1375,16 @@ def categorical_draw(probs: torch.Tensor) -> torch.Tensor:
     return one_hot_draw(probs, uniform).argmax(-1)
 
 
+NORM_EPS = 1e-3  # every LayerNorm's epsilon, as DreamerV3's (torch's default is 1e-5)
+
+
 def mlp(in_dim: int, out_dim: int, hidden_dim: int, zero_output: bool = False) -> nn.Sequential:
     layers = nn.Sequential(
         nn.Linear(in_dim, hidden_dim),
-        nn.LayerNorm(hidden_dim),
+        nn.LayerNorm(hidden_dim, eps=NORM_EPS),
         nn.SiLU(),
         nn.Linear(hidden_dim, hidden_dim),
-        nn.LayerNorm(hidden_dim),
+        nn.LayerNorm(hidden_dim, eps=NORM_EPS),
         nn.SiLU(),
         nn.Linear(hidden_dim, out_dim),
     )
@@ -1456,7 +1482,7 @@ class ChannelNorm(nn.Module):
 
     def __init__(self, channels: int):
         super().__init__()
-        self.norm = nn.LayerNorm(channels)
+        self.norm = nn.LayerNorm(channels, eps=NORM_EPS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
@@ -1512,7 +1538,7 @@ class LayerNormGRUCell(nn.Module):
     def __init__(self, input_dim: int, hidden_dim: int):
         super().__init__()
         self.linear = nn.Linear(input_dim + hidden_dim, 3 * hidden_dim, bias=False)
-        self.norm = nn.LayerNorm(3 * hidden_dim)
+        self.norm = nn.LayerNorm(3 * hidden_dim, eps=NORM_EPS)
 
     def forward(self, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         reset, candidate, update = upcast(self.norm(self.linear(torch.cat([x, state], -1)))).chunk(3, -1)
@@ -1557,40 +1583,58 @@ class RSSM(nn.Module):
         hidden_dim: int,
         unimix: float,
         layer_norm_gru: bool = False,
+        learned_initial: bool = False,
     ):
         super().__init__()
         self.deter_dim, self.stoch_dim, self.classes, self.unimix = deter_dim, stoch_dim, classes, unimix
         self.stoch_flat = stoch_dim * classes if classes else stoch_dim
         stats_dim = stoch_dim * classes if classes else 2 * stoch_dim
         self.img_in = nn.Sequential(
-            nn.Linear(self.stoch_flat + num_actions, hidden_dim), nn.LayerNorm(hidden_dim), nn.SiLU()
+            nn.Linear(self.stoch_flat + num_actions, hidden_dim),
+            nn.LayerNorm(hidden_dim, eps=NORM_EPS),
+            nn.SiLU(),
         )
         self.gru = (
             LayerNormGRUCell(hidden_dim, deter_dim) if layer_norm_gru else nn.GRUCell(hidden_dim, deter_dim)
         )
         self.prior_net = nn.Sequential(
             nn.Linear(deter_dim, hidden_dim),
-            nn.LayerNorm(hidden_dim),
+            nn.LayerNorm(hidden_dim, eps=NORM_EPS),
             nn.SiLU(),
             nn.Linear(hidden_dim, stats_dim),
         )
         self.posterior_net = nn.Sequential(
             nn.Linear(deter_dim + embed_dim, hidden_dim),
-            nn.LayerNorm(hidden_dim),
+            nn.LayerNorm(hidden_dim, eps=NORM_EPS),
             nn.SiLU(),
             nn.Linear(hidden_dim, stats_dim),
         )
+        # DreamerV3's learned initial state: deter = tanh(initial_deter), zeros at first (None: the zero state)
+        self.initial_deter = nn.Parameter(torch.zeros(deter_dim)) if learned_initial else None
 
     # observe's backward pass: hand-written where it applies (see `backward_through_time_applies`); False gives
     # autograd's backward of the per-step loop (the same gradients, more operations)
     backward_through_time = True
 
-    def initial(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        dtype = self.prior_net[0].weight.dtype  # float32 (also under autocast), float64 in the equality tests
-        return (
-            torch.zeros(n, self.deter_dim, device=device, dtype=dtype),
-            torch.zeros(n, self.stoch_flat, device=device, dtype=dtype),
-        )
+    def initial(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The state an episode starts from, deter (n, D) and stoch (n, S). Learned (DreamerV3): deter = tanh(w),
+        which the loss trains through every episode start, and stoch the prior's mode from it (no gradient through
+        the mode, as DreamerV3's); or zeros."""
+        weight = self.prior_net[0].weight  # float32 (also under autocast), float64 in the equality tests
+        if self.initial_deter is None:
+            zeros = functools.partial(torch.zeros, device=weight.device, dtype=weight.dtype)
+            return zeros(n, self.deter_dim), zeros(n, self.stoch_flat)
+        deter = torch.tanh(self.initial_deter).unsqueeze(0)  # (1, D)
+        with torch.no_grad():
+            stoch = self.mode(self.prior(deter)).to(deter.dtype)  # (1, S)
+        return deter.expand(n, -1), stoch.expand(n, -1)
+
+    def episode_start(
+        self, first: torch.Tensor, deter, stoch, initial: tuple
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous state a step reads: deter (B, D) and stoch (B, S) as they are, or the `initial` state
+        (`initial(1)`) where `first` (B, 1) bool says an episode starts (also the previous action: zero there)."""
+        return torch.where(first, initial[0], deter), torch.where(first, initial[1], stoch)
 
     def _stats(self, raw: torch.Tensor) -> torch.Tensor:
         raw = upcast(raw)
@@ -1629,6 +1673,13 @@ class RSSM(nn.Module):
         mean, std = stats.chunk(2, -1)
         return mean + std * (torch.randn_like(std) if noise is None else noise)
 
+    def mode(self, stats: torch.Tensor) -> torch.Tensor:
+        """The most likely latent (..., stoch_flat), without gradients: each categorical's most likely class one-hot,
+        or the Gaussian's mean."""
+        if self.classes:
+            return one_hot(stats.argmax(-1), self.classes).to(stats.dtype).flatten(-2)
+        return stats.chunk(2, -1)[0].detach()
+
     def kl(self, lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
         """KL(lhs || rhs) summed over latents: (...)."""
         if self.classes:
@@ -1637,14 +1688,27 @@ class RSSM(nn.Module):
         mean_r, std_r = rhs.chunk(2, -1)
         return (torch.log(std_r / std_l) + (std_l**2 + (mean_l - mean_r) ** 2) / (2 * std_r**2) - 0.5).sum(-1)
 
-    def observe_step(self, deter, stoch, keep, action_in, embed_in, noise, stoch_weight, deter_weight):
+    def observe_step(
+        self,
+        deter,
+        stoch,
+        first,
+        initial_deter,
+        initial_stoch,
+        action_in,
+        embed_in,
+        noise,
+        stoch_weight,
+        deter_weight,
+    ):
         """One posterior step, `img_step` then `posterior` then `sample`, with the parts that do not depend on the
-        previous step computed for the whole sequence beforehand (see `observe`): deter (B, D), stoch (B, S), keep
-        (B, 1) (0 where an episode starts), action_in (B, H) and embed_in (B, H) the action's share of `img_in`'s
-        first layer and the embedding's share of the posterior's first layer (biases included), noise this step's
-        (see `noise`), stoch_weight and deter_weight the other shares' weights. Returns deter, stoch, posterior.
-        `--compile` compiles this function once and reuses it at every step."""
-        deter, stoch = deter * keep, stoch * keep
+        previous step computed for the whole sequence beforehand (see `observe`): deter (B, D), stoch (B, S), first
+        (B, 1) bool (True where an episode starts: the initial state (1, D), (1, S) replaces the previous one),
+        action_in (B, H) and embed_in (B, H) the action's share of `img_in`'s first layer and the embedding's share
+        of the posterior's first layer (biases included), noise this step's (see `noise`), stoch_weight and
+        deter_weight the other shares' weights. Returns deter, stoch, posterior. `--compile` compiles this function
+        once and reuses it at every step."""
+        deter, stoch = self.episode_start(first, deter, stoch, (initial_deter, initial_stoch))
         # one fused product-and-sum each: = img_in[0](cat[stoch, action]), then = posterior_net[0](cat[deter, embed])
         hidden = torch.addmm(action_in, stoch, stoch_weight.t())
         deter = self.gru(upcast(self.img_in[1:](hidden)), deter)
@@ -1662,7 +1726,10 @@ class RSSM(nn.Module):
         and prior stats (B, T, ...).
         """
         B, T = embed.shape[:2]
-        keep = (~is_first).float().unsqueeze(-1)  # (B, T, 1): 0 where an episode starts
+        first = is_first.unsqueeze(-1)  # (B, T, 1) bool: where an episode starts
+        keep = (~first).to(
+            embed.dtype
+        )  # (B, T, 1): 0 where an episode starts (and its previous action is zero)
         if noise is None:
             noise = self.noise((T, B), embed.device)
         # the first layers of img_in (on [stoch, action]) and of the posterior (on [deter, embed]), split: the action
@@ -1676,7 +1743,8 @@ class RSSM(nn.Module):
             img_first.weight[:, : self.stoch_flat],
             post_first.weight[:, : self.deter_dim],
         )
-        inputs = (keep, action_in, embed_in, noise, stoch_weight, deter_weight)
+        initial_deter, initial_stoch = self.initial(1)  # (1, D), (1, S)
+        inputs = (first, initial_deter, initial_stoch, action_in, embed_in, noise, stoch_weight, deter_weight)
         if self.backward_through_time_applies(embed):
             deter, stoch, posterior = ObserveBackwardThroughTime.apply(self, *inputs, *self.scan_parameters())
         else:
@@ -1684,18 +1752,32 @@ class RSSM(nn.Module):
         # the prior depends on deter alone: all steps at once, after the loop
         return deter, stoch, posterior, self.prior(deter)
 
-    def observe_loop(self, keep, action_in, embed_in, noise, stoch_weight, deter_weight):
+    def observe_loop(
+        self, first, initial_deter, initial_stoch, action_in, embed_in, noise, stoch_weight, deter_weight
+    ):
         """`observe_step` at each step of a sequence (`observe`'s inputs, see there): deter (B, T, D), stoch (B, T,
-        S), posterior (B, T, ...). Autograd records every step, unless `ObserveBackwardThroughTime` runs it."""
-        deter, stoch = self.initial(keep.shape[0], keep.device)
+        S), posterior (B, T, ...). Autograd records every step, unless `ObserveBackwardThroughTime` runs it. Before
+        the first step the state is the initial one."""
+        B = first.shape[0]
+        # (B, D), (B, S); the first step's inputs shaped as the later steps' (a compiled step compiles once)
+        deter, stoch = initial_deter.expand(B, -1).contiguous(), initial_stoch.expand(B, -1).contiguous()
         deters, stochs, posteriors = [], [], []
         # unbind: one view per step, and one stack in the backward pass (indexing [:, t] would zero-fill and add a
         # whole (B, T, H) gradient at every step)
-        for keep_t, action_t, embed_t, noise_t in zip(
-            keep.unbind(1), action_in.unbind(1), embed_in.unbind(1), noise.unbind(0)
+        for first_t, action_t, embed_t, noise_t in zip(
+            first.unbind(1), action_in.unbind(1), embed_in.unbind(1), noise.unbind(0)
         ):
             deter, stoch, posterior = self.observe_step(
-                deter, stoch, keep_t, action_t, embed_t, noise_t, stoch_weight, deter_weight
+                deter,
+                stoch,
+                first_t,
+                initial_deter,
+                initial_stoch,
+                action_t,
+                embed_t,
+                noise_t,
+                stoch_weight,
+                deter_weight,
             )
             deters.append(deter), stochs.append(stoch), posteriors.append(posterior)
         return torch.stack(deters, 1), torch.stack(stochs, 1), torch.stack(posteriors, 1)
@@ -1735,17 +1817,19 @@ class RSSM(nn.Module):
         self, embed: torch.Tensor, action: torch.Tensor, is_first: torch.Tensor, noise=None
     ):
         """The algorithm `observe` computes, as the paper writes it: one step at a time through the readable cell
-        (`img_step`, `posterior`, `sample`), the state reset to zeros where an episode starts. The same arguments
-        and results as `observe`, which must equal it (tests/test_dreamer_fast_path.py, in float64); start a change
-        to the RSSM here, then carry it into `observe_step`."""
+        (`img_step`, `posterior`, `sample`), the state reset to the initial one where an episode starts. The same
+        arguments and results as `observe`, which must equal it (tests/test_dreamer_fast_path.py, in float64); start
+        a change to the RSSM here, then carry it into `observe_step`."""
         B, T = embed.shape[:2]
         if noise is None:
             noise = self.noise((T, B), embed.device)
-        deter, stoch = self.initial(B, embed.device)
+        initial = self.initial(1)
+        deter, stoch = self.initial(B)
         deters, stochs, posteriors = [], [], []
         for t in range(T):
-            keep = (~is_first[:, t]).to(deter.dtype).unsqueeze(-1)  # (B, 1)
-            deter = self.img_step(deter * keep, stoch * keep, action[:, t] * keep)
+            first = is_first[:, t].unsqueeze(-1)  # (B, 1)
+            deter, stoch = self.episode_start(first, deter, stoch, initial)
+            deter = self.img_step(deter, stoch, action[:, t] * (~first).to(deter.dtype))
             posterior = self.posterior(deter, embed[:, t])
             stoch = self.sample(posterior, noise[t])
             deters.append(deter), stochs.append(stoch), posteriors.append(posterior)
@@ -1903,22 +1987,43 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
     autograd's in float64 (tests/test_dreamer_fast_path.py). The forward pass calls `observe_step` and the backward
     pass `RSSM.reverse_step` at each step, both compiled with --compile.
 
-    A step (`observe_step`), with the previous deter and stoch masked by keep (0 where an episode starts):
+    A step (`observe_step`), with the previous deter and stoch replaced by the initial state where an episode starts
+    (keep = 0 there; the initial deter's gradient is the sum of the previous deter's gradients at those steps):
     img = silu(LN(stoch Ws^T + action_in)); deter = GRU(img, deter); post = silu(LN(deter Wd^T + embed_in));
     probs = softmax(post Wo^T + bo) (B, S, C); mixed = (1 - unimix) probs + unimix / C; posterior = log(mixed);
     stoch = one_hot + mixed - sg(mixed) (straight-through: d stoch / d posterior = mixed).
     """
 
     @staticmethod
-    def forward(ctx, rssm, keep, action_in, embed_in, noise, stoch_weight, deter_weight, *parameters):
-        """`rssm.observe_loop(keep, ..., deter_weight)` (no graph: autograd.Function runs this without one);
+    def forward(
+        ctx,
+        rssm,
+        first,
+        initial_deter,
+        initial_stoch,
+        action_in,
+        embed_in,
+        noise,
+        stoch_weight,
+        deter_weight,
+        *parameters,
+    ):
+        """`rssm.observe_loop(first, ..., deter_weight)` (no graph: autograd.Function runs this without one);
         `parameters` are `rssm.scan_parameters()`, passed so that autograd knows the outputs depend on them."""
-        deter, stoch, posterior = rssm.observe_loop(
-            keep, action_in, embed_in, noise, stoch_weight, deter_weight
-        )
+        inputs = (first, initial_deter, initial_stoch, action_in, embed_in, noise, stoch_weight, deter_weight)
+        deter, stoch, posterior = rssm.observe_loop(*inputs)
         ctx.rssm = rssm
         ctx.save_for_backward(
-            keep, action_in, embed_in, stoch_weight, deter_weight, deter, stoch, *parameters
+            first,
+            initial_deter,
+            initial_stoch,
+            action_in,
+            embed_in,
+            stoch_weight,
+            deter_weight,
+            deter,
+            stoch,
+            *parameters,
         )
         return deter, stoch, posterior
 
@@ -1927,17 +2032,32 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
     def backward(ctx, deter_grad, stoch_grad, posterior_grad):
         """d outputs (B, T, ...) -> d inputs, in `forward`'s order (None for rssm, keep and noise)."""
         rssm = ctx.rssm
-        keep, action_in, embed_in, stoch_weight, deter_weight, deter, stoch, *_ = ctx.saved_tensors
+        (
+            first,
+            initial_deter,
+            initial_stoch,
+            action_in,
+            embed_in,
+            stoch_weight,
+            deter_weight,
+            deter,
+            stoch,
+            *_,
+        ) = ctx.saved_tensors
         # time-major from here, (T, B, ...): a step's rows are contiguous
-        keep = keep.transpose(0, 1).to(deter.dtype)  # (T, B, 1)
+        first = first.transpose(0, 1)  # (T, B, 1) bool
+        keep = (~first).to(deter.dtype)  # (T, B, 1)
         deter, stoch = deter.transpose(0, 1), stoch.transpose(0, 1)  # (T, B, D), (T, B, S*C)
         grads = (deter_grad.transpose(0, 1), stoch_grad.transpose(0, 1), posterior_grad.transpose(0, 1))
         # 1. every step's activations at once, from the states the forward pass returned
-        acts = ObserveActivations(rssm, keep, action_in, embed_in, stoch_weight, deter_weight, deter, stoch)
+        initial = (initial_deter, initial_stoch)
+        acts = ObserveActivations(
+            rssm, first, initial, action_in, embed_in, stoch_weight, deter_weight, deter, stoch
+        )
         # 2. the steps in reverse: the state gradients (the only sequential part) and each layer's output gradient
         layer_grads = ObserveBackwardThroughTime.reverse_steps(acts, keep, *grads)
         # 3. the weight gradients, each a sum over all T x B rows: one product or one reduction
-        return ObserveBackwardThroughTime.weight_grads(acts, layer_grads)
+        return ObserveBackwardThroughTime.weight_grads(acts, first, layer_grads)
 
     @staticmethod
     def reverse_steps(acts: "ObserveActivations", keep, deter_grad, stoch_grad, posterior_grad) -> tuple:
@@ -2028,19 +2148,36 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
         img_norm_grad = img_grad * img_silu_grad
         img_pre_grad = layer_norm_input_grad(img_norm_grad, img_pre, img_mean, img_rstd, rssm.img_in[1])
         # the previous step's state gradients, masked where this step starts an episode (keep is in
-        # carried_factor for stoch); at t = 0 they go nowhere
+        # carried_factor for stoch); there, and at t = 0, deter's goes to the initial state (`weight_grads`)
         deter_carry = torch.addcmul(deter_grad_prev, keep, deter_prev_grad)
         stoch_carry = img_pre_grad @ stoch_weight  # (B, S*C)
-        layer_grads = (logits_grad, post_norm_grad, post_pre_grad, img_norm_grad, img_pre_grad, *gru_grads)
+        layer_grads = (
+            logits_grad,
+            post_norm_grad,
+            post_pre_grad,
+            img_norm_grad,
+            img_pre_grad,
+            deter_prev_grad,
+            *gru_grads,
+        )
         return deter_carry, stoch_carry, layer_grads
 
     @staticmethod
-    def weight_grads(acts: "ObserveActivations", layer_grads: tuple) -> tuple:
+    def weight_grads(acts: "ObserveActivations", first, layer_grads: tuple) -> tuple:
         """`backward`'s result from the layers' output gradients (`reverse_steps`): each weight's gradient one
-        product or one reduction over all T x B rows."""
+        product or one reduction over all T x B rows; the initial deter's, the previous deter's gradient summed over
+        the steps that start from it (first (T, B, 1), and every sequence's step 0)."""
         rssm = acts.rssm
         img_norm, post_norm = rssm.img_in[1], rssm.posterior_net[1]
-        logits_grad, post_norm_grad, post_pre_grad, img_norm_grad, img_pre_grad, *gru_grads = layer_grads
+        (
+            logits_grad,
+            post_norm_grad,
+            post_pre_grad,
+            img_norm_grad,
+            img_pre_grad,
+            deter_prev_grad,
+            *gru_grads,
+        ) = layer_grads
 
         def rows(x: torch.Tensor) -> torch.Tensor:
             """(T, B, ...) -> (T * B, ...)."""
@@ -2067,8 +2204,13 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
             img_pre_grad.transpose(0, 1),
             post_pre_grad.transpose(0, 1),
         )  # (B, T, H)
+        from_initial = first.clone()
+        from_initial[0] = True  # (T, B, 1): the steps whose previous deter is the initial one
+        initial_deter_grad = torch.where(from_initial, deter_prev_grad, 0).sum((0, 1)).unsqueeze(0)  # (1, D)
         return (
             None,
+            None,
+            initial_deter_grad,
             None,
             action_in_grad,
             embed_in_grad,
@@ -2084,13 +2226,18 @@ class ObserveActivations:
     the forward pass returned (given deter and stoch, no step depends on another): what `ObserveBackwardThroughTime`
     reads."""
 
-    def __init__(self, rssm, keep, action_in, embed_in, stoch_weight, deter_weight, deter, stoch):
-        """keep (T, B, 1), deter (T, B, D), stoch (T, B, S*C) time-major; action_in and embed_in (B, T, H)."""
+    def __init__(self, rssm, first, initial, action_in, embed_in, stoch_weight, deter_weight, deter, stoch):
+        """first (T, B, 1) bool, deter (T, B, D), stoch (T, B, S*C) time-major, initial the initial deter (1, D) and
+        stoch (1, S*C); action_in and embed_in (B, T, H)."""
         img_norm, post_norm, post_out = rssm.img_in[1], rssm.posterior_net[1], rssm.posterior_net[3]
         S, C, unimix = rssm.stoch_dim, rssm.classes, rssm.unimix
         self.rssm, self.stoch_weight, self.deter_weight, self.deter = rssm, stoch_weight, deter_weight, deter
-        deter_prev = torch.cat([torch.zeros_like(deter[:1]), deter[:-1]]) * keep  # (T, B, D)
-        self.stoch_prev = torch.cat([torch.zeros_like(stoch[:1]), stoch[:-1]]) * keep  # (T, B, S*C)
+        # each step's previous state: the one before, or the initial one where an episode starts and at step 0
+        initial_deter, initial_stoch = (x.expand_as(state[:1]) for x, state in zip(initial, (deter, stoch)))
+        deter_prev = torch.where(first, initial_deter, torch.cat([initial_deter, deter[:-1]]))  # (T, B, D)
+        self.stoch_prev = torch.where(
+            first, initial_stoch, torch.cat([initial_stoch, stoch[:-1]])
+        )  # (T, B, S*C)
         self.img_pre = F.linear(self.stoch_prev, stoch_weight) + action_in.transpose(0, 1)  # (T, B, H)
         img_normed, self.img_mean, self.img_rstd = layer_norm_stats(self.img_pre, img_norm)
         img = F.silu(img_normed)  # (T, B, H): the GRU's input
@@ -2176,6 +2323,7 @@ class WorldModel(nn.Module):
             args.hidden_dim,
             args.unimix,
             layer_norm_gru=args.model == "dreamerv3",
+            learned_initial=args.initial_state == "learned",
         )
         feat_dim = args.deterministic_dim + self.rssm.stoch_flat
         if args.model == "dreamerv3":
@@ -2412,9 +2560,12 @@ class Player:
         self.policy = CudaGraphed(self.policy_step) if capture and self.on_cuda else self.policy_step
         self.pinned: dict[str, torch.Tensor] = {}  # CUDA: host buffers of obs, is_first and the actions
 
+    @torch.no_grad()  # memory: the cached state never carries a graph
     def reset(self) -> None:
         device, rssm = self.agent.device, self.agent.world_model.rssm
-        deter, stoch = rssm.initial(self.num_envs, device)  # (N, D), (N, S)
+        deter, stoch = (
+            x.clone() for x in rssm.initial(self.num_envs)
+        )  # (N, D), (N, S): tensors of their own
         prev_action = torch.zeros(self.num_envs, self.agent.num_actions, device=device)  # (N, A) one-hot
         if self.deter is None:
             self.deter, self.stoch, self.prev_action = deter, stoch, prev_action
@@ -2430,8 +2581,9 @@ class Player:
         with self.agent.amp.autocast():
             # (N, 4, 84, 84); a colour stack's frames and channels together
             image = inputs["obs"].flatten(1, -3).float() / 255.0 - 0.5
-            keep = (~inputs["is_first"]).float().unsqueeze(-1)  # (N, 1)
-            deter = wm.rssm.img_step(self.deter * keep, self.stoch * keep, self.prev_action * keep)
+            first = inputs["is_first"].unsqueeze(-1)  # (N, 1) bool
+            deter, stoch = wm.rssm.episode_start(first, self.deter, self.stoch, wm.rssm.initial(1))
+            deter = wm.rssm.img_step(deter, stoch, self.prev_action * (~first).float())
             stoch = wm.rssm.sample(wm.rssm.posterior(deter, wm.encoder(image)))
             action = categorical_draw(self.agent.actor(torch.cat([deter, stoch], -1)))  # (N,)
         # memory: the cached state is written under no_grad, so it can never carry a graph into the next step
@@ -2577,7 +2729,7 @@ def world_model_losses(
     # ALGO LOGIC: the loss branches, each switchable for isolation experiments
     loss = continue_loss
     if not args.no_decoder_loss:
-        loss = loss + image_loss
+        loss = loss + args.image_loss_scale * image_loss
     if not args.no_reward_loss:
         loss = loss + reward_loss
     if not args.no_kl_loss:
@@ -2825,7 +2977,9 @@ def imagined_targets(
     returns = lambda_returns(
         reward, value, discount, settings["return_lambda"], settings["one_minus_lambda"]
     )  # (H, N)
-    weight = torch.cumprod(torch.cat([torch.ones_like(discount[:1]), discount[:-2]]), 0)  # (H, N)
+    # DreamerV3's weights: w_t = prod_{k <= t} (gamma c_k) / gamma, so w_0 = c_0 (0 from a terminal start) and
+    # a state's own continue flag counts (the action chosen in a terminal state matters to nothing)
+    weight = torch.cumprod(discount[:-1], 0) / settings["gamma"]  # (H, N)
     if update_norm:
         agent.return_norm.update(returns, settings["return_norm_rate"])
     advantage = (returns - value[:-1]) / agent.return_norm.scale()
@@ -3365,10 +3519,17 @@ MODEL_FLAGS = (
     "stochastic_classes",
     "hidden_dim",
     "reward_bins",
+    "initial_state",
 )
 
 
-FLAGS_BEFORE_THEY_EXISTED = {"model": "nature", "image_size": 84, "frame_stack": 4, "rgb": False}
+FLAGS_BEFORE_THEY_EXISTED = {
+    "model": "nature",
+    "image_size": 84,
+    "frame_stack": 4,
+    "rgb": False,
+    "initial_state": "zeros",
+}
 
 
 def check_checkpoint_matches(state: dict, args: Args) -> None:

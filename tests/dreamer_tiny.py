@@ -42,3 +42,12 @@ def obs_shape(args: da.Args) -> tuple[int, ...]:
 def tiny_args(**overrides) -> da.Args:
     """Args with the tiny sizes, 2 sync envs and AMP off; keyword arguments override any field."""
     return da.Args(**{**TINY, "num_envs": 2, "vector_mode": "sync", "amp": "off", **overrides})
+
+
+def dreamerv3_initial_state(rssm: da.RSSM) -> tuple[torch.Tensor, torch.Tensor]:
+    """DreamerV3's learned initial state, written from its formulas: deter = tanh(w) (1, D); stoch the prior's mode
+    from it, each latent's most likely class one-hot (1, S), with no gradient through the mode."""
+    deter = torch.tanh(rssm.initial_deter).unsqueeze(0)
+    logits = rssm.prior_net(deter).unflatten(-1, (rssm.stoch_dim, rssm.classes))
+    stoch = torch.nn.functional.one_hot(logits.argmax(-1), rssm.classes).to(deter.dtype).flatten(1)
+    return deter, stoch

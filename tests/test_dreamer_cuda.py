@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dreamer_atari as da
-from dreamer_tiny import obs_shape, tiny_args
+from dreamer_tiny import dreamerv3_initial_state, obs_shape, tiny_args
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -27,8 +27,13 @@ def test_cuda_captured_acting_reads_fresh_inputs_and_moves_its_state_as_the_eage
         deter, stoch, prev_action = player.deter.clone(), player.stoch.clone(), player.prev_action.clone()
         actions = player.act(obs, is_first)
         with torch.no_grad():
-            keep = torch.as_tensor(~is_first, device="cuda").float().unsqueeze(-1)
-            expected = wm.rssm.img_step(deter * keep, stoch * keep, prev_action * keep)
+            first = torch.as_tensor(is_first, device="cuda").unsqueeze(-1)
+            initial_deter, initial_stoch = dreamerv3_initial_state(wm.rssm)
+            expected = wm.rssm.img_step(
+                torch.where(first, initial_deter, deter),
+                torch.where(first, initial_stoch, stoch),
+                torch.where(first, 0.0, prev_action),
+            )
         torch.testing.assert_close(player.deter, expected, rtol=1e-4, atol=1e-5)
         assert actions.shape == (3,) and ((actions >= 0) & (actions < 6)).all()
         np.testing.assert_array_equal(player.prev_action.argmax(-1).cpu().numpy(), actions)

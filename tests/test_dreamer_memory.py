@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import dreamer_atari as da
 import memory_utils as mu
-from dreamer_tiny import TINY_FLAGS, obs_shape, tiny_args
+from dreamer_tiny import TINY_FLAGS, dreamerv3_initial_state, obs_shape, tiny_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,6 +50,8 @@ def test_acting_keeps_its_state_in_place_and_reads_nothing_back_inside_the_polic
     args = tiny_args()
     torch.manual_seed(0)
     agent = da.build_agent(args, obs_shape(args), 6, "cpu")
+    with torch.no_grad():  # a learned initial state away from its zero start
+        agent.world_model.rssm.initial_deter.normal_()
     player = da.Player(agent, num_envs=3)
     addresses = [player.deter.data_ptr(), player.stoch.data_ptr(), player.prev_action.data_ptr()]
     rng = np.random.default_rng(0)
@@ -64,8 +66,13 @@ def test_acting_keeps_its_state_in_place_and_reads_nothing_back_inside_the_polic
         torch.set_rng_state(state)  # the same step by the readable cell, from the same state and noise
         with torch.no_grad():
             wm = agent.world_model
-            keep = torch.as_tensor(~is_first).float().unsqueeze(-1)
-            expected_deter = wm.rssm.img_step(deter * keep, stoch * keep, prev_action * keep)
+            first = torch.as_tensor(is_first).unsqueeze(-1)
+            initial_deter, initial_stoch = dreamerv3_initial_state(wm.rssm)
+            expected_deter = wm.rssm.img_step(
+                torch.where(first, initial_deter, deter),
+                torch.where(first, initial_stoch, stoch),
+                torch.where(first, 0.0, prev_action),
+            )
             image = torch.as_tensor(obs).flatten(1, -3).float() / 255.0 - 0.5
             expected_stoch = wm.rssm.sample(wm.rssm.posterior(expected_deter, wm.encoder(image)))
             expected = da.categorical_draw(agent.actor(torch.cat([expected_deter, expected_stoch], -1)))
@@ -74,7 +81,10 @@ def test_acting_keeps_its_state_in_place_and_reads_nothing_back_inside_the_polic
         assert [player.deter.data_ptr(), player.stoch.data_ptr(), player.prev_action.data_ptr()] == addresses
     player.reset()
     assert [player.deter.data_ptr(), player.stoch.data_ptr(), player.prev_action.data_ptr()] == addresses
-    assert not player.deter.any() and not player.prev_action.any()
+    initial_deter, initial_stoch = dreamerv3_initial_state(agent.world_model.rssm)
+    assert torch.equal(player.deter, initial_deter.expand(3, -1)) and not player.prev_action.any()
+    assert torch.equal(player.stoch, initial_stoch.expand(3, -1))
+    assert player.deter.grad_fn is None and player.stoch.grad_fn is None
 
 
 def test_updates_return_detached_values_that_the_log_sums_on_the_device():
