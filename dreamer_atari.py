@@ -13,9 +13,11 @@ default's is (1, 64, 64).
 What it logs, every `--log-interval` env steps, to TensorBoard in `runs/{run_name}` (and wandb with
 `--track`): `charts/*` (episodic return and length, SPS, updates per second), `losses/*` (world model,
 image, reward, continue, kl, actor, critic, entropy), the `memory_utils.memory_report()` keys (process and
-GPU memory, replay size), `debug/nonfinite_updates`, and on Pong `world_model/ball_recall_*` (the share of the ball's
-pixels the world model draws) beside the open-loop videos. A leak detector reads the memory figures and says
-in plain words when memory grows for a reason other than the replay filling up.
+GPU memory, replay size), `debug/nonfinite_updates`, and on Pong `world_model/ball_f1_*` beside the open-loop
+videos: how well the world model draws the ball, the F1 of its ball pixels against the true frame's within a
+pixel (with precision, recall, centroid distance and a chance level, `open_loop_ball_scores`). `losses/image` is
+the image loss per frame and `debug/kl_value` the KL(posterior || prior) in nats. A leak detector reads the
+memory figures and says in plain words when memory grows for a reason other than the replay filling up.
 
 Step counts (`global_step`, `--total-timesteps`, `--buffer-capacity`, ...) are agent steps summed over the
 vector envs; one agent step is 4 emulator frames.
@@ -3212,7 +3214,7 @@ class PinnedBatches:
 
 
 OPEN_LOOP_CONTEXT = 5  # frames the model sees before it imagines, as DreamerV3's report does
-RECALL_SEQUENCES = 16  # replayed sequences whose open-loop predictions score ball recall on Pong
+RECALL_SEQUENCES = 64  # replayed sequences whose open-loop predictions score the ball on Pong (`ball_scores`)
 
 
 @torch.no_grad()
@@ -3267,16 +3269,19 @@ def open_loop_strip(truth: np.ndarray, model: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------------
 # Ball fidelity on Pong: does the world model draw the ball? (A model without the ball cannot imagine a point.)
 # ---------------------------------------------------------------------------------------------------------
-PONG_SCREEN_ROWS = 210
+PONG_SCREEN_ROWS, PONG_SCREEN_COLUMNS = 210, 160
 PONG_PLAYFIELD = (34, 194)  # screen rows between the top and bottom walls (the score sits above the top wall)
+PONG_PADDLE_COLUMNS = ((16, 20), (140, 144))  # screen columns of the opponent's and the player's paddle
 BALL_EDGE = 25  # grey levels above the background: a pixel the ball covers in part
-# the ball's brightest pixel: 89-149 above the background at 64-84 pixels, while a paddle, even whole, is 61
-BALL_PEAK = 75
+# the ball's brightest pixel is 64-149 above the background at 64-84 pixels; half of the dimmest, so that a ball
+# drawn at half its contrast is still a ball (a paddle, 61 above, is told apart by its columns and size)
+BALL_PEAK = 30
 BALL_MAX_SIDE = (
     6 / 160,
     8 / 210,
 )  # width, height: at most the ball (2 x 4 screen pixels) seen twice, max-pooled
-OPEN_LOOP_RECALL_STEPS = (5, 10)  # open-loop steps after the last observed frame that ball recall scores
+BALL_TOLERANCE = 1  # pixels (Chebyshev distance) between a model's ball pixel and a true one that still match
+OPEN_LOOP_BALL_STEPS = (5, 10)  # open-loop steps after the last observed frame whose ball is scored
 
 
 def pong_playfield(side: int) -> slice:
@@ -3285,11 +3290,22 @@ def pong_playfield(side: int) -> slice:
     return slice(math.ceil(top * side / PONG_SCREEN_ROWS), math.floor(bottom * side / PONG_SCREEN_ROWS))
 
 
+def pong_paddle_columns(side: int) -> np.ndarray:
+    """(S,) bool: the columns of an (S, S) Pong frame that a paddle covers, in whole or in part."""
+    columns, scale = np.zeros(side, bool), side / PONG_SCREEN_COLUMNS
+    for left, right in PONG_PADDLE_COLUMNS:
+        columns[math.floor(left * scale) : math.ceil(right * scale)] = True
+    return columns
+
+
 def find_balls(frame: np.ndarray) -> tuple[np.ndarray, float]:
-    """Pong's ball in an (S, S) uint8 grey frame: (mask (S, S) bool of its pixels, background grey level). The ball is
-    a small bright object in the playfield: a connected patch of pixels at least BALL_EDGE above the background,
-    whose brightest pixel is at least BALL_PEAK above it (a paddle is dimmer) and which is no larger than the ball.
-    The mask is empty when the ball is not in play or touches a paddle; every ball-like patch is in it."""
+    """Pong's ball in an (S, S) uint8 grey frame: (mask (S, S) bool of its pixels, background grey level, the
+    playfield's median). The ball is a small bright object in the playfield: a connected (8-neighbour) patch of
+    pixels at least BALL_EDGE above the background whose brightest pixel is at least BALL_PEAK above it, no larger
+    than the ball, and clear of the paddles' columns (a paddle mostly hidden behind a wall is ball-sized).
+    The mask is empty when the ball is not in play or touches a paddle. Every ball-like patch is in it: a bright
+    band or blob larger than the ball is none, while each ball-sized fleck of speckle is one (`ball_scores`'s
+    precision is what tells speckle from a ball)."""
     side = frame.shape[-1]
     rows = pong_playfield(side)
     field = frame[rows].astype(np.int16)
@@ -3298,53 +3314,86 @@ def find_balls(frame: np.ndarray) -> tuple[np.ndarray, float]:
     count, labels, stats, _ = cv2.connectedComponentsWithStats(
         (contrast >= BALL_EDGE).astype(np.uint8), connectivity=8
     )
-    max_width = math.ceil(BALL_MAX_SIDE[0] * side) + 1
-    max_height = math.ceil(BALL_MAX_SIDE[1] * side) + 1
+    peak = np.full(count, -np.inf)
+    np.maximum.at(peak, labels.ravel(), contrast.ravel())
+    left, width = stats[:, cv2.CC_STAT_LEFT], stats[:, cv2.CC_STAT_WIDTH]
+    paddle_columns = np.concatenate([[0], np.cumsum(pong_paddle_columns(side))])
+    is_ball = (
+        (width <= math.ceil(BALL_MAX_SIDE[0] * side) + 1)
+        & (stats[:, cv2.CC_STAT_HEIGHT] <= math.ceil(BALL_MAX_SIDE[1] * side) + 1)
+        & (peak >= BALL_PEAK)
+        & (paddle_columns[left + width] == paddle_columns[left])  # no paddle column inside the patch
+    )
+    is_ball[0] = False  # label 0: the pixels below BALL_EDGE
     mask = np.zeros(frame.shape, bool)
-    for label in range(1, count):
-        width, height = stats[label, cv2.CC_STAT_WIDTH], stats[label, cv2.CC_STAT_HEIGHT]
-        patch = labels == label
-        if width <= max_width and height <= max_height and contrast[patch].max() >= BALL_PEAK:
-            mask[rows][patch] = True
+    mask[rows] = is_ball[labels]
     return mask, background
 
 
-def ball_hits(truth: np.ndarray, model: np.ndarray) -> tuple[int, int]:
-    """Ball pixels a model draws, over frames (..., S, S) uint8: (hits, ball pixels). A ball pixel of the true frame
-    (`find_balls`) is drawn when the model's pixel is within half the pixel's contrast (its grey level above the
-    background) of the truth, and stands out of the model's own background (its playfield's median) by at least
-    half that contrast: a missing or displaced ball scores 0, a faint one counts as missing, and so does a frame
-    drawn all grey at about the ball's level."""
-    hits = pixels = 0
-    rows = pong_playfield(truth.shape[-1])
+def ball_scores(truth: np.ndarray, model: np.ndarray) -> dict[str, float]:
+    """How well a model's frames draw Pong's ball, over frames (..., S, S) uint8 grey (colour frames in grey first,
+    `grey`): both frames' balls are found alike (`find_balls`), and a ball pixel matches when a ball pixel of the
+    other frame is within BALL_TOLERANCE pixels (Chebyshev distance). Pixel counts are pooled over all frames:
+    - `precision`: matched model ball pixels / model ball pixels. A ball drawn where the truth has none, or
+      speckle that looks like balls, counts against it.
+    - `recall`: matched true ball pixels / true ball pixels. A ball the model leaves out counts against it.
+    - `f1`: their harmonic mean; 0 when either is 0 or has nothing to count (no ball drawn, or none to draw).
+    - `centroid_px`: the distance in pixels between the model's and the truth's ball centroids (of all their ball
+      pixels), averaged over the frames where both have a ball.
+    Frames where neither has a ball add nothing. A score with nothing to count (precision: no model ball pixels;
+    recall: no true ones; f1: neither; centroid_px: no frame where both have a ball) is left out."""
+    near = np.ones((2 * BALL_TOLERANCE + 1,) * 2, np.uint8)
+    matched_model = model_pixels = matched_truth = true_pixels = 0
+    distances = []
     for true_frame, model_frame in zip(
         truth.reshape(-1, *truth.shape[-2:]), model.reshape(-1, *model.shape[-2:])
     ):
-        mask, background = find_balls(true_frame)
-        if mask.any():
-            half = (true_frame[mask].astype(np.float32) - background) / 2
-            drawn = model_frame[mask].astype(np.float32)
-            close = np.abs(drawn - true_frame[mask]) <= half
-            stands_out = drawn - float(np.median(model_frame[rows])) >= half
-            hits += int((close & stands_out).sum())
-            pixels += int(mask.sum())
-    return hits, pixels
+        true_ball, model_ball = find_balls(true_frame)[0], find_balls(model_frame)[0]
+        if true_ball.any() or model_ball.any():
+            near_truth = cv2.dilate(true_ball.astype(np.uint8), near).astype(bool)  # (S, S)
+            near_model = cv2.dilate(model_ball.astype(np.uint8), near).astype(bool)
+            matched_model += int((model_ball & near_truth).sum())
+            matched_truth += int((true_ball & near_model).sum())
+            model_pixels += int(model_ball.sum())
+            true_pixels += int(true_ball.sum())
+        if true_ball.any() and model_ball.any():
+            centroids = np.argwhere(true_ball).mean(0), np.argwhere(model_ball).mean(0)
+            distances.append(float(np.linalg.norm(centroids[0] - centroids[1])))
+    scores = {}
+    if model_pixels:
+        scores["precision"] = matched_model / model_pixels
+    if true_pixels:
+        scores["recall"] = matched_truth / true_pixels
+    if model_pixels or true_pixels:
+        precision, recall = scores.get("precision", 0.0), scores.get("recall", 0.0)
+        scores["f1"] = 2 * precision * recall / (precision + recall) if precision and recall else 0.0
+    if distances:
+        scores["centroid_px"] = float(np.mean(distances))
+    return scores
 
 
-def ball_recall(truth: np.ndarray, model: np.ndarray, context: int = OPEN_LOOP_CONTEXT) -> dict[str, float]:
-    """Ball recall (the share of the ball's pixels the model draws, `ball_hits`) of open-loop predictions (n, T, S,
-    S): on the `context` observed frames (`world_model/ball_recall_observed`) and on the frames 5 and 10 steps after
-    the last observed one (`world_model/ball_recall_open_loop_5`, `_10`). A figure whose frames hold no ball, or
-    that the sequences are too short for, is left out."""
-    parts = {"observed": (truth[:, :context], model[:, :context])}
-    for k in OPEN_LOOP_RECALL_STEPS:
+def open_loop_ball_scores(
+    truth: np.ndarray, model: np.ndarray, context: int = OPEN_LOOP_CONTEXT
+) -> dict[str, float]:
+    """`ball_scores` of open-loop predictions (n, T, S, S), per horizon: the `context` observed frames
+    (`world_model/ball_f1_observed`, `_precision_`, `_recall_`, `_centroid_px_`) and the frames 5 and 10 steps after
+    the last observed one (`world_model/ball_f1_open_loop_5`, `_10`, ...). Beside each F1, its chance level
+    (`world_model/ball_f1_chance_observed`, ...): the same model frames scored against the next sequence's truth
+    (truth rolled by one along n), so a model that draws a ball where the truth is, and not just anywhere, scores
+    well above it (needs n >= 2). A figure with nothing to count, or that the sequences are too short for, is
+    left out."""
+    horizons = {"observed": np.s_[:, :context]}
+    for k in OPEN_LOOP_BALL_STEPS:
         if context - 1 + k < truth.shape[1]:
-            parts[f"open_loop_{k}"] = (truth[:, context - 1 + k], model[:, context - 1 + k])
+            horizons[f"open_loop_{k}"] = np.s_[:, context - 1 + k]
     out = {}
-    for name, (true_frames, model_frames) in parts.items():
-        hits, pixels = ball_hits(true_frames, model_frames)
-        if pixels:
-            out[f"world_model/ball_recall_{name}"] = hits / pixels
+    for name, frames in horizons.items():
+        for score, value in ball_scores(truth[frames], model[frames]).items():
+            out[f"world_model/ball_{score}_{name}"] = value
+        if truth.shape[0] > 1:
+            chance = ball_scores(np.roll(truth, 1, axis=0)[frames], model[frames])
+            if "f1" in chance:
+                out[f"world_model/ball_f1_chance_{name}"] = chance["f1"]
     return out
 
 
@@ -3364,7 +3413,8 @@ def log_open_loop(
 ) -> str:
     """Open-loop predictions of replayed sequences as an animated GIF: in TensorBoard's image tab (and wandb's
     media, which syncs it as a video) under `videos/open_loop`, and as `open_loop/step_<N>.gif` in the run dir. On
-    Pong, beside it, the ball recall of the predictions (`ball_recall`) over RECALL_SEQUENCES sequences.
+    Pong, beside it, how well the predictions draw the ball (`open_loop_ball_scores`: F1, precision, recall,
+    centroid distance and F1's chance level per horizon) over RECALL_SEQUENCES sequences.
     Uses its own random generators, so the training batches and latents that follow are the same with or
     without it."""
     import io
@@ -3372,7 +3422,7 @@ def log_open_loop(
     from PIL import Image
     from tensorboard.compat.proto.summary_pb2 import Summary
 
-    # Pong: ball recall over more sequences than the GIF shows (its first `num_sequences`)
+    # Pong: the ball scored over more sequences than the GIF shows (its first `num_sequences`)
     batch = replay.sample(
         RECALL_SEQUENCES if is_pong(args.env_id) else num_sequences, args.sequence_length, rng=rng
     )
@@ -3381,7 +3431,7 @@ def log_open_loop(
         torch.manual_seed(int(rng.integers(2**31)))
         truth, model = open_loop_predictions(agent, batch)  # (n, T, S, S) uint8
     if is_pong(args.env_id):
-        for key, value in ball_recall(truth, model).items():
+        for key, value in open_loop_ball_scores(truth, model).items():
             writer.add_scalar(key, value, step)
     frames = open_loop_strip(truth[:num_sequences], model[:num_sequences])  # (T, H, W) uint8
     images = [Image.fromarray(frame) for frame in frames]

@@ -126,7 +126,7 @@ PONG_RECIPE = {
     **ATARI100K_BATCH,
     "train_ratio": 1024.0,
     "log_interval": 1000,
-    "video_every": 2000,  # open-loop images and, beside them, ball recall (at log points)
+    "video_every": 2000,  # open-loop images and, beside them, ball F1 (at log points)
     "save_model": True,
 }
 # checkpoints that hold the replay, so that a later invocation continues the run (--pong-resumable)

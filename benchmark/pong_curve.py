@@ -5,7 +5,8 @@
 At every log point: env step, wall seconds of training (summed over resumed parts), the mean return of the last 10 finished episodes,
 env steps/s and updates/s over the last interval, peak GPU memory reserved and allocated, host RSS, and the
 world-model and actor figures that say why a run does or does not learn (reward-prediction sign accuracy, image
-loss, KL, actor entropy, imagined return). Every episode's return is kept too.
+loss, KL, actor entropy, imagined return, and ball F1 observed and open loop beside its chance level: does the
+world model draw the ball where it is). Every episode's return is kept too.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ DIAGNOSTICS = {
     "actor_entropy": "losses/entropy",
     "imagined_return": "debug/imagined_return",
     "return_scale": "debug/return_scale",
-    "ball_recall_observed": "world_model/ball_recall_observed",
-    "ball_recall_open_loop_5": "world_model/ball_recall_open_loop_5",
-    "ball_recall_open_loop_10": "world_model/ball_recall_open_loop_10",
+    "ball_f1_observed": "world_model/ball_f1_observed",
+    "ball_f1_open_loop_5": "world_model/ball_f1_open_loop_5",
+    "ball_f1_open_loop_10": "world_model/ball_f1_open_loop_10",
+    "ball_f1_chance_observed": "world_model/ball_f1_chance_observed",
+    "ball_f1_chance_open_loop_5": "world_model/ball_f1_chance_open_loop_5",
 }
 MEMORY = {
     "peak_gpu_reserved_mb": "debug/gpu/max_reserved_mb",
@@ -127,8 +130,9 @@ def plot(result: dict, path: str, title: str) -> None:
     ax.plot(steps, [p["reward_sign_accuracy"] for p in points], label="reward sign accuracy")
     ax.plot(steps, [p["actor_entropy"] for p in points], label="actor entropy (nats)")
     for key, label in (
-        ("ball_recall_observed", "ball recall, observed"),
-        ("ball_recall_open_loop_5", "ball recall, 5 steps open loop"),
+        ("ball_f1_observed", "ball F1, observed"),
+        ("ball_f1_open_loop_5", "ball F1, 5 steps open loop"),
+        ("ball_f1_chance_open_loop_5", "ball F1 by chance, 5 steps open loop"),
     ):
         ax.plot(*_points(points, key), "o-", ms=3, label=label)
     ax.set(title="world model and actor", xlabel="env step")

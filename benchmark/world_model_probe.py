@@ -10,9 +10,11 @@
 2. For each configuration (a set of dreamer_atari.py flags; `dreamerv3` is the script's default, `nature` its
    smaller model, `dreamerv3-rgb` the default in colour), the world model alone trains on the rest with the training loop's own update (`make_update_steps`:
    captured in a CUDA graph on a GPU), at --batch-size x --sequence-length, for --minutes or --updates.
-3. Every --eval-every updates, on the same held-out sequences for every configuration: ball recall
-   (`dreamer_atari.ball_recall`) on the 5 observed frames and 5 and 10 steps open loop, and the squared error of
-   the observed frames. One JSON (every point of every curve) and a PNG of the curves.
+3. Every --eval-every updates, on the same held-out sequences for every configuration: ball F1
+   (`dreamer_atari.open_loop_ball_scores`: the model's ball pixels against the true frame's, within a pixel) with
+   its precision, recall and centroid distance, on the 5 observed frames and 5 and 10 steps open loop, each F1
+   beside its chance level (the model's frames against another sequence's truth); and the squared error of the
+   observed frames. One JSON (every point of every curve) and a PNG of the curves.
 
 The batch: training replays 16 x 64 = 1,024 frames per update at DreamerV3's Atari100k settings, one update per env
 step. A CPU probe of 8 x 16 reconstructs 128 frames per update: eight of its updates see the frames of one
@@ -70,7 +72,7 @@ class Args:
     """steps per sequence"""
     eval_every: int = 100
     """updates between evaluations"""
-    eval_sequences: int = 32
+    eval_sequences: int = 64
     """held-out sequences scored at each evaluation (of OPEN_LOOP_CONTEXT + 10 + 1 steps)"""
     dataset_steps: int = 30_000
     """agent steps of the dataset"""
@@ -199,20 +201,26 @@ def in_play_share(frames: np.ndarray) -> float:
 # ---------------------------------------------------------------------------------------------------------
 # Training and evaluation
 # ---------------------------------------------------------------------------------------------------------
+BALL_FIGURES = tuple(
+    f"ball_{score}_{horizon}"
+    for horizon in ("observed", *(f"open_loop_{k}" for k in da.OPEN_LOOP_BALL_STEPS))
+    for score in ("f1", "f1_chance", "precision", "recall", "centroid_px")
+)  # ball_f1_observed, ball_f1_chance_observed, ..., ball_centroid_px_open_loop_10
+
+
 def evaluate(agent: da.Agent, eval_batch: dict[str, np.ndarray]) -> dict:
-    """Ball recall and the observed frames' squared error (per pixel, on [0, 1] frames) on the held-out sequences;
-    the latent samples from a fixed seed, so every evaluation draws the same noise."""
+    """Ball scores (BALL_FIGURES, `da.open_loop_ball_scores`; None where there is nothing to count) and the observed
+    frames' squared error (per pixel, on [0, 1] frames) on the held-out sequences; the latent samples from a fixed
+    seed, so every evaluation draws the same noise."""
     devices = [agent.device] if agent.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(0)
         truth, model = da.open_loop_predictions(agent, eval_batch)  # (n, T, S, S) uint8
     context = da.OPEN_LOOP_CONTEXT
     error = (model[:, :context].astype(np.float32) - truth[:, :context]) / 255.0
-    recall = da.ball_recall(truth, model)
+    scores = da.open_loop_ball_scores(truth, model)
     return {
-        "ball_recall_observed": recall.get("world_model/ball_recall_observed"),
-        "ball_recall_open_loop_5": recall.get("world_model/ball_recall_open_loop_5"),
-        "ball_recall_open_loop_10": recall.get("world_model/ball_recall_open_loop_10"),
+        **{name: scores.get(f"world_model/{name}") for name in BALL_FIGURES},
         "observed_mse": float((error**2).mean()),
     }
 
@@ -237,7 +245,7 @@ def train_config(name: str, data: dict, args: Args) -> dict:
     obs_shape = (stack, *data[frames_key(train_args)].shape[1:])  # (stack, S, S), in colour (stack, 3, S, S)
     agent = da.build_agent(train_args, obs_shape, 6, device)
     world_model_step, _ = da.make_update_steps(agent, train_args)
-    eval_length = da.OPEN_LOOP_CONTEXT + max(da.OPEN_LOOP_RECALL_STEPS) + 1
+    eval_length = da.OPEN_LOOP_CONTEXT + max(da.OPEN_LOOP_BALL_STEPS) + 1
     eval_batch = held_out.sample(args.eval_sequences, eval_length, rng=np.random.default_rng(args.seed))
     sample_rng = np.random.default_rng(args.seed + 1)
     curve, losses = [], []  # losses: each evaluation interval's mean image loss
@@ -294,9 +302,7 @@ def train_config(name: str, data: dict, args: Args) -> dict:
         "frames_reconstructed": last["frames_reconstructed"],
         # at training's 16 x 64 and one update per env step, the env step whose updates reconstructed as many frames
         "matching_training_env_step": last["frames_reconstructed"] // (16 * 64),
-        "ball_recall_observed": last["ball_recall_observed"],
-        "ball_recall_open_loop_5": last["ball_recall_open_loop_5"],
-        "ball_recall_open_loop_10": last["ball_recall_open_loop_10"],
+        **{name: last[name] for name in BALL_FIGURES if name.startswith("ball_f1")},
         "observed_mse": last["observed_mse"],
         "curve": curve,
     }
@@ -308,19 +314,23 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ("ball_recall_observed", "ball_recall_open_loop_5", "observed_mse")
+    keys = ("ball_f1_observed", "ball_f1_open_loop_5", "observed_mse")
     titles = (
-        "ball recall, observed frames",
-        "ball recall, 5 steps open loop",
+        "ball F1, observed frames (dashed: chance)",
+        "ball F1, 5 steps open loop (dashed: chance)",
         "squared error per pixel, observed",
     )
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for config in result["configurations"]:
         updates = [p["updates"] for p in config["curve"]]
         for ax, key in zip(axes, keys):
-            values = [np.nan if p[key] is None else p[key] for p in config["curve"]]
+            values = [np.nan if p.get(key) is None else p[key] for p in config["curve"]]
             label = config["name"] + (" (default)" if config["is_default"] else "")
-            ax.plot(updates, values, label=label)
+            (line,) = ax.plot(updates, values, label=label)
+            chance = key.replace("ball_f1_", "ball_f1_chance_")
+            if chance != key:
+                values = [np.nan if p.get(chance) is None else p[chance] for p in config["curve"]]
+                ax.plot(updates, values, "--", color=line.get_color())
     for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel(f"updates (batch {result['batch'][0]} x {result['batch'][1]})")
@@ -344,23 +354,32 @@ def summary_markdown(results: dict[str, dict]) -> str:
         "",
         "Each results file is one `benchmark/world_model_probe.py` run (its command, machine, dataset and every point "
         "of every curve are in the JSON; the PNG beside it draws the curves). The world model alone trains on a fixed "
-        "Pong dataset; ball recall is the share of the ball's pixels it draws on held-out sequences "
-        "(`dreamer_atari.ball_recall`), on the 5 observed frames and 5 and 10 steps open loop. Frames: the frames its "
-        "updates reconstructed; training env step: the Atari100k env step whose updates (16 x 64, one per env step) "
+        "Pong dataset; ball F1 says how well it draws the ball on held-out sequences "
+        "(`dreamer_atari.open_loop_ball_scores`): the model's frame is searched for the ball as the true frame is, "
+        "and F1 is the harmonic mean of the share of its ball pixels within a pixel of the true ball's (precision) "
+        "and the share of the true ball's pixels within a pixel of its own (recall), on the 5 observed frames and 5 "
+        "and 10 steps open loop; chance is the F1 of the same frames against another sequence's truth. Results "
+        "files from before F1 report ball recall, the earlier measure (the share of the true ball's pixels the model "
+        "drew about as bright; speckle or a bright band scored on it). Frames: the frames its updates "
+        "reconstructed; training env step: the Atari100k env step whose updates (16 x 64, one per env step) "
         "reconstruct as many.",
         "",
         "| results | machine | configuration | default | batch | updates | frames | training env step | "
-        "ball recall, observed | 5 open loop | 10 open loop | squared error per pixel, observed | ms per update |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "ball measure | observed | 5 open loop | 10 open loop | chance, 5 open loop | "
+        "squared error per pixel, observed | ms per update |",
+        "|---|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, result in sorted(results.items()):
         for config in result["configurations"]:
+            measure = "f1" if "ball_f1_observed" in config else "recall"  # recall: files from before F1
             lines.append(
                 f"| [{name}]({name}) | {result['machine']['device']} | {config['name']} | "
                 f"{'yes' if config['is_default'] else ''} | {config['batch'][0]} x {config['batch'][1]} | "
                 f"{config['updates']:,} | {config['frames_reconstructed']:,} | "
-                f"{config['matching_training_env_step']:,} | {fmt(config['ball_recall_observed'])} | "
-                f"{fmt(config['ball_recall_open_loop_5'])} | {fmt(config['ball_recall_open_loop_10'])} | "
+                f"{config['matching_training_env_step']:,} | {'F1' if measure == 'f1' else 'recall'} | "
+                f"{fmt(config[f'ball_{measure}_observed'])} | {fmt(config[f'ball_{measure}_open_loop_5'])} | "
+                f"{fmt(config[f'ball_{measure}_open_loop_10'])} | "
+                f"{fmt(config.get('ball_f1_chance_open_loop_5'))} | "
                 f"{fmt(config['observed_mse'])} | {config['ms_per_update']} |"
             )
     lines += [""] + [
@@ -391,7 +410,7 @@ def main(args: Args) -> dict:
     machine = bench_utils.machine()
     machine["device"] = torch.cuda.get_device_name() if args.device == "cuda" else machine.get("cpu", "cpu")
     result = {
-        "what": "the world model alone trained on a fixed Pong dataset; ball recall on held-out sequences",
+        "what": "the world model alone trained on a fixed Pong dataset; ball F1 on held-out sequences",
         "command": "python " + " ".join(sys.argv),
         "note": args.note,
         "machine": machine,

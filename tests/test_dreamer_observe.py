@@ -116,12 +116,12 @@ def test_a_tiny_run_writes_open_loop_videos_and_reward_quality(in_tmp, monkeypat
         assert scalars.get(key), f"{key} was not logged"
         assert all(0.0 <= e.value <= 1.0 for e in scalars[key])
     assert not any(key.startswith("debug/reward_") for key in scalars), "raw counts are logged as rates only"
-    assert not any(key.startswith("world_model/ball_recall") for key in scalars), "Catch has no ball recall"
+    assert not any(key.startswith("world_model/ball_") for key in scalars), "Catch has no ball to score"
     (wandb_run,) = (in_tmp / "wandb").glob("offline-run-*")
     assert list(wandb_run.rglob("*.gif")), "the open-loop video did not reach wandb"
 
 
-def test_a_pong_run_logs_ball_recall_beside_its_open_loop_videos(in_tmp):
+def test_a_pong_run_logs_ball_f1_beside_its_open_loop_videos(in_tmp):
     args = dreamer_tiny.tiny_args(
         total_timesteps=240,
         learning_starts=100,
@@ -135,15 +135,14 @@ def test_a_pong_run_logs_ball_recall_beside_its_open_loop_videos(in_tmp):
     events.Reload()
     video_steps = [v.step for v in events.Images("videos/open_loop")]
     assert len(video_steps) == 2
-    for key in (
-        "world_model/ball_recall_observed",
-        "world_model/ball_recall_open_loop_5",
-        "world_model/ball_recall_open_loop_10",
-    ):
-        # a figure is left out only where its frames hold no ball: a random policy's Pong has one in most
-        recall = events.Scalars(key)
-        assert [e.step for e in recall] == video_steps, key
-        assert all(0.0 <= e.value <= 1.0 for e in recall)
+    for horizon in ("observed", "open_loop_5", "open_loop_10"):
+        # F1 and recall are left out only where no true frame holds a ball: a random policy's Pong has one in most;
+        # F1's chance level beside each
+        for score in ("f1", "f1_chance", "recall"):
+            key = f"world_model/ball_{score}_{horizon}"
+            figures = events.Scalars(key)
+            assert [e.step for e in figures] == video_steps, key
+            assert all(0.0 <= e.value <= 1.0 for e in figures), key
 
 
 def test_open_loop_video_does_not_change_training(in_tmp):

@@ -595,16 +595,16 @@ def test_two_runs_started_in_the_same_second_with_the_same_seed_get_a_folder_eac
     assert lrs == {1e-4, 3e-4}, "one run's checkpoint overwrote the other's"
 
 
-def test_colour_frames_train_log_ball_recall_and_resume_only_in_colour(in_tmp, capsys):
+def test_colour_frames_train_log_ball_f1_and_resume_only_in_colour(in_tmp, capsys):
     """--rgb: frames stored as (3, S, S) uint8, the model reads stack x 3 channels, the open-loop images and ball
-    recall in grey; a grey run cannot resume a colour checkpoint."""
+    F1 in grey; a grey run cannot resume a colour checkpoint."""
     first = da.main(
         tiny_args(rgb=True, total_timesteps=300, save_model=True, vector_mode="sync", video_every=200)
     )
     run_dir = in_tmp / first["run_dir"]
     assert first["updates"] > 0
     scalars = read_scalars(run_dir)
-    assert "world_model/ball_recall_observed" in scalars and "losses/image" in scalars
+    assert "world_model/ball_f1_observed" in scalars and "losses/image" in scalars
     state = load_checkpoint(run_dir / "checkpoint.pt")
     assert state["models"]["world_model"]["encoder.net.0.weight"].shape[1] == 3  # (out, 3 channels, k, k)
     assert (run_dir / "open_loop" / "step_200.gif").exists()

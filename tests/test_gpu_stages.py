@@ -128,9 +128,14 @@ def test_pong_curve_is_written_while_the_run_trains_and_the_final_agent_plays_te
     assert result["pong_returncode"] == 143  # stopped by its time cap, after a checkpoint
     steps = [p["env_step"] for p in result["pong_curve"]]
     assert steps == sorted(steps) and steps[-1] == result["pong_env_steps"]
-    assert {"mean_return_last10", "updates_per_s", "host_rss_mb", "gpu_alloc_mb"} <= set(
-        result["pong_curve"][0]
-    )
+    assert {
+        "mean_return_last10",
+        "updates_per_s",
+        "host_rss_mb",
+        "gpu_alloc_mb",
+        "ball_f1_observed",
+        "ball_f1_open_loop_5",
+    } <= set(result["pong_curve"][0])
     assert "--num-envs 1 " in result["pong_command"] and "--train-ratio" in result["pong_command"]
     evaluation = result["pong_eval"]
     assert evaluation["asked"] == 10 and len(evaluation["episodes"]) == 10

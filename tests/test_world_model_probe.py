@@ -64,12 +64,24 @@ def test_the_results_file_has_one_entry_per_configuration_and_a_readme(tiny):
     assert config["name"] == "nature" and config["is_default"] is False and config["updates"] == 2
     assert colour["name"] == "dreamerv3-rgb" and colour["updates"] == 2
     assert [p["updates"] for p in config["curve"]] == [0, 2]
-    for key in ("ball_recall_observed", "ball_recall_open_loop_5"):
-        assert key in config
+    for horizon in ("observed", "open_loop_5", "open_loop_10"):
+        assert {f"ball_f1_{horizon}", f"ball_f1_chance_{horizon}"} <= set(config), horizon
+        assert {f"ball_precision_{horizon}", f"ball_recall_{horizon}"} <= set(config["curve"][-1]), horizon
     assert config["frames_reconstructed"] == 2 * 2 * 16
     readme = (probe.Path(args.json).parent / "README.md").read_text()
     assert "| [probe.json](probe.json) |" in readme and "| nature |" in readme and "a test" in readme
+    assert "| F1 |" in readme
     assert probe.Path(args.json).with_suffix(".png").stat().st_size > 0
+
+
+def test_results_from_before_ball_f1_keep_their_ball_recall_in_the_readme():
+    """The committed results files measured ball recall: their rows say so, with the figures they measured."""
+    folder = probe.ROOT / "benchmark" / "results" / "world_model_probe"
+    results = {path.name: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))}
+    readme = probe.summary_markdown(results)
+    old = [config for result in results.values() for config in result["configurations"]]
+    assert old and all("ball_recall_observed" in config for config in old)
+    assert readme.count("| recall |") == len(old)
 
 
 def test_unknown_configurations_are_refused():

@@ -349,9 +349,10 @@ def pong_figures(curve: dict, scalars: dict, learning_starts: int, launched: flo
         "wall_s",
         "updates",
         "mean_return_last10",
-        "ball_recall_observed",
-        "ball_recall_open_loop_5",
-        "ball_recall_open_loop_10",
+        "ball_f1_observed",
+        "ball_f1_open_loop_5",
+        "ball_f1_open_loop_10",
+        "ball_f1_chance_open_loop_5",
         "episodes",
         "env_steps_per_s",
         "updates_per_s",
@@ -777,16 +778,18 @@ def pong_markdown_staged(result: dict) -> list[str]:
             ]
         lines += [
             (
-                "| env step | training s | updates | mean return, last 10 | ball recall, observed | ball recall, 5 "
-                "steps open loop | env steps/s | updates/s | GPU reserved MB (peak) | GPU alloc MB | host RSS MB |"
+                "| env step | training s | updates | mean return, last 10 | ball F1, observed | ball F1, 5 steps "
+                "open loop | ball F1 by chance, 5 steps open loop | env steps/s | updates/s | GPU reserved MB (peak) | "
+                "GPU alloc MB | host RSS MB |"
             ),
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for p in result["pong_curve"]:
             lines.append(
                 f"| {p['env_step']:,} | {fmt(p['wall_s'])} | {fmt(p['updates'])} | "
-                f"{fmt(p['mean_return_last10'])} | {fmt(p.get('ball_recall_observed'))} | "
-                f"{fmt(p.get('ball_recall_open_loop_5'))} | {fmt(p.get('env_steps_per_s'))} | "
+                f"{fmt(p['mean_return_last10'])} | {fmt(p.get('ball_f1_observed'))} | "
+                f"{fmt(p.get('ball_f1_open_loop_5'))} | {fmt(p.get('ball_f1_chance_open_loop_5'))} | "
+                f"{fmt(p.get('env_steps_per_s'))} | "
                 f"{fmt(p.get('updates_per_s'))} | {fmt(p.get('peak_gpu_reserved_mb'))} | "
                 f"{fmt(p.get('gpu_alloc_mb'))} | {fmt(p.get('host_rss_mb'))} |"
             )
