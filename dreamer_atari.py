@@ -1,14 +1,15 @@
 """Dreamer on Atari (DreamerV3-style world model, actor-critic in imagination), memory-safe and observable.
 
 Run:
-    python dreamer_atari.py --env-id ALE/Pong-v5 --total-timesteps 1000000
+    python dreamer_atari.py --buffer-capacity 50000
 
-What it does: a world model (DreamerV3's size-S convolutional encoder and decoder on 64x64 grey frames, an RSSM
-with a LayerNorm GRU and 32x32 categorical latents, symlog two-hot reward head, continue head) learns from replayed
-sequences; an actor and a critic learn from 15-step rollouts imagined by that model. `--model nature` gives a
+What it does: DreamerV3 2023's Atari100k recipe on Pong. A world model (DreamerV3's size-S convolutional encoder and
+decoder on 64x64 colour frames, an RSSM with a LayerNorm GRU, a learned initial state and 32x32 categorical latents,
+symlog two-hot reward head, continue head) learns from replayed sequences of 16 x 64, one update per env step; an
+actor and a critic learn from 15-step rollouts imagined by that model. `--model nature` gives a
 smaller model (NatureCNN on 4 stacked 84x84 frames). Replay keeps every frame once, as uint8, and rebuilds
 frame stacks when it samples. The shape comments below are the nature model's, (4, 84, 84) an observation; the
-default's is (1, 64, 64).
+default's is (1, 3, 64, 64).
 
 What it logs, every `--log-interval` env steps, to TensorBoard in `runs/{run_name}` (and wandb with
 `--track`): `charts/*` (episodic return and length, SPS, updates per second), `losses/*` (world model,
@@ -118,21 +119,22 @@ class Args:
     max_episode_steps: int = 0
     """truncate episodes after this many agent steps (0 = the game's own limit)"""
     image_size: int | None = None
-    """side of the square grey frames in pixels (Atari frames are resized to it); the encoder and decoder follow
+    """side of the square frames in pixels (Atari frames are resized to it); the encoder and decoder follow
     it. Unset: the --model's own (dreamerv3: 64, DreamerV3's Atari setting; nature: 84)"""
     frame_stack: int | None = None
     """frames stacked into each observation, newest last (the encoder reads them as channels, the decoder
     reconstructs them all). Unset: the --model's own (dreamerv3: 1, as DreamerV3, whose recurrent state carries
     the past; nature: 4). 1 suits tasks whose frame shows the whole state, such as Catch-v0"""
-    rgb: bool | None = None
-    """Atari frames in colour, 3 channels each, or grey (--no-rgb: a third of the replay's frame bytes, and a ball
-    that weighs 3.75x less in the image loss). Unset: colour for Atari with --model dreamerv3 (DreamerV3 reads RGB),
-    grey otherwise; the open-loop images and the ball measure read colour frames in grey"""
+    rgb: bool = True
+    """Atari frames in colour, 3 channels each, as DreamerV3 reads them; --no-rgb: grey (a third of the replay's
+    frame bytes, and a ball that weighs 3.75x less in the image loss). --model nature (the seed's model) and envs
+    whose frames are grey (Catch-v0) read grey either way. The open-loop images and the ball measure read colour
+    frames in grey"""
 
     # replay
     buffer_capacity: int | None = None
     """replay capacity in env steps; whole oldest episodes are evicted first. Unset: the replay keeps every step
-    of the run (DreamerV3's Atari100k setting; about 4.1 KB per Pong step, 7.1 with --model nature, printed at
+    of the run (DreamerV3's Atari100k setting; about 12.3 KB per Pong step, 4.1 with --no-rgb, 7.1 with --model nature, printed at
     start; see --replay-frames for where)"""
     replay_frames: Literal["auto", "device", "host"] = "auto"
     """where the replay's frames live: `device` (a tensor on the training device; batches are gathered there, no
@@ -278,8 +280,8 @@ class Args:
         for name, value in MODEL_DEFAULTS.get(self.model, {}).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        if self.rgb is None:  # colour where the frames have it and the model is DreamerV3's
-            self.rgb = self.model == "dreamerv3" and env_has_colour(self.env_id)
+        # colour where the frames have it and the model is DreamerV3's
+        self.rgb = self.rgb and self.model == "dreamerv3" and env_has_colour(self.env_id)
 
 
 # ALGO LOGIC: each --model's sizes, for the flags left unset
@@ -422,10 +424,6 @@ def check_env(args: Args) -> None:
             f"--env-id {args.env_id!r} is not a registered environment; ALE ids look like ALE/Pong-v5, "
             f"and {CATCH_ID} is the built-in test task."
         )
-    if args.rgb and not is_atari(args.env_id):
-        raise ArgsError(
-            f"--rgb takes Atari ids (ALE/...), whose frames come in colour; {args.env_id!r} gives grey."
-        )
     if not is_atari(args.env_id):
         side = args.image_size
         # builds the env once, before anything is written
@@ -519,7 +517,7 @@ def env_kwargs(env_id: str, args: Args) -> dict:
 
 
 def make_env(env_id: str, idx: int, capture_video: bool, run_name: str, args: Args) -> Callable[[], gym.Env]:
-    """Atari ids get the usual preprocessing (frame skip 4, `--image-size` grey, no-op starts); other ids must
+    """Atari ids get the usual preprocessing (frame skip 4, `--image-size` in colour or grey, no-op starts); other ids must
     give grey uint8 frames of that size themselves (Catch-v0 does). Either way `--frame-stack` frames are stacked."""
 
     def thunk():

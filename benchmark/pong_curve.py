@@ -20,9 +20,10 @@ import numpy as np
 
 DIAGNOSTICS = {
     "reward_sign_accuracy": "charts/reward_sign_accuracy",
-    "image_loss": "losses/image",
+    "image_loss_per_frame": "losses/image",  # squared error summed over a frame's pixels and channels
     "reward_loss": "losses/reward",
     "kl_loss": "losses/kl",
+    "kl_nats": "debug/kl_value",  # KL(posterior || prior) in nats, before free nats and scales
     "actor_entropy": "losses/entropy",
     "imagined_return": "debug/imagined_return",
     "return_scale": "debug/return_scale",

@@ -8,7 +8,8 @@
    most frames; the frames at both sizes the models read (64 and 84 pixels, grey) and at 64 in colour (`--rgb`),
    from three emulators in lockstep. Its last --held-out-steps steps are held out.
 2. For each configuration (a set of dreamer_atari.py flags; `dreamerv3` is the script's default, `nature` its
-   smaller model, `dreamerv3-rgb` the default in colour), the world model alone trains on the rest with the training loop's own update (`make_update_steps`:
+   smaller model in grey, `dreamerv3-grey` the default in grey; CAUSE_CONFIGS the representation KL off and the image
+   loss scaled, in colour and grey), the world model alone trains on the rest with the training loop's own update (`make_update_steps`:
    captured in a CUDA graph on a GPU), at --batch-size x --sequence-length, for --minutes or --updates.
 3. Every --eval-every updates, on the same held-out sequences for every configuration: ball F1
    (`dreamer_atari.open_loop_ball_scores`: the model's ball pixels against the true frame's, within a pixel) with
@@ -47,13 +48,28 @@ ENV_ID = "ALE/Pong-v5"
 RAM_BALL_Y, RAM_PLAYER_Y = 54, 51
 PADDLE_HALF = 8  # screen rows from the paddle's top to its middle
 NOOP, UP, DOWN = 0, 2, 3
-# the configurations: dreamer_atari.Args fields over the script's defaults (empty: the default model)
+# the configurations: dreamer_atari.Args fields over the script's defaults (empty: the default model, in colour)
 CONFIGS = {
     "dreamerv3": {},
     "nature": {"model": "nature"},
     "dreamerv3-half": {"encoder_channels": (16, 32, 64, 128), "deterministic_dim": 256, "hidden_dim": 256},
-    "dreamerv3-rgb": {"rgb": True},
+    "dreamerv3-grey": {"rgb": False},
+    # what keeps the ball out of the model, if colour is not enough: the price of carrying it (the representation
+    # KL, off) or its pull (the image loss, scaled; 3.75 gives a grey ball the pull of a colour one)
+    "dreamerv3-no-rep-kl": {"kl_rep_scale": 0.0},
+    "dreamerv3-grey-no-rep-kl": {"rgb": False, "kl_rep_scale": 0.0},
+    "dreamerv3-image-x4": {"image_loss_scale": 4.0},
+    "dreamerv3-grey-image-x3.75": {"rgb": False, "image_loss_scale": 3.75},
 }
+# the cause-finding configurations, each beside the default in colour and in grey (the lease's `probe` mode)
+CAUSE_CONFIGS = (
+    "dreamerv3",
+    "dreamerv3-grey",
+    "dreamerv3-no-rep-kl",
+    "dreamerv3-grey-no-rep-kl",
+    "dreamerv3-image-x4",
+    "dreamerv3-grey-image-x3.75",
+)
 
 
 @dataclasses.dataclass
@@ -98,8 +114,8 @@ class Args:
 # ---------------------------------------------------------------------------------------------------------
 # the dataset's frames: each the same emulator steps, at a size, in grey or colour
 FRAMES = {
-    "frames64": {"image_size": 64},
-    "frames84": {"image_size": 84},
+    "frames64": {"image_size": 64, "rgb": False},
+    "frames84": {"image_size": 84, "rgb": False},
     "frames64rgb": {"image_size": 64, "rgb": True},
 }
 

@@ -250,7 +250,6 @@ BAD_ARGS = {
     "no frames in a stack": dict(frame_stack=0),
     "a side the dreamerv3 encoder cannot halve to the end": dict(image_size=60),
     "four convolutions for the nature model": dict(model="nature", encoder_channels=(4, 8, 8, 8)),
-    "colour frames of a grey env": dict(env_id=da.CATCH_ID, rgb=True),
     "an unknown observe backward": dict(observe_backward="numerical"),
 }
 
@@ -596,8 +595,8 @@ def test_two_runs_started_in_the_same_second_with_the_same_seed_get_a_folder_eac
 
 
 def test_colour_frames_train_log_ball_f1_and_resume_only_in_colour(in_tmp, capsys):
-    """--rgb: frames stored as (3, S, S) uint8, the model reads stack x 3 channels, the open-loop images and ball
-    F1 in grey; a grey run cannot resume a colour checkpoint."""
+    """Colour (the default): frames stored as (3, S, S) uint8, the model reads stack x 3 channels, the open-loop images
+    and ball F1 in grey; a grey run (--no-rgb) cannot resume a colour checkpoint."""
     first = da.main(
         tiny_args(rgb=True, total_timesteps=300, save_model=True, vector_mode="sync", video_every=200)
     )
@@ -613,6 +612,6 @@ def test_colour_frames_train_log_ball_f1_and_resume_only_in_colour(in_tmp, capsy
     )
     assert resumed["global_step"] == 400
     assert (
-        refused(capsys, tiny_args(total_timesteps=500, resume=str(run_dir / "checkpoint.pt")))
+        refused(capsys, tiny_args(rgb=False, total_timesteps=500, resume=str(run_dir / "checkpoint.pt")))
         == "error: --resume checkpoint was trained with --rgb True, but this run asks for False."
     )

@@ -135,7 +135,11 @@ def test_pong_curve_is_written_while_the_run_trains_and_the_final_agent_plays_te
         "gpu_alloc_mb",
         "ball_f1_observed",
         "ball_f1_open_loop_5",
+        "image_loss_per_frame",
+        "kl_nats",
+        "actor_entropy",
     } <= set(result["pong_curve"][0])
+    assert result["pong_config"]["rgb"] is True and "--rgb" in result["pong_command"]
     assert "--num-envs 1 " in result["pong_command"] and "--train-ratio" in result["pong_command"]
     evaluation = result["pong_eval"]
     assert evaluation["asked"] == 10 and len(evaluation["episodes"]) == 10
@@ -144,6 +148,30 @@ def test_pong_curve_is_written_while_the_run_trains_and_the_final_agent_plays_te
         sum(finished) / len(finished)
     )
     assert all(-21 <= r <= 21 for r in finished)
+
+
+@pytest.mark.parametrize(
+    "compiled_ms, warmup_s, chosen",
+    [(20.0, [30.0], {"compile": True}), (20.0, [400.0], {}), (30.0, [1.0], {}), (None, [], {})],
+    ids=["compile faster", "its warm-up costs more than it saves", "compile slower", "not measured"],
+)
+def test_the_faster_of_the_default_update_and_compile_runs_pong(compiled_ms, warmup_s, chosen):
+    """The update stage times the default's update (captured) and the same with --compile; the Pong run takes the one
+    whose 30k updates and warm-up take less, and the results say which and why."""
+    compiled = {"update_ms": compiled_ms, "warmup_calls_s": warmup_s} if compiled_ms else {"skipped": "cap"}
+    result = {
+        "update": {
+            "variants": {
+                "training": {"update_ms": 30.0, "warmup_calls_s": [1.0]},
+                "tf32+compile+cudagraph": compiled,
+            }
+        }
+    }
+    fields = gpu_stages.faster_path(result)
+    assert fields == chosen
+    assert result["pong_fast_path"].startswith("--compile" if chosen else "the default")
+    args = common.Args(gpu_only=True, stage=("pong",), device="cpu", quick=True)
+    assert gpu_stages.pong_fields(args, fields).get("compile", False) is bool(chosen)
 
 
 def test_a_variant_that_names_a_field_this_version_lacks_is_skipped_and_the_rest_run():

@@ -16,7 +16,7 @@ def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("probe")
     args = probe.Args(
         json=str(folder / "results" / "probe.json"),
-        configs=("nature", "dreamerv3-rgb"),
+        configs=("nature", "dreamerv3-grey-image-x3.75"),
         updates=2,
         batch_size=2,
         sequence_length=16,
@@ -60,9 +60,9 @@ def test_the_results_file_has_one_entry_per_configuration_and_a_readme(tiny):
     args, result, _ = tiny
     saved = json.loads(probe.Path(args.json).read_text())
     assert saved == json.loads(json.dumps(result))
-    config, colour = saved["configurations"]
+    config, scaled = saved["configurations"]
     assert config["name"] == "nature" and config["is_default"] is False and config["updates"] == 2
-    assert colour["name"] == "dreamerv3-rgb" and colour["updates"] == 2
+    assert scaled["name"] == "dreamerv3-grey-image-x3.75" and scaled["updates"] == 2
     assert [p["updates"] for p in config["curve"]] == [0, 2]
     for horizon in ("observed", "open_loop_5", "open_loop_10"):
         assert {f"ball_f1_{horizon}", f"ball_f1_chance_{horizon}"} <= set(config), horizon
@@ -87,3 +87,22 @@ def test_results_from_before_ball_f1_keep_their_ball_recall_in_the_readme():
 def test_unknown_configurations_are_refused():
     with pytest.raises(SystemExit, match="unknown"):
         probe.main(probe.Args(json="unused.json", configs=("nope",)))
+
+
+def test_every_configuration_is_a_valid_run_and_the_cause_finding_ones_change_only_what_they_name():
+    """The probe's configurations run unchanged at a lease: each is a set of flags the script accepts; the ones that
+    can name why the ball stays out of the model change colour, the representation KL or the image loss's weight."""
+    defaults = probe.da.Args(env_id=probe.ENV_ID)
+    for name, overrides in probe.CONFIGS.items():
+        probe.da.check_args(probe.da.Args(**overrides, env_id=probe.ENV_ID))
+    assert set(probe.CAUSE_CONFIGS) <= set(probe.CONFIGS)
+    for name in probe.CAUSE_CONFIGS:
+        train_args = probe.da.Args(**probe.CONFIGS[name], env_id=probe.ENV_ID)
+        changed = {
+            field
+            for field in ("rgb", "kl_rep_scale", "image_loss_scale", "model", "encoder_channels")
+            if getattr(train_args, field) != getattr(defaults, field)
+        }
+        assert changed <= {"rgb", "kl_rep_scale", "image_loss_scale"}, name
+    grey = {name for name in probe.CAUSE_CONFIGS if not probe.da.Args(**probe.CONFIGS[name]).rgb}
+    assert len(grey) == 3 and len(probe.CAUSE_CONFIGS) == 6

@@ -5,14 +5,16 @@
 #   bash benchmark/gpu/gpu_lease.sh [MODE] [more run.py flags, e.g. --pong-args="--amp bf16"]
 #
 # One device command (ends within GPU_LEASE_BUDGET_S seconds, default 575, under the tool's 600 s per command):
-#   all     (default) `run.py --gpu-only --stage update pong`: the update variants (at most 3 minutes), then the
-#           Atari100k Pong run with the time left (about 3.5 minutes of it training), its evaluation, the results
+#   all     (default) `run.py --gpu-only --stage update pong`: the default's update eager against --compile (at
+#           most 2 minutes), then the Atari100k Pong run on the faster of the two with the time left (about 4.5
+#           minutes of it training), its evaluation, the results
 #   update  the update variants alone (at most 4 minutes)
 #   pong    the Pong run alone (about 6.5 minutes of it training), its evaluation, the results
 # Two device commands, the second issued as soon as the first returns (the machine stays warm 30 s), so that the
 # Pong run outlives the first command's 10 minutes (benchmark/README.md, "Two calls"):
-#   start       call 1 (default budget 550 s): the update variants (at most GPU_LEASE_UPDATE_MINUTES, 3), then the
-#               Pong run (about 7 minutes before its time cap), both in one `run.py --gpu-only` process started
+#   start       call 1 (default budget 550 s): the default's update at 16 x 64, captured, eager against --compile
+#               (GPU_LEASE_UPDATE_VARIANTS, at most GPU_LEASE_UPDATE_MINUTES, 2: ms and kernels each), then the Pong
+#               run on the faster (about 8 minutes before its time cap), both in one `run.py --gpu-only` process started
 #               detached (setsid) in GPU_LEASE_DIR (/tmp/gpu-lease), so the stages never share the GPU; waits on it
 #               until its own budget is nearly spent, then copies what was measured so far into $OUT, marked "call 1,
 #               still running"
@@ -24,8 +26,9 @@
 # The detached run ends by GPU_LEASE_SPAN_S seconds (default 740) after call 1 began (its --budget-minutes), so that
 # call 2 started within 30 s of call 1's return still finds it ending inside its own budget.
 #
-# $OUT receives at most 7 files: <date>-<gpu>.json and .md (rewritten after each variant and every 5k env steps),
-# <date>-<gpu>_pong_curve.png, up to two <date>-<gpu>_open_loop_step_<N>.png, pong_train_log_tail.txt, lease.log.
+# $OUT receives at most 8 files (the device tool's limit): <date>-<gpu>.json and .md (rewritten after each variant
+# and every 5k env steps; the JSON holds the training log's last lines), <date>-<gpu>_pong_curve.png, up to four
+# <date>-<gpu>_open_loop_step_<N>.png (5k, 10k, 20k, 30k), lease.log.
 # The machine has Python 3.12 with PyTorch (CUDA), numpy, tensorboard, opencv, psutil, matplotlib, pillow and
 # nvidia-ml-py, and no network: gymnasium, ale-py and tyro travel as wheels (benchmark/README.md says how to build
 # `.whl/`); `.whl/fallback/` holds a newer typing_extensions, installed only where the machine's is older than
@@ -115,6 +118,11 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
       "gymnasium", gymnasium.__version__, "ale_py", ale_py.__version__, "tyro", tyro.__version__)' || exit 1
 fi
 minutes() { "$py" -c "print(round($1 / 60, 2))"; }
+# the update stage's variants: the default's update (captured) and the same with --compile; the faster runs Pong
+# (the CPU check: the default's alone unless named, since compiling takes minutes on a CPU)
+default_variants="training tf32+compile+cudagraph"
+[ "$cpu_check" = 1 ] && default_variants=training
+read -r -a variants <<<"${GPU_LEASE_UPDATE_VARIANTS:-$default_variants}"
 
 # ---------------------------------------------------------------------------------------------------------------
 # One call: run.py in the foreground, its files straight into $OUT
@@ -123,8 +131,8 @@ if [ "$mode" = all ] || [ "$mode" = update ] || [ "$mode" = pong ]; then
     pong_dir=$(mktemp -d /tmp/gpu-lease-pong.XXXXXX) # a new run each time (--no-pong-resumable wants an empty folder)
     common=(--gpu-only --results-dir "$OUT" --pong-dir "$pong_dir" --no-pong-resumable)
     case "$mode" in
-        all) stages=(--stage update pong --update-minutes 3 --pong-eval-minutes 1) ;;
-        update) stages=(--stage update --update-minutes 4) ;;
+        all) stages=(--stage update pong --update-minutes 2 --update-variants "${variants[@]}" --pong-eval-minutes 1) ;;
+        update) stages=(--stage update --update-minutes 4 --update-variants "${variants[@]}") ;;
         pong) stages=(--stage pong --pong-eval-minutes 1) ;;
     esac
     # the Pong run trains until the budget leaves just its evaluation and the results (run.py --budget-minutes)
@@ -134,9 +142,6 @@ if [ "$mode" = all ] || [ "$mode" = update ] || [ "$mode" = pong ]; then
     "$py" benchmark/run.py "${common[@]}" "${stages[@]}" "${device[@]}" --pong-minutes 30 --budget-minutes "$budget" \
         "${extra[@]}"
     status=$?
-    if [ -f "$pong_dir/train.log" ]; then
-        tail -n 200 "$pong_dir/train.log" >"$OUT/pong_train_log_tail.txt"
-    fi
     say "run.py exit $status; in \$OUT:"
     ls -la "$OUT"
     exit $status
@@ -169,9 +174,6 @@ collect() { # $1: this call's number
     fi
     # the JSON is replaced whole on each save, so a copy is never half a file; the markdown is written anew from it
     cp "$results" "${results%.json}"_*.png "$OUT"/ 2>/dev/null
-    if [ -f "$lease_dir/pong/train.log" ]; then
-        tail -n 200 "$lease_dir/pong/train.log" >"$OUT/pong_train_log_tail.txt"
-    fi
     if ! "$py" benchmark/gpu/gpu_lease_note.py "$OUT/$(basename "$results")" "$lease_dir" --call "$1"; then
         say "the calls were not written into the results: their markdown as the run left it"
         cp "${results%.json}.md" "$OUT/"
@@ -198,7 +200,8 @@ if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
     record call_1_budget_s "$budget_s"
     record span_s "$span_s"
     case "$mode" in
-        start) stages=(--stage update pong --update-minutes "${GPU_LEASE_UPDATE_MINUTES:-3}") ;;
+        start) stages=(--stage update pong --update-minutes "${GPU_LEASE_UPDATE_MINUTES:-2}"
+            --update-variants "${variants[@]}") ;;
         start-pong) stages=(--stage pong) ;;
     esac
     budget=$(minutes "$((span_s - ($(date +%s) - start_s)))")

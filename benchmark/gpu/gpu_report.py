@@ -329,7 +329,7 @@ def report(folder: Path) -> tuple[dict, str]:
         for p in pong["points"]:
             lines.append(
                 f"| {p['env_step']:,} | {fmt(p['wall_s'])} | {fmt(p['mean_return_last10'])} | "
-                f"{fmt(p['reward_sign_accuracy'])} | {fmt(p['image_loss'])} | {fmt(p['kl_loss'])} | "
+                f"{fmt(p['reward_sign_accuracy'])} | {fmt(p.get('image_loss_per_frame', p.get('image_loss')))} | {fmt(p['kl_loss'])} | "
                 f"{fmt(p['actor_entropy'])} | {fmt(p['imagined_return'])} | {fmt(p.get('updates_per_s'))} | "
                 f"{fmt(p['gpu_alloc_mb'])} | {fmt(p['host_rss_mb'])} |"
             )

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from benchmark.common import (
     BENCH_DIR,
+    COMPILED_VARIANT,
     CUDA_FAST_PATH,
     PONG_QUICK,
     PONG_QUICK_RESUMABLE,
@@ -143,15 +144,18 @@ def main_staged(args: Args) -> dict:
     log(f"results: {stem}.json and .md, rewritten as each step ends")
     (BENCH_DIR / ".work").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="stages-", dir=BENCH_DIR / ".work") as work:
+        fast_path: dict = {}
         for stage in args.stage:
             if stage == "update":
                 run_update_stage(args, Path(work), result, results.save, deadline)
+                fast_path = faster_path(result)
             else:
                 pong = run_pong(
                     args,
                     progress=lambda figures: (result.update(figures), results.save()),
                     deadline=deadline,
                     images_to=stem,
+                    fast_path=fast_path,
                 )
                 result.update(pong)
             results.save()
@@ -197,11 +201,19 @@ def run_update_stage(
         *quick,
         "--threads",
         str(args.threads),
+        *(["--variants", *args.update_variants] if args.update_variants else []),
     ]
     # a fresh compile cache: compiled variants show what compiling costs a new user
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-update")}
     result["update_command"] = " ".join(
-        ["python", "benchmark/gpu/update_variants.py", "--device", args.device, *quick]
+        [
+            "python",
+            "benchmark/gpu/update_variants.py",
+            "--device",
+            args.device,
+            *quick,
+            *cmd[cmd.index("--threads") :],
+        ]
     )
     result["update_cap_s"] = cap_s
     started, seen, stopped = time.time(), None, False
@@ -272,6 +284,33 @@ def merge_update_figures(result: dict, out: Path, final: bool, why_missing: str 
     )
 
 
+PLANNED_UPDATES = 30_000  # the updates a lease's Pong run aims at: what a compile's warm-up is spread over
+
+
+def faster_path(result: dict) -> dict:
+    """The Pong run's extra fields from the update stage: {"compile": True} where the default's update with --compile
+    (COMPILED_VARIANT) beat it as measured, its warm-up spread over PLANNED_UPDATES updates counted in; else none.
+    Said in the results as `pong_fast_path`."""
+    variants = (result.get("update") or {}).get("variants", {})
+
+    def cost_s(name: str) -> float | None:
+        entry = variants.get(name, {})
+        if entry.get("update_ms") is None:
+            return None
+        return entry["update_ms"] / 1000 * PLANNED_UPDATES + sum(entry.get("warmup_calls_s") or [0.0])
+
+    eager, compiled = cost_s("training"), cost_s(COMPILED_VARIANT)
+    if eager is None or compiled is None:
+        result["pong_fast_path"] = "the default's: the update stage measured no pair to choose from"
+        return {}
+    faster = compiled < eager
+    result["pong_fast_path"] = (
+        f"{'--compile' if faster else 'the default (no --compile)'}: {PLANNED_UPDATES:,} updates and their warm-up "
+        f"would take {compiled:.0f} s with --compile against {eager:.0f} s without"
+    )
+    return {"compile": True} if faster else {}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # (b) the Atari100k Pong run
 # ---------------------------------------------------------------------------------------------------------
@@ -295,14 +334,15 @@ def args_flags(fields: dict) -> tuple[list[str], list[str]]:
     return flags, missing
 
 
-def pong_fields(args: Args) -> dict:
-    """The Pong run's Args fields: the recipe, resumable checkpoints or not, --quick's tiny sizes, the device's."""
+def pong_fields(args: Args, fast_path: dict | None = None) -> dict:
+    """The Pong run's Args fields: the recipe, resumable checkpoints or not, --quick's tiny sizes, the device's, and
+    the update stage's faster path (`faster_path`)."""
     on_cuda = args.device == "cuda"
     fields = {**PONG_RECIPE, **(PONG_RESUMABLE if args.pong_resumable else {})}
     if args.quick:
         fields.update({**PONG_QUICK, **(PONG_QUICK_RESUMABLE if args.pong_resumable else {})})
     fields.update(CUDA_FAST_PATH if on_cuda else {"cuda": False})
-    return fields
+    return {**fields, **(fast_path or {})}
 
 
 def read_curve(run_dir: Path | None) -> tuple[dict, dict] | None:
@@ -353,6 +393,9 @@ def pong_figures(curve: dict, scalars: dict, learning_starts: int, launched: flo
         "ball_f1_open_loop_5",
         "ball_f1_open_loop_10",
         "ball_f1_chance_open_loop_5",
+        "image_loss_per_frame",
+        "kl_nats",
+        "actor_entropy",
         "episodes",
         "env_steps_per_s",
         "updates_per_s",
@@ -427,6 +470,7 @@ def run_pong(
     progress: Callable[[dict], None] | None = None,
     deadline: float | None = None,
     images_to: Path | None = None,
+    fast_path: dict | None = None,
 ) -> dict:
     """Run (or continue) the Atari100k Pong run for --pong-minutes (less where the budget leaves less), then stop
     it with SIGTERM, which makes the script write a checkpoint and exit 143. Every --pong-curve-every env steps its
@@ -437,7 +481,7 @@ def run_pong(
     (pong_dir / "runs").mkdir(parents=True, exist_ok=True)
     checkpoints = sorted(pong_dir.glob("runs/*/checkpoint.pt"), key=lambda p: p.stat().st_mtime)
     resume = checkpoints[-1] if (checkpoints and args.pong_resumable) else None
-    fields = pong_fields(args)
+    fields = pong_fields(args, fast_path)
     flags, missing = args_flags(fields)
     cmd = [sys.executable, str(ROOT / "dreamer_atari.py"), *flags, *shlex.split(args.pong_args)]
     if resume is not None:
@@ -616,13 +660,26 @@ def plot_curve(curve: dict, stem: Path, env_steps: int) -> None:
         log(f"the curve PNG was not drawn ({type(exc).__name__}: {exc})")
 
 
+# env steps whose open-loop predictions are kept as pictures beside the results: where Pong is decided (DreamerV3's
+# runs are at -21 to -20 at 10k and pass -15 between 15k and 30k); four, so that a lease's files stay within 8
+OPEN_LOOP_PICTURE_STEPS = (5_000, 10_000, 20_000, 30_000)
+
+
 def open_loop_images(run_dir: Path, stem: Path) -> list[dict]:
-    """The run's first and last open-loop GIFs as PNG strips beside the results (gpu_report.open_loop_strip)."""
+    """The run's open-loop GIFs at OPEN_LOOP_PICTURE_STEPS as PNG strips beside the results
+    (gpu_report.open_loop_strip); the last GIF in place of any of those steps the run did not reach, and the first
+    and last where it wrote none at them (--quick)."""
     from benchmark.gpu.gpu_report import open_loop_strip
 
     gifs = sorted((run_dir / "open_loop").glob("step_*.gif"), key=lambda p: int(p.stem.split("_")[1]))
+    by_step = {int(gif.stem.split("_")[1]): gif for gif in gifs}
+    chosen = [by_step[step] for step in OPEN_LOOP_PICTURE_STEPS if step in by_step]
+    if len(chosen) < len(OPEN_LOOP_PICTURE_STEPS) and gifs:
+        chosen.append(gifs[-1])
+    if not chosen:
+        chosen = [*gifs[:1], *gifs[-1:]]
     strips = []
-    for gif in dict.fromkeys([*gifs[:1], *gifs[-1:]]):
+    for gif in dict.fromkeys(chosen[: len(OPEN_LOOP_PICTURE_STEPS)]):
         try:
             strips.append(open_loop_strip(gif, stem.with_name(f"{stem.name}_open_loop_{gif.stem}.png")))
         except Exception as exc:  # noqa: BLE001 - an image that fails never stops the run
@@ -779,16 +836,17 @@ def pong_markdown_staged(result: dict) -> list[str]:
         lines += [
             (
                 "| env step | training s | updates | mean return, last 10 | ball F1, observed | ball F1, 5 steps "
-                "open loop | ball F1 by chance, 5 steps open loop | env steps/s | updates/s | GPU reserved MB (peak) | "
-                "GPU alloc MB | host RSS MB |"
+                "open loop | ball F1 by chance, 5 steps open loop | image loss per frame | KL (nats) | actor entropy "
+                "(nats) | env steps/s | updates/s | GPU reserved MB (peak) | GPU alloc MB | host RSS MB |"
             ),
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for p in result["pong_curve"]:
             lines.append(
                 f"| {p['env_step']:,} | {fmt(p['wall_s'])} | {fmt(p['updates'])} | "
                 f"{fmt(p['mean_return_last10'])} | {fmt(p.get('ball_f1_observed'))} | "
                 f"{fmt(p.get('ball_f1_open_loop_5'))} | {fmt(p.get('ball_f1_chance_open_loop_5'))} | "
+                f"{fmt(p.get('image_loss_per_frame'))} | {fmt(p.get('kl_nats'))} | {fmt(p.get('actor_entropy'))} | "
                 f"{fmt(p.get('env_steps_per_s'))} | "
                 f"{fmt(p.get('updates_per_s'))} | {fmt(p.get('peak_gpu_reserved_mb'))} | "
                 f"{fmt(p.get('gpu_alloc_mb'))} | {fmt(p.get('host_rss_mb'))} |"
