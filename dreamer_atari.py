@@ -1365,6 +1365,7 @@ def mlp(in_dim: int, out_dim: int, hidden_dim: int, zero_output: bool = False) -
     if zero_output:  # DreamerV3: reward and value heads start predicting 0
         nn.init.zeros_(layers[-1].weight)
         nn.init.zeros_(layers[-1].bias)
+        layers[-1].zero_init = True  # decided here, once: `dreamerv3_init_` keeps it at zero
     return layers
 
 
@@ -1524,7 +1525,8 @@ class LayerNormGRUCell(nn.Module):
 @torch.no_grad()
 def dreamerv3_init_(module: nn.Module) -> None:
     """DreamerV3's initialisation of every linear and convolution weight in `module`: a normal truncated at two
-    standard deviations, with variance 1 / the mean of fan-in and fan-out; biases zero."""
+    standard deviations, with variance 1 / the mean of fan-in and fan-out; biases zero. A layer made to start at
+    zero (`mlp(..., zero_output=True)`) stays zero."""
     for layer in module.modules():
         if isinstance(layer, (nn.Linear, nn.Conv2d, nn.ConvTranspose2d)):
             weight = (
@@ -1535,6 +1537,9 @@ def dreamerv3_init_(module: nn.Module) -> None:
                 math.sqrt(2.0 / ((weight.shape[0] + weight.shape[1]) * taps)) / 0.87962566103423978
             )  # truncation
             nn.init.trunc_normal_(layer.weight, 0.0, std, -2 * std, 2 * std)
+            # a zero layer is drawn all the same, so that the layers after it get the same draws
+            if getattr(layer, "zero_init", False):
+                nn.init.zeros_(layer.weight)
             if layer.bias is not None:
                 nn.init.zeros_(layer.bias)
 
@@ -2351,12 +2356,9 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
     feat_dim = args.deterministic_dim + world_model.rssm.stoch_flat
     actor = Actor(feat_dim, num_actions, args.hidden_dim, args.unimix)
     critic = Critic(feat_dim, args.hidden_dim, args.reward_bins)
-    if args.model == "dreamerv3":
+    if args.model == "dreamerv3":  # zero outputs (the reward head, the critic) stay as `mlp` made them
         for module in (world_model, actor, critic):
             dreamerv3_init_(module)
-        # the reward head and the critic start predicting 0, as DreamerV3's
-        for zeroed in (world_model.reward_head[-1], critic.net[-1]):
-            nn.init.zeros_(zeroed.weight), nn.init.zeros_(zeroed.bias)
     world_model.rssm.backward_through_time = args.observe_backward == "hand-written"
     world_model, actor, critic = world_model.to(device), actor.to(device), critic.to(device)
     if args.channels_last:
