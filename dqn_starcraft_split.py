@@ -52,7 +52,15 @@ import tyro
 import memory_utils as mu
 
 
-@dataclass
+# Nothing changes a setting during a run: `args.x = y` is refused at once; the learning rate and epsilon follow the
+# schedules their flags set (--lr-scheduler, --exploration-steps)
+@mu.fixed_once_parsed(
+    lambda name: (
+        f"start the run with --{name.replace('_', '-')} (or RL_{name.upper()}) instead; a learning-rate "
+        f"or epsilon schedule is a flag too (--lr-scheduler, --exploration-steps)"
+    )
+)
+@dataclass(frozen=True)
 class Args:
     # experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]

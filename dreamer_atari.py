@@ -69,7 +69,15 @@ OOM_ADVICE = (
 )
 
 
-@dataclass
+# A setting that changes during a run is one of `UpdateSettings`', changed in place; `args.x = y` is refused at once
+@mu.fixed_once_parsed(
+    lambda name: (
+        f"schedule it with agent.settings.set({name!r}, value) (see UpdateSettings)"
+        if name in SCHEDULED or name in LEARNING_RATES
+        else f"it is not one to schedule during a run, so start the run with --{name.replace('_', '-')}"
+    )
+)
+@dataclass(frozen=True)
 class Args:
     # experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -268,7 +276,7 @@ class Args:
         # the size flags left unset take the chosen model's values (an unknown --model is check_args' to refuse)
         for name, value in MODEL_DEFAULTS.get(self.model, {}).items():
             if getattr(self, name) is None:
-                setattr(self, name, value)
+                object.__setattr__(self, name, value)  # frozen from here on
 
 
 # ALGO LOGIC: each --model's sizes, for the flags left unset
@@ -2880,13 +2888,14 @@ class CaptureInvalid(RuntimeError):
     """A setting the captured update read as a Python value changed after capture (one sentence naming it)."""
 
 
-def capture_settings(agent: Agent, args: Args) -> Callable[[], dict]:
-    """What a captured update keeps as it was at capture: every `Args` field and each optimizer's hyperparameters
-    (a tensor by identity: its value may change in place, the object may not). Returns a function that reads them
-    now; `CudaGraphed` compares its result with the one taken at capture before each replay."""
+def capture_settings(agent: Agent) -> Callable[[], dict]:
+    """What a captured update keeps as it was at capture: each optimizer's hyperparameters (a tensor by identity: its
+    value may change in place, the object may not) and the settings' tensors. (`Args` is frozen: no field of it can
+    change.) Returns a function that reads them now; `CudaGraphed` compares its result with the one taken at capture
+    before each replay."""
 
     def read() -> dict:
-        values = {f"args.{key}": value for key, value in vars(args).items()}
+        values = {}
         for name, optimizer in agent.named_optimizers().items():
             for key, value in optimizer.param_groups[0].items():
                 if key != "params":
@@ -2995,7 +3004,7 @@ def make_update_steps(agent: Agent, args: Args):
         return train_behavior(agent, start, args)
 
     if captured(args, agent.device):
-        settings = capture_settings(agent, args)
+        settings = capture_settings(agent)
         return CudaGraphed(world_model_step, settings=settings), CudaGraphed(behavior_step, settings=settings)
     return world_model_step, behavior_step
 

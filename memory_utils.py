@@ -13,9 +13,10 @@ Library:
     write_oom_report                     forensics: where in the loop memory grows, and why an OOM hit
     analyze_snapshots                    growth tables and top allocation sites from snapshot files
     claim_run_dir, StopSignals,
-    out_of_memory, save_checked,
-    verify_checkpoint                    a run's life: its own folder, stop signals read at the loop's top, the
-                                         out-of-memory sequence in one call, checkpoints with a checksum beside them
+    out_of_memory, fixed_once_parsed,
+    save_checked, verify_checkpoint      a run's life: its own folder, stop signals read at the loop's top, the
+                                         out-of-memory sequence in one call, settings frozen once parsed,
+                                         checkpoints checked against their own CRC-32s and a checksum beside them
 
 CLI (`python memory_utils.py --help`):
     report      print the memory report of a fresh process (and the CUDA devices it sees)
@@ -1852,6 +1853,31 @@ def out_of_memory(
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
     return OutOfMemory(where, error, diagnosis)
+
+
+class SettingFixed(dataclasses.FrozenInstanceError):
+    """A field of a script's `Args` assigned once the run has begun (one sentence saying how to change it)."""
+
+
+def fixed_once_parsed(how_to_change: Callable[[str], str]):
+    """Class decorator of a script's `@dataclass(frozen=True) class Args`. A frozen dataclass refuses `args.x = y`
+    with a generic message; this one says in one sentence what to do instead: `how_to_change(name)`, which ends the
+    sentence. Every device refuses it alike, at once: a captured CUDA graph would have kept the old value, the CPU
+    would have read the new one. Before a run starts, `dataclasses.replace(args, x=y)` makes another Args."""
+
+    def decorate(cls):
+        if not cls.__dataclass_params__.frozen:
+            raise TypeError(f"{cls.__name__} must be a frozen dataclass")
+
+        def refuse(self, name: str, *value) -> None:  # __setattr__ and __delattr__
+            raise SettingFixed(
+                f"args.{name} cannot change once {cls.__name__} is parsed (it is frozen): {how_to_change(name)}."
+            )
+
+        cls.__setattr__ = cls.__delattr__ = refuse
+        return cls
+
+    return decorate
 
 
 CHECKSUM_SUFFIX = ".sha256"
