@@ -1766,9 +1766,10 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str, args: Args) -> dict:
-    """A checkpoint to resume from, its bytes checked against its checksum (`checkpoint.pt.sha256`) and its settings
-    against this run's; any problem is one ConfigError, and the file is left where it is. A checkpoint without a
-    checksum (written before checkpoints had one) is read, after one line on stderr."""
+    """A checkpoint to resume from, its bytes checked against its archive's own CRC-32s and its checksum
+    (`checkpoint.pt.sha256`), and its settings against this run's; any problem is one ConfigError, and the file is
+    left where it is. A checkpoint neither check can verify (no checksum, not a zip archive) is read, after one line
+    on stderr."""
     if not os.path.isfile(path):
         raise ConfigError(f"--resume {path!r} does not exist or is not a file.")
     try:

@@ -3338,8 +3338,8 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str) -> dict:
-    """Verify against the checksum beside it, then load with weights_only=True; any failure is one ArgsError
-    sentence, and the file stays where it is."""
+    """Verify against its archive's own CRC-32s and the checksum beside it (`mu.verify_checkpoint`), then load with
+    weights_only=True; any failure is one ArgsError sentence, and the file stays where it is."""
     if not os.path.isfile(path):
         raise ArgsError(f"--resume {path!r} does not exist or is not a file.")
     try:
