@@ -69,7 +69,7 @@ OOM_ADVICE = (
 )
 
 
-# A setting that changes during a run is one of `UpdateSettings`', changed in place; `args.x = y` is refused at once
+# A number that changes during a run is changed in place, `agent.settings.set(...)`; `args.x = y` is refused at once
 @mu.fixed_once_parsed(
     lambda name: (
         f"schedule it with agent.settings.set({name!r}, value) (see UpdateSettings)"
