@@ -52,7 +52,15 @@ import tyro
 import memory_utils as mu
 
 
-@dataclass
+# Nothing changes a setting during a run: `args.x = y` is refused at once; the learning rate and epsilon follow the
+# schedules their flags set (--lr-scheduler, --exploration-steps)
+@mu.fixed_once_parsed(
+    lambda name: (
+        f"start the run with --{name.replace('_', '-')} (or RL_{name.upper()}) instead; a learning-rate "
+        f"or epsilon schedule is a flag too (--lr-scheduler, --exploration-steps)"
+    )
+)
+@dataclass(frozen=True)
 class Args:
     # experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -1758,9 +1766,10 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str, args: Args) -> dict:
-    """A checkpoint to resume from, its bytes checked against its checksum (`checkpoint.pt.sha256`) and its settings
-    against this run's; any problem is one ConfigError, and the file is left where it is. A checkpoint without a
-    checksum (written before checkpoints had one) is read, after one line on stderr."""
+    """A checkpoint to resume from, its bytes checked against its archive's own CRC-32s and its checksum
+    (`checkpoint.pt.sha256`), and its settings against this run's; any problem is one ConfigError, and the file is
+    left where it is. A checkpoint neither check can verify (no checksum, not a zip archive) is read, after one line
+    on stderr."""
     if not os.path.isfile(path):
         raise ConfigError(f"--resume {path!r} does not exist or is not a file.")
     try:

@@ -72,7 +72,15 @@ OOM_ADVICE = (
 )
 
 
-@dataclass
+# A number that changes during a run is changed in place, `agent.settings.set(...)`; `args.x = y` is refused at once
+@mu.fixed_once_parsed(
+    lambda name: (
+        f"schedule it with agent.settings.set({name!r}, value) (see UpdateSettings)"
+        if name in SCHEDULED or name in LEARNING_RATES
+        else f"it is not one to schedule during a run, so start the run with --{name.replace('_', '-')}"
+    )
+)
+@dataclass(frozen=True)
 class Args:
     # experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -279,9 +287,11 @@ class Args:
         # the size flags left unset take the chosen model's values (an unknown --model is check_args' to refuse)
         for name, value in MODEL_DEFAULTS.get(self.model, {}).items():
             if getattr(self, name) is None:
-                setattr(self, name, value)
+                object.__setattr__(self, name, value)  # frozen from here on
         # colour where the frames have it and the model is DreamerV3's
-        self.rgb = self.rgb and self.model == "dreamerv3" and env_has_colour(self.env_id)
+        object.__setattr__(
+            self, "rgb", self.rgb and self.model == "dreamerv3" and env_has_colour(self.env_id)
+        )
 
 
 # ALGO LOGIC: each --model's sizes, for the flags left unset
@@ -1391,6 +1401,7 @@ def mlp(in_dim: int, out_dim: int, hidden_dim: int, zero_output: bool = False) -
     if zero_output:  # DreamerV3: reward and value heads start predicting 0
         nn.init.zeros_(layers[-1].weight)
         nn.init.zeros_(layers[-1].bias)
+        layers[-1].zero_init = True  # decided here, once: `dreamerv3_init_` keeps it at zero
     return layers
 
 
@@ -1550,7 +1561,8 @@ class LayerNormGRUCell(nn.Module):
 @torch.no_grad()
 def dreamerv3_init_(module: nn.Module) -> None:
     """DreamerV3's initialisation of every linear and convolution weight in `module`: a normal truncated at two
-    standard deviations, with variance 1 / the mean of fan-in and fan-out; biases zero."""
+    standard deviations, with variance 1 / the mean of fan-in and fan-out; biases zero. A layer made to start at
+    zero (`mlp(..., zero_output=True)`) stays zero."""
     for layer in module.modules():
         if isinstance(layer, (nn.Linear, nn.Conv2d, nn.ConvTranspose2d)):
             weight = (
@@ -1561,6 +1573,9 @@ def dreamerv3_init_(module: nn.Module) -> None:
                 math.sqrt(2.0 / ((weight.shape[0] + weight.shape[1]) * taps)) / 0.87962566103423978
             )  # truncation
             nn.init.trunc_normal_(layer.weight, 0.0, std, -2 * std, 2 * std)
+            # a zero layer is drawn all the same, so that the layers after it get the same draws
+            if getattr(layer, "zero_init", False):
+                nn.init.zeros_(layer.weight)
             if layer.bias is not None:
                 nn.init.zeros_(layer.bias)
 
@@ -2499,12 +2514,9 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
     feat_dim = args.deterministic_dim + world_model.rssm.stoch_flat
     actor = Actor(feat_dim, num_actions, args.hidden_dim, args.unimix)
     critic = Critic(feat_dim, args.hidden_dim, args.reward_bins)
-    if args.model == "dreamerv3":
+    if args.model == "dreamerv3":  # zero outputs (the reward head, the critic) stay as `mlp` made them
         for module in (world_model, actor, critic):
             dreamerv3_init_(module)
-        # the reward head and the critic start predicting 0, as DreamerV3's
-        for zeroed in (world_model.reward_head[-1], critic.net[-1]):
-            nn.init.zeros_(zeroed.weight), nn.init.zeros_(zeroed.bias)
     world_model.rssm.backward_through_time = args.observe_backward == "hand-written"
     world_model, actor, critic = world_model.to(device), actor.to(device), critic.to(device)
     if args.channels_last:
@@ -3032,13 +3044,14 @@ class CaptureInvalid(RuntimeError):
     """A setting the captured update read as a Python value changed after capture (one sentence naming it)."""
 
 
-def capture_settings(agent: Agent, args: Args) -> Callable[[], dict]:
-    """What a captured update keeps as it was at capture: every `Args` field and each optimizer's hyperparameters
-    (a tensor by identity: its value may change in place, the object may not). Returns a function that reads them
-    now; `CudaGraphed` compares its result with the one taken at capture before each replay."""
+def capture_settings(agent: Agent) -> Callable[[], dict]:
+    """What a captured update keeps as it was at capture: each optimizer's hyperparameters (a tensor by identity: its
+    value may change in place, the object may not) and the settings' tensors. (`Args` is frozen: no field of it can
+    change.) Returns a function that reads them now; `CudaGraphed` compares its result with the one taken at capture
+    before each replay."""
 
     def read() -> dict:
-        values = {f"args.{key}": value for key, value in vars(args).items()}
+        values = {}
         for name, optimizer in agent.named_optimizers().items():
             for key, value in optimizer.param_groups[0].items():
                 if key != "params":
@@ -3147,7 +3160,7 @@ def make_update_steps(agent: Agent, args: Args):
         return train_behavior(agent, start, args)
 
     if captured(args, agent.device):
-        settings = capture_settings(agent, args)
+        settings = capture_settings(agent)
         return CudaGraphed(world_model_step, settings=settings), CudaGraphed(behavior_step, settings=settings)
     return world_model_step, behavior_step
 
@@ -3529,8 +3542,8 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str) -> dict:
-    """Verify against the checksum beside it, then load with weights_only=True; any failure is one ArgsError
-    sentence, and the file stays where it is."""
+    """Verify against its archive's own CRC-32s and the checksum beside it (`mu.verify_checkpoint`), then load with
+    weights_only=True; any failure is one ArgsError sentence, and the file stays where it is."""
     if not os.path.isfile(path):
         raise ArgsError(f"--resume {path!r} does not exist or is not a file.")
     try:

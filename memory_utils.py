@@ -13,9 +13,10 @@ Library:
     write_oom_report                     forensics: where in the loop memory grows, and why an OOM hit
     analyze_snapshots                    growth tables and top allocation sites from snapshot files
     claim_run_dir, StopSignals,
-    out_of_memory, save_checked,
-    verify_checkpoint                    a run's life: its own folder, stop signals read at the loop's top, the
-                                         out-of-memory sequence in one call, checkpoints with a checksum beside them
+    out_of_memory, fixed_once_parsed,
+    save_checked, verify_checkpoint      a run's life: its own folder, stop signals read at the loop's top, the
+                                         out-of-memory sequence in one call, settings frozen once parsed,
+                                         checkpoints checked against their own CRC-32s and a checksum beside them
 
 CLI (`python memory_utils.py --help`):
     report      print the memory report of a fresh process (and the CUDA devices it sees)
@@ -49,6 +50,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -1854,6 +1857,31 @@ def out_of_memory(
     return OutOfMemory(where, error, diagnosis)
 
 
+class SettingFixed(dataclasses.FrozenInstanceError):
+    """A field of a script's `Args` assigned once the run has begun (one sentence saying how to change it)."""
+
+
+def fixed_once_parsed(how_to_change: Callable[[str], str]):
+    """Class decorator of a script's `@dataclass(frozen=True) class Args`. A frozen dataclass refuses `args.x = y`
+    with a generic message; this one says in one sentence what to do instead: `how_to_change(name)`, which ends the
+    sentence. Every device refuses it alike, at once: a captured CUDA graph would have kept the old value, the CPU
+    would have read the new one. Before a run starts, `dataclasses.replace(args, x=y)` makes another Args."""
+
+    def decorate(cls):
+        if not cls.__dataclass_params__.frozen:
+            raise TypeError(f"{cls.__name__} must be a frozen dataclass")
+
+        def refuse(self, name: str, *value) -> None:  # __setattr__ and __delattr__
+            raise SettingFixed(
+                f"args.{name} cannot change once {cls.__name__} is parsed (it is frozen): {how_to_change(name)}."
+            )
+
+        cls.__setattr__ = cls.__delattr__ = refuse
+        return cls
+
+    return decorate
+
+
 CHECKSUM_SUFFIX = ".sha256"
 
 
@@ -1902,27 +1930,59 @@ def save_checked(
     return written
 
 
+ZIP_SIGNATURE = b"PK\x03\x04"  # the first bytes of a zip archive, which is what torch.save writes
+
+
+def check_archive_crcs(path: str | os.PathLike) -> bool:
+    """Read every record of a zip archive (torch.save's format: one record per tensor's bytes, one for the pickled
+    structure) and check it against the CRC-32 the archive stores with it. torch's loader checks none of them.
+    Raises `CheckpointInvalid` naming the first damaged record (one sentence; the file is left as it is); returns
+    False when the file is no zip archive (torch's legacy format, say): there is nothing to check."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        if f.read(len(ZIP_SIGNATURE)) != ZIP_SIGNATURE:
+            return False
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()  # the first record whose bytes fail their CRC-32, or None
+    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, zlib.error) as exc:
+        raise CheckpointInvalid(
+            f"{path} begins as a zip archive (torch.save's format) but cannot be read as one ({exc}): it was "
+            f"truncated or changed since it was written; it is left as it is."
+        ) from None
+    if damaged is not None:
+        raise CheckpointInvalid(
+            f"{path} is damaged: its record {damaged} does not match the CRC-32 stored with it (changed since it "
+            f"was written); it is left as it is."
+        )
+    return True
+
+
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
-    """Check a checkpoint against the checksum `save_checked` wrote beside it, before anything loads it (torch's
-    loader does not check its archive's checksums: flipped bytes inside a tensor load without a word). Raises
-    `CheckpointInvalid` (one sentence; the file is left where it is) when the bytes differ; returns None when
-    verified, or one line to print when the file has no checksum (written before checksums existed, or copied
-    without its `.sha256`)."""
+    """Check a checkpoint, before anything loads it, against the checksum `save_checked` wrote beside it and against
+    its archive's own CRC-32s (`check_archive_crcs`): torch's loader checks neither, and flipped bytes inside a
+    tensor load without a word. Raises `CheckpointInvalid` (one sentence; the file is left where it is) when either
+    fails; returns None when verified, or one line to print when neither check is possible (no `.sha256` beside
+    it, and not a zip archive)."""
     path = os.fspath(path)
     sidecar = path + CHECKSUM_SUFFIX
-    accepted = _accepted_digests(sidecar)
-    if not os.path.exists(sidecar):
-        return f"note: {path} has no {CHECKSUM_SUFFIX} beside it, so it could not be verified; loading it as it is"
-    if not accepted:
-        raise CheckpointInvalid(
-            f"{sidecar} is not a checksum file, so {path} cannot be verified; it is left as it is."
-        )
-    if file_digest(path) not in accepted:
-        raise CheckpointInvalid(
-            f"{path} does not match its checksum in {sidecar} (changed, truncated or replaced since it was "
-            f"written); it is left as it is."
-        )
-    return None
+    has_sidecar = os.path.exists(sidecar)
+    if has_sidecar:
+        accepted = _accepted_digests(sidecar)
+        if not accepted:
+            raise CheckpointInvalid(
+                f"{sidecar} is not a checksum file, so {path} cannot be verified; it is left as it is."
+            )
+        if file_digest(path) not in accepted:
+            raise CheckpointInvalid(
+                f"{path} does not match its checksum in {sidecar} (changed, truncated or replaced since it was "
+                f"written); it is left as it is."
+            )
+    if check_archive_crcs(path) or has_sidecar:
+        return None
+    return (
+        f"note: {path} has no {CHECKSUM_SUFFIX} beside it, so it could not be verified; loading it as it is"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -430,9 +430,9 @@ def wait_for_free_gpu(plan: Plan, log) -> None:
 
 
 def verify_checkpoint(path: Path) -> str | None:
-    """memory_utils' check of a checkpoint against the checksum the script wrote beside it, before the sweep reads
-    or resumes it: RunFailed (one sentence) when its bytes are not the ones written; a line to log when it has no
-    checksum (written before checkpoints had one), else None."""
+    """memory_utils' check of a checkpoint against its archive's own CRC-32s and the checksum the script wrote
+    beside it, before the sweep reads or resumes it: RunFailed (one sentence) when its bytes are not the ones
+    written; a line to log when neither check is possible (no checksum, not a zip archive), else None."""
     import memory_utils as mu
 
     try:

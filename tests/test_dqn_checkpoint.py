@@ -1,20 +1,19 @@
 """Checkpoints that cannot lie: dqn_starcraft_split.py writes `checkpoint.pt.sha256` beside each checkpoint and
-`--resume` refuses a checkpoint whose bytes are not the ones written (one sentence, exit 2, the file left as it
-is); one from before checksums resumes after one line. And the checkpoints of format 3, whose heads' weights had
-other names, still load."""
+`--resume` refuses a checkpoint whose bytes are not the ones written, by that checksum or by the archive's own
+CRC-32s (one sentence, exit 2, the file left as it is); one neither can verify resumes after one line. And the
+checkpoints of format 3, whose heads' weights had other names, still load."""
 
 import os
 import shutil
-import struct
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
 import dqn_starcraft_split as dqn
+from conftest import flip_200_bytes_inside_a_tensor
 from dqn_tiny import TINY_FLAGS
 
 SCRIPT = Path(dqn.__file__)
@@ -48,29 +47,10 @@ def run(two_runs, tmp_path) -> Path:
     return tmp_path / "results" / "first"
 
 
-def tensor_bytes(path: Path) -> tuple[int, int]:
-    """(offset, size) in the file of the largest tensor torch.save stored (uncompressed, in `archive/data/N`)."""
-    with zipfile.ZipFile(path) as archive:
-        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    with open(path, "rb") as f:
-        f.seek(info.header_offset + 26)
-        name_length, extra_length = struct.unpack("<HH", f.read(4))
-    return info.header_offset + 30 + name_length + extra_length, info.file_size
-
-
-def flip_200_bytes(path: Path) -> None:
-    offset, size = tensor_bytes(path)
-    assert size >= 400
-    data = bytearray(path.read_bytes())
-    for k in range(offset + size // 2 - 100, offset + size // 2 + 100):
-        data[k] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def spoil(run: Path, how: str) -> None:
     checkpoint = run / "checkpoint.pt"
     if how == "flipped":
-        flip_200_bytes(checkpoint)
+        flip_200_bytes_inside_a_tensor(checkpoint)
         torch.load(checkpoint, weights_only=True)  # torch reads it without a word: only the checksum tells
     elif how == "truncated":
         checkpoint.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
@@ -98,8 +78,34 @@ def test_a_checkpoint_that_is_not_the_one_written_is_refused_in_one_sentence(run
     assert "resumed" not in (run / "train.log").read_text()  # nothing was trained from it
 
 
-def test_the_command_line_refuses_a_changed_checkpoint_with_exit_2_and_no_traceback(run):
-    flip_200_bytes(run / "checkpoint.pt")
+def test_a_damaged_checkpoint_copied_without_its_checksum_is_refused_naming_the_damaged_record(run, capsys):
+    """Without its .sha256, a checkpoint is still checked against its archive's own CRC-32s before it is loaded:
+    200 bytes flipped inside a tensor, which torch loads without a word, are refused in one sentence naming the
+    record and the file, and the file is left as it is."""
+    checkpoint = run / "checkpoint.pt"
+    (run / "checkpoint.pt.sha256").unlink()
+    assert (
+        dqn.mu.verify_checkpoint(checkpoint) is None
+    )  # undamaged: its own CRC-32s verify it, without a note
+    record = flip_200_bytes_inside_a_tensor(checkpoint)
+    torch.load(checkpoint, weights_only=True)
+    damaged = checkpoint.read_bytes()
+    code = main_in(run.parent.parent, [*ONE_EPISODE, "--num-episodes", "2", "--resume", str(checkpoint)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(
+        f"error: --resume {checkpoint} is damaged: its record {record} does not match the CRC-32 "
+    )
+    assert err.strip().endswith("it is left as it is.")
+    assert checkpoint.read_bytes() == damaged and not (run / "checkpoint.pt.sha256").exists()
+    assert "resumed" not in (run / "train.log").read_text()
+
+
+@pytest.mark.parametrize("checksum", ["with its checksum", "copied without it"])
+def test_the_command_line_refuses_a_changed_checkpoint_with_exit_2_and_no_traceback(run, checksum):
+    if checksum == "copied without it":
+        (run / "checkpoint.pt.sha256").unlink()
+    record = flip_200_bytes_inside_a_tensor(run / "checkpoint.pt")
     done = subprocess.run(
         [
             sys.executable,
@@ -117,12 +123,16 @@ def test_the_command_line_refuses_a_changed_checkpoint_with_exit_2_and_no_traceb
         timeout=120,
     )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
-    assert "does not match its checksum" in done.stderr and "Traceback" not in done.stderr
+    said = "does not match its checksum" if checksum == "with its checksum" else f"its record {record} "
+    assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
-def test_a_checkpoint_without_its_checksum_resumes_after_one_line(run, capsys):
-    """A checkpoint written before checkpoints had a checksum (or copied without it) is read, after one line."""
+def test_a_checkpoint_neither_check_can_verify_resumes_after_one_line(run, capsys):
+    """A checkpoint without its checksum that is no zip archive either (torch's legacy format: no CRC-32s to
+    check) is read, after one line saying it could not be verified."""
     (run / "checkpoint.pt.sha256").unlink()
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    torch.save(state, run / "checkpoint.pt", _use_new_zipfile_serialization=False)
     code = main_in(
         run.parent.parent, [*ONE_EPISODE, "--num-episodes", "2", "--resume", str(run / "checkpoint.pt")]
     )

@@ -287,6 +287,25 @@ def test_each_rule_refuses_its_bad_value_in_one_sentence():
     )  # cross-field rules name the other
 
 
+def test_a_setting_assigned_after_the_run_started_is_refused_at_once(tmp_path, monkeypatch):
+    """`args.learning_rate = x` once the run has started would change nothing the optimizer reads: every Args a
+    run holds is frozen, and the line fails at once in one sentence naming the flag to start the run with."""
+    monkeypatch.chdir(tmp_path)
+    seen = []
+
+    def changes_a_setting(args, *rest):
+        seen.append(args)
+        args.learning_rate = 1e-3
+
+    monkeypatch.setattr(dqn, "train_one_seed", changes_a_setting)
+    with pytest.raises(dqn.mu.SettingFixed) as refused:
+        dqn.main(*dqn.parse_args([*TINY_FLAGS, "--num-episodes", "1"], {}))
+    message = str(refused.value)
+    assert message.startswith("args.learning_rate cannot change") and len(message.splitlines()) == 1
+    assert "start the run with --learning-rate (or RL_LEARNING_RATE)" in message, message
+    assert seen[0].learning_rate == 5e-5
+
+
 def test_model_settings_reach_the_network():
     args = dqn.Args(
         res=8,

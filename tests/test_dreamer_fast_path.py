@@ -10,6 +10,7 @@ that no later change quietly adds kernels back to the loops that bound an update
 """
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -471,7 +472,7 @@ def test_a_change_to_the_observe_step_not_carried_into_its_backward_stops_the_ru
     args = tiny_args(total_timesteps=50, learning_starts=10, train_ratio=18.0, num_envs=1, vector_mode="sync")
     with pytest.raises(da.ObserveBackwardMismatch, match="--observe-backward autograd"):
         da.main(args)
-    args.observe_backward = "autograd"  # autograd's backward follows any change
+    args = dataclasses.replace(args, observe_backward="autograd")  # autograd's backward follows any change
     assert da.main(args)["global_step"] == 50
 
 

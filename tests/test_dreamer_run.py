@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import dreamer_atari as da
 import dreamer_tiny
 import memory_utils as mu
+from conftest import flip_200_bytes_inside_a_tensor
 from dreamer_tiny import TINY_FLAGS, obs_shape
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -483,26 +484,6 @@ def test_memory_is_read_on_one_heap_with_tensorboards_queue_written(in_tmp, monk
     assert_memory_order(events)
 
 
-def largest_tensor_record(path) -> tuple[int, int]:
-    """(offset, size) in the file of the largest tensor's bytes inside a torch.save archive (a zip file)."""
-    import zipfile
-
-    with zipfile.ZipFile(path) as archive:
-        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    with open(path, "rb") as f:
-        f.seek(info.header_offset + 26)
-        name_length, extra_length = np.frombuffer(f.read(4), "<u2")
-    return info.header_offset + 30 + int(name_length) + int(extra_length), info.file_size
-
-
-def flip_bytes_inside_a_tensor(path) -> None:
-    offset, size = largest_tensor_record(path)
-    data = bytearray(Path(path).read_bytes())
-    start = offset + size // 2
-    data[start : start + 200] = bytes(b ^ 0x5A for b in data[start : start + 200])
-    Path(path).write_bytes(bytes(data))
-
-
 def truncate(path) -> None:
     data = Path(path).read_bytes()
     Path(path).write_bytes(data[: len(data) - 1000])
@@ -514,7 +495,7 @@ def test_a_checkpoint_changed_since_it_was_written_is_refused_and_left_as_it_is(
     path = in_tmp / first["run_dir"] / "checkpoint.pt"
     assert (in_tmp / first["run_dir"] / "checkpoint.pt.sha256").exists()
     if damage == "flipped":
-        flip_bytes_inside_a_tensor(path)
+        flip_200_bytes_inside_a_tensor(path)
         load_checkpoint(path)  # torch loads it without a word: the checksum is what catches it
     elif damage == "truncated":
         truncate(path)
@@ -528,11 +509,41 @@ def test_a_checkpoint_changed_since_it_was_written_is_refused_and_left_as_it_is(
     assert path.read_bytes() == damaged, "the refused checkpoint was changed"
 
 
-def test_a_checkpoint_without_its_checksum_resumes_and_says_it_could_not_be_verified(in_tmp, capsys):
-    """A checkpoint written before checksums existed (or copied without its .sha256) still resumes."""
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_a_damaged_checkpoint_copied_without_its_checksum_is_refused_naming_the_damage(
+    in_tmp, capsys, damage
+):
+    """Without its .sha256, a checkpoint is still checked against its archive's own CRC-32s before it is loaded: 200
+    bytes flipped inside a tensor, which torch loads without a word, are refused in one sentence naming the record
+    and the file (a cut-off archive, naming the file); the file is left as it is."""
+    first = da.main(tiny_args(total_timesteps=100, save_model=True, vector_mode="sync"))
+    path = in_tmp / "copied" / "checkpoint.pt"
+    path.parent.mkdir()
+    path.write_bytes((in_tmp / first["run_dir"] / "checkpoint.pt").read_bytes())  # without its .sha256
+    if damage == "flipped":
+        record = flip_200_bytes_inside_a_tensor(path)
+        load_checkpoint(path)
+        said = f"{path} is damaged: its record {record} does not match the CRC-32 stored with it"
+    else:
+        truncate(path)
+        said = f"{path} begins as a zip archive (torch.save's format) but cannot be read as one"
+    damaged = path.read_bytes()
+    message = refused(capsys, tiny_args(total_timesteps=200, resume=str(path)))
+    assert message.startswith(f"error: --resume: {said}") and message.endswith("it is left as it is."), (
+        message
+    )
+    assert len(message.splitlines()) == 1 and "Traceback" not in message
+    assert path.read_bytes() == damaged and sorted(p.name for p in path.parent.iterdir()) == ["checkpoint.pt"]
+
+
+def test_a_checkpoint_neither_check_can_verify_resumes_and_says_so(in_tmp, capsys):
+    """A checkpoint copied without its .sha256 is verified by its archive's own CRC-32s; one that is no zip archive
+    either (torch's legacy format, nothing to check) still resumes, after one line saying it could not be verified."""
     first = da.main(tiny_args(total_timesteps=100, save_model=True, vector_mode="sync"))
     path = in_tmp / first["run_dir"] / "checkpoint.pt"
     (in_tmp / first["run_dir"] / "checkpoint.pt.sha256").unlink()
+    assert mu.verify_checkpoint(path) is None, "its own CRC-32s verify it"
+    torch.save(load_checkpoint(path), path, _use_new_zipfile_serialization=False)
     capsys.readouterr()
     result = da.main(tiny_args(total_timesteps=200, save_model=True, vector_mode="sync", resume=str(path)))
     assert result["global_step"] == 200

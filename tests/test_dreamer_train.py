@@ -187,6 +187,28 @@ def test_compile_gives_the_eager_values_on_the_same_batches(monkeypatch):
     torch.testing.assert_close(values[True], values[False], rtol=1e-3, atol=1e-5)
 
 
+class WorldModelWithANewHead(da.WorldModel):
+    """A researcher's new head, added where the world model's heads are made, meant to start predicting 0."""
+
+    def __init__(self, args, obs_shape, num_actions):
+        super().__init__(args, obs_shape, num_actions)
+        feat_dim = args.deterministic_dim + self.rssm.stoch_flat
+        self.new_head = da.mlp(feat_dim, 7, args.hidden_dim, zero_output=True)
+
+
+@pytest.mark.parametrize("model", ["dreamerv3", "nature"])
+def test_a_head_made_to_start_at_zero_predicts_zero_in_the_built_agent(monkeypatch, model):
+    """An output layer made with zero_output=True stays zero through the agent's initialisation (DreamerV3's
+    re-draws every other layer), as the reward head's and the critic's do."""
+    monkeypatch.setattr(da, "WorldModel", WorldModelWithANewHead)
+    args = tiny_args(model=model)
+    agent = da.build_agent(args, obs_shape(args), 6, "cpu")
+    feat = torch.randn(5, args.deterministic_dim + agent.world_model.rssm.stoch_flat)
+    for head in (agent.world_model.new_head, agent.world_model.reward_head, agent.critic.net):
+        assert torch.equal(head(feat), torch.zeros(5, head[-1].out_features))
+    assert agent.world_model.continue_head(feat).abs().max() > 0, "a head not made to start at zero did"
+
+
 @pytest.mark.parametrize("size", [da.MIN_IMAGE_SIZE, 64, 84, 96, 101])
 def test_encoder_and_decoder_follow_the_image_size(size):
     """The decoder undoes the encoder's three convolutions whatever the side: strides that drop rows get them

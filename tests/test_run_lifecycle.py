@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import memory_utils as mu
+from conftest import flip_200_bytes_inside_a_tensor
 
 
 def claim_in_a_process(parent: str, name: str, queue) -> None:
@@ -111,9 +112,27 @@ def test_a_checkpoint_verifies_and_a_changed_byte_is_refused(tmp_path):
         mu.verify_checkpoint(path)
 
 
-def test_a_checkpoint_without_a_checksum_is_said_once_and_a_bad_checksum_file_refused(tmp_path):
+def test_a_checkpoint_without_a_checksum_is_checked_against_its_own_crcs(tmp_path):
+    """torch.save writes a zip archive, a CRC-32 with each record: without the .sha256 those still tell a damaged
+    tensor, which torch.load reads without a word."""
     path = tmp_path / "checkpoint.pt"
-    torch.save({"w": torch.ones(3)}, path)
+    torch.save({"w": torch.arange(1000.0)}, path)
+    assert mu.verify_checkpoint(path) is None
+    record = flip_200_bytes_inside_a_tensor(path)
+    torch.load(path, weights_only=True)
+    damaged = path.read_bytes()
+    with pytest.raises(mu.CheckpointInvalid) as refused:
+        mu.verify_checkpoint(path)
+    assert str(refused.value) == (
+        f"{path} is damaged: its record {record} does not match the CRC-32 stored with it (changed since it was "
+        f"written); it is left as it is."
+    )
+    assert path.read_bytes() == damaged
+
+
+def test_a_checkpoint_neither_check_can_verify_is_said_once_and_a_bad_checksum_file_refused(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"w": torch.ones(3)}, path, _use_new_zipfile_serialization=False)  # no zip: no CRC-32s
     assert "could not be verified" in mu.verify_checkpoint(path)
     (tmp_path / "checkpoint.pt.sha256").write_bytes(b"\n")
     with pytest.raises(mu.CheckpointInvalid, match="not a checksum file"):

@@ -5,6 +5,7 @@ periodic checkpoint resumes from it when the sweep runs again, with no step twic
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -385,6 +386,39 @@ def test_a_run_killed_before_any_checkpoint_starts_afresh_when_run_again(tmp_pat
     assert row["steps"] == "300"
     written = steps_in_files(log.parent / "runs" / "run", "charts/episodic_return")
     assert written == list(range(15, 301, 15))  # one per episode, from the fresh start only
+
+
+@pytest.mark.parametrize("read", ["to resume", "for the result"])
+def test_a_damaged_checkpoint_without_its_checksum_is_neither_resumed_nor_read(tmp_path, monkeypatch, read):
+    """A checkpoint copied without its .sha256 is checked against its archive's own CRC-32s before the sweep resumes
+    from it or reads its counters: 200 flipped bytes inside a tensor fail the run in one sentence naming the record,
+    the script is not started and the file stays as it is."""
+    import torch
+
+    import memory_utils as mu
+    from conftest import flip_200_bytes_inside_a_tensor
+
+    plan = sweep.plan_sweep(
+        sweep.Args(script="dreamer_atari.py", root=str(tmp_path), name="s", min_free_mb=0), []
+    )
+    run_dir = Path(plan.sweep_dir) / plan.runs[0].name
+    checkpoint = run_dir / "runs" / "run" / "checkpoint.pt"
+    checkpoint.parent.mkdir(parents=True)
+    mu.save_checked(
+        checkpoint, lambda f: torch.save({"counters": {"global_step": 7}, "w": torch.ones(500)}, f)
+    )
+    (run_dir / "runs" / "run" / "checkpoint.pt.sha256").unlink()
+    record = flip_200_bytes_inside_a_tensor(checkpoint)
+    damaged = checkpoint.read_bytes()
+    started = []
+    monkeypatch.setattr(sweep, "run_script", lambda command, *args: started.append(command))
+    said = re.escape(f"{checkpoint} is damaged: its record {record} does not match the CRC-32 stored with it")
+    with pytest.raises(sweep.RunFailed, match=said):
+        if read == "to resume":
+            sweep.run_one(plan, 0)
+        else:
+            plan.script.final(run_dir)
+    assert started == [] and checkpoint.read_bytes() == damaged
 
 
 def test_a_checkpoint_that_fails_its_checksum_is_not_resumed(tmp_path, monkeypatch):
