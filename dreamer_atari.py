@@ -65,6 +65,7 @@ EXIT_OOM = 3
 EXIT_LEAK = 4
 EXIT_NONFINITE = 5
 EXIT_WRITE_FAILED = 6  # a checkpoint the run cannot go on without (final, signal, OOM) could not be written
+EXIT_FAST_PATH = 7  # a fast path computes something other than the readable function it replaces
 CHECKPOINT_FORMAT = "dreamer_atari/1"
 OOM_ADVICE = (
     "Flags that lower the peak: --amp bf16 (or fp16 on CUDA), a smaller --batch-size or --sequence-length, a "
@@ -260,6 +261,10 @@ class Args:
     observe_backward: Literal["hand-written", "autograd"] = "hand-written"
     """the observe scan's backward pass: hand-written (`ObserveBackwardThroughTime`: 47 operations per step instead
     of 80, the same gradients) or autograd's, which follows any change to `RSSM.observe_step` at once"""
+    fast_observe: bool = True
+    """the observe scan's fast path (`RSSM.observe`: its first layers split out of the loop, `observe_step`, and the
+    backward of --observe-backward); --no-fast-observe trains through the readable cell (`RSSM.observe_reference`)
+    with autograd: the same values, many more operations"""
     compile: bool = False
     """torch.compile the steps an update repeats (one RSSM step and one step of its backward, one imagination step),
     the world model's losses and the actor-critic targets, and the encoder, decoder and heads: fewer, fused kernels;
@@ -1356,13 +1361,7 @@ def one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     product with a difference matrix. The last CDF column is doubled, so rounding never leaves a row without a
     class. The uniforms come from the caller, drawn for a whole sequence at once."""
     if torch.compiler.is_compiling():
-        # compiled (--compile): the same draw as a cumulative sum and a difference, which Inductor fuses with the
-        # work around them (each product below would stay a matmul kernel of its own)
-        with torch.autocast(probs.device.type, enabled=False):
-            cdf = probs.float().cumsum(-1)
-            cdf = torch.cat([cdf[..., :-1], torch.full_like(cdf[..., -1:], 2.0)], -1)
-            above = (cdf >= uniform).float()  # (..., C): 0 up to the drawn class, 1 from it
-            return above - F.pad(above[..., :-1], (1, 0))
+        return one_hot_draw_fused(probs, uniform)
     classes, key = probs.shape[-1], (probs.shape[-1], probs.device)
     if key not in _DRAW_MATRICES:
         eye = torch.eye(classes, dtype=torch.float32, device=probs.device)
@@ -1376,6 +1375,17 @@ def one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
             probs.float() @ cdf_matrix >= uniform
         ).float()  # (..., C): 0 up to the drawn class, 1 from it
         return above @ diff_matrix
+
+
+def one_hot_draw_fused(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """`one_hot_draw` as --compile runs it: the same draw as a cumulative sum and a difference, which Inductor fuses
+    with the work around them (each product of the eager draw would stay a matmul kernel of its own).
+    `check_fast_paths` holds its draws to the eager ones."""
+    with torch.autocast(probs.device.type, enabled=False):
+        cdf = probs.float().cumsum(-1)
+        cdf = torch.cat([cdf[..., :-1], torch.full_like(cdf[..., -1:], 2.0)], -1)
+        above = (cdf >= uniform).float()  # (..., C): 0 up to the drawn class, 1 from it
+        return above - F.pad(above[..., :-1], (1, 0))
 
 
 def categorical_draw(probs: torch.Tensor) -> torch.Tensor:
@@ -1630,6 +1640,8 @@ class RSSM(nn.Module):
     # observe's backward pass: hand-written where it applies (see `backward_through_time_applies`); False gives
     # autograd's backward of the per-step loop (the same gradients, more operations)
     backward_through_time = True
+    # observe's fast path; False: `observe_reference`, the readable cell step by step (--no-fast-observe)
+    fast_observe = True
 
     def initial(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The state an episode starts from, deter (n, D) and stoch (n, S). Learned (DreamerV3): deter = tanh(w),
@@ -1740,6 +1752,8 @@ class RSSM(nn.Module):
         the sampling noise of each step (drawn here when None). Returns deter (B, T, D), stoch (B, T, S), posterior
         and prior stats (B, T, ...).
         """
+        if not self.fast_observe:
+            return self.observe_reference(embed, action, is_first, noise)
         B, T = embed.shape[:2]
         first = is_first.unsqueeze(-1)  # (B, T, 1) bool: where an episode starts
         keep = (~first).to(
@@ -2268,51 +2282,142 @@ class ObserveActivations:
         self.mixed = self.probs_share + unimix / C  # the posterior's probabilities, as `_stats` computes them
 
 
-class ObserveBackwardMismatch(RuntimeError):
+class FastPathMismatch(RuntimeError):
+    """A fast path computes something other than the readable function it replaces (one sentence: which path, and the
+    flag that switches it off)."""
+
+
+class ObserveBackwardMismatch(FastPathMismatch):
     """`RSSM.observe_step` and the hand-written backward of `ObserveBackwardThroughTime` compute different things."""
 
 
-def check_observe_backward(rssm: RSSM, tolerance: float = 1e-8) -> None:
-    """At start-up, before any training: the hand-written backward against autograd's, on a copy of `rssm` in float64
-    on the CPU (2 sequences of 4 steps, an episode start inside one). `ObserveBackwardThroughTime` recomputes the
-    step with its own code, so a change to `observe_step` that is not carried into it would train on wrong
-    gradients without a word; this raises ObserveBackwardMismatch instead. Milliseconds; the global random state is
-    left as it was."""
-    if not rssm.backward_through_time or rssm.classes == 0:
-        return
+def float64_copy(rssm: RSSM, gru_scale: float = 1.0) -> RSSM:
+    """A float64 copy of `rssm` on the CPU running its eager functions (--compile's compiled steps left out), the GRU's
+    parameters multiplied by `gru_scale`: at 8 its units saturate, where a clamp or a cut of the state shows."""
     reference = copy.deepcopy(rssm).cpu().double()
-    embed_dim = reference.posterior_net[0].in_features - reference.deter_dim
-    num_actions = reference.img_in[0].in_features - reference.stoch_flat
-    B, T = 2, 4
+    for compiled in ("observe_step", "reverse_step"):  # --compile's, bound to the live module
+        vars(reference).pop(compiled, None)
+    with torch.no_grad():
+        for p in reference.gru.parameters():
+            p.mul_(gru_scale)
+    return reference
+
+
+def check_inputs(rssm: RSSM, B: int = 2, T: int = 6) -> tuple:
+    """A small seeded batch for the checks: embed (B, T, E), one-hot actions, is_first (both sequences start, one has
+    an episode start inside), the sampling noise. The global random state is left as it was."""
+    embed_dim = rssm.posterior_net[0].in_features - rssm.deter_dim
+    num_actions = rssm.img_in[0].in_features - rssm.stoch_flat
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         embed = torch.randn(B, T, embed_dim, dtype=torch.float64)
         action = F.one_hot(torch.randint(num_actions, (B, T)), num_actions).double()
         is_first = torch.zeros(B, T, dtype=torch.bool)
         is_first[:, 0], is_first[1, 2] = True, True
-        noise = reference.noise((T, B), "cpu")
-        weights = [torch.randn(B, T, reference.deter_dim), torch.randn(B, T, reference.stoch_flat)]
-    parameters = [p for p in reference.parameters() if p.requires_grad]
+        noise = rssm.noise((T, B), "cpu")
+    return embed, action, is_first, noise
 
-    def gradients(hand_written: bool) -> list[torch.Tensor]:
-        reference.backward_through_time = hand_written
-        embed_ = embed.clone().requires_grad_(True)
-        deter, stoch, posterior, _ = reference.observe(embed_, action, is_first, noise)
-        loss = (deter * weights[0]).sum() + (stoch * weights[1]).sum() + posterior.exp().square().sum()
-        return torch.autograd.grad(loss, [embed_, *parameters], allow_unused=True)
 
-    names = ["embed", *(name for name, p in reference.named_parameters() if p.requires_grad)]
-    for name, ours, autograd in zip(names, gradients(True), gradients(False)):
-        ours = torch.zeros_like(autograd) if ours is None and autograd is not None else ours
-        if autograd is None:
-            continue
-        error = (ours - autograd).abs().max().item() / max(autograd.abs().max().item(), 1e-12)
-        if not error <= tolerance:
-            raise ObserveBackwardMismatch(
-                f"RSSM.observe's hand-written backward (ObserveBackwardThroughTime) gives another gradient of {name} "
-                f"than autograd's (relative error {error:.1e}): a change to observe_step must be carried into its "
-                f"backward, or run with --observe-backward autograd (RSSM.backward_through_time = False)."
-            )
+def check_observe_forward(rssm: RSSM, tolerance: float = 1e-9) -> None:
+    """`RSSM.observe`'s fast forward (its first layers split out of the loop, `observe_step`) against the readable
+    cell (`observe_reference`: `img_step`, `posterior`, `sample` at each step), in float64, on `rssm`'s weights and
+    with its GRU saturated: a change to one that is not carried into the other raises FastPathMismatch."""
+    if not rssm.fast_observe:
+        return
+    for scale, weights in ((1.0, "the run's weights"), (8.0, "the run's weights with the GRU's x 8")):
+        reference = float64_copy(rssm, scale)
+        inputs = check_inputs(reference)
+        with torch.no_grad():
+            fast = reference.observe(*inputs)
+            readable = reference.observe_reference(*inputs)
+        for name, ours, expected in zip(("deter", "stoch", "posterior", "prior"), fast, readable):
+            error = (ours - expected).abs().max().item() / max(expected.abs().max().item(), 1e-12)
+            if not error <= tolerance:
+                raise FastPathMismatch(
+                    f"RSSM.observe's fast path (observe_step) gives another {name} than the readable cell "
+                    f"(observe_reference) on {weights} (relative error {error:.1e}): carry the change into both, or "
+                    f"run with --no-fast-observe."
+                )
+
+
+def observe_gradients(reference: RSSM, hand_written: bool) -> dict[str, torch.Tensor]:
+    """The gradients of a fixed loss on `reference`'s observe (`check_inputs`), with the hand-written backward or
+    autograd's: {"embed": ..., parameter name: ...} (zeros where a parameter gets none)."""
+    embed, action, is_first, noise = check_inputs(reference)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        weights = [
+            torch.randn(*is_first.shape, n, dtype=torch.float64)
+            for n in (reference.deter_dim, reference.stoch_flat)
+        ]
+    named = {"embed": embed.requires_grad_(True), **dict(reference.named_parameters())}
+    reference.backward_through_time = hand_written
+    deter, stoch, posterior, _ = reference.observe(embed, action, is_first, noise)
+    loss = (deter * weights[0]).sum() + (stoch * weights[1]).sum() + posterior.exp().square().sum()
+    grads = torch.autograd.grad(loss, list(named.values()), allow_unused=True)
+    return {name: torch.zeros_like(x) if g is None else g for (name, x), g in zip(named.items(), grads)}
+
+
+def check_observe_backward(rssm: RSSM, tolerance: float = 1e-8) -> None:
+    """The hand-written backward against autograd's, on a float64 copy of `rssm` (its weights, and with its GRU
+    saturated). `ObserveBackwardThroughTime` recomputes the step with its own code, so a change to `observe_step`
+    that is not carried into it would train on wrong gradients without a word; this raises ObserveBackwardMismatch
+    instead. The global random state is left as it was."""
+    if not rssm.fast_observe or not rssm.backward_through_time or rssm.classes == 0:
+        return
+    for scale in (1.0, 8.0):
+        reference = float64_copy(rssm, scale)
+        ours, autograd = observe_gradients(reference, True), observe_gradients(reference, False)
+        for name, expected in autograd.items():
+            error = (ours[name] - expected).abs().max().item() / max(expected.abs().max().item(), 1e-12)
+            if not error <= tolerance:
+                raise ObserveBackwardMismatch(
+                    f"RSSM.observe's hand-written backward (ObserveBackwardThroughTime) gives another gradient of "
+                    f"{name} than autograd's (relative error {error:.1e}): a change to observe_step must be carried "
+                    f"into its backward, or run with --observe-backward autograd."
+                )
+
+
+_COMPILED_DRAW: list[Callable] = []  # torch.compile(one_hot_draw), made at its first check
+
+
+def check_compiled_draw(device: torch.device) -> None:
+    """--compile: the compiled categorical draw (`one_hot_draw_fused`) against the eager one, on 4,096 rows of 32
+    classes (a row certain of one class and a uniform past the CDF's rounded end included; rows whose uniform lies
+    within 1e-5 of a CDF step are left out, where the two sums may round apart): other classes raise
+    FastPathMismatch. Compiles once (seconds), then milliseconds."""
+    if not _COMPILED_DRAW:
+        _COMPILED_DRAW.append(torch.compile(one_hot_draw, fullgraph=True, dynamic=False))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        probs = torch.softmax(3 * torch.randn(4096, 32, device=device), -1)
+        uniform = torch.rand(4096, 1, device=device)
+    probs[0] = 0.0
+    probs[0, 5] = 1.0  # one class certain
+    uniform[1] = 1.0 - 1e-7  # beyond any CDF that rounding left short of 1
+    clear = (probs.double().cumsum(-1) - uniform.double()).abs().min(-1).values > 1e-5  # (4096,)
+    clear[:2] = True
+    compiled, eager = _COMPILED_DRAW[0](probs, uniform)[clear], one_hot_draw(probs, uniform)[clear]
+    if not torch.equal(compiled, eager):
+        rows = int((compiled != eager).any(-1).sum())
+        raise FastPathMismatch(
+            f"the compiled categorical draw (one_hot_draw_fused, under --compile) picks other classes than the eager "
+            f"one_hot_draw in {rows} of {len(eager)} rows: carry the change into both, or run without --compile."
+        )
+
+
+def check_fast_paths(agent: "Agent", args: Args) -> None:
+    """Each fast path against the readable function it replaces, on the weights the run is using: the observe
+    forward against the readable cell, its hand-written backward against autograd (float64 copies, also with the
+    GRU saturated), and with --compile the compiled draw against the eager one. Run at start-up, after --resume on the
+    loaded weights, and at each periodic and final checkpoint on the live ones; FastPathMismatch names the path and
+    the flag that switches it off. About a second on a CPU for the default model, in float64 whatever the device (the
+    compiled draw's first check compiles it: seconds more)."""
+    rssm = agent.world_model.rssm
+    check_observe_forward(rssm)
+    check_observe_backward(rssm)
+    if args.compile:
+        check_compiled_draw(agent.device)
 
 
 class WorldModel(nn.Module):
@@ -2518,6 +2623,7 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
         for module in (world_model, actor, critic):
             dreamerv3_init_(module)
     world_model.rssm.backward_through_time = args.observe_backward == "hand-written"
+    world_model.rssm.fast_observe = args.fast_observe
     world_model, actor, critic = world_model.to(device), actor.to(device), critic.to(device)
     if args.channels_last:
         world_model.encoder.to(memory_format=torch.channels_last)
@@ -3919,6 +4025,13 @@ def set_up(args: Args) -> Run:
         except ArgsError as exc:
             writer.close()
             exit_with(f"error: {exc}", EXIT_BAD_INPUT)
+        try:  # the fast paths on the weights the run goes on with
+            check_fast_paths(agent, args)
+        except FastPathMismatch as exc:
+            writer.close()
+            exit_with(
+                f"error: {exc} (on the weights of --resume {args.resume!r}, left as it is)", EXIT_FAST_PATH
+            )
         print(f"resumed {run_name} at step {counters['global_step']} ({counters['updates']} updates)")
         resume_state = None  # memory: the loaded tensors are now inside the modules; drop the copies
     probes = mu.StageProbes(enabled=args.memory_probes, device=device)
@@ -4000,7 +4113,11 @@ def build_agent_at_start(
         mu.install_oom_observer(run_dir)
     try:
         agent = build_agent(args, obs_shape, num_actions, device)
-        check_observe_backward(agent.world_model.rssm)  # before --compile replaces observe_step
+        try:
+            check_fast_paths(agent, args)
+        except FastPathMismatch as exc:
+            writer.close()
+            exit_with(f"error: {exc}", EXIT_FAST_PATH)
         if args.compile:
             compile_agent(agent)
         if args.preallocate:
@@ -4207,9 +4324,11 @@ def log_point(run: Run) -> None:
         exit_with(f"stopping (--abort-on-leak): {verdict.diagnosis}", EXIT_LEAK)
 
 
-def checkpoint(run: Run, reason: str, required: bool = True) -> None:
+def checkpoint(run: Run, reason: str, required: bool = True, check: bool = False) -> None:
     """A checkpoint that fails to write (a full disk): `required` (the final one, a signal's, an OOM's) ends the run
-    with one sentence and EXIT_WRITE_FAILED; otherwise one warning line and the last good one stays."""
+    with one sentence and EXIT_WRITE_FAILED; otherwise one warning line and the last good one stays. With `check` (the
+    periodic and final ones) the fast paths are then held to the readable functions on the live weights
+    (`check_fast_paths`); a mismatch stops the run, the checkpoint written, with EXIT_FAST_PATH."""
     run.counters["train_seconds"] = run.seconds_before + time.time() - run.start_time
     # the updates since the last log point, so that a resumed run logs their means with the next interval
     counters = {**run.counters, "update_log": run.update_log.state()}
@@ -4223,6 +4342,11 @@ def checkpoint(run: Run, reason: str, required: bool = True) -> None:
             f"stopping: {exc}; the run cannot go on without this checkpoint ({reason}).", EXIT_WRITE_FAILED
         )
     run.progress.say(f"checkpoint ({reason}): {run.checkpoint_path} at step {run.step}")
+    if check:
+        try:
+            check_fast_paths(run.agent, run.args)
+        except FastPathMismatch as exc:
+            exit_with(f"stopping at step {run.step}, its checkpoint written: {exc}", EXIT_FAST_PATH)
 
 
 def out_of_memory(run: Run, exc: torch.OutOfMemoryError) -> None:
@@ -4296,9 +4420,9 @@ def loop(run: Run, envs) -> None:
         if run.next_checkpoint is not None and run.step >= run.next_checkpoint:
             run.next_checkpoint = (run.step // args.checkpoint_every + 1) * args.checkpoint_every
             # a full disk: a warning, the next interval tries again
-            checkpoint(run, "periodic", required=False)
+            checkpoint(run, "periodic", required=False, check=True)
     if args.save_model:
-        checkpoint(run, "end of training")
+        checkpoint(run, "end of training", check=True)
     if args.memory_probes:
         run.progress.say(run.probes.verdict())
 

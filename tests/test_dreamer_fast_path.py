@@ -10,7 +10,6 @@ that no later change quietly adds kernels back to the loops that bound an update
 """
 
 import collections
-import dataclasses
 
 import numpy as np
 import pytest
@@ -456,11 +455,32 @@ def test_gaussian_latents_autocast_and_no_grad_take_the_per_step_loop():
     assert backward(4, grad=False) == "none"
 
 
-def test_a_change_to_the_observe_step_not_carried_into_its_backward_stops_the_run_before_training(
-    monkeypatch, tmp_path
+def run_exit(args, capsys) -> tuple[int, str]:
+    """(exit status, the last line on stderr) of `da.main(args)` that stops with SystemExit."""
+    with pytest.raises(SystemExit) as stopped:
+        da.main(args)
+    return stopped.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def short_run(**overrides) -> da.Args:
+    return tiny_args(
+        **{
+            "total_timesteps": 50,
+            "learning_starts": 10,
+            "train_ratio": 18.0,
+            "num_envs": 1,
+            "vector_mode": "sync",
+        }
+        | overrides
+    )
+
+
+def test_a_change_to_the_observe_step_not_carried_into_the_readable_cell_stops_the_run_before_training(
+    monkeypatch, tmp_path, capsys
 ):
-    """The hand-written backward recomputes the step with its own code: a changed `observe_step` would train on the
-    old step's gradients. The start-up check compares it with autograd's and refuses, naming the way out."""
+    """`observe_step` is the fast copy of the readable cell (`img_step`, `posterior`, `sample`): a change to one that
+    is not carried into the other would train one thing and act and imagine another. The start-up check refuses in
+    one sentence naming the way out, and --no-fast-observe trains through the readable cell."""
     real_step = da.RSSM.observe_step
 
     def changed_step(self, *inputs):
@@ -469,19 +489,120 @@ def test_a_change_to_the_observe_step_not_carried_into_its_backward_stops_the_ru
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(da.RSSM, "observe_step", changed_step)
-    args = tiny_args(total_timesteps=50, learning_starts=10, train_ratio=18.0, num_envs=1, vector_mode="sync")
-    with pytest.raises(da.ObserveBackwardMismatch, match="--observe-backward autograd"):
-        da.main(args)
-    args = dataclasses.replace(args, observe_backward="autograd")  # autograd's backward follows any change
-    assert da.main(args)["global_step"] == 50
+    status, said = run_exit(short_run(), capsys)
+    assert status == da.EXIT_FAST_PATH and "--no-fast-observe" in said and "observe_step" in said
+    assert da.main(short_run(fast_observe=False))["global_step"] == 50
+
+
+def test_a_change_to_the_hand_written_backward_stops_the_run_before_training(monkeypatch, tmp_path, capsys):
+    real_step = da.ObserveBackwardThroughTime.reverse_step
+
+    def changed_step(*inputs):
+        deter_carry, stoch_carry, layer_grads = real_step(*inputs)
+        return 0.9 * deter_carry, stoch_carry, layer_grads  # a slip in the backward pass
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(da.ObserveBackwardThroughTime, "reverse_step", staticmethod(changed_step))
+    status, said = run_exit(short_run(), capsys)
+    assert status == da.EXIT_FAST_PATH and "--observe-backward autograd" in said
+    assert da.main(short_run(observe_backward="autograd"))["global_step"] == 50
+
+
+@pytest.mark.parametrize("model", ["dreamerv3", "nature"])
+def test_the_two_misses_of_the_old_check_are_caught(monkeypatch, model):
+    """A residual added to `img_step` and not to `observe_step` (acting, imagination and video then differ from
+    training's observe), and a clamp of deter added to `observe_step` that only bites where the GRU saturates: the
+    old check (the hand-written backward against autograd's, on the initial weights) passed both."""
+    args = tiny_args(model=model)
+    torch.manual_seed(0)
+    agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+    da.check_fast_paths(agent, args)  # as built: the fast paths are the readable ones
+    real_img_step, real_observe_step = da.RSSM.img_step, da.RSSM.observe_step
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            da.RSSM, "img_step", lambda self, deter, *rest: real_img_step(self, deter, *rest) + deter
+        )
+        with pytest.raises(da.FastPathMismatch, match="--no-fast-observe"):
+            da.check_fast_paths(agent, args)
+        da.check_observe_backward(agent.world_model.rssm)  # what the old check looked at: it passes
+
+    def clamped(self, *inputs):
+        deter, stoch, posterior = real_observe_step(self, *inputs)
+        return deter.clamp(-0.9, 0.9), stoch, posterior
+
+    with monkeypatch.context() as patch:
+        patch.setattr(da.RSSM, "observe_step", clamped)
+        with torch.no_grad():  # on the run's own weights the state stays inside the clamp
+            reference = da.float64_copy(agent.world_model.rssm)
+            assert reference.observe(*da.check_inputs(reference))[0].abs().max() < 0.9
+        with pytest.raises(da.FastPathMismatch, match="GRU's x 8"):
+            da.check_fast_paths(agent, args)
+
+
+def test_a_changed_compiled_draw_is_caught(monkeypatch):
+    """--compile draws with `one_hot_draw_fused`, a second implementation of the categorical draw: the check holds it
+    to the eager draw (here compiled with aot_eager: Dynamo traces the same function, quickly)."""
+    args = tiny_args(compile=True)
+    agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+    torch._dynamo.reset()
+    real_fused = da.one_hot_draw_fused
+    try:
+        monkeypatch.setattr(da, "_COMPILED_DRAW", [torch.compile(da.one_hot_draw, backend="aot_eager")])
+        da.check_fast_paths(agent, args)
+        torch._dynamo.reset()
+        # the last class's CDF no longer doubled: a uniform past the rounded end picks no class
+        monkeypatch.setattr(
+            da, "one_hot_draw_fused", lambda probs, uniform: real_fused(probs, uniform).roll(1, -1)
+        )
+        monkeypatch.setattr(da, "_COMPILED_DRAW", [torch.compile(da.one_hot_draw, backend="aot_eager")])
+        with pytest.raises(da.FastPathMismatch, match="without --compile"):
+            da.check_fast_paths(agent, args)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_the_fast_paths_are_checked_at_start_up_on_the_resumed_weights_and_at_each_checkpoint(
+    monkeypatch, tmp_path, capsys
+):
+    """Where the run's weights change the check must see them: after --resume it runs on the loaded weights, and at
+    each periodic and final checkpoint on the live ones; a mismatch there stops the run with the checkpoint
+    written."""
+    monkeypatch.chdir(tmp_path)
+    seen = []  # the weights each check saw: a parameter of the RSSM
+
+    def spy(agent, args):
+        seen.append(agent.world_model.rssm.img_in[0].weight.detach().clone())
+
+    monkeypatch.setattr(da, "check_fast_paths", spy)
+    schedule = dict(total_timesteps=80, checkpoint_every=40, save_model=True)
+    first = da.main(short_run(**schedule))
+    assert len(seen) == 1 + 2 + 1  # start-up, two periodic checkpoints, the final one
+    assert not torch.equal(seen[0], seen[-1])  # the last check saw trained weights
+    checkpoint = tmp_path / first["run_dir"] / "checkpoint.pt"
+    saved = torch.load(checkpoint, weights_only=True)["models"]["world_model"]["rssm.img_in.0.weight"]
+    torch.testing.assert_close(seen[-1], saved, rtol=0, atol=0)
+    seen.clear()
+    da.main(short_run(total_timesteps=100, resume=str(checkpoint)))
+    assert len(seen) == 2 and torch.equal(seen[1], saved)  # start-up (fresh weights), then the loaded ones
+
+    def mismatch_at_the_second(agent, args):
+        seen.append(None)
+        if len(seen) == 2:
+            raise da.FastPathMismatch("the observe fast path differs (a test)")
+
+    seen.clear()
+    monkeypatch.setattr(da, "check_fast_paths", mismatch_at_the_second)
+    status, said = run_exit(short_run(**schedule), capsys)
+    assert status == da.EXIT_FAST_PATH and said.startswith("stopping at step 40, its checkpoint written:")
+    assert len(list(tmp_path.glob("runs/*/checkpoint.pt"))) == 2
 
 
 def test_the_start_up_check_passes_both_models_and_leaves_the_random_state_alone():
     for model in ("dreamerv3", "nature"):
         args = tiny_args(model=model)
-        rssm = da.WorldModel(args, obs_shape(args), NUM_ACTIONS).rssm
+        agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
         state = torch.get_rng_state()
-        da.check_observe_backward(rssm)
+        da.check_fast_paths(agent, args)
         assert torch.equal(state, torch.get_rng_state())
 
 
