@@ -309,7 +309,7 @@ def test_one_critic_pass_gives_the_losses_and_gradients_of_separate_value_and_lo
             value = agent.critic.value(feat)
             slow_value = agent.slow_critic.value(feat)
             returns = da.lambda_returns(reward, value, discount, args.return_lambda)
-            weight = torch.cumprod(torch.cat([torch.ones_like(discount[:1]), discount[:-2]]), 0)
+            weight = torch.cumprod(discount[:-1], 0) / args.gamma  # DreamerV3's imagination weights
             advantage = (returns - value[:-1]) / agent.return_norm.scale()
         actor_loss = -(weight * (log_prob * advantage + args.entropy_coef * entropy)).mean()
         logits = agent.critic(feat[:-1])
