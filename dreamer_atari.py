@@ -2024,55 +2024,24 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        rssm,
-        first,
-        initial_deter,
-        initial_stoch,
-        action_in,
-        embed_in,
-        noise,
-        stoch_weight,
-        deter_weight,
-        *parameters,
-    ):
-        """`rssm.observe_loop(first, ..., deter_weight)` (no graph: autograd.Function runs this without one);
-        `parameters` are `rssm.scan_parameters()`, passed so that autograd knows the outputs depend on them."""
-        inputs = (first, initial_deter, initial_stoch, action_in, embed_in, noise, stoch_weight, deter_weight)
-        deter, stoch, posterior = rssm.observe_loop(*inputs)
+    def forward(ctx, rssm, *inputs):
+        """`rssm.observe_loop(*inputs[:8])` (first, initial_deter, initial_stoch, action_in, embed_in, noise,
+        stoch_weight, deter_weight; no graph: autograd.Function runs this without one); `inputs[8:]` are
+        `rssm.scan_parameters()`, passed so that autograd knows the outputs depend on them."""
+        deter, stoch, posterior = rssm.observe_loop(*inputs[:8])
         ctx.rssm = rssm
-        ctx.save_for_backward(
-            first,
-            initial_deter,
-            initial_stoch,
-            action_in,
-            embed_in,
-            stoch_weight,
-            deter_weight,
-            deter,
-            stoch,
-            *parameters,
-        )
+        ctx.save_for_backward(*inputs, deter, stoch)
         return deter, stoch, posterior
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, deter_grad, stoch_grad, posterior_grad):
-        """d outputs (B, T, ...) -> d inputs, in `forward`'s order (None for rssm, keep and noise)."""
+        """d outputs (B, T, ...) -> d inputs, in `forward`'s order (None for rssm, first, initial_stoch, noise)."""
         rssm = ctx.rssm
-        (
-            first,
-            initial_deter,
-            initial_stoch,
-            action_in,
-            embed_in,
-            stoch_weight,
-            deter_weight,
-            deter,
-            stoch,
-            *_,
-        ) = ctx.saved_tensors
+        first, initial_deter, initial_stoch, action_in, embed_in, _, stoch_weight, deter_weight, *rest = (
+            ctx.saved_tensors
+        )
+        deter, stoch = rest[-2:]
         # time-major from here, (T, B, ...): a step's rows are contiguous
         first = first.transpose(0, 1)  # (T, B, 1) bool
         keep = (~first).to(deter.dtype)  # (T, B, 1)
@@ -2187,9 +2156,8 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
             img_norm_grad,
             img_pre_grad,
             deter_prev_grad,
-            *gru_grads,
         )
-        return deter_carry, stoch_carry, layer_grads
+        return deter_carry, stoch_carry, (*layer_grads, *gru_grads)
 
     @staticmethod
     def weight_grads(acts: "ObserveActivations", first, layer_grads: tuple) -> tuple:
@@ -2198,15 +2166,8 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
         the steps that start from it (first (T, B, 1), and every sequence's step 0)."""
         rssm = acts.rssm
         img_norm, post_norm = rssm.img_in[1], rssm.posterior_net[1]
-        (
-            logits_grad,
-            post_norm_grad,
-            post_pre_grad,
-            img_norm_grad,
-            img_pre_grad,
-            deter_prev_grad,
-            *gru_grads,
-        ) = layer_grads
+        logits_grad, post_norm_grad, post_pre_grad, img_norm_grad, img_pre_grad = layer_grads[:5]
+        deter_prev_grad, gru_grads = layer_grads[5], layer_grads[6:]
 
         def rows(x: torch.Tensor) -> torch.Tensor:
             """(T, B, ...) -> (T * B, ...)."""

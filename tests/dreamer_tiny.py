@@ -51,3 +51,24 @@ def dreamerv3_initial_state(rssm: da.RSSM) -> tuple[torch.Tensor, torch.Tensor]:
     logits = rssm.prior_net(deter).unflatten(-1, (rssm.stoch_dim, rssm.classes))
     stoch = torch.nn.functional.one_hot(logits.argmax(-1), rssm.classes).to(deter.dtype).flatten(1)
     return deter, stoch
+
+
+def float64_agent(args: da.Args, num_actions: int = 6, head_noise: float = 0.05) -> da.Agent:
+    """A seeded float64 agent for the equality tests, with what starts at zero moved off it (heads that start at zero,
+    and a learned initial state at tanh(0), would hide their gradients): the learned initial vector, the critic, the
+    reward and the continue heads."""
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        agent = da.build_agent(args, obs_shape(args), num_actions, "cpu")
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        rssm = agent.world_model.rssm
+        if rssm.initial_deter is not None:
+            rssm.initial_deter.add_(0.5 * torch.randn_like(rssm.initial_deter))
+        for module in (agent.critic, agent.world_model.reward_head, agent.world_model.continue_head):
+            for p in module.parameters():
+                p.add_(head_noise * torch.randn_like(p))
+    return agent

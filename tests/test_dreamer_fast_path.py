@@ -51,22 +51,7 @@ reference_imagine = da.imagine_reference
 
 
 def float64_agent(args):
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
-    finally:
-        torch.set_default_dtype(default)
-    with torch.no_grad():  # heads that start at zero would hide their gradients
-        agent.world_model.rssm.initial_deter.add_(
-            0.5 * torch.randn_like(agent.world_model.rssm.initial_deter)
-        )
-        for p in agent.critic.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-        for p in agent.world_model.reward_head.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return agent
+    return dreamer_tiny.float64_agent(args, NUM_ACTIONS)
 
 
 def float64_data(args, agent):
@@ -413,18 +398,8 @@ def test_the_hand_written_observe_backward_passes_gradcheck(monkeypatch, layer_n
 
     def scan(initial_deter, action_in, embed_in, stoch_weight, deter_weight, *parameters):
         """deter (B, T, D), stoch (B, T, S*C) and posterior (B, T, S, C) of the tiny RSSM."""
-        return da.ObserveBackwardThroughTime.apply(
-            rssm,
-            first,
-            initial_deter,
-            initial_stoch,
-            action_in,
-            embed_in,
-            noise,
-            stoch_weight,
-            deter_weight,
-            *parameters,
-        )
+        inputs = (first, initial_deter, initial_stoch, action_in, embed_in, noise, stoch_weight, deter_weight)
+        return da.ObserveBackwardThroughTime.apply(rssm, *inputs, *parameters)
 
     # gradcheck perturbs each input in place: the parameters are the RSSM's own, which `observe_step` reads
     assert torch.autograd.gradcheck(scan, (*inputs, *rssm.scan_parameters()))

@@ -26,21 +26,7 @@ def tiny_args(**overrides) -> da.Args:
 
 
 def float64_agent(args) -> da.Agent:
-    """A float64 agent whose learned initial vector and zero-started heads are moved off their first values."""
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
-    finally:
-        torch.set_default_dtype(default)
-    with torch.no_grad():
-        if agent.world_model.rssm.initial_deter is not None:
-            agent.world_model.rssm.initial_deter.normal_()
-        for module in (agent.critic, agent.world_model.reward_head, agent.world_model.continue_head):
-            for p in module.parameters():
-                p.add_(0.3 * torch.randn_like(p))
-    return agent
+    return dreamer_tiny.float64_agent(args, NUM_ACTIONS, head_noise=0.3)
 
 
 def test_the_plain_command_runs_dreamerv3s_atari100k_schedule_on_colour_frames():

@@ -206,7 +206,9 @@ def test_windows_cross_episode_boundaries_with_is_first_where_an_episode_starts(
     for stack in batch["obs"].reshape(-1, 4, 84, 84):
         # a stack mixing two episodes' frames would be one the env never produced
         assert hashlib.sha1(stack.tobytes()).hexdigest() in seen, "a rebuilt stack the env never produced"
-    for stack in batch["obs"][:, 1:][batch["is_first"][:, 1:]]:  # (a window's first step starts the state too)
+    for stack in batch["obs"][:, 1:][
+        batch["is_first"][:, 1:]
+    ]:  # (a window's first step starts the state too)
         assert hashlib.sha1(stack.tobytes()).hexdigest() in first_stacks, (
             "is_first on a step that starts nothing"
         )
