@@ -36,7 +36,7 @@ def default_checkpoint(folder: str) -> str:
     """The checkpoint a run of the default flags writes: the dreamerv3 agent at its default sizes, with Adam's
     moments (the preflight makes them at small batch sizes: their shapes are the weights')."""
     args = da.Args()
-    obs_shape = (args.frame_stack, args.image_size, args.image_size)
+    obs_shape = (args.frame_stack, *((3,) if args.rgb else ()), args.image_size, args.image_size)
     torch.manual_seed(args.seed)
     agent = da.build_agent(args, obs_shape, 6, "cpu")
     da.preflight(

@@ -9,7 +9,7 @@ Each command runs in its own process (run.py starts them) and writes one JSON ob
     python benchmark/ours_dreamer.py soak --out PATH --no-updates    # the same loop, never training
     python benchmark/ours_dreamer.py gpu --out PATH [--quick]       # CUDA: updates/s and peak memory per --amp
 
-The seed configuration is `dreamer_atari.Args()` as it is: Pong, 2 envs, capacity 50k steps, batch 16 x 50.
+The seed configuration is `seed_args()`: Pong, the seed's model, 2 envs, capacity 50k steps, batch 16 x 50.
 """
 
 from __future__ import annotations
@@ -64,10 +64,16 @@ TINY_MODEL = TINY_MODEL_FIELDS
 
 
 def seed_args(**overrides) -> da.Args:
-    """The seed configuration (the script's defaults with the seed's model, 50k replay, 5k prefill and 25k
-    world-model warm-up) with these fields changed; CUDA only where there is one. The committed CPU figures and the
-    comparisons with SheepRL at matched size are of this configuration."""
-    seed = {"buffer_capacity": 50_000, "learning_starts": 5_000, "warmup_steps": 25_000}
+    """The seed configuration (the script's defaults with the seed's model, 2 envs, batch 16 x 50, 50k replay, 5k
+    prefill and 25k world-model warm-up) with these fields changed; CUDA only where there is one. The committed CPU
+    figures and the comparisons with SheepRL at matched size are of this configuration."""
+    seed = {
+        "num_envs": 2,
+        "sequence_length": 50,
+        "buffer_capacity": 50_000,
+        "learning_starts": 5_000,
+        "warmup_steps": 25_000,
+    }
     return dataclasses.replace(
         da.Args(model="nature"), **{"cuda": torch.cuda.is_available(), **seed, **overrides}
     )

@@ -670,7 +670,7 @@ def results_markdown(result: dict, table: str, command: str) -> str:
         "",
         *matched_markdown(result),
         (
-            f"- Ours: `dreamer_atari.Args()` defaults (the seed configuration): model {json.dumps(result['model'])}; "
+            f"- Ours: the seed configuration (`ours_dreamer.seed_args()`): model {json.dumps(result['model'])}; "
             f"replay of whole episodes, capacity {result['buffer_capacity_steps']:,} steps, filled with "
             f"{result['buffer_steps_stored']:,} real Pong steps (random actions, 2 envs) in "
             f"{result['buffer_episodes']} episodes; arrays per step: obs "
