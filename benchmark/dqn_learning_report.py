@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dqn_starcraft_split as dqn
+import memory_utils as mu
 from benchmark.dqn_calibration import (
     NEIGHBOUR_WORLD_UNITS,
     CarriedClicks,
@@ -85,6 +86,9 @@ def lr_schedule_words(a: dict) -> str:
 
 def trained_network(folder: Path) -> tuple[dqn.SplitQNetwork, dqn.Args]:
     """The online network of a run's checkpoint.pt, in eval mode, and the settings it was trained with."""
+    mu.verify_checkpoint(
+        folder / "checkpoint.pt"
+    )  # its checksum and its archive's CRC-32s, before torch reads it
     state = torch.load(folder / "checkpoint.pt", map_location="cpu", weights_only=True)
     saved = state["args"]
     args = dqn.Args(

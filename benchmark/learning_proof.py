@@ -129,7 +129,7 @@ def play(train_args: da.Args, episodes: int, seed: int, policy) -> list[float]:
 
 def trained_policy(checkpoint: str, train_args: da.Args):
     """The trained agent acting as it acts in training: `Player.act`, actions sampled from the policy."""
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    state = da.load_checkpoint(checkpoint)  # checked against its checksum and its archive's CRC-32s first
     side = train_args.image_size
     agent = da.build_agent(train_args, (train_args.frame_stack, side, side), 3, "cpu")
     for name, module in agent.modules().items():
