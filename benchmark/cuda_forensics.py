@@ -7,7 +7,7 @@
 Every step goes through the real command lines, each in its own process, in a temporary folder:
 
 1. `dreamer_atari.py --memory-snapshot-every N --memory-probes`: a short run past replay capacity;
-2. `memory_utils.py analyze` on its snapshots with `--events-dir`: what it printed is kept verbatim;
+2. `memory_analysis.py analyze` on its snapshots with `--events-dir`: what it printed is kept verbatim;
 3. the same run with the process capped by `torch.cuda.set_per_process_memory_fraction` at half of run 1's peak
    reserved memory and `--no-preallocate`: the first update runs out of memory. Kept: the exit status, the
    diagnosis the script printed, the files of `oom/`, the GPU memory held at the OOM (the observer) and when the
@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import memory_analysis as ma
 import memory_utils as mu
 from benchmark import bench_utils
 from dreamer_atari import EXIT_OOM
@@ -151,7 +152,7 @@ def files_in(directory: Path) -> dict[str, int]:
 
 
 def top_sites_at_oom(snapshot: Path, top: int = 8) -> list[dict]:
-    summary = mu.summarize_snapshot(mu.load_snapshot(snapshot))
+    summary = ma.summarize_snapshot(ma.load_snapshot(snapshot))
     ranked = sorted(summary["sites"].items(), key=lambda kv: -kv[1][0])[:top]
     return [{"site": site, "mb": round(size / mu.MB, 1), "blocks": blocks} for site, (size, blocks) in ranked]
 
@@ -196,7 +197,7 @@ def analysis_run(snapshots: dict, work: Path) -> dict:
     directory = snapshots["run_dir"]
     cmd = [
         sys.executable,
-        str(ROOT / "memory_utils.py"),
+        str(ROOT / "memory_analysis.py"),
         "analyze",
         "--snapshots-dir",
         str(directory / "memory_snapshots"),
@@ -207,7 +208,7 @@ def analysis_run(snapshots: dict, work: Path) -> dict:
     ]
     done = run(cmd, work, timeout=600)
     out = {
-        "command": "python memory_utils.py analyze --snapshots-dir RUN/memory_snapshots --events-dir RUN "
+        "command": "python memory_analysis.py analyze --snapshots-dir RUN/memory_snapshots --events-dir RUN "
         "--out-dir OUT",
         "returncode": done["returncode"],
         "wall_s": done["wall_s"],

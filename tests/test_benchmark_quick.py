@@ -353,7 +353,7 @@ def _cuda_shaped_result() -> dict:
             "probe_verdict": "probes: loop-start memory is flat (+0.00 MB per 1k steps)",
         },
         "analysis": {
-            "command": "python memory_utils.py analyze",
+            "command": "python memory_analysis.py analyze",
             "returncode": 0,
             "wall_s": 5.0,
             "files": {"report.md": 1},

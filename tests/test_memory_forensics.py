@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import memory_analysis as ma
 import memory_utils as mu
 from conftest import ROOT
 
@@ -118,7 +119,7 @@ def _write_series(directory, blocks_per_snapshot, steps=(1000, 2000, 3000, 4000,
 def test_growing_call_site_is_named_with_the_right_slope(tmp_path):
     snaps = tmp_path / "memory_snapshots"
     _write_series(snaps, [1000, 2000, 3000, 4000, 5000])  # +1000 blocks of 4 KiB per 1k steps
-    analysis = mu.analyze_snapshots(snaps)
+    analysis = ma.analyze_snapshots(snaps)
     assert analysis.steps == [1000, 2000, 3000, 4000, 5000]
     assert analysis.slopes["active_blocks"] == pytest.approx(1000)
     assert analysis.slopes["small_pool_active_mb"] == pytest.approx(1000 * 4 / 1024)
@@ -135,7 +136,7 @@ def test_growing_call_site_is_named_with_the_right_slope(tmp_path):
 def test_steady_series_reads_as_steady(tmp_path):
     snaps = tmp_path / "memory_snapshots"
     _write_series(snaps, [1500] * 5)
-    analysis = mu.analyze_snapshots(snaps)
+    analysis = ma.analyze_snapshots(snaps)
     assert analysis.verdict.startswith("steady")
     assert all(abs(v) < 1e-9 for v in analysis.slopes.values())
 
@@ -154,9 +155,9 @@ def test_malicious_and_corrupt_pickles_are_refused_and_skipped(tmp_path, capsys)
     (snaps / "snapshot_step_4000.pickle").write_bytes(pickle.dumps({"segments": [exploit]}))
     good = (snaps / "snapshot_step_1000.pickle").read_bytes()
     (snaps / "snapshot_step_5000.pickle").write_bytes(good[: len(good) // 2])  # truncated
-    with pytest.raises(mu.UnsafeSnapshotError):
-        mu.load_snapshot(snaps / "snapshot_step_4000.pickle")
-    analysis = mu.analyze_snapshots(snaps)
+    with pytest.raises(ma.UnsafeSnapshotError):
+        ma.load_snapshot(snaps / "snapshot_step_4000.pickle")
+    analysis = ma.analyze_snapshots(snaps)
     assert not marker.exists()  # the pickle's code never ran
     assert analysis.steps == [1000, 2000, 3000]
     assert any("snapshot_step_4000" in s and "refused" in s for s in analysis.skipped)
@@ -173,7 +174,7 @@ def test_analyze_cli_writes_the_report_and_compares_with_logged_scalars(tmp_path
     _write_series(snaps, blocks)
     writer = SummaryWriter(str(run_dir))
     for step, n in zip((1000, 2000, 3000, 4000, 5000), blocks):
-        allocated = mu.summarize_snapshot(_snapshot(n))["totals"][
+        allocated = ma.summarize_snapshot(_snapshot(n))["totals"][
             "allocated_mb"
         ]  # what memory_allocated() says
         writer.add_scalar(mu.KEY_GPU_ALLOC_MB, allocated, step)
@@ -183,7 +184,7 @@ def test_analyze_cli_writes_the_report_and_compares_with_logged_scalars(tmp_path
     result = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "memory_utils.py"),
+            str(ROOT / "memory_analysis.py"),
             "analyze",
             "--snapshots-dir",
             str(snaps),
@@ -206,7 +207,7 @@ def test_analyze_cli_writes_the_report_and_compares_with_logged_scalars(tmp_path
     assert "dreamer_atari.py:412:observe" in page
     # every segment is listed, the 2 MiB small-pool ones too (torch's segsum leaves out those under 20 MiB)
     assert (out / "segments.txt").read_text().count(" small ") == len(
-        mu.load_snapshot(snaps / "snapshot_step_5000.pickle")["segments"]
+        ma.load_snapshot(snaps / "snapshot_step_5000.pickle")["segments"]
     ) - 1
     rows = (out / "growth.csv").read_text().strip().splitlines()
     assert rows[0].startswith("step,active_mb") and len(rows) == 6
@@ -217,7 +218,13 @@ def test_analyze_cli_writes_the_report_and_compares_with_logged_scalars(tmp_path
 
 def test_analyze_cli_bad_path_is_one_line(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "memory_utils.py"), "analyze", "--snapshots-dir", str(tmp_path / "nope")],
+        [
+            sys.executable,
+            str(ROOT / "memory_analysis.py"),
+            "analyze",
+            "--snapshots-dir",
+            str(tmp_path / "nope"),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -283,7 +290,7 @@ def test_snapshots_on_cuda_are_written_and_readable(tmp_path):
     assert snaps.maybe_dump(3) is None
     path = snaps.maybe_dump(5)
     snaps.close()
-    assert path and mu.load_snapshot(path)["segments"]
+    assert path and ma.load_snapshot(path)["segments"]
     del x
 
 
@@ -398,11 +405,11 @@ def test_snapshot_bombs_are_refused_in_one_line_with_bounded_memory(tmp_path, bo
     # (a test worker's, 1 GB late in the suite), whatever the child does after exec
     script = (
         "import runpy, sys\n"  # noqa: UP031 - %r quotes the path as Python source
-        "sys.argv = ['memory_utils.py', 'analyze', '--snapshots-dir', sys.argv[1]]\n"
+        "sys.argv = ['memory_analysis.py', 'analyze', '--snapshots-dir', sys.argv[1]]\n"
         "try:\n    runpy.run_path(sys.argv[0] if False else %r, run_name='__main__')\n"
         "finally:\n"
         "    peak = [line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM')][0]\n"
-        "    print('maxrss_kb', peak, file=sys.stderr)\n" % str(ROOT / "memory_utils.py")
+        "    print('maxrss_kb', peak, file=sys.stderr)\n" % str(ROOT / "memory_analysis.py")
     )
     done = subprocess.run(
         [sys.executable, "-c", script, str(snaps)], capture_output=True, text=True, timeout=120
@@ -420,8 +427,8 @@ def test_snapshot_bombs_are_refused_in_one_line_with_bounded_memory(tmp_path, bo
 def test_a_real_snapshot_passes_the_stream_check(tmp_path):
     path = tmp_path / "snapshot_step_1000.pickle"
     path.write_bytes(pickle.dumps(_snapshot(500)))
-    mu.check_snapshot_stream(path)
-    assert mu.summarize_snapshot(mu.load_snapshot(path))["totals"]["active_blocks"] > 500
+    ma.check_snapshot_stream(path)
+    assert ma.summarize_snapshot(ma.load_snapshot(path))["totals"]["active_blocks"] > 500
 
 
 def _holders_snapshot(expandable=False, cpp_first=False):
@@ -485,7 +492,7 @@ def test_analyze_reads_one_oom_snapshot_and_says_what_holds_the_memory(tmp_path)
     outputs = []
     for hash_seed in ("0", "1"):  # the order is by size, never by hashing
         done = subprocess.run(
-            [sys.executable, str(ROOT / "memory_utils.py"), "analyze", str(path)],
+            [sys.executable, str(ROOT / "memory_analysis.py"), "analyze", str(path)],
             capture_output=True,
             text=True,
             timeout=120,
@@ -514,7 +521,7 @@ def test_a_single_jump_in_reserved_memory_is_not_fragmentation(tmp_path):
     _write_series(snaps, [1500] * 6, steps=(500, 1000, 1500, 2000, 2500, 3000))
     for step in (1500, 2000, 2500, 3000):
         path = snaps / f"snapshot_step_{step}.pickle"
-        data = mu.load_snapshot(path)
+        data = ma.load_snapshot(path)
         data["segments"].append(
             {
                 "device": 0,
@@ -525,7 +532,7 @@ def test_a_single_jump_in_reserved_memory_is_not_fragmentation(tmp_path):
             }
         )
         path.write_bytes(pickle.dumps(data))
-    analysis = mu.analyze_snapshots(snaps)
+    analysis = ma.analyze_snapshots(snaps)
     assert analysis.verdict.startswith("steady"), analysis.verdict
 
 
@@ -546,6 +553,6 @@ def test_fragmentation_advice_knows_whether_expandable_segments_are_on(tmp_path,
             }
         )
         (snaps / f"snapshot_step_{step}.pickle").write_bytes(pickle.dumps(data))
-    verdict = mu.analyze_snapshots(snaps).verdict
+    verdict = ma.analyze_snapshots(snaps).verdict
     assert verdict.startswith("fragmentation"), verdict
     assert ("expandable_segments:True" in verdict) is not expandable

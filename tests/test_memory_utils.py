@@ -1,5 +1,6 @@
-"""memory_utils: real measurements on this process, real torch optimizers, the CLI as a user runs it."""
+"""memory_utils: real measurements on this process, real torch optimizers; memory_analysis's CLI as a user runs it."""
 
+import ast
 import gc
 import os
 import pickle
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import memory_analysis as ma
 import memory_utils as mu
 from conftest import ROOT
 
@@ -553,10 +555,32 @@ def test_amp_on_cpu_is_quiet_and_correct():
         mu.amp("fp8", "cpu")
 
 
+# --------------------------------------------------------------------------------------- what a run imports
+def test_a_run_imports_memory_utils_without_the_offline_analysis():
+    """A copied script needs only itself and memory_utils.py: importing memory_utils loads no memory_analysis, and
+    neither training script imports it."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import memory_utils, sys; assert 'memory_analysis' not in sys.modules"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    for script in ("dreamer_atari.py", "dqn_starcraft_split.py"):
+        imported = set()
+        for node in ast.walk(ast.parse((ROOT / script).read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module.split(".")[0])
+        assert "memory_utils" in imported and "memory_analysis" not in imported, script
+
+
 # --------------------------------------------------------------------------------------- CLI
 def _cli(*args, **env):
     return subprocess.run(
-        [sys.executable, str(ROOT / "memory_utils.py"), *args],
+        [sys.executable, str(ROOT / "memory_analysis.py"), *args],
         capture_output=True,
         text=True,
         env={**os.environ, **env},
@@ -653,7 +677,7 @@ def test_cli_wait_reads_nvml_for_the_visible_gpu_and_never_touches_cuda(monkeypa
         "-c",
         f"import os; open({str(seen)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])",
     ]
-    code = mu.main(
+    code = ma.main(
         ["wait", "--min-free", "4000", "--sleep", "1", "--timeout", "60", "--gpu", "1", "--", *command],
         sleep=sleeps.append,
         nvml=nvml,
@@ -662,25 +686,25 @@ def test_cli_wait_reads_nvml_for_the_visible_gpu_and_never_touches_cuda(monkeypa
     assert seen.read_text() == "GPU-fake-5" and not nvml.running
     assert not torch.cuda.is_initialized()
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc,GPU-def")
-    assert mu.main(["wait", "--min-free", "10", "--gpu", "1", "--", "true"], nvml=FakeNvml()) == 0
+    assert ma.main(["wait", "--min-free", "10", "--gpu", "1", "--", "true"], nvml=FakeNvml()) == 0
 
 
 def test_cli_wait_without_nvml_is_one_line_and_exit_2(capsys):
-    assert mu.main(["wait", "--min-free", "10", "--", "true"], nvml=FakeNvml(driver=False)) == 2
+    assert ma.main(["wait", "--min-free", "10", "--", "true"], nvml=FakeNvml(driver=False)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(
-        "memory_utils.py: error: cannot read the GPU's free memory: NVML does not start (Driver"
+        "memory_analysis.py: error: cannot read the GPU's free memory: NVML does not start (Driver"
     )
     assert len(err.splitlines()) == 1
     assert (
-        mu.main(["wait", "--min-free", "10", "--allow-no-gpu", "--", "true"], nvml=FakeNvml(driver=False))
+        ma.main(["wait", "--min-free", "10", "--allow-no-gpu", "--", "true"], nvml=FakeNvml(driver=False))
         == 0
     )
 
 
 def test_cli_wait_reports_a_signal_death_as_the_shell_does():
     command = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
-    assert mu.main(["wait", "--min-free", "10", "--", *command], nvml=FakeNvml()) == 128 + signal.SIGKILL
+    assert ma.main(["wait", "--min-free", "10", "--", *command], nvml=FakeNvml()) == 128 + signal.SIGKILL
 
 
 def test_cli_wait_stopped_while_waiting_exits_quietly():
@@ -689,7 +713,7 @@ def test_cli_wait_stopped_while_waiting_exits_quietly():
         return 0.0
 
     assert (
-        mu.main(
+        ma.main(
             ["wait", "--min-free", "10", "--sleep", "1", "--timeout", "60", "--", "true"],
             probe=probe,
             sleep=lambda s: None,
@@ -717,7 +741,7 @@ def test_cli_wait_passes_a_group_signal_to_the_command_once(tmp_path):
     proc = subprocess.Popen(
         [
             sys.executable,
-            str(ROOT / "memory_utils.py"),
+            str(ROOT / "memory_analysis.py"),
             "wait",
             "--min-free",
             "10",
@@ -746,7 +770,7 @@ def test_cli_wait_passes_a_group_signal_to_the_command_once(tmp_path):
 
 def test_cli_wait_runs_the_command_when_memory_frees(capfd):
     gpu = FakeGpu(frees_after=2)
-    code = mu.main(
+    code = ma.main(
         ["wait", "--min-free", "4000", "--sleep", "1", "--timeout", "60", "--", "true"],
         probe=gpu.probe,
         sleep=gpu.sleep,
@@ -758,7 +782,7 @@ def test_cli_wait_runs_the_command_when_memory_frees(capfd):
 def test_cli_wait_falls_back_on_timeout_and_passes_exit_status(capfd):
     gpu = FakeGpu(frees_after=None)
     command = [sys.executable, "-c", "import os, sys; sys.exit(int(os.environ['RL_BATCH_SIZE']))"]
-    code = mu.main(
+    code = ma.main(
         [
             "wait",
             "--min-free",
@@ -800,7 +824,7 @@ def test_cli_wait_small_mistakes_are_one_line(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().endswith(f"command is not executable: {script}")
     # --fallback-env takes one NAME=VALUE per flag, so the command after it needs no `--`
-    code = mu.main(
+    code = ma.main(
         [
             "wait",
             "--min-free",

@@ -191,7 +191,7 @@ if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
     rm -rf "$lease_dir"
     mkdir -p "$lease_dir/results" "$lease_dir/code/benchmark/gpu"
     # the run reads its code from its own copy: call 2's fresh working tree never changes it under the run
-    cp dreamer_atari.py memory_utils.py "$lease_dir/code/"
+    cp dreamer_atari.py memory_utils.py memory_analysis.py "$lease_dir/code/"
     cp benchmark/*.py "$lease_dir/code/benchmark/"
     cp benchmark/gpu/*.py "$lease_dir/code/benchmark/gpu/"
     span_s=${GPU_LEASE_SPAN_S:-740}
