@@ -305,69 +305,7 @@ class Args:
         )
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Environment
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-class CatchEnv(gym.Env):
-    """Catch, a pixel task small enough to learn in minutes on a CPU, for checking that the whole agent learns.
-
-    A ball starts in a random column of the top row of a `rows` x `columns` grid and falls one row per step;
-    the paddle on the bottom row moves left, stays or moves right. When the ball reaches the bottom row the
-    episode ends: +1 if the paddle is under it, -1 if not (every ball can be caught: the optimal return is 1).
-    Observations are `size` x `size` grey uint8 images (84 by default), like preprocessed Atari frames.
-    Actions: 0 stay, 1 left, 2 right.
-    """
-
-    metadata = {"render_modes": ["rgb_array"], "render_fps": 8}  # noqa: RUF012 - gymnasium's own convention
-
-    def __init__(self, rows: int = 10, columns: int = 5, size: int = 84, render_mode: str | None = None):
-        self.rows, self.columns, self.size, self.render_mode = rows, columns, size, render_mode
-        self.observation_space = gym.spaces.Box(0, 255, (size, size), np.uint8)
-        self.action_space = gym.spaces.Discrete(3)
-        self.cell_h, self.cell_w = size // rows, size // columns
-        self.top = (size - rows * self.cell_h) // 2
-        self.left = (size - columns * self.cell_w) // 2
-
-    def _frame(self) -> np.ndarray:
-        frame = np.zeros((self.size, self.size), np.uint8)  # (size, size)
-        for (row, col), height in (
-            ((self.ball_row, self.ball_col), self.cell_h),
-            ((self.rows - 1, self.paddle), 3),
-        ):
-            y = self.top + (row + 1) * self.cell_h - height
-            x = self.left + col * self.cell_w
-            frame[y : y + height, x + 1 : x + self.cell_w - 1] = 255
-        return frame
-
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
-        super().reset(seed=seed)
-        self.ball_row, self.ball_col = 0, int(self.np_random.integers(self.columns))
-        self.paddle = self.columns // 2
-        return self._frame(), {}
-
-    def step(self, action):
-        self.paddle = int(np.clip(self.paddle + (0, -1, 1)[int(action)], 0, self.columns - 1))
-        self.ball_row += 1
-        terminated = self.ball_row == self.rows - 1
-        reward = (1.0 if self.paddle == self.ball_col else -1.0) if terminated else 0.0
-        return self._frame(), reward, terminated, False, {}
-
-    def render(self) -> np.ndarray:
-        return np.repeat(self._frame()[..., None], 3, axis=-1)  # (size, size, 3)
-
-
-CATCH_ID = "Catch-v0"
-
-
-def register_catch() -> None:
-    """Make `--env-id Catch-v0` a gymnasium id (also inside vector-env workers that start fresh)."""
-    if CATCH_ID not in gym.registry:
-        gym.register(CATCH_ID, entry_point=CatchEnv, max_episode_steps=100)
-
-
-register_catch()
+# --- Environment ------------------------------------------------------------------------------------------------------
 
 
 def is_atari(env_id: str) -> bool:
@@ -430,16 +368,6 @@ def channels_first(env: gym.Env) -> gym.Env:
     )
 
 
-def env_spaces(args: Args) -> tuple[tuple, int]:
-    """The stacked observation shape, (--frame-stack, S, S) or (--frame-stack, 3, S, S) with --rgb, and the number
-    of actions, from one env opened and closed."""
-    env = make_env(args.env_id, 0, False, "", args)()
-    try:
-        return env.observation_space.shape, int(env.action_space.n)
-    finally:
-        env.close()
-
-
 def make_vector_env(args: Args, run_name: str, seed: int) -> gym.vector.VectorEnv:
     """SAME_STEP autoreset: a step that ends an episode returns the next episode's first obs and puts the last
     obs in `infos["final_obs"]`, so every transition we store is real (no reward-0 reset step to filter)."""
@@ -465,134 +393,7 @@ def make_vector_env(args: Args, run_name: str, seed: int) -> gym.vector.VectorEn
     return envs
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Replay: episodes of frames stored once, stacks rebuilt when sampling
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-REPLAY_AUX_BYTES_PER_STEP = 1 + 4 + 1 + 1  # action uint8, reward float32, is_first, is_terminal
-
-
-def replay_capacity(args: Args) -> int:
-    """`--buffer-capacity`, or the whole run when it is not set."""
-    return args.buffer_capacity if args.buffer_capacity is not None else args.total_timesteps
-
-
-_MAPS_EXHAUSTED: list[OSError] = []  # the first failed map, so that the warning is said once
-
-
-def mapped_arrays(shapes: dict[str, tuple[tuple, np.dtype]]) -> dict[str, np.ndarray]:
-    """Uninitialised arrays of these (shape, dtype), all in one anonymous memory map of their own.
-
-    memory: the replay keeps its storage out of the malloc heap. Its small arrays (a chunk's actions and rewards:
-    tens of bytes) live for a whole turnover of the replay. In the heap, among the short-lived tensors of the
-    updates, each one kept a page resident after the tensors around it were freed, and resident memory crept up
-    turnover after turnover (benchmark/results/soak/README.md). A map of its own goes back to the system whole
-    as soon as its last array is dropped. Where the system allows no more maps (Linux: `vm.max_map_count`, about
-    65k, which a replay of many very short episodes can reach), the arrays go in the heap instead, said once."""
-    fields = sorted(shapes.items(), key=lambda field: -np.dtype(field[1][1]).itemsize)  # each one aligned
-    sizes = [math.prod(shape) * np.dtype(dtype).itemsize for _, (shape, dtype) in fields]
-    try:
-        block = mmap.mmap(-1, max(sum(sizes), 1))
-    except OSError as exc:
-        if not _MAPS_EXHAUSTED:
-            _MAPS_EXHAUSTED.append(exc)
-            print(
-                f"replay: warning: no more memory maps ({exc.strerror}; Linux: sysctl vm.max_map_count); "
-                "new replay arrays go in the heap, where host memory may creep",
-                file=sys.stderr,
-            )
-        return {name: np.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
-    arrays, offset = {}, 0
-    for (name, (shape, dtype)), size in zip(fields, sizes):
-        arrays[name] = np.frombuffer(block, dtype, math.prod(shape), offset).reshape(shape)
-        offset += size
-    return arrays
-
-
-class ChunkBlocks:
-    """The chunks of an episode's five arrays, mapped together (`mapped_arrays`): chunk i of every field lives in
-    one map. The frames reach chunk i k - 1 steps before the rest; the map waits here for the others' views."""
-
-    def __init__(self, shapes: dict[str, tuple[tuple, np.dtype]]):
-        self.shapes = shapes
-        self.waiting: dict[int, dict[str, np.ndarray]] = {}  # chunk index -> views not yet taken
-
-    def take(self, name: str, index: int) -> np.ndarray:
-        views = self.waiting.get(index)
-        if views is None:
-            views = self.waiting[index] = mapped_arrays(self.shapes)
-        view = views.pop(name)
-        if not views:
-            del self.waiting[index]
-        return view
-
-
-class ChunkedArray:
-    """A growable array kept as fixed-size numpy chunks, so it can grow without copying and drop its front.
-
-    Logical indices run from `start` (first kept element) to `end` (one past the last). A finished episode is
-    compacted into one exact-size array, so stored bytes match stored steps. `allocate(i)` gives chunk i's
-    array.
-    """
-
-    def __init__(self, item_shape: tuple, dtype, chunk_size: int, allocate: Callable[[int], np.ndarray]):
-        self.item_shape, self.dtype, self.chunk_size = tuple(item_shape), np.dtype(dtype), chunk_size
-        self.allocate = allocate
-        self.chunks: list[np.ndarray] = []
-        self.start = 0
-        self.end = 0
-        self.compacted = False
-
-    def __len__(self) -> int:
-        return self.end - self.start
-
-    @property
-    def nbytes(self) -> int:
-        return sum(chunk.nbytes for chunk in self.chunks)
-
-    def append(self, item) -> None:
-        assert not self.compacted, "a compacted array is read-only"
-        offset = (self.end - self.start) % self.chunk_size
-        if offset == 0 and self.end - self.start == len(self.chunks) * self.chunk_size:
-            self.chunks.append(self.allocate(self.start // self.chunk_size + len(self.chunks)))
-        self.chunks[-1][offset] = item
-        self.end += 1
-
-    def read_into(self, out: np.ndarray, begin: int, stop: int) -> None:
-        """Copy logical elements [begin, stop) into `out` (the caller's own memory)."""
-        assert self.start <= begin <= stop <= self.end
-        if self.compacted:
-            out[:] = self.chunks[0][begin - self.start : stop - self.start]
-            return
-        pos = begin - self.start
-        written = 0
-        while written < stop - begin:
-            chunk, offset = divmod(pos, self.chunk_size)
-            take = min(self.chunk_size - offset, stop - begin - written)
-            out[written : written + take] = self.chunks[chunk][offset : offset + take]
-            written += take
-            pos += take
-
-    def drop_front_chunk(self) -> int:
-        """Free the oldest chunk; returns how many elements went. Only while growing; never the last chunk."""
-        if self.compacted or len(self.chunks) < 2:
-            return 0
-        self.chunks.pop(0)
-        self.start += self.chunk_size
-        return self.chunk_size
-
-    def release(self) -> None:
-        """Nothing to do: the arrays are freed with the episode that holds them."""
-
-    def compact(self, exact: np.ndarray) -> None:
-        """Replace the chunks by `exact`, an array of exactly len(self) items (frees the unused tail of the last
-        chunk)."""
-        if self.compacted:
-            return
-        self.read_into(exact, self.start, self.end)
-        self.chunks = [exact]
-        self.compacted = True
+# --- Replay: episodes of frames stored once, stacks rebuilt when sampling ---------------------------------------------
 
 
 class Episode:
@@ -638,7 +439,7 @@ class Episode:
         self.is_terminal.append(is_terminal)
 
     @property
-    def aux(self) -> tuple[ChunkedArray, ...]:
+    def aux(self) -> tuple["ChunkedArray", ...]:
         return (self.action, self.reward, self.is_first, self.is_terminal)
 
     @property
@@ -659,7 +460,7 @@ class Episode:
         self.frames.drop_front_chunk()  # frames run k - 1 ahead, so step `start` still has its whole stack
         return dropped
 
-    def arrays(self) -> dict[str, ChunkedArray]:
+    def arrays(self) -> dict[str, "ChunkedArray"]:
         return {name: getattr(self, name) for name in self.FIELDS}
 
     def finish(self) -> None:
@@ -875,52 +676,8 @@ class EpisodeReplay:
             "obs_device_bytes": 0,
         }
 
-    def state_dict(self) -> dict:
-        """Tensors only (loads with weights_only=True). Episodes being played are saved as ended: the
-        emulators cannot be restored, so a resumed run starts fresh episodes."""
-        saved = []
-        for ep in self.episodes:
-            arrays = {}
-            for name in ("frames", "action", "reward", "is_first", "is_terminal"):
-                array = getattr(ep, name)
-                exact = np.empty((len(array), *array.item_shape), array.dtype)
-                array.read_into(exact, array.start, array.end)
-                arrays[name] = torch.from_numpy(exact)
-            saved.append(arrays)
-        return {"episodes": saved, "rng": self.rng.bit_generator.state}
 
-    def load_state_dict(self, state: dict) -> None:
-        """A saved replay into this one (empty, or dropped first). Frames kept elsewhere (on the device) are written as
-        the first env's: saved episodes are the oldest, so they are evicted before its new ones, in order."""
-        for episode in self.episodes:
-            episode.evict()
-        self.episodes.clear()
-        self.total_steps = 0
-        for arrays in state["episodes"]:
-            frames = arrays["frames"].numpy()
-            stack = len(frames) - len(arrays["action"]) + 1  # an episode stores k - 1 frames more than steps
-            episode = self.new_episode(0, frames[:stack])
-            saved = {name: arrays[name].numpy() for name in Episode.FIELDS}
-            host = {
-                name: array for name, array in episode.arrays().items() if isinstance(array, ChunkedArray)
-            }
-            exact = mapped_arrays({name: (saved[name].shape, saved[name].dtype) for name in host})
-            for name, array in host.items():
-                exact[name][:] = saved[name]
-                array.chunks, array.end, array.compacted = [exact[name]], len(saved[name]), True
-            if not isinstance(episode.frames, ChunkedArray):
-                for frame in saved["frames"][stack:]:
-                    episode.frames.append(frame)
-            episode.done = True
-            self.episodes.append(episode)
-            self.total_steps += episode.num_steps
-        self.rng.bit_generator.state = state["rng"]
-        self._evict()
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Networks
-# ---------------------------------------------------------------------------------------------------------------------
+# --- Networks ---------------------------------------------------------------------------------------------------------
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -1206,26 +963,6 @@ class Model:
     ]  # what about the sizes this model cannot be built with, or None
 
 
-def nature_size_problem(args: "Args") -> str | None:
-    if len(args.encoder_channels) != 3:
-        return (
-            f"--encoder-channels takes exactly three values with --model nature (its three convolutions), got "
-            f"{args.encoder_channels}."
-        )
-    return None
-
-
-def dreamerv3_size_problem(args: "Args") -> str | None:
-    halvings = len(args.encoder_channels)
-    if args.image_size % 2**halvings or args.image_size < 2 ** (halvings + 1):
-        return (
-            f"--image-size {args.image_size} does not suit --model dreamerv3 with {halvings} convolutions, each of "
-            f"which halves the side: it must be a multiple of {2**halvings} of at least {2 ** (halvings + 1)} "
-            f"(64 with the default four)."
-        )
-    return None
-
-
 # ALGO LOGIC: the models; a new one is a row here and its classes above
 MODELS = {
     "dreamerv3": Model(
@@ -1243,7 +980,7 @@ MODELS = {
             deterministic_dim=512,
             hidden_dim=512,
         ),
-        size_problem=dreamerv3_size_problem,
+        size_problem=lambda args: dreamerv3_size_problem(args),
     ),
     "nature": Model(
         encoder=lambda args, channels, side: NatureCNNEncoder(
@@ -1258,14 +995,12 @@ MODELS = {
         sizes=dict(
             image_size=84, frame_stack=4, encoder_channels=(32, 64, 64), deterministic_dim=200, hidden_dim=200
         ),
-        size_problem=nature_size_problem,
+        size_problem=lambda args: nature_size_problem(args),
     ),
 }
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The RSSM: one recurrent cell that observing and imagining both use
-# ---------------------------------------------------------------------------------------------------------------------
+# --- The RSSM: one recurrent cell that observing and imagining both use -----------------------------------------------
 
 
 class RSSM(nn.Module):
@@ -1409,9 +1144,7 @@ class RSSM(nn.Module):
         return deter, torch.stack(stochs, 1), torch.stack(posteriors, 1), self.prior(deter)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# World model, actor, critic
-# ---------------------------------------------------------------------------------------------------------------------
+# --- World model, actor, critic ---------------------------------------------------------------------------------------
 
 
 class WorldModel(nn.Module):
@@ -1708,15 +1441,7 @@ class Player:
         return action.cpu().numpy()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Losses and updates (plain functions of tensors; an update returns its logged values as a dict of device
-# tensors, named where they are made, which the training loop reads once per log interval)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Losses and updates (plain functions of tensors; an update returns its logged values as a dict of device
-# tensors, named where they are made, which the training loop reads once per log interval)
-# ---------------------------------------------------------------------------------------------------------------------
+# --- Losses and updates: plain functions of tensors; each update returns its logged values as device tensors ---
 
 
 def lambda_returns(
@@ -1770,12 +1495,6 @@ def prepare_batch(
         "is_first": raw["is_first"],  # (B, T) bool
         "is_terminal": raw["is_terminal"],  # (B, T) bool
     }
-
-
-def batch_to_device(
-    batch: dict[str, np.ndarray], num_actions: int, device, channels_last: bool = False
-) -> dict[str, torch.Tensor]:
-    return prepare_batch(batch_tensors(batch, device), num_actions, channels_last)
 
 
 def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args):
@@ -1843,35 +1562,6 @@ def world_model_losses(
         **reward_prediction_counts(twohot_mean(reward_logits.detach(), wm.bins), data["reward"]),
     }
     return loss, parts
-
-
-REWARD_COUNT_KEYS = ("reward_nonzero", "reward_hits", "reward_zero", "reward_false_alarms")
-
-
-def reward_prediction_counts(predicted: torch.Tensor, reward: torch.Tensor) -> dict[str, torch.Tensor]:
-    """How well the reward head predicts the rewards of real data (posterior states), as counts over (B, T).
-
-    A nonzero reward is a hit when the prediction has its sign and at least half its size; a zero reward is a
-    false alarm when the prediction is 0.5 or more in size. `reward_quality` turns the counts into rates.
-    """
-    nonzero = reward != 0
-    hits = nonzero & (predicted * torch.sign(reward) >= 0.5 * reward.abs())
-    false_alarms = ~nonzero & (predicted.abs() >= 0.5)
-    counts = (nonzero, hits, ~nonzero, false_alarms)
-    return {f"debug/{key}": count.float().sum() for key, count in zip(REWARD_COUNT_KEYS, counts)}
-
-
-def reward_quality(means: dict[str, float]) -> dict[str, float]:
-    """`charts/reward_sign_accuracy` (share of nonzero rewards predicted with the right sign and at least half
-    the size) and `charts/reward_false_alarm_rate` (share of zero rewards predicted as 0.5 or more), from the
-    mean counts of a log interval; a rate whose denominator is 0 in the interval is left out."""
-    nonzero, hits, zero, false_alarms = (means.pop(f"debug/{key}", 0.0) for key in REWARD_COUNT_KEYS)
-    out = {}
-    if nonzero > 0:
-        out["charts/reward_sign_accuracy"] = hits / nonzero
-    if zero > 0:
-        out["charts/reward_false_alarm_rate"] = false_alarms / zero
-    return out
 
 
 def clip_and_step(
@@ -2064,22 +1754,7 @@ def train_behavior(agent: Agent, start: dict[str, torch.Tensor], args: Args):
     return metrics, actor_healthy & critic_healthy
 
 
-def update_steps(agent: Agent, args: Args) -> tuple[Callable, Callable]:
-    """`train_world_model` and `train_behavior` as functions of one dict of device tensors each (the form a CUDA
-    graph replays, Part 2)."""
-
-    def world_model_step(raw: dict[str, torch.Tensor]) -> tuple:
-        return train_world_model(agent, raw, args)
-
-    def behavior_step(start: dict[str, torch.Tensor]) -> tuple:
-        return train_behavior(agent, start, args)
-
-    return world_model_step, behavior_step
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The loop
-# ---------------------------------------------------------------------------------------------------------------------
+# --- The loop ---------------------------------------------------------------------------------------------------------
 
 
 def step_envs(run: "Run", envs, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -2111,12 +1786,7 @@ def train(run: "Run") -> None:
     if step < args.learning_starts:
         return
     if not replay.can_sample(args.sequence_length):
-        if not run.said_replay_short:
-            run.said_replay_short = True
-            run.progress.say(
-                f"updates wait: the replay holds {replay.total_steps} steps, fewer than one sequence of "
-                f"{args.sequence_length} (--sequence-length)"
-            )
+        say_replay_short(run)
         return
     counters["updates_owed"] += args.num_envs * args.train_ratio / (args.batch_size * args.sequence_length)
     while counters["updates_owed"] >= 1.0:
@@ -2209,9 +1879,7 @@ def transposed_conv_as_subpixel(x: torch.Tensor, layer: nn.ConvTranspose2d) -> t
     return out + layer.bias.view(1, -1, 1, 1)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The fast observe: the RSSM's loop in fewer kernels, and its hand-written backward pass
-# ---------------------------------------------------------------------------------------------------------------------
+# --- The fast observe: the RSSM's loop in fewer kernels, and its hand-written backward pass ---------------------------
 
 
 def silu_derivative(x: torch.Tensor) -> torch.Tensor:
@@ -2726,9 +2394,7 @@ class ObserveActivations:
         self.mixed = self.probs_share + unimix / C  # the posterior's probabilities, as `_stats` computes them
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The fast imagination, compile and CUDA graphs
-# ---------------------------------------------------------------------------------------------------------------------
+# --- The fast imagination, compile and CUDA graphs --------------------------------------------------------------------
 
 
 class FastImagine:
@@ -2913,9 +2579,7 @@ def captures_updates(args: Args, device: torch.device) -> bool:
     return args.cudagraph and torch.device(device).type == "cuda"
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Frames on the device, pinned batches
-# ---------------------------------------------------------------------------------------------------------------------
+# --- Frames on the device, pinned batches -----------------------------------------------------------------------------
 
 
 class FrameStore:
@@ -3171,9 +2835,7 @@ class PinnedBatches:
         return tensors
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The checks that hold each fast path to the function it replaces
-# ---------------------------------------------------------------------------------------------------------------------
+# --- The checks that hold each fast path to the function it replaces --------------------------------------------------
 
 
 class FastPathMismatch(RuntimeError):
@@ -3363,9 +3025,7 @@ def check_fast_paths(agent: "Agent", args: Args) -> None:
         check_compiled_draw(agent.device)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Installing it all: one call from the run's set-up
-# ---------------------------------------------------------------------------------------------------------------------
+# --- Installing it all: one call from the run's set-up ----------------------------------------------------------------
 
 
 class CudaPlayer(Player):
@@ -3489,9 +3149,7 @@ OOM_ADVICE = (
 )
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Input checks
-# ---------------------------------------------------------------------------------------------------------------------
+# --- Input checks -----------------------------------------------------------------------------------------------------
 
 
 class ArgsError(ValueError):
@@ -3600,6 +3258,26 @@ def check_model_sizes(args: Args) -> None:
         raise ArgsError(problem)
 
 
+def nature_size_problem(args: "Args") -> str | None:
+    if len(args.encoder_channels) != 3:
+        return (
+            f"--encoder-channels takes exactly three values with --model nature (its three convolutions), got "
+            f"{args.encoder_channels}."
+        )
+    return None
+
+
+def dreamerv3_size_problem(args: "Args") -> str | None:
+    halvings = len(args.encoder_channels)
+    if args.image_size % 2**halvings or args.image_size < 2 ** (halvings + 1):
+        return (
+            f"--image-size {args.image_size} does not suit --model dreamerv3 with {halvings} convolutions, each of "
+            f"which halves the side: it must be a multiple of {2**halvings} of at least {2 ** (halvings + 1)} "
+            f"(64 with the default four)."
+        )
+    return None
+
+
 def check_env(args: Args) -> None:
     """A registered env id; a non-Atari env must give frames of --image-size (built once to see)."""
     try:
@@ -3656,6 +3334,30 @@ def check_actions_change_frames(
         )
 
 
+def env_spaces(args: Args) -> tuple[tuple, int]:
+    """The stacked observation shape, (--frame-stack, S, S) or (--frame-stack, 3, S, S) with --rgb, and the number
+    of actions, from one env opened and closed."""
+    env = make_env(args.env_id, 0, False, "", args)()
+    try:
+        return env.observation_space.shape, int(env.action_space.n)
+    finally:
+        env.close()
+
+
+REPLAY_AUX_BYTES_PER_STEP = 1 + 4 + 1 + 1  # action uint8, reward float32, is_first, is_terminal
+
+
+def replay_capacity(args: Args) -> int:
+    """`--buffer-capacity`, or the whole run when it is not set."""
+    return args.buffer_capacity if args.buffer_capacity is not None else args.total_timesteps
+
+
+def batch_to_device(
+    batch: dict[str, np.ndarray], num_actions: int, device, channels_last: bool = False
+) -> dict[str, torch.Tensor]:
+    return prepare_batch(batch_tensors(batch, device), num_actions, channels_last)
+
+
 def say_replay_size(capacity: int, obs_shape: tuple, frames_on_device: bool = False) -> None:
     """Print how much host memory the replay grows to, and warn when that is more than this machine has free."""
     # memory: the replay is the run's largest host allocation: say its size before it grows, not at 3 a.m.
@@ -3672,9 +3374,7 @@ def say_replay_size(capacity: int, obs_shape: tuple, frames_on_device: bool = Fa
         )
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Open-loop videos and the ball measure
-# ---------------------------------------------------------------------------------------------------------------------
+# --- Open-loop videos and the ball measure ----------------------------------------------------------------------------
 
 
 OPEN_LOOP_CONTEXT = 5  # frames the model sees before it imagines, as DreamerV3's report does
@@ -3924,9 +3624,7 @@ def log_open_loop(
     return path
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Memory: the preflight and the stage probes
-# ---------------------------------------------------------------------------------------------------------------------
+# --- Memory: the preflight and the stage probes -----------------------------------------------------------------------
 
 
 def synthetic_batch(args: Args, obs_shape: tuple) -> dict[str, np.ndarray]:
@@ -3991,9 +3689,232 @@ def attach_memory_probes(agent: Agent, probes: "mu.StageProbes") -> None:
     agent.world_model_optimizer.register_step_post_hook(lambda *_: probes("after_optimizer_step"))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------------------------------
+# --- Catch: a pixel task that learns in minutes on a CPU (the learning proof, the tests) ------------------------------
+
+
+class CatchEnv(gym.Env):
+    """Catch, a pixel task small enough to learn in minutes on a CPU, for checking that the whole agent learns.
+
+    A ball starts in a random column of the top row of a `rows` x `columns` grid and falls one row per step;
+    the paddle on the bottom row moves left, stays or moves right. When the ball reaches the bottom row the
+    episode ends: +1 if the paddle is under it, -1 if not (every ball can be caught: the optimal return is 1).
+    Observations are `size` x `size` grey uint8 images (84 by default), like preprocessed Atari frames.
+    Actions: 0 stay, 1 left, 2 right.
+    """
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 8}  # noqa: RUF012 - gymnasium's own convention
+
+    def __init__(self, rows: int = 10, columns: int = 5, size: int = 84, render_mode: str | None = None):
+        self.rows, self.columns, self.size, self.render_mode = rows, columns, size, render_mode
+        self.observation_space = gym.spaces.Box(0, 255, (size, size), np.uint8)
+        self.action_space = gym.spaces.Discrete(3)
+        self.cell_h, self.cell_w = size // rows, size // columns
+        self.top = (size - rows * self.cell_h) // 2
+        self.left = (size - columns * self.cell_w) // 2
+
+    def _frame(self) -> np.ndarray:
+        frame = np.zeros((self.size, self.size), np.uint8)  # (size, size)
+        for (row, col), height in (
+            ((self.ball_row, self.ball_col), self.cell_h),
+            ((self.rows - 1, self.paddle), 3),
+        ):
+            y = self.top + (row + 1) * self.cell_h - height
+            x = self.left + col * self.cell_w
+            frame[y : y + height, x + 1 : x + self.cell_w - 1] = 255
+        return frame
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.ball_row, self.ball_col = 0, int(self.np_random.integers(self.columns))
+        self.paddle = self.columns // 2
+        return self._frame(), {}
+
+    def step(self, action):
+        self.paddle = int(np.clip(self.paddle + (0, -1, 1)[int(action)], 0, self.columns - 1))
+        self.ball_row += 1
+        terminated = self.ball_row == self.rows - 1
+        reward = (1.0 if self.paddle == self.ball_col else -1.0) if terminated else 0.0
+        return self._frame(), reward, terminated, False, {}
+
+    def render(self) -> np.ndarray:
+        return np.repeat(self._frame()[..., None], 3, axis=-1)  # (size, size, 3)
+
+
+CATCH_ID = "Catch-v0"
+
+
+def register_catch() -> None:
+    """Make `--env-id Catch-v0` a gymnasium id (also inside vector-env workers that start fresh)."""
+    if CATCH_ID not in gym.registry:
+        gym.register(CATCH_ID, entry_point=CatchEnv, max_episode_steps=100)
+
+
+register_catch()
+
+
+# --- Memory: the replay's storage -------------------------------------------------------------------------------------
+
+
+_MAPS_EXHAUSTED: list[OSError] = []  # the first failed map, so that the warning is said once
+
+
+def mapped_arrays(shapes: dict[str, tuple[tuple, np.dtype]]) -> dict[str, np.ndarray]:
+    """Uninitialised arrays of these (shape, dtype), all in one anonymous memory map of their own.
+
+    memory: the replay keeps its storage out of the malloc heap. Its small arrays (a chunk's actions and rewards:
+    tens of bytes) live for a whole turnover of the replay. In the heap, among the short-lived tensors of the
+    updates, each one kept a page resident after the tensors around it were freed, and resident memory crept up
+    turnover after turnover (benchmark/results/soak/README.md). A map of its own goes back to the system whole
+    as soon as its last array is dropped. Where the system allows no more maps (Linux: `vm.max_map_count`, about
+    65k, which a replay of many very short episodes can reach), the arrays go in the heap instead, said once."""
+    fields = sorted(shapes.items(), key=lambda field: -np.dtype(field[1][1]).itemsize)  # each one aligned
+    sizes = [math.prod(shape) * np.dtype(dtype).itemsize for _, (shape, dtype) in fields]
+    try:
+        block = mmap.mmap(-1, max(sum(sizes), 1))
+    except OSError as exc:
+        if not _MAPS_EXHAUSTED:
+            _MAPS_EXHAUSTED.append(exc)
+            print(
+                f"replay: warning: no more memory maps ({exc.strerror}; Linux: sysctl vm.max_map_count); "
+                "new replay arrays go in the heap, where host memory may creep",
+                file=sys.stderr,
+            )
+        return {name: np.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
+    arrays, offset = {}, 0
+    for (name, (shape, dtype)), size in zip(fields, sizes):
+        arrays[name] = np.frombuffer(block, dtype, math.prod(shape), offset).reshape(shape)
+        offset += size
+    return arrays
+
+
+class ChunkBlocks:
+    """The chunks of an episode's five arrays, mapped together (`mapped_arrays`): chunk i of every field lives in
+    one map. The frames reach chunk i k - 1 steps before the rest; the map waits here for the others' views."""
+
+    def __init__(self, shapes: dict[str, tuple[tuple, np.dtype]]):
+        self.shapes = shapes
+        self.waiting: dict[int, dict[str, np.ndarray]] = {}  # chunk index -> views not yet taken
+
+    def take(self, name: str, index: int) -> np.ndarray:
+        views = self.waiting.get(index)
+        if views is None:
+            views = self.waiting[index] = mapped_arrays(self.shapes)
+        view = views.pop(name)
+        if not views:
+            del self.waiting[index]
+        return view
+
+
+class ChunkedArray:
+    """A growable array kept as fixed-size numpy chunks, so it can grow without copying and drop its front.
+
+    Logical indices run from `start` (first kept element) to `end` (one past the last). A finished episode is
+    compacted into one exact-size array, so stored bytes match stored steps. `allocate(i)` gives chunk i's
+    array.
+    """
+
+    def __init__(self, item_shape: tuple, dtype, chunk_size: int, allocate: Callable[[int], np.ndarray]):
+        self.item_shape, self.dtype, self.chunk_size = tuple(item_shape), np.dtype(dtype), chunk_size
+        self.allocate = allocate
+        self.chunks: list[np.ndarray] = []
+        self.start = 0
+        self.end = 0
+        self.compacted = False
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    @property
+    def nbytes(self) -> int:
+        return sum(chunk.nbytes for chunk in self.chunks)
+
+    def append(self, item) -> None:
+        assert not self.compacted, "a compacted array is read-only"
+        offset = (self.end - self.start) % self.chunk_size
+        if offset == 0 and self.end - self.start == len(self.chunks) * self.chunk_size:
+            self.chunks.append(self.allocate(self.start // self.chunk_size + len(self.chunks)))
+        self.chunks[-1][offset] = item
+        self.end += 1
+
+    def read_into(self, out: np.ndarray, begin: int, stop: int) -> None:
+        """Copy logical elements [begin, stop) into `out` (the caller's own memory)."""
+        assert self.start <= begin <= stop <= self.end
+        if self.compacted:
+            out[:] = self.chunks[0][begin - self.start : stop - self.start]
+            return
+        pos = begin - self.start
+        written = 0
+        while written < stop - begin:
+            chunk, offset = divmod(pos, self.chunk_size)
+            take = min(self.chunk_size - offset, stop - begin - written)
+            out[written : written + take] = self.chunks[chunk][offset : offset + take]
+            written += take
+            pos += take
+
+    def drop_front_chunk(self) -> int:
+        """Free the oldest chunk; returns how many elements went. Only while growing; never the last chunk."""
+        if self.compacted or len(self.chunks) < 2:
+            return 0
+        self.chunks.pop(0)
+        self.start += self.chunk_size
+        return self.chunk_size
+
+    def release(self) -> None:
+        """Nothing to do: the arrays are freed with the episode that holds them."""
+
+    def compact(self, exact: np.ndarray) -> None:
+        """Replace the chunks by `exact`, an array of exactly len(self) items (frees the unused tail of the last
+        chunk)."""
+        if self.compacted:
+            return
+        self.read_into(exact, self.start, self.end)
+        self.chunks = [exact]
+        self.compacted = True
+
+
+# --- Checkpoints ------------------------------------------------------------------------------------------------------
+
+
+def replay_state(replay: EpisodeReplay) -> dict:
+    """The replay for a checkpoint (--checkpoint-buffer): tensors only (loads with weights_only=True). Episodes being
+    played are saved as ended: the emulators cannot be restored, so a resumed run starts fresh episodes."""
+    saved = []
+    for ep in replay.episodes:
+        arrays = {}
+        for name in ("frames", "action", "reward", "is_first", "is_terminal"):
+            array = getattr(ep, name)
+            exact = np.empty((len(array), *array.item_shape), array.dtype)
+            array.read_into(exact, array.start, array.end)
+            arrays[name] = torch.from_numpy(exact)
+        saved.append(arrays)
+    return {"episodes": saved, "rng": replay.rng.bit_generator.state}
+
+
+def load_replay_state(replay: EpisodeReplay, state: dict) -> None:
+    """A saved replay (`replay_state`) into `replay` (empty, or dropped first). Frames kept on the device are written
+    as the first env's: saved episodes are the oldest, so they are evicted before its new ones, in order."""
+    for episode in replay.episodes:
+        episode.evict()
+    replay.episodes.clear()
+    replay.total_steps = 0
+    for arrays in state["episodes"]:
+        frames = arrays["frames"].numpy()
+        stack = len(frames) - len(arrays["action"]) + 1  # an episode stores k - 1 frames more than steps
+        episode = replay.new_episode(0, frames[:stack])
+        saved = {name: arrays[name].numpy() for name in Episode.FIELDS}
+        host = {name: array for name, array in episode.arrays().items() if isinstance(array, ChunkedArray)}
+        exact = mapped_arrays({name: (saved[name].shape, saved[name].dtype) for name in host})
+        for name, array in host.items():
+            exact[name][:] = saved[name]
+            array.chunks, array.end, array.compacted = [exact[name]], len(saved[name]), True
+        if not isinstance(episode.frames, ChunkedArray):
+            for frame in saved["frames"][stack:]:
+                episode.frames.append(frame)
+        episode.done = True
+        replay.episodes.append(episode)
+        replay.total_steps += episode.num_steps
+    replay.rng.bit_generator.state = state["rng"]
+    replay._evict()
 
 
 def save_checkpoint(
@@ -4022,7 +3943,7 @@ def save_checkpoint(
             "python": random.getstate(),
             "numpy": None if rng is None else rng.bit_generator.state,
         },
-        "replay": replay.state_dict() if (replay is not None and args.checkpoint_buffer) else None,
+        "replay": replay_state(replay) if (replay is not None and args.checkpoint_buffer) else None,
     }
     if torch.cuda.is_available() and agent.device.type == "cuda":
         state["rng"]["cuda"] = torch.cuda.get_rng_state(agent.device)
@@ -4131,13 +4052,40 @@ def restore_checkpoint(state: dict, agent: Agent, replay: EpisodeReplay, rng: np
     if "cuda" in state["rng"] and agent.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"], agent.device)
     if state.get("replay") is not None:
-        replay.load_state_dict(state["replay"])
+        load_replay_state(replay, state["replay"])
     return dict(state["counters"])
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Logging and the run's set-up
-# ---------------------------------------------------------------------------------------------------------------------
+# --- Logging and the run's set-up -------------------------------------------------------------------------------------
+
+
+REWARD_COUNT_KEYS = ("reward_nonzero", "reward_hits", "reward_zero", "reward_false_alarms")
+
+
+def reward_prediction_counts(predicted: torch.Tensor, reward: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How well the reward head predicts the rewards of real data (posterior states), as counts over (B, T).
+
+    A nonzero reward is a hit when the prediction has its sign and at least half its size; a zero reward is a
+    false alarm when the prediction is 0.5 or more in size. `reward_quality` turns the counts into rates.
+    """
+    nonzero = reward != 0
+    hits = nonzero & (predicted * torch.sign(reward) >= 0.5 * reward.abs())
+    false_alarms = ~nonzero & (predicted.abs() >= 0.5)
+    counts = (nonzero, hits, ~nonzero, false_alarms)
+    return {f"debug/{key}": count.float().sum() for key, count in zip(REWARD_COUNT_KEYS, counts)}
+
+
+def reward_quality(means: dict[str, float]) -> dict[str, float]:
+    """`charts/reward_sign_accuracy` (share of nonzero rewards predicted with the right sign and at least half
+    the size) and `charts/reward_false_alarm_rate` (share of zero rewards predicted as 0.5 or more), from the
+    mean counts of a log interval; a rate whose denominator is 0 in the interval is left out."""
+    nonzero, hits, zero, false_alarms = (means.pop(f"debug/{key}", 0.0) for key in REWARD_COUNT_KEYS)
+    out = {}
+    if nonzero > 0:
+        out["charts/reward_sign_accuracy"] = hits / nonzero
+    if zero > 0:
+        out["charts/reward_false_alarm_rate"] = false_alarms / zero
+    return out
 
 
 class UpdateLog:
@@ -4472,6 +4420,19 @@ def seed_everything(args: Args, device: torch.device) -> None:
         torch.set_float32_matmul_precision("high" if args.tf32 else "highest")
 
 
+def update_steps(agent: Agent, args: Args) -> tuple[Callable, Callable]:
+    """`train_world_model` and `train_behavior` as functions of one dict of device tensors each (the form a CUDA
+    graph replays, Part 2)."""
+
+    def world_model_step(raw: dict[str, torch.Tensor]) -> tuple:
+        return train_world_model(agent, raw, args)
+
+    def behavior_step(start: dict[str, torch.Tensor]) -> tuple:
+        return train_behavior(agent, start, args)
+
+    return world_model_step, behavior_step
+
+
 def build_learner(
     args: Args, device: torch.device, run_name: str, run_dir: str, writer: SummaryWriter
 ) -> Run:
@@ -4656,6 +4617,16 @@ def checkpoint(run: Run, reason: str, required: bool = True, check: bool = False
             check_fast_paths(run.agent, run.args)
         except FastPathMismatch as exc:
             exit_with(f"stopping at step {run.step}, its checkpoint written: {exc}", EXIT_FAST_PATH)
+
+
+def say_replay_short(run: Run) -> None:
+    """Once: the updates wait for the replay to hold one sequence."""
+    if not run.said_replay_short:
+        run.said_replay_short = True
+        run.progress.say(
+            f"updates wait: the replay holds {run.replay.total_steps} steps, fewer than one sequence of "
+            f"{run.args.sequence_length} (--sequence-length)"
+        )
 
 
 def stop_if_signalled(run: Run) -> None:
