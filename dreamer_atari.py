@@ -1,31 +1,24 @@
-"""Dreamer on Atari (DreamerV3-style world model, actor-critic in imagination), memory-safe and observable.
+"""Dreamer on Atari: DreamerV3 2023's Atari100k recipe (a world model, and an actor-critic that learns in its
+imagination), memory-safe and observable.
 
 Run:
     python dreamer_atari.py --buffer-capacity 50000
 
-What it does: DreamerV3 2023's Atari100k recipe on Pong. A world model (DreamerV3's size-S convolutional encoder and
-decoder on 64x64 colour frames, an RSSM with a LayerNorm GRU, a learned initial state and 32x32 categorical latents,
-symlog two-hot reward head, continue head) learns from replayed sequences of 16 x 64, one update per env step; an
-actor and a critic learn from 15-step rollouts imagined by that model. `--model nature` gives a
-smaller model (NatureCNN on 4 stacked 84x84 frames). Replay keeps every frame once, as uint8, and rebuilds
-frame stacks when it samples. The shape comments below are the nature model's, (4, 84, 84) an observation; the
-default's is (1, 3, 64, 64).
+Three parts. Part 1, the algorithm, in the order it runs: arguments, environment, replay, networks (`MODELS`), the
+RSSM, losses and the loop; with every speed option off it is exactly what trains. Part 2, speed: faster equivalents
+of Part 1's functions, installed by one call and checked against them. Part 3, the run: input checks, logging,
+videos and the ball measure, memory, checkpoints.
 
-What it logs, every `--log-interval` env steps, to TensorBoard in `runs/{run_name}` (and wandb with
-`--track`): `charts/*` (episodic return and length, SPS, updates per second), `losses/*` (world model,
-image, reward, continue, kl, actor, critic, entropy), the `memory_utils.memory_report()` keys (process and
-GPU memory, replay size), `debug/nonfinite_updates`, and on Pong `world_model/ball_f1_*` beside the open-loop
-videos: how well the world model draws the ball, the F1 of its ball pixels against the true frame's within a
-pixel (with precision, recall, centroid distance and a chance level, `open_loop_ball_scores`). `losses/image` is
-the image loss per frame and `debug/kl_value` the KL(posterior || prior) in nats. A leak detector reads the
-memory figures and says in plain words when memory grows for a reason other than the replay filling up.
+The world model (DreamerV3's size-S convolutional encoder and decoder on 64x64 colour frames, an RSSM with a
+LayerNorm GRU, a learned initial state and 32x32 categorical latents, symlog two-hot reward and continue heads)
+learns from replayed sequences of 16 x 64, one update per env step; the actor and critic from 15-step rollouts it
+imagines. `--model nature` is a smaller model over 4 stacked 84x84 grey frames, whose shapes the shape comments
+give ((4, 84, 84) an observation; the default's is (1, 3, 64, 64)). Steps are agent steps summed over the envs.
 
-Step counts (`global_step`, `--total-timesteps`, `--buffer-capacity`, ...) are agent steps summed over the
-vector envs; one agent step is 4 emulator frames.
-
-Checkpoints (`runs/{run_name}/checkpoint.pt`) hold only tensors and plain containers, load with
-`weights_only=True`, and are written by `--save-model`, `--checkpoint-every`, SIGINT/SIGTERM, an OOM, a
-detected leak with `--abort-on-leak`, and a run of non-finite losses. `--resume PATH` continues the run.
+It logs every `--log-interval` env steps to TensorBoard in `runs/{run_name}` (wandb with `--track`): `charts/*`,
+`losses/*`, the memory figures of `memory_utils.memory_report()`, and on Pong `world_model/ball_f1_*`, how well the
+model draws the ball (`open_loop_ball_scores`). Checkpoints (`runs/{run_name}/checkpoint.pt`, tensors only) are
+written by `--save-model`, `--checkpoint-every`, signals, an OOM and failures; `--resume PATH` continues a run.
 """
 
 import contextlib
@@ -98,8 +91,8 @@ class Args:
     capture_video: bool = False
     """whether to record videos of env 0 to `videos/{run_name}`"""
     video_every: int = 10_000
-    """log open-loop predictions (the model sees 5 replayed frames, then imagines the rest from the real actions)
-    as a video every this many env steps, once updates have started (0 = off)"""
+    """log open-loop predictions (5 replayed frames seen, the rest imagined from the real actions) as a video every
+    this many env steps (0 = off)"""
     save_model: bool = False
     """whether to write a checkpoint at the end of training"""
     checkpoint_every: int = 0
@@ -125,23 +118,18 @@ class Args:
     max_episode_steps: int = 0
     """truncate episodes after this many agent steps (0 = the game's own limit)"""
     image_size: int | None = None
-    """side of the square frames in pixels (Atari frames are resized to it); the encoder and decoder follow
-    it. Unset: the --model's own (dreamerv3: 64, DreamerV3's Atari setting; nature: 84)"""
+    """side of the square frames in pixels (Atari frames are resized to it). Unset: the --model's own (64, 84)"""
     frame_stack: int | None = None
-    """frames stacked into each observation, newest last (the encoder reads them as channels, the decoder
-    reconstructs them all). Unset: the --model's own (dreamerv3: 1, as DreamerV3, whose recurrent state carries
-    the past; nature: 4). 1 suits tasks whose frame shows the whole state, such as Catch-v0"""
+    """frames stacked into each observation, newest last, read as channels. Unset: the --model's own (dreamerv3:
+    1, as DreamerV3, whose recurrent state carries the past; nature: 4)"""
     rgb: bool = True
-    """Atari frames in colour, 3 channels each, as DreamerV3 reads them; --no-rgb: grey (a third of the replay's
-    frame bytes, and a ball that weighs 3.75x less in the image loss). --model nature (the seed's model) and envs
-    whose frames are grey (Catch-v0) read grey either way. The open-loop images and the ball measure read colour
-    frames in grey"""
+    """Atari frames in colour, as DreamerV3 reads them; --no-rgb: grey (a third of the replay's bytes, and a ball
+    that weighs 3.75x less in the image loss). --model nature and grey envs (Catch-v0) read grey either way"""
 
     # replay
     buffer_capacity: int | None = None
-    """replay capacity in env steps; whole oldest episodes are evicted first. Unset: the replay keeps every step
-    of the run (DreamerV3's Atari100k setting; about 12.3 KB per Pong step, 4.1 with --no-rgb, 7.1 with --model nature, printed at
-    start; see --replay-frames for where)"""
+    """replay capacity in env steps; whole oldest episodes are evicted first. Unset: every step of the run
+    (DreamerV3's Atari100k setting; about 12.3 KB per Pong step, 4.1 with --no-rgb, 7.1 with --model nature)"""
     batch_size: int = 16
     """the number of sequences per world-model batch"""
     sequence_length: int = 64
@@ -149,21 +137,16 @@ class Args:
 
     # model
     model: Literal["dreamerv3", "nature"] = "dreamerv3"
-    """the networks' shapes. dreamerv3: DreamerV3's (2023) size S: 4x4 stride-2 convolutions with a LayerNorm over
-    channels and SiLU (32-64-128-256 channels, 64 pixels down to 4x4), a decoder that mirrors them, a GRU with
-    LayerNorm and an update-gate bias of -1, 512 units, DreamerV3's initialisation. nature: a smaller model, a
-    NatureCNN encoder over 4 stacked 84x84 frames, a decoder through a 7x7 bottleneck, torch's GRUCell, 200 units,
-    torch's default initialisation. The size flags below left unset take the model's values"""
+    """the networks (a row of `MODELS`): dreamerv3, DreamerV3's (2023) size S; nature, a smaller NatureCNN model
+    over 4 stacked 84x84 frames with torch's GRUCell. The size flags below left unset take the model's values"""
     encoder_channels: tuple[int, ...] | None = None
-    """channels of the encoder's convolutions (the decoder mirrors them with dreamerv3). Unset: dreamerv3 (32, 64,
-    128, 256), one 4x4 stride-2 convolution each; nature (32, 64, 64), exactly three"""
+    """channels of the encoder's convolutions. Unset: dreamerv3 (32, 64, 128, 256), nature (32, 64, 64)"""
     embed_dim: int = 512
     """nature only: size of the encoder's output features (dreamerv3's are its last map, flattened)"""
     decoder_base_channels: int = 32
     """nature only: channels of the decoder's last hidden map (the one before it has twice this)"""
     decoder_mid_channels: int = 16
-    """nature only: channels of the decoder's bottleneck map (7x7 at 84 pixels; small: it sets the size of the
-    decoder's linear layer)"""
+    """nature only: channels of the decoder's bottleneck map (7x7 at 84 pixels)"""
     deterministic_dim: int | None = None
     """size of the RSSM's deterministic (GRU) state `deter`. Unset: dreamerv3 512, nature 200"""
     stochastic_dim: int = 32
@@ -175,8 +158,8 @@ class Args:
     unimix: float = 0.01
     """share of the uniform distribution mixed into categorical latents and the policy"""
     initial_state: Literal["learned", "zeros"] = "learned"
-    """the state each episode (and each replayed sequence) starts from: learned (DreamerV3: deter = tanh(w) of a
-    learned vector w, stoch the prior's mode from it) or zeros"""
+    """the state each episode (and each replayed sequence) starts from: learned (DreamerV3: deter = tanh(w), stoch
+    the prior's mode) or zeros"""
     reward_bins: int = 255
     """two-hot bins (on the symlog scale) of the reward head and the critic"""
 
@@ -186,11 +169,10 @@ class Args:
     learning_starts: int = 1_000
     """env steps of random actions that fill the replay before any update (DreamerV3: about 1k)"""
     warmup_steps: int = 0
-    """env steps after `learning_starts` during which only the world model trains. DreamerV3 trains world
-    model and behaviour together from the start (0)"""
+    """env steps after `learning_starts` during which only the world model trains (DreamerV3: 0)"""
     train_ratio: float = 1024.0
-    """replayed steps per env step: updates per env step = train_ratio / (batch_size x sequence_length). DreamerV3
-    learned Pong with 1024 at batch 16 x 64: one update per agent step"""
+    """replayed steps per env step: updates per env step = train_ratio / (batch_size x sequence_length) (DreamerV3:
+    1024 at 16 x 64, one update per env step)"""
     world_model_lr: float = 1e-4
     """learning rate of the world model"""
     actor_lr: float = 3e-5
@@ -214,8 +196,7 @@ class Args:
     free_nats: float = 1.0
     """each KL term is clipped below at this many nats"""
     image_loss_scale: float = 1.0
-    """weight of the image reconstruction loss (DreamerV3: 1); the probe's configurations that ask how much the
-    ball's pixels weigh scale it"""
+    """weight of the image reconstruction loss (DreamerV3: 1)"""
     no_decoder_loss: bool = False
     """switch off the image reconstruction loss (isolation experiments)"""
     no_reward_loss: bool = False
@@ -225,8 +206,7 @@ class Args:
     imagination_horizon: int = 15
     """length of the imagined rollouts"""
     continue_mode: bool = True
-    """imagined rollouts are discounted by the continue head's mode (0 or 1, as DreamerV3); --no-continue-mode
-    uses its probability"""
+    """discount imagined rollouts by the continue head's mode (0 or 1, as DreamerV3), not its probability"""
     gamma: float = 0.997
     """the discount factor"""
     return_lambda: float = 0.95
@@ -238,8 +218,7 @@ class Args:
     slow_critic_fraction: float = 0.02
     """EMA rate with which the slow critic follows the critic each update"""
     max_nonfinite: int = 10
-    """stop (with a checkpoint) when this many updates in a row had a non-finite loss or gradient; each such
-    update is skipped on the device and changes nothing, and runs are checked at each log point"""
+    """stop (with a checkpoint) when this many updates in a row had a non-finite loss or gradient (each is skipped)"""
 
     # memory
     amp: Literal["auto", "off", "fp16", "bf16"] = "off"
@@ -475,14 +454,6 @@ class Episode:
         """The replay drops this episode: its frames are released (host arrays are freed with the episode)."""
         self.frames.release()
 
-    @property
-    def obs_bytes(self) -> int:
-        return self.frames.nbytes
-
-    @property
-    def aux_bytes(self) -> int:
-        return sum(array.nbytes for array in self.aux)
-
 
 class EpisodeReplay:
     """Episode-based replay holding at most `capacity` env steps; whole oldest episodes are evicted first.
@@ -665,17 +636,6 @@ class EpisodeReplay:
                 filled += take
         return arrays
 
-    def stats(self) -> dict[str, int]:
-        """Sizes from the real arrays (feeds `memory_utils.memory_report(buffer_stats=...)`): obs_bytes in host
-        memory, obs_device_bytes on the device (none here)."""
-        return {
-            "total_steps": self.total_steps,
-            "num_episodes": len(self.episodes),
-            "obs_bytes": sum(ep.obs_bytes for ep in self.episodes),
-            "aux_bytes": sum(ep.aux_bytes for ep in self.episodes),
-            "obs_device_bytes": 0,
-        }
-
 
 # --- Networks ---------------------------------------------------------------------------------------------------------
 
@@ -747,8 +707,8 @@ def one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 def one_hot_draw_fused(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """`one_hot_draw` as --compile runs it: the same draw as a cumulative sum and a difference, which Inductor fuses
-    with the work around them (each product of the eager draw would stay a matmul kernel of its own).
-    `check_fast_paths` holds its draws to the eager ones."""
+    with the work around them (each product of the eager draw would stay a matmul kernel of its own). Part 2 checks
+    that both draw the same classes."""
     with torch.autocast(probs.device.type, enabled=False):
         cdf = probs.float().cumsum(-1)
         cdf = torch.cat([cdf[..., :-1], torch.full_like(cdf[..., -1:], 2.0)], -1)
@@ -1253,15 +1213,10 @@ DERIVED_SETTINGS = {
 
 
 class UpdateSettings:
-    """The scheduled numbers (`SCHEDULED`) and the learning rates as 0-d tensors on the update's device, changed
-    in place from the loop with `set`, which a captured update sees at its next replay:
-
-        run.agent.settings.set("kl_dyn_scale", min(0.5, step / 10_000))   # a KL warm-up
-
-    `settings["name"]` is the tensor the update reads, `values` the floats. The learning rates are the optimizers'
-    own `lr` tensors (a checkpoint's optimizer state restores them; the other numbers start from the flags, and a
-    schedule written as a function of the step carries on where it was). Derived numbers (`1 - decay`, `1 - lambda`) are computed in double
-    when set, as the update computed them from floats, so that the losses are the same to the last bit."""
+    """The scheduled numbers (`SCHEDULED`) and the learning rates as 0-d tensors the update reads (`settings["name"]`;
+    `values` the floats), changed in place from the loop: `run.agent.settings.set("kl_dyn_scale", 0.3)`. The learning
+    rates are the optimizers' own `lr` tensors. Derived numbers (`1 - decay`, `1 - lambda`) are computed in double
+    when set, as from floats, so that the losses are the same to the last bit."""
 
     def __init__(self, args: Args, optimizers: dict[str, torch.optim.Optimizer], device, dtype):
         self.values = {name: float(getattr(args, name)) for name in (*SCHEDULED, *LEARNING_RATES)}
@@ -1321,22 +1276,15 @@ class Agent:
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self.world_model_optimizer, self.actor_optimizer, self.critic_optimizer]
+        return list(self.named_optimizers().values())
 
     def named_optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        return {
-            "world_model": self.world_model_optimizer,
-            "actor": self.actor_optimizer,
-            "critic": self.critic_optimizer,
-        }
+        return {name: getattr(self, f"{name}_optimizer") for name in ("world_model", "actor", "critic")}
 
     def modules(self) -> dict[str, nn.Module]:
         return {
-            "world_model": self.world_model,
-            "actor": self.actor,
-            "critic": self.critic,
-            "slow_critic": self.slow_critic,
-            "return_norm": self.return_norm,
+            name: getattr(self, name)
+            for name in ("world_model", "actor", "critic", "slow_critic", "return_norm")
         }
 
 
@@ -1402,9 +1350,8 @@ class Player:
     @torch.no_grad()  # memory: the cached state never carries a graph
     def reset(self) -> None:
         device, rssm = self.agent.device, self.agent.world_model.rssm
-        deter, stoch = (
-            x.clone() for x in rssm.initial(self.num_envs)
-        )  # (N, D), (N, S): tensors of their own
+        # (N, D), (N, S): tensors of their own
+        deter, stoch = (x.clone() for x in rssm.initial(self.num_envs))
         prev_action = torch.zeros(self.num_envs, self.agent.num_actions, device=device)  # (N, A) one-hot
         if self.deter is None:
             self.deter, self.stoch, self.prev_action = deter, stoch, prev_action
@@ -1469,8 +1416,7 @@ def lambda_returns(
 
 
 def batch_tensors(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
-    """The sampled arrays as tensors on `device`, still uint8 and bool (a plain synchronous copy; on CUDA the
-    training loop copies from pinned memory instead, see `PinnedBatches`)."""
+    """The sampled arrays as tensors on `device`, still uint8 and bool."""
     # memory: observations cross to the device as uint8 (a quarter of float32); floats exist only there
     return {key: torch.from_numpy(value).to(device) for key, value in batch.items()}
 
@@ -2772,9 +2718,6 @@ class FrameStoreReplay(EpisodeReplay):
         batch = {"obs": self.store.rows[indices["rows"]]}  # (B, T, 4, 84, 84) uint8
         return batch | {key: value for key, value in indices.items() if key != "rows"}
 
-    def stats(self) -> dict[str, int]:
-        return super().stats() | {"obs_device_bytes": 0 if self.store is None else self.store.nbytes}
-
 
 def replay_frames_device(args: Args, device: torch.device, obs_shape: tuple) -> torch.device | None:
     """Where the replay's frames live (`--replay-frames`): the training device, or host memory (None); said in one
@@ -3875,6 +3818,19 @@ class ChunkedArray:
 # --- Checkpoints ------------------------------------------------------------------------------------------------------
 
 
+def replay_stats(replay: EpisodeReplay) -> dict[str, int]:
+    """The replay's sizes from its real arrays, for `memory_utils.memory_report(buffer_stats=...)`: obs_bytes in host
+    memory, obs_device_bytes in a `FrameStore` on the device."""
+    store = getattr(replay, "store", None)
+    return {
+        "total_steps": replay.total_steps,
+        "num_episodes": len(replay.episodes),
+        "obs_bytes": sum(ep.frames.nbytes for ep in replay.episodes),
+        "aux_bytes": sum(array.nbytes for ep in replay.episodes for array in ep.aux),
+        "obs_device_bytes": 0 if store is None else store.nbytes,
+    }
+
+
 def replay_state(replay: EpisodeReplay) -> dict:
     """The replay for a checkpoint (--checkpoint-buffer): tensors only (loads with weights_only=True). Episodes being
     played are saved as ended: the emulators cannot be restored, so a resumed run starts fresh episodes."""
@@ -4558,7 +4514,7 @@ def log_point(run: Run) -> None:
     sps = (step - run.start_step) / elapsed
     run.writer.flush()  # memory: no TensorBoard record still queued (a GIF's: 0.2-0.7 MB) is read as growth
     # memory: memory_report() collects garbage and trims the heap first, so this is live memory
-    run.last_report = mu.memory_report(buffer_stats=run.replay.stats(), device=run.device)
+    run.last_report = mu.memory_report(buffer_stats=replay_stats(run.replay), device=run.device)
     interval_means, skipped, longest_skipped_run = run.update_log.pop()  # the interval's one host sync
     counters["nonfinite_updates"] += skipped
     scalars = {

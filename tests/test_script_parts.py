@@ -1,0 +1,63 @@
+"""Each training script reads in three parts (the algorithm, speed, the run), each opened by a banner that names it,
+and the algorithm names nothing of the speed part: a researcher who copies Part 1 and changes it never has to read
+Part 2, and Part 2 installs itself from the run's set-up."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BANNERS = ("# PART 1: THE ALGORITHM", "# PART 2: SPEED", "# PART 3: THE RUN")
+PART_1_MAX_LINES = 1_700
+
+
+def parts(script: str) -> list[str]:
+    """The script's text before Part 2's banner, from there to Part 3's, and the rest."""
+    text = (ROOT / script).read_text()
+    starts = [text.index(banner) for banner in BANNERS]  # ValueError: a banner is missing
+    assert starts == sorted(starts), f"{script}: the banners are out of order"
+    return [text[: starts[1]], text[starts[1] : starts[2]], text[starts[2] :]]
+
+
+def defined_names(source: str) -> set[str]:
+    """The names a part defines at the top level: functions, classes and assigned constants."""
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def part_2_source(script: str) -> str:
+    """Part 2's text as a parseable module (its banner comments and definitions)."""
+    return parts(script)[1]
+
+
+@pytest.mark.parametrize("script", ["dreamer_atari.py"])
+def test_the_algorithm_names_nothing_of_the_speed_part(script):
+    part_1, part_2, _ = parts(script)
+    speed_names = defined_names(part_2)
+    assert speed_names, f"{script}: Part 2 defines nothing"
+    # a word of Part 1 (code, comments and docstrings alike) that is a name Part 2 defines
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", part_1))
+    named = sorted(words & speed_names)
+    assert not named, f"{script}: Part 1 names Part 2's {', '.join(named)}"
+
+
+@pytest.mark.parametrize("script", ["dreamer_atari.py"])
+def test_the_algorithm_part_stays_short_enough_to_read(script):
+    lines = parts(script)[0].count("\n")
+    assert lines <= PART_1_MAX_LINES, f"{script}: Part 1 is {lines} lines (at most {PART_1_MAX_LINES})"
+
+
+def test_speed_is_installed_by_one_call_from_the_run():
+    """`install_speed` (Part 2) is called once, from Part 3's set-up, and nowhere in Part 1."""
+    part_1, _, part_3 = parts("dreamer_atari.py")
+    assert "install_speed(" not in part_1
+    assert part_3.count("install_speed(") == 1
