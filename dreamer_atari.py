@@ -1499,8 +1499,11 @@ def world_model_losses(
     losses = {"continue": continue_loss, "image": image_loss, "reward": reward_loss, "kl": kl_loss}
     scales = loss_scales(args)
     assert losses.keys() == scales.keys(), (losses.keys(), scales.keys())
-    # a scale of 0 leaves its loss out (no gradient, and a non-finite value of it cannot spread)
-    loss = sum(scales[name] * value for name, value in losses.items() if scales[name])
+    # a scale of 0 leaves its loss out (no gradient, and a non-finite value of it cannot spread), 1 adds it as it is
+    terms = [
+        value if scales[name] == 1 else scales[name] * value for name, value in losses.items() if scales[name]
+    ]
+    loss = functools.reduce(torch.add, terms)
     parts = {
         "losses/world_model": loss,
         **{f"losses/{name}": value for name, value in losses.items()},
@@ -3023,9 +3026,40 @@ def sample_staged(run: "Run", staging: "PinnedBatches") -> dict[str, torch.Tenso
 def install_speed(run: "Run") -> None:
     """Part 2 in one call from the run's set-up (LeanRL's executables block): each Part 1 function with a faster
     equivalent here gets it in its place, unless its flag turns it off, and each is checked against the function it
-    replaces before anything trains (`check_fast_paths`: FastPathMismatch). Nothing in Part 1 changes."""
-    agent, args, device = run.agent, run.args, run.device
-    wm = agent.world_model
+    replaces before anything trains (`check_fast_paths`: FastPathMismatch). Nothing in Part 1 changes. The agent's
+    own (`speed_up_agent`), then the run's: CUDA graphs of the update steps and the policy, pinned transfers, the
+    frames on the device."""
+    args, device = run.args, run.device
+    speed_up_agent(run.agent, args)
+    capture = captures_updates(args, device)
+    run.world_model_step, run.behavior_step = make_update_steps(run.agent, args)
+    if device.type == "cuda":
+        run.player = CudaPlayer(run.agent, args.num_envs, capture=capture)
+    frames_device = replay_frames_device(args, device, run.obs_shape)
+    if frames_device is not None:
+        run.replay = FrameStoreReplay(
+            run.replay.capacity, args.num_envs, seed=args.seed, frames_device=frames_device
+        )
+        run.sample_batch = sample_gathered
+    if device.type == "cuda":
+        # memory: batches are sampled into two reused pinned buffers and copied without blocking
+        staging = PinnedBatches(staging_template(args, run.obs_shape, frames_device is not None), run.device)
+        run.sample_batch = functools.partial(sample_staged, staging=staging)
+
+
+def make_update_steps(agent: "Agent", args: Args) -> tuple[Callable, Callable]:
+    """The update steps (`update_steps`), captured in CUDA graphs where `captures_updates`."""
+    world_model_step, behavior_step = update_steps(agent, args)
+    if captures_updates(args, agent.device):
+        settings = capture_settings(agent)
+        return CudaGraphed(world_model_step, settings=settings), CudaGraphed(behavior_step, settings=settings)
+    return world_model_step, behavior_step
+
+
+def speed_up_agent(agent: "Agent", args: Args) -> None:
+    """The agent's faster equivalents (the fast observe and imagination, the CPU decoder layer, channels-last
+    convolutions, then --compile), each checked against Part 1's function first (FastPathMismatch)."""
+    wm, device = agent.world_model, agent.device
     if args.fast_observe:
         agent.observe = FastObserve(wm.rssm, hand_written_backward=args.observe_backward == "hand-written")
     if args.fast_imagine:
@@ -3038,23 +3072,6 @@ def install_speed(run: "Run") -> None:
     check_fast_paths(agent, args)
     if args.compile:
         compile_agent(agent)
-    capture = captures_updates(args, device)
-    if capture:
-        settings = capture_settings(agent)
-        run.world_model_step = CudaGraphed(run.world_model_step, settings=settings)
-        run.behavior_step = CudaGraphed(run.behavior_step, settings=settings)
-    if device.type == "cuda":
-        run.player = CudaPlayer(agent, args.num_envs, capture=capture)
-    frames_device = replay_frames_device(args, device, run.obs_shape)
-    if frames_device is not None:
-        run.replay = FrameStoreReplay(
-            run.replay.capacity, args.num_envs, seed=args.seed, frames_device=frames_device
-        )
-        run.sample_batch = sample_gathered
-    if device.type == "cuda":
-        # memory: batches are sampled into two reused pinned buffers and copied without blocking
-        staging = PinnedBatches(staging_template(args, run.obs_shape, frames_device is not None), device)
-        run.sample_batch = functools.partial(sample_staged, staging=staging)
 
 
 # =====================================================================================================================

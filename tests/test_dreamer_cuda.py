@@ -18,7 +18,7 @@ def test_cuda_captured_acting_reads_fresh_inputs_and_moves_its_state_as_the_eage
     args = tiny_args()
     torch.manual_seed(0)
     agent = da.build_agent(args, obs_shape(args), 6, "cuda")
-    player = da.Player(agent, num_envs=3, capture=True)
+    player = da.CudaPlayer(agent, num_envs=3, capture=True)
     rng = np.random.default_rng(0)
     wm = agent.world_model
     for step in range(8):  # 3 eager, the capture, then replays

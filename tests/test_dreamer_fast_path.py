@@ -1,10 +1,11 @@
-"""The update's fast paths against the readable reference, and the budget of operations an update dispatches.
+"""The update's fast paths (Part 2 of dreamer_atari.py) against Part 1's readable functions, and the budget of
+operations an update dispatches.
 
-`RSSM.observe` and `imagine` compute what does not depend on the previous step for the whole sequence at once and
-run the actor's gradient pass once per rollout; the reference below is the plain loop through the RSSM's readable
-cell (`img_step`, `posterior`, `prior`, `sample`) and a per-step actor, which live in the script beside the fast
-paths (`RSSM.observe_reference`, `imagine_reference`). In float64, on the same batch and the same
-random numbers, the losses and every parameter gradient must agree. The op-count test counts the aten operations
+`FastObserve` and `FastImagine` compute what does not depend on the previous step for the whole sequence at once and
+run the actor's gradient pass once per rollout; Part 1's `RSSM.observe` and `imagine` are the plain loop through the
+RSSM's cell (`img_step`, `posterior`, `prior`, `sample`) and a per-step actor. An agent as `build_agent` makes it runs
+Part 1's; `speed_up_agent` puts Part 2's in their place. In float64, on the same batch and the same random numbers,
+the losses and every parameter gradient must agree. The op-count test counts the aten operations
 (views excluded: they launch no kernel) that one update dispatches, per observe step and per imagination step, so
 that no later change quietly adds kernels back to the loops that bound an update on a GPU.
 """
@@ -43,13 +44,6 @@ def random_batch(args, seed=0) -> dict:
     return batch
 
 
-def reference_observe(rssm, embed, action, is_first, noise=None):
-    return rssm.observe_reference(embed, action, is_first, noise)
-
-
-reference_imagine = da.imagine_reference
-
-
 def float64_agent(args):
     return dreamer_tiny.float64_agent(args, NUM_ACTIONS)
 
@@ -64,7 +58,7 @@ def gradients(module) -> dict[str, torch.Tensor]:
 
 
 def observe_backward(deter: torch.Tensor) -> str:
-    """Which backward pass `RSSM.observe`'s deter (B, T, D) takes: "hand-written" (`ObserveBackwardThroughTime`)
+    """Which backward pass the observed deter (B, T, D) takes: "hand-written" (`ObserveBackwardThroughTime`)
     or "autograd" (the graph of the per-step loop)."""
     hand_written = isinstance(deter.grad_fn, da.ObserveBackwardThroughTime._backward_cls)
     return "hand-written" if hand_written else "autograd"
@@ -75,7 +69,7 @@ def observe_backward(deter: torch.Tensor) -> str:
     "model, classes, backward",
     [("dreamerv3", 4, "hand-written"), ("nature", 4, "hand-written"), ("dreamerv3", 0, "autograd")],
 )
-def test_world_model_loss_and_gradients_equal_the_reference_in_float64(monkeypatch, model, classes, backward):
+def test_world_model_loss_and_gradients_equal_the_reference_in_float64(model, classes, backward):
     """With an episode start inside a sequence (`random_batch`), so that the backward pass crosses a reset."""
     args = tiny_args(model=model, stochastic_classes=classes)
     agent = float64_agent(args)
@@ -102,10 +96,10 @@ def test_world_model_loss_and_gradients_equal_the_reference_in_float64(monkeypat
         )
         return values, torch.cat([deter.detach(), stoch.detach()], -1), gradients(agent.world_model)
 
-    fast = run()
-    monkeypatch.setattr(da.RSSM, "observe", reference_observe)
     reference = run()
-    assert backwards == [backward, "autograd"]
+    da.speed_up_agent(agent, args)
+    fast = run()
+    assert backwards == ["autograd", backward]
     assert fast[0].dtype == torch.float64
     torch.testing.assert_close(fast[0], reference[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(fast[1], reference[1], rtol=1e-12, atol=1e-12)
@@ -116,7 +110,7 @@ def test_world_model_loss_and_gradients_equal_the_reference_in_float64(monkeypat
 
 
 @pytest.mark.parametrize("model", ["dreamerv3", "nature"])
-def test_behavior_losses_and_gradients_equal_the_reference_in_float64(monkeypatch, model):
+def test_behavior_losses_and_gradients_equal_the_reference_in_float64(model):
     args = tiny_args(model=model)
     agent = float64_agent(args)
     with torch.no_grad():
@@ -142,9 +136,10 @@ def test_behavior_losses_and_gradients_equal_the_reference_in_float64(monkeypatc
             **{"critic." + k: v for k, v in gradients(agent.critic).items()},
         }
 
-    fast = run()
-    monkeypatch.setattr(da, "imagine", reference_imagine)
     reference = run()
+    da.speed_up_agent(agent, args)
+    assert isinstance(agent.imagine, da.FastImagine)
+    fast = run()
     torch.testing.assert_close(fast[0], reference[0], rtol=1e-12, atol=1e-12)
     assert len(reference[1]) == len(list(agent.actor.parameters())) + len(list(agent.critic.parameters()))
     for name in reference[1]:
@@ -162,9 +157,9 @@ def test_the_reference_is_what_the_equality_tests_compare_against():
         args.batch_size, args.sequence_length, agent.world_model.embed_dim, dtype=torch.float64
     )
     counts = {}
-    for name, observe in (("fast", da.RSSM.observe), ("reference", reference_observe)):
+    for name, observe in (("fast", da.FastObserve(rssm)), ("reference", rssm.observe)):
         with OpCounter() as counter:
-            observe(rssm, embed, data["action"], data["is_first"])
+            observe(embed, data["action"], data["is_first"])
         counts[name] = counter.total
     assert counts["fast"] < counts["reference"]
 
@@ -194,8 +189,9 @@ def update_ops(sequence_length: int, horizon: int) -> tuple[collections.Counter,
     args = tiny_args(sequence_length=sequence_length, imagination_horizon=horizon)
     torch.manual_seed(0)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+    da.speed_up_agent(agent, args)
     raw = da.batch_tensors(random_batch(args), "cpu")
-    world_model_step, behavior_step = da.make_update_steps(agent, args)
+    world_model_step, behavior_step = da.update_steps(agent, args)
     for _ in range(2):  # the first update creates what later ones reuse (optimizer state, sampling matrices)
         with OpCounter() as world:
             _, _, start = world_model_step(raw)
@@ -300,8 +296,9 @@ def test_compiled_steps_are_whole_graphs_and_do_not_recompile(monkeypatch):
             graphs_code.append(graph.code)
             return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
 
+        da.speed_up_agent(agent, args)  # the fast paths, which --compile compiles
         da.compile_agent(agent, backend=backend)
-        world_model_step, behavior_step = da.make_update_steps(agent, args)
+        world_model_step, behavior_step = da.update_steps(agent, args)
 
         def update(seed):
             _, healthy, start = world_model_step(da.batch_tensors(random_batch(args, seed), "cpu"))
@@ -320,7 +317,9 @@ def test_compiled_steps_are_whole_graphs_and_do_not_recompile(monkeypatch):
 
         # each function that --compile compiles ran as a graph of its own (the modules the losses call are inlined
         # into the losses' graphs)
-        assert compiled("first", "initial_deter", "action_in", "embed_in", "noise") >= 1  # RSSM.observe_step
+        assert (
+            compiled("first", "initial_deter", "action_in", "embed_in", "noise") >= 1
+        )  # FastObserve.observe_step
         assert compiled("action_uniform", "latent_noise") >= 1  # imagine_step
         assert compiled("data_image", "posterior", "prior") == 1  # world_model_losses
         assert compiled("feat", "critic_logits", "start_continue") == 1  # imagined_targets
@@ -350,7 +349,7 @@ def test_observe_equals_the_reference_for_both_latent_kinds(classes):
     is_first[:, 0] = is_first[1, 4] = True
     noise = rssm.noise((T, B), "cpu")
     for got, expected in zip(
-        rssm.observe(embed, action, is_first, noise), reference_observe(rssm, embed, action, is_first, noise)
+        da.FastObserve(rssm)(embed, action, is_first, noise), rssm.observe(embed, action, is_first, noise)
     ):
         torch.testing.assert_close(got, expected)
 
@@ -358,7 +357,8 @@ def test_observe_equals_the_reference_for_both_latent_kinds(classes):
 def tiny_rssm(layer_norm_gru: bool) -> da.RSSM:
     """A float64 RSSM of a few units, every parameter (LayerNorms' included) moved off its initial value."""
     torch.manual_seed(0)
-    rssm = da.RSSM(5, 3, 4, 2, 3, 4, 0.01, layer_norm_gru=layer_norm_gru).double()
+    gru = da.LayerNormGRUCell if layer_norm_gru else torch.nn.GRUCell
+    rssm = da.RSSM(5, 3, 4, 2, 3, 4, 0.01, gru=gru).double()
     with torch.no_grad():
         for p in rssm.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -399,16 +399,17 @@ def test_the_hand_written_observe_backward_passes_gradcheck(monkeypatch, layer_n
     def scan(initial_deter, action_in, embed_in, stoch_weight, deter_weight, *parameters):
         """deter (B, T, D), stoch (B, T, S*C) and posterior (B, T, S, C) of the tiny RSSM."""
         inputs = (first, initial_deter, initial_stoch, action_in, embed_in, noise, stoch_weight, deter_weight)
-        return da.ObserveBackwardThroughTime.apply(rssm, *inputs, *parameters)
+        return da.ObserveBackwardThroughTime.apply(fast, *inputs, *parameters)
 
     # gradcheck perturbs each input in place: the parameters are the RSSM's own, which `observe_step` reads
-    assert torch.autograd.gradcheck(scan, (*inputs, *rssm.scan_parameters()))
+    fast = da.FastObserve(rssm)
+    assert torch.autograd.gradcheck(scan, (*inputs, *fast.scan_parameters()))
 
 
 def test_gaussian_latents_autocast_and_no_grad_take_the_per_step_loop():
     """The hand-written backward covers categorical latents with gradients in float32 and float64. Gaussian latents
     (classes 0) and autocast (--amp) fall back to autograd's backward of the same per-step loop (`observe_loop`);
-    without gradients (acting, open-loop videos) `observe` is that loop and nothing else."""
+    without gradients (open-loop videos) the fast observe is that loop and nothing else."""
     args = tiny_args()
     B, T = 2, 5
     is_first = torch.zeros(B, T, dtype=torch.bool)
@@ -421,7 +422,7 @@ def test_gaussian_latents_autocast_and_no_grad_take_the_per_step_loop():
         world_model = da.WorldModel(tiny_args(stochastic_classes=classes), obs_shape(args), NUM_ACTIONS)
         embed = torch.randn(B, T, world_model.embed_dim)
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast), torch.set_grad_enabled(grad):
-            deter = world_model.rssm.observe(embed, action, is_first)[0]
+            deter = da.FastObserve(world_model.rssm)(embed, action, is_first)[0]
         return "none" if deter.grad_fn is None else observe_backward(deter)
 
     assert backward(4) == "hand-written"
@@ -453,17 +454,17 @@ def short_run(**overrides) -> da.Args:
 def test_a_change_to_the_observe_step_not_carried_into_the_readable_cell_stops_the_run_before_training(
     monkeypatch, tmp_path, capsys
 ):
-    """`observe_step` is the fast copy of the readable cell (`img_step`, `posterior`, `sample`): a change to one that
-    is not carried into the other would train one thing and act and imagine another. The start-up check refuses in
-    one sentence naming the way out, and --no-fast-observe trains through the readable cell."""
-    real_step = da.RSSM.observe_step
+    """`FastObserve.observe_step` is the fast copy of the readable cell (`img_step`, `posterior`, `sample`): a change
+    to one that is not carried into the other would train one thing and act and imagine another. The start-up check
+    refuses in one sentence naming the way out, and --no-fast-observe trains through the readable cell."""
+    real_step = da.FastObserve.observe_step
 
     def changed_step(self, *inputs):
         deter, stoch, posterior = real_step(self, *inputs)
         return 1.01 * deter, stoch, posterior  # a researcher's change to the step
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(da.RSSM, "observe_step", changed_step)
+    monkeypatch.setattr(da.FastObserve, "observe_step", changed_step)
     status, said = run_exit(short_run(), capsys)
     assert status == da.EXIT_FAST_PATH and "--no-fast-observe" in said and "observe_step" in said
     assert da.main(short_run(fast_observe=False))["global_step"] == 50
@@ -485,14 +486,14 @@ def test_a_change_to_the_hand_written_backward_stops_the_run_before_training(mon
 
 @pytest.mark.parametrize("model", ["dreamerv3", "nature"])
 def test_the_two_misses_of_the_old_check_are_caught(monkeypatch, model):
-    """A residual added to `img_step` and not to `observe_step` (acting, imagination and video then differ from
+    """A residual added to `img_step` and not to `FastObserve.observe_step` (acting, imagination and video then differ from
     training's observe), and a clamp of deter added to `observe_step` that only bites where the GRU saturates: the
     old check (the hand-written backward against autograd's, on the initial weights) passed both."""
     args = tiny_args(model=model)
     torch.manual_seed(0)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
-    da.check_fast_paths(agent, args)  # as built: the fast paths are the readable ones
-    real_img_step, real_observe_step = da.RSSM.img_step, da.RSSM.observe_step
+    da.speed_up_agent(agent, args)  # checks the fast paths: as built they compute what the readable ones do
+    real_img_step, real_observe_step = da.RSSM.img_step, da.FastObserve.observe_step
     with monkeypatch.context() as patch:
         patch.setattr(
             da.RSSM, "img_step", lambda self, deter, *rest: real_img_step(self, deter, *rest) + deter
@@ -506,10 +507,10 @@ def test_the_two_misses_of_the_old_check_are_caught(monkeypatch, model):
         return deter.clamp(-0.9, 0.9), stoch, posterior
 
     with monkeypatch.context() as patch:
-        patch.setattr(da.RSSM, "observe_step", clamped)
+        patch.setattr(da.FastObserve, "observe_step", clamped)
         with torch.no_grad():  # on the run's own weights the state stays inside the clamp
             reference = da.float64_copy(agent.world_model.rssm)
-            assert reference.observe(*da.check_inputs(reference))[0].abs().max() < 0.9
+            assert da.FastObserve(reference)(*da.check_inputs(reference))[0].abs().max() < 0.9
         with pytest.raises(da.FastPathMismatch, match="GRU's x 8"):
             da.check_fast_paths(agent, args)
 
@@ -577,7 +578,7 @@ def test_the_start_up_check_passes_both_models_and_leaves_the_random_state_alone
         args = tiny_args(model=model)
         agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
         state = torch.get_rng_state()
-        da.check_fast_paths(agent, args)
+        da.speed_up_agent(agent, args)  # which runs the check
         assert torch.equal(state, torch.get_rng_state())
 
 

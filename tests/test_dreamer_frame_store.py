@@ -62,7 +62,7 @@ def assert_same_batches(host: da.EpisodeReplay, device: da.EpisodeReplay, seed: 
 def replays(capacity: int, chunk_size: int = 8, num_envs: int = 3):
     return (
         da.EpisodeReplay(capacity, num_envs, seed=0, chunk_size=chunk_size),
-        da.EpisodeReplay(capacity, num_envs, seed=0, chunk_size=chunk_size, frames_device="cpu"),
+        da.FrameStoreReplay(capacity, num_envs, seed=0, chunk_size=chunk_size, frames_device="cpu"),
     )
 
 
@@ -82,13 +82,13 @@ def test_device_batches_equal_the_host_sampler_through_boundaries_trimming_and_e
 def test_a_resumed_replay_gives_the_same_batches_whichever_side_saved_it():
     host, device = replays(capacity=150)
     drive([host, device], 120, seed=1)
-    saved_by_host, saved_by_device = host.state_dict(), device.state_dict()
+    saved_by_host, saved_by_device = da.replay_state(host), da.replay_state(device)
     for ours, theirs in zip(saved_by_host["episodes"], saved_by_device["episodes"]):
         for name in da.Episode.FIELDS:
             torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0)
     resumed_host, resumed_device = replays(capacity=150)
-    resumed_host.load_state_dict(saved_by_device)
-    resumed_device.load_state_dict(saved_by_host)
+    da.load_replay_state(resumed_host, saved_by_device)
+    da.load_replay_state(resumed_device, saved_by_host)
     for seed in range(4):
         assert_same_batches(resumed_host, resumed_device, seed)
     # and both go on alike: the resumed episodes are evicted first, the envs' new ones after them
@@ -144,7 +144,7 @@ def test_a_gathered_batch_owns_its_memory_and_written_frames_wait_at_most_a_few(
 def test_replay_stats_count_device_frames_apart_from_host_memory():
     host, device = replays(capacity=500)
     drive([host, device], 100, seed=7)
-    on_host, on_device = host.stats(), device.stats()
+    on_host, on_device = da.replay_stats(host), da.replay_stats(device)
     assert on_host["obs_device_bytes"] == 0 and on_host["obs_bytes"] > 0
     assert on_device["obs_bytes"] == 0 and on_device["obs_device_bytes"] == device.store.rows.nbytes
     assert (
@@ -155,7 +155,7 @@ def test_replay_stats_count_device_frames_apart_from_host_memory():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_batches_equal_the_host_sampler():
     host = da.EpisodeReplay(300, 3, seed=0, chunk_size=8)
-    device = da.EpisodeReplay(300, 3, seed=0, chunk_size=8, frames_device="cuda")
+    device = da.FrameStoreReplay(300, 3, seed=0, chunk_size=8, frames_device="cuda")
     drive([host, device], 400, seed=8)
     expected = host.sample(9, 13, rng=np.random.default_rng(0))
     gathered = device.gather(

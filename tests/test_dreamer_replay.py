@@ -71,7 +71,7 @@ def test_bytes_per_step_of_stored_pong(pong_envs):
     # one 84x84 frame (7,056 B) + 7 B of aux per step, + 3 frames per 60-step episode (seed: 28,224 B)
     assert per_step <= 7_200 + 3 * 7_056 / 60
     assert 7_056 < per_step
-    stats = replay.stats()
+    stats = da.replay_stats(replay)
     assert stats["total_steps"] == sum(ep.num_steps for ep in replay.episodes)
     assert stats["num_episodes"] == len(replay.episodes)
     # an episode being written holds at most one partly used chunk per array
@@ -129,7 +129,7 @@ def test_replay_storage_lives_in_memory_maps_of_its_own_one_per_chunk(pong_envs)
     replay = da.EpisodeReplay(capacity=10_000, num_envs=2, seed=0, chunk_size=16)
     collect(pong_envs, replay, 150)  # finished (compacted) episodes and two in progress
     restored = da.EpisodeReplay(capacity=10_000, num_envs=2, seed=0, chunk_size=16)
-    restored.load_state_dict(replay.state_dict())
+    da.load_replay_state(restored, da.replay_state(replay))
     for episode in [*replay.episodes, *restored.episodes]:
         arrays = episode.arrays()
         for index in range(len(episode.action.chunks)):
@@ -158,7 +158,7 @@ def test_filling_the_replay_leaves_the_malloc_heap_as_it_was(pong_envs):
     replay = da.EpisodeReplay(capacity=10_000, num_envs=2, seed=0)
     before = mu.heap_in_use_mb()
     collect(pong_envs, replay, 1_000)
-    stored = sum(replay.stats()[key] for key in ("obs_bytes", "aux_bytes")) / mu.MB
+    stored = sum(da.replay_stats(replay)[key] for key in ("obs_bytes", "aux_bytes")) / mu.MB
     assert stored > 10
     assert mu.heap_in_use_mb() - before < 0.1 * stored
 

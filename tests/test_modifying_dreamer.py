@@ -1,0 +1,167 @@
+"""The three changes `docs/dreamer_atari.md` walks through ("Modifying this script"), made as the page says on a copy
+of dreamer_atari.py, each in at most three places, and trained for a few updates on the CPU: the page's code is the
+code that runs, and each change does what it claims."""
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from dreamer_tiny import TINY
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "dreamer_atari.md"
+CHANGES = {
+    "kl_schedule": "### A KL schedule",
+    "resnet": "### A ResNet encoder",
+    "next_reward": "### An auxiliary head: the next reward from `deter`",
+}
+
+
+def places(heading: str) -> list[tuple[str, str, list[str]]]:
+    """The code blocks under `heading` (until the next heading): (where: before, after or replace; the text the line
+    starts with; the lines to put there)."""
+    text = DOCS.read_text()
+    section = text[text.index(heading) + len(heading) :]
+    section = section[: re.search(r"\n(##+ |\*\*)", section).start()]  # the next heading or paragraph title
+    found = []
+    for block in re.findall(r"```python\n(.*?)```", section, re.DOTALL):
+        first, *lines = block.split("\n")
+        where, anchor = re.fullmatch(r"# (before|after|replace): (.+)", first).groups()
+        found.append((where, anchor, lines))
+    return found
+
+
+def apply(source: str, where: str, anchor: str, lines: list[str]) -> str:
+    """`lines` before, after or in place of the one line of `source` that starts with `anchor`, at its indentation."""
+    rows = source.split("\n")
+    matches = [i for i, row in enumerate(rows) if row.strip().startswith(anchor)]
+    assert len(matches) == 1, f"{len(matches)} lines start with {anchor!r}"
+    i = matches[0]
+    indent = rows[i][: len(rows[i]) - len(rows[i].lstrip())]
+    new = [indent + line if line else line for line in lines]
+    if where == "before":
+        rows[i:i] = new
+    elif where == "after":
+        rows[i + 1 : i + 1] = new
+    else:
+        rows[i : i + 1] = [line for line in new if line.strip()]
+    return "\n".join(rows)
+
+
+def changed_script(name: str, tmp_path: Path, monkeypatch):
+    """dreamer_atari.py with the change `name` made as the page says, imported from a copy in `tmp_path`."""
+    blocks = places(CHANGES[name])
+    assert 1 <= len(blocks) <= 3, f"{name}: {len(blocks)} places"
+    source = (ROOT / "dreamer_atari.py").read_text()
+    for block in blocks:
+        source = apply(source, *block)
+    copy = tmp_path / f"dreamer_{name}.py"
+    copy.write_text(source)
+    monkeypatch.syspath_prepend(str(ROOT))  # memory_utils.py, which a copy takes along
+    spec = importlib.util.spec_from_file_location(copy.stem, copy)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, copy.stem, module)
+    spec.loader.exec_module(module)
+    monkeypatch.chdir(tmp_path)
+    return module
+
+
+def tiny_catch(module, **overrides):
+    """A few updates of a tiny agent on Catch, on the CPU, ending with a checkpoint."""
+    return module.Args(
+        **{
+            **TINY,
+            "env_id": module.CATCH_ID,
+            "num_envs": 1,
+            "vector_mode": "sync",
+            "cuda": False,
+            "total_timesteps": 60,
+            "learning_starts": 20,
+            "train_ratio": 16.0,
+            "log_interval": 20,
+            "save_model": True,
+            **overrides,
+        }
+    )
+
+
+def trained(module, args) -> tuple[dict, dict]:
+    """Train; returns the final counters and the checkpoint's world-model weights."""
+    counters = module.main(args)
+    checkpoint = torch.load(Path(counters["run_dir"]) / "checkpoint.pt", weights_only=True)
+    assert counters["updates"] > 0 and counters["nonfinite_updates"] == 0
+    return counters, checkpoint["models"]["world_model"]
+
+
+def test_a_kl_schedule_raises_the_dynamics_kl_weight_from_zero(tmp_path, monkeypatch):
+    module = changed_script("kl_schedule", tmp_path, monkeypatch)
+    set_values = []
+    real_set = module.UpdateSettings.set
+
+    def spy(self, name, value):
+        if name == "kl_dyn_scale":
+            set_values.append(value)
+        real_set(self, name, value)
+
+    monkeypatch.setattr(module.UpdateSettings, "set", spy)
+    args = tiny_catch(module, kl_warmup_steps=40)
+    trained(module, args)
+    assert set_values[0] == 0.0 and set_values[-1] == args.kl_dyn_scale
+    assert set_values == sorted(set_values) and 0 < set_values[10] < args.kl_dyn_scale
+
+
+def test_a_resnet_encoder_is_one_row_and_its_classes(tmp_path, monkeypatch):
+    module = changed_script("resnet", tmp_path, monkeypatch)
+    args = tiny_catch(module, model="resnet")
+    assert args.image_size == 64 and args.frame_stack == 1  # DreamerV3's sizes, from the row it copies
+    _, weights = trained(module, args)
+    assert any(key.startswith("encoder.net.2.net.1") for key in weights)  # a residual block's convolution
+    assert "decoder.linear.weight" in weights
+
+
+def test_an_auxiliary_head_trains_on_the_next_reward_within_episodes(tmp_path, monkeypatch):
+    module = changed_script("next_reward", tmp_path, monkeypatch)
+    args = tiny_catch(module)
+    counters, weights = trained(module, args)
+    assert weights["next_reward_head.6.weight"].abs().sum() > 0  # started at zero, trained since
+    events = EventAccumulator(str(tmp_path / counters["run_dir"])).Reload()
+    logged = [event.value for event in events.Scalars("losses/next_reward")]
+    assert logged and all(value > 0 for value in logged)
+
+
+def test_the_next_reward_loss_leaves_out_pairs_that_cross_an_episode_boundary(tmp_path, monkeypatch):
+    """A step whose next step starts another episode adds nothing: its reward is the other episode's."""
+    module = changed_script("next_reward", tmp_path, monkeypatch)
+    args = tiny_catch(module, stochastic_classes=4)
+    torch.manual_seed(0)
+    agent = module.build_agent(args, (1, 64, 64), 3, "cpu")
+    with torch.no_grad():  # off its zero start, where every reward would cost the same
+        for p in agent.world_model.next_reward_head.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    B, T = 1, 4
+    data = {
+        "image": torch.zeros(B, T, 1, 64, 64),
+        "action": torch.zeros(B, T, 3),
+        "reward": torch.tensor([[0.0, 0.0, 5.0, 0.0]]),
+        "is_first": torch.tensor([[True, False, False, False]]),
+        "is_terminal": torch.zeros(B, T, dtype=torch.bool),
+    }
+    with torch.no_grad():
+        base = module.world_model_loss(agent, data, args)[1]["losses/next_reward"]
+        data["is_first"][0, 2] = True  # step 2 now starts an episode: the pair (1, 2) is left out
+        data["reward"][0, 2] = -5.0  # and its reward, whatever it is, changes nothing
+        crossed = module.world_model_loss(agent, data, args)[1]["losses/next_reward"]
+        data["reward"][0, 2] = 5.0
+        same = module.world_model_loss(agent, data, args)[1]["losses/next_reward"]
+    torch.testing.assert_close(crossed, same)
+    assert not torch.allclose(base, same)
+
+
+@pytest.mark.parametrize("name", list(CHANGES))
+def test_each_change_touches_at_most_three_places(name):
+    assert 1 <= len(places(CHANGES[name])) <= 3
