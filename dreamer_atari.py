@@ -21,6 +21,12 @@ model draws the ball (`open_loop_ball_scores`). Checkpoints (`runs/{run_name}/ch
 written by `--save-model`, `--checkpoint-every`, signals, an OOM and failures; `--resume PATH` continues a run.
 """
 
+# =====================================================================================================================
+# PART 1: THE ALGORITHM
+# Dreamer in the order it runs: arguments, environment, replay, networks, the RSSM, losses and the loop. With every
+# speed option off this is exactly what trains; Part 2 puts faster equivalents in place, and Part 3 runs it.
+# =====================================================================================================================
+
 import contextlib
 import copy
 import dataclasses
@@ -55,14 +61,6 @@ import memory_utils as mu
 gym.register_envs(ale_py)
 
 
-# =====================================================================================================================
-# PART 1: THE ALGORITHM
-# Dreamer as it reads in the papers, in the order it runs: the arguments, the environment, the replay, the
-# networks, the RSSM, the losses and the loop. With every speed option off, this is exactly what trains; Part 2
-# only puts faster equivalents of these functions in their place, and Part 3 runs them.
-# =====================================================================================================================
-
-
 # A number that changes during a run is changed in place, `agent.settings.set(...)`; `args.x = y` is refused at once
 @mu.fixed_once_parsed(
     lambda name: (
@@ -91,8 +89,7 @@ class Args:
     capture_video: bool = False
     """whether to record videos of env 0 to `videos/{run_name}`"""
     video_every: int = 10_000
-    """log open-loop predictions (5 replayed frames seen, the rest imagined from the real actions) as a video every
-    this many env steps (0 = off)"""
+    """log open-loop predictions (5 frames seen, the rest imagined) as a video every this many env steps (0 = off)"""
     save_model: bool = False
     """whether to write a checkpoint at the end of training"""
     checkpoint_every: int = 0
@@ -120,16 +117,14 @@ class Args:
     image_size: int | None = None
     """side of the square frames in pixels (Atari frames are resized to it). Unset: the --model's own (64, 84)"""
     frame_stack: int | None = None
-    """frames stacked into each observation, newest last, read as channels. Unset: the --model's own (dreamerv3:
-    1, as DreamerV3, whose recurrent state carries the past; nature: 4)"""
+    """frames stacked into each observation, newest last, read as channels. Unset: the --model's own (1, 4)"""
     rgb: bool = True
-    """Atari frames in colour, as DreamerV3 reads them; --no-rgb: grey (a third of the replay's bytes, and a ball
-    that weighs 3.75x less in the image loss). --model nature and grey envs (Catch-v0) read grey either way"""
+    """Atari frames in colour, as DreamerV3 reads them; --no-rgb: grey (a ball that weighs 3.75x less in the image
+    loss). --model nature and grey envs (Catch-v0) read grey either way"""
 
     # replay
     buffer_capacity: int | None = None
-    """replay capacity in env steps; whole oldest episodes are evicted first. Unset: every step of the run
-    (DreamerV3's Atari100k setting; about 12.3 KB per Pong step, 4.1 with --no-rgb, 7.1 with --model nature)"""
+    """replay capacity in env steps (12.3 KB per Pong step, 4.1 with --no-rgb). Unset: every step (DreamerV3's)"""
     batch_size: int = 16
     """the number of sequences per world-model batch"""
     sequence_length: int = 64
@@ -137,8 +132,8 @@ class Args:
 
     # model
     model: Literal["dreamerv3", "nature"] = "dreamerv3"
-    """the networks (a row of `MODELS`): dreamerv3, DreamerV3's (2023) size S; nature, a smaller NatureCNN model
-    over 4 stacked 84x84 frames with torch's GRUCell. The size flags below left unset take the model's values"""
+    """the networks (a row of `MODELS`): dreamerv3, DreamerV3's size S; nature, a smaller NatureCNN model on 4 stacked
+    84x84 frames. The size flags below left unset take the model's values"""
     encoder_channels: tuple[int, ...] | None = None
     """channels of the encoder's convolutions. Unset: dreamerv3 (32, 64, 128, 256), nature (32, 64, 64)"""
     embed_dim: int = 512
@@ -158,8 +153,7 @@ class Args:
     unimix: float = 0.01
     """share of the uniform distribution mixed into categorical latents and the policy"""
     initial_state: Literal["learned", "zeros"] = "learned"
-    """the state each episode (and each replayed sequence) starts from: learned (DreamerV3: deter = tanh(w), stoch
-    the prior's mode) or zeros"""
+    """each episode's (and replayed sequence's) first state: learned (DreamerV3's deter = tanh(w)) or zeros"""
     reward_bins: int = 255
     """two-hot bins (on the symlog scale) of the reward head and the critic"""
 
@@ -171,8 +165,7 @@ class Args:
     warmup_steps: int = 0
     """env steps after `learning_starts` during which only the world model trains (DreamerV3: 0)"""
     train_ratio: float = 1024.0
-    """replayed steps per env step: updates per env step = train_ratio / (batch_size x sequence_length) (DreamerV3:
-    1024 at 16 x 64, one update per env step)"""
+    """replayed steps per env step: train_ratio / (batch_size x sequence_length) updates per env step"""
     world_model_lr: float = 1e-4
     """learning rate of the world model"""
     actor_lr: float = 3e-5
@@ -222,16 +215,14 @@ class Args:
 
     # memory
     amp: Literal["auto", "off", "fp16", "bf16"] = "off"
-    """mixed precision: off = float32 (DreamerV3's choice), bf16, fp16 (CUDA, one loss scaler per optimizer),
-    auto = fp16 on CUDA and off on CPU"""
+    """mixed precision: off = float32 (DreamerV3's), bf16, fp16 (CUDA, a loss scaler per optimizer), auto = fp16 on
+    CUDA and off on CPU"""
     preallocate: bool = True
     """create optimizer state at start-up with a worst-case batch (fail fast instead of OOM hours later)"""
     abort_on_leak: bool = False
-    """stop with a checkpoint when the leak detector has suspected growth at 30 log points in a row (memory that
-    is given back, a level shift, or noise never does; see memory_utils.LeakDetector)"""
+    """stop with a checkpoint when the leak detector has suspected growth at 30 log points in a row"""
     leak_warmup_steps: int = 30_000
-    """env steps before the leak detector judges growth (it watches noise and releases from the start; 30k: a
-    sawtooth with a period up to 30k steps has given memory back once by then)"""
+    """env steps before the leak detector judges growth (a sawtooth of up to 30k steps has given memory back)"""
     memory_snapshot_every: int = 0
     """dump a CUDA allocator snapshot every this many env steps (0 = off) into runs/{run_name}/"""
     snapshot_max_entries: int = 100_000
@@ -241,36 +232,26 @@ class Args:
 
     # speed: each flag turns off one faster equivalent of a function above (Part 2); the results stay the same
     fast_observe: bool = True
-    """the observe scan in fewer kernels (the first layers' shares for all steps before the loop), with the
-    backward pass of --observe-backward; --no-fast-observe trains through `RSSM.observe` as written, with
-    autograd: the same values, many more operations"""
+    """the observe scan in fewer kernels, with the backward of --observe-backward; off: `RSSM.observe` as written"""
     observe_backward: Literal["hand-written", "autograd"] = "hand-written"
-    """the fast observe's backward pass: hand-written (47 operations per step instead of 80, the same gradients)
-    or autograd's, which follows any change to the fast observe step at once"""
+    """the fast observe's backward: hand-written (47 operations per step instead of 80) or autograd's"""
     fast_imagine: bool = True
-    """imagine without a graph and run the actor once, with gradients, on all imagined states (one forward and one
-    backward pass per rollout instead of one per step); --no-fast-imagine runs `imagine` as written"""
+    """imagine without a graph, then the actor once with gradients on all states; off: `imagine` as written"""
     fast_decoder: bool = True
-    """CPU, --model nature: the decoder's last transposed convolution as a convolution and a pixel shuffle (the same
-    weights and sums, half the time)"""
+    """CPU, --model nature: the decoder's last transposed convolution as a convolution and a pixel shuffle"""
     compile: bool = False
-    """torch.compile the steps an update repeats (one RSSM step and one step of its backward, one imagination step),
-    the world model's losses and the actor-critic targets, and the encoder, decoder and heads: fewer, fused kernels;
-    the first updates take longer while it compiles"""
+    """torch.compile the steps an update repeats, the losses and targets, the encoder, decoder and heads (the first
+    updates take longer while it compiles)"""
     cudagraph: bool = True
-    """CUDA only (the CPU runs eagerly): capture the world-model update and the behaviour update in CUDA graphs after
-    3 eager updates and replay them (the same functions; no Python or kernel-launch cost per op). Takes --amp off or
-    bf16; --no-cudagraph runs every update eagerly"""
+    """CUDA: capture the world-model and behaviour updates in CUDA graphs after 3 eager updates and replay them
+    (takes --amp off or bf16)"""
     tf32: bool = True
-    """CUDA: float32 matrix products on TensorFloat-32 tensor cores (`torch.set_float32_matmul_precision("high")`;
-    convolutions already use TF32 by default); --no-tf32 keeps them in full float32"""
+    """CUDA: float32 matrix products on TensorFloat-32 tensor cores"""
     channels_last: bool = True
-    """keep the encoder's and decoder's convolution weights channels-last (NHWC): same results, faster
-    convolutions (1.1x per update on CPU in benchmark/)"""
+    """the encoder's and decoder's convolutions channels-last (NHWC): faster convolutions"""
     replay_frames: Literal["auto", "device", "host"] = "auto"
-    """where the replay's frames live: `device` (a tensor on the training device; batches are gathered there, no
-    frame crosses from the host per update), `host` (host memory; batches are copied over), or `auto` (device on
-    CUDA when a full replay takes at most a quarter of the GPU's free memory, else host; said at start)"""
+    """where the replay's frames live: `device` (batches gathered there), `host`, or `auto` (device on CUDA when a
+    full replay takes at most a quarter of the GPU's free memory; said at start)"""
 
     def __post_init__(self):
         # the size flags left unset take the chosen model's values (an unknown --model is check_args' to refuse)
@@ -376,13 +357,9 @@ def make_vector_env(args: Args, run_name: str, seed: int) -> gym.vector.VectorEn
 
 
 class Episode:
-    """One episode: with stacks of k frames (4 by default), frame j of `frames` is the newest frame of step
-    j - (k - 1), and step t's stack is frames[t : t + k].
-
-    Per step: one 84x84 uint8 frame, the action that led to it (uint8), the reward received on arriving
-    (float32), is_first and is_terminal (bool). The k - 1 older frames of the first stack are stored once. All
-    five live in memory maps of their own (`mapped_arrays`), each chunk's in one.
-    """
+    """One episode. Per step: a uint8 frame, the action that led to it, the reward received on arriving (float32),
+    is_first and is_terminal. With stacks of k frames, frame j is the newest of step j - (k - 1), step t's stack is
+    frames[t : t + k], and the first stack's k - 1 older frames are stored once. Chunks live in memory maps."""
 
     FIELDS = ("frames", "action", "reward", "is_first", "is_terminal")
 
@@ -456,12 +433,9 @@ class Episode:
 
 
 class EpisodeReplay:
-    """Episode-based replay holding at most `capacity` env steps; whole oldest episodes are evicted first.
-
-    Episodes still being played are sampleable. When an episode alone outgrows the capacity, its oldest chunk
-    is dropped instead. Sampled sequences may cross from one stored episode into the next (DreamerV3 samples a
-    stream the same way), so short episodes are sampled too and every stored step about equally often.
-    """
+    """At most `capacity` env steps; whole oldest episodes are evicted first (an episode that alone outgrows the
+    capacity loses its oldest chunk). Episodes still being played are sampleable, and a sequence may cross from one
+    stored episode into the next (as DreamerV3's stream), so every stored step is sampled about equally often."""
 
     def __init__(self, capacity: int, num_envs: int, seed: int, chunk_size: int | None = None):
         self.capacity, self.num_envs = capacity, num_envs
@@ -543,11 +517,9 @@ class EpisodeReplay:
     def draw_windows(
         self, batch_size: int, sequence_length: int, rng: np.random.Generator | None = None
     ) -> list[list[tuple[Episode, int, int]]]:
-        """Where `sample` reads: for each window, its pieces (episode, first step, steps), one per episode it
-        touches. Windows are `sequence_length` consecutive steps of the stream that the stored episodes form in
-        storage order, and the stream is a ring (a window may wrap from the newest step to the oldest), so every
-        stored step is in exactly `sequence_length` of the possible windows and is drawn equally often,
-        whatever the episode lengths. `rng` defaults to the replay's own generator."""
+        """Where `sample` reads: for each window, its pieces (episode, first step, steps). Windows are consecutive
+        steps of the stream the stored episodes form, a ring (a window may wrap from the newest step to the oldest),
+        so every stored step is drawn equally often whatever the episode lengths. `rng`: the replay's own if None."""
         episodes = list(self.episodes)
         lengths = np.fromiter((ep.num_steps for ep in episodes), np.int64, len(episodes))
         ends = np.cumsum(lengths)  # stream position one past each episode's last step
@@ -588,18 +560,12 @@ class EpisodeReplay:
     ) -> dict[str, np.ndarray]:
         """The arrays of these windows: the frames' stacks as `obs` (copies) or as `rows` (where they are, for frames
         kept on the device), then action, reward, is_first and is_terminal."""
-        T, batch_size = sequence_length, len(windows)
+        T, B = sequence_length, len(windows)
         stack, frame_shape = windows[0][0][0].stack, windows[0][0][0].frames.item_shape
-        shapes = {
-            "obs": ((batch_size, T, stack, *frame_shape), np.uint8),
-            "rows": ((batch_size, T, stack), np.int64),
-        }
-        shapes = {frames_key: shapes[frames_key]} | {
-            "action": ((batch_size, T), np.uint8),
-            "reward": ((batch_size, T), np.float32),
-            "is_first": ((batch_size, T), np.bool_),
-            "is_terminal": ((batch_size, T), np.bool_),
-        }
+        frames_shape = (B, T, stack, *frame_shape) if frames_key == "obs" else (B, T, stack)
+        shapes = {frames_key: (frames_shape, np.uint8 if frames_key == "obs" else np.int64)}
+        shapes |= {"action": ((B, T), np.uint8), "reward": ((B, T), np.float32)}
+        shapes |= {"is_first": ((B, T), np.bool_), "is_terminal": ((B, T), np.bool_)}
         if out is not None:
             for key, (shape, dtype) in shapes.items():
                 assert out[key].shape == shape and out[key].dtype == dtype, (key, out[key].shape, shape)
@@ -609,11 +575,7 @@ class EpisodeReplay:
             if out is not None
             else {key: np.empty(shape, dtype) for key, (shape, dtype) in shapes.items()}
         )
-        action, reward, is_first, is_terminal = (
-            arrays[key] for key in ("action", "reward", "is_first", "is_terminal")
-        )
-        if frames_key == "obs":
-            frames = np.empty((T + stack - 1, *frame_shape), np.uint8)  # one piece's frames, reused
+        frames = np.empty((T + stack - 1, *frame_shape), np.uint8)  # one piece's frames, reused
         for b, pieces in enumerate(windows):
             filled = 0
             for episode, begin, take in pieces:
@@ -626,13 +588,11 @@ class EpisodeReplay:
                     episode.frames.read_into(frames[: take + stack - 1], begin, begin + take + stack - 1)
                     for k in range(stack):
                         obs[b, piece, k] = frames[k : k + take]
-                episode.action.read_into(action[b, piece], begin, begin + take)
-                episode.reward.read_into(reward[b, piece], begin, begin + take)
-                episode.is_first.read_into(is_first[b, piece], begin, begin + take)
-                episode.is_terminal.read_into(is_terminal[b, piece], begin, begin + take)
+                for key in ("action", "reward", "is_first", "is_terminal"):
+                    getattr(episode, key).read_into(arrays[key][b, piece], begin, begin + take)
                 # the state resets where a piece starts, also where an episode's front was trimmed, and at each
                 # window's first step (DreamerV3's replay: a sequence starts from the initial state, with no action)
-                is_first[b, filled] = True
+                arrays["is_first"][b, filled] = True
                 filled += take
         return arrays
 
@@ -641,9 +601,8 @@ class EpisodeReplay:
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
-    """An autocast output (bf16, fp16) back in float32 for the numerically delicate parts (softmaxes, losses, the
-    recurrent state); float32 and float64 stay as they are (float64: the tests that hold fast paths equal to the
-    reference)."""
+    """An autocast output (bf16, fp16) back in float32 for the delicate parts (softmaxes, losses, the recurrent
+    state); float32 and float64 (the equality tests) stay as they are."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
@@ -683,11 +642,9 @@ _DRAW_MATRICES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One-hot draws (..., C) float32 from `probs` (..., C), one uniform in [0, 1) per row (..., 1): class k where
-    CDF(k - 1) < u <= CDF(k), the distribution of `Categorical(probs).sample()`. Four kernels and no host sync (so
-    it runs inside a CUDA graph): the CDF is a product with an upper-triangular matrix of ones (a cumsum over a few
-    dozen classes is one of the slowest kernels of an update on a GPU), the step `CDF >= u` becomes one-hot by a
-    product with a difference matrix. The last CDF column is doubled, so rounding never leaves a row without a
-    class. The uniforms come from the caller, drawn for a whole sequence at once."""
+    CDF(k - 1) < u <= CDF(k), as `Categorical(probs).sample()`, in four kernels and no host sync. The CDF is a product
+    with a triangular matrix of ones (a GPU's cumsum is slow), one-hot a product with a difference matrix; the last
+    CDF column is doubled, so rounding never leaves a row without a class."""
     if torch.compiler.is_compiling():
         return one_hot_draw_fused(probs, uniform)
     classes, key = probs.shape[-1], (probs.shape[-1], probs.device)
@@ -706,9 +663,8 @@ def one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 
 def one_hot_draw_fused(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """`one_hot_draw` as --compile runs it: the same draw as a cumulative sum and a difference, which Inductor fuses
-    with the work around them (each product of the eager draw would stay a matmul kernel of its own). Part 2 checks
-    that both draw the same classes."""
+    """`one_hot_draw` as --compile runs it: a cumulative sum and a difference, which Inductor fuses with the work
+    around them (the eager draw's products would stay matmul kernels). Part 2 checks that both draw alike."""
     with torch.autocast(probs.device.type, enabled=False):
         cdf = probs.float().cumsum(-1)
         cdf = torch.cat([cdf[..., :-1], torch.full_like(cdf[..., -1:], 2.0)], -1)
@@ -964,12 +920,9 @@ MODELS = {
 
 
 class RSSM(nn.Module):
-    """Recurrent state-space model: `deter` (GRU state) and `stoch` (categorical or Gaussian latents).
-
-    Categorical: `stoch_dim` latents of `classes` classes, sampled with straight-through gradients, with
-    `unimix` uniform mixed in. Gaussian (classes == 0): DreamerV1 latents. The `stats` of a distribution are
-    log-probabilities (..., stoch_dim, classes) or mean and std concatenated (..., 2 * stoch_dim).
-    """
+    """Recurrent state-space model: `deter` (GRU state) and `stoch`, `stoch_dim` categorical latents of `classes`
+    classes (straight-through gradients, `unimix` uniform mixed in) or, with classes 0, DreamerV1's Gaussians. A
+    distribution's `stats`: log-probabilities (..., stoch_dim, classes), or mean and std (..., 2 * stoch_dim)."""
 
     def __init__(
         self,
@@ -1081,12 +1034,10 @@ class RSSM(nn.Module):
         return (torch.log(std_r / std_l) + (std_l**2 + (mean_l - mean_r) ** 2) / (2 * std_r**2) - 0.5).sum(-1)
 
     def observe(self, embed: torch.Tensor, action: torch.Tensor, is_first: torch.Tensor, noise=None):
-        """Posterior rollout over a sequence, one step at a time through the cell (`img_step`, `posterior`,
-        `sample`), the state reset to the initial one where an episode starts.
-
-        embed (B, T, E); action (B, T, A) one-hot, the action that led to step t; is_first (B, T); noise (T, B, ...)
-        the sampling noise of each step (drawn here when None). Returns deter (B, T, D), stoch (B, T, S), posterior
-        and prior stats (B, T, ...)."""
+        """Posterior rollout over a sequence, one step at a time through the cell (`img_step`, `posterior`, `sample`),
+        the state reset to the initial one where an episode starts. embed (B, T, E); action (B, T, A) one-hot, the
+        action that led to step t; is_first (B, T); noise (T, B, ...) each step's sampling noise (drawn when None).
+        Returns deter (B, T, D), stoch (B, T, S), posterior and prior stats (B, T, ...)."""
         B, T = embed.shape[:2]
         if noise is None:
             noise = self.noise((T, B), embed.device)
@@ -1398,13 +1349,9 @@ def lambda_returns(
     lambda_: torch.Tensor | float,
     one_minus_lambda: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
-    """R_t = r_{t+1} + d_{t+1} ((1 - lambda) v_{t+1} + lambda R_{t+1}), R_H = v_H.
-
-    reward, value, discount: (H+1, N) for imagined states s_0..s_H (the reward and discount of s_k are those
-    received on arriving at s_k). Returns (H, N) for s_0..s_{H-1}. The terms that do not depend on R_{t+1} are
-    computed for all steps at once, so the loop is one fused multiply-add per step. `one_minus_lambda`: 1 - lambda
-    as computed in double where lambda is a tensor (`UpdateSettings`).
-    """
+    """R_t = r_{t+1} + d_{t+1} ((1 - lambda) v_{t+1} + lambda R_{t+1}), R_H = v_H. reward, value, discount: (H+1, N)
+    for imagined states s_0..s_H (those received on arriving at s_k); returns (H, N) for s_0..s_{H-1}. The loop is one
+    fused multiply-add per step. `one_minus_lambda`: 1 - lambda computed in double (`UpdateSettings`)."""
     if one_minus_lambda is None:
         one_minus_lambda = 1 - lambda_
     base = reward[1:] + discount[1:] * one_minus_lambda * value[1:]  # (H, N)
@@ -1424,11 +1371,8 @@ def batch_tensors(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tenso
 def prepare_batch(
     raw: dict[str, torch.Tensor], num_actions: int, channels_last: bool = False
 ) -> dict[str, torch.Tensor]:
-    """The conversions a raw batch needs, made on the device: images to float, actions to one-hot.
-
-    With `channels_last` the float images are laid out as the channels-last encoder and decoder use them: the
-    encoder reads them and the image loss compares them with the decoder's output without a layout copy
-    (three copies of the whole batch per update otherwise, and a strided loss)."""
+    """The conversions a raw batch needs, made on the device: images to float, actions to one-hot. `channels_last`
+    lays the images out as channels-last convolutions read them (no layout copy of the batch, no strided loss)."""
     obs = raw["obs"]  # (B, T, 4, 84, 84) uint8; in colour (B, T, stack, 3, S, S)
     obs = obs.flatten(2, -3)  # (B, T, C, S, S): a colour stack's frames and channels together
     layout = torch.channels_last if channels_last else torch.contiguous_format
@@ -1520,14 +1464,10 @@ def clip_and_step(
     clip: torch.Tensor,
     loss_finite: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """After the backward pass: unscale (fp16), clip to the norm `clip` (a 0-d tensor: see `UpdateSettings`), and
-    step unless the loss or the gradient is non-finite.
-
-    No host synchronisation: a skipped step is skipped on the device, through the `found_inf` tensor that fused
-    Adam reads (the way torch's GradScaler skips steps), so weights, moments and step count stay exactly as they
-    were. With fp16 the scaler skips overflowing steps itself and lowers its scale: that is loss scaling at work,
-    not a fault. Returns (grad_norm, healthy), 0-d tensors; `healthy` is False for a step skipped as a fault.
-    """
+    """After the backward pass: unscale (fp16), clip to the norm `clip` (a 0-d tensor), and step unless the loss or
+    the gradient is non-finite, skipped on the device through the `found_inf` tensor fused Adam reads (as GradScaler
+    does; no host sync), so weights and moments stay as they were. fp16's scaler skips overflows itself. Returns
+    (grad_norm, healthy), 0-d tensors; `healthy` is False for a step skipped as a fault."""
     scaler.unscale_(optimizer)
     grads = [p.grad for p in parameters if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
@@ -1548,12 +1488,9 @@ def clip_and_step(
 
 
 def train_world_model(agent: Agent, raw: dict[str, torch.Tensor], args: Args):
-    """One world-model update on a raw batch on the device (`batch_tensors`), without host synchronisation.
-
-    Returns (metrics, healthy, start states): metrics, the logged values (dict of detached 0-d float32 tensors);
-    healthy, a 0-d bool tensor, False when a non-finite loss or gradient skipped the step; and the posterior states
-    to imagine from, detached: {"deter": (B*T, D), "stoch": (B*T, S), "continue": (B*T,)}.
-    """
+    """One world-model update on a raw batch on the device, without host synchronisation. Returns the logged values
+    (detached 0-d float32 tensors), healthy (0-d bool: False when a non-finite loss or gradient skipped the step) and
+    the posterior states to imagine from, detached: {"deter": (B*T, D), "stoch": (B*T, S), "continue": (B*T,)}."""
     data = prepare_batch(raw, agent.num_actions, args.channels_last)
     with agent.amp.autocast():
         loss, parts, (deter, stoch) = world_model_loss(agent, data, args)
@@ -1579,10 +1516,9 @@ def train_world_model(agent: Agent, raw: dict[str, torch.Tensor], args: Args):
 
 
 def imagine(agent: Agent, start_states, horizon: int):
-    """Roll the prior forward `horizon` steps with the actor, from (N, ...) start states (deter, stoch, continue):
-    at each step the actor picks an action from the features (with gradients, for REINFORCE), the cell moves on
-    (`img_step`) and the prior's sample is the next stoch. The random numbers of the whole rollout are drawn in two
-    calls. Returns feat (H+1, N, F) detached, log_prob (H, N), entropy (H, N)."""
+    """Roll the prior forward `horizon` steps with the actor from (N, ...) start states (deter, stoch, continue): the
+    actor picks an action (with gradients, for REINFORCE), the cell moves on (`img_step`), the prior's sample is the
+    next stoch. Returns feat (H+1, N, F) detached, log_prob (H, N), entropy (H, N)."""
     deter, stoch, _ = start_states
     rssm = agent.world_model.rssm
     action_uniforms = torch.rand(horizon, deter.shape[0], 1, device=deter.device)  # (H, N, 1)
@@ -1638,8 +1574,7 @@ def imagined_targets(
 ) -> tuple:
     """What the actor and critic learn toward on an imagined rollout, without gradients: feat (H+1, N, F) and the
     critic's logits (H+1, N, K) in. Returns lambda-returns, the discount weights, the normalised advantages and the
-    slow critic's values, (H, N) each. `--compile` compiles it as one graph: the lambda-return loop and the
-    elementwise work around it fuse into a few kernels."""
+    slow critic's values, (H, N) each."""
     wm, settings = agent.world_model, agent.settings
     reward = twohot_mean(wm.reward_head(feat), wm.bins)  # (H+1, N)
     continues = torch.sigmoid(upcast(wm.continue_head(feat).squeeze(-1)))  # (H+1, N)
@@ -1662,9 +1597,8 @@ def imagined_targets(
 
 
 def train_behavior(agent: Agent, start: dict[str, torch.Tensor], args: Args):
-    """One actor and one critic update from rollouts imagined from `start` (`train_world_model`'s start states),
-    then the slow critic follows the critic; without host synchronisation. Returns (metrics, dict of detached 0-d
-    float32 tensors; healthy, 0-d bool)."""
+    """One actor and one critic update on rollouts imagined from `start`, then the slow critic follows the critic;
+    no host sync. Returns the logged values (detached 0-d float32 tensors) and healthy (0-d bool)."""
     with agent.amp.autocast():
         actor_loss, critic_loss, parts = behavior_losses(
             agent, (start["deter"], start["stoch"], start["continue"]), args
