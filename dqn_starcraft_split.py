@@ -1264,7 +1264,7 @@ def obs_to_states(obs: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # Losses and the update step
 # ---------------------------------------------------------------------------------------------------------
-def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSetup) -> torch.Tensor:
+def td_target(q_network, target_network, batch: dict, args: Args) -> torch.Tensor:
     """The n-step Double-DQN target of each sampled transition, (B,):
 
         y = sum_{j<n} gamma^j r_{i+j}  +  gamma^n * V(s_{i+n}),   summed only up to the end of the episode,
@@ -1288,9 +1288,8 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
             returns = returns + torch.where(ended, 0.0, args.gamma**j * rewards[:, j])
             ended = ended | (dones[:, j] > 0)
         # V(s'): selection by the online network, evaluation by the target network
-        with amp.autocast():
-            target_qs = [q.float() for q in target_network(*next_inputs)]  # per head (B, F, P)
-            online_qs = [q.float() for q in q_network(*next_inputs)] if args.use_double_dqn else target_qs
+        target_qs = [q.float() for q in target_network(*next_inputs)]  # per head (B, F, P)
+        online_qs = [q.float() for q in q_network(*next_inputs)] if args.use_double_dqn else target_qs
         points = point_masks(next_obs["screen"], args.select_own_only)
         allowed = allowed_actions(target_qs, next_obs["mask"], points)
         neg_inf = torch.finfo(torch.float32).min
@@ -1306,7 +1305,7 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
         return returns + args.gamma ** rewards.shape[1] * next_value
 
 
-def td_loss(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSetup):
+def td_loss(q_network, target_network, batch: dict, args: Args):
     """Huber loss between Q(s, a) and the TD target, and the Q values, for a batch on the device.
 
     Every transition's action came from exactly one head (a function from the non-spatial head or a point from
@@ -1315,11 +1314,10 @@ def td_loss(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSetup
     Move_screen steps mostly trains the spatial head, and no head is weighted by hand.
     """
     obs = batch["obs"]
-    with amp.autocast():
-        qs = q_network(obs["screen"], obs["minimap"], obs["player"], obs["mask"])  # per head (B, F, P)
+    qs = q_network(obs["screen"], obs["minimap"], obs["player"], obs["mask"])  # per head (B, F, P)
     q_all = torch.cat([q.flatten(1) for q in qs], 1).float()  # (B, A): one value per flat action index
     q_taken = q_all.gather(1, batch["actions"][:, None]).squeeze(1)  # (B,)
-    return F.smooth_l1_loss(q_taken, td_target(q_network, target_network, batch, args, amp)), q_taken
+    return F.smooth_l1_loss(q_taken, td_target(q_network, target_network, batch, args)), q_taken
 
 
 def batch_to_device(sample: dict, device) -> dict:
@@ -1333,21 +1331,73 @@ def batch_to_device(sample: dict, device) -> dict:
     }
 
 
-def update(q_network, target_network, optimizer, amp: mu.AmpSetup, batch: dict, args: Args) -> dict:
-    """One gradient step; returns detached 0-d tensors (turned into floats only when logged)."""
-    loss, q_taken = td_loss(q_network, target_network, batch, args, amp)
+def update(q_network, target_network, optimizer, batch: dict, args: Args) -> dict:
+    """One gradient step on the TD loss, its gradient norm clipped; returns what it logs (`logged_values`)."""
+    # ALGO LOGIC: the gradient step
+    loss, q_taken = td_loss(q_network, target_network, batch, args)
     optimizer.zero_grad(set_to_none=True)
-    amp.scaler.scale(loss).backward()
-    amp.scaler.unscale_(optimizer)
+    loss.backward()
     grad_norm = nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
-    amp.scaler.step(optimizer)
-    amp.scaler.update()
+    optimizer.step()
+    return logged_values(loss, q_taken, grad_norm)
+
+
+def logged_values(loss: torch.Tensor, q_taken: torch.Tensor, grad_norm: torch.Tensor) -> dict:
+    """What an update logs, as 0-d tensors: turned into floats only when logged, once per log interval."""
     # memory: detached, so nothing logged keeps the graph alive
     return {
         "losses/td_loss": loss.detach(),
         "losses/q_values": q_taken.detach().mean(),
         "losses/grad_norm": grad_norm.detach(),
     }
+
+
+class MixedPrecision:
+    """--amp fp16 or bf16 around Part 1's TD loss and update: the networks' forward passes under autocast (their
+    convolutions and linear layers in half precision, the Q values cast back to float32 for the target and the
+    loss) and, for fp16, the gradients through a loss scaler (GradScaler: the loss scaled up so that small gradients
+    do not flush to zero, unscaled before the clip, a step with an overflowed gradient skipped). With autocast and
+    the scaler off (--amp off), each method does what Part 1 does."""
+
+    def __init__(self, amp: mu.AmpSetup):
+        self.amp = amp
+
+    def td_loss(self, q_network, target_network, batch: dict, args: Args):
+        """Part 1's `td_loss` under autocast."""
+        with self.amp.autocast():
+            return td_loss(q_network, target_network, batch, args)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()` of the loss scaled up (fp16)."""
+        self.amp.scaler.scale(loss).backward()
+
+    def update(self, q_network, target_network, optimizer, batch: dict, args: Args) -> dict:
+        """Part 1's `update`, step for step, in mixed precision."""
+        loss, q_taken = self.td_loss(q_network, target_network, batch, args)
+        optimizer.zero_grad(set_to_none=True)
+        self.backward(loss)
+        self.amp.scaler.unscale_(optimizer)  # the clip sees the true gradients
+        grad_norm = nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
+        self.amp.scaler.step(optimizer)  # skipped when a gradient overflowed
+        self.amp.scaler.update()
+        return logged_values(loss, q_taken, grad_norm)
+
+
+@dataclass(frozen=True)
+class Executables:
+    """What the training loop calls for Part 1's functions, and the settings those calls run with."""
+
+    update: typing.Callable  # Part 1's `update`, or MixedPrecision.update
+    amp: mu.AmpSetup  # --amp resolved for the device; its loss scaler's state goes into checkpoints
+
+
+def speed_up(args: Args, device) -> Executables:
+    """The speed options of `args`, installed: the torch thread count, and the update in mixed precision where
+    --amp resolves to fp16 or bf16 on `device` (auto: fp16 on CUDA, off on a CPU). With --amp off the loop calls
+    Part 1's `update` itself."""
+    torch.set_num_threads(args.torch_num_threads)
+    amp = mu.amp(args.amp, device)
+    return Executables(update=MixedPrecision(amp).update if amp.enabled else update, amp=amp)
 
 
 def dummy_batch(batch_size: int, res: int, n_step: int, device) -> dict:
@@ -1379,11 +1429,12 @@ def preallocate(
 ) -> float:
     """Adam's moments exist before the first real update, and not one weight changes."""
     batch = dummy_batch(batch_size, args.res, args.n_step, device)
+    precision = MixedPrecision(amp)  # the forward and backward passes of the update the run makes (Part 2)
 
     def step_fn():
         """One forward and backward pass of the TD loss on the dummy batch."""
-        loss, _ = td_loss(q_network, target_network, batch, args, amp)
-        amp.scaler.scale(loss).backward()
+        loss, _ = precision.td_loss(q_network, target_network, batch, args)
+        precision.backward(loss)
 
     # memory: fail now, not at the first update hours later, if the optimizer state does not fit
     return mu.preallocate_optimizer_state(step_fn, optimizer, modules=[q_network, target_network])
@@ -1409,7 +1460,7 @@ def preallocate_or_fall_back(run: "Run", sources: dict) -> float:
                 agent.q_network,
                 agent.target_network,
                 agent.optimizer,
-                run.amp,
+                run.executables.amp,
                 args,
                 run.batch_size,
                 run.device,
@@ -1947,7 +1998,7 @@ class Run:
     run_id: str
     run_dir: str
     device: torch.device
-    amp: mu.AmpSetup
+    executables: Executables  # what the loop calls for Part 1's functions (Part 2, `speed_up`)
     stop: mu.StopSignals  # SIGINT and SIGTERM, recorded; read at the top of every agent step
     config: dict  # config.json as written
     logger: logging.Logger
@@ -1979,7 +2030,6 @@ class Run:
 def build_agent(args: Args, seed: int, device) -> Agent:
     """ALGO LOGIC: the seeds, the online and target networks, Adam, the learning-rate schedule and the replay, in the
     order that fixes every random number."""
-    torch.set_num_threads(args.torch_num_threads)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -1997,8 +2047,8 @@ def build_agent(args: Args, seed: int, device) -> Agent:
 def set_up(
     args: Args, sources: dict, seed: int, run_id: str, resume_step: int | None, stop: mu.StopSignals
 ) -> Run:
-    """A run ready to train: its folder's files and logs (`open_run`), its environments, the agent and its replay
-    (`build_agent`) with the optimizer state preallocated, then the memory instruments (`instrument`)."""
+    """A run ready to train: its folder's files, logs and speed options (`open_run`), its environments, the agent and
+    its replay (`build_agent`) with the optimizer state preallocated, then the memory instruments (`instrument`)."""
     run = open_run(args, sources, seed, run_id, resume_step, stop)
     args = run.args
     run.env = make_env(args, seed)
@@ -2016,7 +2066,7 @@ def set_up(
             os.path.join(run.run_dir, "config.json"), json.dumps(run.config, indent=2).encode()
         )
     run.logger.info(
-        f"run {run.run_id}: device {run.device}, amp {run.amp.mode}, batch {run.batch_size}"
+        f"run {run.run_id}: device {run.device}, amp {run.executables.amp.mode}, batch {run.batch_size}"
         f"{' (fallback)' if run.fallback_used else ''}, optimizer state preallocated ({prealloc_mb:.1f} MB peak)"
     )
     instrument(run)
@@ -2039,14 +2089,14 @@ def open_run(
     logger = make_logger(run_dir, run_id)
     if wait_line:
         logger.info(wait_line)
-    amp = mu.amp(args.amp, device)
+    executables = speed_up(args, device)  # Part 2, installed once: the thread count, mixed precision (--amp)
     config = {
         "run_id": run_id,
         "seed": seed,
         "device": str(device),
         "batch_size_used": batch_size,
         "fallback_used": fallback_used,
-        "amp": amp.mode,
+        "amp": executables.amp.mode,
         "allocator": allocator,
         "episode_steps": episode_steps(args.step_mul) if args.backend == "builtin" else None,
         "args": dataclasses.asdict(args),
@@ -2065,7 +2115,18 @@ def open_run(
         args = dataclasses.replace(args, track=False)
     writer = open_tensorboard(args, sources, run_id, resume_step, logger)
     return Run(
-        args, seed, run_id, run_dir, device, amp, stop, config, logger, writer, batch_size, fallback_used
+        args,
+        seed,
+        run_id,
+        run_dir,
+        device,
+        executables,
+        stop,
+        config,
+        logger,
+        writer,
+        batch_size,
+        fallback_used,
     )
 
 
@@ -2146,7 +2207,7 @@ def restore(run: Run, state: dict) -> tuple[int, int, int, list[float]]:
     if run.agent.scheduler is not None and state["scheduler"] is not None:
         run.agent.scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler"):
-        run.amp.scaler.load_state_dict(state["scaler"])
+        run.executables.amp.scaler.load_state_dict(state["scaler"])
     rngs = state["rng"]
     torch.set_rng_state(rngs["torch"])
     random.setstate(rngs["python"])
@@ -2179,7 +2240,7 @@ def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list
             rngs[name] = game.rng.bit_generator.state
     extra = {
         "rng": rngs,
-        "scaler": run.amp.scaler.state_dict(),
+        "scaler": run.executables.amp.scaler.state_dict(),
         "recent_train_scores": list(recent_train_scores),
         "replay": run.agent.rb.state_dict() if run.args.checkpoint_buffer else None,
     }
@@ -2426,7 +2487,9 @@ def play_episode(run: Run, global_step: int, start_time: float) -> tuple[int, fl
                 batch = batch_to_device(agent.rb.sample(run.batch_size, agent.rng, args.n_step), run.device)
             probes("after_sample")
             with out_of_memory_ends_the_run(run, global_step):
-                metrics = update(agent.q_network, agent.target_network, agent.optimizer, run.amp, batch, args)
+                metrics = run.executables.update(
+                    agent.q_network, agent.target_network, agent.optimizer, batch, args
+                )
             probes("after_optimizer_step")
             if global_step % args.log_every_steps < args.train_frequency:
                 for key, value in metrics.items():  # memory: floats, once per interval
