@@ -2278,6 +2278,15 @@ def out_of_memory_ends_the_run(run: Run, global_step: int):
         raise RunInterrupted("out of memory", EXIT_OOM) from None
 
 
+def watch_memory(run: Run, global_step: int) -> None:
+    """The end of an agent step: the stage probes' iteration, an allocator snapshot when one is due and, every
+    `memory_log_every` agent steps, the memory report and the leak check (never again once a report failed)."""
+    run.probes.end_iteration(global_step)
+    run.snapshots.maybe_dump(global_step)
+    if global_step % run.args.memory_log_every == 0 and not run.memory_report_failed:
+        log_memory(run, global_step)
+
+
 def log_memory(run: Run, global_step: int) -> None:
     """The memory report and the leak check, every `memory_log_every` agent steps."""
     try:
@@ -2297,6 +2306,13 @@ def log_memory(run: Run, global_step: int) -> None:
     except Exception as exc:  # noqa: BLE001 - memory: diagnostics never break training
         run.logger.info(f"memory: report failed ({type(exc).__name__}: {exc}); not reporting again")
         run.memory_report_failed = True
+
+
+def log_update(run: Run, metrics: dict, global_step: int, start_time: float) -> None:
+    """`losses/*` of the latest update, and `charts/SPS`."""
+    for key, value in metrics.items():  # memory: floats, once per log interval
+        run.writer.add_scalar(key, value.item(), global_step)
+    run.writer.add_scalar("charts/SPS", global_step / (time.time() - start_time), global_step)
 
 
 def log_episode(
@@ -2462,53 +2478,15 @@ def close(run: Run) -> None:
         wandb.finish()
 
 
-def play_episode(run: Run, global_step: int, start_time: float) -> tuple[int, float, int, float]:
-    """One training episode from `global_step` on: act, store, and update every `train_frequency` agent steps;
-    returns (global step, score, length, the last epsilon). A stop signal ends it at the top of a step."""
-    args, agent, probes = run.args, run.agent, run.probes
-    obs, done, score, length = run.env.reset(), False, 0.0, 0
-    while not done:
-        check_stop(run.stop)
-        probes("loop_start")
-        epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
-        with out_of_memory_ends_the_run(run, global_step):
-            action = select_action(agent.q_network, obs, epsilon, agent.rng, run.device, args.select_own_only)
-        next_obs, reward, done = run.env.step(*game_call(action, obs, args.res, run.through_pixels))
-        agent.rb.add(obs, action, reward, done)
-        probes("after_collect")
-        obs = next_obs
-        score += reward
-        length += 1
-        global_step += 1
-
-        # ALGO LOGIC: training
-        if global_step > args.learning_starts and global_step % args.train_frequency == 0:
-            with out_of_memory_ends_the_run(run, global_step):
-                batch = batch_to_device(agent.rb.sample(run.batch_size, agent.rng, args.n_step), run.device)
-            probes("after_sample")
-            with out_of_memory_ends_the_run(run, global_step):
-                metrics = run.executables.update(
-                    agent.q_network, agent.target_network, agent.optimizer, batch, args
-                )
-            probes("after_optimizer_step")
-            if global_step % args.log_every_steps < args.train_frequency:
-                for key, value in metrics.items():  # memory: floats, once per interval
-                    run.writer.add_scalar(key, value.item(), global_step)
-                run.writer.add_scalar("charts/SPS", global_step / (time.time() - start_time), global_step)
-        if global_step % args.target_network_frequency == 0:
-            agent.target_network.load_state_dict(agent.q_network.state_dict())
-        probes.end_iteration(global_step)
-        run.snapshots.maybe_dump(global_step)
-        if global_step % args.memory_log_every == 0 and not run.memory_report_failed:
-            log_memory(run, global_step)
-    return global_step, score, length, epsilon
-
-
 def train_one_seed(
     args: Args, sources: dict, seed: int, run_id: str, stop: mu.StopSignals, resume_state: dict | None = None
 ) -> dict:
-    """One complete run (or the rest of one, from `resume_state`); returns its results row. Raises RunInterrupted
-    (after checkpointing) on a stop signal or a CUDA OOM."""
+    """One seed's run (or the rest of one, from `resume_state`): episode after episode, act epsilon-greedily, store
+    each transition, update on a sampled batch every `train_frequency` agent steps and copy the online network into
+    the target network every `target_network_frequency`; returns the run's results row. Raises RunInterrupted (after
+    checkpointing) on a stop signal or a CUDA OOM."""
+    # TRY NOT TO MODIFY: the run's folder, logs, environments, agent (`build_agent`) and speed options (`set_up`),
+    # and with --resume the stopped run's networks, optimizer, replay, RNG states and counters (`restore`)
     wall_start = time.time()
     resume_step = None if resume_state is None else resume_state["global_step"]
     run = set_up(args, sources, seed, run_id, resume_step, stop)
@@ -2517,20 +2495,60 @@ def train_one_seed(
     if resume_state is not None:
         first_episode, global_step, episode, recent_train_scores = restore(run, resume_state)
         resume_state = None  # memory: the loaded tensors live in the networks now
+    env, agent, probes, device = run.env, run.agent, run.probes, run.device
+    q_network, target_network, optimizer = agent.q_network, agent.target_network, agent.optimizer
+    rb, rng = agent.rb, agent.rng  # the replay buffer; the generator of exploration and replay sampling
+    update = run.executables.update  # Part 1's `update` itself, or its wrapper from Part 2 (--amp)
     start_time = time.time()
     stopped_by = "num_episodes"
-    episode_over = False  # whether the episode being played has ended and been logged
+    # whether the episode being played has ended and been logged, and the agent step it began at
+    episode_over, episode_start = False, global_step
     try:
         for episode in range(first_episode, args.num_episodes + 1):
-            episode_over = False
-            # global_step moves on once the episode is over: a stopped episode is played again on resume
-            global_step, score, length, epsilon = play_episode(run, global_step, start_time)
+            episode_over, episode_start = False, global_step
+            obs, done, score, length = env.reset(), False, 0.0, 0
+            while not done:
+                check_stop(run.stop)  # TRY NOT TO MODIFY: a stop signal ends the run here, between two steps
+                probes("loop_start")
+                # ALGO LOGIC: the action, epsilon-greedy
+                epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
+                # memory: a CUDA OOM while acting, copying a batch or updating ends the run (report, checkpoint)
+                with out_of_memory_ends_the_run(run, global_step):
+                    action = select_action(q_network, obs, epsilon, rng, device, args.select_own_only)
+
+                # TRY NOT TO MODIFY: play it in the game (a Move carried on by --move-through), store the transition
+                next_obs, reward, done = env.step(*game_call(action, obs, args.res, run.through_pixels))
+                rb.add(obs, action, reward, done)
+                probes("after_collect")
+                obs = next_obs
+                score += reward
+                length += 1
+                global_step += 1
+
+                # ALGO LOGIC: training
+                if global_step > args.learning_starts and global_step % args.train_frequency == 0:
+                    with out_of_memory_ends_the_run(run, global_step):
+                        batch = batch_to_device(rb.sample(run.batch_size, rng, args.n_step), device)
+                    probes("after_sample")
+                    with out_of_memory_ends_the_run(run, global_step):
+                        metrics = update(q_network, target_network, optimizer, batch, args)
+                    probes("after_optimizer_step")
+                    if global_step % args.log_every_steps < args.train_frequency:
+                        log_update(run, metrics, global_step, start_time)
+
+                # ALGO LOGIC: the target network
+                if global_step % args.target_network_frequency == 0:
+                    target_network.load_state_dict(q_network.state_dict())
+                # memory: the stage probes, allocator snapshots, the memory report and the leak check, when due
+                watch_memory(run, global_step)
+
+            # TRY NOT TO MODIFY: the episode's charts, then the periodic greedy test and the time limit
             recent_train_scores = (recent_train_scores + [score])[-args.eval_every_episodes or -1 :]
-            lr = run.agent.optimizer.param_groups[0]["lr"]
+            lr = optimizer.param_groups[0]["lr"]
             log_episode(run, episode, global_step, score, length, epsilon, lr)
             episode_over = True
-            if run.agent.scheduler is not None:
-                run.agent.scheduler.step()  # ALGO LOGIC: the schedule moves once per episode
+            if agent.scheduler is not None:
+                agent.scheduler.step()  # ALGO LOGIC: the learning-rate schedule moves once per episode
             over_time = args.time_limit_min > 0 and time.time() - start_time >= 60 * args.time_limit_min
             if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
                 evaluate(run, episode, global_step, epsilon, lr, recent_train_scores, start_time)
@@ -2540,8 +2558,9 @@ def train_one_seed(
                 break
         row = finish(run, episode, global_step, recent_train_scores, stopped_by, start_time, wall_start)
     except RunInterrupted as exc:
-        # an episode stopped part-way is played again on resume: its steps are counted then, not twice
-        save_interrupted(run, exc, episode, global_step, recent_train_scores, replay_episode=not episode_over)
+        # an episode stopped part-way is played again on resume, from the step it began at: its steps count once
+        step = global_step if episode_over else episode_start
+        save_interrupted(run, exc, episode, step, recent_train_scores, replay_episode=not episode_over)
         raise
     close(run)
     return row
