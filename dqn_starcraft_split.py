@@ -22,6 +22,11 @@ SIGINT/SIGTERM at the next agent step (checkpoint saved, no results row); 3 CUDA
 `{run_id}/oom/`, checkpoint saved, no results row). `--resume {save_path}/{run_id}/checkpoint.pt` continues a
 stopped run in its folder (networks, optimizer, scheduler, loss scaler, counters, RNG states; the replay with
 `--checkpoint-buffer`), once the checkpoint matches its checksum.
+
+The file reads top to bottom in three parts, each opened by a banner: Part 1, the algorithm (the settings, the
+environment, the replay buffer, the networks, the TD target and the update, acting, the training loop); Part 2,
+speed (wrappers around Part 1's functions: the thread count, mixed precision); Part 3, the run (input checks,
+logging, video, memory wiring, checkpoints, results rows, run folders, signals, `main`).
 """
 
 import contextlib
@@ -51,6 +56,13 @@ import tyro
 
 import memory_utils as mu
 
+# =========================================================================================================
+# Part 1: the algorithm. In reading order: the settings (Args), the environment, the replay buffer, the networks,
+# the TD target and the update, acting, and the training loop (`train_one_seed`). With every speed option off
+# (--amp off, the default on a CPU) the loop runs these functions exactly as written: Part 2 only wraps them, and
+# nothing here names it. The run's plumbing (folders, logs, checkpoints, memory reports) is Part 3's, called by name.
+# =========================================================================================================
+
 
 # Nothing changes a setting during a run: `args.x = y` is refused at once; the learning rate and epsilon follow the
 # schedules their flags set (--lr-scheduler, --exploration-steps)
@@ -73,8 +85,6 @@ class Args:
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = True
     """if toggled, CUDA is used when available"""
-    torch_num_threads: int = 1
-    """CPU threads for torch (one is fastest at these sizes and leaves the other cores free)"""
     track: bool = False
     """if toggled, the run is tracked with Weights and Biases (works offline with WANDB_MODE=offline)"""
     wandb_project_name: str = "sc2-split-dqn"
@@ -191,8 +201,6 @@ class Args:
     """agent steps between `losses/*` scalars"""
 
     # memory
-    amp: Literal["auto", "off", "fp16", "bf16"] = "auto"
-    """mixed precision: auto = fp16 autocast + GradScaler on CUDA, off on CPU"""
     wait_for_gpu_mb: float = 0.0
     """before building anything, wait until this many MB are free on the GPU (0: don't wait)"""
     wait_poll_s: float = 10.0
@@ -212,77 +220,20 @@ class Args:
     memory_probes: bool = False
     """record memory at each stage of the loop (`debug/probe/*`) to name the stage that keeps memory"""
 
+    # speed (Part 2: with --amp off the loop runs Part 1's functions as they are written)
+    amp: Literal["auto", "off", "fp16", "bf16"] = "auto"
+    """mixed precision: auto = fp16 autocast + GradScaler on CUDA, off on CPU"""
+    torch_num_threads: int = 1
+    """CPU threads for torch (one is fastest at these sizes and leaves the other cores free)"""
+
     def problems(self) -> list[tuple[str, str]]:
-        """Every invalid value as (field, one sentence); empty when all is well. The rules are RULES below."""
+        """Every invalid value as (field, one sentence); empty when all is well. The rules are RULES (Part 3)."""
         values = dataclasses.asdict(self)
         return [
             (field, f"{field} must be {allowed.format(**values)}, got {values[field]!r}")
             for field, ok, allowed in RULES
             if not ok(self)
         ]
-
-
-# What each field allows: (field, test, the allowed values in words). A value that fails its test is refused in
-# one sentence, "{field} must be {allowed}, got {value}", before anything is written.
-# fmt: off
-RULES = (
-    ("num_episodes", lambda a: a.num_episodes >= 1, "at least 1"),
-    ("res", lambda a: 8 <= a.res <= 256, "between 8 and 256 pixels"),
-    ("step_mul", lambda a: a.step_mul >= 1, "at least 1 game loop"),
-    ("screen_world_units", lambda a: 0 < a.screen_world_units <= 256, "between 0 and 256 world units (pysc2: 24)"),
-    ("buffer_size", lambda a: a.buffer_size > a.n_step, "larger than n_step ({n_step}) so that an n-step return fits"),
-    ("tower_channels", lambda a: a.tower_channels >= 1, "at least 1"),
-    ("fused_channels", lambda a: a.fused_channels >= 1, "at least 1"),
-    ("context_layers", lambda a: a.context_layers is None or 0 <= a.context_layers <= 8,
-     "between 0 and 8 (or left out: the map's default)"),
-    ("player_channels", lambda a: a.player_channels >= 1, "at least 1"),
-    ("nonspatial_hidden", lambda a: a.nonspatial_hidden >= 1, "at least 1"),
-    ("fine_kernel", lambda a: a.fine_kernel in (None, 1, 3, 5, 7),
-     "1, 3, 5 or 7 (odd, so that it centres on the pixel; or left out: the map's default)"),
-    ("fine_gain", lambda a: a.fine_gain is None or 0 <= a.fine_gain < math.inf,
-     "0 or more (or left out: the map's default)"),
-    ("move_through", lambda a: a.move_through is None or 0 <= a.move_through <= a.screen_world_units,
-     "between 0 and screen_world_units ({screen_world_units}) (or left out: the map's default)"),
-    ("learning_rate", lambda a: a.learning_rate > 0, "positive"),
-    ("batch_size", lambda a: a.batch_size >= 1, "at least 1"),
-    ("gamma", lambda a: 0 < a.gamma <= 1, "in (0, 1]"),
-    ("n_step", lambda a: 1 <= a.n_step <= 100, "between 1 and 100"),
-    ("start_e", lambda a: 0 <= a.start_e <= 1, "in [0, 1]"),
-    ("end_e", lambda a: 0 <= a.end_e <= a.start_e, "between 0 and start_e ({start_e})"),
-    ("exploration_steps", lambda a: a.exploration_steps is None or a.exploration_steps >= 1,
-     "at least 1 (or left out: the map's default)"),
-    ("learning_starts", lambda a: a.learning_starts > a.n_step,
-     "larger than n_step ({n_step}): the first updates would bootstrap from transitions not yet stored"),
-    ("train_frequency", lambda a: a.train_frequency >= 1, "at least 1"),
-    ("target_network_frequency", lambda a: a.target_network_frequency >= 1, "at least 1"),
-    ("max_grad_norm", lambda a: a.max_grad_norm > 0, "positive"),
-    ("scheduler_tmax", lambda a: a.scheduler_tmax is None or a.scheduler_tmax >= 1, "at least 1 episode"),
-    ("min_lr", lambda a: 0 <= a.min_lr <= a.learning_rate, "between 0 and learning_rate ({learning_rate})"),
-    ("step_lr_step_size", lambda a: a.step_lr_step_size is None or a.step_lr_step_size >= 1,
-     "at least 1 episode (or left out: the map's default)"),
-    ("step_lr_gamma", lambda a: a.step_lr_gamma is None or 0 < a.step_lr_gamma <= 1,
-     "in (0, 1] (or left out: the map's default)"),
-    ("num_test_episodes", lambda a: a.num_test_episodes >= 1, "at least 1"),
-    ("test_epsilon", lambda a: 0 <= a.test_epsilon <= 1, "in [0, 1]"),
-    ("eval_every_episodes", lambda a: a.eval_every_episodes >= 0, "0 (never) or more"),
-    ("num_eval_episodes", lambda a: a.num_eval_episodes >= 1, "at least 1"),
-    ("log_every_steps", lambda a: a.log_every_steps >= 1, "at least 1"),
-    ("torch_num_threads", lambda a: a.torch_num_threads >= 1, "at least 1"),
-    ("time_limit_min", lambda a: a.time_limit_min >= 0, "0 (no limit) or more"),
-    ("run_id", lambda a: a.run_id is None or (a.run_id.strip() != "" and os.sep not in a.run_id),
-     "a non-empty folder name without '" + os.sep + "'"),
-    ("seeds", lambda a: len(set(a.seeds)) == len(a.seeds), "distinct"),
-    ("wait_for_gpu_mb", lambda a: a.wait_for_gpu_mb >= 0, "0 (don't wait) or more"),
-    ("wait_poll_s", lambda a: a.wait_poll_s > 0, "positive"),
-    ("wait_timeout_s", lambda a: a.wait_timeout_s >= 0, "0 or more"),
-    ("fallback_batch_size", lambda a: 1 <= a.fallback_batch_size <= a.batch_size,
-     "between 1 and batch_size ({batch_size}): it is the smaller batch to fall back to"),
-    ("memory_log_every", lambda a: a.memory_log_every >= 1, "at least 1"),
-    ("leak_warmup_steps", lambda a: a.leak_warmup_steps >= 0, "0 or more"),
-    ("memory_snapshot_every", lambda a: a.memory_snapshot_every >= 0, "0 (off) or more"),
-    ("snapshot_max_entries", lambda a: a.snapshot_max_entries >= 1, "at least 1"),
-)
-# fmt: on
 
 
 # The settings each map uses where they are left out (None); docs/dqn_starcraft_split.md says why each differs.
@@ -308,8 +259,10 @@ def with_map_defaults(args: Args) -> Args:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Environments. Both backends return the same observation dict and take the same actions.
+# Environment: the built-in minigames and the pysc2 backend (the same observations, the same actions)
 # ---------------------------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Layer:
     name: str
@@ -324,16 +277,24 @@ SCREEN_LAYERS = (
     Layer("unit_density", 16, False),
     Layer("unit_hit_points", 1600, False),
 )
+
+
 MINIMAP_LAYERS = (
     Layer("player_relative", 5, True),
     Layer("selected", 2, True),
     Layer("camera", 2, True),
 )
+
+
 PLAYER_SIZE = 11  # player_id, minerals, vespene, food_used, food_cap, food_army, food_workers,
+
+
 #                   idle_worker_count, army_count, warp_gate_count, larva_count
 # What the replay stores besides the feature layers: the player vector and the share of the map's timer gone
 # (pysc2's game_loop over the episode's loops), which the network reads with --timer-input.
 PLAYER_INPUT_SIZE = PLAYER_SIZE + 1
+
+
 # The action space: pysc2 functions (ids from pysc2/lib/actions.py) split over the Q heads of HEADS. A head scores
 # its functions, each either called without arguments (one value) or at a screen point (one res x res map, its value
 # at (x, y) being that function called at that point). One flat action index, used by acting, the replay buffer
@@ -367,9 +328,17 @@ HEADS = (
     Head(("no_op", "select_army"), takes_point=False),
     Head(("Move_screen", "select_point"), takes_point=True),
 )
+
+
 FUNCTIONS = tuple(name for head in HEADS for name in head.functions)  # the action mask's order
+
+
 HEAD_OF = {name: head for head in HEADS for name in head.functions}
+
+
 MOVE_SCREEN = FUNCTION_IDS["Move_screen"]
+
+
 SELECT_POINT = FUNCTION_IDS["select_point"]
 
 
@@ -426,15 +395,27 @@ def game_call(
 # length reported for pysc2's MoveToBeacon). Source: both maps' MapScript.galaxy (inside the .SC2Map archives
 # in pysc2/maps/mini_games) start a 120.0 s countdown with c_timeGame; docs/mini_games.md: "120 seconds".
 GAME_LOOPS_PER_SECOND = 16
+
+
 EPISODE_SECONDS = 120.0
+
+
 EPISODE_LOOPS = EPISODE_SECONDS * GAME_LOOPS_PER_SECOND
+
+
 # The marine. Speed 2.25 world units per normal-speed game second and radius 0.375: the game's unit data
 # (the "Marine" entry of BurnySc2/sc2-techtree data/data.json, read from the game through its API); Liquipedia
 # lists the same speed as 3.15 because it quotes "faster" real seconds (2.25 x 1.4). Per game loop:
 # 2.25 / 16 = 3.15 / 22.4 = 0.1406 units, 2.25 units per agent step at step_mul 16.
 MARINE_SPEED_PER_LOOP = 2.25 / GAME_LOOPS_PER_SECOND
+
+
 MARINE_RADIUS = 0.375
+
+
 MARINE_HIT_POINTS = 45  # max_health 45 in the same unit data
+
+
 # Space. pysc2's feature screen spans `camera_width_world_units` across (`Args.screen_world_units`, pysc2's
 # default 24 on both backends) and is centred on the camera: res / width pixels per world unit.
 # Where things are, in the maps' own world coordinates (x east, y north), from the files inside
@@ -442,7 +423,11 @@ MARINE_HIT_POINTS = 45  # max_health 45 in the same unit data
 # Both maps: "Playable Space" is the rectangle (22, 20)-(44, 36), the marines spawn at uniform random points
 # in it, and the camera is panned to that rectangle's centre offset 3 units at 270 degrees (south).
 PLAYABLE_WORLD = (22.0, 20.0, 44.0, 36.0)
+
+
 CAMERA_CENTRE_WORLD = (33.0, 25.0)
+
+
 # MoveToBeacon: the beacon spawns at a uniform random point of "Beacon Spawn Region", the rectangle
 # (23.5, 21.5)-(42.5, 34.5) less a disc of radius 4 around (33, 28), drawn again until it is at least 5 units
 # from the marine, at the start and after every pickup (the map script's `< 5.0` loops; docs/mini_games.md
@@ -451,17 +436,33 @@ CAMERA_CENTRE_WORLD = (33.0, 25.0)
 # game seconds, i.e. every game loop). We draw the beacon with that radius: the Beacon_Terran model's own
 # footprint radius is not in a source we could find.
 BEACON_SPAWN_WORLD = (23.5, 21.5, 42.5, 34.5)
+
+
 BEACON_SPAWN_HOLE_WORLD = (33.0, 28.0, 4.0)  # (x, y, radius) cut out of the spawn rectangle
+
+
 BEACON_MIN_DISTANCE = 5.0
+
+
 BEACON_RADIUS = 1.25
+
+
 # CollectMineralShards: 20 shards ("NaturalMinerals") at uniform random points of "Mineral Area", the
 # rectangle (23, 21)-(43, 35), each at least 2 units from the closest marine; a new field of 20 when all are
 # collected (map script; docs/mini_games.md says the same). A marine collects a shard by touching it. The
 # shard's pickup radius is an assumption (0.5 units): we found no source for it.
 SHARD_SPAWN_WORLD = (23.0, 21.0, 43.0, 35.0)
+
+
 SHARD_MIN_DISTANCE = 2.0
+
+
 SHARD_RADIUS = 0.5
+
+
 NUM_SHARDS = 20
+
+
 # The minimap: we assume it shows the playable area, scaled so that its longer side (22 units) fills the
 # minimap, centred (the minigames never move the camera, so it carries little beyond the screen).
 MAP_WORLD_UNITS = PLAYABLE_WORLD[2] - PLAYABLE_WORLD[0]
@@ -709,31 +710,6 @@ def import_pysc2():
     return sc2_env, actions
 
 
-def sc2_game_dir() -> str:
-    """Where pysc2 looks for the game on Linux: SC2PATH, else ~/StarCraftII."""
-    return os.environ.get("SC2PATH") or os.path.expanduser("~/StarCraftII")
-
-
-def check_sc2_installed() -> None:
-    """ConfigError (one sentence) unless pysc2 imports and the game is installed where it looks."""
-    try:
-        import_pysc2()
-    except ImportError:
-        raise ConfigError(
-            "--backend pysc2 needs pysc2: pip install -r requirements-sc2.txt (or use --backend builtin)."
-        ) from None
-    except Exception as exc:  # noqa: BLE001 - any import-time failure is an installation problem
-        raise ConfigError(
-            f"pysc2 is installed but does not import ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}); use --backend builtin."
-        ) from None
-    if not os.path.isdir(os.path.join(sc2_game_dir(), "Versions")):
-        raise ConfigError(
-            "--backend pysc2 needs the StarCraft II game, and none was found: install it and "
-            "set SC2PATH to its folder (the one holding Versions/ and Maps/), or use --backend builtin."
-        )
-
-
 class Pysc2MiniGame:
     """The real game (or pysc2's SC2TestEnv) behind the same interface as BuiltinMiniGame."""
 
@@ -810,6 +786,8 @@ def make_env(args: Args, seed: int):
 # ---------------------------------------------------------------------------------------------------------
 # Replay buffer
 # ---------------------------------------------------------------------------------------------------------
+
+
 class SplitReplayBuffer:
     """A ring of states; transition i is (state i, action i, reward i, done i, state i+1).
 
@@ -929,8 +907,10 @@ class SplitReplayBuffer:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Network
+# Networks
 # ---------------------------------------------------------------------------------------------------------
+
+
 def layer_channels(layers) -> int:
     """Input channels of `preprocess_layers` for these layers."""
     return sum(l.scale if (l.categorical and l.scale > 2) else 1 for l in layers)
@@ -953,6 +933,8 @@ def preprocess_layers(x: torch.Tensor, layers) -> torch.Tensor:
 
 
 SELECTED_LAYER = [layer.name for layer in SCREEN_LAYERS].index("selected")
+
+
 CLASS_CHANNELS = SCREEN_LAYERS[0].scale  # player_relative's one-hot channels come first in preprocess_layers
 
 
@@ -1050,25 +1032,6 @@ class SpatialHead(nn.Module):
         return (coarse + self.fine_gain * self.fine(features.fine_input)).flatten(2)  # (B, S, H*W)
 
 
-# The state_dict keys of format-3 checkpoints, whose heads' layers belonged to the network itself -> today's keys.
-FORMAT_3_KEYS = (
-    ("nonspatial_head.", "nonspatial_head.mlp."),
-    ("spatial_coarse.", "spatial_head.coarse."),
-    ("spatial_fine.", "spatial_head.fine."),
-)
-
-
-def rename_format_3_keys(module, state_dict, prefix, *unused) -> None:
-    """A load_state_dict pre-hook: a format-3 state_dict (it has `spatial_fine.weight`) gets today's keys."""
-    if prefix + "spatial_fine.weight" not in state_dict:
-        return
-    for key in [key for key in state_dict if key.startswith(prefix)]:
-        for old, new in FORMAT_3_KEYS:
-            if key.startswith(prefix + old):
-                state_dict[prefix + new + key[len(prefix + old) :]] = state_dict.pop(key)
-                break
-
-
 class SplitQNetwork(nn.Module):
     """Screen and minimap conv towers + the tiled embedding of the player vector and the available actions,
     fused; one Q head per entry of HEADS: one value per non-spatial function (NonSpatialHead), and one res x res
@@ -1130,7 +1093,7 @@ class SplitQNetwork(nn.Module):
         # ALGO LOGIC: the heads in the order of HEADS (the flat action index); each one is registered above
         self.heads = (self.nonspatial_head, self.spatial_head)
         assert len(self.heads) == len(HEADS), "one module per entry of HEADS"
-        self.register_load_state_dict_pre_hook(rename_format_3_keys)
+        self.register_load_state_dict_pre_hook(rename_format_3_keys)  # older checkpoints' keys (Part 3)
 
     def features(self, screen, minimap, player, available) -> Features:
         """The trunk: the towers, the player embedding and the context layers (see `forward` for the inputs)."""
@@ -1262,9 +1225,11 @@ def obs_to_states(obs: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Losses and the update step
+# The TD target, the loss, the update, and the schedules of the learning rate and epsilon
 # ---------------------------------------------------------------------------------------------------------
-def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSetup) -> torch.Tensor:
+
+
+def td_target(q_network, target_network, batch: dict, args: Args) -> torch.Tensor:
     """The n-step Double-DQN target of each sampled transition, (B,):
 
         y = sum_{j<n} gamma^j r_{i+j}  +  gamma^n * V(s_{i+n}),   summed only up to the end of the episode,
@@ -1288,9 +1253,8 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
             returns = returns + torch.where(ended, 0.0, args.gamma**j * rewards[:, j])
             ended = ended | (dones[:, j] > 0)
         # V(s'): selection by the online network, evaluation by the target network
-        with amp.autocast():
-            target_qs = [q.float() for q in target_network(*next_inputs)]  # per head (B, F, P)
-            online_qs = [q.float() for q in q_network(*next_inputs)] if args.use_double_dqn else target_qs
+        target_qs = [q.float() for q in target_network(*next_inputs)]  # per head (B, F, P)
+        online_qs = [q.float() for q in q_network(*next_inputs)] if args.use_double_dqn else target_qs
         points = point_masks(next_obs["screen"], args.select_own_only)
         allowed = allowed_actions(target_qs, next_obs["mask"], points)
         neg_inf = torch.finfo(torch.float32).min
@@ -1306,7 +1270,7 @@ def td_target(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSet
         return returns + args.gamma ** rewards.shape[1] * next_value
 
 
-def td_loss(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSetup):
+def td_loss(q_network, target_network, batch: dict, args: Args):
     """Huber loss between Q(s, a) and the TD target, and the Q values, for a batch on the device.
 
     Every transition's action came from exactly one head (a function from the non-spatial head or a point from
@@ -1315,11 +1279,10 @@ def td_loss(q_network, target_network, batch: dict, args: Args, amp: mu.AmpSetup
     Move_screen steps mostly trains the spatial head, and no head is weighted by hand.
     """
     obs = batch["obs"]
-    with amp.autocast():
-        qs = q_network(obs["screen"], obs["minimap"], obs["player"], obs["mask"])  # per head (B, F, P)
+    qs = q_network(obs["screen"], obs["minimap"], obs["player"], obs["mask"])  # per head (B, F, P)
     q_all = torch.cat([q.flatten(1) for q in qs], 1).float()  # (B, A): one value per flat action index
     q_taken = q_all.gather(1, batch["actions"][:, None]).squeeze(1)  # (B,)
-    return F.smooth_l1_loss(q_taken, td_target(q_network, target_network, batch, args, amp)), q_taken
+    return F.smooth_l1_loss(q_taken, td_target(q_network, target_network, batch, args)), q_taken
 
 
 def batch_to_device(sample: dict, device) -> dict:
@@ -1333,120 +1296,25 @@ def batch_to_device(sample: dict, device) -> dict:
     }
 
 
-def update(q_network, target_network, optimizer, amp: mu.AmpSetup, batch: dict, args: Args) -> dict:
-    """One gradient step; returns detached 0-d tensors (turned into floats only when logged)."""
-    loss, q_taken = td_loss(q_network, target_network, batch, args, amp)
+def update(q_network, target_network, optimizer, batch: dict, args: Args) -> dict:
+    """One gradient step on the TD loss, its gradient norm clipped; returns what it logs (`logged_values`)."""
+    # ALGO LOGIC: the gradient step
+    loss, q_taken = td_loss(q_network, target_network, batch, args)
     optimizer.zero_grad(set_to_none=True)
-    amp.scaler.scale(loss).backward()
-    amp.scaler.unscale_(optimizer)
+    loss.backward()
     grad_norm = nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
-    amp.scaler.step(optimizer)
-    amp.scaler.update()
+    optimizer.step()
+    return logged_values(loss, q_taken, grad_norm)
+
+
+def logged_values(loss: torch.Tensor, q_taken: torch.Tensor, grad_norm: torch.Tensor) -> dict:
+    """What an update logs, as 0-d tensors: turned into floats only when logged, once per log interval."""
     # memory: detached, so nothing logged keeps the graph alive
     return {
         "losses/td_loss": loss.detach(),
         "losses/q_values": q_taken.detach().mean(),
         "losses/grad_norm": grad_norm.detach(),
     }
-
-
-def dummy_batch(batch_size: int, res: int, n_step: int, device) -> dict:
-    """A worst-case-sized batch (all actions available) for optimizer-state preallocation."""
-
-    def states():
-        """Zero states of the batch's shape, every action available."""
-        return {
-            "screen": np.zeros((batch_size, len(SCREEN_LAYERS), res, res), np.int16),
-            "minimap": np.zeros((batch_size, len(MINIMAP_LAYERS), res, res), np.int16),
-            "player": np.zeros((batch_size, PLAYER_INPUT_SIZE), np.float32),
-            "mask": np.ones((batch_size, len(FUNCTIONS)), bool),
-        }
-
-    return batch_to_device(
-        {
-            "obs": states(),
-            "next_obs": states(),
-            "actions": np.zeros(batch_size, np.int64),
-            "rewards": np.zeros((batch_size, n_step), np.float32),
-            "dones": np.zeros((batch_size, n_step), np.float32),
-        },
-        device,
-    )
-
-
-def preallocate(
-    q_network, target_network, optimizer, amp: mu.AmpSetup, args: Args, batch_size: int, device
-) -> float:
-    """Adam's moments exist before the first real update, and not one weight changes."""
-    batch = dummy_batch(batch_size, args.res, args.n_step, device)
-
-    def step_fn():
-        """One forward and backward pass of the TD loss on the dummy batch."""
-        loss, _ = td_loss(q_network, target_network, batch, args, amp)
-        amp.scaler.scale(loss).backward()
-
-    # memory: fail now, not at the first update hours later, if the optimizer state does not fit
-    return mu.preallocate_optimizer_state(step_fn, optimizer, modules=[q_network, target_network])
-
-
-def drop_optimizer_state(optimizer) -> None:
-    """The gradients and optimizer state a failed step made: dropped, so that a retry starts from nothing."""
-    optimizer.zero_grad(set_to_none=True)
-    optimizer.state.clear()
-
-
-def preallocate_or_fall_back(run: "Run", sources: dict) -> float:
-    """Preallocate the optimizer state (the first step is where memory runs out). If that runs out of memory and
-    the user asked for a fallback (--wait-for-gpu-mb, or --fallback-batch-size set), wait for the memory once more
-    and retry at the fallback batch (`run.batch_size`, `run.fallback_used`); otherwise, or if that fails too, write
-    the OOM report and stop with exit 3 before anything is trained. Returns the peak MB."""
-    args, agent = run.args, run.agent
-    fallback_asked = args.wait_for_gpu_mb > 0 or sources.get("fallback_batch_size", "default") != "default"
-    while True:
-        fallback_left = fallback_asked and run.batch_size > args.fallback_batch_size
-        try:
-            return preallocate(
-                agent.q_network,
-                agent.target_network,
-                agent.optimizer,
-                run.amp,
-                args,
-                run.batch_size,
-                run.device,
-            )
-        except torch.OutOfMemoryError as exc:
-            oom = mu.out_of_memory(
-                exc,
-                __file__,
-                None if fallback_left else run.run_dir,  # the report, once no fallback is left
-                release=lambda: drop_optimizer_state(agent.optimizer),
-                device=run.device,
-            )
-        if not fallback_left:
-            run.logger.info(
-                f"out of memory at start-up ({oom.where}): optimizer-state preallocation at batch "
-                f"{run.batch_size} does not fit, so nothing was trained.\n{oom.diagnosis}\n"
-                + (
-                    ""
-                    if fallback_asked
-                    else "--wait-for-gpu-mb MB (wait for room) or --fallback-batch-size N "
-                    "(retry smaller) let the run go on instead."
-                )
-            )
-            raise RunInterrupted("out of memory", EXIT_OOM)
-        run.logger.info(
-            f"preallocation: batch {run.batch_size} does not fit ({str(oom.error).splitlines()[0]}); "
-            f"retrying with the fallback batch size {args.fallback_batch_size}"
-        )
-        if run.device.type == "cuda" and args.wait_for_gpu_mb > 0:
-            mu.wait_for_gpu(
-                args.wait_for_gpu_mb,
-                args.wait_poll_s,
-                args.wait_timeout_s,
-                device=run.device,
-                sleep=sleep_unless_stopped(run.stop),
-            )
-        run.batch_size, run.fallback_used = args.fallback_batch_size, True
 
 
 def make_scheduler(optimizer, args: Args):
@@ -1466,6 +1334,11 @@ def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> floa
     """Epsilon at step `t`: from `start_e` down to `end_e` over `duration` steps, then `end_e`."""
     slope = (end_e - start_e) / duration
     return max(slope * t + start_e, end_e)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Acting: epsilon-greedy over the flat action index
+# ---------------------------------------------------------------------------------------------------------
 
 
 def select_action(
@@ -1500,73 +1373,259 @@ def select_action(
         return int(masked_q([q.float() for q in qs], states["mask"], points).argmax(1).item())
 
 
-# Colours of the video frames, by player_relative value: background, self (marines), ally, neutral (beacon,
-# shards), enemy; selected marines are drawn brighter.
-PLAYER_RELATIVE_COLOURS = np.array(
-    [[20, 20, 20], [0, 160, 0], [40, 80, 255], [0, 220, 255], [230, 40, 40]], np.uint8
-)
-SELECTED_COLOUR = np.array([120, 255, 120], np.uint8)
-VIDEO_PIXELS_PER_CELL = 8
-VIDEO_FPS = 4
+# ---------------------------------------------------------------------------------------------------------
+# The training loop
+# ---------------------------------------------------------------------------------------------------------
 
 
-def render_screen(obs: dict) -> np.ndarray:
-    """The screen's player_relative and selected layers as an RGB frame (res * 8, res * 8, 3) uint8."""
-    player_relative = obs["feature_screen"][0].clip(0, len(PLAYER_RELATIVE_COLOURS) - 1)  # (H, W)
-    frame = PLAYER_RELATIVE_COLOURS[player_relative]  # (H, W, 3)
-    frame[obs["feature_screen"][1] > 0] = SELECTED_COLOUR
-    return frame.repeat(VIDEO_PIXELS_PER_CELL, 0).repeat(VIDEO_PIXELS_PER_CELL, 1)
+@dataclass
+class Agent:
+    """The learner `build_agent` makes from Args and a seed."""
+
+    q_network: SplitQNetwork
+    target_network: SplitQNetwork
+    optimizer: torch.optim.Optimizer
+    scheduler: typing.Any  # a per-episode learning-rate schedule, or None
+    rb: SplitReplayBuffer
+    rng: np.random.Generator  # exploration and replay sampling
 
 
-def write_video(frames: list[np.ndarray], path: str) -> None:
-    """The frames as an mp4 at VIDEO_FPS."""
-    from moviepy import ImageSequenceClip  # imported only when videos are recorded
+def build_agent(args: Args, seed: int, device) -> Agent:
+    """ALGO LOGIC: the seeds, the online and target networks, Adam, the learning-rate schedule and the replay, in the
+    order that fixes every random number."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    rng = np.random.default_rng(seed)
+    q_network = make_q_network(**network_settings(args)).to(device)
+    target_network = make_q_network(**network_settings(args)).to(device)
+    target_network.load_state_dict(q_network.state_dict())
+    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
+    scheduler = make_scheduler(optimizer, args)
+    rb = SplitReplayBuffer(args.buffer_size, args.res)
+    return Agent(q_network, target_network, optimizer, scheduler, rb, rng)
 
-    clip = ImageSequenceClip(frames, fps=VIDEO_FPS)
-    clip.write_videofile(path, codec="libx264", audio=False, logger=None)
-    clip.close()
+
+def train_one_seed(
+    args: Args, sources: dict, seed: int, run_id: str, stop: mu.StopSignals, resume_state: dict | None = None
+) -> dict:
+    """One seed's run (or the rest of one, from `resume_state`): episode after episode, act epsilon-greedily, store
+    each transition, update on a sampled batch every `train_frequency` agent steps and copy the online network into
+    the target network every `target_network_frequency`; returns the run's results row. Raises RunInterrupted (after
+    checkpointing) on a stop signal or a CUDA OOM."""
+    # TRY NOT TO MODIFY: the run's folder, logs, environments, agent (`build_agent`) and speed options (`set_up`),
+    # and with --resume the stopped run's networks, optimizer, replay, RNG states and counters (`restore`)
+    wall_start = time.time()
+    resume_step = None if resume_state is None else resume_state["global_step"]
+    run = set_up(args, sources, seed, run_id, resume_step, stop)
+    args = run.args
+    global_step, episode, recent_train_scores, first_episode = 0, 0, [], 1
+    if resume_state is not None:
+        first_episode, global_step, episode, recent_train_scores = restore(run, resume_state)
+        resume_state = None  # memory: the loaded tensors live in the networks now
+    env, agent, probes, device = run.env, run.agent, run.probes, run.device
+    q_network, target_network, optimizer = agent.q_network, agent.target_network, agent.optimizer
+    rb, rng = agent.rb, agent.rng  # the replay buffer; the generator of exploration and replay sampling
+    update = run.executables.update  # Part 1's `update` itself, or its wrapper from Part 2 (--amp)
+    start_time = time.time()
+    stopped_by = "num_episodes"
+    # whether the episode being played has ended and been logged, and the agent step it began at
+    episode_over, episode_start = False, global_step
+    try:
+        for episode in range(first_episode, args.num_episodes + 1):
+            episode_over, episode_start = False, global_step
+            obs, done, score, length = env.reset(), False, 0.0, 0
+            while not done:
+                check_stop(run.stop)  # TRY NOT TO MODIFY: a stop signal ends the run here, between two steps
+                probes("loop_start")
+                # ALGO LOGIC: the action, epsilon-greedy
+                epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
+                # memory: a CUDA OOM while acting, copying a batch or updating ends the run (report, checkpoint)
+                with out_of_memory_ends_the_run(run, global_step):
+                    action = select_action(q_network, obs, epsilon, rng, device, args.select_own_only)
+
+                # TRY NOT TO MODIFY: play it in the game (a Move carried on by --move-through), store the transition
+                next_obs, reward, done = env.step(*game_call(action, obs, args.res, run.through_pixels))
+                rb.add(obs, action, reward, done)
+                probes("after_collect")
+                obs = next_obs
+                score += reward
+                length += 1
+                global_step += 1
+
+                # ALGO LOGIC: training
+                if global_step > args.learning_starts and global_step % args.train_frequency == 0:
+                    with out_of_memory_ends_the_run(run, global_step):
+                        batch = batch_to_device(rb.sample(run.batch_size, rng, args.n_step), device)
+                    probes("after_sample")
+                    with out_of_memory_ends_the_run(run, global_step):
+                        metrics = update(q_network, target_network, optimizer, batch, args)
+                    probes("after_optimizer_step")
+                    if global_step % args.log_every_steps < args.train_frequency:
+                        log_update(run, metrics, global_step, start_time)
+
+                # ALGO LOGIC: the target network
+                if global_step % args.target_network_frequency == 0:
+                    target_network.load_state_dict(q_network.state_dict())
+                # memory: the stage probes, allocator snapshots, the memory report and the leak check, when due
+                watch_memory(run, global_step)
+
+            # TRY NOT TO MODIFY: the episode's charts, then the periodic greedy test and the time limit
+            recent_train_scores = (recent_train_scores + [score])[-args.eval_every_episodes or -1 :]
+            lr = optimizer.param_groups[0]["lr"]
+            log_episode(run, episode, global_step, score, length, epsilon, lr)
+            episode_over = True
+            if agent.scheduler is not None:
+                agent.scheduler.step()  # ALGO LOGIC: the learning-rate schedule moves once per episode
+            over_time = args.time_limit_min > 0 and time.time() - start_time >= 60 * args.time_limit_min
+            if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
+                evaluate(run, episode, global_step, epsilon, lr, recent_train_scores, start_time)
+            if over_time:
+                stopped_by = "time_limit"
+                run.logger.info(f"time limit of {args.time_limit_min:g} min reached after {episode} episodes")
+                break
+        row = finish(run, episode, global_step, recent_train_scores, stopped_by, start_time, wall_start)
+    except RunInterrupted as exc:
+        # an episode stopped part-way is played again on resume, from the step it began at: its steps count once
+        step = global_step if episode_over else episode_start
+        save_interrupted(run, exc, episode, step, recent_train_scores, replay_episode=not episode_over)
+        raise
+    close(run)
+    return row
 
 
-def run_test_episodes(
-    q_network,
-    env,
-    num_episodes: int,
-    res: int,
-    device,
-    epsilon: float = 0.0,
-    video_dir: str | None = None,
-    select_own_only: bool = False,
-    through_pixels: float = 0.0,
-    stop: mu.StopSignals | None = None,
-) -> list[float]:
-    """Test episodes (greedy at epsilon 0); returns each episode's score. With `video_dir`, each episode's
-    screen is written to `{video_dir}/test-episode-{k}.mp4`. Moves are carried `through_pixels` on (game_call).
-    A stop signal ends them at the top of a step (RunInterrupted)."""
-    rng = np.random.default_rng(0)
-    scores = []
-    for k in range(num_episodes):
-        obs, done, score = env.reset(), False, 0.0
-        frames = [render_screen(obs)] if video_dir else None
-        while not done:
-            if stop is not None:
-                check_stop(stop)
-            action = select_action(q_network, obs, epsilon, rng, device, select_own_only)
-            obs, reward, done = env.step(*game_call(action, obs, res, through_pixels))
-            score += reward
-            if frames is not None:
-                frames.append(render_screen(obs))
-        scores.append(score)
-        if frames is not None:
-            os.makedirs(video_dir, exist_ok=True)
-            write_video(frames, os.path.join(video_dir, f"test-episode-{k}.mp4"))
-    return scores
+# =========================================================================================================
+# Part 2: speed. Wrappers around Part 1's functions, installed by one call when a run is set up (`speed_up`, from
+# `open_run`; LeanRL's "executables"): the torch thread count, and the update in mixed precision (--amp). Part 1
+# names nothing here: the loop calls what `speed_up` returned, which is Part 1's own `update` with --amp off.
+# =========================================================================================================
+
+
+class MixedPrecision:
+    """--amp fp16 or bf16 around Part 1's TD loss and update: the networks' forward passes under autocast (their
+    convolutions and linear layers in half precision, the Q values cast back to float32 for the target and the
+    loss) and, for fp16, the gradients through a loss scaler (GradScaler: the loss scaled up so that small gradients
+    do not flush to zero, unscaled before the clip, a step with an overflowed gradient skipped). With autocast and
+    the scaler off (--amp off), each method does what Part 1 does."""
+
+    def __init__(self, amp: mu.AmpSetup):
+        self.amp = amp
+
+    def td_loss(self, q_network, target_network, batch: dict, args: Args):
+        """Part 1's `td_loss` under autocast."""
+        with self.amp.autocast():
+            return td_loss(q_network, target_network, batch, args)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()` of the loss scaled up (fp16)."""
+        self.amp.scaler.scale(loss).backward()
+
+    def update(self, q_network, target_network, optimizer, batch: dict, args: Args) -> dict:
+        """Part 1's `update`, step for step, in mixed precision."""
+        loss, q_taken = self.td_loss(q_network, target_network, batch, args)
+        optimizer.zero_grad(set_to_none=True)
+        self.backward(loss)
+        self.amp.scaler.unscale_(optimizer)  # the clip sees the true gradients
+        grad_norm = nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
+        self.amp.scaler.step(optimizer)  # skipped when a gradient overflowed
+        self.amp.scaler.update()
+        return logged_values(loss, q_taken, grad_norm)
+
+
+@dataclass(frozen=True)
+class Executables:
+    """What the training loop calls for Part 1's functions, and the settings those calls run with."""
+
+    update: typing.Callable  # Part 1's `update`, or MixedPrecision.update
+    amp: mu.AmpSetup  # --amp resolved for the device; its loss scaler's state goes into checkpoints
+
+
+def speed_up(args: Args, device) -> Executables:
+    """The speed options of `args`, installed: the torch thread count, and the update in mixed precision where
+    --amp resolves to fp16 or bf16 on `device` (auto: fp16 on CUDA, off on a CPU). With --amp off the loop calls
+    Part 1's `update` itself."""
+    torch.set_num_threads(args.torch_num_threads)
+    amp = mu.amp(args.amp, device)
+    return Executables(update=MixedPrecision(amp).update if amp.enabled else update, amp=amp)
+
+
+# =========================================================================================================
+# Part 3: the run. Input checks, stopping, the run's folder and set-up, memory wiring (memory_utils), logging and
+# evaluation, test episodes and video, checkpoints, the results rows across runs, and `main`.
+# =========================================================================================================
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Configuration: RL_* environment variables under the command line
+# Input checks: the command line, RL_* variables, the game's installation
 # ---------------------------------------------------------------------------------------------------------
+
+
 class ConfigError(Exception):
     """A bad value from the command line, an RL_* variable or the machine: one sentence, exit status 2."""
+
+
+# What each field allows: (field, test, the allowed values in words). A value that fails its test is refused in
+# one sentence, "{field} must be {allowed}, got {value}", before anything is written.
+# fmt: off
+RULES = (
+    ("num_episodes", lambda a: a.num_episodes >= 1, "at least 1"),
+    ("res", lambda a: 8 <= a.res <= 256, "between 8 and 256 pixels"),
+    ("step_mul", lambda a: a.step_mul >= 1, "at least 1 game loop"),
+    ("screen_world_units", lambda a: 0 < a.screen_world_units <= 256, "between 0 and 256 world units (pysc2: 24)"),
+    ("buffer_size", lambda a: a.buffer_size > a.n_step, "larger than n_step ({n_step}) so that an n-step return fits"),
+    ("tower_channels", lambda a: a.tower_channels >= 1, "at least 1"),
+    ("fused_channels", lambda a: a.fused_channels >= 1, "at least 1"),
+    ("context_layers", lambda a: a.context_layers is None or 0 <= a.context_layers <= 8,
+     "between 0 and 8 (or left out: the map's default)"),
+    ("player_channels", lambda a: a.player_channels >= 1, "at least 1"),
+    ("nonspatial_hidden", lambda a: a.nonspatial_hidden >= 1, "at least 1"),
+    ("fine_kernel", lambda a: a.fine_kernel in (None, 1, 3, 5, 7),
+     "1, 3, 5 or 7 (odd, so that it centres on the pixel; or left out: the map's default)"),
+    ("fine_gain", lambda a: a.fine_gain is None or 0 <= a.fine_gain < math.inf,
+     "0 or more (or left out: the map's default)"),
+    ("move_through", lambda a: a.move_through is None or 0 <= a.move_through <= a.screen_world_units,
+     "between 0 and screen_world_units ({screen_world_units}) (or left out: the map's default)"),
+    ("learning_rate", lambda a: a.learning_rate > 0, "positive"),
+    ("batch_size", lambda a: a.batch_size >= 1, "at least 1"),
+    ("gamma", lambda a: 0 < a.gamma <= 1, "in (0, 1]"),
+    ("n_step", lambda a: 1 <= a.n_step <= 100, "between 1 and 100"),
+    ("start_e", lambda a: 0 <= a.start_e <= 1, "in [0, 1]"),
+    ("end_e", lambda a: 0 <= a.end_e <= a.start_e, "between 0 and start_e ({start_e})"),
+    ("exploration_steps", lambda a: a.exploration_steps is None or a.exploration_steps >= 1,
+     "at least 1 (or left out: the map's default)"),
+    ("learning_starts", lambda a: a.learning_starts > a.n_step,
+     "larger than n_step ({n_step}): the first updates would bootstrap from transitions not yet stored"),
+    ("train_frequency", lambda a: a.train_frequency >= 1, "at least 1"),
+    ("target_network_frequency", lambda a: a.target_network_frequency >= 1, "at least 1"),
+    ("max_grad_norm", lambda a: a.max_grad_norm > 0, "positive"),
+    ("scheduler_tmax", lambda a: a.scheduler_tmax is None or a.scheduler_tmax >= 1, "at least 1 episode"),
+    ("min_lr", lambda a: 0 <= a.min_lr <= a.learning_rate, "between 0 and learning_rate ({learning_rate})"),
+    ("step_lr_step_size", lambda a: a.step_lr_step_size is None or a.step_lr_step_size >= 1,
+     "at least 1 episode (or left out: the map's default)"),
+    ("step_lr_gamma", lambda a: a.step_lr_gamma is None or 0 < a.step_lr_gamma <= 1,
+     "in (0, 1] (or left out: the map's default)"),
+    ("num_test_episodes", lambda a: a.num_test_episodes >= 1, "at least 1"),
+    ("test_epsilon", lambda a: 0 <= a.test_epsilon <= 1, "in [0, 1]"),
+    ("eval_every_episodes", lambda a: a.eval_every_episodes >= 0, "0 (never) or more"),
+    ("num_eval_episodes", lambda a: a.num_eval_episodes >= 1, "at least 1"),
+    ("log_every_steps", lambda a: a.log_every_steps >= 1, "at least 1"),
+    ("torch_num_threads", lambda a: a.torch_num_threads >= 1, "at least 1"),
+    ("time_limit_min", lambda a: a.time_limit_min >= 0, "0 (no limit) or more"),
+    ("run_id", lambda a: a.run_id is None or (a.run_id.strip() != "" and os.sep not in a.run_id),
+     "a non-empty folder name without '" + os.sep + "'"),
+    ("seeds", lambda a: len(set(a.seeds)) == len(a.seeds), "distinct"),
+    ("wait_for_gpu_mb", lambda a: a.wait_for_gpu_mb >= 0, "0 (don't wait) or more"),
+    ("wait_poll_s", lambda a: a.wait_poll_s > 0, "positive"),
+    ("wait_timeout_s", lambda a: a.wait_timeout_s >= 0, "0 or more"),
+    ("fallback_batch_size", lambda a: 1 <= a.fallback_batch_size <= a.batch_size,
+     "between 1 and batch_size ({batch_size}): it is the smaller batch to fall back to"),
+    ("memory_log_every", lambda a: a.memory_log_every >= 1, "at least 1"),
+    ("leak_warmup_steps", lambda a: a.leak_warmup_steps >= 0, "0 or more"),
+    ("memory_snapshot_every", lambda a: a.memory_snapshot_every >= 0, "0 (off) or more"),
+    ("snapshot_max_entries", lambda a: a.snapshot_max_entries >= 1, "at least 1"),
+)
+# fmt: on
 
 
 def env_var_name(field: str) -> str:
@@ -1668,10 +1727,39 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> tu
     return args, sources
 
 
+def sc2_game_dir() -> str:
+    """Where pysc2 looks for the game on Linux: SC2PATH, else ~/StarCraftII."""
+    return os.environ.get("SC2PATH") or os.path.expanduser("~/StarCraftII")
+
+
+def check_sc2_installed() -> None:
+    """ConfigError (one sentence) unless pysc2 imports and the game is installed where it looks."""
+    try:
+        import_pysc2()
+    except ImportError:
+        raise ConfigError(
+            "--backend pysc2 needs pysc2: pip install -r requirements-sc2.txt (or use --backend builtin)."
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - any import-time failure is an installation problem
+        raise ConfigError(
+            f"pysc2 is installed but does not import ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); use --backend builtin."
+        ) from None
+    if not os.path.isdir(os.path.join(sc2_game_dir(), "Versions")):
+        raise ConfigError(
+            "--backend pysc2 needs the StarCraft II game, and none was found: install it and "
+            "set SC2PATH to its folder (the one holding Versions/ and Maps/), or use --backend builtin."
+        )
+
+
 # ---------------------------------------------------------------------------------------------------------
-# Run plumbing: files, signals, results row
+# Stopping: signals and exit statuses
 # ---------------------------------------------------------------------------------------------------------
+
+
 EXIT_OOM = 3
+
+
 # a file the run cannot go on without (config, final or interrupted checkpoint, results) could not be written
 EXIT_WRITE_FAILED = 6
 
@@ -1705,16 +1793,590 @@ def sleep_unless_stopped(stop: mu.StopSignals):
     return sleep
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Setting a run up: its folder, config.json, logs, environments, agent and speed options
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """What one seed's run holds: opened by `open_run`, given its agent, environments and memory instruments by
+    `set_up`, read by the training loop, closed by `close`."""
+
+    args: Args
+    seed: int
+    run_id: str
+    run_dir: str
+    device: torch.device
+    executables: Executables  # what the loop calls for Part 1's functions (Part 2, `speed_up`)
+    stop: mu.StopSignals  # SIGINT and SIGTERM, recorded; read at the top of every agent step
+    config: dict  # config.json as written
+    logger: logging.Logger
+    writer: typing.Any  # torch.utils.tensorboard.SummaryWriter
+    batch_size: int
+    fallback_used: bool
+    agent: Agent | None = None
+    env: typing.Any = None  # BuiltinMiniGame or Pysc2MiniGame
+    eval_env: typing.Any = None  # a second built-in game, or the same pysc2 game
+    through_pixels: float = 0.0  # --move-through, in screen pixels
+    leak: mu.LeakDetector | None = None
+    probes: mu.StageProbes | None = None
+    snapshots: mu.MemorySnapshots | None = None
+    last_report: dict | None = None  # the latest memory report and leak verdict, for an OOM report
+    last_verdict: typing.Any = None
+    memory_report_failed: bool = False
+
+    @property
+    def checkpoint_path(self) -> str:
+        """Where the run's checkpoint goes."""
+        return os.path.join(self.run_dir, "checkpoint.pt")
+
+    @property
+    def curve_path(self) -> str:
+        """The periodic greedy tests' CSV."""
+        return os.path.join(self.run_dir, "eval", "curve.csv")
+
+
+def set_up(
+    args: Args, sources: dict, seed: int, run_id: str, resume_step: int | None, stop: mu.StopSignals
+) -> Run:
+    """A run ready to train: its folder's files, logs and speed options (`open_run`), its environments, the agent and
+    its replay (`build_agent`) with the optimizer state preallocated, then the memory instruments (`instrument`)."""
+    run = open_run(args, sources, seed, run_id, resume_step, stop)
+    args = run.args
+    run.env = make_env(args, seed)
+    run.eval_env = make_env(args, seed + 10_000) if args.backend == "builtin" else run.env
+    run.through_pixels = args.move_through * args.res / args.screen_world_units
+    run.agent = build_agent(args, seed, run.device)
+    prealloc_mb = preallocate_or_fall_back(run, sources)
+    if run.config["batch_size_used"] != run.batch_size:  # the fallback batch, after an OOM at preallocation
+        run.config.update(
+            batch_size_used=run.batch_size,
+            fallback_used=True,
+            fallback_reason="optimizer-state preallocation ran out of memory at the full batch",
+        )
+        atomic_write_bytes(
+            os.path.join(run.run_dir, "config.json"), json.dumps(run.config, indent=2).encode()
+        )
+    run.logger.info(
+        f"run {run.run_id}: device {run.device}, amp {run.executables.amp.mode}, batch {run.batch_size}"
+        f"{' (fallback)' if run.fallback_used else ''}, optimizer state preallocated ({prealloc_mb:.1f} MB peak)"
+    )
+    instrument(run)
+    return run
+
+
+def open_run(
+    args: Args, sources: dict, seed: int, run_id: str, resume_step: int | None, stop: mu.StopSignals
+) -> Run:
+    """The run's folder, claimed for a new run (`claim_run_folder`: the run id may get a suffix), with config.json,
+    train.log and eval/curve.csv; wandb and TensorBoard; after waiting for GPU memory when asked to."""
+    allocator = mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
+    mu.one_malloc_arena()  # memory: before TensorBoard's and wandb's threads, whose own heaps are never trimmed
+    device = resolve_device(args)
+    batch_size, fallback_used, wait_line = wait_for_memory(args, device, stop)  # before building anything
+    if resume_step is None:  # a resumed run goes on in its own folder
+        run_id = claim_run_folder(args.save_path, run_id, chosen=args.run_id is not None)
+    run_dir = os.path.join(args.save_path, run_id)
+    os.makedirs(os.path.join(run_dir, "eval"), exist_ok=True)
+    logger = make_logger(run_dir, run_id)
+    if wait_line:
+        logger.info(wait_line)
+    executables = speed_up(args, device)  # Part 2, installed once: the thread count, mixed precision (--amp)
+    config = {
+        "run_id": run_id,
+        "seed": seed,
+        "device": str(device),
+        "batch_size_used": batch_size,
+        "fallback_used": fallback_used,
+        "amp": executables.amp.mode,
+        "allocator": allocator,
+        "episode_steps": episode_steps(args.step_mul) if args.backend == "builtin" else None,
+        "args": dataclasses.asdict(args),
+        "sources": sources,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+    }
+    atomic_write_bytes(os.path.join(run_dir, "config.json"), json.dumps(config, indent=2).encode())
+    curve_path = os.path.join(run_dir, "eval", "curve.csv")
+    if resume_step is None or not os.path.exists(curve_path):
+        atomic_write_bytes(
+            curve_path, b"episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n"
+        )
+    if args.track and not start_wandb(args, run_id, run_dir, logger):
+        args = dataclasses.replace(args, track=False)
+    writer = open_tensorboard(args, sources, run_id, resume_step, logger)
+    return Run(
+        args,
+        seed,
+        run_id,
+        run_dir,
+        device,
+        executables,
+        stop,
+        config,
+        logger,
+        writer,
+        batch_size,
+        fallback_used,
+    )
+
+
+def resolve_device(args: Args) -> torch.device:
+    """CUDA when asked for and present, else the CPU."""
+    return torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+
+
+def claim_run_folder(save_path: str, run_id: str, chosen: bool) -> str:
+    """Create a new run's folder so that no two runs ever share one; returns the run id it got. A default run id
+    (`{map}__{exp_name}__{seed}__{unix time}`) that another run took already gets a suffix (`-2`, said in one line);
+    a `--run-id` the user chose is refused (ConfigError) when its folder holds a run (a config.json)."""
+    if not chosen:
+        return mu.claim_run_dir(save_path, run_id)[1]  # creating a folder is atomic: one run gets each name
+    folder = os.path.join(save_path, run_id)
+    os.makedirs(folder, exist_ok=True)
+    try:  # creating config.json is atomic too: of two runs given the same --run-id at once, one gets it
+        with open(os.path.join(folder, "config.json"), "x"):
+            pass  # set_up writes its content
+    except FileExistsError:
+        raise ConfigError(run_id_taken(run_id, folder)) from None
+    return run_id
+
+
+def run_id_taken(run_id: str, folder: str) -> str:
+    """The sentence that refuses a --run-id whose folder holds a run."""
+    return (
+        f"run id {run_id!r} already holds a run in {folder}; pass --overwrite to replace it, "
+        f"or choose another --run-id."
+    )
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
     """Write a temporary file in the same folder, then rename it over `path`: old or new, never half. A full disk
     (no space, quota, read-only, I/O error) raises mu.WriteFailed with the partial file already removed."""
     mu.atomic_write(path, data)
 
 
+def start_wandb(args: Args, run_id: str, run_dir: str, logger) -> bool:
+    """Track the run in Weights and Biases (offline with WANDB_MODE=offline); False, after one line, if it fails."""
+    try:
+        import wandb
+
+        wandb.init(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            sync_tensorboard=True,
+            config=dataclasses.asdict(args),
+            name=run_id,
+            dir=run_dir,
+            save_code=True,
+        )
+        return True
+    except Exception as exc:  # noqa: BLE001 - tracking must never stop training
+        logger.info(f"wandb: tracking disabled ({type(exc).__name__}: {exc})")
+        return False
+
+
+def open_tensorboard(args: Args, sources: dict, run_id: str, resume_step: int | None, logger):
+    """The SummaryWriter of `{log_dir}/{run_id}`, with the hyperparameters as its first text."""
+    # imported here: pysc2 must pick protobuf's runtime first
+    from torch.utils.tensorboard import SummaryWriter
+
+    # absolute: wandb's service process resolves a relative path against its own folder, which is that of the
+    # first tracked run of this Python process
+    # a resumed run hides what the stopped one logged after its checkpoint (TensorBoard's purge): no step twice
+    purge_step = resume_step + 1 if resume_step is not None else None
+    writer = SummaryWriter(os.path.abspath(os.path.join(args.log_dir, run_id)), purge_step=purge_step)
+    mu.keep_events_on_write_errors(writer, logger.info)  # a full disk: one warning line, training goes on
+    writer.add_text(
+        "hyperparameters",
+        "|param|value|source|\n|-|-|-|\n"
+        + "\n".join(f"|{k}|{v}|{sources[k]}|" for k, v in dataclasses.asdict(args).items()),
+    )
+    return writer
+
+
+def make_logger(run_dir: str, run_id: str) -> logging.Logger:
+    """train.log in the run folder, and stdout: each line with its time."""
+    logger = logging.getLogger(f"{__name__}.{run_id}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.handlers.clear()
+    formatter = logging.Formatter("%(asctime)s %(message)s")
+    for handler in (
+        logging.FileHandler(os.path.join(run_dir, "train.log")),
+        logging.StreamHandler(sys.stdout),
+    ):
+        handler.setFormatter(formatter)
+        logger.addHandler(handler)
+    return logger
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory wiring (memory_utils): waiting for GPU memory, optimizer-state preallocation, reports, OOM
+# ---------------------------------------------------------------------------------------------------------
+
+
+def wait_for_memory(args: Args, device, stop: mu.StopSignals) -> tuple[int, bool, str | None]:
+    """Before anything is built: (batch size to use, whether the fallback is used, a line to log). A stop signal
+    ends the wait (RunInterrupted)."""
+    if args.wait_for_gpu_mb <= 0:
+        return args.batch_size, False, None
+    if device.type != "cuda":
+        return (
+            args.batch_size,
+            False,
+            (f"wait: --wait-for-gpu-mb {args.wait_for_gpu_mb:g} ignored: no CUDA device, training on CPU"),
+        )
+    if mu.wait_for_gpu(
+        args.wait_for_gpu_mb,
+        args.wait_poll_s,
+        args.wait_timeout_s,
+        device=device,
+        sleep=sleep_unless_stopped(stop),
+    ):
+        return args.batch_size, False, f"wait: {args.wait_for_gpu_mb:g} MB free on {device}"
+    return (
+        args.fallback_batch_size,
+        True,
+        (
+            f"wait: fewer than {args.wait_for_gpu_mb:g} MB free after {args.wait_timeout_s:g} s; "
+            f"continuing with fallback batch size {args.fallback_batch_size} instead of {args.batch_size}"
+        ),
+    )
+
+
+def dummy_batch(batch_size: int, res: int, n_step: int, device) -> dict:
+    """A worst-case-sized batch (all actions available) for optimizer-state preallocation."""
+
+    def states():
+        """Zero states of the batch's shape, every action available."""
+        return {
+            "screen": np.zeros((batch_size, len(SCREEN_LAYERS), res, res), np.int16),
+            "minimap": np.zeros((batch_size, len(MINIMAP_LAYERS), res, res), np.int16),
+            "player": np.zeros((batch_size, PLAYER_INPUT_SIZE), np.float32),
+            "mask": np.ones((batch_size, len(FUNCTIONS)), bool),
+        }
+
+    return batch_to_device(
+        {
+            "obs": states(),
+            "next_obs": states(),
+            "actions": np.zeros(batch_size, np.int64),
+            "rewards": np.zeros((batch_size, n_step), np.float32),
+            "dones": np.zeros((batch_size, n_step), np.float32),
+        },
+        device,
+    )
+
+
+def preallocate(
+    q_network, target_network, optimizer, amp: mu.AmpSetup, args: Args, batch_size: int, device
+) -> float:
+    """Adam's moments exist before the first real update, and not one weight changes."""
+    batch = dummy_batch(batch_size, args.res, args.n_step, device)
+    precision = MixedPrecision(amp)  # the forward and backward passes of the update the run makes (Part 2)
+
+    def step_fn():
+        """One forward and backward pass of the TD loss on the dummy batch."""
+        loss, _ = precision.td_loss(q_network, target_network, batch, args)
+        precision.backward(loss)
+
+    # memory: fail now, not at the first update hours later, if the optimizer state does not fit
+    return mu.preallocate_optimizer_state(step_fn, optimizer, modules=[q_network, target_network])
+
+
+def drop_optimizer_state(optimizer) -> None:
+    """The gradients and optimizer state a failed step made: dropped, so that a retry starts from nothing."""
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.state.clear()
+
+
+def preallocate_or_fall_back(run: "Run", sources: dict) -> float:
+    """Preallocate the optimizer state (the first step is where memory runs out). If that runs out of memory and
+    the user asked for a fallback (--wait-for-gpu-mb, or --fallback-batch-size set), wait for the memory once more
+    and retry at the fallback batch (`run.batch_size`, `run.fallback_used`); otherwise, or if that fails too, write
+    the OOM report and stop with exit 3 before anything is trained. Returns the peak MB."""
+    args, agent = run.args, run.agent
+    fallback_asked = args.wait_for_gpu_mb > 0 or sources.get("fallback_batch_size", "default") != "default"
+    while True:
+        fallback_left = fallback_asked and run.batch_size > args.fallback_batch_size
+        try:
+            return preallocate(
+                agent.q_network,
+                agent.target_network,
+                agent.optimizer,
+                run.executables.amp,
+                args,
+                run.batch_size,
+                run.device,
+            )
+        except torch.OutOfMemoryError as exc:
+            oom = mu.out_of_memory(
+                exc,
+                __file__,
+                None if fallback_left else run.run_dir,  # the report, once no fallback is left
+                release=lambda: drop_optimizer_state(agent.optimizer),
+                device=run.device,
+            )
+        if not fallback_left:
+            run.logger.info(
+                f"out of memory at start-up ({oom.where}): optimizer-state preallocation at batch "
+                f"{run.batch_size} does not fit, so nothing was trained.\n{oom.diagnosis}\n"
+                + (
+                    ""
+                    if fallback_asked
+                    else "--wait-for-gpu-mb MB (wait for room) or --fallback-batch-size N "
+                    "(retry smaller) let the run go on instead."
+                )
+            )
+            raise RunInterrupted("out of memory", EXIT_OOM)
+        run.logger.info(
+            f"preallocation: batch {run.batch_size} does not fit ({str(oom.error).splitlines()[0]}); "
+            f"retrying with the fallback batch size {args.fallback_batch_size}"
+        )
+        if run.device.type == "cuda" and args.wait_for_gpu_mb > 0:
+            mu.wait_for_gpu(
+                args.wait_for_gpu_mb,
+                args.wait_poll_s,
+                args.wait_timeout_s,
+                device=run.device,
+                sleep=sleep_unless_stopped(run.stop),
+            )
+        run.batch_size, run.fallback_used = args.fallback_batch_size, True
+
+
+def instrument(run: Run) -> None:
+    """The memory instruments: the replay's size in train.log, a full disk said now (not at the first checkpoint),
+    stage probes, allocator snapshots, a snapshot at the moment of a CUDA OOM, and the leak detector."""
+    args, agent = run.args, run.agent
+    obs_bytes, aux_bytes = agent.rb.bytes_per_step()
+    run.logger.info(
+        f"replay: {obs_bytes} B of observations + {aux_bytes} B of the rest per step, "
+        f"{(obs_bytes + aux_bytes) * args.buffer_size / 2**20:.0f} MB when full"
+    )
+    checkpoint_bytes = mu.estimate_nbytes(
+        [agent.q_network.state_dict(), agent.target_network.state_dict(), agent.optimizer.state_dict()]
+    )
+    checkpoint_bytes += (obs_bytes + aux_bytes) * args.buffer_size if args.checkpoint_buffer else 0
+    if warning := mu.disk_space_warning(run.run_dir, checkpoint_bytes):
+        run.logger.info(warning)
+    run.probes = mu.StageProbes(enabled=args.memory_probes, device=run.device)
+    run.snapshots = mu.MemorySnapshots(
+        run.run_dir,
+        every=args.memory_snapshot_every,
+        max_entries=args.snapshot_max_entries,
+        device=run.device,
+    )
+    if run.device.type == "cuda":
+        mu.install_oom_observer(run.run_dir)
+    run.leak = mu.LeakDetector(warmup_steps=args.leak_warmup_steps)
+
+
+def watch_memory(run: Run, global_step: int) -> None:
+    """The end of an agent step: the stage probes' iteration, an allocator snapshot when one is due and, every
+    `memory_log_every` agent steps, the memory report and the leak check (never again once a report failed)."""
+    run.probes.end_iteration(global_step)
+    run.snapshots.maybe_dump(global_step)
+    if global_step % run.args.memory_log_every == 0 and not run.memory_report_failed:
+        log_memory(run, global_step)
+
+
+def log_memory(run: Run, global_step: int) -> None:
+    """The memory report and the leak check, every `memory_log_every` agent steps."""
+    try:
+        run.writer.flush()  # memory: no TensorBoard record still queued is read as growth
+        # memory: memory_report() collects garbage and trims the heap first (live memory)
+        run.last_report = mu.memory_report(buffer_stats=run.agent.rb.stats(), device=run.device)
+        for key, value in {**run.last_report, **run.probes.scalars()}.items():
+            run.writer.add_scalar(key, value, global_step)
+        if run.args.memory_probes:
+            run.logger.info(run.probes.verdict())
+        run.leak.observe(global_step, run.last_report)
+        verdict = run.leak.check()
+        last = run.last_verdict
+        if verdict.leaking and (last is None or not last.leaking or verdict.cause != last.cause):
+            run.logger.info(f"memory: {verdict.diagnosis}")
+        run.last_verdict = verdict
+    except Exception as exc:  # noqa: BLE001 - memory: diagnostics never break training
+        run.logger.info(f"memory: report failed ({type(exc).__name__}: {exc}); not reporting again")
+        run.memory_report_failed = True
+
+
+@contextlib.contextmanager
+def out_of_memory_ends_the_run(run: Run, global_step: int):
+    """A CUDA OOM while acting, copying a batch, updating or testing: the report in oom/, the diagnosis in
+    train.log, then RunInterrupted (checkpoint, exit 3), as a stop signal would."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        # memory: the failed step's tensors are dropped before the report looks at what is left
+        oom = mu.out_of_memory(
+            exc,
+            __file__,
+            run.run_dir,
+            last_report=run.last_report,
+            verdict=run.last_verdict,
+            device=run.device,
+        )
+        run.logger.info(f"out of memory at step {global_step} ({oom.where}):\n{oom.diagnosis}")
+        raise RunInterrupted("out of memory", EXIT_OOM) from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Logging and evaluation during training
+# ---------------------------------------------------------------------------------------------------------
+
+
+def log_update(run: Run, metrics: dict, global_step: int, start_time: float) -> None:
+    """`losses/*` of the latest update, and `charts/SPS`."""
+    for key, value in metrics.items():  # memory: floats, once per log interval
+        run.writer.add_scalar(key, value.item(), global_step)
+    run.writer.add_scalar("charts/SPS", global_step / (time.time() - start_time), global_step)
+
+
+def log_episode(
+    run: Run, episode: int, global_step: int, score: float, length: int, epsilon: float, lr: float
+):
+    """`charts/*` of a finished training episode, and its line on stdout."""
+    run.writer.add_scalar("charts/episodic_return", score, global_step)
+    run.writer.add_scalar("charts/episodic_length", length, global_step)
+    run.writer.add_scalar("charts/epsilon", epsilon, global_step)
+    run.writer.add_scalar("charts/learning_rate", lr, episode)
+    print(
+        f"episode={episode} global_step={global_step} score={score:g} epsilon={epsilon:.3f} lr={lr:.3g}",
+        flush=True,
+    )
+
+
+def evaluate(
+    run: Run,
+    episode: int,
+    global_step: int,
+    epsilon: float,
+    lr: float,
+    recent_train_scores: list,
+    start_time: float,
+) -> None:
+    """Greedy test episodes during training: `charts/test_score` and a row of eval/curve.csv."""
+    args = run.args
+    with out_of_memory_ends_the_run(run, global_step):
+        test_scores = run_test_episodes(
+            run.agent.q_network,
+            run.eval_env,
+            args.num_eval_episodes,
+            args.res,
+            run.device,
+            args.test_epsilon,
+            select_own_only=args.select_own_only,
+            through_pixels=run.through_pixels,
+            stop=run.stop,
+        )
+    test_mean = float(np.mean(test_scores))
+    train_mean = float(np.mean(recent_train_scores))
+    run.writer.add_scalar("charts/test_score", test_mean, global_step)
+    try:  # a full disk: this point is not saved (one warning line), training goes on
+        mu.atomic_append(
+            run.curve_path,
+            f"{episode},{global_step},{time.time() - start_time:.1f},{epsilon:.4f},"
+            f"{train_mean:.3f},{test_mean:.3f}\n",
+        )
+    except mu.WriteFailed as exc:
+        run.logger.info(f"warning: {exc}; this curve point is not saved, training goes on")
+    run.logger.info(
+        f"episode {episode} step {global_step}: train score {train_mean:.2f} (last "
+        f"{len(recent_train_scores)}), greedy test {test_mean:.2f}, epsilon {epsilon:.3f}, "
+        f"lr {lr:.3g}, {global_step / (time.time() - start_time):.0f} steps/s"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Test episodes and video
+# ---------------------------------------------------------------------------------------------------------
+
+
+# Colours of the video frames, by player_relative value: background, self (marines), ally, neutral (beacon,
+# shards), enemy; selected marines are drawn brighter.
+PLAYER_RELATIVE_COLOURS = np.array(
+    [[20, 20, 20], [0, 160, 0], [40, 80, 255], [0, 220, 255], [230, 40, 40]], np.uint8
+)
+
+
+SELECTED_COLOUR = np.array([120, 255, 120], np.uint8)
+
+
+VIDEO_PIXELS_PER_CELL = 8
+
+
+VIDEO_FPS = 4
+
+
+def render_screen(obs: dict) -> np.ndarray:
+    """The screen's player_relative and selected layers as an RGB frame (res * 8, res * 8, 3) uint8."""
+    player_relative = obs["feature_screen"][0].clip(0, len(PLAYER_RELATIVE_COLOURS) - 1)  # (H, W)
+    frame = PLAYER_RELATIVE_COLOURS[player_relative]  # (H, W, 3)
+    frame[obs["feature_screen"][1] > 0] = SELECTED_COLOUR
+    return frame.repeat(VIDEO_PIXELS_PER_CELL, 0).repeat(VIDEO_PIXELS_PER_CELL, 1)
+
+
+def write_video(frames: list[np.ndarray], path: str) -> None:
+    """The frames as an mp4 at VIDEO_FPS."""
+    from moviepy import ImageSequenceClip  # imported only when videos are recorded
+
+    clip = ImageSequenceClip(frames, fps=VIDEO_FPS)
+    clip.write_videofile(path, codec="libx264", audio=False, logger=None)
+    clip.close()
+
+
+def run_test_episodes(
+    q_network,
+    env,
+    num_episodes: int,
+    res: int,
+    device,
+    epsilon: float = 0.0,
+    video_dir: str | None = None,
+    select_own_only: bool = False,
+    through_pixels: float = 0.0,
+    stop: mu.StopSignals | None = None,
+) -> list[float]:
+    """Test episodes (greedy at epsilon 0); returns each episode's score. With `video_dir`, each episode's
+    screen is written to `{video_dir}/test-episode-{k}.mp4`. Moves are carried `through_pixels` on (game_call).
+    A stop signal ends them at the top of a step (RunInterrupted)."""
+    rng = np.random.default_rng(0)
+    scores = []
+    for k in range(num_episodes):
+        obs, done, score = env.reset(), False, 0.0
+        frames = [render_screen(obs)] if video_dir else None
+        while not done:
+            if stop is not None:
+                check_stop(stop)
+            action = select_action(q_network, obs, epsilon, rng, device, select_own_only)
+            obs, reward, done = env.step(*game_call(action, obs, res, through_pixels))
+            score += reward
+            if frames is not None:
+                frames.append(render_screen(obs))
+        scores.append(score)
+        if frames is not None:
+            os.makedirs(video_dir, exist_ok=True)
+            write_video(frames, os.path.join(video_dir, f"test-episode-{k}.mp4"))
+    return scores
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints (tensors and plain containers only: they load with weights_only=True)
+# ---------------------------------------------------------------------------------------------------------
+
+
 # 4: the heads' weights under `nonspatial_head.mlp.` and `spatial_head.`; 3 (the same but for those keys, which
 # SplitQNetwork renames on load) is read too
 CHECKPOINT_FORMAT = "dqn_starcraft_split/4"
+
+
 READABLE_FORMATS = (CHECKPOINT_FORMAT, "dqn_starcraft_split/3")
+
+
 # what shapes the networks and the data: a checkpoint trained otherwise does not fit, or means something else
 RESUME_MUST_MATCH = (
     "backend",
@@ -1726,9 +2388,30 @@ RESUME_MUST_MATCH = (
     *NETWORK_SETTINGS,
     "move_through",
 )
+
+
 # what the saved scheduler state holds: loaded into another schedule it would not fit, or would silently override
 # the values this run records
 RESUME_SAME_SCHEDULE = ("lr_scheduler", "step_lr_step_size", "step_lr_gamma")
+
+
+# The state_dict keys of format-3 checkpoints, whose heads' layers belonged to the network itself -> today's keys.
+FORMAT_3_KEYS = (
+    ("nonspatial_head.", "nonspatial_head.mlp."),
+    ("spatial_coarse.", "spatial_head.coarse."),
+    ("spatial_fine.", "spatial_head.fine."),
+)
+
+
+def rename_format_3_keys(module, state_dict, prefix, *unused) -> None:
+    """A load_state_dict pre-hook: a format-3 state_dict (it has `spatial_fine.weight`) gets today's keys."""
+    if prefix + "spatial_fine.weight" not in state_dict:
+        return
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        for old, new in FORMAT_3_KEYS:
+            if key.startswith(prefix + old):
+                state_dict[prefix + new + key[len(prefix + old) :]] = state_dict.pop(key)
+                break
 
 
 def save_checkpoint(
@@ -1802,337 +2485,36 @@ def load_checkpoint(path: str, args: Args) -> dict:
     return state
 
 
-RESULTS_COLUMNS = (
-    "run_id",
-    "seed",
-    "map_name",
-    "backend",
-    "episodes",
-    "global_steps",
-    "test_mean_score",
-    "test_std_score",
-    "use_double_dqn",
-    "lr_scheduler",
-    "batch_size",
-    "fallback_used",
-    "wall_time_s",
-)
-
-
-@contextlib.contextmanager
-def folder_lock(folder: str):
-    """An exclusive lock on `folder` while the block runs, so that runs ending at once rewrite the CSV across runs
-    in turn (flock on the folder itself: no lock file is left behind)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def append_results_row(path: str, row: dict) -> None:
-    """Append one row to the CSV across runs, atomically (the whole file is rewritten and renamed)."""
-    with folder_lock(os.path.dirname(os.path.abspath(path))):
-        existing = b""
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                existing = f.read()
-        text = io.StringIO()
-        writer = csv.DictWriter(text, fieldnames=RESULTS_COLUMNS, lineterminator="\n")
-        if not existing:
-            writer.writeheader()
-        writer.writerow(row)
-        if existing and not existing.endswith(b"\n"):
-            existing += b"\n"
-        atomic_write_bytes(path, existing + text.getvalue().encode())
-
-
-def make_logger(run_dir: str, run_id: str) -> logging.Logger:
-    """train.log in the run folder, and stdout: each line with its time."""
-    logger = logging.getLogger(f"{__name__}.{run_id}")
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    logger.handlers.clear()
-    formatter = logging.Formatter("%(asctime)s %(message)s")
-    for handler in (
-        logging.FileHandler(os.path.join(run_dir, "train.log")),
-        logging.StreamHandler(sys.stdout),
-    ):
-        handler.setFormatter(formatter)
-        logger.addHandler(handler)
-    return logger
-
-
-def resolve_device(args: Args) -> torch.device:
-    """CUDA when asked for and present, else the CPU."""
-    return torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
-
-
-def wait_for_memory(args: Args, device, stop: mu.StopSignals) -> tuple[int, bool, str | None]:
-    """Before anything is built: (batch size to use, whether the fallback is used, a line to log). A stop signal
-    ends the wait (RunInterrupted)."""
-    if args.wait_for_gpu_mb <= 0:
-        return args.batch_size, False, None
-    if device.type != "cuda":
-        return (
-            args.batch_size,
-            False,
-            (f"wait: --wait-for-gpu-mb {args.wait_for_gpu_mb:g} ignored: no CUDA device, training on CPU"),
-        )
-    if mu.wait_for_gpu(
-        args.wait_for_gpu_mb,
-        args.wait_poll_s,
-        args.wait_timeout_s,
-        device=device,
-        sleep=sleep_unless_stopped(stop),
-    ):
-        return args.batch_size, False, f"wait: {args.wait_for_gpu_mb:g} MB free on {device}"
-    return (
-        args.fallback_batch_size,
-        True,
-        (
-            f"wait: fewer than {args.wait_for_gpu_mb:g} MB free after {args.wait_timeout_s:g} s; "
-            f"continuing with fallback batch size {args.fallback_batch_size} instead of {args.batch_size}"
-        ),
-    )
-
-
-def claim_run_folder(save_path: str, run_id: str, chosen: bool) -> str:
-    """Create a new run's folder so that no two runs ever share one; returns the run id it got. A default run id
-    (`{map}__{exp_name}__{seed}__{unix time}`) that another run took already gets a suffix (`-2`, said in one line);
-    a `--run-id` the user chose is refused (ConfigError) when its folder holds a run (a config.json)."""
-    if not chosen:
-        return mu.claim_run_dir(save_path, run_id)[1]  # creating a folder is atomic: one run gets each name
-    folder = os.path.join(save_path, run_id)
-    os.makedirs(folder, exist_ok=True)
-    try:  # creating config.json is atomic too: of two runs given the same --run-id at once, one gets it
-        with open(os.path.join(folder, "config.json"), "x"):
-            pass  # set_up writes its content
-    except FileExistsError:
-        raise ConfigError(run_id_taken(run_id, folder)) from None
-    return run_id
-
-
-def run_id_taken(run_id: str, folder: str) -> str:
-    """The sentence that refuses a --run-id whose folder holds a run."""
-    return (
-        f"run id {run_id!r} already holds a run in {folder}; pass --overwrite to replace it, "
-        f"or choose another --run-id."
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------------------------------------
-@dataclass
-class Agent:
-    """The learner `build_agent` makes from Args and a seed."""
-
-    q_network: SplitQNetwork
-    target_network: SplitQNetwork
-    optimizer: torch.optim.Optimizer
-    scheduler: typing.Any  # a per-episode learning-rate schedule, or None
-    rb: SplitReplayBuffer
-    rng: np.random.Generator  # exploration and replay sampling
-
-
-@dataclass
-class Run:
-    """What one seed's run holds: opened by `open_run`, given its agent, environments and memory instruments by
-    `set_up`, read by the training loop, closed by `close`."""
-
-    args: Args
-    seed: int
-    run_id: str
-    run_dir: str
-    device: torch.device
-    amp: mu.AmpSetup
-    stop: mu.StopSignals  # SIGINT and SIGTERM, recorded; read at the top of every agent step
-    config: dict  # config.json as written
-    logger: logging.Logger
-    writer: typing.Any  # torch.utils.tensorboard.SummaryWriter
-    batch_size: int
-    fallback_used: bool
-    agent: Agent | None = None
-    env: typing.Any = None  # BuiltinMiniGame or Pysc2MiniGame
-    eval_env: typing.Any = None  # a second built-in game, or the same pysc2 game
-    through_pixels: float = 0.0  # --move-through, in screen pixels
-    leak: mu.LeakDetector | None = None
-    probes: mu.StageProbes | None = None
-    snapshots: mu.MemorySnapshots | None = None
-    last_report: dict | None = None  # the latest memory report and leak verdict, for an OOM report
-    last_verdict: typing.Any = None
-    memory_report_failed: bool = False
-
-    @property
-    def checkpoint_path(self) -> str:
-        """Where the run's checkpoint goes."""
-        return os.path.join(self.run_dir, "checkpoint.pt")
-
-    @property
-    def curve_path(self) -> str:
-        """The periodic greedy tests' CSV."""
-        return os.path.join(self.run_dir, "eval", "curve.csv")
-
-
-def build_agent(args: Args, seed: int, device) -> Agent:
-    """ALGO LOGIC: the seeds, the online and target networks, Adam, the learning-rate schedule and the replay, in the
-    order that fixes every random number."""
-    torch.set_num_threads(args.torch_num_threads)
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    rng = np.random.default_rng(seed)
-    q_network = make_q_network(**network_settings(args)).to(device)
-    target_network = make_q_network(**network_settings(args)).to(device)
-    target_network.load_state_dict(q_network.state_dict())
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
-    scheduler = make_scheduler(optimizer, args)
-    rb = SplitReplayBuffer(args.buffer_size, args.res)
-    return Agent(q_network, target_network, optimizer, scheduler, rb, rng)
-
-
-def set_up(
-    args: Args, sources: dict, seed: int, run_id: str, resume_step: int | None, stop: mu.StopSignals
-) -> Run:
-    """A run ready to train: its folder's files and logs (`open_run`), its environments, the agent and its replay
-    (`build_agent`) with the optimizer state preallocated, then the memory instruments (`instrument`)."""
-    run = open_run(args, sources, seed, run_id, resume_step, stop)
-    args = run.args
-    run.env = make_env(args, seed)
-    run.eval_env = make_env(args, seed + 10_000) if args.backend == "builtin" else run.env
-    run.through_pixels = args.move_through * args.res / args.screen_world_units
-    run.agent = build_agent(args, seed, run.device)
-    prealloc_mb = preallocate_or_fall_back(run, sources)
-    if run.config["batch_size_used"] != run.batch_size:  # the fallback batch, after an OOM at preallocation
-        run.config.update(
-            batch_size_used=run.batch_size,
-            fallback_used=True,
-            fallback_reason="optimizer-state preallocation ran out of memory at the full batch",
-        )
-        atomic_write_bytes(
-            os.path.join(run.run_dir, "config.json"), json.dumps(run.config, indent=2).encode()
-        )
-    run.logger.info(
-        f"run {run.run_id}: device {run.device}, amp {run.amp.mode}, batch {run.batch_size}"
-        f"{' (fallback)' if run.fallback_used else ''}, optimizer state preallocated ({prealloc_mb:.1f} MB peak)"
-    )
-    instrument(run)
-    return run
-
-
-def open_run(
-    args: Args, sources: dict, seed: int, run_id: str, resume_step: int | None, stop: mu.StopSignals
-) -> Run:
-    """The run's folder, claimed for a new run (`claim_run_folder`: the run id may get a suffix), with config.json,
-    train.log and eval/curve.csv; wandb and TensorBoard; after waiting for GPU memory when asked to."""
-    allocator = mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
-    mu.one_malloc_arena()  # memory: before TensorBoard's and wandb's threads, whose own heaps are never trimmed
-    device = resolve_device(args)
-    batch_size, fallback_used, wait_line = wait_for_memory(args, device, stop)  # before building anything
-    if resume_step is None:  # a resumed run goes on in its own folder
-        run_id = claim_run_folder(args.save_path, run_id, chosen=args.run_id is not None)
-    run_dir = os.path.join(args.save_path, run_id)
-    os.makedirs(os.path.join(run_dir, "eval"), exist_ok=True)
-    logger = make_logger(run_dir, run_id)
-    if wait_line:
-        logger.info(wait_line)
-    amp = mu.amp(args.amp, device)
-    config = {
-        "run_id": run_id,
-        "seed": seed,
-        "device": str(device),
-        "batch_size_used": batch_size,
-        "fallback_used": fallback_used,
-        "amp": amp.mode,
-        "allocator": allocator,
-        "episode_steps": episode_steps(args.step_mul) if args.backend == "builtin" else None,
-        "args": dataclasses.asdict(args),
-        "sources": sources,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "machine": platform.machine(),
+def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list, interrupted: bool) -> None:
+    """Checkpoint the run as it is now, with everything --resume needs."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # keys as a tensor: weights_only loads it
+    rngs = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "actions": run.agent.rng.bit_generator.state,
     }
-    atomic_write_bytes(os.path.join(run_dir, "config.json"), json.dumps(config, indent=2).encode())
-    curve_path = os.path.join(run_dir, "eval", "curve.csv")
-    if resume_step is None or not os.path.exists(curve_path):
-        atomic_write_bytes(
-            curve_path, b"episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n"
-        )
-    if args.track and not start_wandb(args, run_id, run_dir, logger):
-        args = dataclasses.replace(args, track=False)
-    writer = open_tensorboard(args, sources, run_id, resume_step, logger)
-    return Run(
-        args, seed, run_id, run_dir, device, amp, stop, config, logger, writer, batch_size, fallback_used
+    for name, game in (("env", run.env), ("eval_env", run.eval_env)):
+        if hasattr(game, "rng"):
+            rngs[name] = game.rng.bit_generator.state
+    extra = {
+        "rng": rngs,
+        "scaler": run.executables.amp.scaler.state_dict(),
+        "recent_train_scores": list(recent_train_scores),
+        "replay": run.agent.rb.state_dict() if run.args.checkpoint_buffer else None,
+    }
+    save_checkpoint(
+        run.checkpoint_path,
+        run.agent.q_network,
+        run.agent.target_network,
+        run.agent.optimizer,
+        run.agent.scheduler,
+        episode,
+        global_step,
+        run.args,
+        interrupted=interrupted,
+        extra=extra,
     )
-
-
-def start_wandb(args: Args, run_id: str, run_dir: str, logger) -> bool:
-    """Track the run in Weights and Biases (offline with WANDB_MODE=offline); False, after one line, if it fails."""
-    try:
-        import wandb
-
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            sync_tensorboard=True,
-            config=dataclasses.asdict(args),
-            name=run_id,
-            dir=run_dir,
-            save_code=True,
-        )
-        return True
-    except Exception as exc:  # noqa: BLE001 - tracking must never stop training
-        logger.info(f"wandb: tracking disabled ({type(exc).__name__}: {exc})")
-        return False
-
-
-def open_tensorboard(args: Args, sources: dict, run_id: str, resume_step: int | None, logger):
-    """The SummaryWriter of `{log_dir}/{run_id}`, with the hyperparameters as its first text."""
-    # imported here: pysc2 must pick protobuf's runtime first
-    from torch.utils.tensorboard import SummaryWriter
-
-    # absolute: wandb's service process resolves a relative path against its own folder, which is that of the
-    # first tracked run of this Python process
-    # a resumed run hides what the stopped one logged after its checkpoint (TensorBoard's purge): no step twice
-    purge_step = resume_step + 1 if resume_step is not None else None
-    writer = SummaryWriter(os.path.abspath(os.path.join(args.log_dir, run_id)), purge_step=purge_step)
-    mu.keep_events_on_write_errors(writer, logger.info)  # a full disk: one warning line, training goes on
-    writer.add_text(
-        "hyperparameters",
-        "|param|value|source|\n|-|-|-|\n"
-        + "\n".join(f"|{k}|{v}|{sources[k]}|" for k, v in dataclasses.asdict(args).items()),
-    )
-    return writer
-
-
-def instrument(run: Run) -> None:
-    """The memory instruments: the replay's size in train.log, a full disk said now (not at the first checkpoint),
-    stage probes, allocator snapshots, a snapshot at the moment of a CUDA OOM, and the leak detector."""
-    args, agent = run.args, run.agent
-    obs_bytes, aux_bytes = agent.rb.bytes_per_step()
-    run.logger.info(
-        f"replay: {obs_bytes} B of observations + {aux_bytes} B of the rest per step, "
-        f"{(obs_bytes + aux_bytes) * args.buffer_size / 2**20:.0f} MB when full"
-    )
-    checkpoint_bytes = mu.estimate_nbytes(
-        [agent.q_network.state_dict(), agent.target_network.state_dict(), agent.optimizer.state_dict()]
-    )
-    checkpoint_bytes += (obs_bytes + aux_bytes) * args.buffer_size if args.checkpoint_buffer else 0
-    if warning := mu.disk_space_warning(run.run_dir, checkpoint_bytes):
-        run.logger.info(warning)
-    run.probes = mu.StageProbes(enabled=args.memory_probes, device=run.device)
-    run.snapshots = mu.MemorySnapshots(
-        run.run_dir,
-        every=args.memory_snapshot_every,
-        max_entries=args.snapshot_max_entries,
-        device=run.device,
-    )
-    if run.device.type == "cuda":
-        mu.install_oom_observer(run.run_dir)
-    run.leak = mu.LeakDetector(warmup_steps=args.leak_warmup_steps)
 
 
 def restore(run: Run, state: dict) -> tuple[int, int, int, list[float]]:
@@ -2146,7 +2528,7 @@ def restore(run: Run, state: dict) -> tuple[int, int, int, list[float]]:
     if run.agent.scheduler is not None and state["scheduler"] is not None:
         run.agent.scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler"):
-        run.amp.scaler.load_state_dict(state["scaler"])
+        run.executables.amp.scaler.load_state_dict(state["scaler"])
     rngs = state["rng"]
     torch.set_rng_state(rngs["torch"])
     random.setstate(rngs["python"])
@@ -2165,132 +2547,31 @@ def restore(run: Run, state: dict) -> tuple[int, int, int, list[float]]:
     return first_episode, state["global_step"], state["episode"], list(state.get("recent_train_scores", []))
 
 
-def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list, interrupted: bool) -> None:
-    """Checkpoint the run as it is now, with everything --resume needs."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # keys as a tensor: weights_only loads it
-    rngs = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-        "actions": run.agent.rng.bit_generator.state,
-    }
-    for name, game in (("env", run.env), ("eval_env", run.eval_env)):
-        if hasattr(game, "rng"):
-            rngs[name] = game.rng.bit_generator.state
-    extra = {
-        "rng": rngs,
-        "scaler": run.amp.scaler.state_dict(),
-        "recent_train_scores": list(recent_train_scores),
-        "replay": run.agent.rb.state_dict() if run.args.checkpoint_buffer else None,
-    }
-    save_checkpoint(
-        run.checkpoint_path,
-        run.agent.q_network,
-        run.agent.target_network,
-        run.agent.optimizer,
-        run.agent.scheduler,
-        episode,
-        global_step,
-        run.args,
-        interrupted=interrupted,
-        extra=extra,
-    )
-
-
-@contextlib.contextmanager
-def out_of_memory_ends_the_run(run: Run, global_step: int):
-    """A CUDA OOM while acting, copying a batch, updating or testing: the report in oom/, the diagnosis in
-    train.log, then RunInterrupted (checkpoint, exit 3), as a stop signal would."""
-    try:
-        yield
-    except torch.OutOfMemoryError as exc:
-        # memory: the failed step's tensors are dropped before the report looks at what is left
-        oom = mu.out_of_memory(
-            exc,
-            __file__,
-            run.run_dir,
-            last_report=run.last_report,
-            verdict=run.last_verdict,
-            device=run.device,
-        )
-        run.logger.info(f"out of memory at step {global_step} ({oom.where}):\n{oom.diagnosis}")
-        raise RunInterrupted("out of memory", EXIT_OOM) from None
-
-
-def log_memory(run: Run, global_step: int) -> None:
-    """The memory report and the leak check, every `memory_log_every` agent steps."""
-    try:
-        run.writer.flush()  # memory: no TensorBoard record still queued is read as growth
-        # memory: memory_report() collects garbage and trims the heap first (live memory)
-        run.last_report = mu.memory_report(buffer_stats=run.agent.rb.stats(), device=run.device)
-        for key, value in {**run.last_report, **run.probes.scalars()}.items():
-            run.writer.add_scalar(key, value, global_step)
-        if run.args.memory_probes:
-            run.logger.info(run.probes.verdict())
-        run.leak.observe(global_step, run.last_report)
-        verdict = run.leak.check()
-        last = run.last_verdict
-        if verdict.leaking and (last is None or not last.leaking or verdict.cause != last.cause):
-            run.logger.info(f"memory: {verdict.diagnosis}")
-        run.last_verdict = verdict
-    except Exception as exc:  # noqa: BLE001 - memory: diagnostics never break training
-        run.logger.info(f"memory: report failed ({type(exc).__name__}: {exc}); not reporting again")
-        run.memory_report_failed = True
-
-
-def log_episode(
-    run: Run, episode: int, global_step: int, score: float, length: int, epsilon: float, lr: float
-):
-    """`charts/*` of a finished training episode, and its line on stdout."""
-    run.writer.add_scalar("charts/episodic_return", score, global_step)
-    run.writer.add_scalar("charts/episodic_length", length, global_step)
-    run.writer.add_scalar("charts/epsilon", epsilon, global_step)
-    run.writer.add_scalar("charts/learning_rate", lr, episode)
-    print(
-        f"episode={episode} global_step={global_step} score={score:g} epsilon={epsilon:.3f} lr={lr:.3g}",
-        flush=True,
-    )
-
-
-def evaluate(
+def save_interrupted(
     run: Run,
+    reason: Exception,
     episode: int,
     global_step: int,
-    epsilon: float,
-    lr: float,
     recent_train_scores: list,
-    start_time: float,
-) -> None:
-    """Greedy test episodes during training: `charts/test_score` and a row of eval/curve.csv."""
-    args = run.args
-    with out_of_memory_ends_the_run(run, global_step):
-        test_scores = run_test_episodes(
-            run.agent.q_network,
-            run.eval_env,
-            args.num_eval_episodes,
-            args.res,
-            run.device,
-            args.test_epsilon,
-            select_own_only=args.select_own_only,
-            through_pixels=run.through_pixels,
-            stop=run.stop,
-        )
-    test_mean = float(np.mean(test_scores))
-    train_mean = float(np.mean(recent_train_scores))
-    run.writer.add_scalar("charts/test_score", test_mean, global_step)
-    try:  # a full disk: this point is not saved (one warning line), training goes on
-        mu.atomic_append(
-            run.curve_path,
-            f"{episode},{global_step},{time.time() - start_time:.1f},{epsilon:.4f},"
-            f"{train_mean:.3f},{test_mean:.3f}\n",
-        )
-    except mu.WriteFailed as exc:
-        run.logger.info(f"warning: {exc}; this curve point is not saved, training goes on")
+    replay_episode: bool,
+):
+    """A stop signal or a CUDA OOM stopped the run: a checkpoint, a line in train.log, no results row. With
+    `replay_episode` the resumed run plays `episode` again from its start (`global_step` is the step it began at);
+    without it (the episode had ended and was logged) the resumed run goes on with the next one. Another stop
+    signal meanwhile is only recorded: the checkpoint is written whole."""
+    save_run(run, episode, global_step, recent_train_scores, interrupted=replay_episode)
     run.logger.info(
-        f"episode {episode} step {global_step}: train score {train_mean:.2f} (last "
-        f"{len(recent_train_scores)}), greedy test {test_mean:.2f}, epsilon {epsilon:.3f}, "
-        f"lr {lr:.3g}, {global_step / (time.time() - start_time):.0f} steps/s"
+        f"interrupted by {reason} at episode {episode}, step {global_step}: checkpoint saved to "
+        f"{run.checkpoint_path}; no results row written"
     )
+    run.writer.close()
+    run.env.close()
+    run.snapshots.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The end of a run: the final test, the results row across runs
+# ---------------------------------------------------------------------------------------------------------
 
 
 def finish(
@@ -2366,28 +2647,6 @@ def finish(
     }
 
 
-def save_interrupted(
-    run: Run,
-    reason: Exception,
-    episode: int,
-    global_step: int,
-    recent_train_scores: list,
-    replay_episode: bool,
-):
-    """A stop signal or a CUDA OOM stopped the run: a checkpoint, a line in train.log, no results row. With
-    `replay_episode` the resumed run plays `episode` again from its start (`global_step` is the step it began at);
-    without it (the episode had ended and was logged) the resumed run goes on with the next one. Another stop
-    signal meanwhile is only recorded: the checkpoint is written whole."""
-    save_run(run, episode, global_step, recent_train_scores, interrupted=replay_episode)
-    run.logger.info(
-        f"interrupted by {reason} at episode {episode}, step {global_step}: checkpoint saved to "
-        f"{run.checkpoint_path}; no results row written"
-    )
-    run.writer.close()
-    run.env.close()
-    run.snapshots.close()
-
-
 def close(run: Run) -> None:
     """The end of a finished run: TensorBoard, the environments, the snapshots and wandb closed."""
     run.writer.close()
@@ -2401,87 +2660,50 @@ def close(run: Run) -> None:
         wandb.finish()
 
 
-def play_episode(run: Run, global_step: int, start_time: float) -> tuple[int, float, int, float]:
-    """One training episode from `global_step` on: act, store, and update every `train_frequency` agent steps;
-    returns (global step, score, length, the last epsilon). A stop signal ends it at the top of a step."""
-    args, agent, probes = run.args, run.agent, run.probes
-    obs, done, score, length = run.env.reset(), False, 0.0, 0
-    while not done:
-        check_stop(run.stop)
-        probes("loop_start")
-        epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
-        with out_of_memory_ends_the_run(run, global_step):
-            action = select_action(agent.q_network, obs, epsilon, agent.rng, run.device, args.select_own_only)
-        next_obs, reward, done = run.env.step(*game_call(action, obs, args.res, run.through_pixels))
-        agent.rb.add(obs, action, reward, done)
-        probes("after_collect")
-        obs = next_obs
-        score += reward
-        length += 1
-        global_step += 1
-
-        # ALGO LOGIC: training
-        if global_step > args.learning_starts and global_step % args.train_frequency == 0:
-            with out_of_memory_ends_the_run(run, global_step):
-                batch = batch_to_device(agent.rb.sample(run.batch_size, agent.rng, args.n_step), run.device)
-            probes("after_sample")
-            with out_of_memory_ends_the_run(run, global_step):
-                metrics = update(agent.q_network, agent.target_network, agent.optimizer, run.amp, batch, args)
-            probes("after_optimizer_step")
-            if global_step % args.log_every_steps < args.train_frequency:
-                for key, value in metrics.items():  # memory: floats, once per interval
-                    run.writer.add_scalar(key, value.item(), global_step)
-                run.writer.add_scalar("charts/SPS", global_step / (time.time() - start_time), global_step)
-        if global_step % args.target_network_frequency == 0:
-            agent.target_network.load_state_dict(agent.q_network.state_dict())
-        probes.end_iteration(global_step)
-        run.snapshots.maybe_dump(global_step)
-        if global_step % args.memory_log_every == 0 and not run.memory_report_failed:
-            log_memory(run, global_step)
-    return global_step, score, length, epsilon
+RESULTS_COLUMNS = (
+    "run_id",
+    "seed",
+    "map_name",
+    "backend",
+    "episodes",
+    "global_steps",
+    "test_mean_score",
+    "test_std_score",
+    "use_double_dqn",
+    "lr_scheduler",
+    "batch_size",
+    "fallback_used",
+    "wall_time_s",
+)
 
 
-def train_one_seed(
-    args: Args, sources: dict, seed: int, run_id: str, stop: mu.StopSignals, resume_state: dict | None = None
-) -> dict:
-    """One complete run (or the rest of one, from `resume_state`); returns its results row. Raises RunInterrupted
-    (after checkpointing) on a stop signal or a CUDA OOM."""
-    wall_start = time.time()
-    resume_step = None if resume_state is None else resume_state["global_step"]
-    run = set_up(args, sources, seed, run_id, resume_step, stop)
-    args = run.args
-    global_step, episode, recent_train_scores, first_episode = 0, 0, [], 1
-    if resume_state is not None:
-        first_episode, global_step, episode, recent_train_scores = restore(run, resume_state)
-        resume_state = None  # memory: the loaded tensors live in the networks now
-    start_time = time.time()
-    stopped_by = "num_episodes"
-    episode_over = False  # whether the episode being played has ended and been logged
+@contextlib.contextmanager
+def folder_lock(folder: str):
+    """An exclusive lock on `folder` while the block runs, so that runs ending at once rewrite the CSV across runs
+    in turn (flock on the folder itself: no lock file is left behind)."""
+    fd = os.open(folder, os.O_RDONLY)
     try:
-        for episode in range(first_episode, args.num_episodes + 1):
-            episode_over = False
-            # global_step moves on once the episode is over: a stopped episode is played again on resume
-            global_step, score, length, epsilon = play_episode(run, global_step, start_time)
-            recent_train_scores = (recent_train_scores + [score])[-args.eval_every_episodes or -1 :]
-            lr = run.agent.optimizer.param_groups[0]["lr"]
-            log_episode(run, episode, global_step, score, length, epsilon, lr)
-            episode_over = True
-            if run.agent.scheduler is not None:
-                run.agent.scheduler.step()  # ALGO LOGIC: the schedule moves once per episode
-            over_time = args.time_limit_min > 0 and time.time() - start_time >= 60 * args.time_limit_min
-            if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
-                evaluate(run, episode, global_step, epsilon, lr, recent_train_scores, start_time)
-            if over_time:
-                stopped_by = "time_limit"
-                run.logger.info(f"time limit of {args.time_limit_min:g} min reached after {episode} episodes")
-                break
-        row = finish(run, episode, global_step, recent_train_scores, stopped_by, start_time, wall_start)
-    except RunInterrupted as exc:
-        # an episode stopped part-way is played again on resume: its steps are counted then, not twice
-        save_interrupted(run, exc, episode, global_step, recent_train_scores, replay_episode=not episode_over)
-        raise
-    close(run)
-    return row
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def append_results_row(path: str, row: dict) -> None:
+    """Append one row to the CSV across runs, atomically (the whole file is rewritten and renamed)."""
+    with folder_lock(os.path.dirname(os.path.abspath(path))):
+        existing = b""
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                existing = f.read()
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=RESULTS_COLUMNS, lineterminator="\n")
+        if not existing:
+            writer.writeheader()
+        writer.writerow(row)
+        if existing and not existing.endswith(b"\n"):
+            existing += b"\n"
+        atomic_write_bytes(path, existing + text.getvalue().encode())
 
 
 def drop_results_rows(path: str, run_id: str) -> None:
@@ -2496,6 +2718,11 @@ def drop_results_rows(path: str, run_id: str) -> None:
         writer.writeheader()
         writer.writerows(rows)
         atomic_write_bytes(path, text.getvalue().encode())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# main: every seed's run
+# ---------------------------------------------------------------------------------------------------------
 
 
 def main(args: Args, sources: dict) -> int:

@@ -82,11 +82,10 @@ def measure(quick: bool) -> dict:
         obs = env.reset() if done else next_obs
     env.close()
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
-    amp = mu.amp(args.amp, "cpu")
 
-    def learner_step():
+    def learner_step():  # --amp resolves to off on the CPU: training's update is Part 1's `update` itself
         batch = dqn.batch_to_device(rb.sample(args.batch_size, rng, args.n_step), "cpu")
-        dqn.update(q_network, target_network, optimizer, amp, batch, args)
+        dqn.update(q_network, target_network, optimizer, batch, args)
 
     timing = bench_utils.time_ms(learner_step, reps=20 if quick else 200, warmup=3)
     out["dqn_update_ms"] = timing["median_ms"]

@@ -351,7 +351,7 @@ def test_out_of_memory_while_acting_copying_or_testing_is_handled_like_an_update
     log = (run / "train.log").read_text()
     # where: the innermost frame in the script (here the call site, as the stand-in lives in this file)
     caller = (
-        "evaluate" if site == "run_test_episodes" else "play_episode"
+        "evaluate" if site == "run_test_episodes" else "train_one_seed"
     )  # the periodic test: its own function
     assert "out of memory at step" in log and f"(in {caller}, line" in log
     assert not (tmp_path / "results" / "results.csv").exists()

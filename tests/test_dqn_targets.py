@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import dqn_starcraft_split as dqn
-import memory_utils as mu
 
 # the schedules are stepped here without optimizer steps
 pytestmark = pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
@@ -53,9 +52,7 @@ def target_of(online, target, mask, rewards=None, dones=None, gamma=1.0, double=
         "rewards": torch.zeros(2, 1) if rewards is None else torch.tensor(rewards),
         "dones": torch.zeros(2, 1) if dones is None else torch.tensor(dones),
     }
-    return dqn.td_target(
-        online, target, batch, dqn.Args(gamma=gamma, use_double_dqn=double), mu.amp("off", "cpu")
-    )
+    return dqn.td_target(online, target, batch, dqn.Args(gamma=gamma, use_double_dqn=double))
 
 
 def test_double_dqn_online_selects_target_evaluates_both_heads():
@@ -146,7 +143,7 @@ def test_td_loss_takes_each_transition_from_the_head_its_action_came_from():
         "rewards": torch.tensor([[1.0], [0.0]]),
         "dones": torch.tensor([[0.0], [0.0]]),
     }
-    loss, q_taken = dqn.td_loss(online, target, batch, dqn.Args(gamma=0.5), mu.amp("off", "cpu"))
+    loss, q_taken = dqn.td_loss(online, target, batch, dqn.Args(gamma=0.5))
     assert q_taken.tolist() == [5.0, 4.0]
     targets = [1.0 + 0.5 * 3.0, 0.0 + 0.5 * 6.0]  # V(s') as in the double-DQN example above
     errors = [5.0 - targets[0], 4.0 - targets[1]]  # 2.5 and 1.0: Huber = |e| - 0.5 for |e| >= 1
@@ -232,7 +229,7 @@ def test_select_own_only_keeps_select_point_off_pixels_without_our_units():
 
     def value(select_own_only):
         args = dqn.Args(gamma=1.0, select_own_only=select_own_only)
-        return dqn.td_target(online, target, batch, args, mu.amp("off", "cpu")).tolist()
+        return dqn.td_target(online, target, batch, args).tolist()
 
     assert value(False) == [50.0, 60.0]  # select_point on the shard pixel, which would deselect everything
     # s0: Move's point 1 -> 3, select_point only on pixel 0 -> 4; s1: Move -> 2, and no select_point at all
@@ -283,7 +280,7 @@ def seeded_training(map_name: str, updates: int = 4) -> list[tuple[float, float,
     losses = []
     for _ in range(updates):
         batch = dqn.batch_to_device(rb.sample(8, rng, 3), "cpu")
-        metrics = dqn.update(q, target, optimizer, mu.amp("off", "cpu"), batch, args)
+        metrics = dqn.update(q, target, optimizer, batch, args)
         losses.append(
             tuple(metrics[key].item() for key in ("losses/td_loss", "losses/q_values", "losses/grad_norm"))
         )
