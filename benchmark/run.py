@@ -235,10 +235,10 @@ def measure_gpu_only(args: Args, work: Path) -> dict:
 
 
 def run_pong(args: Args, progress=None) -> dict:
-    """Run (or continue) the Atari100k Pong run for --pong-minutes (see gpu_stages.run_pong)."""
-    from benchmark.gpu import gpu_stages
+    """Run (or continue) the Atari100k Pong run for --pong-minutes (see pong_run.run_pong)."""
+    from benchmark import pong_run
 
-    return gpu_stages.run_pong(args, progress=progress)
+    return pong_run.run_pong(args, progress=progress)
 
 
 def measure_peer(args: Args, work: Path) -> dict:
@@ -799,8 +799,6 @@ def main(args: Args) -> dict:
         fail(f"--threads must be at least 1, got {args.threads}.")
     if args.json is not None and not Path(args.json).resolve().parent.is_dir():
         fail(f"--json {args.json!r}: its folder does not exist.")
-    if args.stage and not args.gpu_only:
-        fail("--stage picks stages of --gpu-only: add --gpu-only.")
     if args.gpu_only:
         return main_gpu_only(args)
     if args.matched_only:
@@ -892,11 +890,6 @@ def main_matched_only(args: Args) -> dict:
 
 
 def main_gpu_only(args: Args) -> dict:
-
-    if args.stage:
-        from benchmark.gpu import gpu_stages
-
-        return gpu_stages.main_staged(args)
     check_gpu_only_device(args)
     if args.pong_minutes < 0:
         fail(f"--pong-minutes must be 0 or more, got {args.pong_minutes}.")

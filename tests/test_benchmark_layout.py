@@ -1,19 +1,20 @@
-"""benchmark/'s imports, read from the source with `ast`: no import cycle among its modules, and no module imports
-the command line (run.py). Imports inside functions count: they close a cycle as surely when they run."""
+"""The imports of benchmark/ and dev/, read from the source with `ast`: no import cycle among their modules, and no
+module imports the command line (benchmark/run.py). Imports inside functions count: they close a cycle as surely when they run."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARK = ROOT / "benchmark"
+DEV = ROOT / "dev"
 ENTRY_POINT = "benchmark.run"
 
 
 def module_names() -> dict[str, Path]:
-    """Every module of the benchmark package by its dotted name (`benchmark.gpu.gpu_stages`; a package by its
+    """Every module of the benchmark and dev packages by its dotted name (`dev.gpu.gpu_stages`; a package by its
     folder's name), leaving out folders that hold no code of its own (results, the peer's venv, work files)."""
     names = {}
-    for path in sorted(BENCHMARK.rglob("*.py")):
+    for path in sorted([*BENCHMARK.rglob("*.py"), *DEV.rglob("*.py")]):
         parts = path.relative_to(ROOT).with_suffix("").parts
         if any(part.startswith(".") or part == "results" for part in parts):
             continue
@@ -79,8 +80,8 @@ def test_the_graph_sees_the_imports_it_must_see():
     # the reader itself: a module-level import, a lazy one inside a function, and `from package import module`
     graph = import_graph()
     assert "benchmark.common" in graph["benchmark.run"]
-    assert "benchmark.gpu.gpu_stages" in graph["benchmark.run"]  # imported inside main_gpu_only
-    assert "benchmark.gpu.gpu_stages" in graph["benchmark.gpu.gpu_lease_note"]
+    assert "benchmark.pong_run" in graph["benchmark.run"]  # imported inside run_pong
+    assert "dev.gpu.gpu_stages" in graph["dev.gpu.gpu_lease_note"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
