@@ -35,7 +35,7 @@ TARGET_PONG_WALL_MIN = 25.0  # minutes of training for those 100k env steps on o
 @dataclasses.dataclass
 class Args:
     quick: bool = False
-    """smaller stated sizes, under a minute; skips the peer, the speed trials and the results files"""
+    """smaller stated sizes, a few minutes at most; skips the peer, the speed trials and the results files"""
     json: str | None = None
     """also write every figure to this JSON file"""
     peer: Literal["sheeprl"] | None = None

@@ -1,10 +1,14 @@
 """Memory and speed of our training scripts, side by side with SheepRL, on this machine.
 
     python benchmark/run.py                      # full run: writes benchmark/results/<date>-<machine>.{md,json}
-    python benchmark/run.py --quick              # under a minute, smaller stated sizes, no peer, no results files
+    python benchmark/run.py --quick              # a couple of minutes, smaller stated sizes, no peer, no results files
     python benchmark/run.py --peer sheeprl       # also SheepRL, in its own virtual environment (created on demand)
+    python benchmark/run.py --peer sheeprl --matched-only   # only the side-by-side update times, minutes not an hour
     python benchmark/run.py --quick --json out.json
     python benchmark/run.py --gpu-only           # CUDA: the GPU figures and the forensics check alone
+
+How long each takes, and where a full run's time goes (each stage's seconds are in its results file, `stage_s`):
+benchmark/README.md, "How long a run takes".
 
 Prints a markdown table; `--json PATH` writes every figure as one JSON object. Each figure is measured here,
 by the code under benchmark/, never typed in: see benchmark/README.md for what each one means and how. The
