@@ -1,9 +1,8 @@
-"""What run.py and the modules it runs share: its options, the targets, the GPU stages' recipes and
-update variants, the tiny model, and the output helpers (messages, numbers, results file names, the GPU
-section's markdown).
+"""What run.py and the modules it runs share: its options, the targets, the Pong run's recipe, the tiny model, and
+the output helpers (messages, numbers, results file names, the GPU section's markdown).
 
-run.py is the command line. The GPU stages and the GPU report (benchmark/gpu/) and ours_dreamer.py read these
-from here, so that no module imports the command line. Importing this module runs nothing.
+run.py is the command line. ours_dreamer.py, pong_run.py and the GPU-lease tools of dev/gpu/ read these from here,
+so that no module imports the command line. Importing this module runs nothing.
 """
 
 from __future__ import annotations
@@ -30,14 +29,13 @@ TARGET_GPU_PEAK_MB = 2_048  # the seed config with AMP fits a 6 GB laptop card w
 TARGET_GPU_SLOPE_MB_PER_10K = 1.0
 TARGET_PONG_RETURN = 18.0  # Atari100k Pong: mean return of the last 10 episodes at 100k env steps
 TARGET_PONG_WALL_MIN = 25.0  # minutes of training for those 100k env steps on one H100
-TARGET_UPDATE_MS = 10.0  # one update at the seed config on that GPU
 
 
-# run.py's options, read by the GPU stages too; `run.py --help` shows each field's docstring
+# run.py's options, read by pong_run.py and by the GPU stages of dev/gpu/ (which add their own); `run.py --help` shows each field's docstring
 @dataclasses.dataclass
 class Args:
     quick: bool = False
-    """smaller stated sizes, under a minute; skips the peer, the speed trials and the results files"""
+    """smaller stated sizes, a few minutes at most; skips the peer, the speed trials and the results files"""
     json: str | None = None
     """also write every figure to this JSON file"""
     peer: Literal["sheeprl"] | None = None
@@ -60,24 +58,12 @@ class Args:
     matched_only: bool = False
     """with --peer sheeprl: only the matched-size comparison (SheepRL's DreamerV3 at our model's size against
     ours at 64 and 84 pixels, taking turns update by update), written to <date>-<machine>-matched.md and .json"""
-    stage: tuple[Literal["update", "pong"], ...] = ()
-    """--gpu-only: only these stages, in this order, into one results file rewritten as each step ends. `update`:
-    the update variants (UPDATE_VARIANTS) at B16 x T64; `pong`: the Atari100k Pong run (PONG_RECIPE), its curve
-    every --pong-curve-every env steps, then its final agent evaluated. Unset: the full GPU suite"""
-    update_minutes: float = 4.0
-    """--stage update: its time cap; variants not reached by then are reported as not measured"""
-    update_variants: tuple[str, ...] = ()
-    """--stage update: only these variants (`training`, then names of UPDATE_VARIANTS); unset: all of them. With
-    `training` (the default's update: captured, TF32) and `tf32+compile+cudagraph` (the same with --compile) the
-    faster of the two, as measured, runs the Pong stage that follows"""
-    budget_minutes: float | None = None
-    """--stage: this whole invocation ends within this many minutes (the Pong run's training is cut short so that
-    its evaluation and the results fit in); unset: only the stages' own caps"""
     pong_resumable: bool = True
     """checkpoints every 5k env steps hold the replay, so a later invocation continues the run; --no-pong-resumable
     (a machine whose disk goes back): one weights-only checkpoint at the end, for the evaluation"""
     pong_curve_every: int = 5000
-    """--stage pong: write the curve (results JSON, markdown, PNG) every this many env steps (--quick: 100)"""
+    """the Pong run: read its curve (and, in dev/gpu's stages, write the results) every this many env steps
+    (--quick: 100)"""
     pong_eval_episodes: int = 10
     """episodes the final agent plays after the Pong run, all at once in as many envs (0 = no evaluation)"""
     pong_eval_minutes: float = 1.5
@@ -97,27 +83,27 @@ def log(message: str) -> None:
     print(f"[benchmark] {message}", file=sys.stderr, flush=True)
 
 
-def check_gpu_only_device(args: Args) -> None:
-    """--gpu-only's checks of --peer and --device, staged or not: one sentence and exit status 2."""
+def check_gpu_only_device(args: Args, who: str = "--gpu-only") -> None:
+    """The checks of --peer and --device of `who` (run.py --gpu-only, or dev/gpu's stages): one sentence and exit
+    status 2."""
     import torch
 
     if args.peer is not None:
-        fail("--gpu-only measures our GPU figures alone; drop --peer.")
+        fail(f"{who} measures our GPU figures alone; drop --peer.")
     if args.device not in ("cuda", "cpu"):
         fail(f"--device must be cuda or cpu, got {args.device!r}.")
     if args.device == "cpu" and not args.quick:
-        fail("--gpu-only --device cpu checks the steps at tiny sizes: add --quick.")
+        fail(f"{who} --device cpu checks the steps at tiny sizes: add --quick.")
     if args.device == "cuda" and not torch.cuda.is_available():
         fail(
-            "--gpu-only needs a CUDA device, and torch sees none on this machine (--device cpu --quick checks the "
+            f"{who} needs a CUDA device, and torch sees none on this machine (--device cpu --quick checks the "
             "steps without one)."
         )
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The GPU stages (`--gpu-only --stage update pong`, benchmark/gpu/gpu_stages.py): one table of update
-# variants and one Pong recipe, both as dreamer_atari.Args fields. A field this version of the script lacks is
-# left out and said so.
+# The Atari100k Pong run (`--gpu-only`, pong_run.py; dev/gpu's stages too), as dreamer_atari.Args fields. A field
+# this version of the script lacks is left out and said so.
 # ---------------------------------------------------------------------------------------------------------
 ATARI100K_BATCH = {"batch_size": 16, "sequence_length": 64}  # DreamerV3's Atari100k batch
 # DreamerV3's Atari100k recipe (its 2023 code's `atari100k`): 100k env steps, train ratio 1024 at batch 16 x 64
@@ -141,23 +127,6 @@ PONG_RESUMABLE = {"checkpoint_every": 5000, "checkpoint_buffer": True}
 # what training on CUDA adds to the script's defaults (TF32 matmuls and CUDA-graph capture are already its
 # defaults on CUDA); the update stage's `training` variant uses the same dict.
 CUDA_FAST_PATH: dict = {}
-# every fast path off: each variant below changes only what it names from this
-FAST_PATHS_OFF = {"tf32": False, "amp": "off", "compile": False, "cudagraph": False}
-# the default's update, eager against --compile (both captured): the faster runs Pong (`--update-variants`)
-COMPILED_VARIANT = "tf32+compile+cudagraph"
-UPDATE_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is one more line
-    ("fp32", {}),
-    ("tf32", {"tf32": True}),
-    ("bf16", {"amp": "bf16"}),
-    ("cudagraph", {"cudagraph": True}),
-    ("bf16+cudagraph", {"amp": "bf16", "cudagraph": True}),
-    ("tf32+compile+cudagraph", {"tf32": True, "compile": True, "cudagraph": True}),
-    ("compile", {"compile": True}),
-    (
-        "tf32+cudagraph, autograd observe backward",
-        {"tf32": True, "cudagraph": True, "observe_backward": "autograd"},
-    ),
-)
 # --quick: the soak's tiny model on a few hundred steps, only to check the plumbing
 TINY_MODEL_FIELDS = {
     "encoder_channels": (4, 4, 4),
@@ -169,7 +138,6 @@ TINY_MODEL_FIELDS = {
     "stochastic_classes": 4,
     "hidden_dim": 16,
 }
-QUICK_UPDATE_MODEL = {**TINY_MODEL_FIELDS, "batch_size": 4, "sequence_length": 10}
 PONG_QUICK = {
     **TINY_MODEL_FIELDS,
     "learning_starts": 100,

@@ -41,7 +41,7 @@ from benchmark import bench_utils
 from benchmark.common import TINY_MODEL_FIELDS
 
 MB = 1024.0 * 1024.0
-# `--quick` sizes: everything smaller, stated in the output, so the whole quick run stays under a minute.
+# `--quick` sizes: everything smaller, stated in the output, so the whole quick run takes a couple of minutes.
 QUICK = {
     "fill_steps": 3_000,
     "update_batch": 4,

@@ -6,7 +6,8 @@ At every log point: env step, wall seconds of training (summed over resumed part
 env steps/s and updates/s over the last interval, peak GPU memory reserved and allocated, host RSS, and the
 world-model and actor figures that say why a run does or does not learn (reward-prediction sign accuracy, image
 loss, KL, actor entropy, imagined return, and ball F1 observed and open loop beside its chance level: does the
-world model draw the ball where it is). Every episode's return is kept too.
+world model draw the ball where it is). Every episode's return is kept too. `open_loop_strip` turns a run's
+open-loop GIF into a PNG strip of frames.
 """
 
 from __future__ import annotations
@@ -152,6 +153,27 @@ def plot(result: dict, path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+STRIP_FRAMES = (0, 4, 5, 8, 12, 20, 30, 49)  # context ends after frame 4: 5 onwards is imagined
+
+
+def open_loop_strip(gif_path: Path, png_path: Path) -> dict:
+    """Frames of an open-loop GIF side by side (each frame: 4 sequences x truth | model | error)."""
+    from PIL import Image
+
+    gif = Image.open(gif_path)
+    frames = []
+    for index in STRIP_FRAMES:
+        if index < gif.n_frames:
+            gif.seek(index)
+            frames.append(gif.convert("L"))
+    width, height = frames[0].size
+    strip = Image.new("L", (len(frames) * (width + 4), height), 255)
+    for i, frame in enumerate(frames):
+        strip.paste(frame, (i * (width + 4), 0))
+    strip.save(png_path, optimize=True)
+    return {"png": png_path.name, "frames": list(STRIP_FRAMES[: len(frames)]), "gif_frames": gif.n_frames}
 
 
 def main() -> None:

@@ -1,10 +1,14 @@
 """Memory and speed of our training scripts, side by side with SheepRL, on this machine.
 
     python benchmark/run.py                      # full run: writes benchmark/results/<date>-<machine>.{md,json}
-    python benchmark/run.py --quick              # under a minute, smaller stated sizes, no peer, no results files
+    python benchmark/run.py --quick              # a couple of minutes, smaller stated sizes, no peer, no results files
     python benchmark/run.py --peer sheeprl       # also SheepRL, in its own virtual environment (created on demand)
+    python benchmark/run.py --peer sheeprl --matched-only   # only the side-by-side update times, minutes not an hour
     python benchmark/run.py --quick --json out.json
     python benchmark/run.py --gpu-only           # CUDA: the GPU figures and the forensics check alone
+
+How long each takes, and where a full run's time goes (each stage's seconds are in its results file, `stage_s`):
+benchmark/README.md, "How long a run takes".
 
 Prints a markdown table; `--json PATH` writes every figure as one JSON object. Each figure is measured here,
 by the code under benchmark/, never typed in: see benchmark/README.md for what each one means and how. The
@@ -13,6 +17,7 @@ options (`Args`), the targets and the output helpers that the modules it runs sh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -75,8 +80,27 @@ PEER_KEYS = (
 )
 
 
-def run_json(cmd: list[str], what: str, work: Path, timeout: float, env: dict | None = None) -> dict:
-    """Run one measurement in its own process; it writes a JSON object to the path after `--out`."""
+@contextlib.contextmanager
+def timed(stage_s: dict | None, what: str):
+    """Record the seconds the block took as `stage_s[what]` (the results file's `stage_s`: where a run's time goes)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if stage_s is not None:
+            stage_s[what] = round(time.perf_counter() - start, 1)
+
+
+def run_json(
+    cmd: list[str],
+    what: str,
+    work: Path,
+    timeout: float,
+    env: dict | None = None,
+    stage_s: dict | None = None,
+) -> dict:
+    """Run one measurement in its own process; it writes a JSON object to the path after `--out`. Its seconds go
+    into `stage_s` under `what`."""
     out = work / f"{slug(what)}.json"
     log_path = work / f"{out.stem}.log"
     start = time.perf_counter()
@@ -93,7 +117,10 @@ def run_json(cmd: list[str], what: str, work: Path, timeout: float, env: dict | 
     if done.returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-25:])
         raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{tail}")
-    log(f"{what}: {time.perf_counter() - start:.0f} s")
+    took = time.perf_counter() - start
+    if stage_s is not None:
+        stage_s[what] = round(took, 1)
+    log(f"{what}: {took:.0f} s")
     return json.loads(out.read_text())
 
 
@@ -109,6 +136,7 @@ def measure(args: Args, work: Path) -> dict:
     quick = ["--quick"] if args.quick else []
     threads = ["--threads", str(args.threads)]
     started = time.time()
+    stage_s: dict[str, float] = {}  # seconds per stage, in the order they ran
     result: dict = {"quick": args.quick, "threads": args.threads, "load_average_start": os.getloadavg()}
 
     ours = run_json(
@@ -116,6 +144,7 @@ def measure(args: Args, work: Path) -> dict:
         "ours: replay, sampling, update",
         work,
         timeout=1800,
+        stage_s=stage_s,
     )
     result["machine"] = ours.pop("machine")
     soak_sizes = (
@@ -126,12 +155,19 @@ def measure(args: Args, work: Path) -> dict:
         "ours: soak",
         work,
         timeout=1800,
+        stage_s=stage_s,
     )
     soak.pop("machine")
     result.update(ours)
     result.update(soak)
 
-    dqn = run_json([py, str(BENCH_DIR / "ours_dqn.py"), *quick, *threads], "ours: DQN", work, timeout=900)
+    dqn = run_json(
+        [py, str(BENCH_DIR / "ours_dqn.py"), *quick, *threads],
+        "ours: DQN",
+        work,
+        timeout=900,
+        stage_s=stage_s,
+    )
     dqn.pop("machine")
     result.update(dqn)
 
@@ -145,23 +181,26 @@ def measure(args: Args, work: Path) -> dict:
             work,
             timeout=3600,
             env={"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")},
+            stage_s=stage_s,
         )
         result["speed_trials"] = trials["trials"]
         result["speed_trials_batch"] = trials["trial_batch"]
 
-    result.update(measure_gpu(args, work, forensics=not args.quick))
+    result.update(measure_gpu(args, work, forensics=not args.quick, stage_s=stage_s))
 
     if args.peer == "sheeprl" and args.quick:
         log("--quick skips the peer")
     elif args.peer == "sheeprl":
-        result.update(measure_peer(args, work))
-        result.update(measure_matched(args, work))
+        result.update(measure_peer(args, work, stage_s=stage_s))
+        with timed(stage_s, MATCHED_STAGE):
+            result.update(measure_matched(args, work))
         # ours again, right after the peer: the median over both passes brackets the peer's time window
         again = run_json(
             [py, str(BENCH_DIR / "ours_dreamer.py"), "update", *threads],
             "ours: update again",
             work,
             timeout=1800,
+            stage_s=stage_s,
         )
         result["update_samples_ms"] = result["update_samples_ms"] + again["update_samples_ms"]
         result["update_ms"] = statistics.median(result["update_samples_ms"])
@@ -169,10 +208,13 @@ def measure(args: Args, work: Path) -> dict:
 
     result["load_average_end"] = os.getloadavg()
     result["wall_s"] = time.time() - started
+    result["stage_s"] = stage_s
     return result
 
 
-def measure_gpu(args: Args, work: Path, forensics: bool = True, device: str = "cuda") -> dict:
+def measure_gpu(
+    args: Args, work: Path, forensics: bool = True, device: str = "cuda", stage_s: dict | None = None
+) -> dict:
     """The GPU figures and the forensics check where CUDA is available; elsewhere, why they are missing.
     `device="cpu"` runs the same steps on the CPU (no GPU memory figures), to check them without a GPU."""
     import torch
@@ -197,12 +239,20 @@ def measure_gpu(args: Args, work: Path, forensics: bool = True, device: str = "c
     on = ["--device", device]
     out = {
         "gpu": run_json(
-            [py, str(BENCH_DIR / "ours_dreamer.py"), "gpu", *quick, *on], "ours: GPU", work, timeout=3600
+            [py, str(BENCH_DIR / "ours_dreamer.py"), "gpu", *quick, *on],
+            "ours: GPU",
+            work,
+            timeout=3600,
+            stage_s=stage_s,
         )
     }
     if forensics:
         out["forensics"] = run_json(
-            [py, str(BENCH_DIR / "cuda_forensics.py"), *quick, *on], "ours: forensics", work, timeout=3600
+            [py, str(BENCH_DIR / "cuda_forensics.py"), *quick, *on],
+            "ours: forensics",
+            work,
+            timeout=3600,
+            stage_s=stage_s,
         )
     else:
         out["forensics"] = {
@@ -217,6 +267,7 @@ def measure_gpu_only(args: Args, work: Path) -> dict:
     from benchmark import bench_utils
 
     started = time.time()
+    stage_s: dict[str, float] = {}
     result: dict = {
         "quick": args.quick,
         "gpu_only": True,
@@ -226,25 +277,28 @@ def measure_gpu_only(args: Args, work: Path) -> dict:
     if args.device == "cuda":
         result["gpu_name"] = result["machine"]["gpu"]
     if not args.pong_only:
-        result.update(measure_gpu(args, work, device=args.device))
+        result.update(measure_gpu(args, work, device=args.device, stage_s=stage_s))
     if args.pong_minutes > 0:
-        result.update(run_pong(args))
+        with timed(stage_s, "ours: Pong run and its evaluation"):
+            result.update(run_pong(args))
     result["load_average_end"] = os.getloadavg()
     result["wall_s"] = time.time() - started
+    result["stage_s"] = stage_s
     return result
 
 
 def run_pong(args: Args, progress=None) -> dict:
-    """Run (or continue) the Atari100k Pong run for --pong-minutes (see gpu_stages.run_pong)."""
-    from benchmark.gpu import gpu_stages
+    """Run (or continue) the Atari100k Pong run for --pong-minutes (see pong_run.run_pong)."""
+    from benchmark import pong_run
 
-    return gpu_stages.run_pong(args, progress=progress)
+    return pong_run.run_pong(args, progress=progress)
 
 
-def measure_peer(args: Args, work: Path) -> dict:
+def measure_peer(args: Args, work: Path, stage_s: dict | None = None) -> dict:
     from benchmark import peer_venv
 
-    versions = peer_venv.ensure(log=log)
+    with timed(stage_s, PEER_ENV_STAGE):
+        versions = peer_venv.ensure(log=log)
     py = str(peer_venv.python())
     script = str(BENCH_DIR / "peer_sheeprl.py")
     threads = ["--threads", str(args.threads)]
@@ -253,6 +307,7 @@ def measure_peer(args: Args, work: Path) -> dict:
         "peer: replay, sampling, updates (V3, V1)",
         work,
         timeout=3600,
+        stage_s=stage_s,
     )
     soak = run_json(
         [
@@ -269,6 +324,7 @@ def measure_peer(args: Args, work: Path) -> dict:
         "peer: soak",
         work,
         timeout=1800,
+        stage_s=stage_s,
     )
     v3, v1 = peer["v3"], peer.get("v1", {})
     out = {
@@ -298,6 +354,8 @@ def measure_peer(args: Args, work: Path) -> dict:
 
 
 MATCHED_ROUNDS, MATCHED_WARMUP = 11, 2
+MATCHED_STAGE = "matched size: alternating updates, peer and ours"
+PEER_ENV_STAGE = "peer: its environment (made when missing)"
 MATCHED_PARAMS_TOLERANCE = 0.10  # "matched size": parameter counts within 10 % of the peer's
 # Our contenders in the matched-size comparison: result-key suffix -> (ours_dreamer.py serve options, label).
 # SheepRL's decoder starts from a 128 x 4 x 4 map at 64 pixels; ours at 64 pixels has a 4 x 4 bottleneck, so
@@ -651,6 +709,15 @@ def targets_table(targets: dict) -> str:
     )
 
 
+def time_taken(result: dict) -> str:
+    """One sentence: the run's wall time and each stage's seconds (`stage_s`), so that a README can state what a run
+    takes from a results file."""
+    stages = "; ".join(f"{what} {fmt(seconds)}" for what, seconds in result.get("stage_s", {}).items())
+    return f"Wall time {fmt(result['wall_s'] / 60)} minutes" + (
+        f" (seconds per stage: {stages})." if stages else "."
+    )
+
+
 def results_markdown(result: dict, table: str, command: str) -> str:
     m = result["machine"]
     parts = [
@@ -661,7 +728,8 @@ def results_markdown(result: dict, table: str, command: str) -> str:
             f"{m['python']}, torch {m['torch']}; {result['threads']} torch thread(s) for every measurement, ours and "
             f"the peer's. Load average (1, 5, 15 min) at the start {fmt_load(result['load_average_start'])}, at the "
             f"end {fmt_load(result['load_average_end'])}. Medians of several repetitions after a warm-up (every "
-            "sample is in the JSON file); one run, so the ratios carry this machine's noise."
+            "sample is in the JSON file); one run, so the ratios carry this machine's noise. "
+            + time_taken(result)
         ),
         "",
         table,
@@ -754,7 +822,7 @@ def gpu_only_markdown(result: dict, table: str, command: str) -> str:
         (
             f"Command: `{command}`. Machine: {m.get('gpu')}, {m['cpu']}, {m['cpu_count']} CPU cores, "
             f"{m['platform']}, Python {m['python']}, torch {m['torch']}. The CPU figures are in the CPU results "
-            "files."
+            "files. " + time_taken(result)
         ),
         "",
         table,
@@ -799,8 +867,6 @@ def main(args: Args) -> dict:
         fail(f"--threads must be at least 1, got {args.threads}.")
     if args.json is not None and not Path(args.json).resolve().parent.is_dir():
         fail(f"--json {args.json!r}: its folder does not exist.")
-    if args.stage and not args.gpu_only:
-        fail("--stage picks stages of --gpu-only: add --gpu-only.")
     if args.gpu_only:
         return main_gpu_only(args)
     if args.matched_only:
@@ -837,19 +903,21 @@ def main_matched_only(args: Args) -> dict:
         fail("--matched-only has no --quick form (it measures the seed model's update).")
     from benchmark import peer_venv
 
-    result: dict = {
-        "threads": args.threads,
-        "load_average_start": os.getloadavg(),
-        "peer": "sheeprl",
-        "peer_versions": peer_venv.ensure(log=log),
-        "machine": bench_utils.machine(),
-    }
     started = time.time()
+    stage_s: dict[str, float] = {}
+    result: dict = {"threads": args.threads, "load_average_start": os.getloadavg(), "peer": "sheeprl"}
+    with timed(stage_s, PEER_ENV_STAGE):
+        result["peer_versions"] = peer_venv.ensure(log=log)
+    result["machine"] = bench_utils.machine()
     (BENCH_DIR / ".work").mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="run-", dir=BENCH_DIR / ".work") as work:
+    with (
+        tempfile.TemporaryDirectory(prefix="run-", dir=BENCH_DIR / ".work") as work,
+        timed(stage_s, MATCHED_STAGE),
+    ):
         result.update(measure_matched(args, Path(work)))
     result["load_average_end"] = os.getloadavg()
     result["wall_s"] = time.time() - started
+    result["stage_s"] = stage_s
     result["date"] = time.strftime("%Y-%m-%d")
     add_matched_ratios(result)
     result["targets_met"] = matched_verdicts(result)
@@ -873,7 +941,8 @@ def main_matched_only(args: Args) -> dict:
                 f"Command: `{command}`. Machine: {m['cpu']}, {m['cpu_count']} CPU cores, {m['platform']}, Python "
                 f"{m['python']}, torch {m['torch']}; {args.threads} torch thread(s) for each side. Load average (1, 5, "
                 f"15 min) at the start {fmt_load(result['load_average_start'])}, at the end "
-                f"{fmt_load(result['load_average_end'])}. Every sample is in the JSON file."
+                f"{fmt_load(result['load_average_end'])}. Every sample is in the JSON file. "
+                + time_taken(result)
             ),
             "",
             table,
@@ -892,11 +961,6 @@ def main_matched_only(args: Args) -> dict:
 
 
 def main_gpu_only(args: Args) -> dict:
-
-    if args.stage:
-        from benchmark.gpu import gpu_stages
-
-        return gpu_stages.main_staged(args)
     check_gpu_only_device(args)
     if args.pong_minutes < 0:
         fail(f"--pong-minutes must be 0 or more, got {args.pong_minutes}.")

@@ -60,6 +60,10 @@ def test_quick_writes_every_required_figure_as_a_number(quick_run):
     # the quick update is at a smaller batch shape, and says which
     assert result["update_batch"] != "B16 x T50"
     assert result["sample_batch"] == "B16 x T50"
+    # where the run's time went, stage by stage, in the order they ran (what the README's stated times come from)
+    stages = result["stage_s"]
+    assert list(stages)[:3] == ["ours: replay, sampling, update", "ours: soak", "ours: DQN"]
+    assert all(seconds > 0 for seconds in stages.values()) and sum(stages.values()) <= result["wall_s"] + 1
 
 
 @pytest.mark.slow
@@ -541,6 +545,7 @@ def test_matched_only_writes_its_own_results_file(tmp_path, monkeypatch):
     assert result["ratio_update_ms_matched"] == pytest.approx(4500 / 2800)
     assert result["ratio_update_ms_matched_84"] == pytest.approx(1.5)
     assert list(result["targets_met"].values()) == [True, True, True, True]
+    assert list(result["stage_s"]) == [bench_run.PEER_ENV_STAGE, bench_run.MATCHED_STAGE]
     (md,) = tmp_path.glob("*-matched.md")
     assert "| 1.61 |" in md.read_text() and "SheepRL DreamerV3 with `exp=dreamer_v3`" in md.read_text()
     assert json.loads(md.with_suffix(".json").read_text())["matched"]["ours_84"]["ratio_by_round"] == [

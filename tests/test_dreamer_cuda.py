@@ -1,6 +1,6 @@
 """The CUDA paths of dreamer_atari.py that a CPU cannot run: acting captured in a CUDA graph, the replay's frames on
 the GPU, updates captured, all in a whole tiny run that resumes. Skipped without CUDA; the GPU lease runs them
-(`benchmark/gpu/gpu_lease.sh finish`, with pytest among the carried wheels)."""
+(`dev/gpu/gpu_lease.sh finish`, with pytest among the carried wheels)."""
 
 import numpy as np
 import pytest

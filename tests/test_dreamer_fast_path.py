@@ -204,7 +204,7 @@ def update_ops(sequence_length: int, horizon: int) -> tuple[collections.Counter,
 # elementwise ops, so it launches fewer). Measured when set: 49 per observe step (34 forward, 15 in the hand-written
 # backward pass), 47 per imagination step, 1,155 for an update at T = 6, H = 4 (the nature model: 52, 49 and 1,191,
 # now 1,198; with autograd's backward of the observe loop: 82, 47 and 1,265, the nature model 89, 49 and 1,320; before
-# the fast paths: 101, 123 and 1,957). benchmark/gpu/update_regions.py splits these counts by region. The ceilings guard the speed
+# the fast paths: 101, 123 and 1,957). dev/gpu/update_regions.py splits these counts by region. The ceilings guard the speed
 # of an update on a GPU, which is bound by the number of kernels it launches: a change that adds operations to the
 # loops raises these figures on purpose and in this file, with the reason. 1,155 became 1,162 when every step of the
 # hand-written backward became the same function (`reverse_step`, so that --compile compiles one graph for all
@@ -218,7 +218,7 @@ IMAGINE_STEP_CEILING = 47
 UPDATE_CEILING = 1_173
 
 
-# The same for the --compile path: kernel calls of one compiled update at benchmark/gpu/update_regions.py's tiny sizes
+# The same for the --compile path: kernel calls of one compiled update at dev/gpu/update_regions.py's tiny sizes
 # (Inductor on the CPU: its generated kernels and the aten operations called from Python or a graph), 598 when set
 # (1,150 operations eager; at 4 x 64, H 15: 1,923 against 4,405, benchmark/results/update_regions/README.md). 615
 # with DreamerV3's learned initial state, which runs eagerly once per update (tanh, the prior's mode and its gradient).
@@ -257,11 +257,11 @@ def test_an_update_stays_within_its_operation_budget():
 
 
 def test_a_compiled_update_stays_within_its_kernel_budget(monkeypatch):
-    """--compile: the kernels one compiled update calls, counted by benchmark/gpu/update_regions.py (Inductor's CPU
+    """--compile: the kernels one compiled update calls, counted by dev/gpu/update_regions.py (Inductor's CPU
     kernels fuse about as its GPU ones do, so the count estimates a compiled update's CUDA kernels)."""
     import torch._inductor.config
 
-    from benchmark.gpu import update_regions
+    from dev.gpu import update_regions
 
     monkeypatch.setattr(
         torch._inductor.config.cpp, "enable_kernel_profile", False
@@ -275,7 +275,7 @@ def test_a_compiled_update_stays_within_its_kernel_budget(monkeypatch):
         f"this test guards speed: a compiled update on a GPU costs about one launch per kernel it calls, and it now "
         f"calls {count}, more than COMPILED_UPDATE_CEILING ({COMPILED_UPDATE_CEILING}) allows. If the change is meant "
         f"to cost more, set COMPILED_UPDATE_CEILING in tests/test_dreamer_fast_path.py to the measured count in the "
-        f"same commit and say why; otherwise find what stopped fusing (python benchmark/gpu/update_regions.py "
+        f"same commit and say why; otherwise find what stopped fusing (python dev/gpu/update_regions.py "
         f"--compiled lists the count per step)."
     )
 

@@ -1,8 +1,8 @@
-"""benchmark/gpu/gpu_report.py: the GPU results file assembled from the raw outputs of one GPU session."""
+"""dev/gpu/gpu_report.py: the GPU results file assembled from the raw outputs of one GPU session."""
 
 import json
 
-from benchmark.gpu import gpu_report
+from dev.gpu import gpu_report
 
 
 def session_folder(tmp_path):

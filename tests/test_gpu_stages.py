@@ -1,5 +1,5 @@
-"""`run.py --gpu-only --stage update pong` (issue 40's GPU benchmark), checked on the CPU at tiny sizes: the results
-file a GPU session commits, the curve written while the Pong run trains, the variants table, the verdicts."""
+"""`dev/gpu/gpu_stages.py --stage update pong` (issue 40's GPU benchmark), checked on the CPU at tiny sizes: the
+results file a GPU session commits, the curve written while the Pong run trains, the variants table, the verdicts."""
 
 import dataclasses
 import json
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 import dreamer_atari as da
-from benchmark import common
-from benchmark.gpu import gpu_stages, update_variants
+from benchmark import common, pong_run
+from dev.gpu import gpu_stages, update_variants
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN = ROOT / "benchmark" / "run.py"
-LEASE = ROOT / "benchmark" / "gpu" / "gpu_lease.sh"
+STAGES = ROOT / "dev" / "gpu" / "gpu_stages.py"
+LEASE = ROOT / "dev" / "gpu" / "gpu_lease.sh"
 ISSUE_KEYS = (
     "gpu_name",
     "update_ms_b16_t64",
@@ -40,8 +40,7 @@ def staged(tmp_path_factory):
     done = subprocess.run(
         [
             sys.executable,
-            str(RUN),
-            "--gpu-only",
+            str(STAGES),
             "--stage",
             "update",
             "pong",
@@ -77,9 +76,7 @@ def test_staged_run_writes_one_results_file_with_the_issue_keys_machine_command_
     for key in ISSUE_KEYS:
         assert key in written, key
     assert written["gpu_name"] is None  # no GPU: the figures are the CPU check's, said so in every target row
-    assert written["command"].startswith(
-        "python benchmark/run.py --gpu-only --stage update pong --device cpu"
-    )
+    assert written["command"].startswith("python dev/gpu/gpu_stages.py --stage update pong --device cpu")
     assert "RESULTS_DIR" in written["command"] and str(results_dir) not in json_file.read_text()
     assert written["machine"]["cpu_count"] >= 1 and written["quick"] is True
     assert all(
@@ -97,9 +94,9 @@ def test_staged_run_writes_one_results_file_with_the_issue_keys_machine_command_
 def test_every_update_variant_is_measured_or_says_why_not(staged):
     result, _, _ = staged
     variants = result["update"]["variants"]
-    assert list(variants) == ["training", *(name for name, _ in common.UPDATE_VARIANTS)]
+    assert list(variants) == ["training", *(name for name, _ in gpu_stages.UPDATE_VARIANTS)]
     fields = {f.name for f in dataclasses.fields(da.Args)}
-    for name, overrides in common.UPDATE_VARIANTS:
+    for name, overrides in gpu_stages.UPDATE_VARIANTS:
         entry = variants[name]
         if set(overrides) - fields:
             assert entry["skipped"].startswith("not available in this version"), name
@@ -170,8 +167,8 @@ def test_the_faster_of_the_default_update_and_compile_runs_pong(compiled_ms, war
     fields = gpu_stages.faster_path(result)
     assert fields == chosen
     assert result["pong_fast_path"].startswith("--compile" if chosen else "the default")
-    args = common.Args(gpu_only=True, stage=("pong",), device="cpu", quick=True)
-    assert gpu_stages.pong_fields(args, fields).get("compile", False) is bool(chosen)
+    args = gpu_stages.StageArgs(stage=("pong",), device="cpu", quick=True)
+    assert pong_run.pong_fields(args, fields).get("compile", False) is bool(chosen)
 
 
 def test_a_variant_that_names_a_field_this_version_lacks_is_skipped_and_the_rest_run():
@@ -194,7 +191,7 @@ def test_a_variant_that_names_a_field_this_version_lacks_is_skipped_and_the_rest
 
 
 def test_pong_flags_follow_the_args_types_and_leave_out_fields_this_version_lacks():
-    flags, missing = gpu_stages.args_flags(
+    flags, missing = pong_run.args_flags(
         {
             "num_envs": 1,
             "save_model": True,
@@ -265,25 +262,28 @@ def test_targets_are_judged_on_a_full_size_cuda_run_and_the_pong_ones_only_at_10
 @pytest.mark.parametrize(
     "argv, named",
     [
-        (["--stage", "update"], "--stage picks stages of --gpu-only: add --gpu-only."),
         (
-            ["--gpu-only", "--stage", "pong", "--device", "cpu", "--quick", "--pong-minutes", "0"],
+            ["--device", "cpu", "--quick"],
+            "--stage names the stages to run: update, pong, or both in that order.",
+        ),
+        (
+            ["--stage", "pong", "--device", "cpu", "--quick", "--pong-minutes", "0"],
             "--stage pong needs --pong-minutes greater than 0, got 0.0.",
         ),
         (
-            ["--gpu-only", "--stage", "update", "update", "--device", "cpu", "--quick"],
+            ["--stage", "update", "update", "--device", "cpu", "--quick"],
             "--stage names a stage twice: update update.",
         ),
         (
-            ["--gpu-only", "--stage", "update", "--device", "cpu"],
-            "--gpu-only --device cpu checks the steps at tiny sizes: add --quick.",
+            ["--stage", "update", "--device", "cpu"],
+            "gpu_stages.py --device cpu checks the steps at tiny sizes: add --quick.",
         ),
     ],
 )
 def test_bad_stage_input_is_one_sentence_with_status_2_and_nothing_written(tmp_path, argv, named):
     results_dir = tmp_path / "results"
     done = subprocess.run(
-        [sys.executable, str(RUN), *argv, "--results-dir", str(results_dir)],
+        [sys.executable, str(STAGES), *argv, "--results-dir", str(results_dir)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -300,8 +300,7 @@ def test_a_fresh_pong_run_refuses_a_pong_dir_that_already_holds_a_run(tmp_path):
     done = subprocess.run(
         [
             sys.executable,
-            str(RUN),
-            "--gpu-only",
+            str(STAGES),
             "--stage",
             "pong",
             "--device",

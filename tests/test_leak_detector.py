@@ -1,4 +1,4 @@
-"""The leak detector on the synthetic corpus (benchmark/leak_corpus.py), swept over 20 seeds: steady memory,
+"""The leak detector on the synthetic corpus (benchmark/investigations/leak_corpus.py), swept over 20 seeds: steady memory,
 level shifts and sawtooths that give memory back are not leaks; leaks are found, and fast ones fast.
 
 Shorter series than the benchmark's (150k env steps) keep this under a minute; the benchmark's results file has the
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import memory_utils as mu
-from benchmark import leak_corpus as lc
+from benchmark.investigations import leak_corpus as lc
 
 SEEDS = range(20)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmark import world_model_probe as probe
+from benchmark.investigations import world_model_probe as probe
 
 
 @pytest.fixture(scope="module")

@@ -2,19 +2,19 @@
 # One GPU lease: issue 40's benchmark stages on a bare device machine, every result written into $OUT as it is
 # measured. Run by the device tool in the repository root, with the wheels of `.whl/` carried along:
 #
-#   bash benchmark/gpu/gpu_lease.sh [MODE] [more run.py flags, e.g. --pong-args="--amp bf16"]
+#   bash dev/gpu/gpu_lease.sh [MODE] [more gpu_stages.py flags, e.g. --pong-args="--amp bf16"]
 #
 # One device command (ends within GPU_LEASE_BUDGET_S seconds, default 575, under the tool's 600 s per command):
-#   all     (default) `run.py --gpu-only --stage update pong`: the default's update eager against --compile (at
+#   all     (default) `gpu_stages.py --stage update pong`: the default's update eager against --compile (at
 #           most 2 minutes), then the Atari100k Pong run on the faster of the two with the time left (about 4.5
 #           minutes of it training), its evaluation, the results
 #   update  the update variants alone (at most 4 minutes)
 #   pong    the Pong run alone (about 6.5 minutes of it training), its evaluation, the results
 # Two device commands, the second issued as soon as the first returns (the machine stays warm 30 s), so that the
-# Pong run outlives the first command's 10 minutes (benchmark/README.md, "Two calls"):
+# Pong run outlives the first command's 10 minutes (dev/README.md, "Two calls"):
 #   start       call 1 (default budget 550 s): the default's update at 16 x 64, captured, eager against --compile
 #               (GPU_LEASE_UPDATE_VARIANTS, at most GPU_LEASE_UPDATE_MINUTES, 2: ms and kernels each), then the Pong
-#               run on the faster (about 8 minutes before its time cap), both in one `run.py --gpu-only` process started
+#               run on the faster (about 8 minutes before its time cap), both in one `gpu_stages.py` process started
 #               detached (setsid) in GPU_LEASE_DIR (/tmp/gpu-lease), so the stages never share the GPU; waits on it
 #               until its own budget is nearly spent, then copies what was measured so far into $OUT, marked "call 1,
 #               still running"
@@ -30,12 +30,12 @@
 # and every 5k env steps; the JSON holds the training log's last lines), <date>-<gpu>_pong_curve.png, up to four
 # <date>-<gpu>_open_loop_step_<N>.png (5k, 10k, 20k, 30k), lease.log.
 # The machine has Python 3.12 with PyTorch (CUDA), numpy, tensorboard, opencv, psutil, matplotlib, pillow and
-# nvidia-ml-py, and no network: gymnasium, ale-py and tyro travel as wheels (benchmark/README.md says how to build
+# nvidia-ml-py, and no network: gymnasium, ale-py and tyro travel as wheels (dev/README.md says how to build
 # `.whl/`); `.whl/fallback/` holds a newer typing_extensions, installed only where the machine's is older than
 # typeguard needs.
 #
 # GPU_LEASE_CPU_CHECK=1 GPU_LEASE_PYTHON=.venv/bin/python GPU_LEASE_BUDGET_S=240 OUT=/tmp/x \
-#     bash benchmark/gpu/gpu_lease.sh
+#     bash dev/gpu/gpu_lease.sh
 # checks the script without a GPU: no wheels installed (the environment's own packages), `--device cpu --quick`;
 # with GPU_LEASE_DIR, GPU_LEASE_SPAN_S and GPU_LEASE_PONG_MINUTES (the Pong run's own cap, default 30) the two
 # calls too (tests/test_gpu_stages.py).
@@ -125,24 +125,24 @@ default_variants="training tf32+compile+cudagraph"
 read -r -a variants <<<"${GPU_LEASE_UPDATE_VARIANTS:-$default_variants}"
 
 # ---------------------------------------------------------------------------------------------------------------
-# One call: run.py in the foreground, its files straight into $OUT
+# One call: gpu_stages.py in the foreground, its files straight into $OUT
 # ---------------------------------------------------------------------------------------------------------------
 if [ "$mode" = all ] || [ "$mode" = update ] || [ "$mode" = pong ]; then
     pong_dir=$(mktemp -d /tmp/gpu-lease-pong.XXXXXX) # a new run each time (--no-pong-resumable wants an empty folder)
-    common=(--gpu-only --results-dir "$OUT" --pong-dir "$pong_dir" --no-pong-resumable)
+    common=(--results-dir "$OUT" --pong-dir "$pong_dir" --no-pong-resumable)
     case "$mode" in
         all) stages=(--stage update pong --update-minutes 2 --update-variants "${variants[@]}" --pong-eval-minutes 1) ;;
         update) stages=(--stage update --update-minutes 4 --update-variants "${variants[@]}") ;;
         pong) stages=(--stage pong --pong-eval-minutes 1) ;;
     esac
-    # the Pong run trains until the budget leaves just its evaluation and the results (run.py --budget-minutes)
+    # the Pong run trains until the budget leaves just its evaluation and the results (--budget-minutes)
     budget=$(minutes "$(($(seconds_left) - 10))")
-    say "python benchmark/run.py ${common[*]} ${stages[*]} ${device[*]} --pong-minutes 30 --budget-minutes $budget" \
+    say "python dev/gpu/gpu_stages.py ${common[*]} ${stages[*]} ${device[*]} --pong-minutes 30 --budget-minutes $budget" \
         "${extra[*]}"
-    "$py" benchmark/run.py "${common[@]}" "${stages[@]}" "${device[@]}" --pong-minutes 30 --budget-minutes "$budget" \
+    "$py" dev/gpu/gpu_stages.py "${common[@]}" "${stages[@]}" "${device[@]}" --pong-minutes 30 --budget-minutes "$budget" \
         "${extra[@]}"
     status=$?
-    say "run.py exit $status; in \$OUT:"
+    say "gpu_stages.py exit $status; in \$OUT:"
     ls -la "$OUT"
     exit $status
 fi
@@ -174,7 +174,7 @@ collect() { # $1: this call's number
     fi
     # the JSON is replaced whole on each save, so a copy is never half a file; the markdown is written anew from it
     cp "$results" "${results%.json}"_*.png "$OUT"/ 2>/dev/null
-    if ! "$py" benchmark/gpu/gpu_lease_note.py "$OUT/$(basename "$results")" "$lease_dir" --call "$1"; then
+    if ! "$py" dev/gpu/gpu_lease_note.py "$OUT/$(basename "$results")" "$lease_dir" --call "$1"; then
         say "the calls were not written into the results: their markdown as the run left it"
         cp "${results%.json}.md" "$OUT/"
     fi
@@ -189,11 +189,12 @@ margin_s=$((poll_s + 10)) # the copy and the note
 
 if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
     rm -rf "$lease_dir"
-    mkdir -p "$lease_dir/results" "$lease_dir/code/benchmark/gpu"
+    mkdir -p "$lease_dir/results" "$lease_dir/code/benchmark" "$lease_dir/code/dev/gpu"
     # the run reads its code from its own copy: call 2's fresh working tree never changes it under the run
     cp dreamer_atari.py memory_utils.py memory_analysis.py "$lease_dir/code/"
     cp benchmark/*.py "$lease_dir/code/benchmark/"
-    cp benchmark/gpu/*.py "$lease_dir/code/benchmark/gpu/"
+    cp dev/__init__.py "$lease_dir/code/dev/"
+    cp dev/gpu/*.py "$lease_dir/code/dev/gpu/"
     span_s=${GPU_LEASE_SPAN_S:-740}
     record call_1_mode "$mode"
     record call_1_started "$started_at"
@@ -205,7 +206,7 @@ if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
         start-pong) stages=(--stage pong) ;;
     esac
     budget=$(minutes "$((span_s - ($(date +%s) - start_s)))")
-    cmd=("$py" benchmark/run.py --gpu-only --results-dir "$lease_dir/results" --pong-dir "$lease_dir/pong"
+    cmd=("$py" dev/gpu/gpu_stages.py --results-dir "$lease_dir/results" --pong-dir "$lease_dir/pong"
         --no-pong-resumable "${stages[@]}" --pong-eval-minutes 1 "${device[@]}"
         --pong-minutes "${GPU_LEASE_PONG_MINUTES:-30}" --budget-minutes "$budget" "${extra[@]}")
     say "detached, in $lease_dir/code: ${cmd[*]}"

@@ -1,15 +1,17 @@
-"""The GPU stages of `run.py --gpu-only --stage update pong`, and the Pong run that `--gpu-only` runs.
+"""The GPU stages of issue 40 for a short GPU lease (gpu_lease.sh runs them): the update variants, then the
+Atari100k Pong run, into one results file.
 
-    python benchmark/run.py --gpu-only --stage update            # the update variants at B16 x T64 (<= 4 min)
-    python benchmark/run.py --gpu-only --stage pong              # the Atari100k Pong run, its curve, its evaluation
-    python benchmark/run.py --gpu-only --stage update pong --budget-minutes 9.6
-    python benchmark/run.py --gpu-only --stage update pong --device cpu --quick   # the same steps, tiny, no GPU
+    python dev/gpu/gpu_stages.py --stage update            # the update variants at B16 x T64 (<= 4 min)
+    python dev/gpu/gpu_stages.py --stage pong              # the Atari100k Pong run, its curve, its evaluation
+    python dev/gpu/gpu_stages.py --stage update pong --budget-minutes 9.6
+    python dev/gpu/gpu_stages.py --stage update pong --device cpu --quick   # the same steps, tiny, no GPU
 
 One results file, `<results-dir>/<date>-<gpu>.json` and `.md`, rewritten whenever a step ends (each update variant,
 each --pong-curve-every env steps of the Pong run, its evaluation), so that a run stopped at any point leaves what it
 had measured; beside it the Pong curve as a PNG and the Pong run's first and last open-loop predictions as PNG
-strips. Each stage runs in its own process: `update_variants.py` (killed at --update-minutes), `dreamer_atari.py`
-(stopped with SIGTERM at --pong-minutes: it writes a checkpoint and exits 143), `pong_eval.py`.
+strips. Each stage runs in its own process: `update_variants.py` (killed at --update-minutes), then the Pong run of
+benchmark/pong_run.py (`dreamer_atari.py`, stopped with SIGTERM at --pong-minutes: it writes a checkpoint and exits
+143; then `pong_eval.py`). The options are `benchmark/run.py --gpu-only`'s and the stages' own (`StageArgs`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shlex
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,17 +26,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import tyro
 
 from benchmark.common import (
     BENCH_DIR,
-    COMPILED_VARIANT,
-    CUDA_FAST_PATH,
-    PONG_QUICK,
-    PONG_QUICK_RESUMABLE,
-    PONG_RECIPE,
-    PONG_RESUMABLE,
-    ROOT,
-    UPDATE_VARIANTS,
     Args,
     check_gpu_only_device,
     fail,
@@ -46,6 +44,53 @@ from benchmark.common import (
     log,
     new_results_stem,
     slug,
+)
+from benchmark.pong_run import PONG_TARGET_STEPS, check_pong_args, run_pong
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclasses.dataclass
+class StageArgs(Args):
+    """`run.py --gpu-only`'s options (the device, the Pong run's), less those of the full run, and the stages'."""
+
+    peer: tyro.conf.Suppress[Literal["sheeprl"] | None] = None
+    gpu_only: tyro.conf.Suppress[bool] = True
+    pong_only: tyro.conf.Suppress[bool] = False
+    matched_only: tyro.conf.Suppress[bool] = False
+    stage: tuple[Literal["update", "pong"], ...] = ()
+    """these stages, in this order, into one results file rewritten as each step ends. `update`: the update variants
+    (UPDATE_VARIANTS) at B16 x T64; `pong`: the Atari100k Pong run (PONG_RECIPE), its curve every --pong-curve-every
+    env steps, then its final agent evaluated"""
+    update_minutes: float = 4.0
+    """--stage update: its time cap; variants not reached by then are reported as not measured"""
+    update_variants: tuple[str, ...] = ()
+    """--stage update: only these variants (`training`, then names of UPDATE_VARIANTS); unset: all of them. With
+    `training` (the default's update: captured, TF32) and `tf32+compile+cudagraph` (the same with --compile) the
+    faster of the two, as measured, runs the Pong stage that follows"""
+    budget_minutes: float | None = None
+    """this whole invocation ends within this many minutes (the Pong run's training is cut short so that its
+    evaluation and the results fit in); unset: only the stages' own caps"""
+
+
+# The update variants, each as dreamer_atari.Args field overrides on top of every fast path off; a field this
+# version of the script lacks is left out and said so.
+# every fast path off: each variant below changes only what it names from this
+FAST_PATHS_OFF = {"tf32": False, "amp": "off", "compile": False, "cudagraph": False}
+# the default's update, eager against --compile (both captured): the faster runs Pong (`--update-variants`)
+COMPILED_VARIANT = "tf32+compile+cudagraph"
+UPDATE_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is one more line
+    ("fp32", {}),
+    ("tf32", {"tf32": True}),
+    ("bf16", {"amp": "bf16"}),
+    ("cudagraph", {"cudagraph": True}),
+    ("bf16+cudagraph", {"amp": "bf16", "cudagraph": True}),
+    ("tf32+compile+cudagraph", {"tf32": True, "compile": True, "cudagraph": True}),
+    ("compile", {"compile": True}),
+    (
+        "tf32+cudagraph, autograd observe backward",
+        {"tf32": True, "cudagraph": True, "observe_backward": "autograd"},
+    ),
 )
 
 # the speed issue's targets (an update in 5 ms): (figure, result key, must, moonshot, direction)
@@ -57,18 +102,15 @@ TARGETS = (
     ("Pong: 100k env steps, start-up and compile included (min)", "pong_wall_min_100k", 13.0, 10.0, "<="),
     ("Pong return after 100k env steps (final agent, evaluated)", "pong_final_return", 15.0, 18.0, ">="),
 )
-PONG_TARGET_STEPS = 100_000
 QUICK_RESULTS_DIR = BENCH_DIR / ".work" / "quick-results"  # --quick: never among the committed results
-EVAL_OVERHEAD_S = 30.0  # the evaluation's start-up and the last files
-SIGTERM_GRACE_S = 30.0  # the Pong run's checkpoint and exit after SIGTERM, before it is killed
 
 
-def check_staged_args(args: Args) -> None:
+def check_staged_args(args: StageArgs) -> None:
     """One sentence and exit status 2 for each bad combination, before anything starts."""
 
-    check_gpu_only_device(args)
-    if args.pong_only:
-        fail("--pong-only is the Pong run of the full suite; with --stage, ask for --stage pong.")
+    check_gpu_only_device(args, who="gpu_stages.py")
+    if not args.stage:
+        fail("--stage names the stages to run: update, pong, or both in that order.")
     if len(set(args.stage)) != len(args.stage):
         fail(f"--stage names a stage twice: {' '.join(args.stage)}.")
     if "update" in args.stage and not args.update_minutes > 0:
@@ -86,19 +128,6 @@ def check_staged_args(args: Args) -> None:
     check_pong_args(args)
 
 
-def check_pong_args(args: Args) -> None:
-    try:
-        shlex.split(args.pong_args)
-    except ValueError as exc:
-        fail(f"--pong-args {args.pong_args!r} cannot be split into flags ({exc}).")
-    runs = Path(args.pong_dir) / "runs"
-    if not args.pong_resumable and runs.is_dir() and any(runs.iterdir()):
-        fail(
-            f"--no-pong-resumable starts a new run, and --pong-dir {args.pong_dir!r} already holds one: give an "
-            "empty --pong-dir."
-        )
-
-
 class Results:
     """The results file of one staged run: JSON (every figure and sample) and markdown, rewritten on each save."""
 
@@ -114,7 +143,7 @@ class Results:
         self.stem.with_name(self.stem.name + ".md").write_text(staged_markdown(self.result))
 
 
-def main_staged(args: Args) -> dict:
+def main_staged(args: StageArgs) -> dict:
     from benchmark import bench_utils
 
     check_staged_args(args)
@@ -169,9 +198,9 @@ def main_staged(args: Args) -> dict:
     return result
 
 
-def command_line(args: Args) -> str:
+def command_line(args: StageArgs) -> str:
     """The command as typed, with this machine's folders replaced by their roles."""
-    text = " ".join(["python", "benchmark/run.py", *sys.argv[1:]])
+    text = " ".join(["python", "dev/gpu/gpu_stages.py", *sys.argv[1:]])
     for path, name in ((args.results_dir, "RESULTS_DIR"), (args.pong_dir, "PONG_DIR"), (args.json, "JSON")):
         if path:
             text = text.replace(str(path), name)
@@ -182,7 +211,7 @@ def command_line(args: Args) -> str:
 # (a) the update variants
 # ---------------------------------------------------------------------------------------------------------
 def run_update_stage(
-    args: Args, work: Path, result: dict, save: Callable[[], None], deadline: float | None
+    args: StageArgs, work: Path, result: dict, save: Callable[[], None], deadline: float | None
 ) -> None:
     """update_variants.py in its own process, killed at --update-minutes (or what the budget leaves); what it has
     written so far is read back every few seconds and saved."""
@@ -193,7 +222,7 @@ def run_update_stage(
     quick = ["--quick"] if args.quick else []
     cmd = [
         sys.executable,
-        str(BENCH_DIR / "gpu" / "update_variants.py"),
+        str(HERE / "update_variants.py"),
         "--out",
         str(out),
         "--device",
@@ -208,7 +237,7 @@ def run_update_stage(
     result["update_command"] = " ".join(
         [
             "python",
-            "benchmark/gpu/update_variants.py",
+            "dev/gpu/update_variants.py",
             "--device",
             args.device,
             *quick,
@@ -309,382 +338,6 @@ def faster_path(result: dict) -> dict:
         f"would take {compiled:.0f} s with --compile against {eager:.0f} s without"
     )
     return {"compile": True} if faster else {}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# (b) the Atari100k Pong run
-# ---------------------------------------------------------------------------------------------------------
-def args_flags(fields: dict) -> tuple[list[str], list[str]]:
-    """dreamer_atari.py flags for these Args fields, and the fields this version of the script lacks (left out)."""
-    import dreamer_atari as da
-
-    known = {field.name for field in dataclasses.fields(da.Args)}
-    flags, missing = [], []
-    for name, value in fields.items():
-        if name not in known:
-            missing.append(name)
-            continue
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + name.replace("_", "-"))
-        elif isinstance(value, (tuple, list)):
-            flags += [flag, *(str(v) for v in value)]
-        else:
-            flags += [flag, str(value)]
-    return flags, missing
-
-
-def pong_fields(args: Args, fast_path: dict | None = None) -> dict:
-    """The Pong run's Args fields: the recipe, resumable checkpoints or not, --quick's tiny sizes, the device's, and
-    the update stage's faster path (`faster_path`)."""
-    on_cuda = args.device == "cuda"
-    fields = {**PONG_RECIPE, **(PONG_RESUMABLE if args.pong_resumable else {})}
-    if args.quick:
-        fields.update({**PONG_QUICK, **(PONG_QUICK_RESUMABLE if args.pong_resumable else {})})
-    fields.update(CUDA_FAST_PATH if on_cuda else {"cuda": False})
-    return {**fields, **(fast_path or {})}
-
-
-def read_curve(run_dir: Path | None) -> tuple[dict, dict] | None:
-    """The run's curve and its scalars so far (None before its first log point, or when the file is mid-write)."""
-    from benchmark import pong_curve
-
-    if run_dir is None or not run_dir.is_dir():
-        return None
-    try:
-        scalars = pong_curve.read_events(str(run_dir))
-        if not scalars.get("charts/SPS"):
-            return None
-        return pong_curve.curve(scalars), scalars
-    except Exception:  # noqa: BLE001 - a file being written: read it again at the next poll
-        return None
-
-
-def pong_figures(curve: dict, scalars: dict, learning_starts: int, launched: float, resumed: bool) -> dict:
-    """The curve's figures: each log point, the steady training rate, memory peaks, start-up time."""
-    from benchmark import pong_curve
-
-    points = curve["points"]
-    last = points[-1]
-    training = [p for p in points if p["env_step"] > learning_starts]
-    rate = None
-    if len(training) >= 2 and training[-1]["wall_s"] > training[0]["wall_s"]:
-        # from the first log point after updates began (the interval with compiling and capture is left out)
-        rate = (training[-1]["env_step"] - training[0]["env_step"]) / (
-            training[-1]["wall_s"] - training[0]["wall_s"]
-        )
-
-    def peak(key: str) -> float | None:
-        values = [p[key] for p in points if p.get(key) is not None]
-        return max(values) if values else None
-
-    # start-up of this invocation: launch to its first log point, less the loop's own time until then
-    this_part = [(step, wall) for step, wall, _ in scalars["charts/SPS"] if wall >= launched]
-    startup_s = None
-    if this_part and not resumed:
-        first = next(p for p in points if p["env_step"] == this_part[0][0])
-        startup_s = this_part[0][1] - launched - first["wall_s"]
-    keys = (
-        "env_step",
-        "wall_s",
-        "updates",
-        "mean_return_last10",
-        "ball_f1_observed",
-        "ball_f1_open_loop_5",
-        "ball_f1_open_loop_10",
-        "ball_f1_chance_open_loop_5",
-        "image_loss_per_frame",
-        "kl_nats",
-        "actor_entropy",
-        "episodes",
-        "env_steps_per_s",
-        "updates_per_s",
-        "peak_gpu_reserved_mb",
-        "gpu_alloc_mb",
-        "host_rss_mb",
-    )
-    dreamerv3 = pong_curve.reference()
-    figures = {
-        # the curves drawn beside ours on the plot: DreamerV3's own runs, from the score file this names
-        "pong_reference": dreamerv3["source"] if dreamerv3 else None,
-        "pong_curve": [{key: p.get(key) for key in keys} for p in points],
-        "pong_points": points,
-        "pong_episode_returns": curve["episode_returns"],
-        "pong_env_steps": last["env_step"],
-        "pong_updates": last["updates"],
-        "pong_wall_s": last["wall_s"],
-        "pong_train_return_last_10": last["mean_return_last10"],
-        "pong_env_steps_per_s": rate,
-        "pong_startup_s": startup_s,
-        "pong_peak_gpu_reserved_mb": peak("peak_gpu_reserved_mb"),
-        "pong_peak_gpu_alloc_mb": peak("peak_gpu_alloc_mb"),
-        "pong_peak_host_rss_mb": peak("host_rss_mb"),
-    }
-    reached = [p for p in points if p["env_step"] >= PONG_TARGET_STEPS]
-    if reached and startup_s is not None:
-        figures["pong_wall_min_100k"] = (reached[0]["wall_s"] + startup_s) / 60
-        figures["pong_wall_min_100k_how"] = "measured: start-up, compile and training to 100k env steps"
-    elif rate and startup_s is not None:
-        figures["pong_wall_min_100k"] = (
-            startup_s + last["wall_s"] + (PONG_TARGET_STEPS - last["env_step"]) / rate
-        ) / 60
-        figures["pong_wall_min_100k_how"] = (
-            f"projected: start-up and {last['env_step']:,} env steps as measured, the rest at the steady rate"
-        )
-    return figures
-
-
-def gpu_utilization_reader() -> Callable[[], float | None] | None:
-    """GPU 0's utilisation in percent, read through NVML (no CUDA context in this process); None without NVML."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-    except Exception:  # noqa: BLE001 - a missing figure, not a failed run
-        return None
-
-    def read() -> float | None:
-        try:
-            return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-        except Exception:  # noqa: BLE001
-            return None
-
-    return read
-
-
-def events_size(run_dir: Path | None) -> int:
-    """Bytes of the run's TensorBoard files: the curve is read again only when they grew."""
-    if run_dir is None or not run_dir.is_dir():
-        return 0
-    return sum(p.stat().st_size for p in run_dir.glob("events.out.tfevents.*"))
-
-
-def newest_run_dir(pong_dir: Path) -> Path | None:
-    runs = [p for p in (pong_dir / "runs").iterdir() if p.is_dir()] if (pong_dir / "runs").is_dir() else []
-    return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
-
-
-def run_pong(
-    args: Args,
-    progress: Callable[[dict], None] | None = None,
-    deadline: float | None = None,
-    images_to: Path | None = None,
-    fast_path: dict | None = None,
-) -> dict:
-    """Run (or continue) the Atari100k Pong run for --pong-minutes (less where the budget leaves less), then stop
-    it with SIGTERM, which makes the script write a checkpoint and exit 143. Every --pong-curve-every env steps its
-    curve so far goes to `progress`; at the end its final agent is evaluated (pong_eval.py)."""
-    import dreamer_atari as da
-
-    pong_dir = Path(args.pong_dir).resolve()
-    (pong_dir / "runs").mkdir(parents=True, exist_ok=True)
-    checkpoints = sorted(pong_dir.glob("runs/*/checkpoint.pt"), key=lambda p: p.stat().st_mtime)
-    resume = checkpoints[-1] if (checkpoints and args.pong_resumable) else None
-    fields = pong_fields(args, fast_path)
-    flags, missing = args_flags(fields)
-    cmd = [sys.executable, str(ROOT / "dreamer_atari.py"), *flags, *shlex.split(args.pong_args)]
-    if resume is not None:
-        cmd += ["--resume", str(resume)]
-    cap_s = args.pong_minutes * 60
-    reserve_s = (
-        (args.pong_eval_minutes * 60 if args.pong_eval_episodes else 0.0) + EVAL_OVERHEAD_S + SIGTERM_GRACE_S
-    )
-    if deadline is not None:
-        cap_s = min(cap_s, deadline - time.time() - reserve_s)
-    shown = " ".join(["python", "dreamer_atari.py", *cmd[2:]]).replace(str(pong_dir), "PONG_DIR")
-    out: dict = {
-        "pong_command": shown,
-        "pong_config": {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()},
-        "pong_fields_not_in_this_version": missing,
-        "pong_extra_args": args.pong_args,
-        "pong_resumed": resume is not None,
-        "pong_cap_s": cap_s,
-    }
-    if cap_s < 30:
-        out["pong_skipped"] = f"not run: {cap_s:.0f} s were left for it in --budget-minutes"
-        log(out["pong_skipped"])
-        return out
-    learning_starts = fields.get("learning_starts", da.Args().learning_starts)
-    every = 100 if args.quick else args.pong_curve_every  # --quick: each log point of its tiny run
-    log_path = pong_dir / "train.log"
-    cache = tempfile.mkdtemp(prefix="inductor-", dir=pong_dir)  # compiling counts in the run's start-up time
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "TORCHINDUCTOR_CACHE_DIR": cache}
-    if args.device == "cpu":
-        # --threads, as every CPU measurement here (more threads only contend on a busy machine)
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    writes: list[dict] = []
-    out["pong_curve_writes"] = writes
-    next_write = every
-    launched = time.time()
-    run_dir = resume.parent if resume is not None else None
-    stopped_at, seen_size = None, 0
-    utilization = gpu_utilization_reader() if args.device == "cuda" else None
-    busy: list[list[float]] = []  # [seconds since launch, GPU utilisation %] at each poll
-    if utilization is not None:
-        out["pong_gpu_utilization"] = {"source": "NVML, every poll of the run (5 s)", "samples": busy}
-
-    def write_curve(read: tuple[dict, dict] | None, running: bool) -> None:
-        if read is None:
-            return
-        out.update(pong_figures(*read, learning_starts, launched, resume is not None))
-        out["pong_log_tail"] = log_path.read_text(errors="replace").splitlines()[-40:]
-        writes.append(
-            {
-                "env_step": out["pong_env_steps"],
-                "training_running": running,
-                "s_since_launch": round(time.time() - launched, 1),
-            }
-        )
-        if images_to is not None:
-            plot_curve(read[0], images_to, out["pong_env_steps"])
-        if progress is not None:
-            progress(out)
-
-    with open(log_path, "a") as log_file:
-        process = subprocess.Popen(cmd, cwd=pong_dir, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-        while True:
-            try:
-                returncode = process.wait(timeout=1.0 if args.quick else 5.0)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            now = time.time()
-            if utilization is not None:
-                busy.append([round(now - launched, 1), utilization()])
-            if stopped_at is None and now - launched >= cap_s:
-                process.send_signal(signal.SIGTERM)  # the script checkpoints and exits 128 + 15
-                stopped_at = now
-            elif stopped_at is not None and now - stopped_at > SIGTERM_GRACE_S:
-                process.kill()  # it did not reach its checkpoint in time
-            if run_dir is None:
-                newest = newest_run_dir(pong_dir)
-                run_dir = newest if newest is not None and newest.stat().st_mtime >= launched - 1 else None
-            size = events_size(run_dir)
-            if stopped_at is not None or size == seen_size:
-                continue
-            seen_size = size
-            read = read_curve(run_dir)
-            if read is not None and read[0]["points"][-1]["env_step"] >= next_write:
-                step = read[0]["points"][-1]["env_step"]
-                next_write = (step // every + 1) * every
-                write_curve(read, running=process.poll() is None)
-    out["pong_process_wall_s"] = time.time() - launched
-    out["pong_returncode"] = returncode
-    log(f"pong: {out['pong_process_wall_s']:.0f} s, exit {returncode}")
-    out["pong_log_tail"] = log_path.read_text(errors="replace").splitlines()[-40:]
-    shutil.rmtree(cache, ignore_errors=True)
-    run_dir = run_dir or newest_run_dir(pong_dir)
-    # SIGTERM before the script installed its handler: stopped, no checkpoint
-    stopped_early = stopped_at is not None and returncode == -signal.SIGTERM
-    if returncode not in (0, 128 + signal.SIGTERM) and not stopped_early:
-        out["pong_error"] = f"the Pong run failed (exit {returncode})"
-        if progress is None:
-            raise RuntimeError(f"{out['pong_error']}:\n" + "\n".join(out["pong_log_tail"][-25:]))
-    write_curve(read_curve(run_dir), running=False)
-    if images_to is not None and run_dir is not None:
-        out["pong_open_loop_images"] = open_loop_images(run_dir, images_to)
-    if args.pong_eval_episodes and run_dir is not None:
-        out.update(evaluate(args, run_dir / "checkpoint.pt", pong_dir))
-    out.setdefault("pong_final_return", None)
-    if progress is not None:
-        progress(out)
-    return out
-
-
-def evaluate(args: Args, checkpoint: Path, pong_dir: Path) -> dict:
-    """pong_eval.py on the final checkpoint: --pong-eval-episodes episodes at once, the script's own Player."""
-    if not checkpoint.is_file():
-        return {"pong_final_return": None, "pong_eval": {"skipped": "no checkpoint was written"}}
-    out = pong_dir / "eval.json"
-    out.unlink(missing_ok=True)  # an earlier invocation's evaluation is never read as this one's
-    quick = ["--max-episode-steps", "100", "--vector-mode", "sync"] if args.quick else []
-    cmd = [
-        sys.executable,
-        str(BENCH_DIR / "pong_eval.py"),
-        str(checkpoint),
-        "--out",
-        str(out),
-        "--episodes",
-        str(args.pong_eval_episodes),
-        "--device",
-        args.device,
-        "--minutes",
-        str(args.pong_eval_minutes),
-        *quick,
-    ]
-    started = time.time()
-    try:
-        done = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            check=False,
-            timeout=args.pong_eval_minutes * 60 + EVAL_OVERHEAD_S,
-        )
-    except subprocess.TimeoutExpired:
-        return {"pong_final_return": None, "pong_eval": {"skipped": "the evaluation outran its time cap"}}
-    if done.returncode != 0 or not out.exists():
-        tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
-        return {
-            "pong_final_return": None,
-            "pong_eval": {"skipped": f"exit {done.returncode}", "output_tail": tail},
-        }
-    evaluation = json.loads(out.read_text())
-    evaluation["command"] = " ".join(["python", "benchmark/pong_eval.py", "CHECKPOINT", *cmd[3:]]).replace(
-        str(out), "EVAL_JSON"
-    )
-    evaluation["process_wall_s"] = time.time() - started
-    log(
-        f"evaluation: {evaluation['finished']}/{evaluation['asked']} episodes, mean return "
-        f"{fmt(evaluation['mean_return'])}"
-    )
-    return {
-        "pong_final_return": evaluation["mean_return"],
-        "pong_eval_returns": evaluation["returns"],
-        "pong_eval": evaluation,
-    }
-
-
-def plot_curve(curve: dict, stem: Path, env_steps: int) -> None:
-    from benchmark import pong_curve
-
-    try:
-        pong_curve.plot(
-            curve,
-            str(stem.with_name(stem.name + "_pong_curve.png")),
-            f"ALE/Pong-v5, Atari100k recipe, {env_steps:,} env steps",
-        )
-    except Exception as exc:  # noqa: BLE001 - a figure that fails to draw never stops the run
-        log(f"the curve PNG was not drawn ({type(exc).__name__}: {exc})")
-
-
-# env steps whose open-loop predictions are kept as pictures beside the results: where Pong is decided (DreamerV3's
-# runs are at -21 to -20 at 10k and pass -15 between 15k and 30k); four, so that a lease's files stay within 8
-OPEN_LOOP_PICTURE_STEPS = (5_000, 10_000, 20_000, 30_000)
-
-
-def open_loop_images(run_dir: Path, stem: Path) -> list[dict]:
-    """The run's open-loop GIFs at OPEN_LOOP_PICTURE_STEPS as PNG strips beside the results
-    (gpu_report.open_loop_strip); the last GIF in place of any of those steps the run did not reach, and the first
-    and last where it wrote none at them (--quick)."""
-    from benchmark.gpu.gpu_report import open_loop_strip
-
-    gifs = sorted((run_dir / "open_loop").glob("step_*.gif"), key=lambda p: int(p.stem.split("_")[1]))
-    by_step = {int(gif.stem.split("_")[1]): gif for gif in gifs}
-    chosen = [by_step[step] for step in OPEN_LOOP_PICTURE_STEPS if step in by_step]
-    if len(chosen) < len(OPEN_LOOP_PICTURE_STEPS) and gifs:
-        chosen.append(gifs[-1])
-    if not chosen:
-        chosen = [*gifs[:1], *gifs[-1:]]
-    strips = []
-    for gif in dict.fromkeys(chosen[: len(OPEN_LOOP_PICTURE_STEPS)]):
-        try:
-            strips.append(open_loop_strip(gif, stem.with_name(f"{stem.name}_open_loop_{gif.stem}.png")))
-        except Exception as exc:  # noqa: BLE001 - an image that fails never stops the run
-            log(f"open-loop image {gif.name} not written ({type(exc).__name__}: {exc})")
-    return strips
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -926,7 +579,7 @@ def staged_markdown(result: dict) -> str:
 
 
 def lease_markdown(result: dict) -> list[str]:
-    """The device calls a run spanned (`gpu_lease.sh start` and `finish`, benchmark/gpu/gpu_lease_note.py)."""
+    """The device calls a run spanned (`gpu_lease.sh start` and `finish`, dev/gpu/gpu_lease_note.py)."""
     lease = result.get("lease")
     if not lease:
         return []
@@ -947,3 +600,7 @@ def lease_markdown(result: dict) -> list[str]:
         else f" and had run {fmt(run['wall_s_so_far'])} s."
     )
     return [f"## Device calls: {lease['device_calls']}", "", lease["summary"], "", times, ""]
+
+
+if __name__ == "__main__":
+    main_staged(tyro.cli(StageArgs))

@@ -1,7 +1,7 @@
 """World-model probe: does a model learn to draw Pong's ball? The world model alone, trained on a fixed Pong dataset.
 
-    python benchmark/world_model_probe.py --json benchmark/results/world_model_probe/cpu.json --minutes 30
-    python benchmark/world_model_probe.py --json probe.json --device cuda --batch-size 16 --sequence-length 64 --minutes 3
+    python benchmark/investigations/world_model_probe.py --json benchmark/results/world_model_probe/cpu.json --minutes 30
+    python benchmark/investigations/world_model_probe.py --json probe.json --device cuda --batch-size 16 --sequence-length 64 --minutes 3
 
 1. A Pong dataset is collected once (cached in --cache-dir): a policy that follows the ball with its paddle (from
    the emulator's RAM) and acts at random a quarter of the time, so that rallies last and the ball is in play in
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import tyro
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 import dreamer_atari as da
@@ -368,7 +368,7 @@ def summary_markdown(results: dict[str, dict]) -> str:
     lines = [
         "# World-model probe: does the world model learn to draw Pong's ball?",
         "",
-        "Each results file is one `benchmark/world_model_probe.py` run (its command, machine, dataset and every point "
+        "Each results file is one `benchmark/investigations/world_model_probe.py` run (its command, machine, dataset and every point "
         "of every curve are in the JSON; the PNG beside it draws the curves). The world model alone trains on a fixed "
         "Pong dataset; ball F1 says how well it draws the ball on held-out sequences "
         "(`dreamer_atari.open_loop_ball_scores`): the model's frame is searched for the ball as the true frame is, "

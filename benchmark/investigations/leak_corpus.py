@@ -1,6 +1,6 @@
 """The leak detector against a synthetic corpus of memory series: what it flags, what it aborts, how fast.
 
-    python benchmark/leak_corpus.py --seeds 20 --json benchmark/results/leak_detector.json --md benchmark/results/leak_detector.md
+    python benchmark/investigations/leak_corpus.py --seeds 20 --json benchmark/results/leak_detector.json --md benchmark/results/leak_detector.md
 
 Each series is host memory beyond the replay buffer, in MB, sampled every 1k env steps for 300k steps (the scripts'
 default log interval), fed to `memory_utils.LeakDetector` exactly as a training run feeds it (`observe`, then
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -237,7 +237,7 @@ def main() -> None:
     result["wall_s"] = time.time() - started
     Path(cli.json).write_text(json.dumps(result, indent=1))
     if cli.md:
-        command = " ".join(["python", "benchmark/leak_corpus.py", *sys.argv[1:]])
+        command = " ".join(["python", "benchmark/investigations/leak_corpus.py", *sys.argv[1:]])
         Path(cli.md).write_text(markdown(result, command))
 
 

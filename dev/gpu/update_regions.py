@@ -1,8 +1,8 @@
 """How many operations each region of one Dreamer update dispatches: observe forward and backward, imagination
 forward and backward, the optimizers, and the rest.
 
-    python benchmark/gpu/update_regions.py --model dreamerv3 --size tiny --out /tmp/regions_dreamerv3_tiny.json
-    python benchmark/gpu/update_regions.py --model nature --size modest --out /tmp/regions_nature_modest.json
+    python dev/gpu/update_regions.py --model dreamerv3 --size tiny --out /tmp/regions_dreamerv3_tiny.json
+    python dev/gpu/update_regions.py --model nature --size modest --out /tmp/regions_nature_modest.json
 
 On the CPU, a `TorchDispatchMode` counts the aten operations (views left out: they launch no kernel) of one
 world-model update and one behaviour update of dreamer_atari.py, after a warm-up update, as
@@ -346,7 +346,7 @@ def readme(folder: Path) -> str:
     lines = [
         "# Operations per Dreamer update, by region",
         "",
-        "`python benchmark/gpu/update_regions.py --model M --size S --observe-backward B [--compiled] --out "
+        "`python dev/gpu/update_regions.py --model M --size S --observe-backward B [--compiled] --out "
         "M_S_B.json`, on the CPU",
         f"({some['machine'].get('cpu', '?')}, torch {some['torch']}, one thread): the aten operations (views "
         "excluded; on a GPU about one kernel each) of one world-model update and one behaviour update, by region. "
@@ -418,7 +418,7 @@ def main() -> None:
         )
     result["observe_backward"] = options.observe_backward
     result["machine"] = bench_utils.machine()
-    result["command"] = " ".join(["python", "benchmark/gpu/update_regions.py", *sys.argv[1:]])
+    result["command"] = " ".join(["python", "dev/gpu/update_regions.py", *sys.argv[1:]])
     print(table(result))
     if options.out:
         Path(options.out).write_text(json.dumps(result, indent=1) + "\n")

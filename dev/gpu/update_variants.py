@@ -1,11 +1,11 @@
 """The update variants at DreamerV3's Atari100k batch (B16 x T64), on one real replayed Pong batch.
 
-    python benchmark/gpu/update_variants.py --out PATH                        # CUDA
-    python benchmark/gpu/update_variants.py --out PATH --device cpu --quick   # the same steps, tiny, without a GPU
+    python dev/gpu/update_variants.py --out PATH                        # CUDA
+    python dev/gpu/update_variants.py --out PATH --device cpu --quick   # the same steps, tiny, without a GPU
 
-`run.py --gpu-only --stage update` runs it in its own process with a time cap. The variants are the table
-`common.UPDATE_VARIANTS` (name, Args field overrides), each on top of every fast path off
-(`common.FAST_PATHS_OFF`), and first `training`: the script's defaults plus what the Pong stage turns on
+`gpu_stages.py --stage update` runs it in its own process with a time cap. The variants are the table
+`gpu_stages.UPDATE_VARIANTS` (name, Args field overrides), each on top of every fast path off
+(`gpu_stages.FAST_PATHS_OFF`), and first `training`: the script's defaults plus what the Pong stage turns on
 (`common.CUDA_FAST_PATH`), the update the Pong run trains with. A variant that names an Args field this
 version of dreamer_atari.py lacks is reported as not available and skipped, and so is one this device cannot
 run (CUDA graphs on a CPU).
@@ -48,16 +48,13 @@ from torch.utils.tensorboard import SummaryWriter
 
 import dreamer_atari as da
 from benchmark import bench_utils
-from benchmark.common import (
-    ATARI100K_BATCH,
-    CUDA_FAST_PATH,
-    FAST_PATHS_OFF,
-    QUICK_UPDATE_MODEL,
-    UPDATE_VARIANTS,
-)
+from benchmark.common import ATARI100K_BATCH, CUDA_FAST_PATH, TINY_MODEL_FIELDS
 from benchmark.ours_dreamer import fill_replay
+from dev.gpu.gpu_stages import FAST_PATHS_OFF, UPDATE_VARIANTS
 
 MB = 2.0**20
+# --quick: the plumbing only
+QUICK_UPDATE_MODEL = {**TINY_MODEL_FIELDS, "batch_size": 4, "sequence_length": 10}
 ARGS_FIELDS = {field.name for field in dataclasses.fields(da.Args)}
 
 
@@ -338,7 +335,7 @@ def main() -> None:
     )
     result: dict = {
         "machine": bench_utils.machine(),
-        "command": " ".join(["python", "benchmark/gpu/update_variants.py", *sys.argv[1:]]).replace(
+        "command": " ".join(["python", "dev/gpu/update_variants.py", *sys.argv[1:]]).replace(
             str(cli.out), "OUT_JSON"
         ),
         "device": torch.cuda.get_device_name(device) if on_cuda else str(device),

@@ -1,6 +1,6 @@
 """What checking a checkpoint before loading it costs: the default dreamerv3 agent's checkpoint, on the CPU.
 
-    python benchmark/checkpoint_check.py --out benchmark/results/checkpoint_check [--reps 7]
+    python benchmark/investigations/checkpoint_check.py --out benchmark/results/checkpoint_check [--reps 7]
 
 `--resume` reads a checkpoint twice before torch loads it: once for the checksum beside it (`mu.file_digest`,
 SHA-256) and once for the CRC-32 of every record of torch.save's zip archive (`mu.check_archive_crcs`, zipfile's
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 import torch
@@ -91,7 +91,7 @@ def main() -> None:
         }
     result = {
         "machine": bench_utils.machine(),
-        "command": "python benchmark/checkpoint_check.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmark/investigations/checkpoint_check.py " + " ".join(sys.argv[1:]),
         "checkpoint": "the default dreamerv3 agent (dreamer_atari.Args()), Adam moments, no replay",
         "checkpoint_bytes": nbytes,
         "reps": options.reps,

@@ -1,9 +1,9 @@
 """The GPU results file, assembled from the raw outputs of one GPU session (nothing typed in by hand).
 
-    python benchmark/gpu/gpu_report.py benchmark/results/<date>-<gpu>/   # writes <date>-<gpu>.md and .json beside it
+    python dev/gpu/gpu_report.py benchmark/results/<date>-<gpu>/   # writes <date>-<gpu>.md and .json beside it
 
 The folder holds what each measurement wrote there, under these names (any may be missing; the report says so):
-  profile.json, profile_<amp>.txt   benchmark/gpu/gpu_update_profile.py: eager, captured (and compiled)
+  profile.json, profile_<amp>.txt   dev/gpu/gpu_update_profile.py: eager, captured (and compiled)
                                     update, kernels, equality
   prototype_profile.json            the same, of an earlier version of the update (for the before/after)
   gpu_amp.json                      benchmark/ours_dreamer.py gpu --parts amp: eager update and peak memory per --amp
@@ -32,37 +32,18 @@ from benchmark.common import (
     TARGET_GPU_SLOPE_MB_PER_10K,
     TARGET_PONG_RETURN,
     TARGET_PONG_WALL_MIN,
-    TARGET_UPDATE_MS,
     fmt,
     gpu_markdown,
 )
 
 TARGET_PEAK_RESERVED_MB = float(TARGET_GPU_PEAK_MB)
+TARGET_UPDATE_MS = 10.0  # one update at the seed config on that GPU
 UPDATE_VARIANTS = {"graph": "captured", "compiled": "compiled", "compiled_graph": "compiled and captured"}
-STRIP_FRAMES = (0, 4, 5, 8, 12, 20, 30, 49)  # context ends after frame 4: 5 onwards is imagined
 
 
 def load(folder: Path, name: str) -> dict | None:
     path = folder / name
     return json.loads(path.read_text()) if path.exists() else None
-
-
-def open_loop_strip(gif_path: Path, png_path: Path) -> dict:
-    """Frames of an open-loop GIF side by side (each frame: 4 sequences x truth | model | error)."""
-    from PIL import Image
-
-    gif = Image.open(gif_path)
-    frames = []
-    for index in STRIP_FRAMES:
-        if index < gif.n_frames:
-            gif.seek(index)
-            frames.append(gif.convert("L"))
-    width, height = frames[0].size
-    strip = Image.new("L", (len(frames) * (width + 4), height), 255)
-    for i, frame in enumerate(frames):
-        strip.paste(frame, (i * (width + 4), 0))
-    strip.save(png_path, optimize=True)
-    return {"png": png_path.name, "frames": list(STRIP_FRAMES[: len(frames)]), "gif_frames": gif.n_frames}
 
 
 def pong_section(folder: Path, stem: Path) -> dict | None:
@@ -87,7 +68,7 @@ def pong_section(folder: Path, stem: Path) -> dict | None:
         f"ALE/Pong-v5, Atari100k recipe, --cudagraph, {last['env_step']:,} env steps",
     )
     strips = [
-        open_loop_strip(gif, stem.parent / f"{stem.name}_{gif.stem}.png")
+        pong_curve.open_loop_strip(gif, stem.parent / f"{stem.name}_{gif.stem}.png")
         for gif in sorted(folder.glob("open_loop_step_*.gif"))
     ]
     command = (
@@ -146,7 +127,7 @@ def report(folder: Path) -> tuple[dict, str]:
         (
             f"Machine: {machine.get('gpu')} ({smi}), {machine.get('cpu')}, {machine.get('cpu_count')} CPU cores, "
             f"Python {machine.get('python')}, torch {machine.get('torch')}. Raw outputs: `{folder.name}/` (every "
-            f"sample); this file is written from them by `python benchmark/gpu/gpu_report.py "
+            f"sample); this file is written from them by `python dev/gpu/gpu_report.py "
             f"{folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder.name}/`."
         ),
         "",

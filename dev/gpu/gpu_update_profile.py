@@ -1,7 +1,7 @@
 """One Dreamer update on a GPU taken apart: where its time goes, and what CUDA-graph capture changes.
 
-    python benchmark/gpu/gpu_update_profile.py --out DIR                       # CUDA, the seed model (B16 x T50)
-    python benchmark/gpu/gpu_update_profile.py --out DIR --device cpu --quick  # the code path, without a GPU
+    python dev/gpu/gpu_update_profile.py --out DIR                       # CUDA, the seed model (B16 x T50)
+    python dev/gpu/gpu_update_profile.py --out DIR --device cpu --quick  # the code path, without a GPU
 
 On one real replayed Pong batch, for each precision (`--amp`), it times (median of `--reps`, a device
 synchronisation after each update) the script's own update as the training loop runs it: eagerly (world model,
@@ -188,7 +188,7 @@ def main() -> None:
     result: dict = {
         "machine": bench_utils.machine(),
         "batch": f"B{args.batch_size} x T{args.sequence_length}",
-        "command": " ".join(["python", "benchmark/gpu/gpu_update_profile.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "dev/gpu/gpu_update_profile.py", *sys.argv[1:]]),
         "amp": {},
     }
 

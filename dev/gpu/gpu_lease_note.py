@@ -1,6 +1,6 @@
 """The device calls a detached GPU run spanned, written into a copy of its results (`gpu_lease.sh start`/`finish`).
 
-    python benchmark/gpu/gpu_lease_note.py RESULTS_JSON LEASE_DIR --call 1|2
+    python dev/gpu/gpu_lease_note.py RESULTS_JSON LEASE_DIR --call 1|2
 
 LEASE_DIR holds what the calls and the run recorded: `lease.txt` (`key=value` lines: each call's start, budget and
 the moment it collected the files, in seconds since the epoch), `run.started` and `run.pid` (the run's launch),
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmark.gpu import gpu_stages
+from dev.gpu import gpu_stages
 
 
 def read_facts(lease_dir: Path) -> dict:
