@@ -112,7 +112,7 @@ def replay_bytes(replay: da.EpisodeReplay) -> dict:
                 arrays[id(chunk)] = chunk.nbytes
     total = sum(arrays.values())
     obs = sum(arrays[i] for i in obs_ids)
-    stats = replay.stats()
+    stats = da.replay_stats(replay)
     return {
         "buffer_bytes_per_step": total / replay.total_steps,
         "buffer_obs_bytes_per_step": obs / replay.total_steps,
@@ -186,6 +186,13 @@ def sampling_evenness(replay: da.EpisodeReplay, batch_size: int, sequence_length
     }
 
 
+def fast_agent(args, obs_shape, num_actions, device):
+    """The agent a run trains: `build_agent`, then the script's fast paths (`speed_up_agent`, which checks them)."""
+    agent = da.build_agent(args, obs_shape, num_actions, device)
+    da.speed_up_agent(agent, args)
+    return agent
+
+
 def cmd_measure(quick: bool) -> dict:
     sizes = QUICK if quick else FULL
     args = seed_args()
@@ -214,7 +221,7 @@ def cmd_measure(quick: bool) -> dict:
     ub, ut = sizes["update_batch"] or B, sizes["update_seq"] or T
     update_args = dataclasses.replace(args, batch_size=ub, sequence_length=ut)
     torch.manual_seed(args.seed)
-    agent = da.build_agent(update_args, obs_shape, num_actions, "cpu")
+    agent = fast_agent(update_args, obs_shape, num_actions, "cpu")
     update_batch = replay.sample(ub, ut)
     updating = time_update(agent, update_batch, update_args, reps=sizes["update_reps"], warmup=1)
     out["update_ms"] = updating["median_ms"]
@@ -243,7 +250,7 @@ def cmd_update(reps: int) -> dict:
     args = seed_args(buffer_capacity=3_000)
     replay, obs_shape, num_actions = fill_replay(args, 3_000)
     torch.manual_seed(args.seed)
-    agent = da.build_agent(args, obs_shape, num_actions, "cpu")
+    agent = fast_agent(args, obs_shape, num_actions, "cpu")
     batch = replay.sample(args.batch_size, args.sequence_length)
     timing = time_update(agent, batch, args, reps=reps, warmup=1)
     return {
@@ -257,7 +264,7 @@ def cmd_update(reps: int) -> dict:
 # Speed trials: each changes one thing from the outside and times the same update on the same batch.
 # ---------------------------------------------------------------------------------------------------------
 def _compile(agent, args):
-    da.compile_agent(agent)  # what --compile does
+    da.compile_agent(agent)  # what --compile does (on the agent's fast paths, installed by `fast_agent`)
 
 
 def _multinomial_sample(self, stats: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
@@ -297,7 +304,7 @@ def cmd_trials(names: list[str], reps: int) -> dict:
         trial_args = dataclasses.replace(args, **arg_changes)
         torch.manual_seed(args.seed)
         try:
-            agent = da.build_agent(trial_args, obs_shape, num_actions, "cpu")
+            agent = fast_agent(trial_args, obs_shape, num_actions, "cpu")
             if change is not None:
                 change(agent, trial_args)
             first = bench_utils.time_ms(
@@ -331,7 +338,7 @@ def cmd_serve(image_size: int, decoder_mid_channels: int | None = None) -> None:
     replay, obs_shape, num_actions = fill_replay(args, 3_000)
     batch = replay.sample(args.batch_size, args.sequence_length)
     torch.manual_seed(args.seed)
-    agent = da.build_agent(args, obs_shape, num_actions, "cpu")
+    agent = fast_agent(args, obs_shape, num_actions, "cpu")
     info = {
         **agent_params(agent),
         "image_size": image_size,
@@ -518,7 +525,7 @@ def cmd_gpu(quick: bool, device_name: str, parts: tuple[str, ...] = ("amp", "loo
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         torch.manual_seed(args.seed)
-        agent = da.build_agent(amp_args, obs_shape, num_actions, device)
+        agent = fast_agent(amp_args, obs_shape, num_actions, device)
 
         def update(agent=agent, amp_args=amp_args):
             _update(agent, batch, amp_args)

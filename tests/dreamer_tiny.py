@@ -53,6 +53,13 @@ def dreamerv3_initial_state(rssm: da.RSSM) -> tuple[torch.Tensor, torch.Tensor]:
     return deter, stoch
 
 
+def fast_agent(args: da.Args, shape: tuple, num_actions: int, device) -> da.Agent:
+    """The agent a run trains: `build_agent`, then Part 2's fast paths in place (`speed_up_agent`, which checks them)."""
+    agent = da.build_agent(args, shape, num_actions, device)
+    da.speed_up_agent(agent, args)
+    return agent
+
+
 def float64_agent(args: da.Args, num_actions: int = 6, head_noise: float = 0.05) -> da.Agent:
     """A seeded float64 agent for the equality tests, with what starts at zero moved off it (heads that start at zero,
     and a learned initial state at tanh(0), would hide their gradients): the learned initial vector, the critic, the

@@ -62,8 +62,10 @@ def test_a_colour_step_takes_one_rgb_frame_and_seven_bytes_in_the_replay():
     finished = [ep for ep in replay.episodes if ep.done]
     assert finished
     steps = sum(ep.num_steps for ep in finished)
-    assert sum(ep.obs_bytes for ep in finished) == steps * 64 * 64 * 3
-    assert sum(ep.aux_bytes for ep in finished) <= steps * da.REPLAY_AUX_BYTES_PER_STEP + 4096  # chunk slack
+    assert sum(ep.frames.nbytes for ep in finished) == steps * 64 * 64 * 3
+    assert (
+        sum(a.nbytes for ep in finished for a in ep.aux) <= steps * da.REPLAY_AUX_BYTES_PER_STEP + 4096
+    )  # chunk slack
     assert da.REPLAY_AUX_BYTES_PER_STEP == 7
 
 

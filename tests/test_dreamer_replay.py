@@ -67,7 +67,7 @@ def test_bytes_per_step_of_stored_pong(pong_envs):
     collect(pong_envs, replay, 400)
     finished = [ep for ep in replay.episodes if ep.done]
     steps = sum(ep.num_steps for ep in finished)
-    per_step = sum(ep.obs_bytes + ep.aux_bytes for ep in finished) / steps
+    per_step = sum(ep.frames.nbytes + sum(a.nbytes for a in ep.aux) for ep in finished) / steps
     # one 84x84 frame (7,056 B) + 7 B of aux per step, + 3 frames per 60-step episode (seed: 28,224 B)
     assert per_step <= 7_200 + 3 * 7_056 / 60
     assert 7_056 < per_step

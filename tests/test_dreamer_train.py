@@ -6,7 +6,7 @@ import torch
 
 import dreamer_atari as da
 import dreamer_tiny
-from dreamer_tiny import obs_shape
+from dreamer_tiny import fast_agent, obs_shape
 
 
 def tiny_args(**overrides) -> da.Args:
@@ -239,7 +239,11 @@ def test_the_decoders_last_layer_on_cpu_is_its_transposed_convolution(size, chan
         torch.autograd.grad(subpixel, wrt, upstream), torch.autograd.grad(reference, wrt, upstream)
     ):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
-    feat = torch.randn(3, 10, dtype=torch.float64)  # the decoder's own forward takes that path on CPU
+    # --fast-decoder puts that layer in the decoder, holding the same parameters
+    decoder.net[-1] = da.SubpixelTransposedConv.sharing(layer)
+    assert decoder.net[-1].weight is layer.weight and decoder.net[-1].bias is layer.bias
+    assert list(decoder.state_dict()) == list(da.AtariConvDecoder(10, channels, 4, 4, size).state_dict())
+    feat = torch.randn(3, 10, dtype=torch.float64)
     hidden = decoder.net[:-1](decoder.linear(feat).unflatten(-1, (4, decoder.side, decoder.side)))
     torch.testing.assert_close(decoder(feat), layer(hidden), rtol=0, atol=1e-12)
 
@@ -260,14 +264,14 @@ def test_channels_last_images_give_the_same_update_without_layout_copies(monkeyp
             lambda raw, actions, channels_last=False, layout=layout: real(raw, actions, layout),
         )
         torch.manual_seed(0)
-        values[layout] = two_updates(da.build_agent(args, obs_shape(args), 6, "cpu"), batch, args)
+        values[layout] = two_updates(fast_agent(args, obs_shape(args), 6, "cpu"), batch, args)
     monkeypatch.undo()
     torch.testing.assert_close(values[True], values[False], rtol=1e-4, atol=1e-5)
 
     data = da.prepare_batch(da.batch_tensors(batch, "cpu"), 6, channels_last=True)
     image = data["image"].flatten(0, 1)
     assert image.is_contiguous(memory_format=torch.channels_last)
-    agent = da.build_agent(args, obs_shape(args), 6, "cpu")
+    agent = fast_agent(args, obs_shape(args), 6, "cpu")
     feat = torch.zeros(image.shape[0], args.deterministic_dim + agent.world_model.rssm.stoch_flat)
     reconstruction = agent.world_model.decoder(feat)
     assert reconstruction.stride() == image.stride()  # the loss reads both in one order: no layout copy

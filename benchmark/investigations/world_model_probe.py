@@ -260,6 +260,7 @@ def train_config(name: str, data: dict, args: Args) -> dict:
     stack, side = train_args.frame_stack, train_args.image_size
     obs_shape = (stack, *data[frames_key(train_args)].shape[1:])  # (stack, S, S), in colour (stack, 3, S, S)
     agent = da.build_agent(train_args, obs_shape, 6, device)
+    da.speed_up_agent(agent, train_args)  # the fast paths a run trains with
     world_model_step, _ = da.make_update_steps(agent, train_args)
     eval_length = da.OPEN_LOOP_CONTEXT + max(da.OPEN_LOOP_BALL_STEPS) + 1
     eval_batch = held_out.sample(args.eval_sequences, eval_length, rng=np.random.default_rng(args.seed))

@@ -105,8 +105,9 @@ def update_fn(agent: da.Agent, args: da.Args, batch: dict, device):
 def build(args: da.Args, obs_shape, num_actions, device, compiled: bool) -> da.Agent:
     torch.manual_seed(args.seed)
     agent = da.build_agent(args, obs_shape, num_actions, device)
-    if compiled:
-        da.compile_agent(agent)
+    da.speed_up_agent(
+        agent, dataclasses.replace(args, compile=compiled)
+    )  # the run's fast paths (and --compile)
     return agent
 
 
@@ -201,7 +202,7 @@ def main() -> None:
         )  # eager; the graph figures below capture
         figures: dict = {}
         torch.manual_seed(args.seed)
-        agent = da.build_agent(amp_args, obs_shape, num_actions, device)
+        agent = build(amp_args, obs_shape, num_actions, device, compiled=False)
         figures["eager"] = timed(update_fn(agent, amp_args, batch, device), device, reps)
         figures.update(
             profile_once(update_fn(agent, amp_args, batch, device), device, out_dir / f"profile_{mode}.txt")
@@ -212,7 +213,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             torch.manual_seed(args.seed)
-            agent = da.build_agent(graph_args, obs_shape, num_actions, device)
+            agent = build(graph_args, obs_shape, num_actions, device, compiled=False)
             figures["graph"] = timed(update_fn(agent, graph_args, batch, device), device, reps, warmup=5)
             figures["graph_peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
             del agent

@@ -10,11 +10,11 @@ tests/test_dreamer_fast_path.py does. On a GPU an eager update launches about on
 the GRU cell's elementwise work fuses), and at batch 16 x 64 the kernel count, not arithmetic, sets its time.
 
 How each operation finds its region:
-- forward: `RSSM.observe`, `imagine` and `clip_and_step` (gradient norm, clip and Adam: "optimizers") are wrapped
+- forward: the fast observe, the fast imagination and `clip_and_step` (gradient norm, clip and Adam: "optimizers") are wrapped
   while the count runs; an operation dispatched inside one of them belongs to it, any other to "rest".
 - backward: inside `loss.backward()` the autograd engine marks the node it is running
   (`torch._C._current_autograd_node()`), and every node carries the sequence number of its creation. The wrappers
-  record the sequence numbers before and after `RSSM.observe` and `imagine` ran (one marker node each, not
+  record the sequence numbers before and after the fast observe and imagination ran (one marker node each, not
   counted), so a backward operation belongs to observe or imagination when the node that dispatched it was
   created inside that call, and to "rest" otherwise (including the parameters' gradient accumulation nodes). The
   gradient additions where a tensor has several consumers are made by the engine on behalf of the node that
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -123,7 +124,8 @@ class RegionCounter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def wrapped(counter: RegionCounter):
-    """`RSSM.observe`, `da.imagine` and `da.clip_and_step` replaced by wrappers that tell `counter` their region."""
+    """The fast observe and imagination (`FastObserve`, `FastImagine`: what a run's updates call) and
+    `da.clip_and_step` replaced by wrappers that tell `counter` their region."""
 
     def wrap(fn, region: str, spans: bool):
         def inner(*args, **kwargs):
@@ -139,14 +141,14 @@ def wrapped(counter: RegionCounter):
 
         return inner
 
-    saved = da.RSSM.observe, da.imagine, da.clip_and_step
-    da.RSSM.observe = wrap(da.RSSM.observe, "observe", True)
-    da.imagine = wrap(da.imagine, "imagination", True)
+    saved = da.FastObserve.__call__, da.FastImagine.__call__, da.clip_and_step
+    da.FastObserve.__call__ = wrap(da.FastObserve.__call__, "observe", True)
+    da.FastImagine.__call__ = wrap(da.FastImagine.__call__, "imagination", True)
     da.clip_and_step = wrap(da.clip_and_step, "optimizers", False)
     try:
         yield
     finally:
-        da.RSSM.observe, da.imagine, da.clip_and_step = saved
+        da.FastObserve.__call__, da.FastImagine.__call__, da.clip_and_step = saved
 
 
 def random_batch(args: da.Args, obs_shape: tuple, seed: int = 0) -> dict:
@@ -167,6 +169,7 @@ def count_update(args: da.Args) -> dict[str, dict[str, int]]:
     torch.manual_seed(0)
     obs_shape = (args.frame_stack, args.image_size, args.image_size)
     agent = da.build_agent(args, obs_shape, NUM_ACTIONS, "cpu")
+    da.speed_up_agent(agent, args)  # the fast paths a run trains with
     raw = da.batch_tensors(random_batch(args, obs_shape), "cpu")
     world_model_step, behavior_step = da.make_update_steps(agent, args)
     for _ in range(3):
@@ -237,7 +240,9 @@ def count_compiled_update(args: da.Args) -> int:
     torch.manual_seed(0)
     obs_shape = (args.frame_stack, args.image_size, args.image_size)
     agent = da.build_agent(args, obs_shape, NUM_ACTIONS, "cpu")
-    da.compile_agent(agent)
+    da.speed_up_agent(
+        agent, dataclasses.replace(args, compile=True)
+    )  # the fast paths, compiled as --compile does
     raw = da.batch_tensors(random_batch(args, obs_shape), "cpu")
     world_model_step, behavior_step = da.make_update_steps(agent, args)
     for _ in range(2):

@@ -10,7 +10,7 @@
 version of dreamer_atari.py lacks is reported as not available and skipped, and so is one this device cannot
 run (CUDA graphs on a CPU).
 
-For each variant: its agent built by the script's `build_agent` (and `compile_agent` with `compile`), its update
+For each variant: its agent built by the script's `build_agent` with its fast paths (`speed_up_agent`, which compiles with `compile`), its update
 steps by `make_update_steps` (captured in CUDA graphs by `CudaGraphed` with `cudagraph`), fed as the training loop
 feeds them (on CUDA from the script's pinned staging buffers, `PinnedBatches`). Every warm-up call is timed (the
 first ones compile and capture), then `--reps` updates, each followed by a device synchronisation; the median is
@@ -131,8 +131,7 @@ def measure_variant(
     torch.manual_seed(args.seed)
     agent = da.build_agent(args, obs_shape, num_actions, device)
     apply_precision(args)
-    if args.compile:
-        da.compile_agent(agent)
+    da.speed_up_agent(agent, args)  # the fast paths a run trains with (and --compile with `compile`)
     world_model_step, behavior_step = da.make_update_steps(agent, args)
     staging = da.PinnedBatches(batch, device) if on_cuda else None
     if staging is not None:
@@ -229,7 +228,8 @@ def measure_variant(
 
 def time_outside_update(base: da.Args, device: torch.device, steps: int, warmup: int) -> dict:
     """Everything the training loop does per env step besides the update, done by the script's own functions as
-    its loop does them (`choose_actions`, `sample_batch`, `step_envs`), on one real Pong env (the Atari100k
+    its loop does them (the player's `act`, the run's `sample_batch`, `step_envs`, with `install_speed`'s
+    equivalents in place), on one real Pong env (the Atari100k
     recipe: one update per env step), the replay's frames on the device (`--replay-frames device`), acting
     captured on CUDA: the policy step, one batch sampled and gathered, the env step and storing it. Each iteration
     ends with a device synchronisation, so a figure holds all of its GPU work. The weights are untrained: the cost
@@ -241,23 +241,22 @@ def time_outside_update(base: da.Args, device: torch.device, steps: int, warmup:
     envs = da.make_vector_env(args, "benchmark", seed=0)
     obs_shape, num_actions = envs.single_observation_space.shape, int(envs.single_action_space.n)
     agent = da.build_agent(args, obs_shape, num_actions, device)
-    replay = da.EpisodeReplay(10_000, 1, seed=0, frames_device=device)
-    staging = None
-    if on_cuda:
-        staging = da.PinnedBatches(da.staging_template(args, obs_shape, frames_on_device=True), device)
     with tempfile.TemporaryDirectory() as logs:
         run = types.SimpleNamespace(
             args=args,
             device=device,
             agent=agent,
-            replay=replay,
-            staging=staging,
-            player=da.Player(agent, 1, capture=da.captured(args, device)),
+            obs_shape=obs_shape,
+            replay=da.EpisodeReplay(10_000, 1, seed=0),
+            player=da.Player(agent, 1),
+            sample_batch=da.sample_batch,
             rng=np.random.default_rng(0),
             counters={"global_step": 0, "episodes": 0},
             writer=SummaryWriter(logs),
             last_return=None,
         )
+        da.install_speed(run)  # as a run's set-up: the frames on the device, acting captured on CUDA
+        replay = run.replay
         try:
             obs, _ = envs.reset(seed=0)
             replay.start_episode(0, obs[0])
@@ -268,8 +267,8 @@ def time_outside_update(base: da.Args, device: torch.device, steps: int, warmup:
             for i in range(warmup + steps):
                 sync(device)
                 begin = time.perf_counter()
-                actions = da.choose_actions(run, obs, is_first)
-                da.sample_batch(run)
+                actions = run.player.act(obs, is_first)
+                run.sample_batch(run)
                 obs, is_first = da.step_envs(run, envs, actions)
                 sync(device)
                 if i >= warmup:
@@ -295,7 +294,7 @@ def main() -> None:
     )
     parser.add_argument("--variants", nargs="+", help="only these (default: training, then the whole table)")
     parser.add_argument(
-        "--model", default="dreamerv3", choices=sorted(da.MODEL_DEFAULTS), help="dreamer_atari.py's --model"
+        "--model", default="dreamerv3", choices=sorted(da.MODELS), help="dreamer_atari.py's --model"
     )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads on a CPU (CUDA: torch's default)"
