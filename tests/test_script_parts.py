@@ -63,3 +63,41 @@ def test_speed_is_installed_by_one_call_from_the_run():
     part_1, _, part_3 = parts("dreamer_atari.py")
     assert "install_speed(" not in part_1
     assert part_3.count("install_speed(") == 1
+
+
+def test_with_every_speed_option_off_the_readable_functions_train(tmp_path, monkeypatch):
+    """--no-fast-observe, --no-fast-imagine, --no-fast-decoder and --no-channels-last (the CPU runs eagerly, and
+    --compile is off by default): a run trains through Part 1's `RSSM.observe` and `imagine`, and Part 2's
+    equivalents never run."""
+    import dreamer_atari as da
+    from dreamer_tiny import tiny_args
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a fast path ran with its flag off")
+
+    calls = {"observe": 0, "imagine": 0}
+    real_observe, real_imagine = da.RSSM.observe, da.imagine
+
+    def observe(self, *args, **kwargs):
+        calls["observe"] += 1
+        return real_observe(self, *args, **kwargs)
+
+    def imagine(*args, **kwargs):
+        calls["imagine"] += 1
+        return real_imagine(*args, **kwargs)
+
+    monkeypatch.setattr(da.FastObserve, "__call__", refuse)
+    monkeypatch.setattr(da.FastImagine, "__call__", refuse)
+    monkeypatch.setattr(da, "transposed_conv_as_subpixel", refuse)
+    monkeypatch.setattr(da.RSSM, "observe", observe)
+    monkeypatch.setattr(da, "imagine", imagine)
+    monkeypatch.chdir(tmp_path)
+    speed_off = dict(fast_observe=False, fast_imagine=False, fast_decoder=False, channels_last=False)
+    for model in ("dreamerv3", "nature"):
+        counters = da.main(
+            tiny_args(
+                model=model, num_envs=1, total_timesteps=40, learning_starts=10, train_ratio=16.0, **speed_off
+            )
+        )
+        assert counters["updates"] > 0 and counters["behavior_updates"] > 0
+    assert calls["observe"] > 0 and calls["imagine"] > 0
