@@ -1136,9 +1136,8 @@ class ReturnNormalizer(nn.Module):
         return torch.clamp(self.high - self.low, min=1.0)
 
 
-# ALGO LOGIC: the numbers a researcher may schedule during a run. The update reads each as a 0-d device tensor,
-# never as a Python float: a CUDA graph replays the values it was captured with, so a float read at capture time
-# would keep its first value for the whole run on a GPU while it changed on the CPU.
+# ALGO LOGIC: the numbers a researcher may schedule during a run (`agent.settings.set`); the update reads them from
+# `agent.settings`, never from `args`
 SCHEDULED = (
     "kl_dyn_scale",
     "kl_rep_scale",
@@ -1164,40 +1163,28 @@ DERIVED_SETTINGS = {
 
 
 class UpdateSettings:
-    """The scheduled numbers (`SCHEDULED`) and the learning rates as 0-d tensors the update reads (`settings["name"]`;
-    `values` the floats), changed in place from the loop: `run.agent.settings.set("kl_dyn_scale", 0.3)`. The learning
-    rates are the optimizers' own `lr` tensors. Derived numbers (`1 - decay`, `1 - lambda`) are computed in double
-    when set, as from floats, so that the losses are the same to the last bit."""
+    """The scheduled numbers (`SCHEDULED`, `values`) and the learning rates (each its optimizer's own), as the update
+    reads them (`settings["name"]`, the derived ones included), changed from the loop with `set`:
+    `run.agent.settings.set("kl_dyn_scale", 0.3)`. (Part 2 keeps them as tensors changed in place.)"""
 
-    def __init__(self, args: Args, optimizers: dict[str, torch.optim.Optimizer], device, dtype):
+    def __init__(self, args: Args, optimizers: dict[str, torch.optim.Optimizer]):
         self.values = {name: float(getattr(args, name)) for name in (*SCHEDULED, *LEARNING_RATES)}
-        self.tensors = {
-            name: torch.tensor(self.values[name], device=device, dtype=dtype) for name in SCHEDULED
-        }
-        for name, (source, derive) in DERIVED_SETTINGS.items():
-            self.tensors[name] = torch.tensor(derive(self.values[source]), device=device, dtype=dtype)
-        for name, optimizer in LEARNING_RATES.items():
-            self.tensors[name] = optimizers[optimizer].param_groups[0]["lr"]
+        self.optimizers = optimizers
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.tensors[name]
+    def __getitem__(self, name: str):
+        if name in DERIVED_SETTINGS:
+            source, derive = DERIVED_SETTINGS[name]
+            return derive(self.values[source])
+        if name in LEARNING_RATES:
+            return self.optimizers[LEARNING_RATES[name]].param_groups[0]["lr"]
+        return self.values[name]
 
     def set(self, name: str, value: float) -> None:
-        """Write `value` into the tensor the update reads (and into the numbers derived from it)."""
         if name not in self.values:
             raise KeyError(f"{name!r} is not a scheduled setting; these are: {', '.join(self.values)}")
         self.values[name] = float(value)
-        self.tensors[name].fill_(float(value))
-        for derived, (source, derive) in DERIVED_SETTINGS.items():
-            if source == name:
-                self.tensors[derived].fill_(derive(float(value)))
-
-
-def learning_rate(value: float, device) -> torch.Tensor:
-    """A learning rate as a 0-d tensor on `device`, the form fused Adam reads at each step without the host. CUDA's
-    fused Adam reads a float32 tensor; the CPU's computes in double, as from a float."""
-    device = torch.device(device)
-    return torch.tensor(value, device=device, dtype=torch.float32 if device.type == "cuda" else torch.float64)
+        if name in LEARNING_RATES:
+            self.optimizers[LEARNING_RATES[name]].param_groups[0]["lr"] = float(value)
 
 
 @dataclass
@@ -1258,10 +1245,7 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
     # fused Adam: one kernel per step, and it can skip a step on the device (see `clip_and_step`)
     optimizers = {
         name: torch.optim.Adam(
-            module.parameters(),
-            lr=learning_rate(getattr(args, f"{name}_lr"), device),
-            eps=getattr(args, f"{name}_eps"),
-            **adam,
+            module.parameters(), lr=getattr(args, f"{name}_lr"), eps=getattr(args, f"{name}_eps"), **adam
         )
         for name, module in (("world_model", world_model), ("actor", actor), ("critic", critic))
     }
@@ -1279,8 +1263,7 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
         scalers={name: amp.new_scaler() for name in ("world_model", "actor", "critic")},
         device=device,
         num_actions=num_actions,
-        # float32 (float64 in the equality tests, whose default dtype it is)
-        settings=UpdateSettings(args, optimizers, device, torch.get_default_dtype()),
+        settings=UpdateSettings(args, optimizers),
         observe=world_model.rssm.observe,
         imagine=imagine,
         world_model_losses=world_model_losses,
@@ -2357,6 +2340,46 @@ class CaptureInvalid(RuntimeError):
     """A setting the captured update read as a Python value changed after capture (one sentence naming it)."""
 
 
+def learning_rate(value: float, device) -> torch.Tensor:
+    """A learning rate as a 0-d tensor on `device`, the form fused Adam reads at each step without the host. CUDA's
+    fused Adam reads a float32 tensor; the CPU's computes in double, as from a float."""
+    device = torch.device(device)
+    return torch.tensor(value, device=device, dtype=torch.float32 if device.type == "cuda" else torch.float64)
+
+
+class SettingsTensors(UpdateSettings):
+    """`UpdateSettings` as 0-d tensors on the update's device, changed in place by `set`: a CUDA graph replays the
+    tensors it was captured with, and a compiled update reads them without compiling again, where a Python float
+    would keep its first value. The learning rates become the optimizers' own `lr` tensors (`learning_rate`; a
+    checkpoint's optimizer state restores them). Derived numbers (`1 - decay`, `1 - lambda`) are computed in double
+    when set, as from floats, so that the losses are the same to the last bit. `dtype`: the parameters' (float32;
+    float64 in the equality tests)."""
+
+    def __init__(self, settings: UpdateSettings, device, dtype):
+        self.values, self.optimizers = dict(settings.values), settings.optimizers
+        self.tensors = {name: torch.tensor(settings[name], device=device, dtype=dtype) for name in SCHEDULED}
+        for name in DERIVED_SETTINGS:
+            self.tensors[name] = torch.tensor(settings[name], device=device, dtype=dtype)
+        for name, optimizer in LEARNING_RATES.items():
+            group = self.optimizers[optimizer].param_groups[0]
+            if not isinstance(group["lr"], torch.Tensor):  # before the optimizer's first step
+                group["lr"] = learning_rate(group["lr"], device)
+            self.tensors[name] = group["lr"]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def set(self, name: str, value: float) -> None:
+        """Write `value` into the tensor the update reads (and into the numbers derived from it)."""
+        if name not in self.values:
+            raise KeyError(f"{name!r} is not a scheduled setting; these are: {', '.join(self.values)}")
+        self.values[name] = float(value)
+        self.tensors[name].fill_(float(value))
+        for derived, (source, derive) in DERIVED_SETTINGS.items():
+            if source == name:
+                self.tensors[derived].fill_(derive(float(value)))
+
+
 def capture_settings(agent: Agent) -> Callable[[], dict]:
     """What a captured update keeps as it was at capture: each optimizer's hyperparameters (a tensor by identity: its
     value may change in place, the object may not) and the settings' tensors. (`Args` is frozen: no field of it can
@@ -2991,9 +3014,11 @@ def make_update_steps(agent: "Agent", args: Args) -> tuple[Callable, Callable]:
 
 
 def speed_up_agent(agent: "Agent", args: Args) -> None:
-    """The agent's faster equivalents (the fast observe and imagination, the CPU decoder layer, channels-last
-    convolutions, then --compile), each checked against Part 1's function first (FastPathMismatch)."""
+    """The agent's faster equivalents (the settings as tensors, the fast observe and imagination, the CPU decoder
+    layer, channels-last convolutions, then --compile), each checked against Part 1's function first
+    (FastPathMismatch)."""
     wm, device = agent.world_model, agent.device
+    agent.settings = SettingsTensors(agent.settings, device, next(wm.parameters()).dtype)
     if args.fast_observe:
         agent.observe = FastObserve(wm.rssm, hand_written_backward=args.observe_backward == "hand-written")
     if args.fast_imagine:
@@ -3929,12 +3954,16 @@ def check_checkpoint_matches(state: dict, args: Args) -> None:
 
 def load_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> None:
     """torch's `load_state_dict` replaces each param group, learning-rate tensor included: the saved rate goes into
-    the optimizer's own device tensor instead, which `UpdateSettings` and a captured update hold."""
+    the optimizer's own device tensor instead, which `SettingsTensors` and a captured update hold (a rate that is a
+    float, with the speed options off, is the saved one as a float)."""
     rates = [group["lr"] for group in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, rate in zip(optimizer.param_groups, rates):
-        rate.fill_(float(group["lr"]))
-        group["lr"] = rate
+        if isinstance(rate, torch.Tensor):
+            rate.fill_(float(group["lr"]))
+            group["lr"] = rate
+        else:
+            group["lr"] = float(group["lr"])
 
 
 def restore_checkpoint(state: dict, agent: Agent, replay: EpisodeReplay, rng: np.random.Generator) -> dict:

@@ -40,7 +40,7 @@ def make_agent(**overrides):
         **{"batch_size": 3, "sequence_length": 6, "imagination_horizon": 4, **overrides}
     )
     torch.manual_seed(0)
-    return args, da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+    return args, dreamer_tiny.fast_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")  # the settings as tensors
 
 
 def batch(args, seed=0) -> dict[str, torch.Tensor]:
@@ -216,3 +216,23 @@ def test_a_learning_rate_set_before_a_checkpoint_comes_back_into_the_optimizers_
         "the optimizer no longer reads the settings tensor"
     )
     assert held.item() == pytest.approx(1e-3)
+
+
+def test_part_1s_settings_reach_the_update_as_plain_numbers():
+    """With the speed options off (an agent as `build_agent` makes it) the settings are Python numbers, and `set`
+    still reaches the update: the KL weights and a learning rate."""
+    args = dreamer_tiny.tiny_args(batch_size=3, sequence_length=6, imagination_horizon=4)
+    torch.manual_seed(0)
+    agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+    assert isinstance(agent.settings["kl_dyn_scale"], float)
+    data = da.prepare_batch(batch(args), NUM_ACTIONS)
+    torch.manual_seed(1)
+    kl = da.world_model_loss(agent, data, args)[1]["losses/kl"]
+    agent.settings.set("kl_dyn_scale", 0.0)
+    agent.settings.set("kl_rep_scale", 0.0)
+    torch.manual_seed(1)
+    assert kl > 0 and da.world_model_loss(agent, data, args)[1]["losses/kl"] == 0
+    agent.settings.set("world_model_lr", 0.0)
+    before = [p.detach().clone() for p in agent.world_model.parameters()]
+    da.train_world_model(agent, batch(args), args)
+    assert all(torch.equal(a, p) for a, p in zip(before, agent.world_model.parameters()))
