@@ -101,14 +101,17 @@ def trained(module, args) -> tuple[dict, dict]:
 def test_a_kl_schedule_raises_the_dynamics_kl_weight_from_zero(tmp_path, monkeypatch):
     module = changed_script("kl_schedule", tmp_path, monkeypatch)
     set_values = []
-    real_set = module.UpdateSettings.set
 
-    def spy(self, name, value):
-        if name == "kl_dyn_scale":
-            set_values.append(value)
-        real_set(self, name, value)
+    def spying(real_set):
+        def spy(self, name, value):
+            if name == "kl_dyn_scale":
+                set_values.append(value)
+            real_set(self, name, value)
 
-    monkeypatch.setattr(module.UpdateSettings, "set", spy)
+        return spy
+
+    for settings in (module.UpdateSettings, module.SettingsTensors):  # a run's are the tensors (Part 2)
+        monkeypatch.setattr(settings, "set", spying(vars(settings)["set"]))
     args = tiny_catch(module, kl_warmup_steps=40)
     trained(module, args)
     assert set_values[0] == 0.0 and set_values[-1] == args.kl_dyn_scale
