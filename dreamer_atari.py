@@ -1,24 +1,18 @@
 """Dreamer on Atari: DreamerV3 2023's Atari100k recipe (a world model, and an actor-critic that learns in its
-imagination), memory-safe and observable.
-
-Run:
-    python dreamer_atari.py --buffer-capacity 50000
+imagination), memory-safe and observable. Run: `python dreamer_atari.py --buffer-capacity 50000`
 
 Three parts. Part 1, the algorithm, in the order it runs: arguments, environment, replay, networks (`MODELS`), the
 RSSM, losses and the loop; with every speed option off it is exactly what trains. Part 2, speed: faster equivalents
 of Part 1's functions, installed by one call and checked against them. Part 3, the run: input checks, logging,
 videos and the ball measure, memory, checkpoints.
 
-The world model (DreamerV3's size-S convolutional encoder and decoder on 64x64 colour frames, an RSSM with a
-LayerNorm GRU, a learned initial state and 32x32 categorical latents, symlog two-hot reward and continue heads)
-learns from replayed sequences of 16 x 64, one update per env step; the actor and critic from 15-step rollouts it
-imagines. `--model nature` is a smaller model over 4 stacked 84x84 grey frames, whose shapes the shape comments
-give ((4, 84, 84) an observation; the default's is (1, 3, 64, 64)). Steps are agent steps summed over the envs.
+The world model (DreamerV3's size-S encoder and decoder on 64x64 colour frames, an RSSM with a LayerNorm GRU, a
+learned initial state and 32x32 categorical latents, symlog two-hot reward and continue heads) learns from replayed
+sequences of 16 x 64, one update per env step; the actor and critic from 15-step rollouts it imagines. `--model
+nature` is a smaller model on 4 stacked 84x84 grey frames, whose shapes the shape comments give.
 
-It logs every `--log-interval` env steps to TensorBoard in `runs/{run_name}` (wandb with `--track`): `charts/*`,
-`losses/*`, the memory figures of `memory_utils.memory_report()`, and on Pong `world_model/ball_f1_*`, how well the
-model draws the ball (`open_loop_ball_scores`). Checkpoints (`runs/{run_name}/checkpoint.pt`, tensors only) are
-written by `--save-model`, `--checkpoint-every`, signals, an OOM and failures; `--resume PATH` continues a run.
+It logs to TensorBoard in `runs/{run_name}` (wandb with `--track`): `charts/*`, `losses/*`, memory figures and, on
+Pong, `world_model/ball_f1_*`. Checkpoints go to `runs/{run_name}/checkpoint.pt`; `--resume PATH` continues a run.
 """
 
 # =====================================================================================================================
