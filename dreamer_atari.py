@@ -649,11 +649,14 @@ def one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         diff = eye - eye.roll(1, 1).triu()
         _DRAW_MATRICES[key] = cdf, diff
     cdf_matrix, diff_matrix = _DRAW_MATRICES[key]
-    with torch.autocast(probs.device.type, enabled=False):  # in float32, also under --amp
-        above = (
-            probs.float() @ cdf_matrix >= uniform
-        ).float()  # (..., C): 0 up to the drawn class, 1 from it
-        return above @ diff_matrix
+    precision = torch.get_float32_matmul_precision()  # the CDF in full float32: TF32 rounds probs to 10 bits
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.autocast(probs.device.type, enabled=False):  # in float32, also under --amp
+            above = (probs.float() @ cdf_matrix >= uniform).float()  # 0 up to the drawn class, 1 from it
+            return above @ diff_matrix
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 def one_hot_draw_fused(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -837,13 +840,10 @@ def dreamerv3_init_(module: nn.Module) -> None:
     zero (`mlp(..., zero_output=True)`) stays zero."""
     for layer in module.modules():
         if isinstance(layer, (nn.Linear, nn.Conv2d, nn.ConvTranspose2d)):
-            weight = (
-                layer.weight
-            )  # (out, in, ...) or, transposed, (in, out, ...): the sum of fans is the same
+            weight = layer.weight  # (out, in, ...), or (in, out, ...) transposed: the same sum of fans
             taps = weight[0, 0].numel()  # kernel positions (1 for a linear layer)
-            std = (
-                math.sqrt(2.0 / ((weight.shape[0] + weight.shape[1]) * taps)) / 0.87962566103423978
-            )  # truncation
+            # / the std of a unit normal truncated at two
+            std = math.sqrt(2.0 / ((weight.shape[0] + weight.shape[1]) * taps)) / 0.87962566103423978
             nn.init.trunc_normal_(layer.weight, 0.0, std, -2 * std, 2 * std)
             # a zero layer is drawn all the same, so that the layers after it get the same draws
             if getattr(layer, "zero_init", False):
@@ -1058,10 +1058,7 @@ class WorldModel(nn.Module):
     def __init__(self, args: Args, obs_shape: tuple, num_actions: int):
         super().__init__()
         model = MODELS[args.model]
-        channels, side = (
-            math.prod(obs_shape[:-2]),
-            obs_shape[-1],
-        )  # stacked frames (x 3 in colour) as channels
+        channels, side = math.prod(obs_shape[:-2]), obs_shape[-1]  # frames (x 3 in colour) as channels
         self.encoder = model.encoder(args, channels, side)
         self.embed_dim = self.encoder.embed_dim
         self.rssm = RSSM(
@@ -1517,9 +1514,8 @@ def imagine(agent: Agent, start_states, horizon: int):
 
 def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = True):
     """Actor and critic losses on an imagined rollout. Returns (actor_loss, critic_loss, parts)."""
-    feat, log_prob, entropy = agent.imagine(
-        agent, start_states, args.imagination_horizon
-    )  # (H+1, N, F), (H, N)
+    # (H+1, N, F), (H, N)
+    feat, log_prob, entropy = agent.imagine(agent, start_states, args.imagination_horizon)
     # one critic pass gives both the values the targets bootstrap from (detached) and the logits its loss trains
     critic_logits = agent.critic(feat)  # (H+1, N, K)
     with torch.no_grad():
@@ -1603,9 +1599,8 @@ def train_behavior(agent: Agent, start: dict[str, torch.Tensor], args: Args):
     )
     for optimizer in (agent.actor_optimizer, agent.critic_optimizer):
         optimizer.zero_grad(set_to_none=True)  # memory: gradients are not kept between updates
-    with (
-        torch.no_grad()
-    ):  # one fused kernel for all the slow critic's tensors; it stays put when the critic did
+    # one fused kernel for all the slow critic's tensors; it stays put when the critic did
+    with torch.no_grad():
         slow, fast = list(agent.slow_critic.parameters()), list(agent.critic.parameters())
         fraction = agent.settings["slow_critic_fraction"] * critic_healthy.to(slow[0].dtype)
         torch._foreach_lerp_(slow, fast, [fraction] * len(slow))

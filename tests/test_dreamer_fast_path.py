@@ -601,3 +601,28 @@ def test_the_compiled_draw_picks_the_classes_the_eager_draw_picks():
     expected = da.one_hot_draw(probs, uniform)
     assert torch.equal(drawn, expected)
     assert torch.equal(drawn.sum(-1), torch.ones(4096)) and drawn[0, 5] == 1
+
+
+def test_the_eager_draw_takes_its_cdf_in_full_float32_under_tf32():
+    """With --tf32 (float32 matmul precision "high") a GPU rounds a product's inputs to 10 bits: the CDF's product
+    would move each step by up to about 1e-3 and draw other classes than the probabilities say (4 rows in 4,094 on an
+    H200). The draw's products run at "highest", and the run's setting is back afterwards."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Precision(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.matmul):
+                seen.append(torch.get_float32_matmul_precision())
+            return func(*args, **(kwargs or {}))
+
+    probs, uniform = torch.softmax(torch.randn(8, 32), -1), torch.rand(8, 1)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        with Precision():
+            da.one_hot_draw(probs, uniform)
+        assert seen == ["highest", "highest"] and torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -1,6 +1,7 @@
 """dev/gpu/gpu_report.py: the GPU results file assembled from the raw outputs of one GPU session."""
 
 import json
+from pathlib import Path
 
 from dev.gpu import gpu_report
 
@@ -99,3 +100,21 @@ def test_gpu_report_renders_compiled_update_variants_and_judges_the_fastest(tmp_
     _, text = gpu_report.report(folder)
     assert "| bf16 | 296 | 28 | 95 (71) | failed | 10.6 |" in text
     assert "Compiled and captured, --amp bf16, failed: `RuntimeError: capture failed`." in text
+
+
+def test_redraw_adds_dreamerv3s_curves_to_a_committed_lease_and_says_so(tmp_path):
+    """A lease whose copy of the code lacked DreamerV3's curves: the redraw reads them from the repository, draws the
+    run's own samples beside them and says in the JSON and the markdown that they were added afterwards."""
+    from dev.gpu import gpu_redraw
+
+    committed = json.loads(Path("benchmark/results/2026-11-27-nvidia-h200.json").read_text())
+    committed.pop("pong_reference_added")
+    committed["pong_reference"] = None
+    results = tmp_path / "lease.json"
+    results.write_text(json.dumps(committed))
+    redrawn = gpu_redraw.redraw(results)
+    assert redrawn["pong_reference"]["repository"] == "danijar/dreamerv3"
+    assert redrawn["pong_points"] == committed["pong_points"]  # nothing measured changes
+    assert (tmp_path / "lease_pong_curve.png").stat().st_size > 10_000
+    markdown = (tmp_path / "lease.md").read_text()
+    assert "Grey lines on the return plot" in markdown and "drawn in afterwards" in markdown

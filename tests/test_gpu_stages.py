@@ -415,6 +415,8 @@ def test_a_lease_in_two_calls_call_1_returns_while_the_run_goes_on_detached_and_
         # the final agent's evaluation and the run's own wall time, not the calls'
         assert final["pong_eval"]["asked"] == 10 and len(final["pong_eval"]["episodes"]) == 10
         assert final["pong_final_return"] is not None
+        # the run's copy of the code carries DreamerV3's own curves, which its plot draws beside its own
+        assert final["pong_reference"]["repository"] == "danijar/dreamerv3"
         assert final["wall_s"] <= lease["run"]["wall_s"] < lease["call_2"]["collected_after_s"]
         markdown = next((tmp_path / "out2").glob("*.md")).read_text()
         assert "## Device calls: 2" in markdown and "spanned two device calls" in markdown

@@ -193,6 +193,8 @@ if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
     # the run reads its code from its own copy: call 2's fresh working tree never changes it under the run
     cp dreamer_atari.py memory_utils.py memory_analysis.py "$lease_dir/code/"
     cp benchmark/*.py "$lease_dir/code/benchmark/"
+    mkdir -p "$lease_dir/code/benchmark/results"  # DreamerV3's own Pong curves, drawn beside the run's
+    cp benchmark/results/dreamerv3_atari100k_pong.json "$lease_dir/code/benchmark/results/"
     cp dev/__init__.py "$lease_dir/code/dev/"
     cp dev/gpu/*.py "$lease_dir/code/dev/gpu/"
     span_s=${GPU_LEASE_SPAN_S:-740}

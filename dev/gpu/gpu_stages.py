@@ -483,6 +483,7 @@ def pong_markdown_staged(result: dict) -> list[str]:
                     f"Grey lines on the return plot: DreamerV3's own five Atari100k Pong runs (2023 code), from "
                     f"`{reference['path']}` of {reference['repository']} at commit {reference['commit'][:7]} "
                     f"({reference['note']})."
+                    + (f" {result['pong_reference_added']}." if result.get("pong_reference_added") else "")
                 ),
                 "",
             ]
