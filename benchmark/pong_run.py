@@ -207,13 +207,14 @@ def newest_run_dir(pong_dir: Path) -> Path | None:
 def run_pong(
     args: Args,
     progress: Callable[[dict], None] | None = None,
-    deadline: float | None = None,
+    deadline: float | Callable[[], float | None] | None = None,
     images_to: Path | None = None,
     fast_path: dict | None = None,
 ) -> dict:
     """Run (or continue) the Atari100k Pong run for --pong-minutes (less where the budget leaves less), then stop
     it with SIGTERM, which makes the script write a checkpoint and exit 143. Every --pong-curve-every env steps its
-    curve so far goes to `progress`; at the end its final agent is evaluated (pong_eval.py)."""
+    curve so far goes to `progress`; at the end its final agent is evaluated (pong_eval.py). A callable `deadline` is
+    read again at each poll, so the run's cap follows it (`pong_cap_s`; each change in `pong_cap_moves`)."""
     import dreamer_atari as da
 
     pong_dir = Path(args.pong_dir).resolve()
@@ -225,12 +226,19 @@ def run_pong(
     cmd = [sys.executable, str(ROOT / "dreamer_atari.py"), *flags, *shlex.split(args.pong_args)]
     if resume is not None:
         cmd += ["--resume", str(resume)]
-    cap_s = args.pong_minutes * 60
     reserve_s = (
         (args.pong_eval_minutes * 60 if args.pong_eval_episodes else 0.0) + EVAL_OVERHEAD_S + SIGTERM_GRACE_S
     )
-    if deadline is not None:
-        cap_s = min(cap_s, deadline - time.time() - reserve_s)
+
+    def cap(launched: float) -> float:
+        """Seconds from the launch at which the run is stopped: --pong-minutes, or less where the deadline leaves
+        less once its evaluation and the results are set aside."""
+        end = deadline() if callable(deadline) else deadline
+        return (
+            args.pong_minutes * 60 if end is None else min(args.pong_minutes * 60, end - launched - reserve_s)
+        )
+
+    cap_s = cap(time.time())
     shown = " ".join(["python", "dreamer_atari.py", *cmd[2:]]).replace(str(pong_dir), "PONG_DIR")
     out: dict = {
         "pong_command": shown,
@@ -256,6 +264,7 @@ def run_pong(
     out["pong_curve_writes"] = writes
     next_write = every
     launched = time.time()
+    cap_s = out["pong_cap_s"] = cap(launched)
     run_dir = resume.parent if resume is not None else None
     stopped_at, seen_size = None, 0
     utilization = gpu_utilization_reader() if args.device == "cuda" else None
@@ -291,6 +300,10 @@ def run_pong(
             now = time.time()
             if utilization is not None:
                 busy.append([round(now - launched, 1), utilization()])
+            if callable(deadline) and stopped_at is None and abs((moved := cap(launched)) - cap_s) > 1:
+                cap_s = out["pong_cap_s"] = moved
+                out.setdefault("pong_cap_moves", []).append([round(now - launched, 1), round(moved, 1)])
+                log(f"pong: its cap moved to {moved:.0f} s after its launch (the deadline file)")
             if stopped_at is None and now - launched >= cap_s:
                 process.send_signal(signal.SIGTERM)  # the script checkpoints and exits 128 + 15
                 stopped_at = now

@@ -446,3 +446,41 @@ def test_call_1_never_starts_a_second_run_over_one_still_going(tmp_path):
     status, output, _ = _lease_call("start", lease_dir, tmp_path / "out", 30)
     assert status == 2 and "a detached run is still going" in output and "collect it with 'finish'" in output
     assert (lease_dir / "run.pid").exists()
+
+
+def test_the_deadline_file_only_lengthens_the_budget(tmp_path):
+    """A later device call may give the run more time (`gpu_lease.sh finish` writes the file), never less: an earlier
+    time, a missing or unreadable file leave --budget-minutes' end; a later one moves it there at the next read."""
+    path = tmp_path / "deadline"
+    deadline = gpu_stages.Deadline(1000.0, 2.0, str(path))
+    assert deadline() == 1120.0  # no file yet
+    path.write_text("1100\n")
+    assert deadline() == 1120.0  # earlier: never shortens
+    path.write_text("not a time")
+    assert deadline() == 1120.0
+    path.write_text("1300.5\n")
+    assert deadline() == 1300.5
+    assert gpu_stages.Deadline(1000.0, None, str(path))() is None  # no budget: only the stages' own caps
+    assert gpu_stages.Deadline(1000.0, 2.0, None)() == 1120.0
+
+
+def test_kernel_times_split_an_updates_gpu_time_by_kind_and_name():
+    """The profile of one update, as the next speed work needs it: how much of the update the GPU is busy, in which
+    kind of work (cuDNN's convolutions are not counted as the GEMMs they are built on), and the longest kernels."""
+    kernels = [
+        ("sm90_xmma_fprop_implicit_gemm_tf32f32", 40.0),
+        ("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n", 10.0),
+        ("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n", 12.0),
+        ("void at::native::vectorized_elementwise_kernel<4, AddFunctor>", 2.0),
+        ("triton_per_fused_native_layer_norm_silu_0", 3.0),
+        ("Memcpy HtoD (Pinned -> Device)", 1.0),
+        ("some_custom_kernel", 0.5),
+    ]
+    times = update_variants.kernel_times(kernels, top=2)
+    assert times["busy_ms"] == 0.0685
+    assert times["by_kind"]["convolution"] == {"kernels": 1, "ms": 0.04}
+    assert times["by_kind"]["matmul"] == {"kernels": 2, "ms": 0.022}
+    assert times["by_kind"]["other"] == {"kernels": 1, "ms": 0.0005}
+    assert next(iter(times["by_kind"])) == "convolution"  # longest first
+    assert [t["name"] for t in times["top"]] == [kernels[0][0], kernels[1][0]]
+    assert times["top"][1] == {"name": kernels[1][0], "kernels": 2, "ms": 0.022}

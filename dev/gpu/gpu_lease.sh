@@ -19,7 +19,8 @@
 #               until its own budget is nearly spent, then copies what was measured so far into $OUT, marked "call 1,
 #               still running"
 #   start-pong  the same without the update variants: the Pong run alone, about 10 minutes before its time cap
-#   finish      call 2 (default budget 195 s): waits for that run (its training, evaluation and results) to end or
+#   finish      call 2 (default budget 195 s): lengthens the run to what its own budget allows (never shortens it:
+#               the file gpu_stages.py --deadline-file reads), waits for it (its training, evaluation and results) to end or
 #               for its own budget, then copies the files into $OUT, marked with both calls' times. Where
 #               GPU_LEASE_DIR holds nothing (the machine was given back between the calls, and the run with it) it
 #               says that the run is lost and exits 3.
@@ -209,7 +210,7 @@ if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
     esac
     budget=$(minutes "$((span_s - ($(date +%s) - start_s)))")
     cmd=("$py" dev/gpu/gpu_stages.py --results-dir "$lease_dir/results" --pong-dir "$lease_dir/pong"
-        --no-pong-resumable "${stages[@]}" --pong-eval-minutes 1 "${device[@]}"
+        --no-pong-resumable --deadline-file "$lease_dir/deadline" "${stages[@]}" --pong-eval-minutes 1 "${device[@]}"
         --pong-minutes "${GPU_LEASE_PONG_MINUTES:-30}" --budget-minutes "$budget" "${extra[@]}")
     say "detached, in $lease_dir/code: ${cmd[*]}"
     # a new session (setsid): the device tool ends what a command leaves running, except a new session's processes.
@@ -231,6 +232,14 @@ if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
 else
     record call_2_started "$started_at"
     record call_2_budget_s "$budget_s"
+    # the run may go on training as long as this call's budget allows (never less than call 1 gave it): its
+    # evaluation and results, this call's copy and the CUDA tests still fit (gpu_stages.py --deadline-file)
+    tests_s=0
+    "$py" -c "import pytest" 2>/dev/null && tests_s=75
+    end_s=$((start_s + budget_s - margin_s - tests_s))
+    echo "$end_s" >"$lease_dir/deadline.tmp" && mv "$lease_dir/deadline.tmp" "$lease_dir/deadline"
+    record call_2_run_may_end "$end_s"
+    say "the run may go on until $((end_s - start_s)) s into this call where call 1 gave it less (its evaluation and results within)"
     say "the detached run of call 1, pid $(cat "$lease_dir/run.pid" 2>/dev/null || echo '?'); waiting on it"
     log_lines_shown=$(wc -l <"$lease_dir/run.log" 2>/dev/null || echo 0) # call 1 showed those
     wait_for_run "$margin_s"

@@ -71,6 +71,10 @@ class StageArgs(Args):
     budget_minutes: float | None = None
     """this whole invocation ends within this many minutes (the Pong run's training is cut short so that its
     evaluation and the results fit in); unset: only the stages' own caps"""
+    deadline_file: str | None = None
+    """a file that, once it holds a time (seconds since the epoch) later than --budget-minutes' end, moves the end
+    there, read at every poll of the Pong run: a later device call of the same lease lengthens the run with the time
+    the lease has left (`gpu_lease.sh finish`); an earlier time, or anything else, changes nothing"""
 
 
 # The update variants, each as dreamer_atari.Args field overrides on top of every fast path off; a field this
@@ -128,6 +132,24 @@ def check_staged_args(args: StageArgs) -> None:
     check_pong_args(args)
 
 
+class Deadline:
+    """When the invocation must end: --budget-minutes after its start, or later where --deadline-file says so (read
+    at each call); None: no end but the stages' own caps."""
+
+    def __init__(self, started: float, budget_minutes: float | None, deadline_file: str | None):
+        self.base = started + budget_minutes * 60 if budget_minutes else None
+        self.file = Path(deadline_file) if deadline_file else None
+
+    def __call__(self) -> float | None:
+        try:
+            later = float(self.file.read_text().strip()) if self.file is not None else None
+        except (OSError, ValueError):
+            later = None
+        if later is None or self.base is None:
+            return self.base
+        return max(self.base, later)
+
+
 class Results:
     """The results file of one staged run: JSON (every figure and sample) and markdown, rewritten on each save."""
 
@@ -148,7 +170,7 @@ def main_staged(args: StageArgs) -> dict:
 
     check_staged_args(args)
     started = time.time()
-    deadline = started + args.budget_minutes * 60 if args.budget_minutes else None
+    deadline = Deadline(started, args.budget_minutes, args.deadline_file)
     machine = bench_utils.machine()
     on_cuda = args.device == "cuda"
     date = time.strftime("%Y-%m-%d")
@@ -176,7 +198,7 @@ def main_staged(args: StageArgs) -> dict:
         fast_path: dict = {}
         for stage in args.stage:
             if stage == "update":
-                run_update_stage(args, Path(work), result, results.save, deadline)
+                run_update_stage(args, Path(work), result, results.save, deadline())
                 fast_path = faster_path(result)
             else:
                 pong = run_pong(
@@ -439,6 +461,19 @@ def update_markdown(result: dict) -> list[str]:
         v.get("kernels_counted_as") for v in data.get("variants", {}).values() if v.get("kernels_counted_as")
     }
     lines += ["", "Kernels counted as: " + "; ".join(sorted(counted)) + "." if counted else ""]
+    for name, v in data.get("variants", {}).items():
+        times = v.get("kernel_time")
+        if times and v.get("update_ms"):
+            kinds = ", ".join(
+                f"{kind} {fmt(entry['ms'])} ms ({fmt(entry['kernels'])} kernels)"
+                for kind, entry in times["by_kind"].items()
+            )
+            lines += [
+                "",
+                f"Where `{name}`'s GPU time goes (one profiled update): kernels busy {fmt(times['busy_ms'])} ms of "
+                f"{fmt(v['update_ms'])} ms per update; {kinds}. The longest kernels by total time are in the JSON "
+                f"(`update.variants.{name}.kernel_time.top`).",
+            ]
     return lines
 
 
@@ -458,6 +493,15 @@ def pong_markdown_staged(result: dict) -> list[str]:
         lines += [
             "Recipe fields this version of the script lacks (left out): "
             + ", ".join(result["pong_fields_not_in_this_version"])
+            + ".",
+            "",
+        ]
+    if result.get("pong_cap_moves"):
+        lines += [
+            "Its time cap was moved by a later device call of the lease (`--deadline-file`): "
+            + "; ".join(
+                f"at {fmt(at)} s after its launch to {fmt(cap)} s" for at, cap in result["pong_cap_moves"]
+            )
             + ".",
             "",
         ]

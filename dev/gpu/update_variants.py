@@ -103,14 +103,57 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def count_kernels(update, device: torch.device) -> int:
-    """CUDA kernels (every GPU activity the profiler records: kernels, copies, fills) of one call."""
+def count_kernels(update, device: torch.device) -> tuple[int, dict]:
+    """CUDA kernels (every GPU activity the profiler records: kernels, copies, fills) of one call, and where their
+    time goes (`kernel_times`)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         update()
         sync(device)
-    return sum(1 for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    kernels = [
+        (e.name, e.time_range.elapsed_us())
+        for e in prof.events()
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+    ]
+    return len(kernels), kernel_times(kernels)
+
+
+# kinds of GPU work by kernel name, the first that matches: cuDNN's convolutions before the GEMMs they are built on
+KERNEL_KINDS = (
+    ("convolution", ("conv", "fprop", "dgrad", "wgrad", "cudnn")),
+    ("matmul", ("gemm", "gemv", "cutlass", "cublas", "xmma", "sm90_", "sm80_")),
+    ("triton (compiled, fused)", ("triton",)),
+    ("normalisation and reductions", ("norm", "reduce", "softmax", "scan", "cumsum")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "where", "fill", "copy")),
+    ("memory copies and fills", ("memcpy", "memset")),
+)
+
+
+def kernel_times(kernels: list[tuple[str, float]], top: int = 25) -> dict:
+    """{name, microseconds} of one update's kernels -> the GPU's busy time, split by kind of work (KERNEL_KINDS,
+    `other` for the rest), and the `top` kernel names by total time with their counts: whether an update is made of
+    long kernels or of many short ones, and which."""
+    by_kind: dict[str, list[float]] = {}
+    by_name: dict[str, list[float]] = {}
+    for name, us in kernels:
+        lowered = name.lower()
+        kind = next((k for k, words in KERNEL_KINDS if any(w in lowered for w in words)), "other")
+        for table, key in ((by_kind, kind), (by_name, name)):
+            entry = table.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] += us
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return {
+        "busy_ms": round(sum(us for _, us in kernels) / 1e3, 4),
+        "by_kind": {
+            kind: {"kernels": count, "ms": round(us / 1e3, 4)}
+            for kind, (count, us) in sorted(by_kind.items(), key=lambda item: -item[1][1])
+        },
+        "top": [
+            {"name": name[:160], "kernels": count, "ms": round(us / 1e3, 4)} for name, (count, us) in ranked
+        ],
+    }
 
 
 def count_aten_ops(update, device: torch.device) -> int:
@@ -163,7 +206,10 @@ def measure_variant(
         )
         start = time.perf_counter()
         if about_to_capture and on_cuda:
-            kernels_before_capture, profiled_call = count_kernels(update, device), call
+            (kernels_before_capture, times_before_capture), profiled_call = (
+                count_kernels(update, device),
+                call,
+            )
         else:
             update()
             sync(device)
@@ -191,11 +237,12 @@ def measure_variant(
     )
     figures["captured"] = captured
     if on_cuda:
-        kernels = count_kernels(update, device)
+        kernels, figures["kernel_time"] = count_kernels(update, device)
         figures["kernels_in_profile"] = kernels
         if captured and kernels < 10 and kernels_before_capture is not None:
             # the profiler did not see inside the graph replay: the same work, counted on the call before capture
             figures["kernels_per_update"] = kernels_before_capture
+            figures["kernel_time"] = times_before_capture  # an eager call's: launch gaps are not the graph's
             figures["kernels_counted_as"] = (
                 "CUDA kernels of the last call before capture (the captured function)"
             )
