@@ -210,11 +210,13 @@ def run_pong(
     deadline: float | Callable[[], float | None] | None = None,
     images_to: Path | None = None,
     fast_path: dict | None = None,
+    inductor_cache: Path | None = None,
 ) -> dict:
     """Run (or continue) the Atari100k Pong run for --pong-minutes (less where the budget leaves less), then stop
     it with SIGTERM, which makes the script write a checkpoint and exit 143. Every --pong-curve-every env steps its
     curve so far goes to `progress`; at the end its final agent is evaluated (pong_eval.py). A callable `deadline` is
-    read again at each poll, so the run's cap follows it (`pong_cap_s`; each change in `pong_cap_moves`)."""
+    read again at each poll, so the run's cap follows it (`pong_cap_s`; each change in `pong_cap_moves`).
+    `inductor_cache`: a --compile run compiles from this Inductor cache (another stage's), else from a fresh one."""
     import dreamer_atari as da
 
     pong_dir = Path(args.pong_dir).resolve()
@@ -255,7 +257,13 @@ def run_pong(
     learning_starts = fields.get("learning_starts", da.Args().learning_starts)
     every = 100 if args.quick else args.pong_curve_every  # --quick: each log point of its tiny run
     log_path = pong_dir / "train.log"
-    cache = tempfile.mkdtemp(prefix="inductor-", dir=pong_dir)  # compiling counts in the run's start-up time
+    # a fresh cache: compiling counts in the run's start-up time, as a new user's would
+    cache = (
+        str(inductor_cache)
+        if inductor_cache is not None
+        else tempfile.mkdtemp(prefix="inductor-", dir=pong_dir)
+    )
+    out["pong_inductor_cache"] = "another stage's (warm)" if inductor_cache is not None else "fresh"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", "TORCHINDUCTOR_CACHE_DIR": cache}
     if args.device == "cpu":
         # --threads, as every CPU measurement here (more threads only contend on a busy machine)
@@ -325,7 +333,8 @@ def run_pong(
     out["pong_returncode"] = returncode
     log(f"pong: {out['pong_process_wall_s']:.0f} s, exit {returncode}")
     out["pong_log_tail"] = log_path.read_text(errors="replace").splitlines()[-40:]
-    shutil.rmtree(cache, ignore_errors=True)
+    if inductor_cache is None:
+        shutil.rmtree(cache, ignore_errors=True)
     run_dir = run_dir or newest_run_dir(pong_dir)
     # SIGTERM before the script installed its handler: stopped, no checkpoint
     stopped_early = stopped_at is not None and returncode == -signal.SIGTERM

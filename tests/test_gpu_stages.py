@@ -256,6 +256,17 @@ def test_targets_are_judged_on_a_full_size_cuda_run_and_the_pong_ones_only_at_10
     )  # the update is judged whatever the Pong run reached
     quick = gpu_stages.targets(_full_result(100_000, quick=True))
     assert all(row["met_must"] is None for row in quick)
+    # a compiled run whose compile came from the update stage's cache: its start-up is not a new user's
+    warm = {
+        **_full_result(100_000),
+        "pong_inductor_cache": "another stage's (warm)",
+        "pong_config": {"compile": True},
+    }
+    rows = {row["key"]: row for row in gpu_stages.targets(warm)}
+    assert (
+        rows["pong_wall_min_100k"]["met_must"] is None and "not judged" in rows["pong_wall_min_100k"]["note"]
+    )
+    assert rows["pong_final_return"]["met_must"] is True
 
 
 @pytest.mark.slow
@@ -415,6 +426,7 @@ def test_a_lease_in_two_calls_call_1_returns_while_the_run_goes_on_detached_and_
         # the final agent's evaluation and the run's own wall time, not the calls'
         assert final["pong_eval"]["asked"] == 10 and len(final["pong_eval"]["episodes"]) == 10
         assert final["pong_final_return"] is not None
+        assert final["pong_inductor_cache"] == "another stage's (warm)"  # the update stage's compile cache
         # the run's copy of the code carries DreamerV3's own curves, which its plot draws beside its own
         assert final["pong_reference"]["repository"] == "danijar/dreamerv3"
         assert final["wall_s"] <= lease["run"]["wall_s"] < lease["call_2"]["collected_after_s"]

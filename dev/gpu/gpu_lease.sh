@@ -205,7 +205,7 @@ if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
     record span_s "$span_s"
     case "$mode" in
         start) stages=(--stage update pong --update-minutes "${GPU_LEASE_UPDATE_MINUTES:-2}"
-            --update-variants "${variants[@]}") ;;
+            --update-variants "${variants[@]}" --pong-inductor-cache update-stage) ;;
         start-pong) stages=(--stage pong) ;;
     esac
     budget=$(minutes "$((span_s - ($(date +%s) - start_s)))")

@@ -71,6 +71,9 @@ class StageArgs(Args):
     budget_minutes: float | None = None
     """this whole invocation ends within this many minutes (the Pong run's training is cut short so that its
     evaluation and the results fit in); unset: only the stages' own caps"""
+    pong_inductor_cache: Literal["fresh", "update-stage"] = "fresh"
+    """`update-stage`: a Pong run on --compile compiles from the update stage's Inductor cache, so its start-up
+    holds little compiling (said in the results: `pong_inductor_cache`); `fresh`: a new user's compile"""
     deadline_file: str | None = None
     """a file that, once it holds a time (seconds since the epoch) later than --budget-minutes' end, moves the end
     there, read at every poll of the Pong run: a later device call of the same lease lengthens the run with the time
@@ -207,6 +210,11 @@ def main_staged(args: StageArgs) -> dict:
                     deadline=deadline,
                     images_to=stem,
                     fast_path=fast_path,
+                    inductor_cache=(
+                        Path(work) / "inductor-update"
+                        if args.pong_inductor_cache == "update-stage" and "update" in args.stage
+                        else None
+                    ),
                 )
                 result.update(pong)
             results.save()
@@ -382,6 +390,12 @@ def targets(result: dict) -> list[dict]:
             note = f"the run reached {result.get('pong_env_steps') or 0:,} env steps"
         if key == "pong_wall_min_100k" and value is not None:
             note = result.get("pong_wall_min_100k_how", "")
+            if result.get("pong_inductor_cache", "fresh") != "fresh" and (
+                result.get("pong_config") or {}
+            ).get("compile"):
+                # a new user compiles from nothing: a warm cache's start-up is not theirs
+                judged = False
+                note += "; compiled from the update stage's Inductor cache, not judged"
         if key == "kernels_per_update" and value is not None:
             note = result.get("kernels_counted_as") or ""
         if value is not None and not full_size:
@@ -484,7 +498,13 @@ def pong_markdown_staged(result: dict) -> list[str]:
         "## (b) Pong, Atari100k recipe",
         "",
         f"`{result['pong_command']}`"
-        + (" (continued from its last checkpoint)" if result.get("pong_resumed") else ""),
+        + (" (continued from its last checkpoint)" if result.get("pong_resumed") else "")
+        + (
+            "; with --compile it compiles from the update stage's Inductor cache, so its start-up holds little "
+            "compiling"
+            if result.get("pong_inductor_cache", "fresh") != "fresh"
+            else ""
+        ),
         "",
     ]
     if result.get("pong_skipped"):
