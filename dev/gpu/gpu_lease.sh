@@ -210,7 +210,7 @@ if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
     esac
     budget=$(minutes "$((span_s - ($(date +%s) - start_s)))")
     cmd=("$py" dev/gpu/gpu_stages.py --results-dir "$lease_dir/results" --pong-dir "$lease_dir/pong"
-        --no-pong-resumable --deadline-file "$lease_dir/deadline" "${stages[@]}" --pong-eval-minutes 1 "${device[@]}"
+        --no-pong-resumable --deadline-file "$lease_dir/deadline" "${stages[@]}" --pong-eval-minutes 0.5 "${device[@]}"
         --pong-minutes "${GPU_LEASE_PONG_MINUTES:-30}" --budget-minutes "$budget" "${extra[@]}")
     say "detached, in $lease_dir/code: ${cmd[*]}"
     # a new session (setsid): the device tool ends what a command leaves running, except a new session's processes.
