@@ -12,7 +12,8 @@
 #   pong    the Pong run alone (about 6.5 minutes of it training), its evaluation, the results
 # Two device commands, the second issued as soon as the first returns (the machine stays warm 30 s), so that the
 # Pong run outlives the first command's 10 minutes (dev/README.md, "Two calls"):
-#   start       call 1 (default budget 550 s): the default's update at 16 x 64, captured, eager against --compile
+#   start       call 1 (default budget 550 s): the tests that need CUDA (at most 60 s), then the default's update
+#               at 16 x 64, captured, eager against --compile
 #               (GPU_LEASE_UPDATE_VARIANTS, at most GPU_LEASE_UPDATE_MINUTES, 2: ms and kernels each), then the Pong
 #               run on the faster (about 8 minutes before its time cap), both in one `gpu_stages.py` process started
 #               detached (setsid) in GPU_LEASE_DIR (/tmp/gpu-lease), so the stages never share the GPU; waits on it
@@ -198,6 +199,14 @@ if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
     cp benchmark/results/dreamerv3_atari100k_pong.json "$lease_dir/code/benchmark/results/"
     cp dev/__init__.py "$lease_dir/code/dev/"
     cp dev/gpu/*.py "$lease_dir/code/dev/gpu/"
+    # the tests that need CUDA, first and alone on the GPU (pytest travels among the wheels), into lease.log: the
+    # lease's last minutes then all go to the run
+    if "$py" -c "import pytest" 2>/dev/null; then
+        say "the tests that need CUDA (tests/test_dreamer_cuda.py, the CUDA test of tests/test_dreamer_frame_store.py)"
+        timeout 60 "$py" -m pytest -q -o addopts= -p no:cacheprovider tests/test_dreamer_cuda.py \
+            tests/test_dreamer_frame_store.py -k cuda
+        say "CUDA tests: exit $?"
+    fi
     span_s=${GPU_LEASE_SPAN_S:-740}
     record call_1_mode "$mode"
     record call_1_started "$started_at"
@@ -233,10 +242,8 @@ else
     record call_2_started "$started_at"
     record call_2_budget_s "$budget_s"
     # the run may go on training as long as this call's budget allows (never less than call 1 gave it): its
-    # evaluation and results, this call's copy and the CUDA tests still fit (gpu_stages.py --deadline-file)
-    tests_s=0
-    "$py" -c "import pytest" 2>/dev/null && tests_s=75
-    end_s=$((start_s + budget_s - margin_s - tests_s))
+    # evaluation and results, and this call's copy, still fit (gpu_stages.py --deadline-file)
+    end_s=$((start_s + budget_s - margin_s))
     echo "$end_s" >"$lease_dir/deadline.tmp" && mv "$lease_dir/deadline.tmp" "$lease_dir/deadline"
     record call_2_run_may_end "$end_s"
     say "the run may go on until $((end_s - start_s)) s into this call where call 1 gave it less (its evaluation and results within)"
@@ -256,13 +263,6 @@ else
     say "the run's process is gone without an exit status (killed?)"
 fi
 collect "$call" || status=1
-# call 2, the run over: the tests that need CUDA, with the time left (pytest travels among the wheels), into lease.log
-if [ "$call" = 2 ] && [ -f "$lease_dir/run.rc" ] && [ "$(seconds_left)" -gt 60 ] && "$py" -c "import pytest" 2>/dev/null; then
-    say "the tests that need CUDA (tests/test_dreamer_cuda.py, the CUDA test of tests/test_dreamer_frame_store.py)"
-    timeout "$(($(seconds_left) - 15))" "$py" -m pytest -q -o addopts= -p no:cacheprovider tests/test_dreamer_cuda.py \
-        tests/test_dreamer_frame_store.py -k cuda
-    say "CUDA tests: exit $?"
-fi
 say "in \$OUT:"
 ls -la "$OUT"
 exit "$status"
