@@ -830,7 +830,7 @@ class LayerNormGRUCell(nn.Module):
         reset, candidate, update = upcast(self.norm(self.linear(torch.cat([x, state], -1)))).chunk(3, -1)
         candidate = torch.tanh(torch.sigmoid(reset) * candidate)
         update = torch.sigmoid(update - 1.0)
-        return update * candidate + (1 - update) * state
+        return torch.lerp(state, candidate, update)  # update * candidate + (1 - update) * state, in one kernel
 
 
 @torch.no_grad()
@@ -1008,7 +1008,9 @@ class RSSM(nn.Module):
             probs = stats.exp()
             noise = torch.rand(stats.shape[:-1] + (1,), device=stats.device) if noise is None else noise
             one_hot = one_hot_draw(probs, noise).to(probs.dtype)
-            return (one_hot + probs - probs.detach()).flatten(-2)
+            if torch.is_grad_enabled():  # straight-through: the one-hot's value, the probabilities' gradient
+                one_hot = one_hot + probs - probs.detach()
+            return one_hot.flatten(-2)
         mean, std = stats.chunk(2, -1)
         return mean + std * (torch.randn_like(std) if noise is None else noise)
 
