@@ -830,7 +830,8 @@ class LayerNormGRUCell(nn.Module):
         reset, candidate, update = upcast(self.norm(self.linear(torch.cat([x, state], -1)))).chunk(3, -1)
         candidate = torch.tanh(torch.sigmoid(reset) * candidate)
         update = torch.sigmoid(update - 1.0)
-        return torch.lerp(state, candidate, update)  # update * candidate + (1 - update) * state, in one kernel
+        # update * candidate + (1 - update) * state, in one kernel
+        return torch.lerp(state, candidate, update)
 
 
 @torch.no_grad()
