@@ -843,7 +843,7 @@ def dreamerv3_init_(module: nn.Module) -> None:
         if isinstance(layer, (nn.Linear, nn.Conv2d, nn.ConvTranspose2d)):
             weight = layer.weight  # (out, in, ...), or (in, out, ...) transposed: the same sum of fans
             taps = weight[0, 0].numel()  # kernel positions (1 for a linear layer)
-            # / the std of a unit normal truncated at two
+            # 0.8796...: the std of a unit normal truncated at two standard deviations
             std = math.sqrt(2.0 / ((weight.shape[0] + weight.shape[1]) * taps)) / 0.87962566103423978
             nn.init.trunc_normal_(layer.weight, 0.0, std, -2 * std, 2 * std)
             # a zero layer is drawn all the same, so that the layers after it get the same draws

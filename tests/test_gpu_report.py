@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from dev.gpu import gpu_report
 
 
@@ -118,3 +120,16 @@ def test_redraw_adds_dreamerv3s_curves_to_a_committed_lease_and_says_so(tmp_path
     assert (tmp_path / "lease_pong_curve.png").stat().st_size > 10_000
     markdown = (tmp_path / "lease.md").read_text()
     assert "Grey lines on the return plot" in markdown and "drawn in afterwards" in markdown
+
+
+def test_redraw_of_results_without_a_pong_curve_is_one_sentence_with_status_2(tmp_path, capsys):
+    from dev.gpu import gpu_redraw
+
+    results = tmp_path / "update_only.json"
+    results.write_text(json.dumps({"stages": ["update"]}))
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_redraw.redraw(results)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("holds no Pong curve (pong_points) to draw.")
+    assert json.loads(results.read_text()) == {"stages": ["update"]}  # nothing written
+    assert not (tmp_path / "update_only.md").exists()

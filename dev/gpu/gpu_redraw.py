@@ -21,16 +21,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmark import pong_curve, pong_run
+from benchmark.common import fail
 from dev.gpu import gpu_stages
 
 
 def redraw(results_json: Path) -> dict:
     result = json.loads(results_json.read_text())
     if not result.get("pong_points"):
-        raise SystemExit(f"{results_json} holds no Pong curve (pong_points) to draw")
+        fail(f"{results_json} holds no Pong curve (pong_points) to draw.")
     reference = pong_curve.reference()
     if reference is None:
-        raise SystemExit(f"{pong_curve.REFERENCE} is missing: DreamerV3's curves cannot be drawn")
+        fail(f"{pong_curve.REFERENCE} is missing: DreamerV3's curves cannot be drawn.")
     if result.get("pong_reference") is None:
         result["pong_reference"] = reference["source"]
         result["pong_reference_added"] = (

@@ -195,7 +195,7 @@ def measure_variant(
 
     figures: dict = {"float32_matmul_precision": torch.get_float32_matmul_precision()}  # "high": TF32
     warmup_s, profiled_call = [], None
-    kernels_before_capture = None
+    kernels_before_capture = times_before_capture = None
     for call in range(warmup):
         step = world_model_step
         # the last call before capture runs the captured function uncaptured: its kernels are the graph's
@@ -206,10 +206,8 @@ def measure_variant(
         )
         start = time.perf_counter()
         if about_to_capture and on_cuda:
-            (kernels_before_capture, times_before_capture), profiled_call = (
-                count_kernels(update, device),
-                call,
-            )
+            kernels_before_capture, times_before_capture = count_kernels(update, device)
+            profiled_call = call
         else:
             update()
             sync(device)
