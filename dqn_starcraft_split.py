@@ -259,7 +259,7 @@ def with_map_defaults(args: Args) -> Args:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Environment: the built-in minigames and the pysc2 backend (the same observations, the same actions)
+# Environment: what the agent sees, the action space, the game's clock, and `make_env`
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -403,87 +403,6 @@ EPISODE_SECONDS = 120.0
 EPISODE_LOOPS = EPISODE_SECONDS * GAME_LOOPS_PER_SECOND
 
 
-# The marine. Speed 2.25 world units per normal-speed game second and radius 0.375: the game's unit data
-# (the "Marine" entry of BurnySc2/sc2-techtree data/data.json, read from the game through its API); Liquipedia
-# lists the same speed as 3.15 because it quotes "faster" real seconds (2.25 x 1.4). Per game loop:
-# 2.25 / 16 = 3.15 / 22.4 = 0.1406 units, 2.25 units per agent step at step_mul 16.
-MARINE_SPEED_PER_LOOP = 2.25 / GAME_LOOPS_PER_SECOND
-
-
-MARINE_RADIUS = 0.375
-
-
-MARINE_HIT_POINTS = 45  # max_health 45 in the same unit data
-
-
-# Space. pysc2's feature screen spans `camera_width_world_units` across (`Args.screen_world_units`, pysc2's
-# default 24 on both backends) and is centred on the camera: res / width pixels per world unit.
-# Where things are, in the maps' own world coordinates (x east, y north), from the files inside
-# pysc2/maps/mini_games/{MoveToBeacon,CollectMineralShards}.SC2Map: `Regions` and `MapScript.galaxy`.
-# Both maps: "Playable Space" is the rectangle (22, 20)-(44, 36), the marines spawn at uniform random points
-# in it, and the camera is panned to that rectangle's centre offset 3 units at 270 degrees (south).
-PLAYABLE_WORLD = (22.0, 20.0, 44.0, 36.0)
-
-
-CAMERA_CENTRE_WORLD = (33.0, 25.0)
-
-
-# MoveToBeacon: the beacon spawns at a uniform random point of "Beacon Spawn Region", the rectangle
-# (23.5, 21.5)-(42.5, 34.5) less a disc of radius 4 around (33, 28), drawn again until it is at least 5 units
-# from the marine, at the start and after every pickup (the map script's `< 5.0` loops; docs/mini_games.md
-# says "at least 4 units" for the start, the script uses 5 both times). A pickup is scored when the marine's
-# position is inside "Beacon Area", a circle of radius 1.25 kept centred on the beacon (checked every 0.0625
-# game seconds, i.e. every game loop). We draw the beacon with that radius: the Beacon_Terran model's own
-# footprint radius is not in a source we could find.
-BEACON_SPAWN_WORLD = (23.5, 21.5, 42.5, 34.5)
-
-
-BEACON_SPAWN_HOLE_WORLD = (33.0, 28.0, 4.0)  # (x, y, radius) cut out of the spawn rectangle
-
-
-BEACON_MIN_DISTANCE = 5.0
-
-
-BEACON_RADIUS = 1.25
-
-
-# CollectMineralShards: 20 shards ("NaturalMinerals") at uniform random points of "Mineral Area", the
-# rectangle (23, 21)-(43, 35), each at least 2 units from the closest marine; a new field of 20 when all are
-# collected (map script; docs/mini_games.md says the same). A marine collects a shard by touching it. The
-# shard's pickup radius is an assumption (0.5 units): we found no source for it.
-SHARD_SPAWN_WORLD = (23.0, 21.0, 43.0, 35.0)
-
-
-SHARD_MIN_DISTANCE = 2.0
-
-
-SHARD_RADIUS = 0.5
-
-
-NUM_SHARDS = 20
-
-
-# The minimap: we assume it shows the playable area, scaled so that its longer side (22 units) fills the
-# minimap, centred (the minigames never move the camera, so it carries little beyond the screen).
-MAP_WORLD_UNITS = PLAYABLE_WORLD[2] - PLAYABLE_WORLD[0]
-
-
-def world_to_screen_units(x: float, y: float, width: float) -> tuple[float, float]:
-    """Map world coordinates -> screen units (x right, y down from the top-left corner of a screen `width`
-    world units across), as pysc2's feature-screen transform does for the camera at CAMERA_CENTRE_WORLD."""
-    cx, cy = CAMERA_CENTRE_WORLD
-    return x - (cx - width / 2), (cy + width / 2) - y
-
-
-def screen_rect(
-    world_rect: tuple[float, float, float, float], width: float
-) -> tuple[float, float, float, float]:
-    """A world rectangle (x0, y0, x1, y1) -> the same rectangle in screen units (x0, y0, x1, y1), y down."""
-    x0, y1 = world_to_screen_units(world_rect[0], world_rect[1], width)
-    x1, y0 = world_to_screen_units(world_rect[2], world_rect[3], width)
-    return x0, y0, x1, y1
-
-
 def episode_steps(step_mul: int) -> int:
     """Agent steps of one episode of the map's 120-second timer at `step_mul` game loops per step."""
     return round(EPISODE_SECONDS * GAME_LOOPS_PER_SECOND / step_mul)
@@ -498,282 +417,6 @@ def storage_dtype(layer: Layer) -> np.dtype:
     """uint8 when every value fits, else int16 (pysc2's scales are all below 32,768 for these layers)."""
     # memory: 1 byte per pixel for categorical layers, 2 for hit points; not the int32 pysc2 hands out
     return np.dtype(np.uint8) if layer.scale <= 256 else np.dtype(np.int16)
-
-
-class BuiltinMiniGame:
-    """MoveToBeacon / CollectMineralShards in numpy, with pysc2-shaped observations.
-
-    `reset() -> obs`; `step(function_id, point) -> (obs, reward, done)` where point is (x, y) in screen
-    pixels for Move_screen and select_point and None otherwise. obs: feature_screen (len(SCREEN_LAYERS), res,
-    res) and feature_minimap (len(MINIMAP_LAYERS), res, res) int32 indexed [layer, y, x], player (11,) int64,
-    available_actions (function ids). An unavailable function raises ValueError, as pysc2 does.
-    Positions are kept in screen units (`world_units` across, y down; `world_to_screen_units`).
-    Marines keep walking to their last Move target while the agent no-ops, as units in the game do.
-    select_point selects the marine drawn at the clicked pixel (the nearer one if both are), or nothing on bare
-    ground. Simplification: marines that are moved together all walk to the clicked point (no formation
-    offsets, no collisions).
-    """
-
-    def __init__(
-        self, map_name: str, res: int, step_mul: int, seed: int, world_units: float = Args.screen_world_units
-    ):
-        self.map_name, self.res, self.step_mul, self.world_units = map_name, res, step_mul, world_units
-        self.max_steps = episode_steps(step_mul)
-        self.rng = np.random.default_rng(seed)
-        self.move_per_step = MARINE_SPEED_PER_LOOP * step_mul  # world units per agent step
-        pixel = world_units / res
-        centres = (np.arange(res) + 0.5) * pixel
-        self.screen_x, self.screen_y = np.meshgrid(
-            centres, centres
-        )  # (res, res) screen units of pixel centres
-        x0, y0, x1, y1 = screen_rect(PLAYABLE_WORLD, world_units)
-        mini_pixel = MAP_WORLD_UNITS / res
-        mini_x = (x0 + x1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
-        mini_y = (y0 + y1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
-        self.mini_x, self.mini_y = np.meshgrid(mini_x, mini_y)  # (res, res) screen units of minimap pixels
-        inside = lambda c: (c >= 0) & (c < world_units)
-        self.camera = (inside(self.mini_x) & inside(self.mini_y)).astype(np.int32)
-        self.num_marines = 1 if map_name == "MoveToBeacon" else 2
-
-    # -- world ------------------------------------------------------------------------------------------
-    def _uniform_points(self, rect: tuple[float, float, float, float], n: int) -> np.ndarray:
-        """n uniform random points of a world rectangle, in screen units: (n, 2)."""
-        x0, y0, x1, y1 = screen_rect(rect, self.world_units)
-        return np.stack([self.rng.uniform(x0, x1, n), self.rng.uniform(y0, y1, n)], axis=1)
-
-    def _spawn_beacon(self) -> None:
-        """A new beacon where the map script puts one (MoveToBeacon)."""
-        hole_x, hole_y, hole_radius = BEACON_SPAWN_HOLE_WORLD
-        hole = np.array(world_to_screen_units(hole_x, hole_y, self.world_units))
-        while True:  # the map script draws again until both conditions hold
-            p = self._uniform_points(BEACON_SPAWN_WORLD, 1)[0]
-            far = np.linalg.norm(p - self.marines[0]) >= BEACON_MIN_DISTANCE
-            if far and np.linalg.norm(p - hole) >= hole_radius:
-                break
-        self.pickups, self.pickup_radius = p[None], BEACON_RADIUS
-
-    def _spawn_shards(self) -> None:
-        """A new field of NUM_SHARDS shards where the map script puts them (CollectMineralShards)."""
-        points = []
-        while len(points) < NUM_SHARDS:
-            p = self._uniform_points(SHARD_SPAWN_WORLD, 1)[0]
-            if np.min(np.linalg.norm(self.marines - p, axis=1)) >= SHARD_MIN_DISTANCE:
-                points.append(p)
-        self.pickups, self.pickup_radius = np.array(points), SHARD_RADIUS
-
-    def _spawn_pickups(self) -> None:
-        """The map's pickups: a beacon or a field of shards."""
-        self._spawn_beacon() if self.map_name == "MoveToBeacon" else self._spawn_shards()
-
-    def reset(self) -> dict:
-        """A new episode: marines and pickups where the map puts them; the first observation."""
-        self.steps = 0
-        self.marines = self._uniform_points(PLAYABLE_WORLD, self.num_marines)  # (M, 2) screen units
-        self.targets = self.marines.copy()  # where each marine is walking to
-        self.selected = np.zeros(self.num_marines, bool)
-        self._spawn_pickups()
-        return self._observe()
-
-    def available_actions(self) -> np.ndarray:
-        """The function ids pysc2 would offer now."""
-        # select_point is always available in pysc2, select_army whenever there is an army (always here)
-        ids = [FUNCTION_IDS["no_op"], SELECT_POINT, FUNCTION_IDS["select_army"]]
-        if self.selected.any():
-            ids.append(MOVE_SCREEN)
-        return np.array(ids, np.int64)
-
-    def step(self, function_id: int, point: tuple[int, int] | None = None):
-        """One agent step: the call, then `step_mul` game loops of walking; (obs, reward, done)."""
-        if function_id not in self.available_actions():
-            raise ValueError(
-                f"function {function_id} is not available now (available: {self.available_actions()})"
-            )
-        if function_id in (MOVE_SCREEN, SELECT_POINT):
-            x, y = point
-            if not (0 <= x < self.res and 0 <= y < self.res):
-                raise ValueError(
-                    f"point {point} of function {function_id} is outside the {self.res}x{self.res} screen"
-                )
-        if function_id == FUNCTION_IDS["select_army"]:
-            self.selected[:] = True
-        elif function_id == SELECT_POINT:
-            self.selected[:] = False
-            under = self._discs(self.screen_x, self.screen_y, self.marines, MARINE_RADIUS)[:, y, x]  # (M,)
-            if under.any():
-                clicked = np.array([self.screen_x[y, x], self.screen_y[y, x]])
-                distance = np.where(under, np.linalg.norm(self.marines - clicked, axis=1), np.inf)
-                self.selected[int(distance.argmin())] = True
-        elif function_id == MOVE_SCREEN:
-            target = np.array([(x + 0.5), (y + 0.5)]) * self.world_units / self.res
-            self.targets[self.selected] = target
-        reward = self._advance()
-        self.steps += 1
-        return self._observe(), reward, self.steps >= self.max_steps
-
-    def _reach(self) -> float:
-        """Distance between a marine's centre and a pickup's centre at which the pickup is scored."""
-        if self.map_name == "MoveToBeacon":
-            return BEACON_RADIUS  # the marine's position inside the "Beacon Area" circle
-        return MARINE_RADIUS + SHARD_RADIUS  # the marine touches the shard
-
-    def _advance(self) -> float:
-        """Walk every marine up to one step's distance toward its target; collect what its path touches."""
-        start = self.marines.copy()
-        delta = self.targets - start
-        dist = np.linalg.norm(delta, axis=1, keepdims=True)
-        travel = np.minimum(dist, self.move_per_step)
-        self.marines = start + np.where(dist > 0, delta / np.maximum(dist, 1e-9), 0.0) * travel
-        # distance from each pickup to each marine's path segment: (M, P)
-        seg = self.marines - start
-        seg_len2 = np.maximum((seg**2).sum(1, keepdims=True), 1e-12)
-        rel = self.pickups[None, :, :] - start[:, None, :]
-        t = np.clip((rel * seg[:, None, :]).sum(-1) / seg_len2, 0.0, 1.0)
-        closest = start[:, None, :] + t[..., None] * seg[:, None, :]
-        touched = (np.linalg.norm(self.pickups[None] - closest, axis=-1) < self._reach()).any(0)
-        reward = float(touched.sum())
-        if touched.any():
-            if self.map_name == "MoveToBeacon":
-                self._spawn_beacon()  # the beacon moves somewhere new
-            else:
-                self.pickups = self.pickups[~touched]
-                if len(self.pickups) == 0:
-                    self._spawn_shards()  # all shards collected: a new field of 20
-        return reward
-
-    # -- observation ------------------------------------------------------------------------------------
-    def _discs(self, gx, gy, centres, radius) -> np.ndarray:
-        """(N, res, res) bool: pixels whose centre lies within `radius` of each centre (at least 1 pixel)."""
-        d2 = (gx[None] - centres[:, 0, None, None]) ** 2 + (gy[None] - centres[:, 1, None, None]) ** 2
-        discs = d2 <= radius**2
-        nearest = d2.reshape(len(centres), -1).argmin(1)
-        discs.reshape(len(centres), -1)[np.arange(len(centres)), nearest] = True
-        return discs
-
-    def _render(self, gx, gy, with_hit_points: bool):
-        """One view's layers: player_relative, selected, unit_density and, on the screen, hit points."""
-        marines = self._discs(gx, gy, self.marines, MARINE_RADIUS)  # (M, res, res)
-        pickups = self._discs(gx, gy, self.pickups, self.pickup_radius)  # (P, res, res)
-        player_relative = np.zeros((self.res, self.res), np.int32)
-        player_relative[pickups.any(0)] = 3  # neutral
-        player_relative[marines.any(0)] = 1  # self, drawn on top
-        selected = marines[self.selected].any(0).astype(np.int32)
-        density = marines.sum(0) + pickups.sum(0)
-        hit_points = marines.any(0) * MARINE_HIT_POINTS if with_hit_points else None
-        return player_relative, selected, density.astype(np.int32), hit_points
-
-    def _observe(self) -> dict:
-        """The observation dict, as pysc2's feature layers give it."""
-        pr, sel, density, hp = self._render(self.screen_x, self.screen_y, True)
-        mpr, msel, _, _ = self._render(self.mini_x, self.mini_y, False)
-        n = self.num_marines
-        player = np.array([1, 0, 0, n, n, n, 0, 0, n, 0, 0], np.int64)
-        return {
-            "feature_screen": np.stack([pr, sel, density, hp.astype(np.int32)]),  # (4, res, res)
-            "feature_minimap": np.stack([mpr, msel, self.camera]),  # (3, res, res)
-            "player": player,
-            "game_loop": self.steps * self.step_mul,
-            "available_actions": self.available_actions(),
-        }
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-
-def import_pysc2():
-    """Import pysc2 4.0.0 on Python >= 3.11 with a current protobuf; returns (sc2_env, actions).
-
-    Two small compatibility fixes, nothing else changed:
-    - pysc2/lib/colors.py calls random.shuffle(x, fn), an argument Python 3.11 removed. While pysc2
-      imports, random.shuffle accepts it again and does exactly the old shuffle with `fn`.
-    - s2clientprotocol's generated protobuf files predate protobuf 4; protobuf's pure-Python runtime still
-      reads them. That runtime is picked when google.protobuf is first imported, which is why this runs
-      before TensorBoard is imported.
-    """
-    os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
-    os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
-    original_shuffle = random.shuffle
-
-    def legacy_shuffle(x, random_fn=None):
-        """random.shuffle as it was before Python 3.11, with its `random` argument."""
-        if random_fn is None:
-            return original_shuffle(x)
-        for i in reversed(range(1, len(x))):
-            j = math.floor(random_fn() * (i + 1))
-            x[i], x[j] = x[j], x[i]
-
-    random.shuffle = legacy_shuffle
-    try:
-        from pysc2.env import sc2_env
-        from pysc2.lib import actions
-    finally:
-        random.shuffle = original_shuffle
-    return sc2_env, actions
-
-
-class Pysc2MiniGame:
-    """The real game (or pysc2's SC2TestEnv) behind the same interface as BuiltinMiniGame."""
-
-    def __init__(self, env, res: int):
-        self.env, self.res = env, res
-        _, self.actions = import_pysc2()
-        self.max_steps = None  # the map's own timer ends the episode
-
-    @classmethod
-    def make(
-        cls, map_name: str, res: int, step_mul: int, seed: int, world_units: float = Args.screen_world_units
-    ) -> "Pysc2MiniGame":
-        """A pysc2 SC2Env of the minigame, with the built-in game's screen scale."""
-        sc2_env, _ = import_pysc2()
-        env = sc2_env.SC2Env(
-            map_name=map_name,
-            players=[sc2_env.Agent(sc2_env.Race.terran)],
-            agent_interface_format=sc2_env.AgentInterfaceFormat(
-                feature_dimensions=sc2_env.Dimensions(screen=res, minimap=res),
-                camera_width_world_units=world_units,  # the built-in screen's scale
-            ),
-            step_mul=step_mul,
-            game_steps_per_episode=0,  # the minigame's own 120 s timer ends the episode
-            visualize=False,
-            random_seed=seed,
-        )
-        return cls(env, res)
-
-    def _convert(self, timestep) -> tuple[dict, float, bool]:
-        """A pysc2 TimeStep -> (observation dict, reward, done)."""
-        o = timestep.observation
-        screen, minimap = o["feature_screen"], o["feature_minimap"]
-        obs = {
-            "feature_screen": np.stack([np.asarray(screen[layer.name]) for layer in SCREEN_LAYERS]),
-            "feature_minimap": np.stack([np.asarray(minimap[layer.name]) for layer in MINIMAP_LAYERS]),
-            "player": np.asarray(o["player"], np.int64),
-            "game_loop": int(np.asarray(o["game_loop"]).reshape(-1)[0]),
-            "available_actions": np.asarray(o["available_actions"], np.int64),
-        }
-        return obs, float(timestep.reward), bool(timestep.last())
-
-    def reset(self) -> dict:
-        """A new episode of the game; the first observation."""
-        return self._convert(self.env.reset()[0])[0]
-
-    def function_call(self, function_id: int, point: tuple[int, int] | None = None):
-        """The pysc2 FunctionCall of one of FUNCTIONS, with the arguments pysc2's actions.py defines for it."""
-        if function_id == MOVE_SCREEN:
-            return self.actions.FunctionCall(function_id, [[0], list(point)])  # queued=now, (x, y)
-        if function_id == SELECT_POINT:
-            return self.actions.FunctionCall(
-                function_id, [[0], list(point)]
-            )  # select_point_act=select, (x, y)
-        if function_id == FUNCTION_IDS["select_army"]:
-            return self.actions.FunctionCall(function_id, [[0]])  # select, not add
-        return self.actions.FunctionCall(function_id, [])
-
-    def step(self, function_id: int, point: tuple[int, int] | None = None):
-        """One agent step in the game: (obs, reward, done)."""
-        return self._convert(self.env.step([self.function_call(function_id, point)])[0])
-
-    def close(self) -> None:
-        """Close the game."""
-        self.env.close()
 
 
 def make_env(args: Args, seed: int):
@@ -1129,6 +772,25 @@ class SplitQNetwork(nn.Module):
         action index."""
         features = self.features(screen, minimap, player, available)
         return [head(features) for head in self.heads]
+
+
+# The state_dict keys of format-3 checkpoints, whose heads' layers belonged to the network itself -> today's keys.
+FORMAT_3_KEYS = (
+    ("nonspatial_head.", "nonspatial_head.mlp."),
+    ("spatial_coarse.", "spatial_head.coarse."),
+    ("spatial_fine.", "spatial_head.fine."),
+)
+
+
+def rename_format_3_keys(module, state_dict, prefix, *unused) -> None:
+    """A load_state_dict pre-hook: a format-3 state_dict (it has `spatial_fine.weight`) gets today's keys."""
+    if prefix + "spatial_fine.weight" not in state_dict:
+        return
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        for old, new in FORMAT_3_KEYS:
+            if key.startswith(prefix + old):
+                state_dict[prefix + new + key[len(prefix + old) :]] = state_dict.pop(key)
+                break
 
 
 # SplitQNetwork's settings: the keyword arguments of make_q_network besides the map and the resolution.
@@ -1495,6 +1157,438 @@ def train_one_seed(
     return row
 
 
+# ---------------------------------------------------------------------------------------------------------
+# What each setting allows: RULES, read by `Args.problems` (and so by the input checks and sweep.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+# What each field allows: (field, test, the allowed values in words). A value that fails its test is refused in
+# one sentence, "{field} must be {allowed}, got {value}", before anything is written.
+# fmt: off
+RULES = (
+    ("num_episodes", lambda a: a.num_episodes >= 1, "at least 1"),
+    ("res", lambda a: 8 <= a.res <= 256, "between 8 and 256 pixels"),
+    ("step_mul", lambda a: a.step_mul >= 1, "at least 1 game loop"),
+    ("screen_world_units", lambda a: 0 < a.screen_world_units <= 256, "between 0 and 256 world units (pysc2: 24)"),
+    ("buffer_size", lambda a: a.buffer_size > a.n_step, "larger than n_step ({n_step}) so that an n-step return fits"),
+    ("tower_channels", lambda a: a.tower_channels >= 1, "at least 1"),
+    ("fused_channels", lambda a: a.fused_channels >= 1, "at least 1"),
+    ("context_layers", lambda a: a.context_layers is None or 0 <= a.context_layers <= 8,
+     "between 0 and 8 (or left out: the map's default)"),
+    ("player_channels", lambda a: a.player_channels >= 1, "at least 1"),
+    ("nonspatial_hidden", lambda a: a.nonspatial_hidden >= 1, "at least 1"),
+    ("fine_kernel", lambda a: a.fine_kernel in (None, 1, 3, 5, 7),
+     "1, 3, 5 or 7 (odd, so that it centres on the pixel; or left out: the map's default)"),
+    ("fine_gain", lambda a: a.fine_gain is None or 0 <= a.fine_gain < math.inf,
+     "0 or more (or left out: the map's default)"),
+    ("move_through", lambda a: a.move_through is None or 0 <= a.move_through <= a.screen_world_units,
+     "between 0 and screen_world_units ({screen_world_units}) (or left out: the map's default)"),
+    ("learning_rate", lambda a: a.learning_rate > 0, "positive"),
+    ("batch_size", lambda a: a.batch_size >= 1, "at least 1"),
+    ("gamma", lambda a: 0 < a.gamma <= 1, "in (0, 1]"),
+    ("n_step", lambda a: 1 <= a.n_step <= 100, "between 1 and 100"),
+    ("start_e", lambda a: 0 <= a.start_e <= 1, "in [0, 1]"),
+    ("end_e", lambda a: 0 <= a.end_e <= a.start_e, "between 0 and start_e ({start_e})"),
+    ("exploration_steps", lambda a: a.exploration_steps is None or a.exploration_steps >= 1,
+     "at least 1 (or left out: the map's default)"),
+    ("learning_starts", lambda a: a.learning_starts > a.n_step,
+     "larger than n_step ({n_step}): the first updates would bootstrap from transitions not yet stored"),
+    ("train_frequency", lambda a: a.train_frequency >= 1, "at least 1"),
+    ("target_network_frequency", lambda a: a.target_network_frequency >= 1, "at least 1"),
+    ("max_grad_norm", lambda a: a.max_grad_norm > 0, "positive"),
+    ("scheduler_tmax", lambda a: a.scheduler_tmax is None or a.scheduler_tmax >= 1, "at least 1 episode"),
+    ("min_lr", lambda a: 0 <= a.min_lr <= a.learning_rate, "between 0 and learning_rate ({learning_rate})"),
+    ("step_lr_step_size", lambda a: a.step_lr_step_size is None or a.step_lr_step_size >= 1,
+     "at least 1 episode (or left out: the map's default)"),
+    ("step_lr_gamma", lambda a: a.step_lr_gamma is None or 0 < a.step_lr_gamma <= 1,
+     "in (0, 1] (or left out: the map's default)"),
+    ("num_test_episodes", lambda a: a.num_test_episodes >= 1, "at least 1"),
+    ("test_epsilon", lambda a: 0 <= a.test_epsilon <= 1, "in [0, 1]"),
+    ("eval_every_episodes", lambda a: a.eval_every_episodes >= 0, "0 (never) or more"),
+    ("num_eval_episodes", lambda a: a.num_eval_episodes >= 1, "at least 1"),
+    ("log_every_steps", lambda a: a.log_every_steps >= 1, "at least 1"),
+    ("torch_num_threads", lambda a: a.torch_num_threads >= 1, "at least 1"),
+    ("time_limit_min", lambda a: a.time_limit_min >= 0, "0 (no limit) or more"),
+    ("run_id", lambda a: a.run_id is None or (a.run_id.strip() != "" and os.sep not in a.run_id),
+     "a non-empty folder name without '" + os.sep + "'"),
+    ("seeds", lambda a: len(set(a.seeds)) == len(a.seeds), "distinct"),
+    ("wait_for_gpu_mb", lambda a: a.wait_for_gpu_mb >= 0, "0 (don't wait) or more"),
+    ("wait_poll_s", lambda a: a.wait_poll_s > 0, "positive"),
+    ("wait_timeout_s", lambda a: a.wait_timeout_s >= 0, "0 or more"),
+    ("fallback_batch_size", lambda a: 1 <= a.fallback_batch_size <= a.batch_size,
+     "between 1 and batch_size ({batch_size}): it is the smaller batch to fall back to"),
+    ("memory_log_every", lambda a: a.memory_log_every >= 1, "at least 1"),
+    ("leak_warmup_steps", lambda a: a.leak_warmup_steps >= 0, "0 or more"),
+    ("memory_snapshot_every", lambda a: a.memory_snapshot_every >= 0, "0 (off) or more"),
+    ("snapshot_max_entries", lambda a: a.snapshot_max_entries >= 1, "at least 1"),
+)
+# fmt: on
+
+
+# =========================================================================================================
+# The minigames: MoveToBeacon and CollectMineralShards in numpy (pysc2's observations, each map's own spawn rules,
+# timer and marine speed), and the real game through pysc2, behind one interface (`reset`, `step`, `close`) that
+# `make_env` hands the loop. Part of Part 1, read only to change a map: nothing above needs their details.
+# =========================================================================================================
+
+
+# The marine. Speed 2.25 world units per normal-speed game second and radius 0.375: the game's unit data
+# (the "Marine" entry of BurnySc2/sc2-techtree data/data.json, read from the game through its API); Liquipedia
+# lists the same speed as 3.15 because it quotes "faster" real seconds (2.25 x 1.4). Per game loop:
+# 2.25 / 16 = 3.15 / 22.4 = 0.1406 units, 2.25 units per agent step at step_mul 16.
+MARINE_SPEED_PER_LOOP = 2.25 / GAME_LOOPS_PER_SECOND
+
+
+MARINE_RADIUS = 0.375
+
+
+MARINE_HIT_POINTS = 45  # max_health 45 in the same unit data
+
+
+# Space. pysc2's feature screen spans `camera_width_world_units` across (`Args.screen_world_units`, pysc2's
+# default 24 on both backends) and is centred on the camera: res / width pixels per world unit.
+# Where things are, in the maps' own world coordinates (x east, y north), from the files inside
+# pysc2/maps/mini_games/{MoveToBeacon,CollectMineralShards}.SC2Map: `Regions` and `MapScript.galaxy`.
+# Both maps: "Playable Space" is the rectangle (22, 20)-(44, 36), the marines spawn at uniform random points
+# in it, and the camera is panned to that rectangle's centre offset 3 units at 270 degrees (south).
+PLAYABLE_WORLD = (22.0, 20.0, 44.0, 36.0)
+
+
+CAMERA_CENTRE_WORLD = (33.0, 25.0)
+
+
+# MoveToBeacon: the beacon spawns at a uniform random point of "Beacon Spawn Region", the rectangle
+# (23.5, 21.5)-(42.5, 34.5) less a disc of radius 4 around (33, 28), drawn again until it is at least 5 units
+# from the marine, at the start and after every pickup (the map script's `< 5.0` loops; docs/mini_games.md
+# says "at least 4 units" for the start, the script uses 5 both times). A pickup is scored when the marine's
+# position is inside "Beacon Area", a circle of radius 1.25 kept centred on the beacon (checked every 0.0625
+# game seconds, i.e. every game loop). We draw the beacon with that radius: the Beacon_Terran model's own
+# footprint radius is not in a source we could find.
+BEACON_SPAWN_WORLD = (23.5, 21.5, 42.5, 34.5)
+
+
+BEACON_SPAWN_HOLE_WORLD = (33.0, 28.0, 4.0)  # (x, y, radius) cut out of the spawn rectangle
+
+
+BEACON_MIN_DISTANCE = 5.0
+
+
+BEACON_RADIUS = 1.25
+
+
+# CollectMineralShards: 20 shards ("NaturalMinerals") at uniform random points of "Mineral Area", the
+# rectangle (23, 21)-(43, 35), each at least 2 units from the closest marine; a new field of 20 when all are
+# collected (map script; docs/mini_games.md says the same). A marine collects a shard by touching it. The
+# shard's pickup radius is an assumption (0.5 units): we found no source for it.
+SHARD_SPAWN_WORLD = (23.0, 21.0, 43.0, 35.0)
+
+
+SHARD_MIN_DISTANCE = 2.0
+
+
+SHARD_RADIUS = 0.5
+
+
+NUM_SHARDS = 20
+
+
+# The minimap: we assume it shows the playable area, scaled so that its longer side (22 units) fills the
+# minimap, centred (the minigames never move the camera, so it carries little beyond the screen).
+MAP_WORLD_UNITS = PLAYABLE_WORLD[2] - PLAYABLE_WORLD[0]
+
+
+def world_to_screen_units(x: float, y: float, width: float) -> tuple[float, float]:
+    """Map world coordinates -> screen units (x right, y down from the top-left corner of a screen `width`
+    world units across), as pysc2's feature-screen transform does for the camera at CAMERA_CENTRE_WORLD."""
+    cx, cy = CAMERA_CENTRE_WORLD
+    return x - (cx - width / 2), (cy + width / 2) - y
+
+
+def screen_rect(
+    world_rect: tuple[float, float, float, float], width: float
+) -> tuple[float, float, float, float]:
+    """A world rectangle (x0, y0, x1, y1) -> the same rectangle in screen units (x0, y0, x1, y1), y down."""
+    x0, y1 = world_to_screen_units(world_rect[0], world_rect[1], width)
+    x1, y0 = world_to_screen_units(world_rect[2], world_rect[3], width)
+    return x0, y0, x1, y1
+
+
+class BuiltinMiniGame:
+    """MoveToBeacon / CollectMineralShards in numpy, with pysc2-shaped observations.
+
+    `reset() -> obs`; `step(function_id, point) -> (obs, reward, done)` where point is (x, y) in screen
+    pixels for Move_screen and select_point and None otherwise. obs: feature_screen (len(SCREEN_LAYERS), res,
+    res) and feature_minimap (len(MINIMAP_LAYERS), res, res) int32 indexed [layer, y, x], player (11,) int64,
+    available_actions (function ids). An unavailable function raises ValueError, as pysc2 does.
+    Positions are kept in screen units (`world_units` across, y down; `world_to_screen_units`).
+    Marines keep walking to their last Move target while the agent no-ops, as units in the game do.
+    select_point selects the marine drawn at the clicked pixel (the nearer one if both are), or nothing on bare
+    ground. Simplification: marines that are moved together all walk to the clicked point (no formation
+    offsets, no collisions).
+    """
+
+    def __init__(
+        self, map_name: str, res: int, step_mul: int, seed: int, world_units: float = Args.screen_world_units
+    ):
+        self.map_name, self.res, self.step_mul, self.world_units = map_name, res, step_mul, world_units
+        self.max_steps = episode_steps(step_mul)
+        self.rng = np.random.default_rng(seed)
+        self.move_per_step = MARINE_SPEED_PER_LOOP * step_mul  # world units per agent step
+        pixel = world_units / res
+        centres = (np.arange(res) + 0.5) * pixel
+        self.screen_x, self.screen_y = np.meshgrid(
+            centres, centres
+        )  # (res, res) screen units of pixel centres
+        x0, y0, x1, y1 = screen_rect(PLAYABLE_WORLD, world_units)
+        mini_pixel = MAP_WORLD_UNITS / res
+        mini_x = (x0 + x1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
+        mini_y = (y0 + y1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
+        self.mini_x, self.mini_y = np.meshgrid(mini_x, mini_y)  # (res, res) screen units of minimap pixels
+        inside = lambda c: (c >= 0) & (c < world_units)
+        self.camera = (inside(self.mini_x) & inside(self.mini_y)).astype(np.int32)
+        self.num_marines = 1 if map_name == "MoveToBeacon" else 2
+
+    # -- world ------------------------------------------------------------------------------------------
+    def _uniform_points(self, rect: tuple[float, float, float, float], n: int) -> np.ndarray:
+        """n uniform random points of a world rectangle, in screen units: (n, 2)."""
+        x0, y0, x1, y1 = screen_rect(rect, self.world_units)
+        return np.stack([self.rng.uniform(x0, x1, n), self.rng.uniform(y0, y1, n)], axis=1)
+
+    def _spawn_beacon(self) -> None:
+        """A new beacon where the map script puts one (MoveToBeacon)."""
+        hole_x, hole_y, hole_radius = BEACON_SPAWN_HOLE_WORLD
+        hole = np.array(world_to_screen_units(hole_x, hole_y, self.world_units))
+        while True:  # the map script draws again until both conditions hold
+            p = self._uniform_points(BEACON_SPAWN_WORLD, 1)[0]
+            far = np.linalg.norm(p - self.marines[0]) >= BEACON_MIN_DISTANCE
+            if far and np.linalg.norm(p - hole) >= hole_radius:
+                break
+        self.pickups, self.pickup_radius = p[None], BEACON_RADIUS
+
+    def _spawn_shards(self) -> None:
+        """A new field of NUM_SHARDS shards where the map script puts them (CollectMineralShards)."""
+        points = []
+        while len(points) < NUM_SHARDS:
+            p = self._uniform_points(SHARD_SPAWN_WORLD, 1)[0]
+            if np.min(np.linalg.norm(self.marines - p, axis=1)) >= SHARD_MIN_DISTANCE:
+                points.append(p)
+        self.pickups, self.pickup_radius = np.array(points), SHARD_RADIUS
+
+    def _spawn_pickups(self) -> None:
+        """The map's pickups: a beacon or a field of shards."""
+        self._spawn_beacon() if self.map_name == "MoveToBeacon" else self._spawn_shards()
+
+    def reset(self) -> dict:
+        """A new episode: marines and pickups where the map puts them; the first observation."""
+        self.steps = 0
+        self.marines = self._uniform_points(PLAYABLE_WORLD, self.num_marines)  # (M, 2) screen units
+        self.targets = self.marines.copy()  # where each marine is walking to
+        self.selected = np.zeros(self.num_marines, bool)
+        self._spawn_pickups()
+        return self._observe()
+
+    def available_actions(self) -> np.ndarray:
+        """The function ids pysc2 would offer now."""
+        # select_point is always available in pysc2, select_army whenever there is an army (always here)
+        ids = [FUNCTION_IDS["no_op"], SELECT_POINT, FUNCTION_IDS["select_army"]]
+        if self.selected.any():
+            ids.append(MOVE_SCREEN)
+        return np.array(ids, np.int64)
+
+    def step(self, function_id: int, point: tuple[int, int] | None = None):
+        """One agent step: the call, then `step_mul` game loops of walking; (obs, reward, done)."""
+        if function_id not in self.available_actions():
+            raise ValueError(
+                f"function {function_id} is not available now (available: {self.available_actions()})"
+            )
+        if function_id in (MOVE_SCREEN, SELECT_POINT):
+            x, y = point
+            if not (0 <= x < self.res and 0 <= y < self.res):
+                raise ValueError(
+                    f"point {point} of function {function_id} is outside the {self.res}x{self.res} screen"
+                )
+        if function_id == FUNCTION_IDS["select_army"]:
+            self.selected[:] = True
+        elif function_id == SELECT_POINT:
+            self.selected[:] = False
+            under = self._discs(self.screen_x, self.screen_y, self.marines, MARINE_RADIUS)[:, y, x]  # (M,)
+            if under.any():
+                clicked = np.array([self.screen_x[y, x], self.screen_y[y, x]])
+                distance = np.where(under, np.linalg.norm(self.marines - clicked, axis=1), np.inf)
+                self.selected[int(distance.argmin())] = True
+        elif function_id == MOVE_SCREEN:
+            target = np.array([(x + 0.5), (y + 0.5)]) * self.world_units / self.res
+            self.targets[self.selected] = target
+        reward = self._advance()
+        self.steps += 1
+        return self._observe(), reward, self.steps >= self.max_steps
+
+    def _reach(self) -> float:
+        """Distance between a marine's centre and a pickup's centre at which the pickup is scored."""
+        if self.map_name == "MoveToBeacon":
+            return BEACON_RADIUS  # the marine's position inside the "Beacon Area" circle
+        return MARINE_RADIUS + SHARD_RADIUS  # the marine touches the shard
+
+    def _advance(self) -> float:
+        """Walk every marine up to one step's distance toward its target; collect what its path touches."""
+        start = self.marines.copy()
+        delta = self.targets - start
+        dist = np.linalg.norm(delta, axis=1, keepdims=True)
+        travel = np.minimum(dist, self.move_per_step)
+        self.marines = start + np.where(dist > 0, delta / np.maximum(dist, 1e-9), 0.0) * travel
+        # distance from each pickup to each marine's path segment: (M, P)
+        seg = self.marines - start
+        seg_len2 = np.maximum((seg**2).sum(1, keepdims=True), 1e-12)
+        rel = self.pickups[None, :, :] - start[:, None, :]
+        t = np.clip((rel * seg[:, None, :]).sum(-1) / seg_len2, 0.0, 1.0)
+        closest = start[:, None, :] + t[..., None] * seg[:, None, :]
+        touched = (np.linalg.norm(self.pickups[None] - closest, axis=-1) < self._reach()).any(0)
+        reward = float(touched.sum())
+        if touched.any():
+            if self.map_name == "MoveToBeacon":
+                self._spawn_beacon()  # the beacon moves somewhere new
+            else:
+                self.pickups = self.pickups[~touched]
+                if len(self.pickups) == 0:
+                    self._spawn_shards()  # all shards collected: a new field of 20
+        return reward
+
+    # -- observation ------------------------------------------------------------------------------------
+    def _discs(self, gx, gy, centres, radius) -> np.ndarray:
+        """(N, res, res) bool: pixels whose centre lies within `radius` of each centre (at least 1 pixel)."""
+        d2 = (gx[None] - centres[:, 0, None, None]) ** 2 + (gy[None] - centres[:, 1, None, None]) ** 2
+        discs = d2 <= radius**2
+        nearest = d2.reshape(len(centres), -1).argmin(1)
+        discs.reshape(len(centres), -1)[np.arange(len(centres)), nearest] = True
+        return discs
+
+    def _render(self, gx, gy, with_hit_points: bool):
+        """One view's layers: player_relative, selected, unit_density and, on the screen, hit points."""
+        marines = self._discs(gx, gy, self.marines, MARINE_RADIUS)  # (M, res, res)
+        pickups = self._discs(gx, gy, self.pickups, self.pickup_radius)  # (P, res, res)
+        player_relative = np.zeros((self.res, self.res), np.int32)
+        player_relative[pickups.any(0)] = 3  # neutral
+        player_relative[marines.any(0)] = 1  # self, drawn on top
+        selected = marines[self.selected].any(0).astype(np.int32)
+        density = marines.sum(0) + pickups.sum(0)
+        hit_points = marines.any(0) * MARINE_HIT_POINTS if with_hit_points else None
+        return player_relative, selected, density.astype(np.int32), hit_points
+
+    def _observe(self) -> dict:
+        """The observation dict, as pysc2's feature layers give it."""
+        pr, sel, density, hp = self._render(self.screen_x, self.screen_y, True)
+        mpr, msel, _, _ = self._render(self.mini_x, self.mini_y, False)
+        n = self.num_marines
+        player = np.array([1, 0, 0, n, n, n, 0, 0, n, 0, 0], np.int64)
+        return {
+            "feature_screen": np.stack([pr, sel, density, hp.astype(np.int32)]),  # (4, res, res)
+            "feature_minimap": np.stack([mpr, msel, self.camera]),  # (3, res, res)
+            "player": player,
+            "game_loop": self.steps * self.step_mul,
+            "available_actions": self.available_actions(),
+        }
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def import_pysc2():
+    """Import pysc2 4.0.0 on Python >= 3.11 with a current protobuf; returns (sc2_env, actions).
+
+    Two small compatibility fixes, nothing else changed:
+    - pysc2/lib/colors.py calls random.shuffle(x, fn), an argument Python 3.11 removed. While pysc2
+      imports, random.shuffle accepts it again and does exactly the old shuffle with `fn`.
+    - s2clientprotocol's generated protobuf files predate protobuf 4; protobuf's pure-Python runtime still
+      reads them. That runtime is picked when google.protobuf is first imported, which is why this runs
+      before TensorBoard is imported.
+    """
+    os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+    os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
+    original_shuffle = random.shuffle
+
+    def legacy_shuffle(x, random_fn=None):
+        """random.shuffle as it was before Python 3.11, with its `random` argument."""
+        if random_fn is None:
+            return original_shuffle(x)
+        for i in reversed(range(1, len(x))):
+            j = math.floor(random_fn() * (i + 1))
+            x[i], x[j] = x[j], x[i]
+
+    random.shuffle = legacy_shuffle
+    try:
+        from pysc2.env import sc2_env
+        from pysc2.lib import actions
+    finally:
+        random.shuffle = original_shuffle
+    return sc2_env, actions
+
+
+class Pysc2MiniGame:
+    """The real game (or pysc2's SC2TestEnv) behind the same interface as BuiltinMiniGame."""
+
+    def __init__(self, env, res: int):
+        self.env, self.res = env, res
+        _, self.actions = import_pysc2()
+        self.max_steps = None  # the map's own timer ends the episode
+
+    @classmethod
+    def make(
+        cls, map_name: str, res: int, step_mul: int, seed: int, world_units: float = Args.screen_world_units
+    ) -> "Pysc2MiniGame":
+        """A pysc2 SC2Env of the minigame, with the built-in game's screen scale."""
+        sc2_env, _ = import_pysc2()
+        env = sc2_env.SC2Env(
+            map_name=map_name,
+            players=[sc2_env.Agent(sc2_env.Race.terran)],
+            agent_interface_format=sc2_env.AgentInterfaceFormat(
+                feature_dimensions=sc2_env.Dimensions(screen=res, minimap=res),
+                camera_width_world_units=world_units,  # the built-in screen's scale
+            ),
+            step_mul=step_mul,
+            game_steps_per_episode=0,  # the minigame's own 120 s timer ends the episode
+            visualize=False,
+            random_seed=seed,
+        )
+        return cls(env, res)
+
+    def _convert(self, timestep) -> tuple[dict, float, bool]:
+        """A pysc2 TimeStep -> (observation dict, reward, done)."""
+        o = timestep.observation
+        screen, minimap = o["feature_screen"], o["feature_minimap"]
+        obs = {
+            "feature_screen": np.stack([np.asarray(screen[layer.name]) for layer in SCREEN_LAYERS]),
+            "feature_minimap": np.stack([np.asarray(minimap[layer.name]) for layer in MINIMAP_LAYERS]),
+            "player": np.asarray(o["player"], np.int64),
+            "game_loop": int(np.asarray(o["game_loop"]).reshape(-1)[0]),
+            "available_actions": np.asarray(o["available_actions"], np.int64),
+        }
+        return obs, float(timestep.reward), bool(timestep.last())
+
+    def reset(self) -> dict:
+        """A new episode of the game; the first observation."""
+        return self._convert(self.env.reset()[0])[0]
+
+    def function_call(self, function_id: int, point: tuple[int, int] | None = None):
+        """The pysc2 FunctionCall of one of FUNCTIONS, with the arguments pysc2's actions.py defines for it."""
+        if function_id == MOVE_SCREEN:
+            return self.actions.FunctionCall(function_id, [[0], list(point)])  # queued=now, (x, y)
+        if function_id == SELECT_POINT:
+            return self.actions.FunctionCall(
+                function_id, [[0], list(point)]
+            )  # select_point_act=select, (x, y)
+        if function_id == FUNCTION_IDS["select_army"]:
+            return self.actions.FunctionCall(function_id, [[0]])  # select, not add
+        return self.actions.FunctionCall(function_id, [])
+
+    def step(self, function_id: int, point: tuple[int, int] | None = None):
+        """One agent step in the game: (obs, reward, done)."""
+        return self._convert(self.env.step([self.function_call(function_id, point)])[0])
+
+    def close(self) -> None:
+        """Close the game."""
+        self.env.close()
+
+
 # =========================================================================================================
 # Part 2: speed. Wrappers around Part 1's functions, installed by one call when a run is set up (`speed_up`, from
 # `open_run`; LeanRL's "executables"): the torch thread count, and the update in mixed precision (--amp). Part 1
@@ -1563,69 +1657,6 @@ def speed_up(args: Args, device) -> Executables:
 
 class ConfigError(Exception):
     """A bad value from the command line, an RL_* variable or the machine: one sentence, exit status 2."""
-
-
-# What each field allows: (field, test, the allowed values in words). A value that fails its test is refused in
-# one sentence, "{field} must be {allowed}, got {value}", before anything is written.
-# fmt: off
-RULES = (
-    ("num_episodes", lambda a: a.num_episodes >= 1, "at least 1"),
-    ("res", lambda a: 8 <= a.res <= 256, "between 8 and 256 pixels"),
-    ("step_mul", lambda a: a.step_mul >= 1, "at least 1 game loop"),
-    ("screen_world_units", lambda a: 0 < a.screen_world_units <= 256, "between 0 and 256 world units (pysc2: 24)"),
-    ("buffer_size", lambda a: a.buffer_size > a.n_step, "larger than n_step ({n_step}) so that an n-step return fits"),
-    ("tower_channels", lambda a: a.tower_channels >= 1, "at least 1"),
-    ("fused_channels", lambda a: a.fused_channels >= 1, "at least 1"),
-    ("context_layers", lambda a: a.context_layers is None or 0 <= a.context_layers <= 8,
-     "between 0 and 8 (or left out: the map's default)"),
-    ("player_channels", lambda a: a.player_channels >= 1, "at least 1"),
-    ("nonspatial_hidden", lambda a: a.nonspatial_hidden >= 1, "at least 1"),
-    ("fine_kernel", lambda a: a.fine_kernel in (None, 1, 3, 5, 7),
-     "1, 3, 5 or 7 (odd, so that it centres on the pixel; or left out: the map's default)"),
-    ("fine_gain", lambda a: a.fine_gain is None or 0 <= a.fine_gain < math.inf,
-     "0 or more (or left out: the map's default)"),
-    ("move_through", lambda a: a.move_through is None or 0 <= a.move_through <= a.screen_world_units,
-     "between 0 and screen_world_units ({screen_world_units}) (or left out: the map's default)"),
-    ("learning_rate", lambda a: a.learning_rate > 0, "positive"),
-    ("batch_size", lambda a: a.batch_size >= 1, "at least 1"),
-    ("gamma", lambda a: 0 < a.gamma <= 1, "in (0, 1]"),
-    ("n_step", lambda a: 1 <= a.n_step <= 100, "between 1 and 100"),
-    ("start_e", lambda a: 0 <= a.start_e <= 1, "in [0, 1]"),
-    ("end_e", lambda a: 0 <= a.end_e <= a.start_e, "between 0 and start_e ({start_e})"),
-    ("exploration_steps", lambda a: a.exploration_steps is None or a.exploration_steps >= 1,
-     "at least 1 (or left out: the map's default)"),
-    ("learning_starts", lambda a: a.learning_starts > a.n_step,
-     "larger than n_step ({n_step}): the first updates would bootstrap from transitions not yet stored"),
-    ("train_frequency", lambda a: a.train_frequency >= 1, "at least 1"),
-    ("target_network_frequency", lambda a: a.target_network_frequency >= 1, "at least 1"),
-    ("max_grad_norm", lambda a: a.max_grad_norm > 0, "positive"),
-    ("scheduler_tmax", lambda a: a.scheduler_tmax is None or a.scheduler_tmax >= 1, "at least 1 episode"),
-    ("min_lr", lambda a: 0 <= a.min_lr <= a.learning_rate, "between 0 and learning_rate ({learning_rate})"),
-    ("step_lr_step_size", lambda a: a.step_lr_step_size is None or a.step_lr_step_size >= 1,
-     "at least 1 episode (or left out: the map's default)"),
-    ("step_lr_gamma", lambda a: a.step_lr_gamma is None or 0 < a.step_lr_gamma <= 1,
-     "in (0, 1] (or left out: the map's default)"),
-    ("num_test_episodes", lambda a: a.num_test_episodes >= 1, "at least 1"),
-    ("test_epsilon", lambda a: 0 <= a.test_epsilon <= 1, "in [0, 1]"),
-    ("eval_every_episodes", lambda a: a.eval_every_episodes >= 0, "0 (never) or more"),
-    ("num_eval_episodes", lambda a: a.num_eval_episodes >= 1, "at least 1"),
-    ("log_every_steps", lambda a: a.log_every_steps >= 1, "at least 1"),
-    ("torch_num_threads", lambda a: a.torch_num_threads >= 1, "at least 1"),
-    ("time_limit_min", lambda a: a.time_limit_min >= 0, "0 (no limit) or more"),
-    ("run_id", lambda a: a.run_id is None or (a.run_id.strip() != "" and os.sep not in a.run_id),
-     "a non-empty folder name without '" + os.sep + "'"),
-    ("seeds", lambda a: len(set(a.seeds)) == len(a.seeds), "distinct"),
-    ("wait_for_gpu_mb", lambda a: a.wait_for_gpu_mb >= 0, "0 (don't wait) or more"),
-    ("wait_poll_s", lambda a: a.wait_poll_s > 0, "positive"),
-    ("wait_timeout_s", lambda a: a.wait_timeout_s >= 0, "0 or more"),
-    ("fallback_batch_size", lambda a: 1 <= a.fallback_batch_size <= a.batch_size,
-     "between 1 and batch_size ({batch_size}): it is the smaller batch to fall back to"),
-    ("memory_log_every", lambda a: a.memory_log_every >= 1, "at least 1"),
-    ("leak_warmup_steps", lambda a: a.leak_warmup_steps >= 0, "0 or more"),
-    ("memory_snapshot_every", lambda a: a.memory_snapshot_every >= 0, "0 (off) or more"),
-    ("snapshot_max_entries", lambda a: a.snapshot_max_entries >= 1, "at least 1"),
-)
-# fmt: on
 
 
 def env_var_name(field: str) -> str:
@@ -2393,25 +2424,6 @@ RESUME_MUST_MATCH = (
 # what the saved scheduler state holds: loaded into another schedule it would not fit, or would silently override
 # the values this run records
 RESUME_SAME_SCHEDULE = ("lr_scheduler", "step_lr_step_size", "step_lr_gamma")
-
-
-# The state_dict keys of format-3 checkpoints, whose heads' layers belonged to the network itself -> today's keys.
-FORMAT_3_KEYS = (
-    ("nonspatial_head.", "nonspatial_head.mlp."),
-    ("spatial_coarse.", "spatial_head.coarse."),
-    ("spatial_fine.", "spatial_head.fine."),
-)
-
-
-def rename_format_3_keys(module, state_dict, prefix, *unused) -> None:
-    """A load_state_dict pre-hook: a format-3 state_dict (it has `spatial_fine.weight`) gets today's keys."""
-    if prefix + "spatial_fine.weight" not in state_dict:
-        return
-    for key in [key for key in state_dict if key.startswith(prefix)]:
-        for old, new in FORMAT_3_KEYS:
-            if key.startswith(prefix + old):
-                state_dict[prefix + new + key[len(prefix + old) :]] = state_dict.pop(key)
-                break
 
 
 def save_checkpoint(
