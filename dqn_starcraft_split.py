@@ -24,9 +24,10 @@ stopped run in its folder (networks, optimizer, scheduler, loss scaler, counters
 `--checkpoint-buffer`), once the checkpoint matches its checksum.
 
 The file reads top to bottom in three parts, each opened by a banner: Part 1, the algorithm (the settings, the
-environment, the replay buffer, the networks, the TD target and the update, acting, the training loop); Part 2,
-speed (wrappers around Part 1's functions: the thread count, mixed precision); Part 3, the run (input checks,
-logging, video, memory wiring, checkpoints, results rows, run folders, signals, `main`).
+environment, the replay buffer, the networks, the TD target and the update in the precision of --amp, acting, the
+training loop; after them what each setting allows and, in a section of their own, the minigames); Part 2, speed
+(the thread count); Part 3, the run (input checks, logging, video, memory wiring, checkpoints, results rows, run
+folders, signals, `main`).
 """
 
 import contextlib
@@ -57,10 +58,12 @@ import tyro
 import memory_utils as mu
 
 # =========================================================================================================
-# Part 1: the algorithm. In reading order: the settings (Args), the environment, the replay buffer, the networks,
-# the TD target and the update, acting, and the training loop (`train_one_seed`). With every speed option off
-# (--amp off, the default on a CPU) the loop runs these functions exactly as written: Part 2 only wraps them, and
-# nothing here names it. The run's plumbing (folders, logs, checkpoints, memory reports) is Part 3's, called by name.
+# Part 1: the algorithm. In reading order: the settings (Args, and the map defaults, filled in once when a run
+# starts), the environment (what the agent sees, the action space, `make_env`), the replay buffer, the networks, the
+# TD target and the update, acting, and the training loop (`train_one_seed`); after them what each setting allows
+# (RULES) and, in a section of their own, the minigames. This is what trains, on every device and in every precision
+# (--amp is PyTorch's mixed-precision recipe inside `update`). Nothing here names Part 2 or Part 3: the loop is handed
+# the run's plumbing (folders, logs, checkpoints, memory reports, stop signals) as `run`, which Part 3 makes.
 # =========================================================================================================
 
 
@@ -220,14 +223,14 @@ class Args:
     memory_probes: bool = False
     """record memory at each stage of the loop (`debug/probe/*`) to name the stage that keeps memory"""
 
-    # speed (Part 2: with --amp off the loop runs Part 1's functions as they are written)
+    # speed: the precision of `update` (PyTorch's mixed-precision recipe, in it) and the CPU threads (Part 2)
     amp: Literal["auto", "off", "fp16", "bf16"] = "auto"
     """mixed precision: auto = fp16 autocast + GradScaler on CUDA, off on CPU"""
     torch_num_threads: int = 1
     """CPU threads for torch (one is fastest at these sizes and leaves the other cores free)"""
 
     def problems(self) -> list[tuple[str, str]]:
-        """Every invalid value as (field, one sentence); empty when all is well. The rules are RULES (Part 3)."""
+        """Every invalid value as (field, one sentence); empty when all is well. The rules: RULES, after the loop."""
         values = dataclasses.asdict(self)
         return [
             (field, f"{field} must be {allowed.format(**values)}, got {values[field]!r}")
@@ -736,7 +739,7 @@ class SplitQNetwork(nn.Module):
         # ALGO LOGIC: the heads in the order of HEADS (the flat action index); each one is registered above
         self.heads = (self.nonspatial_head, self.spatial_head)
         assert len(self.heads) == len(HEADS), "one module per entry of HEADS"
-        self.register_load_state_dict_pre_hook(rename_format_3_keys)  # older checkpoints' keys (Part 3)
+        self.register_load_state_dict_pre_hook(rename_format_3_keys)  # format-3 checkpoints' keys (below)
 
     def features(self, screen, minimap, player, available) -> Features:
         """The trunk: the towers, the player embedding and the context layers (see `forward` for the inputs)."""
@@ -958,14 +961,24 @@ def batch_to_device(sample: dict, device) -> dict:
     }
 
 
-def update(q_network, target_network, optimizer, batch: dict, args: Args) -> dict:
-    """One gradient step on the TD loss, its gradient norm clipped; returns what it logs (`logged_values`)."""
+def update(q_network, target_network, optimizer, batch: dict, args: Args, amp: mu.AmpSetup) -> dict:
+    """One gradient step on the TD loss, its gradient norm clipped; returns what it logs (`logged_values`).
+
+    In the precision of --amp, by PyTorch's mixed-precision recipe: the forward passes under autocast (fp16 or bf16
+    convolutions and linear layers; the Q values are float32 for the target and the loss) and the gradients through
+    a GradScaler (fp16: the loss scaled up so that small gradients do not flush to zero, unscaled before the clip, a
+    step with an overflowed gradient skipped). With --amp off autocast does nothing and the disabled scaler makes
+    each call the plain one (`loss.backward()`, `optimizer.step()`); bf16 needs no scaler. One function for every
+    precision, so a change here trains on every device."""
     # ALGO LOGIC: the gradient step
-    loss, q_taken = td_loss(q_network, target_network, batch, args)
+    with amp.autocast():
+        loss, q_taken = td_loss(q_network, target_network, batch, args)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    amp.scaler.scale(loss).backward()
+    amp.scaler.unscale_(optimizer)  # the clip sees the true gradients
     grad_norm = nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
-    optimizer.step()
+    amp.scaler.step(optimizer)  # skipped when a gradient overflowed (fp16)
+    amp.scaler.update()
     return logged_values(loss, q_taken, grad_norm)
 
 
@@ -1047,14 +1060,15 @@ class Agent:
     q_network: SplitQNetwork
     target_network: SplitQNetwork
     optimizer: torch.optim.Optimizer
+    amp: mu.AmpSetup  # --amp on this device: `update`'s autocast and loss scaler (checkpoints keep its state)
     scheduler: typing.Any  # a per-episode learning-rate schedule, or None
     rb: SplitReplayBuffer
     rng: np.random.Generator  # exploration and replay sampling
 
 
 def build_agent(args: Args, seed: int, device) -> Agent:
-    """ALGO LOGIC: the seeds, the online and target networks, Adam, the learning-rate schedule and the replay, in the
-    order that fixes every random number."""
+    """ALGO LOGIC: the seeds, the online and target networks, Adam, the precision of the update (--amp: auto is fp16
+    on CUDA, off on a CPU), the learning-rate schedule and the replay, in the order that fixes every random number."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -1064,97 +1078,87 @@ def build_agent(args: Args, seed: int, device) -> Agent:
     target_network = make_q_network(**network_settings(args)).to(device)
     target_network.load_state_dict(q_network.state_dict())
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
+    amp = mu.amp(args.amp, device)
     scheduler = make_scheduler(optimizer, args)
     rb = SplitReplayBuffer(args.buffer_size, args.res)
-    return Agent(q_network, target_network, optimizer, scheduler, rb, rng)
+    return Agent(q_network, target_network, optimizer, amp, scheduler, rb, rng)
 
 
-def train_one_seed(
-    args: Args, sources: dict, seed: int, run_id: str, stop: mu.StopSignals, resume_state: dict | None = None
-) -> dict:
-    """One seed's run (or the rest of one, from `resume_state`): episode after episode, act epsilon-greedily, store
-    each transition, update on a sampled batch every `train_frequency` agent steps and copy the online network into
-    the target network every `target_network_frequency`; returns the run's results row. Raises RunInterrupted (after
-    checkpointing) on a stop signal or a CUDA OOM."""
-    # TRY NOT TO MODIFY: the run's folder, logs, environments, agent (`build_agent`) and speed options (`set_up`),
-    # and with --resume the stopped run's networks, optimizer, replay, RNG states and counters (`restore`)
-    wall_start = time.time()
-    resume_step = None if resume_state is None else resume_state["global_step"]
-    run = set_up(args, sources, seed, run_id, resume_step, stop)
-    args = run.args
-    global_step, episode, recent_train_scores, first_episode = 0, 0, [], 1
-    if resume_state is not None:
-        first_episode, global_step, episode, recent_train_scores = restore(run, resume_state)
-        resume_state = None  # memory: the loaded tensors live in the networks now
-    env, agent, probes, device = run.env, run.agent, run.probes, run.device
+class Progress(typing.NamedTuple):
+    """Where training stands, as the loop leaves it at each episode's start and end; what a checkpoint saves and
+    --resume goes on from."""
+
+    episode: int  # the latest episode begun (0: none yet)
+    global_step: int  # agent steps taken: before that episode while it is played, after it once it has ended
+    recent_train_scores: list  # the latest training episodes' scores (as many as --eval-every-episodes)
+    replay_episode: bool  # whether a resumed run plays `episode` again from its start (it had not ended)
+
+
+def train_one_seed(run) -> str:
+    """One seed's training, or the rest of it after --resume: episode after episode, act epsilon-greedily, store each
+    transition, update on a sampled batch every `train_frequency` agent steps and copy the online network into the
+    target network every `target_network_frequency`. Returns what ended it: "num_episodes" or "time_limit".
+    `run` (Part 3 makes it) holds the environments, the agent and where training stands (`run.progress`); each
+    `run.` call below is the run's plumbing: stop signals, out-of-memory reports, logs, periodic tests, memory."""
+    args, env, agent = run.args, run.env, run.agent
     q_network, target_network, optimizer = agent.q_network, agent.target_network, agent.optimizer
     rb, rng = agent.rb, agent.rng  # the replay buffer; the generator of exploration and replay sampling
-    update = run.executables.update  # Part 1's `update` itself, or its wrapper from Part 2 (--amp)
-    start_time = time.time()
-    stopped_by = "num_episodes"
-    # whether the episode being played has ended and been logged, and the agent step it began at
-    episode_over, episode_start = False, global_step
-    try:
-        for episode in range(first_episode, args.num_episodes + 1):
-            episode_over, episode_start = False, global_step
-            obs, done, score, length = env.reset(), False, 0.0, 0
-            while not done:
-                check_stop(run.stop)  # TRY NOT TO MODIFY: a stop signal ends the run here, between two steps
-                probes("loop_start")
-                # ALGO LOGIC: the action, epsilon-greedy
-                epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
-                # memory: a CUDA OOM while acting, copying a batch or updating ends the run (report, checkpoint)
-                with out_of_memory_ends_the_run(run, global_step):
-                    action = select_action(q_network, obs, epsilon, rng, device, args.select_own_only)
+    last_episode, global_step, recent_train_scores, replay_episode = run.progress  # new run: 0, 0, [], False
+    first_episode = last_episode if replay_episode else last_episode + 1
+    for episode in range(first_episode, args.num_episodes + 1):
+        # TRY NOT TO MODIFY: a run stopped during this episode plays it again on resume, from the step it began at
+        run.progress = Progress(episode, global_step, recent_train_scores, replay_episode=True)
+        obs, done, score, length = env.reset(), False, 0.0, 0
+        while not done:
+            run.check_stop()  # TRY NOT TO MODIFY: a stop signal ends the run here, between two steps
+            run.probes("loop_start")
+            # ALGO LOGIC: the action, epsilon-greedy
+            epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
+            # memory: a CUDA OOM while acting, copying a batch or updating ends the run (report, checkpoint)
+            with run.out_of_memory_ends_the_run(global_step):
+                action = select_action(q_network, obs, epsilon, rng, run.device, args.select_own_only)
 
-                # TRY NOT TO MODIFY: play it in the game (a Move carried on by --move-through), store the transition
-                next_obs, reward, done = env.step(*game_call(action, obs, args.res, run.through_pixels))
-                rb.add(obs, action, reward, done)
-                probes("after_collect")
-                obs = next_obs
-                score += reward
-                length += 1
-                global_step += 1
+            # TRY NOT TO MODIFY: play it in the game (a Move carried on by --move-through), store the transition
+            next_obs, reward, done = env.step(*game_call(action, obs, args.res, run.through_pixels))
+            rb.add(obs, action, reward, done)
+            run.probes("after_collect")
+            obs = next_obs
+            score += reward
+            length += 1
+            global_step += 1
 
-                # ALGO LOGIC: training
-                if global_step > args.learning_starts and global_step % args.train_frequency == 0:
-                    with out_of_memory_ends_the_run(run, global_step):
-                        batch = batch_to_device(rb.sample(run.batch_size, rng, args.n_step), device)
-                    probes("after_sample")
-                    with out_of_memory_ends_the_run(run, global_step):
-                        metrics = update(q_network, target_network, optimizer, batch, args)
-                    probes("after_optimizer_step")
-                    if global_step % args.log_every_steps < args.train_frequency:
-                        log_update(run, metrics, global_step, start_time)
+            # ALGO LOGIC: training
+            if global_step > args.learning_starts and global_step % args.train_frequency == 0:
+                with run.out_of_memory_ends_the_run(global_step):
+                    batch = batch_to_device(rb.sample(run.batch_size, rng, args.n_step), run.device)
+                run.probes("after_sample")
+                with run.out_of_memory_ends_the_run(global_step):
+                    metrics = update(q_network, target_network, optimizer, batch, args, agent.amp)
+                run.probes("after_optimizer_step")
+                if global_step % args.log_every_steps < args.train_frequency:
+                    run.log_update(metrics, global_step)
 
-                # ALGO LOGIC: the target network
-                if global_step % args.target_network_frequency == 0:
-                    target_network.load_state_dict(q_network.state_dict())
-                # memory: the stage probes, allocator snapshots, the memory report and the leak check, when due
-                watch_memory(run, global_step)
+            # ALGO LOGIC: the target network
+            if global_step % args.target_network_frequency == 0:
+                target_network.load_state_dict(q_network.state_dict())
+            # memory: the stage probes, allocator snapshots, the memory report and the leak check, when due
+            run.watch_memory(global_step)
 
-            # TRY NOT TO MODIFY: the episode's charts, then the periodic greedy test and the time limit
-            recent_train_scores = (recent_train_scores + [score])[-args.eval_every_episodes or -1 :]
-            lr = optimizer.param_groups[0]["lr"]
-            log_episode(run, episode, global_step, score, length, epsilon, lr)
-            episode_over = True
-            if agent.scheduler is not None:
-                agent.scheduler.step()  # ALGO LOGIC: the learning-rate schedule moves once per episode
-            over_time = args.time_limit_min > 0 and time.time() - start_time >= 60 * args.time_limit_min
-            if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
-                evaluate(run, episode, global_step, epsilon, lr, recent_train_scores, start_time)
-            if over_time:
-                stopped_by = "time_limit"
-                run.logger.info(f"time limit of {args.time_limit_min:g} min reached after {episode} episodes")
-                break
-        row = finish(run, episode, global_step, recent_train_scores, stopped_by, start_time, wall_start)
-    except RunInterrupted as exc:
-        # an episode stopped part-way is played again on resume, from the step it began at: its steps count once
-        step = global_step if episode_over else episode_start
-        save_interrupted(run, exc, episode, step, recent_train_scores, replay_episode=not episode_over)
-        raise
-    close(run)
-    return row
+        # TRY NOT TO MODIFY: the episode's charts, then the periodic greedy test and the time limit
+        recent_train_scores = (recent_train_scores + [score])[-args.eval_every_episodes or -1 :]
+        lr = optimizer.param_groups[0]["lr"]
+        run.log_episode(episode, global_step, score, length, epsilon, lr)
+        # TRY NOT TO MODIFY: this episode has ended and been logged: a resumed run goes on with the next one
+        run.progress = Progress(episode, global_step, recent_train_scores, replay_episode=False)
+        if agent.scheduler is not None:
+            agent.scheduler.step()  # ALGO LOGIC: the learning-rate schedule moves once per episode
+        over_time = args.time_limit_min > 0 and time.time() - run.start_time >= 60 * args.time_limit_min
+        if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
+            run.evaluate(episode, global_step, epsilon, lr, recent_train_scores)
+        if over_time:
+            run.logger.info(f"time limit of {args.time_limit_min:g} min reached after {episode} episodes")
+            return "time_limit"
+    return "num_episodes"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1227,7 +1231,7 @@ RULES = (
 
 # =========================================================================================================
 # The minigames: MoveToBeacon and CollectMineralShards in numpy (pysc2's observations, each map's own spawn rules,
-# timer and marine speed), and the real game through pysc2, behind one interface (`reset`, `step`, `close`) that
+# timer and marine speed), and the real game through pysc2, behind the one interface (reset, step, close) that
 # `make_env` hands the loop. Part of Part 1, read only to change a map: nothing above needs their details.
 # =========================================================================================================
 
@@ -1590,58 +1594,19 @@ class Pysc2MiniGame:
 
 
 # =========================================================================================================
-# Part 2: speed. Wrappers around Part 1's functions, installed by one call when a run is set up (`speed_up`, from
-# `open_run`; LeanRL's "executables"): the torch thread count, and the update in mixed precision (--amp). Part 1
-# names nothing here: the loop calls what `speed_up` returned, which is Part 1's own `update` with --amp off.
+# Part 2: speed, installed by one call when a run is set up (`speed_up`, from `open_run`): today the torch thread
+# count. It replaces no Part 1 function: mixed precision (--amp) is PyTorch's recipe inside Part 1's `update`, so
+# the loop trains with the functions above as they are written, on every device. A faster version added here either
+# calls the Part 1 function it replaces (wraps it, as LeanRL wraps `update` in torch.compile) or is checked against
+# it on the run's own weights and batch at start-up, on resume and at each checkpoint, with a flag that turns it off,
+# named by the sentence that stops the run when they differ (exit 7, as dreamer_atari.py's EXIT_FAST_PATH). Part 1
+# names nothing here.
 # =========================================================================================================
 
 
-class MixedPrecision:
-    """--amp fp16 or bf16 around Part 1's TD loss and update: the networks' forward passes under autocast (their
-    convolutions and linear layers in half precision, the Q values cast back to float32 for the target and the
-    loss) and, for fp16, the gradients through a loss scaler (GradScaler: the loss scaled up so that small gradients
-    do not flush to zero, unscaled before the clip, a step with an overflowed gradient skipped). With autocast and
-    the scaler off (--amp off), each method does what Part 1 does."""
-
-    def __init__(self, amp: mu.AmpSetup):
-        self.amp = amp
-
-    def td_loss(self, q_network, target_network, batch: dict, args: Args):
-        """Part 1's `td_loss` under autocast."""
-        with self.amp.autocast():
-            return td_loss(q_network, target_network, batch, args)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """`loss.backward()` of the loss scaled up (fp16)."""
-        self.amp.scaler.scale(loss).backward()
-
-    def update(self, q_network, target_network, optimizer, batch: dict, args: Args) -> dict:
-        """Part 1's `update`, step for step, in mixed precision."""
-        loss, q_taken = self.td_loss(q_network, target_network, batch, args)
-        optimizer.zero_grad(set_to_none=True)
-        self.backward(loss)
-        self.amp.scaler.unscale_(optimizer)  # the clip sees the true gradients
-        grad_norm = nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
-        self.amp.scaler.step(optimizer)  # skipped when a gradient overflowed
-        self.amp.scaler.update()
-        return logged_values(loss, q_taken, grad_norm)
-
-
-@dataclass(frozen=True)
-class Executables:
-    """What the training loop calls for Part 1's functions, and the settings those calls run with."""
-
-    update: typing.Callable  # Part 1's `update`, or MixedPrecision.update
-    amp: mu.AmpSetup  # --amp resolved for the device; its loss scaler's state goes into checkpoints
-
-
-def speed_up(args: Args, device) -> Executables:
-    """The speed options of `args`, installed: the torch thread count, and the update in mixed precision where
-    --amp resolves to fp16 or bf16 on `device` (auto: fp16 on CUDA, off on a CPU). With --amp off the loop calls
-    Part 1's `update` itself."""
+def speed_up(args: Args) -> None:
+    """The speed options of `args`, installed: the torch thread count (--torch-num-threads)."""
     torch.set_num_threads(args.torch_num_threads)
-    amp = mu.amp(args.amp, device)
-    return Executables(update=MixedPrecision(amp).update if amp.enabled else update, amp=amp)
 
 
 # =========================================================================================================
@@ -1832,14 +1797,13 @@ def sleep_unless_stopped(stop: mu.StopSignals):
 @dataclass
 class Run:
     """What one seed's run holds: opened by `open_run`, given its agent, environments and memory instruments by
-    `set_up`, read by the training loop, closed by `close`."""
+    `set_up`, handed to Part 1's loop (`train_one_seed`, through `run_one_seed`), closed by `close`."""
 
     args: Args
     seed: int
     run_id: str
     run_dir: str
     device: torch.device
-    executables: Executables  # what the loop calls for Part 1's functions (Part 2, `speed_up`)
     stop: mu.StopSignals  # SIGINT and SIGTERM, recorded; read at the top of every agent step
     config: dict  # config.json as written
     logger: logging.Logger
@@ -1856,6 +1820,9 @@ class Run:
     last_report: dict | None = None  # the latest memory report and leak verdict, for an OOM report
     last_verdict: typing.Any = None
     memory_report_failed: bool = False
+    # where training stands: kept by Part 1's loop, set by `restore`, saved by a checkpoint
+    progress: Progress = dataclasses.field(default_factory=lambda: Progress(0, 0, [], False))
+    start_time: float = 0.0  # when the loop started (time.time()): steps/s, the time limit
 
     @property
     def checkpoint_path(self) -> str:
@@ -1866,6 +1833,31 @@ class Run:
     def curve_path(self) -> str:
         """The periodic greedy tests' CSV."""
         return os.path.join(self.run_dir, "eval", "curve.csv")
+
+    # The run's plumbing that Part 1's loop calls, `run.` and the name of the function below that does it
+    def check_stop(self) -> None:
+        """`check_stop` on this run's stop signals."""
+        check_stop(self.stop)
+
+    def out_of_memory_ends_the_run(self, global_step: int):
+        """`out_of_memory_ends_the_run` for this run."""
+        return out_of_memory_ends_the_run(self, global_step)
+
+    def log_update(self, metrics: dict, global_step: int) -> None:
+        """`log_update` for this run."""
+        log_update(self, metrics, global_step, self.start_time)
+
+    def watch_memory(self, global_step: int) -> None:
+        """`watch_memory` for this run."""
+        watch_memory(self, global_step)
+
+    def log_episode(self, episode: int, global_step: int, score: float, length: int, epsilon: float, lr):
+        """`log_episode` for this run."""
+        log_episode(self, episode, global_step, score, length, epsilon, lr)
+
+    def evaluate(self, episode: int, global_step: int, epsilon: float, lr: float, recent_train_scores: list):
+        """`evaluate` for this run."""
+        evaluate(self, episode, global_step, epsilon, lr, recent_train_scores, self.start_time)
 
 
 def set_up(
@@ -1890,7 +1882,7 @@ def set_up(
             os.path.join(run.run_dir, "config.json"), json.dumps(run.config, indent=2).encode()
         )
     run.logger.info(
-        f"run {run.run_id}: device {run.device}, amp {run.executables.amp.mode}, batch {run.batch_size}"
+        f"run {run.run_id}: device {run.device}, amp {run.agent.amp.mode}, batch {run.batch_size}"
         f"{' (fallback)' if run.fallback_used else ''}, optimizer state preallocated ({prealloc_mb:.1f} MB peak)"
     )
     instrument(run)
@@ -1913,14 +1905,14 @@ def open_run(
     logger = make_logger(run_dir, run_id)
     if wait_line:
         logger.info(wait_line)
-    executables = speed_up(args, device)  # Part 2, installed once: the thread count, mixed precision (--amp)
+    speed_up(args)  # Part 2, installed once: the thread count
     config = {
         "run_id": run_id,
         "seed": seed,
         "device": str(device),
         "batch_size_used": batch_size,
         "fallback_used": fallback_used,
-        "amp": executables.amp.mode,
+        "amp": mu.amp(args.amp, device).mode,  # --amp resolved on this device, as `build_agent` does
         "allocator": allocator,
         "episode_steps": episode_steps(args.step_mul) if args.backend == "builtin" else None,
         "args": dataclasses.asdict(args),
@@ -1944,7 +1936,6 @@ def open_run(
         run_id,
         run_dir,
         device,
-        executables,
         stop,
         config,
         logger,
@@ -2105,14 +2096,15 @@ def dummy_batch(batch_size: int, res: int, n_step: int, device) -> dict:
 def preallocate(
     q_network, target_network, optimizer, amp: mu.AmpSetup, args: Args, batch_size: int, device
 ) -> float:
-    """Adam's moments exist before the first real update, and not one weight changes."""
+    """Adam's moments exist before the first real update, and not one weight changes: Part 1's `update` on a
+    worst-case batch, then undone (weights, gradients, Adam's state, RNG states). Its loss scaler is a fresh one set
+    up like `amp.scaler`, so that the run's loss scale does not move."""
     batch = dummy_batch(batch_size, args.res, args.n_step, device)
-    precision = MixedPrecision(amp)  # the forward and backward passes of the update the run makes (Part 2)
+    amp = dataclasses.replace(amp, scaler=amp.new_scaler())
 
     def step_fn():
-        """One forward and backward pass of the TD loss on the dummy batch."""
-        loss, _ = precision.td_loss(q_network, target_network, batch, args)
-        precision.backward(loss)
+        """The update the run makes, on the dummy batch."""
+        update(q_network, target_network, optimizer, batch, args, amp)
 
     # memory: fail now, not at the first update hours later, if the optimizer state does not fit
     return mu.preallocate_optimizer_state(step_fn, optimizer, modules=[q_network, target_network])
@@ -2138,7 +2130,7 @@ def preallocate_or_fall_back(run: "Run", sources: dict) -> float:
                 agent.q_network,
                 agent.target_network,
                 agent.optimizer,
-                run.executables.amp,
+                run.agent.amp,
                 args,
                 run.batch_size,
                 run.device,
@@ -2511,7 +2503,7 @@ def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list
             rngs[name] = game.rng.bit_generator.state
     extra = {
         "rng": rngs,
-        "scaler": run.executables.amp.scaler.state_dict(),
+        "scaler": run.agent.amp.scaler.state_dict(),
         "recent_train_scores": list(recent_train_scores),
         "replay": run.agent.rb.state_dict() if run.args.checkpoint_buffer else None,
     }
@@ -2529,9 +2521,9 @@ def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list
     )
 
 
-def restore(run: Run, state: dict) -> tuple[int, int, int, list[float]]:
+def restore(run: Run, state: dict) -> None:
     """Load a checkpoint's networks, optimizer, scheduler, loss scaler, RNG states and (if saved) replay into the
-    run; returns (first episode to play, global step, last episode, recent training scores)."""
+    run, and where its training stood (`run.progress`)."""
     # an interrupted episode starts again; a finished one is followed by the next
     first_episode = state["episode"] + (0 if state["interrupted"] else 1)
     run.agent.q_network.load_state_dict(state["q_network"])
@@ -2540,7 +2532,7 @@ def restore(run: Run, state: dict) -> tuple[int, int, int, list[float]]:
     if run.agent.scheduler is not None and state["scheduler"] is not None:
         run.agent.scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler"):
-        run.executables.amp.scaler.load_state_dict(state["scaler"])
+        run.agent.amp.scaler.load_state_dict(state["scaler"])
     rngs = state["rng"]
     torch.set_rng_state(rngs["torch"])
     random.setstate(rngs["python"])
@@ -2556,7 +2548,8 @@ def restore(run: Run, state: dict) -> tuple[int, int, int, list[float]]:
         f"resumed {run.run_id} at episode {first_episode}, step {state['global_step']}"
         f"{' with its replay' if state.get('replay') is not None else ' (replay not saved)'}"
     )
-    return first_episode, state["global_step"], state["episode"], list(state.get("recent_train_scores", []))
+    scores, replay = list(state.get("recent_train_scores", [])), state["interrupted"]
+    run.progress = Progress(state["episode"], state["global_step"], scores, replay_episode=replay)
 
 
 def save_interrupted(
@@ -2737,6 +2730,31 @@ def drop_results_rows(path: str, run_id: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def run_one_seed(
+    args: Args, sources: dict, seed: int, run_id: str, stop: mu.StopSignals, resume_state: dict | None = None
+) -> dict:
+    """One seed's run, or the rest of one (from `resume_state`): set up (`set_up`, `restore`), trained by Part 1's
+    `train_one_seed`, then tested and checkpointed (`finish`); returns its results row. A stop signal or a CUDA OOM
+    checkpoints the run where its training stands (`run.progress`) and raises RunInterrupted."""
+    wall_start = time.time()
+    resume_step = None if resume_state is None else resume_state["global_step"]
+    run = set_up(args, sources, seed, run_id, resume_step, stop)
+    if resume_state is not None:
+        restore(run, resume_state)
+        resume_state = None  # memory: the loaded tensors live in the networks now
+    run.start_time = time.time()
+    try:
+        stopped_by = train_one_seed(run)
+        episode, global_step, recent_train_scores, _ = run.progress
+        row = finish(run, episode, global_step, recent_train_scores, stopped_by, run.start_time, wall_start)
+    except RunInterrupted as exc:  # in training, in a periodic test or in the final one
+        # an episode stopped part-way is played again on resume, from the step it began at: its steps count once
+        save_interrupted(run, exc, *run.progress)
+        raise
+    close(run)
+    return row
+
+
 def main(args: Args, sources: dict) -> int:
     """Every seed's run, one after another; the exit status (0, or the first run's that did not finish)."""
     args = with_map_defaults(args)
@@ -2775,7 +2793,7 @@ def main(args: Args, sources: dict) -> int:
                 check_stop(
                     stop
                 )  # a signal during the last seed's final checkpoint: the next one does not start
-                row = train_one_seed(
+                row = run_one_seed(
                     dataclasses.replace(args, seed=seed), sources, seed, run_ids[seed], stop, resume_state
                 )
             except RunInterrupted as exc:

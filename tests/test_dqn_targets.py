@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dqn_starcraft_split as dqn
+import memory_utils as mu
 
 # the schedules are stepped here without optimizer steps
 pytestmark = pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
@@ -280,7 +281,7 @@ def seeded_training(map_name: str, updates: int = 4) -> list[tuple[float, float,
     losses = []
     for _ in range(updates):
         batch = dqn.batch_to_device(rb.sample(8, rng, 3), "cpu")
-        metrics = dqn.update(q, target, optimizer, batch, args)
+        metrics = dqn.update(q, target, optimizer, batch, args, mu.amp("off", "cpu"))
         losses.append(
             tuple(metrics[key].item() for key in ("losses/td_loss", "losses/q_values", "losses/grad_norm"))
         )
