@@ -813,13 +813,13 @@ NETWORK_SETTINGS = (
 
 def make_q_network(*, map_name: str = Args.map_name, res: int = Args.res, **settings) -> SplitQNetwork:
     """The Q network from keywords alone, e.g. `make_q_network(map_name="MoveToBeacon", res=32, fine_gain=5.0)`:
-    each of NETWORK_SETTINGS left out (or None) is the map's default (MAP_DEFAULTS), else SplitQNetwork's."""
+    each of NETWORK_SETTINGS left out (or None) is the map's default (`with_map_defaults`), else Args'."""
     unknown = set(settings) - set(NETWORK_SETTINGS)
     if unknown:
         raise TypeError(f"make_q_network() got settings it does not know: {', '.join(sorted(unknown))}")
-    defaults = {name: value for name, value in MAP_DEFAULTS[map_name].items() if name in NETWORK_SETTINGS}
     given = {name: value for name, value in settings.items() if value is not None}
-    return SplitQNetwork(res, **{**defaults, **given})
+    args = with_map_defaults(Args(map_name=map_name, res=res, **given))
+    return SplitQNetwork(res, **{name: getattr(args, name) for name in NETWORK_SETTINGS})
 
 
 def network_settings(args: Args) -> dict:
@@ -994,7 +994,6 @@ def logged_values(loss: torch.Tensor, q_taken: torch.Tensor, grad_norm: torch.Te
 
 def make_scheduler(optimizer, args: Args):
     """Per-episode learning-rate schedule (None for `none`)."""
-    args = with_map_defaults(args)
     if args.lr_scheduler == "cosine":
         t_max = args.scheduler_tmax or args.num_episodes
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=t_max, eta_min=args.min_lr)
@@ -2476,7 +2475,6 @@ def load_checkpoint(path: str, args: Args) -> dict:
             f"this one reads {CHECKPOINT_FORMAT}); start a new run."
         )
     trained = state["args"]
-    args = with_map_defaults(args)
     for name in RESUME_MUST_MATCH + RESUME_SAME_SCHEDULE:
         saved, wanted = trained.get(name), getattr(args, name)
         if saved != wanted:

@@ -161,6 +161,24 @@ def test_part_2_is_installed_by_one_call_from_the_run():
     )
 
 
+def functions_naming(source: str, name: str) -> set[str]:
+    """The module-level functions, and the methods, whose bodies (not their default arguments) name `name`."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = ast.Module(body=node.body, type_ignores=[])
+            if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(body)):
+                found.add(node.name)
+    return found
+
+
+def test_the_map_defaults_are_filled_in_one_place():
+    """`with_map_defaults` alone reads MAP_DEFAULTS, and it is called by `main` (every run's settings, before
+    anything reads them) and by `make_q_network` (a network made on its own) alone."""
+    assert functions_naming(SOURCE, "MAP_DEFAULTS") == {"with_map_defaults"}
+    assert functions_naming(SOURCE, "with_map_defaults") == {"main", "make_q_network"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("amp", ["off", "bf16"])
 def test_a_change_to_part_1s_update_trains_with_every_precision_a_cpu_runs(tmp_path, amp):

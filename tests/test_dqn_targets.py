@@ -153,7 +153,7 @@ def test_td_loss_takes_each_transition_from_the_head_its_action_came_from():
 
 def lrs_per_episode(args, episodes):
     optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
-    scheduler = dqn.make_scheduler(optimizer, args)
+    scheduler = dqn.make_scheduler(optimizer, dqn.with_map_defaults(args))
     out = []
     for _ in range(episodes):
         out.append(optimizer.param_groups[0]["lr"])
