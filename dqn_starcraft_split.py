@@ -24,9 +24,10 @@ stopped run in its folder (networks, optimizer, scheduler, loss scaler, counters
 `--checkpoint-buffer`), once the checkpoint matches its checksum.
 
 The file reads top to bottom in three parts, each opened by a banner: Part 1, the algorithm (the settings, the
-environment, the replay buffer, the networks, the TD target and the update, acting, the training loop); Part 2,
-speed (wrappers around Part 1's functions: the thread count, mixed precision); Part 3, the run (input checks,
-logging, video, memory wiring, checkpoints, results rows, run folders, signals, `main`).
+environment, the replay buffer, the networks, the TD target and the update in the precision of --amp, acting, the
+training loop; after them what each setting allows and, in a section of their own, the minigames); Part 2, speed
+(the thread count); Part 3, the run (input checks, logging, video, memory wiring, checkpoints, results rows, run
+folders, signals, `main`).
 """
 
 import contextlib
@@ -57,10 +58,12 @@ import tyro
 import memory_utils as mu
 
 # =========================================================================================================
-# Part 1: the algorithm. In reading order: the settings (Args), the environment, the replay buffer, the networks,
-# the TD target and the update, acting, and the training loop (`train_one_seed`). With every speed option off
-# (--amp off, the default on a CPU) the loop runs these functions exactly as written: Part 2 only wraps them, and
-# nothing here names it. The run's plumbing (folders, logs, checkpoints, memory reports) is Part 3's, called by name.
+# Part 1: the algorithm. In reading order: the settings (Args, and the map defaults, filled in once when a run
+# starts), the environment (what the agent sees, the action space, `make_env`), the replay buffer, the networks, the
+# TD target and the update, acting, and the training loop (`train_one_seed`); after them what each setting allows
+# (RULES) and, in a section of their own, the minigames. This is what trains, on every device and in every precision
+# (--amp is PyTorch's mixed-precision recipe inside `update`). Nothing here names Part 2 or Part 3: the loop is handed
+# the run's plumbing (folders, logs, checkpoints, memory reports, stop signals) as `run`, which Part 3 makes.
 # =========================================================================================================
 
 
@@ -220,14 +223,14 @@ class Args:
     memory_probes: bool = False
     """record memory at each stage of the loop (`debug/probe/*`) to name the stage that keeps memory"""
 
-    # speed (Part 2: with --amp off the loop runs Part 1's functions as they are written)
+    # speed: the precision of `update` (PyTorch's mixed-precision recipe, in it) and the CPU threads (Part 2)
     amp: Literal["auto", "off", "fp16", "bf16"] = "auto"
     """mixed precision: auto = fp16 autocast + GradScaler on CUDA, off on CPU"""
     torch_num_threads: int = 1
     """CPU threads for torch (one is fastest at these sizes and leaves the other cores free)"""
 
     def problems(self) -> list[tuple[str, str]]:
-        """Every invalid value as (field, one sentence); empty when all is well. The rules are RULES (Part 3)."""
+        """Every invalid value as (field, one sentence); empty when all is well. The rules: RULES, after the loop."""
         values = dataclasses.asdict(self)
         return [
             (field, f"{field} must be {allowed.format(**values)}, got {values[field]!r}")
@@ -259,7 +262,7 @@ def with_map_defaults(args: Args) -> Args:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Environment: the built-in minigames and the pysc2 backend (the same observations, the same actions)
+# Environment: what the agent sees, the action space, the game's clock, and `make_env`
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -403,87 +406,6 @@ EPISODE_SECONDS = 120.0
 EPISODE_LOOPS = EPISODE_SECONDS * GAME_LOOPS_PER_SECOND
 
 
-# The marine. Speed 2.25 world units per normal-speed game second and radius 0.375: the game's unit data
-# (the "Marine" entry of BurnySc2/sc2-techtree data/data.json, read from the game through its API); Liquipedia
-# lists the same speed as 3.15 because it quotes "faster" real seconds (2.25 x 1.4). Per game loop:
-# 2.25 / 16 = 3.15 / 22.4 = 0.1406 units, 2.25 units per agent step at step_mul 16.
-MARINE_SPEED_PER_LOOP = 2.25 / GAME_LOOPS_PER_SECOND
-
-
-MARINE_RADIUS = 0.375
-
-
-MARINE_HIT_POINTS = 45  # max_health 45 in the same unit data
-
-
-# Space. pysc2's feature screen spans `camera_width_world_units` across (`Args.screen_world_units`, pysc2's
-# default 24 on both backends) and is centred on the camera: res / width pixels per world unit.
-# Where things are, in the maps' own world coordinates (x east, y north), from the files inside
-# pysc2/maps/mini_games/{MoveToBeacon,CollectMineralShards}.SC2Map: `Regions` and `MapScript.galaxy`.
-# Both maps: "Playable Space" is the rectangle (22, 20)-(44, 36), the marines spawn at uniform random points
-# in it, and the camera is panned to that rectangle's centre offset 3 units at 270 degrees (south).
-PLAYABLE_WORLD = (22.0, 20.0, 44.0, 36.0)
-
-
-CAMERA_CENTRE_WORLD = (33.0, 25.0)
-
-
-# MoveToBeacon: the beacon spawns at a uniform random point of "Beacon Spawn Region", the rectangle
-# (23.5, 21.5)-(42.5, 34.5) less a disc of radius 4 around (33, 28), drawn again until it is at least 5 units
-# from the marine, at the start and after every pickup (the map script's `< 5.0` loops; docs/mini_games.md
-# says "at least 4 units" for the start, the script uses 5 both times). A pickup is scored when the marine's
-# position is inside "Beacon Area", a circle of radius 1.25 kept centred on the beacon (checked every 0.0625
-# game seconds, i.e. every game loop). We draw the beacon with that radius: the Beacon_Terran model's own
-# footprint radius is not in a source we could find.
-BEACON_SPAWN_WORLD = (23.5, 21.5, 42.5, 34.5)
-
-
-BEACON_SPAWN_HOLE_WORLD = (33.0, 28.0, 4.0)  # (x, y, radius) cut out of the spawn rectangle
-
-
-BEACON_MIN_DISTANCE = 5.0
-
-
-BEACON_RADIUS = 1.25
-
-
-# CollectMineralShards: 20 shards ("NaturalMinerals") at uniform random points of "Mineral Area", the
-# rectangle (23, 21)-(43, 35), each at least 2 units from the closest marine; a new field of 20 when all are
-# collected (map script; docs/mini_games.md says the same). A marine collects a shard by touching it. The
-# shard's pickup radius is an assumption (0.5 units): we found no source for it.
-SHARD_SPAWN_WORLD = (23.0, 21.0, 43.0, 35.0)
-
-
-SHARD_MIN_DISTANCE = 2.0
-
-
-SHARD_RADIUS = 0.5
-
-
-NUM_SHARDS = 20
-
-
-# The minimap: we assume it shows the playable area, scaled so that its longer side (22 units) fills the
-# minimap, centred (the minigames never move the camera, so it carries little beyond the screen).
-MAP_WORLD_UNITS = PLAYABLE_WORLD[2] - PLAYABLE_WORLD[0]
-
-
-def world_to_screen_units(x: float, y: float, width: float) -> tuple[float, float]:
-    """Map world coordinates -> screen units (x right, y down from the top-left corner of a screen `width`
-    world units across), as pysc2's feature-screen transform does for the camera at CAMERA_CENTRE_WORLD."""
-    cx, cy = CAMERA_CENTRE_WORLD
-    return x - (cx - width / 2), (cy + width / 2) - y
-
-
-def screen_rect(
-    world_rect: tuple[float, float, float, float], width: float
-) -> tuple[float, float, float, float]:
-    """A world rectangle (x0, y0, x1, y1) -> the same rectangle in screen units (x0, y0, x1, y1), y down."""
-    x0, y1 = world_to_screen_units(world_rect[0], world_rect[1], width)
-    x1, y0 = world_to_screen_units(world_rect[2], world_rect[3], width)
-    return x0, y0, x1, y1
-
-
 def episode_steps(step_mul: int) -> int:
     """Agent steps of one episode of the map's 120-second timer at `step_mul` game loops per step."""
     return round(EPISODE_SECONDS * GAME_LOOPS_PER_SECOND / step_mul)
@@ -498,282 +420,6 @@ def storage_dtype(layer: Layer) -> np.dtype:
     """uint8 when every value fits, else int16 (pysc2's scales are all below 32,768 for these layers)."""
     # memory: 1 byte per pixel for categorical layers, 2 for hit points; not the int32 pysc2 hands out
     return np.dtype(np.uint8) if layer.scale <= 256 else np.dtype(np.int16)
-
-
-class BuiltinMiniGame:
-    """MoveToBeacon / CollectMineralShards in numpy, with pysc2-shaped observations.
-
-    `reset() -> obs`; `step(function_id, point) -> (obs, reward, done)` where point is (x, y) in screen
-    pixels for Move_screen and select_point and None otherwise. obs: feature_screen (len(SCREEN_LAYERS), res,
-    res) and feature_minimap (len(MINIMAP_LAYERS), res, res) int32 indexed [layer, y, x], player (11,) int64,
-    available_actions (function ids). An unavailable function raises ValueError, as pysc2 does.
-    Positions are kept in screen units (`world_units` across, y down; `world_to_screen_units`).
-    Marines keep walking to their last Move target while the agent no-ops, as units in the game do.
-    select_point selects the marine drawn at the clicked pixel (the nearer one if both are), or nothing on bare
-    ground. Simplification: marines that are moved together all walk to the clicked point (no formation
-    offsets, no collisions).
-    """
-
-    def __init__(
-        self, map_name: str, res: int, step_mul: int, seed: int, world_units: float = Args.screen_world_units
-    ):
-        self.map_name, self.res, self.step_mul, self.world_units = map_name, res, step_mul, world_units
-        self.max_steps = episode_steps(step_mul)
-        self.rng = np.random.default_rng(seed)
-        self.move_per_step = MARINE_SPEED_PER_LOOP * step_mul  # world units per agent step
-        pixel = world_units / res
-        centres = (np.arange(res) + 0.5) * pixel
-        self.screen_x, self.screen_y = np.meshgrid(
-            centres, centres
-        )  # (res, res) screen units of pixel centres
-        x0, y0, x1, y1 = screen_rect(PLAYABLE_WORLD, world_units)
-        mini_pixel = MAP_WORLD_UNITS / res
-        mini_x = (x0 + x1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
-        mini_y = (y0 + y1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
-        self.mini_x, self.mini_y = np.meshgrid(mini_x, mini_y)  # (res, res) screen units of minimap pixels
-        inside = lambda c: (c >= 0) & (c < world_units)
-        self.camera = (inside(self.mini_x) & inside(self.mini_y)).astype(np.int32)
-        self.num_marines = 1 if map_name == "MoveToBeacon" else 2
-
-    # -- world ------------------------------------------------------------------------------------------
-    def _uniform_points(self, rect: tuple[float, float, float, float], n: int) -> np.ndarray:
-        """n uniform random points of a world rectangle, in screen units: (n, 2)."""
-        x0, y0, x1, y1 = screen_rect(rect, self.world_units)
-        return np.stack([self.rng.uniform(x0, x1, n), self.rng.uniform(y0, y1, n)], axis=1)
-
-    def _spawn_beacon(self) -> None:
-        """A new beacon where the map script puts one (MoveToBeacon)."""
-        hole_x, hole_y, hole_radius = BEACON_SPAWN_HOLE_WORLD
-        hole = np.array(world_to_screen_units(hole_x, hole_y, self.world_units))
-        while True:  # the map script draws again until both conditions hold
-            p = self._uniform_points(BEACON_SPAWN_WORLD, 1)[0]
-            far = np.linalg.norm(p - self.marines[0]) >= BEACON_MIN_DISTANCE
-            if far and np.linalg.norm(p - hole) >= hole_radius:
-                break
-        self.pickups, self.pickup_radius = p[None], BEACON_RADIUS
-
-    def _spawn_shards(self) -> None:
-        """A new field of NUM_SHARDS shards where the map script puts them (CollectMineralShards)."""
-        points = []
-        while len(points) < NUM_SHARDS:
-            p = self._uniform_points(SHARD_SPAWN_WORLD, 1)[0]
-            if np.min(np.linalg.norm(self.marines - p, axis=1)) >= SHARD_MIN_DISTANCE:
-                points.append(p)
-        self.pickups, self.pickup_radius = np.array(points), SHARD_RADIUS
-
-    def _spawn_pickups(self) -> None:
-        """The map's pickups: a beacon or a field of shards."""
-        self._spawn_beacon() if self.map_name == "MoveToBeacon" else self._spawn_shards()
-
-    def reset(self) -> dict:
-        """A new episode: marines and pickups where the map puts them; the first observation."""
-        self.steps = 0
-        self.marines = self._uniform_points(PLAYABLE_WORLD, self.num_marines)  # (M, 2) screen units
-        self.targets = self.marines.copy()  # where each marine is walking to
-        self.selected = np.zeros(self.num_marines, bool)
-        self._spawn_pickups()
-        return self._observe()
-
-    def available_actions(self) -> np.ndarray:
-        """The function ids pysc2 would offer now."""
-        # select_point is always available in pysc2, select_army whenever there is an army (always here)
-        ids = [FUNCTION_IDS["no_op"], SELECT_POINT, FUNCTION_IDS["select_army"]]
-        if self.selected.any():
-            ids.append(MOVE_SCREEN)
-        return np.array(ids, np.int64)
-
-    def step(self, function_id: int, point: tuple[int, int] | None = None):
-        """One agent step: the call, then `step_mul` game loops of walking; (obs, reward, done)."""
-        if function_id not in self.available_actions():
-            raise ValueError(
-                f"function {function_id} is not available now (available: {self.available_actions()})"
-            )
-        if function_id in (MOVE_SCREEN, SELECT_POINT):
-            x, y = point
-            if not (0 <= x < self.res and 0 <= y < self.res):
-                raise ValueError(
-                    f"point {point} of function {function_id} is outside the {self.res}x{self.res} screen"
-                )
-        if function_id == FUNCTION_IDS["select_army"]:
-            self.selected[:] = True
-        elif function_id == SELECT_POINT:
-            self.selected[:] = False
-            under = self._discs(self.screen_x, self.screen_y, self.marines, MARINE_RADIUS)[:, y, x]  # (M,)
-            if under.any():
-                clicked = np.array([self.screen_x[y, x], self.screen_y[y, x]])
-                distance = np.where(under, np.linalg.norm(self.marines - clicked, axis=1), np.inf)
-                self.selected[int(distance.argmin())] = True
-        elif function_id == MOVE_SCREEN:
-            target = np.array([(x + 0.5), (y + 0.5)]) * self.world_units / self.res
-            self.targets[self.selected] = target
-        reward = self._advance()
-        self.steps += 1
-        return self._observe(), reward, self.steps >= self.max_steps
-
-    def _reach(self) -> float:
-        """Distance between a marine's centre and a pickup's centre at which the pickup is scored."""
-        if self.map_name == "MoveToBeacon":
-            return BEACON_RADIUS  # the marine's position inside the "Beacon Area" circle
-        return MARINE_RADIUS + SHARD_RADIUS  # the marine touches the shard
-
-    def _advance(self) -> float:
-        """Walk every marine up to one step's distance toward its target; collect what its path touches."""
-        start = self.marines.copy()
-        delta = self.targets - start
-        dist = np.linalg.norm(delta, axis=1, keepdims=True)
-        travel = np.minimum(dist, self.move_per_step)
-        self.marines = start + np.where(dist > 0, delta / np.maximum(dist, 1e-9), 0.0) * travel
-        # distance from each pickup to each marine's path segment: (M, P)
-        seg = self.marines - start
-        seg_len2 = np.maximum((seg**2).sum(1, keepdims=True), 1e-12)
-        rel = self.pickups[None, :, :] - start[:, None, :]
-        t = np.clip((rel * seg[:, None, :]).sum(-1) / seg_len2, 0.0, 1.0)
-        closest = start[:, None, :] + t[..., None] * seg[:, None, :]
-        touched = (np.linalg.norm(self.pickups[None] - closest, axis=-1) < self._reach()).any(0)
-        reward = float(touched.sum())
-        if touched.any():
-            if self.map_name == "MoveToBeacon":
-                self._spawn_beacon()  # the beacon moves somewhere new
-            else:
-                self.pickups = self.pickups[~touched]
-                if len(self.pickups) == 0:
-                    self._spawn_shards()  # all shards collected: a new field of 20
-        return reward
-
-    # -- observation ------------------------------------------------------------------------------------
-    def _discs(self, gx, gy, centres, radius) -> np.ndarray:
-        """(N, res, res) bool: pixels whose centre lies within `radius` of each centre (at least 1 pixel)."""
-        d2 = (gx[None] - centres[:, 0, None, None]) ** 2 + (gy[None] - centres[:, 1, None, None]) ** 2
-        discs = d2 <= radius**2
-        nearest = d2.reshape(len(centres), -1).argmin(1)
-        discs.reshape(len(centres), -1)[np.arange(len(centres)), nearest] = True
-        return discs
-
-    def _render(self, gx, gy, with_hit_points: bool):
-        """One view's layers: player_relative, selected, unit_density and, on the screen, hit points."""
-        marines = self._discs(gx, gy, self.marines, MARINE_RADIUS)  # (M, res, res)
-        pickups = self._discs(gx, gy, self.pickups, self.pickup_radius)  # (P, res, res)
-        player_relative = np.zeros((self.res, self.res), np.int32)
-        player_relative[pickups.any(0)] = 3  # neutral
-        player_relative[marines.any(0)] = 1  # self, drawn on top
-        selected = marines[self.selected].any(0).astype(np.int32)
-        density = marines.sum(0) + pickups.sum(0)
-        hit_points = marines.any(0) * MARINE_HIT_POINTS if with_hit_points else None
-        return player_relative, selected, density.astype(np.int32), hit_points
-
-    def _observe(self) -> dict:
-        """The observation dict, as pysc2's feature layers give it."""
-        pr, sel, density, hp = self._render(self.screen_x, self.screen_y, True)
-        mpr, msel, _, _ = self._render(self.mini_x, self.mini_y, False)
-        n = self.num_marines
-        player = np.array([1, 0, 0, n, n, n, 0, 0, n, 0, 0], np.int64)
-        return {
-            "feature_screen": np.stack([pr, sel, density, hp.astype(np.int32)]),  # (4, res, res)
-            "feature_minimap": np.stack([mpr, msel, self.camera]),  # (3, res, res)
-            "player": player,
-            "game_loop": self.steps * self.step_mul,
-            "available_actions": self.available_actions(),
-        }
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-
-def import_pysc2():
-    """Import pysc2 4.0.0 on Python >= 3.11 with a current protobuf; returns (sc2_env, actions).
-
-    Two small compatibility fixes, nothing else changed:
-    - pysc2/lib/colors.py calls random.shuffle(x, fn), an argument Python 3.11 removed. While pysc2
-      imports, random.shuffle accepts it again and does exactly the old shuffle with `fn`.
-    - s2clientprotocol's generated protobuf files predate protobuf 4; protobuf's pure-Python runtime still
-      reads them. That runtime is picked when google.protobuf is first imported, which is why this runs
-      before TensorBoard is imported.
-    """
-    os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
-    os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
-    original_shuffle = random.shuffle
-
-    def legacy_shuffle(x, random_fn=None):
-        """random.shuffle as it was before Python 3.11, with its `random` argument."""
-        if random_fn is None:
-            return original_shuffle(x)
-        for i in reversed(range(1, len(x))):
-            j = math.floor(random_fn() * (i + 1))
-            x[i], x[j] = x[j], x[i]
-
-    random.shuffle = legacy_shuffle
-    try:
-        from pysc2.env import sc2_env
-        from pysc2.lib import actions
-    finally:
-        random.shuffle = original_shuffle
-    return sc2_env, actions
-
-
-class Pysc2MiniGame:
-    """The real game (or pysc2's SC2TestEnv) behind the same interface as BuiltinMiniGame."""
-
-    def __init__(self, env, res: int):
-        self.env, self.res = env, res
-        _, self.actions = import_pysc2()
-        self.max_steps = None  # the map's own timer ends the episode
-
-    @classmethod
-    def make(
-        cls, map_name: str, res: int, step_mul: int, seed: int, world_units: float = Args.screen_world_units
-    ) -> "Pysc2MiniGame":
-        """A pysc2 SC2Env of the minigame, with the built-in game's screen scale."""
-        sc2_env, _ = import_pysc2()
-        env = sc2_env.SC2Env(
-            map_name=map_name,
-            players=[sc2_env.Agent(sc2_env.Race.terran)],
-            agent_interface_format=sc2_env.AgentInterfaceFormat(
-                feature_dimensions=sc2_env.Dimensions(screen=res, minimap=res),
-                camera_width_world_units=world_units,  # the built-in screen's scale
-            ),
-            step_mul=step_mul,
-            game_steps_per_episode=0,  # the minigame's own 120 s timer ends the episode
-            visualize=False,
-            random_seed=seed,
-        )
-        return cls(env, res)
-
-    def _convert(self, timestep) -> tuple[dict, float, bool]:
-        """A pysc2 TimeStep -> (observation dict, reward, done)."""
-        o = timestep.observation
-        screen, minimap = o["feature_screen"], o["feature_minimap"]
-        obs = {
-            "feature_screen": np.stack([np.asarray(screen[layer.name]) for layer in SCREEN_LAYERS]),
-            "feature_minimap": np.stack([np.asarray(minimap[layer.name]) for layer in MINIMAP_LAYERS]),
-            "player": np.asarray(o["player"], np.int64),
-            "game_loop": int(np.asarray(o["game_loop"]).reshape(-1)[0]),
-            "available_actions": np.asarray(o["available_actions"], np.int64),
-        }
-        return obs, float(timestep.reward), bool(timestep.last())
-
-    def reset(self) -> dict:
-        """A new episode of the game; the first observation."""
-        return self._convert(self.env.reset()[0])[0]
-
-    def function_call(self, function_id: int, point: tuple[int, int] | None = None):
-        """The pysc2 FunctionCall of one of FUNCTIONS, with the arguments pysc2's actions.py defines for it."""
-        if function_id == MOVE_SCREEN:
-            return self.actions.FunctionCall(function_id, [[0], list(point)])  # queued=now, (x, y)
-        if function_id == SELECT_POINT:
-            return self.actions.FunctionCall(
-                function_id, [[0], list(point)]
-            )  # select_point_act=select, (x, y)
-        if function_id == FUNCTION_IDS["select_army"]:
-            return self.actions.FunctionCall(function_id, [[0]])  # select, not add
-        return self.actions.FunctionCall(function_id, [])
-
-    def step(self, function_id: int, point: tuple[int, int] | None = None):
-        """One agent step in the game: (obs, reward, done)."""
-        return self._convert(self.env.step([self.function_call(function_id, point)])[0])
-
-    def close(self) -> None:
-        """Close the game."""
-        self.env.close()
 
 
 def make_env(args: Args, seed: int):
@@ -1093,7 +739,7 @@ class SplitQNetwork(nn.Module):
         # ALGO LOGIC: the heads in the order of HEADS (the flat action index); each one is registered above
         self.heads = (self.nonspatial_head, self.spatial_head)
         assert len(self.heads) == len(HEADS), "one module per entry of HEADS"
-        self.register_load_state_dict_pre_hook(rename_format_3_keys)  # older checkpoints' keys (Part 3)
+        self.register_load_state_dict_pre_hook(rename_format_3_keys)  # format-3 checkpoints' keys (below)
 
     def features(self, screen, minimap, player, available) -> Features:
         """The trunk: the towers, the player embedding and the context layers (see `forward` for the inputs)."""
@@ -1131,6 +777,25 @@ class SplitQNetwork(nn.Module):
         return [head(features) for head in self.heads]
 
 
+# The state_dict keys of format-3 checkpoints, whose heads' layers belonged to the network itself -> today's keys.
+FORMAT_3_KEYS = (
+    ("nonspatial_head.", "nonspatial_head.mlp."),
+    ("spatial_coarse.", "spatial_head.coarse."),
+    ("spatial_fine.", "spatial_head.fine."),
+)
+
+
+def rename_format_3_keys(module, state_dict, prefix, *unused) -> None:
+    """A load_state_dict pre-hook: a format-3 state_dict (it has `spatial_fine.weight`) gets today's keys."""
+    if prefix + "spatial_fine.weight" not in state_dict:
+        return
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        for old, new in FORMAT_3_KEYS:
+            if key.startswith(prefix + old):
+                state_dict[prefix + new + key[len(prefix + old) :]] = state_dict.pop(key)
+                break
+
+
 # SplitQNetwork's settings: the keyword arguments of make_q_network besides the map and the resolution.
 NETWORK_SETTINGS = (
     "tower_channels",
@@ -1148,13 +813,13 @@ NETWORK_SETTINGS = (
 
 def make_q_network(*, map_name: str = Args.map_name, res: int = Args.res, **settings) -> SplitQNetwork:
     """The Q network from keywords alone, e.g. `make_q_network(map_name="MoveToBeacon", res=32, fine_gain=5.0)`:
-    each of NETWORK_SETTINGS left out (or None) is the map's default (MAP_DEFAULTS), else SplitQNetwork's."""
+    each of NETWORK_SETTINGS left out (or None) is the map's default (`with_map_defaults`), else Args'."""
     unknown = set(settings) - set(NETWORK_SETTINGS)
     if unknown:
         raise TypeError(f"make_q_network() got settings it does not know: {', '.join(sorted(unknown))}")
-    defaults = {name: value for name, value in MAP_DEFAULTS[map_name].items() if name in NETWORK_SETTINGS}
     given = {name: value for name, value in settings.items() if value is not None}
-    return SplitQNetwork(res, **{**defaults, **given})
+    args = with_map_defaults(Args(map_name=map_name, res=res, **given))
+    return SplitQNetwork(res, **{name: getattr(args, name) for name in NETWORK_SETTINGS})
 
 
 def network_settings(args: Args) -> dict:
@@ -1296,14 +961,24 @@ def batch_to_device(sample: dict, device) -> dict:
     }
 
 
-def update(q_network, target_network, optimizer, batch: dict, args: Args) -> dict:
-    """One gradient step on the TD loss, its gradient norm clipped; returns what it logs (`logged_values`)."""
+def update(q_network, target_network, optimizer, batch: dict, args: Args, amp: mu.AmpSetup) -> dict:
+    """One gradient step on the TD loss, its gradient norm clipped; returns what it logs (`logged_values`).
+
+    In the precision of --amp, by PyTorch's mixed-precision recipe: the forward passes under autocast (fp16 or bf16
+    convolutions and linear layers; the Q values are float32 for the target and the loss) and the gradients through
+    a GradScaler (fp16: the loss scaled up so that small gradients do not flush to zero, unscaled before the clip, a
+    step with an overflowed gradient skipped). With --amp off autocast does nothing and the disabled scaler makes
+    each call the plain one (`loss.backward()`, `optimizer.step()`); bf16 needs no scaler. One function for every
+    precision, so a change here trains on every device."""
     # ALGO LOGIC: the gradient step
-    loss, q_taken = td_loss(q_network, target_network, batch, args)
+    with amp.autocast():
+        loss, q_taken = td_loss(q_network, target_network, batch, args)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    amp.scaler.scale(loss).backward()
+    amp.scaler.unscale_(optimizer)  # the clip sees the true gradients
     grad_norm = nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
-    optimizer.step()
+    amp.scaler.step(optimizer)  # skipped when a gradient overflowed (fp16)
+    amp.scaler.update()
     return logged_values(loss, q_taken, grad_norm)
 
 
@@ -1319,7 +994,6 @@ def logged_values(loss: torch.Tensor, q_taken: torch.Tensor, grad_norm: torch.Te
 
 def make_scheduler(optimizer, args: Args):
     """Per-episode learning-rate schedule (None for `none`)."""
-    args = with_map_defaults(args)
     if args.lr_scheduler == "cosine":
         t_max = args.scheduler_tmax or args.num_episodes
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=t_max, eta_min=args.min_lr)
@@ -1385,14 +1059,15 @@ class Agent:
     q_network: SplitQNetwork
     target_network: SplitQNetwork
     optimizer: torch.optim.Optimizer
+    amp: mu.AmpSetup  # --amp on this device: `update`'s autocast and loss scaler (checkpoints keep its state)
     scheduler: typing.Any  # a per-episode learning-rate schedule, or None
     rb: SplitReplayBuffer
     rng: np.random.Generator  # exploration and replay sampling
 
 
 def build_agent(args: Args, seed: int, device) -> Agent:
-    """ALGO LOGIC: the seeds, the online and target networks, Adam, the learning-rate schedule and the replay, in the
-    order that fixes every random number."""
+    """ALGO LOGIC: the seeds, the online and target networks, Adam, the precision of the update (--amp: auto is fp16
+    on CUDA, off on a CPU), the learning-rate schedule and the replay, in the order that fixes every random number."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -1402,167 +1077,92 @@ def build_agent(args: Args, seed: int, device) -> Agent:
     target_network = make_q_network(**network_settings(args)).to(device)
     target_network.load_state_dict(q_network.state_dict())
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
+    amp = mu.amp(args.amp, device)
     scheduler = make_scheduler(optimizer, args)
     rb = SplitReplayBuffer(args.buffer_size, args.res)
-    return Agent(q_network, target_network, optimizer, scheduler, rb, rng)
+    return Agent(q_network, target_network, optimizer, amp, scheduler, rb, rng)
 
 
-def train_one_seed(
-    args: Args, sources: dict, seed: int, run_id: str, stop: mu.StopSignals, resume_state: dict | None = None
-) -> dict:
-    """One seed's run (or the rest of one, from `resume_state`): episode after episode, act epsilon-greedily, store
-    each transition, update on a sampled batch every `train_frequency` agent steps and copy the online network into
-    the target network every `target_network_frequency`; returns the run's results row. Raises RunInterrupted (after
-    checkpointing) on a stop signal or a CUDA OOM."""
-    # TRY NOT TO MODIFY: the run's folder, logs, environments, agent (`build_agent`) and speed options (`set_up`),
-    # and with --resume the stopped run's networks, optimizer, replay, RNG states and counters (`restore`)
-    wall_start = time.time()
-    resume_step = None if resume_state is None else resume_state["global_step"]
-    run = set_up(args, sources, seed, run_id, resume_step, stop)
-    args = run.args
-    global_step, episode, recent_train_scores, first_episode = 0, 0, [], 1
-    if resume_state is not None:
-        first_episode, global_step, episode, recent_train_scores = restore(run, resume_state)
-        resume_state = None  # memory: the loaded tensors live in the networks now
-    env, agent, probes, device = run.env, run.agent, run.probes, run.device
+class Progress(typing.NamedTuple):
+    """Where training stands, as the loop leaves it at each episode's start and end; what a checkpoint saves and
+    --resume goes on from."""
+
+    episode: int  # the latest episode begun (0: none yet)
+    global_step: int  # agent steps taken: before that episode while it is played, after it once it has ended
+    recent_train_scores: list  # the latest training episodes' scores (as many as --eval-every-episodes)
+    replay_episode: bool  # whether a resumed run plays `episode` again from its start (it had not ended)
+
+
+def train_one_seed(run) -> str:
+    """One seed's training, or the rest of it after --resume: episode after episode, act epsilon-greedily, store each
+    transition, update on a sampled batch every `train_frequency` agent steps and copy the online network into the
+    target network every `target_network_frequency`. Returns what ended it: "num_episodes" or "time_limit".
+    `run` (Part 3 makes it) holds the environments, the agent and where training stands (`run.progress`); each
+    `run.` call below is the run's plumbing: stop signals, out-of-memory reports, logs, periodic tests, memory."""
+    args, env, agent = run.args, run.env, run.agent
     q_network, target_network, optimizer = agent.q_network, agent.target_network, agent.optimizer
     rb, rng = agent.rb, agent.rng  # the replay buffer; the generator of exploration and replay sampling
-    update = run.executables.update  # Part 1's `update` itself, or its wrapper from Part 2 (--amp)
-    start_time = time.time()
-    stopped_by = "num_episodes"
-    # whether the episode being played has ended and been logged, and the agent step it began at
-    episode_over, episode_start = False, global_step
-    try:
-        for episode in range(first_episode, args.num_episodes + 1):
-            episode_over, episode_start = False, global_step
-            obs, done, score, length = env.reset(), False, 0.0, 0
-            while not done:
-                check_stop(run.stop)  # TRY NOT TO MODIFY: a stop signal ends the run here, between two steps
-                probes("loop_start")
-                # ALGO LOGIC: the action, epsilon-greedy
-                epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
-                # memory: a CUDA OOM while acting, copying a batch or updating ends the run (report, checkpoint)
-                with out_of_memory_ends_the_run(run, global_step):
-                    action = select_action(q_network, obs, epsilon, rng, device, args.select_own_only)
+    last_episode, global_step, recent_train_scores, replay_episode = run.progress  # new run: 0, 0, [], False
+    first_episode = last_episode if replay_episode else last_episode + 1
+    for episode in range(first_episode, args.num_episodes + 1):
+        # TRY NOT TO MODIFY: a run stopped during this episode plays it again on resume, from the step it began at
+        run.progress = Progress(episode, global_step, recent_train_scores, replay_episode=True)
+        obs, done, score, length = env.reset(), False, 0.0, 0
+        while not done:
+            run.check_stop()  # TRY NOT TO MODIFY: a stop signal ends the run here, between two steps
+            run.probes("loop_start")
+            # ALGO LOGIC: the action, epsilon-greedy
+            epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
+            # memory: a CUDA OOM while acting, copying a batch or updating ends the run (report, checkpoint)
+            with run.out_of_memory_ends_the_run(global_step):
+                action = select_action(q_network, obs, epsilon, rng, run.device, args.select_own_only)
 
-                # TRY NOT TO MODIFY: play it in the game (a Move carried on by --move-through), store the transition
-                next_obs, reward, done = env.step(*game_call(action, obs, args.res, run.through_pixels))
-                rb.add(obs, action, reward, done)
-                probes("after_collect")
-                obs = next_obs
-                score += reward
-                length += 1
-                global_step += 1
+            # TRY NOT TO MODIFY: play it in the game (a Move carried on by --move-through), store the transition
+            next_obs, reward, done = env.step(*game_call(action, obs, args.res, run.through_pixels))
+            rb.add(obs, action, reward, done)
+            run.probes("after_collect")
+            obs = next_obs
+            score += reward
+            length += 1
+            global_step += 1
 
-                # ALGO LOGIC: training
-                if global_step > args.learning_starts and global_step % args.train_frequency == 0:
-                    with out_of_memory_ends_the_run(run, global_step):
-                        batch = batch_to_device(rb.sample(run.batch_size, rng, args.n_step), device)
-                    probes("after_sample")
-                    with out_of_memory_ends_the_run(run, global_step):
-                        metrics = update(q_network, target_network, optimizer, batch, args)
-                    probes("after_optimizer_step")
-                    if global_step % args.log_every_steps < args.train_frequency:
-                        log_update(run, metrics, global_step, start_time)
+            # ALGO LOGIC: training
+            if global_step > args.learning_starts and global_step % args.train_frequency == 0:
+                with run.out_of_memory_ends_the_run(global_step):
+                    batch = batch_to_device(rb.sample(run.batch_size, rng, args.n_step), run.device)
+                run.probes("after_sample")
+                with run.out_of_memory_ends_the_run(global_step):
+                    metrics = update(q_network, target_network, optimizer, batch, args, agent.amp)
+                run.probes("after_optimizer_step")
+                if global_step % args.log_every_steps < args.train_frequency:
+                    run.log_update(metrics, global_step)
 
-                # ALGO LOGIC: the target network
-                if global_step % args.target_network_frequency == 0:
-                    target_network.load_state_dict(q_network.state_dict())
-                # memory: the stage probes, allocator snapshots, the memory report and the leak check, when due
-                watch_memory(run, global_step)
+            # ALGO LOGIC: the target network
+            if global_step % args.target_network_frequency == 0:
+                target_network.load_state_dict(q_network.state_dict())
+            # memory: the stage probes, allocator snapshots, the memory report and the leak check, when due
+            run.watch_memory(global_step)
 
-            # TRY NOT TO MODIFY: the episode's charts, then the periodic greedy test and the time limit
-            recent_train_scores = (recent_train_scores + [score])[-args.eval_every_episodes or -1 :]
-            lr = optimizer.param_groups[0]["lr"]
-            log_episode(run, episode, global_step, score, length, epsilon, lr)
-            episode_over = True
-            if agent.scheduler is not None:
-                agent.scheduler.step()  # ALGO LOGIC: the learning-rate schedule moves once per episode
-            over_time = args.time_limit_min > 0 and time.time() - start_time >= 60 * args.time_limit_min
-            if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
-                evaluate(run, episode, global_step, epsilon, lr, recent_train_scores, start_time)
-            if over_time:
-                stopped_by = "time_limit"
-                run.logger.info(f"time limit of {args.time_limit_min:g} min reached after {episode} episodes")
-                break
-        row = finish(run, episode, global_step, recent_train_scores, stopped_by, start_time, wall_start)
-    except RunInterrupted as exc:
-        # an episode stopped part-way is played again on resume, from the step it began at: its steps count once
-        step = global_step if episode_over else episode_start
-        save_interrupted(run, exc, episode, step, recent_train_scores, replay_episode=not episode_over)
-        raise
-    close(run)
-    return row
-
-
-# =========================================================================================================
-# Part 2: speed. Wrappers around Part 1's functions, installed by one call when a run is set up (`speed_up`, from
-# `open_run`; LeanRL's "executables"): the torch thread count, and the update in mixed precision (--amp). Part 1
-# names nothing here: the loop calls what `speed_up` returned, which is Part 1's own `update` with --amp off.
-# =========================================================================================================
-
-
-class MixedPrecision:
-    """--amp fp16 or bf16 around Part 1's TD loss and update: the networks' forward passes under autocast (their
-    convolutions and linear layers in half precision, the Q values cast back to float32 for the target and the
-    loss) and, for fp16, the gradients through a loss scaler (GradScaler: the loss scaled up so that small gradients
-    do not flush to zero, unscaled before the clip, a step with an overflowed gradient skipped). With autocast and
-    the scaler off (--amp off), each method does what Part 1 does."""
-
-    def __init__(self, amp: mu.AmpSetup):
-        self.amp = amp
-
-    def td_loss(self, q_network, target_network, batch: dict, args: Args):
-        """Part 1's `td_loss` under autocast."""
-        with self.amp.autocast():
-            return td_loss(q_network, target_network, batch, args)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """`loss.backward()` of the loss scaled up (fp16)."""
-        self.amp.scaler.scale(loss).backward()
-
-    def update(self, q_network, target_network, optimizer, batch: dict, args: Args) -> dict:
-        """Part 1's `update`, step for step, in mixed precision."""
-        loss, q_taken = self.td_loss(q_network, target_network, batch, args)
-        optimizer.zero_grad(set_to_none=True)
-        self.backward(loss)
-        self.amp.scaler.unscale_(optimizer)  # the clip sees the true gradients
-        grad_norm = nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
-        self.amp.scaler.step(optimizer)  # skipped when a gradient overflowed
-        self.amp.scaler.update()
-        return logged_values(loss, q_taken, grad_norm)
-
-
-@dataclass(frozen=True)
-class Executables:
-    """What the training loop calls for Part 1's functions, and the settings those calls run with."""
-
-    update: typing.Callable  # Part 1's `update`, or MixedPrecision.update
-    amp: mu.AmpSetup  # --amp resolved for the device; its loss scaler's state goes into checkpoints
-
-
-def speed_up(args: Args, device) -> Executables:
-    """The speed options of `args`, installed: the torch thread count, and the update in mixed precision where
-    --amp resolves to fp16 or bf16 on `device` (auto: fp16 on CUDA, off on a CPU). With --amp off the loop calls
-    Part 1's `update` itself."""
-    torch.set_num_threads(args.torch_num_threads)
-    amp = mu.amp(args.amp, device)
-    return Executables(update=MixedPrecision(amp).update if amp.enabled else update, amp=amp)
-
-
-# =========================================================================================================
-# Part 3: the run. Input checks, stopping, the run's folder and set-up, memory wiring (memory_utils), logging and
-# evaluation, test episodes and video, checkpoints, the results rows across runs, and `main`.
-# =========================================================================================================
+        # TRY NOT TO MODIFY: the episode's charts, then the periodic greedy test and the time limit
+        recent_train_scores = (recent_train_scores + [score])[-args.eval_every_episodes or -1 :]
+        lr = optimizer.param_groups[0]["lr"]
+        run.log_episode(episode, global_step, score, length, epsilon, lr)
+        # TRY NOT TO MODIFY: this episode has ended and been logged: a resumed run goes on with the next one
+        run.progress = Progress(episode, global_step, recent_train_scores, replay_episode=False)
+        if agent.scheduler is not None:
+            agent.scheduler.step()  # ALGO LOGIC: the learning-rate schedule moves once per episode
+        over_time = args.time_limit_min > 0 and time.time() - run.start_time >= 60 * args.time_limit_min
+        if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
+            run.evaluate(episode, global_step, epsilon, lr, recent_train_scores)
+        if over_time:
+            run.logger.info(f"time limit of {args.time_limit_min:g} min reached after {episode} episodes")
+            return "time_limit"
+    return "num_episodes"
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Input checks: the command line, RL_* variables, the game's installation
+# What each setting allows: RULES, read by `Args.problems` (and so by the input checks and sweep.py)
 # ---------------------------------------------------------------------------------------------------------
-
-
-class ConfigError(Exception):
-    """A bad value from the command line, an RL_* variable or the machine: one sentence, exit status 2."""
 
 
 # What each field allows: (field, test, the allowed values in words). A value that fails its test is refused in
@@ -1626,6 +1226,401 @@ RULES = (
     ("snapshot_max_entries", lambda a: a.snapshot_max_entries >= 1, "at least 1"),
 )
 # fmt: on
+
+
+# =========================================================================================================
+# The minigames: MoveToBeacon and CollectMineralShards in numpy (pysc2's observations, each map's own spawn rules,
+# timer and marine speed), and the real game through pysc2, behind the one interface (reset, step, close) that
+# `make_env` hands the loop. Part of Part 1, read only to change a map: nothing above needs their details.
+# =========================================================================================================
+
+
+# The marine. Speed 2.25 world units per normal-speed game second and radius 0.375: the game's unit data
+# (the "Marine" entry of BurnySc2/sc2-techtree data/data.json, read from the game through its API); Liquipedia
+# lists the same speed as 3.15 because it quotes "faster" real seconds (2.25 x 1.4). Per game loop:
+# 2.25 / 16 = 3.15 / 22.4 = 0.1406 units, 2.25 units per agent step at step_mul 16.
+MARINE_SPEED_PER_LOOP = 2.25 / GAME_LOOPS_PER_SECOND
+
+
+MARINE_RADIUS = 0.375
+
+
+MARINE_HIT_POINTS = 45  # max_health 45 in the same unit data
+
+
+# Space. pysc2's feature screen spans `camera_width_world_units` across (`Args.screen_world_units`, pysc2's
+# default 24 on both backends) and is centred on the camera: res / width pixels per world unit.
+# Where things are, in the maps' own world coordinates (x east, y north), from the files inside
+# pysc2/maps/mini_games/{MoveToBeacon,CollectMineralShards}.SC2Map: `Regions` and `MapScript.galaxy`.
+# Both maps: "Playable Space" is the rectangle (22, 20)-(44, 36), the marines spawn at uniform random points
+# in it, and the camera is panned to that rectangle's centre offset 3 units at 270 degrees (south).
+PLAYABLE_WORLD = (22.0, 20.0, 44.0, 36.0)
+
+
+CAMERA_CENTRE_WORLD = (33.0, 25.0)
+
+
+# MoveToBeacon: the beacon spawns at a uniform random point of "Beacon Spawn Region", the rectangle
+# (23.5, 21.5)-(42.5, 34.5) less a disc of radius 4 around (33, 28), drawn again until it is at least 5 units
+# from the marine, at the start and after every pickup (the map script's `< 5.0` loops; docs/mini_games.md
+# says "at least 4 units" for the start, the script uses 5 both times). A pickup is scored when the marine's
+# position is inside "Beacon Area", a circle of radius 1.25 kept centred on the beacon (checked every 0.0625
+# game seconds, i.e. every game loop). We draw the beacon with that radius: the Beacon_Terran model's own
+# footprint radius is not in a source we could find.
+BEACON_SPAWN_WORLD = (23.5, 21.5, 42.5, 34.5)
+
+
+BEACON_SPAWN_HOLE_WORLD = (33.0, 28.0, 4.0)  # (x, y, radius) cut out of the spawn rectangle
+
+
+BEACON_MIN_DISTANCE = 5.0
+
+
+BEACON_RADIUS = 1.25
+
+
+# CollectMineralShards: 20 shards ("NaturalMinerals") at uniform random points of "Mineral Area", the
+# rectangle (23, 21)-(43, 35), each at least 2 units from the closest marine; a new field of 20 when all are
+# collected (map script; docs/mini_games.md says the same). A marine collects a shard by touching it. The
+# shard's pickup radius is an assumption (0.5 units): we found no source for it.
+SHARD_SPAWN_WORLD = (23.0, 21.0, 43.0, 35.0)
+
+
+SHARD_MIN_DISTANCE = 2.0
+
+
+SHARD_RADIUS = 0.5
+
+
+NUM_SHARDS = 20
+
+
+# The minimap: we assume it shows the playable area, scaled so that its longer side (22 units) fills the
+# minimap, centred (the minigames never move the camera, so it carries little beyond the screen).
+MAP_WORLD_UNITS = PLAYABLE_WORLD[2] - PLAYABLE_WORLD[0]
+
+
+def world_to_screen_units(x: float, y: float, width: float) -> tuple[float, float]:
+    """Map world coordinates -> screen units (x right, y down from the top-left corner of a screen `width`
+    world units across), as pysc2's feature-screen transform does for the camera at CAMERA_CENTRE_WORLD."""
+    cx, cy = CAMERA_CENTRE_WORLD
+    return x - (cx - width / 2), (cy + width / 2) - y
+
+
+def screen_rect(
+    world_rect: tuple[float, float, float, float], width: float
+) -> tuple[float, float, float, float]:
+    """A world rectangle (x0, y0, x1, y1) -> the same rectangle in screen units (x0, y0, x1, y1), y down."""
+    x0, y1 = world_to_screen_units(world_rect[0], world_rect[1], width)
+    x1, y0 = world_to_screen_units(world_rect[2], world_rect[3], width)
+    return x0, y0, x1, y1
+
+
+class BuiltinMiniGame:
+    """MoveToBeacon / CollectMineralShards in numpy, with pysc2-shaped observations.
+
+    `reset() -> obs`; `step(function_id, point) -> (obs, reward, done)` where point is (x, y) in screen
+    pixels for Move_screen and select_point and None otherwise. obs: feature_screen (len(SCREEN_LAYERS), res,
+    res) and feature_minimap (len(MINIMAP_LAYERS), res, res) int32 indexed [layer, y, x], player (11,) int64,
+    available_actions (function ids). An unavailable function raises ValueError, as pysc2 does.
+    Positions are kept in screen units (`world_units` across, y down; `world_to_screen_units`).
+    Marines keep walking to their last Move target while the agent no-ops, as units in the game do.
+    select_point selects the marine drawn at the clicked pixel (the nearer one if both are), or nothing on bare
+    ground. Simplification: marines that are moved together all walk to the clicked point (no formation
+    offsets, no collisions).
+    """
+
+    def __init__(
+        self, map_name: str, res: int, step_mul: int, seed: int, world_units: float = Args.screen_world_units
+    ):
+        self.map_name, self.res, self.step_mul, self.world_units = map_name, res, step_mul, world_units
+        self.max_steps = episode_steps(step_mul)
+        self.rng = np.random.default_rng(seed)
+        self.move_per_step = MARINE_SPEED_PER_LOOP * step_mul  # world units per agent step
+        pixel = world_units / res
+        centres = (np.arange(res) + 0.5) * pixel
+        self.screen_x, self.screen_y = np.meshgrid(
+            centres, centres
+        )  # (res, res) screen units of pixel centres
+        x0, y0, x1, y1 = screen_rect(PLAYABLE_WORLD, world_units)
+        mini_pixel = MAP_WORLD_UNITS / res
+        mini_x = (x0 + x1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
+        mini_y = (y0 + y1) / 2 + (np.arange(res) + 0.5 - res / 2) * mini_pixel
+        self.mini_x, self.mini_y = np.meshgrid(mini_x, mini_y)  # (res, res) screen units of minimap pixels
+        inside = lambda c: (c >= 0) & (c < world_units)
+        self.camera = (inside(self.mini_x) & inside(self.mini_y)).astype(np.int32)
+        self.num_marines = 1 if map_name == "MoveToBeacon" else 2
+
+    # -- world ------------------------------------------------------------------------------------------
+    def _uniform_points(self, rect: tuple[float, float, float, float], n: int) -> np.ndarray:
+        """n uniform random points of a world rectangle, in screen units: (n, 2)."""
+        x0, y0, x1, y1 = screen_rect(rect, self.world_units)
+        return np.stack([self.rng.uniform(x0, x1, n), self.rng.uniform(y0, y1, n)], axis=1)
+
+    def _spawn_beacon(self) -> None:
+        """A new beacon where the map script puts one (MoveToBeacon)."""
+        hole_x, hole_y, hole_radius = BEACON_SPAWN_HOLE_WORLD
+        hole = np.array(world_to_screen_units(hole_x, hole_y, self.world_units))
+        while True:  # the map script draws again until both conditions hold
+            p = self._uniform_points(BEACON_SPAWN_WORLD, 1)[0]
+            far = np.linalg.norm(p - self.marines[0]) >= BEACON_MIN_DISTANCE
+            if far and np.linalg.norm(p - hole) >= hole_radius:
+                break
+        self.pickups, self.pickup_radius = p[None], BEACON_RADIUS
+
+    def _spawn_shards(self) -> None:
+        """A new field of NUM_SHARDS shards where the map script puts them (CollectMineralShards)."""
+        points = []
+        while len(points) < NUM_SHARDS:
+            p = self._uniform_points(SHARD_SPAWN_WORLD, 1)[0]
+            if np.min(np.linalg.norm(self.marines - p, axis=1)) >= SHARD_MIN_DISTANCE:
+                points.append(p)
+        self.pickups, self.pickup_radius = np.array(points), SHARD_RADIUS
+
+    def _spawn_pickups(self) -> None:
+        """The map's pickups: a beacon or a field of shards."""
+        self._spawn_beacon() if self.map_name == "MoveToBeacon" else self._spawn_shards()
+
+    def reset(self) -> dict:
+        """A new episode: marines and pickups where the map puts them; the first observation."""
+        self.steps = 0
+        self.marines = self._uniform_points(PLAYABLE_WORLD, self.num_marines)  # (M, 2) screen units
+        self.targets = self.marines.copy()  # where each marine is walking to
+        self.selected = np.zeros(self.num_marines, bool)
+        self._spawn_pickups()
+        return self._observe()
+
+    def available_actions(self) -> np.ndarray:
+        """The function ids pysc2 would offer now."""
+        # select_point is always available in pysc2, select_army whenever there is an army (always here)
+        ids = [FUNCTION_IDS["no_op"], SELECT_POINT, FUNCTION_IDS["select_army"]]
+        if self.selected.any():
+            ids.append(MOVE_SCREEN)
+        return np.array(ids, np.int64)
+
+    def step(self, function_id: int, point: tuple[int, int] | None = None):
+        """One agent step: the call, then `step_mul` game loops of walking; (obs, reward, done)."""
+        if function_id not in self.available_actions():
+            raise ValueError(
+                f"function {function_id} is not available now (available: {self.available_actions()})"
+            )
+        if function_id in (MOVE_SCREEN, SELECT_POINT):
+            x, y = point
+            if not (0 <= x < self.res and 0 <= y < self.res):
+                raise ValueError(
+                    f"point {point} of function {function_id} is outside the {self.res}x{self.res} screen"
+                )
+        if function_id == FUNCTION_IDS["select_army"]:
+            self.selected[:] = True
+        elif function_id == SELECT_POINT:
+            self.selected[:] = False
+            under = self._discs(self.screen_x, self.screen_y, self.marines, MARINE_RADIUS)[:, y, x]  # (M,)
+            if under.any():
+                clicked = np.array([self.screen_x[y, x], self.screen_y[y, x]])
+                distance = np.where(under, np.linalg.norm(self.marines - clicked, axis=1), np.inf)
+                self.selected[int(distance.argmin())] = True
+        elif function_id == MOVE_SCREEN:
+            target = np.array([(x + 0.5), (y + 0.5)]) * self.world_units / self.res
+            self.targets[self.selected] = target
+        reward = self._advance()
+        self.steps += 1
+        return self._observe(), reward, self.steps >= self.max_steps
+
+    def _reach(self) -> float:
+        """Distance between a marine's centre and a pickup's centre at which the pickup is scored."""
+        if self.map_name == "MoveToBeacon":
+            return BEACON_RADIUS  # the marine's position inside the "Beacon Area" circle
+        return MARINE_RADIUS + SHARD_RADIUS  # the marine touches the shard
+
+    def _advance(self) -> float:
+        """Walk every marine up to one step's distance toward its target; collect what its path touches."""
+        start = self.marines.copy()
+        delta = self.targets - start
+        dist = np.linalg.norm(delta, axis=1, keepdims=True)
+        travel = np.minimum(dist, self.move_per_step)
+        self.marines = start + np.where(dist > 0, delta / np.maximum(dist, 1e-9), 0.0) * travel
+        # distance from each pickup to each marine's path segment: (M, P)
+        seg = self.marines - start
+        seg_len2 = np.maximum((seg**2).sum(1, keepdims=True), 1e-12)
+        rel = self.pickups[None, :, :] - start[:, None, :]
+        t = np.clip((rel * seg[:, None, :]).sum(-1) / seg_len2, 0.0, 1.0)
+        closest = start[:, None, :] + t[..., None] * seg[:, None, :]
+        touched = (np.linalg.norm(self.pickups[None] - closest, axis=-1) < self._reach()).any(0)
+        reward = float(touched.sum())
+        if touched.any():
+            if self.map_name == "MoveToBeacon":
+                self._spawn_beacon()  # the beacon moves somewhere new
+            else:
+                self.pickups = self.pickups[~touched]
+                if len(self.pickups) == 0:
+                    self._spawn_shards()  # all shards collected: a new field of 20
+        return reward
+
+    # -- observation ------------------------------------------------------------------------------------
+    def _discs(self, gx, gy, centres, radius) -> np.ndarray:
+        """(N, res, res) bool: pixels whose centre lies within `radius` of each centre (at least 1 pixel)."""
+        d2 = (gx[None] - centres[:, 0, None, None]) ** 2 + (gy[None] - centres[:, 1, None, None]) ** 2
+        discs = d2 <= radius**2
+        nearest = d2.reshape(len(centres), -1).argmin(1)
+        discs.reshape(len(centres), -1)[np.arange(len(centres)), nearest] = True
+        return discs
+
+    def _render(self, gx, gy, with_hit_points: bool):
+        """One view's layers: player_relative, selected, unit_density and, on the screen, hit points."""
+        marines = self._discs(gx, gy, self.marines, MARINE_RADIUS)  # (M, res, res)
+        pickups = self._discs(gx, gy, self.pickups, self.pickup_radius)  # (P, res, res)
+        player_relative = np.zeros((self.res, self.res), np.int32)
+        player_relative[pickups.any(0)] = 3  # neutral
+        player_relative[marines.any(0)] = 1  # self, drawn on top
+        selected = marines[self.selected].any(0).astype(np.int32)
+        density = marines.sum(0) + pickups.sum(0)
+        hit_points = marines.any(0) * MARINE_HIT_POINTS if with_hit_points else None
+        return player_relative, selected, density.astype(np.int32), hit_points
+
+    def _observe(self) -> dict:
+        """The observation dict, as pysc2's feature layers give it."""
+        pr, sel, density, hp = self._render(self.screen_x, self.screen_y, True)
+        mpr, msel, _, _ = self._render(self.mini_x, self.mini_y, False)
+        n = self.num_marines
+        player = np.array([1, 0, 0, n, n, n, 0, 0, n, 0, 0], np.int64)
+        return {
+            "feature_screen": np.stack([pr, sel, density, hp.astype(np.int32)]),  # (4, res, res)
+            "feature_minimap": np.stack([mpr, msel, self.camera]),  # (3, res, res)
+            "player": player,
+            "game_loop": self.steps * self.step_mul,
+            "available_actions": self.available_actions(),
+        }
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def import_pysc2():
+    """Import pysc2 4.0.0 on Python >= 3.11 with a current protobuf; returns (sc2_env, actions).
+
+    Two small compatibility fixes, nothing else changed:
+    - pysc2/lib/colors.py calls random.shuffle(x, fn), an argument Python 3.11 removed. While pysc2
+      imports, random.shuffle accepts it again and does exactly the old shuffle with `fn`.
+    - s2clientprotocol's generated protobuf files predate protobuf 4; protobuf's pure-Python runtime still
+      reads them. That runtime is picked when google.protobuf is first imported, which is why this runs
+      before TensorBoard is imported.
+    """
+    os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+    os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
+    original_shuffle = random.shuffle
+
+    def legacy_shuffle(x, random_fn=None):
+        """random.shuffle as it was before Python 3.11, with its `random` argument."""
+        if random_fn is None:
+            return original_shuffle(x)
+        for i in reversed(range(1, len(x))):
+            j = math.floor(random_fn() * (i + 1))
+            x[i], x[j] = x[j], x[i]
+
+    random.shuffle = legacy_shuffle
+    try:
+        from pysc2.env import sc2_env
+        from pysc2.lib import actions
+    finally:
+        random.shuffle = original_shuffle
+    return sc2_env, actions
+
+
+class Pysc2MiniGame:
+    """The real game (or pysc2's SC2TestEnv) behind the same interface as BuiltinMiniGame."""
+
+    def __init__(self, env, res: int):
+        self.env, self.res = env, res
+        _, self.actions = import_pysc2()
+        self.max_steps = None  # the map's own timer ends the episode
+
+    @classmethod
+    def make(
+        cls, map_name: str, res: int, step_mul: int, seed: int, world_units: float = Args.screen_world_units
+    ) -> "Pysc2MiniGame":
+        """A pysc2 SC2Env of the minigame, with the built-in game's screen scale."""
+        sc2_env, _ = import_pysc2()
+        env = sc2_env.SC2Env(
+            map_name=map_name,
+            players=[sc2_env.Agent(sc2_env.Race.terran)],
+            agent_interface_format=sc2_env.AgentInterfaceFormat(
+                feature_dimensions=sc2_env.Dimensions(screen=res, minimap=res),
+                camera_width_world_units=world_units,  # the built-in screen's scale
+            ),
+            step_mul=step_mul,
+            game_steps_per_episode=0,  # the minigame's own 120 s timer ends the episode
+            visualize=False,
+            random_seed=seed,
+        )
+        return cls(env, res)
+
+    def _convert(self, timestep) -> tuple[dict, float, bool]:
+        """A pysc2 TimeStep -> (observation dict, reward, done)."""
+        o = timestep.observation
+        screen, minimap = o["feature_screen"], o["feature_minimap"]
+        obs = {
+            "feature_screen": np.stack([np.asarray(screen[layer.name]) for layer in SCREEN_LAYERS]),
+            "feature_minimap": np.stack([np.asarray(minimap[layer.name]) for layer in MINIMAP_LAYERS]),
+            "player": np.asarray(o["player"], np.int64),
+            "game_loop": int(np.asarray(o["game_loop"]).reshape(-1)[0]),
+            "available_actions": np.asarray(o["available_actions"], np.int64),
+        }
+        return obs, float(timestep.reward), bool(timestep.last())
+
+    def reset(self) -> dict:
+        """A new episode of the game; the first observation."""
+        return self._convert(self.env.reset()[0])[0]
+
+    def function_call(self, function_id: int, point: tuple[int, int] | None = None):
+        """The pysc2 FunctionCall of one of FUNCTIONS, with the arguments pysc2's actions.py defines for it."""
+        if function_id == MOVE_SCREEN:
+            return self.actions.FunctionCall(function_id, [[0], list(point)])  # queued=now, (x, y)
+        if function_id == SELECT_POINT:
+            return self.actions.FunctionCall(
+                function_id, [[0], list(point)]
+            )  # select_point_act=select, (x, y)
+        if function_id == FUNCTION_IDS["select_army"]:
+            return self.actions.FunctionCall(function_id, [[0]])  # select, not add
+        return self.actions.FunctionCall(function_id, [])
+
+    def step(self, function_id: int, point: tuple[int, int] | None = None):
+        """One agent step in the game: (obs, reward, done)."""
+        return self._convert(self.env.step([self.function_call(function_id, point)])[0])
+
+    def close(self) -> None:
+        """Close the game."""
+        self.env.close()
+
+
+# =========================================================================================================
+# Part 2: speed, installed by one call when a run is set up (`speed_up`, from `open_run`): today the torch thread
+# count. It replaces no Part 1 function: mixed precision (--amp) is PyTorch's recipe inside Part 1's `update`, so
+# the loop trains with the functions above as they are written, on every device. A faster version added here either
+# calls the Part 1 function it replaces (wraps it, as LeanRL wraps `update` in torch.compile) or is checked against
+# it on the run's own weights and batch at start-up, on resume and at each checkpoint, with a flag that turns it off,
+# named by the sentence that stops the run when they differ (exit 7, as dreamer_atari.py's EXIT_FAST_PATH). Part 1
+# names nothing here.
+# =========================================================================================================
+
+
+def speed_up(args: Args) -> None:
+    """The speed options of `args`, installed: the torch thread count (--torch-num-threads)."""
+    torch.set_num_threads(args.torch_num_threads)
+
+
+# =========================================================================================================
+# Part 3: the run. Input checks, stopping, the run's folder and set-up, memory wiring (memory_utils), logging and
+# evaluation, test episodes and video, checkpoints, the results rows across runs, and `main`.
+# =========================================================================================================
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Input checks: the command line, RL_* variables, the game's installation
+# ---------------------------------------------------------------------------------------------------------
+
+
+class ConfigError(Exception):
+    """A bad value from the command line, an RL_* variable or the machine: one sentence, exit status 2."""
 
 
 def env_var_name(field: str) -> str:
@@ -1801,14 +1796,13 @@ def sleep_unless_stopped(stop: mu.StopSignals):
 @dataclass
 class Run:
     """What one seed's run holds: opened by `open_run`, given its agent, environments and memory instruments by
-    `set_up`, read by the training loop, closed by `close`."""
+    `set_up`, handed to Part 1's loop (`train_one_seed`, through `run_one_seed`), closed by `close`."""
 
     args: Args
     seed: int
     run_id: str
     run_dir: str
     device: torch.device
-    executables: Executables  # what the loop calls for Part 1's functions (Part 2, `speed_up`)
     stop: mu.StopSignals  # SIGINT and SIGTERM, recorded; read at the top of every agent step
     config: dict  # config.json as written
     logger: logging.Logger
@@ -1825,6 +1819,9 @@ class Run:
     last_report: dict | None = None  # the latest memory report and leak verdict, for an OOM report
     last_verdict: typing.Any = None
     memory_report_failed: bool = False
+    # where training stands: kept by Part 1's loop, set by `restore`, saved by a checkpoint
+    progress: Progress = dataclasses.field(default_factory=lambda: Progress(0, 0, [], False))
+    start_time: float = 0.0  # when the loop started (time.time()): steps/s, the time limit
 
     @property
     def checkpoint_path(self) -> str:
@@ -1835,6 +1832,31 @@ class Run:
     def curve_path(self) -> str:
         """The periodic greedy tests' CSV."""
         return os.path.join(self.run_dir, "eval", "curve.csv")
+
+    # The run's plumbing that Part 1's loop calls, `run.` and the name of the function below that does it
+    def check_stop(self) -> None:
+        """`check_stop` on this run's stop signals."""
+        check_stop(self.stop)
+
+    def out_of_memory_ends_the_run(self, global_step: int):
+        """`out_of_memory_ends_the_run` for this run."""
+        return out_of_memory_ends_the_run(self, global_step)
+
+    def log_update(self, metrics: dict, global_step: int) -> None:
+        """`log_update` for this run."""
+        log_update(self, metrics, global_step, self.start_time)
+
+    def watch_memory(self, global_step: int) -> None:
+        """`watch_memory` for this run."""
+        watch_memory(self, global_step)
+
+    def log_episode(self, episode: int, global_step: int, score: float, length: int, epsilon: float, lr):
+        """`log_episode` for this run."""
+        log_episode(self, episode, global_step, score, length, epsilon, lr)
+
+    def evaluate(self, episode: int, global_step: int, epsilon: float, lr: float, recent_train_scores: list):
+        """`evaluate` for this run."""
+        evaluate(self, episode, global_step, epsilon, lr, recent_train_scores, self.start_time)
 
 
 def set_up(
@@ -1859,7 +1881,7 @@ def set_up(
             os.path.join(run.run_dir, "config.json"), json.dumps(run.config, indent=2).encode()
         )
     run.logger.info(
-        f"run {run.run_id}: device {run.device}, amp {run.executables.amp.mode}, batch {run.batch_size}"
+        f"run {run.run_id}: device {run.device}, amp {run.agent.amp.mode}, batch {run.batch_size}"
         f"{' (fallback)' if run.fallback_used else ''}, optimizer state preallocated ({prealloc_mb:.1f} MB peak)"
     )
     instrument(run)
@@ -1882,14 +1904,14 @@ def open_run(
     logger = make_logger(run_dir, run_id)
     if wait_line:
         logger.info(wait_line)
-    executables = speed_up(args, device)  # Part 2, installed once: the thread count, mixed precision (--amp)
+    speed_up(args)  # Part 2, installed once: the thread count
     config = {
         "run_id": run_id,
         "seed": seed,
         "device": str(device),
         "batch_size_used": batch_size,
         "fallback_used": fallback_used,
-        "amp": executables.amp.mode,
+        "amp": mu.amp(args.amp, device).mode,  # --amp resolved on this device, as `build_agent` does
         "allocator": allocator,
         "episode_steps": episode_steps(args.step_mul) if args.backend == "builtin" else None,
         "args": dataclasses.asdict(args),
@@ -1913,7 +1935,6 @@ def open_run(
         run_id,
         run_dir,
         device,
-        executables,
         stop,
         config,
         logger,
@@ -2074,14 +2095,15 @@ def dummy_batch(batch_size: int, res: int, n_step: int, device) -> dict:
 def preallocate(
     q_network, target_network, optimizer, amp: mu.AmpSetup, args: Args, batch_size: int, device
 ) -> float:
-    """Adam's moments exist before the first real update, and not one weight changes."""
+    """Adam's moments exist before the first real update, and not one weight changes: Part 1's `update` on a
+    worst-case batch, then undone (weights, gradients, Adam's state, RNG states). Its loss scaler is a fresh one set
+    up like `amp.scaler`, so that the run's loss scale does not move."""
     batch = dummy_batch(batch_size, args.res, args.n_step, device)
-    precision = MixedPrecision(amp)  # the forward and backward passes of the update the run makes (Part 2)
+    amp = dataclasses.replace(amp, scaler=amp.new_scaler())
 
     def step_fn():
-        """One forward and backward pass of the TD loss on the dummy batch."""
-        loss, _ = precision.td_loss(q_network, target_network, batch, args)
-        precision.backward(loss)
+        """The update the run makes, on the dummy batch."""
+        update(q_network, target_network, optimizer, batch, args, amp)
 
     # memory: fail now, not at the first update hours later, if the optimizer state does not fit
     return mu.preallocate_optimizer_state(step_fn, optimizer, modules=[q_network, target_network])
@@ -2107,7 +2129,7 @@ def preallocate_or_fall_back(run: "Run", sources: dict) -> float:
                 agent.q_network,
                 agent.target_network,
                 agent.optimizer,
-                run.executables.amp,
+                run.agent.amp,
                 args,
                 run.batch_size,
                 run.device,
@@ -2395,25 +2417,6 @@ RESUME_MUST_MATCH = (
 RESUME_SAME_SCHEDULE = ("lr_scheduler", "step_lr_step_size", "step_lr_gamma")
 
 
-# The state_dict keys of format-3 checkpoints, whose heads' layers belonged to the network itself -> today's keys.
-FORMAT_3_KEYS = (
-    ("nonspatial_head.", "nonspatial_head.mlp."),
-    ("spatial_coarse.", "spatial_head.coarse."),
-    ("spatial_fine.", "spatial_head.fine."),
-)
-
-
-def rename_format_3_keys(module, state_dict, prefix, *unused) -> None:
-    """A load_state_dict pre-hook: a format-3 state_dict (it has `spatial_fine.weight`) gets today's keys."""
-    if prefix + "spatial_fine.weight" not in state_dict:
-        return
-    for key in [key for key in state_dict if key.startswith(prefix)]:
-        for old, new in FORMAT_3_KEYS:
-            if key.startswith(prefix + old):
-                state_dict[prefix + new + key[len(prefix + old) :]] = state_dict.pop(key)
-                break
-
-
 def save_checkpoint(
     path: str,
     q_network,
@@ -2472,7 +2475,6 @@ def load_checkpoint(path: str, args: Args) -> dict:
             f"this one reads {CHECKPOINT_FORMAT}); start a new run."
         )
     trained = state["args"]
-    args = with_map_defaults(args)
     for name in RESUME_MUST_MATCH + RESUME_SAME_SCHEDULE:
         saved, wanted = trained.get(name), getattr(args, name)
         if saved != wanted:
@@ -2499,7 +2501,7 @@ def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list
             rngs[name] = game.rng.bit_generator.state
     extra = {
         "rng": rngs,
-        "scaler": run.executables.amp.scaler.state_dict(),
+        "scaler": run.agent.amp.scaler.state_dict(),
         "recent_train_scores": list(recent_train_scores),
         "replay": run.agent.rb.state_dict() if run.args.checkpoint_buffer else None,
     }
@@ -2517,9 +2519,9 @@ def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list
     )
 
 
-def restore(run: Run, state: dict) -> tuple[int, int, int, list[float]]:
+def restore(run: Run, state: dict) -> None:
     """Load a checkpoint's networks, optimizer, scheduler, loss scaler, RNG states and (if saved) replay into the
-    run; returns (first episode to play, global step, last episode, recent training scores)."""
+    run, and where its training stood (`run.progress`)."""
     # an interrupted episode starts again; a finished one is followed by the next
     first_episode = state["episode"] + (0 if state["interrupted"] else 1)
     run.agent.q_network.load_state_dict(state["q_network"])
@@ -2528,7 +2530,7 @@ def restore(run: Run, state: dict) -> tuple[int, int, int, list[float]]:
     if run.agent.scheduler is not None and state["scheduler"] is not None:
         run.agent.scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler"):
-        run.executables.amp.scaler.load_state_dict(state["scaler"])
+        run.agent.amp.scaler.load_state_dict(state["scaler"])
     rngs = state["rng"]
     torch.set_rng_state(rngs["torch"])
     random.setstate(rngs["python"])
@@ -2544,7 +2546,8 @@ def restore(run: Run, state: dict) -> tuple[int, int, int, list[float]]:
         f"resumed {run.run_id} at episode {first_episode}, step {state['global_step']}"
         f"{' with its replay' if state.get('replay') is not None else ' (replay not saved)'}"
     )
-    return first_episode, state["global_step"], state["episode"], list(state.get("recent_train_scores", []))
+    scores, replay = list(state.get("recent_train_scores", [])), state["interrupted"]
+    run.progress = Progress(state["episode"], state["global_step"], scores, replay_episode=replay)
 
 
 def save_interrupted(
@@ -2725,6 +2728,31 @@ def drop_results_rows(path: str, run_id: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def run_one_seed(
+    args: Args, sources: dict, seed: int, run_id: str, stop: mu.StopSignals, resume_state: dict | None = None
+) -> dict:
+    """One seed's run, or the rest of one (from `resume_state`): set up (`set_up`, `restore`), trained by Part 1's
+    `train_one_seed`, then tested and checkpointed (`finish`); returns its results row. A stop signal or a CUDA OOM
+    checkpoints the run where its training stands (`run.progress`) and raises RunInterrupted."""
+    wall_start = time.time()
+    resume_step = None if resume_state is None else resume_state["global_step"]
+    run = set_up(args, sources, seed, run_id, resume_step, stop)
+    if resume_state is not None:
+        restore(run, resume_state)
+        resume_state = None  # memory: the loaded tensors live in the networks now
+    run.start_time = time.time()
+    try:
+        stopped_by = train_one_seed(run)
+        episode, global_step, recent_train_scores, _ = run.progress
+        row = finish(run, episode, global_step, recent_train_scores, stopped_by, run.start_time, wall_start)
+    except RunInterrupted as exc:  # in training, in a periodic test or in the final one
+        # an episode stopped part-way is played again on resume, from the step it began at: its steps count once
+        save_interrupted(run, exc, *run.progress)
+        raise
+    close(run)
+    return row
+
+
 def main(args: Args, sources: dict) -> int:
     """Every seed's run, one after another; the exit status (0, or the first run's that did not finish)."""
     args = with_map_defaults(args)
@@ -2763,7 +2791,7 @@ def main(args: Args, sources: dict) -> int:
                 check_stop(
                     stop
                 )  # a signal during the last seed's final checkpoint: the next one does not start
-                row = train_one_seed(
+                row = run_one_seed(
                     dataclasses.replace(args, seed=seed), sources, seed, run_ids[seed], stop, resume_state
                 )
             except RunInterrupted as exc:

@@ -82,10 +82,11 @@ def measure(quick: bool) -> dict:
         obs = env.reset() if done else next_obs
     env.close()
     optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
+    amp = mu.amp(args.amp, "cpu")  # --amp resolved on the CPU, as training's `build_agent` does
 
-    def learner_step():  # --amp resolves to off on the CPU: training's update is Part 1's `update` itself
+    def learner_step():
         batch = dqn.batch_to_device(rb.sample(args.batch_size, rng, args.n_step), "cpu")
-        dqn.update(q_network, target_network, optimizer, batch, args)
+        dqn.update(q_network, target_network, optimizer, batch, args, amp)
 
     timing = bench_utils.time_ms(learner_step, reps=20 if quick else 200, warmup=3)
     out["dqn_update_ms"] = timing["median_ms"]

@@ -3,6 +3,7 @@
 CRC-32s (one sentence, exit 2, the file left as it is); one neither can verify resumes after one line. And the
 checkpoints of format 3, whose heads' weights had other names, still load."""
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -174,3 +175,26 @@ def test_a_format_3_checkpoint_loads_and_resumes(run, capsys):
     )
     assert code == 0, capsys.readouterr().err
     assert torch.load(run / "checkpoint.pt", weights_only=True)["format"] == dqn.CHECKPOINT_FORMAT
+
+
+def test_the_loss_scalers_state_round_trips_through_a_checkpoint(tmp_path, monkeypatch):
+    """fp16's GradScaler (here an enabled one on the CPU, its scale doubled every 2 updates without an overflow) is
+    saved with the run and resumed where it stood: its scale after 17 updates and 8 more is 2^12 times the first,
+    not 2^4 (a fresh scaler at resume), and the start-up preallocation's step moves it not at all."""
+    real_amp = dqn.mu.amp
+
+    def enabled_scaler(mode, device):
+        setup = real_amp(mode, device)
+        return dataclasses.replace(
+            setup, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        )
+
+    monkeypatch.setattr(dqn.mu, "amp", enabled_scaler)
+    three = [*TINY_FLAGS, "--eval-every-episodes", "0", "--num-test-episodes", "1", "--run-id", "scaled"]
+    assert main_in(tmp_path, [*three, "--num-episodes", "3"]) == 0  # updates at steps 12, 14, ..., 44: 17
+    checkpoint = tmp_path / "results" / "scaled" / "checkpoint.pt"
+    saved = torch.load(checkpoint, weights_only=True)["scaler"]
+    assert (saved["scale"], saved["_growth_tracker"]) == (2.0**18, 1)
+    assert main_in(tmp_path, [*three, "--num-episodes", "4", "--resume", str(checkpoint)]) == 0  # 8 more
+    resumed = torch.load(checkpoint, weights_only=True)["scaler"]
+    assert (resumed["scale"], resumed["_growth_tracker"]) == (2.0**22, 1)

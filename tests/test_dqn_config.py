@@ -293,9 +293,9 @@ def test_a_setting_assigned_after_the_run_started_is_refused_at_once(tmp_path, m
     monkeypatch.chdir(tmp_path)
     seen = []
 
-    def changes_a_setting(args, *rest):
-        seen.append(args)
-        args.learning_rate = 1e-3
+    def changes_a_setting(run):
+        seen.append(run.args)
+        run.args.learning_rate = 1e-3
 
     monkeypatch.setattr(dqn, "train_one_seed", changes_a_setting)
     with pytest.raises(dqn.mu.SettingFixed) as refused:

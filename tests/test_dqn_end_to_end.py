@@ -205,7 +205,12 @@ def test_results_row_is_appended_whole(tmp_path):
 
 
 def test_out_of_memory_writes_a_report_and_a_checkpoint_and_no_row(tmp_path, monkeypatch):
+    real_update, calls = dqn.update, []
+
     def oom(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:  # the start-up preallocation's update goes through
+            return real_update(*args, **kwargs)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
 
     monkeypatch.setattr(dqn, "update", oom)
@@ -475,6 +480,11 @@ def saved_checkpoint(tmp_path, args: dqn.Args, **network) -> str:
     return str(tmp_path / "saved.pt")
 
 
+def load_checkpoint(path: str, args: dqn.Args) -> dict:
+    """`load_checkpoint` as `main` calls it: with the map's defaults filled in first."""
+    return dqn.load_checkpoint(path, dqn.with_map_defaults(args))
+
+
 def test_a_checkpoint_of_an_older_version_is_refused_in_one_sentence(tmp_path):
     """A checkpoint written by an older version of the script (another format) is not resumed: one sentence on
     stderr, exit status 2, nothing trained."""
@@ -493,7 +503,7 @@ def test_a_checkpoint_of_an_older_version_is_refused_in_one_sentence(tmp_path):
     del old["args"]["move_through"]  # a setting that version did not record
     torch.save(old, tmp_path / "old.pt")
     with pytest.raises(dqn.ConfigError, match="was written by another version of this script"):
-        dqn.load_checkpoint(str(tmp_path / "old.pt"), args)
+        load_checkpoint(str(tmp_path / "old.pt"), args)
     done = subprocess.run(
         [
             sys.executable,
@@ -520,16 +530,14 @@ def test_a_checkpoint_resumes_only_with_the_learning_rate_schedule_it_was_traine
     cosine schedule (the map's default before the step schedule) refuses the step schedule, naming both."""
     args = dqn.Args(res=8, map_name="CollectMineralShards", context_layers=0, lr_scheduler="cosine")
     path = saved_checkpoint(tmp_path, args, context_layers=0)
-    assert dqn.load_checkpoint(path, args)["args"]["lr_scheduler"] == "cosine"
+    assert load_checkpoint(path, args)["args"]["lr_scheduler"] == "cosine"
     with pytest.raises(dqn.ConfigError, match="--lr-scheduler cosine, but this run asks for step"):
-        dqn.load_checkpoint(path, dataclasses.replace(args, lr_scheduler=None))  # the map's default: step
+        load_checkpoint(path, dataclasses.replace(args, lr_scheduler=None))  # the map's default: step
     stepped = dataclasses.replace(args, lr_scheduler="step", step_lr_step_size=600, step_lr_gamma=0.2)
     path = saved_checkpoint(tmp_path, stepped, context_layers=0)
     with pytest.raises(dqn.ConfigError, match="--step-lr-gamma 0.2, but this run asks for 0.5"):
-        dqn.load_checkpoint(path, dataclasses.replace(stepped, step_lr_gamma=0.5))
-    assert dqn.load_checkpoint(
-        path, dataclasses.replace(stepped, num_episodes=50_000)
-    )  # a longer run is fine
+        load_checkpoint(path, dataclasses.replace(stepped, step_lr_gamma=0.5))
+    assert load_checkpoint(path, dataclasses.replace(stepped, num_episodes=50_000))  # a longer run is fine
 
 
 def test_a_checkpoint_resumes_only_with_the_spatial_head_it_was_trained_with(tmp_path):
@@ -539,12 +547,12 @@ def test_a_checkpoint_resumes_only_with_the_spatial_head_it_was_trained_with(tmp
         res=8, map_name="CollectMineralShards", context_layers=0, coarse_level=False, fine_kernel=3
     )
     path = saved_checkpoint(tmp_path, args, context_layers=0, coarse_level=False, fine_kernel=3)
-    state = dqn.load_checkpoint(path, args)
+    state = load_checkpoint(path, args)
     dqn.make_q_network(**dqn.network_settings(args)).load_state_dict(state["q_network"])
     with pytest.raises(dqn.ConfigError, match="--fine-kernel 3, but this run asks for 1"):
-        dqn.load_checkpoint(path, dataclasses.replace(args, fine_kernel=1))
+        load_checkpoint(path, dataclasses.replace(args, fine_kernel=1))
     with pytest.raises(dqn.ConfigError, match="--coarse-level False, but this run asks for True"):
-        dqn.load_checkpoint(path, dataclasses.replace(args, coarse_level=True))
+        load_checkpoint(path, dataclasses.replace(args, coarse_level=True))
 
 
 def test_memory_is_read_on_one_heap_with_tensorboards_queue_written(tmp_path, monkeypatch):

@@ -154,33 +154,39 @@ def real_batch(res=8):
 def test_update_returns_detached_values():
     q, target = make_nets()
     optimizer = torch.optim.Adam(q.parameters(), lr=1e-3)
-    metrics = dqn.update(q, target, optimizer, real_batch(), dqn.Args(res=8))
+    metrics = dqn.update(q, target, optimizer, real_batch(), dqn.Args(res=8), mu.amp("off", "cpu"))
     assert set(metrics) == {"losses/td_loss", "losses/q_values", "losses/grad_norm"}
     assert all(v.grad_fn is None and not v.requires_grad for v in metrics.values())
 
 
-def test_amp_cpu_path_trains_without_scaler_warnings():
-    setup = dqn.speed_up(dqn.Args(res=8), "cpu").amp
-    assert setup.mode == "off" and not setup.scaler.is_enabled()
+@pytest.mark.parametrize("amp", ["auto", "bf16"])
+def test_amp_cpu_path_trains_without_scaler_warnings(amp):
+    """The agent's precision on a CPU (auto: off; bf16: autocast without a loss scaler) trains, and no GradScaler
+    or autocast warning is raised (a scaler built for CUDA warns on a CPU)."""
+    args = dqn.with_map_defaults(dqn.Args(res=8, amp=amp))
+    setup = dqn.build_agent(args, seed=0, device="cpu").amp
+    assert setup.mode == {"auto": "off", "bf16": "bf16"}[amp] and not setup.scaler.is_enabled()
     q, target = make_nets()
     optimizer = torch.optim.Adam(q.parameters(), lr=1e-3)
     before = [p.detach().clone() for p in q.parameters()]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a GradScaler/autocast warning would fail here
         for _ in range(2):
-            metrics = dqn.MixedPrecision(setup).update(q, target, optimizer, real_batch(), dqn.Args(res=8))
+            metrics = dqn.update(q, target, optimizer, real_batch(), args, setup)
     assert np.isfinite(metrics["losses/td_loss"].item())
     assert any(not torch.equal(a, b) for a, b in zip(before, q.parameters()))  # it did train
 
 
-def test_bf16_autocast_runs_every_forward_on_cpu():
+def test_bf16_autocast_runs_every_forward_of_the_update_on_cpu():
     setup = mu.amp("bf16", "cpu")
     q, target = make_nets()
+    optimizer = torch.optim.Adam(q.parameters(), lr=1e-3)
     dtypes = []
     for net in (q, target):
         net.spatial_head.coarse.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
-    loss, _ = dqn.MixedPrecision(setup).td_loss(q, target, real_batch(), dqn.Args(res=8))
+    metrics = dqn.update(q, target, optimizer, real_batch(), dqn.Args(res=8), setup)
     assert dtypes == [torch.bfloat16] * 3  # online on s, target on s', online on s' (double DQN)
+    loss = metrics["losses/td_loss"]
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
 
 
@@ -200,7 +206,7 @@ def test_preallocation_changes_no_weight_and_training_is_bit_identical():
             assert len(optimizer.state) == len(weights)  # Adam's moments exist already
             assert all(float(s["exp_avg"].abs().sum()) == 0.0 for s in optimizer.state.values())
         for _ in range(3):
-            dqn.update(q, target, optimizer, batch, args)
+            dqn.update(q, target, optimizer, batch, args, setup)
         return [p.detach().clone() for p in q.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(train(False), train(True)))

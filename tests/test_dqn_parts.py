@@ -1,114 +1,191 @@
-"""dqn_starcraft_split.py reads top to bottom in three parts, each opened by a banner that names it: the algorithm,
-speed, the run. Part 1 names nothing that Part 2 defines, Part 2 is installed by one call, and with every speed option
-off the loop runs Part 1's own functions; Part 2's mixed-precision update is Part 1's update, step for step."""
+"""dqn_starcraft_split.py reads top to bottom as a CleanRL script does, in three parts, each opened by a banner that
+names it: the algorithm (the settings, the environment, the replay, the networks, the TD target and the update,
+acting, the loop; after them what each setting allows and, in a section of their own, the minigames), speed, and the
+run. Part 1 names nothing a later part defines, no function is longer than 80 lines, the map defaults are filled in
+one place, and Part 1 is what trains: a change to its `update` takes effect with --amp off and --amp bf16, the paths
+a CPU runs (tests/test_dqn_cuda.py runs the same check with fp16 on CUDA)."""
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
-import numpy as np
-import torch
+import pytest
 
 import dqn_starcraft_split as dqn
-import memory_utils as mu
+from dqn_tiny import run_with_a_changed_update, updates_of_a_run
 
 SOURCE = Path(dqn.__file__).read_text()
-BANNERS = ("# Part 1: the algorithm", "# Part 2: speed", "# Part 3: the run")
+PART_BANNERS = ("# Part 1: the algorithm", "# Part 2: speed", "# Part 3: the run")
+# Every section banner of the file, in reading order: Part 1's sections (the DQN first, then what a reader needs only
+# to change a setting's rule or a map), then Part 2 and Part 3.
+SECTIONS = (
+    "# Part 1: the algorithm",
+    "# Environment: what the agent sees",
+    "# Replay buffer",
+    "# Networks",
+    "# The TD target, the loss, the update",
+    "# Acting:",
+    "# The training loop",
+    "# What each setting allows",
+    "# The minigames:",
+    "# Part 2: speed",
+    "# Part 3: the run",
+)
+# Where the definitions a reader looks for stand: the section whose banner comes last above them.
+HOMES = {
+    "Args": "# Part 1: the algorithm",
+    "MAP_DEFAULTS": "# Part 1: the algorithm",
+    "with_map_defaults": "# Part 1: the algorithm",
+    "HEADS": "# Environment: what the agent sees",
+    "make_env": "# Environment: what the agent sees",
+    "SplitReplayBuffer": "# Replay buffer",
+    "SplitQNetwork": "# Networks",
+    "td_target": "# The TD target, the loss, the update",
+    "update": "# The TD target, the loss, the update",
+    "select_action": "# Acting:",
+    "build_agent": "# The training loop",
+    "train_one_seed": "# The training loop",
+    "RULES": "# What each setting allows",
+    "BuiltinMiniGame": "# The minigames:",
+    "Pysc2MiniGame": "# The minigames:",
+    "speed_up": "# Part 2: speed",
+    "main": "# Part 3: the run",
+}
+MAX_FUNCTION_LINES = 80
+
+
+def section_starts(source: str) -> dict[str, int]:
+    """The line (0-based) of each banner of SECTIONS; fails unless each stands once, at the start of a line."""
+    lines = source.splitlines()
+    starts = {}
+    for banner in SECTIONS:
+        found = [i for i, line in enumerate(lines) if line.startswith(banner)]
+        assert len(found) == 1, f"the banner {banner!r} stands {len(found)} times, not once"
+        starts[banner] = found[0]
+    return starts
 
 
 def parts(source: str) -> list[str]:
-    """The text of Part 1 (everything above Part 2's banner: the docstring and imports open it), Part 2 and Part 3.
-    Fails unless each banner stands once, at the start of a line, in the order of BANNERS."""
+    """The text of Part 1 (from its banner), Part 2 and Part 3, each from its banner to the next."""
     lines = source.splitlines(keepends=True)
-    starts = []
-    for banner in BANNERS:
-        found = [i for i, line in enumerate(lines) if line.startswith(banner)]
-        assert len(found) == 1, f"the banner {banner!r} stands {len(found)} times, not once"
-        starts.append(found[0])
-    assert starts == sorted(starts), f"the banners stand out of order, at lines {[i + 1 for i in starts]}"
-    return ["".join(lines[: starts[1]]), "".join(lines[starts[1] : starts[2]]), "".join(lines[starts[2] :])]
+    starts = [section_starts(source)[banner] for banner in PART_BANNERS]
+    return ["".join(lines[a:b]) for a, b in zip(starts, [*starts[1:], len(lines)], strict=True)]
+
+
+def names_of(node: ast.stmt) -> set[str]:
+    """The names one module-level statement defines: a function, a class, an assignment's targets, imports."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    return set()
 
 
 def defined_names(part: str) -> set[str]:
-    """The names a part defines at module level: functions, classes, assignments and imports."""
-    names = set()
-    for node in ast.parse(part).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
-    return names
+    """The names a part defines at module level."""
+    return {name for node in ast.parse(part).body for name in names_of(node)}
 
 
-def test_the_three_banners_stand_in_order_and_part_2_lies_between_the_algorithm_and_the_run():
-    algorithm, speed, run = parts(SOURCE)
-    assert "class Args" in algorithm and "def train_one_seed" in algorithm  # the settings and the loop
-    assert defined_names(speed), "Part 2 defines the speed machinery"
-    assert "def main" in run and "def parse_args" in run
+def names_in_prose(text: str) -> set[str]:
+    """The names a comment or docstring gives: in backticks, and words that can only be identifiers (with an
+    underscore, ALL CAPS, or CamelCase), so that an English word such as "close" is not read as a name."""
+    quoted = {word for span in re.findall(r"`([^`]*)`", text) for word in re.findall(r"[A-Za-z_]\w*", span)}
+    words = set(re.findall(r"[A-Za-z_]\w*", text))
+    identifiers = {
+        w for w in words if "_" in w or (len(w) > 1 and w.isupper()) or re.search(r"[a-z][A-Z]", w)
+    }
+    return quoted | identifiers
 
 
-def test_part_1_names_nothing_that_part_2_defines():
-    """Not in code, strings or comments: Part 1 reads, and runs, without Part 2."""
-    algorithm, speed, _ = parts(SOURCE)
-    part_2_names = defined_names(speed)
-    assert {"speed_up", "MixedPrecision", "Executables"} <= part_2_names
-    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", algorithm))
-    assert not part_2_names & words, f"Part 1 names what Part 2 defines: {sorted(part_2_names & words)}"
+def named_in(part: str) -> set[str]:
+    """Every name a part's code refers to (not attributes: `run.evaluate` is the run's), and every name its comments
+    and strings give."""
+    code = {node.id for node in ast.walk(ast.parse(part)) if isinstance(node, ast.Name)}
+    prose = set()
+    for token in tokenize.generate_tokens(io.StringIO(part).readline):
+        if token.type in (tokenize.COMMENT, tokenize.STRING):
+            prose |= names_in_prose(token.string)
+    return code | prose
 
 
-def test_part_2_is_installed_by_one_call_and_off_the_loop_calls_part_1s_update():
-    calls = [
-        node
+def test_the_sections_stand_in_reading_order_with_the_minigames_after_the_algorithm():
+    starts = section_starts(SOURCE)
+    order = sorted(SECTIONS, key=starts.get)
+    assert order == list(SECTIONS), f"the sections stand in this order: {order}"
+    defined_at = {
+        name: node.lineno - 1 for node in ast.parse(SOURCE).body for name in names_of(node) & set(HOMES)
+    }
+    assert set(defined_at) == set(HOMES), f"not defined at module level: {set(HOMES) - set(defined_at)}"
+    for name, line in defined_at.items():
+        home = max((banner for banner in SECTIONS if starts[banner] < line), key=starts.get)
+        assert home == HOMES[name], f"{name} stands in the section {home!r}, not {HOMES[name]!r}"
+
+
+def test_no_function_is_longer_than_80_lines():
+    """Every function and method, its `def` line to its last line (a nested function counts in its own right and
+    in the function around it)."""
+    long = [
+        f"{node.name} (line {node.lineno}): {node.end_lineno - node.lineno + 1} lines"
         for node in ast.walk(ast.parse(SOURCE))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "speed_up"
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
-    assert len(calls) == 1, f"speed_up is called {len(calls)} times, not once (when a run is set up)"
-    threads = torch.get_num_threads()
-    try:
-        executables = dqn.speed_up(dqn.Args(), "cpu")  # --amp auto: off on a CPU
-    finally:
-        torch.set_num_threads(threads)
-    assert executables.amp.mode == "off" and executables.update is dqn.update
+    assert not long, f"longer than {MAX_FUNCTION_LINES} lines: {'; '.join(long)}"
 
 
-def trained_weights(update, seed=0, updates=3):
-    """Weights and Adam's moments after a few updates of one network on one real batch."""
-    torch.manual_seed(seed)
-    q, target = dqn.SplitQNetwork(8), dqn.SplitQNetwork(8)
-    target.load_state_dict(q.state_dict())
-    optimizer = torch.optim.Adam(q.parameters(), lr=1e-3)
-    env, rng = (
-        dqn.BuiltinMiniGame("CollectMineralShards", res=8, step_mul=64, seed=seed),
-        np.random.default_rng(0),
+def test_part_1_names_nothing_that_part_2_or_part_3_defines():
+    """In code, comments and docstrings: Part 1 reads, and runs, without the later parts; the loop reaches the run's
+    plumbing only through the `run` it is handed."""
+    algorithm, speed, run = parts(SOURCE)
+    later = defined_names(speed) | defined_names(run)
+    assert {"speed_up", "Run", "set_up", "RunInterrupted", "log_update", "evaluate", "main"} <= later
+    named = named_in(algorithm) & later
+    assert not named, f"Part 1 names what a later part defines: {sorted(named)}"
+
+
+def test_part_2_is_installed_by_one_call_from_the_run():
+    def calls(part: str) -> int:
+        return sum(
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "speed_up"
+            for node in ast.walk(ast.parse(part))
+        )
+
+    algorithm, speed, run = parts(SOURCE)
+    assert (calls(algorithm), calls(speed), calls(run)) == (0, 0, 1), (
+        "speed_up is called once, when a run is set up"
     )
-    rb, obs = dqn.SplitReplayBuffer(64, 8), env.reset()
-    for _ in range(40):
-        action = dqn.select_action(q, obs, 1.0, rng, "cpu")
-        next_obs, reward, done = env.step(*dqn.decode_action(action, 8))
-        rb.add(obs, action, reward, done)
-        obs = env.reset() if done else next_obs
-    batch = dqn.batch_to_device(rb.sample(8, rng, 3), "cpu")
-    logged = [update(q, target, optimizer, batch, dqn.Args(res=8)) for _ in range(updates)]
-    moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
-    return [p.detach().clone() for p in q.parameters()] + moments, logged
 
 
-def test_the_mixed_precision_update_is_part_1s_update_step_for_step():
-    """With autocast off, MixedPrecision.update trains to Part 1's weights bit for bit, also through an enabled loss
-    scaler (a power of two up and down again is exact): an edit to Part 1's update that Part 2 misses fails here."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        expected, expected_logged = trained_weights(dqn.update)
-        for scaler in (torch.amp.GradScaler("cpu", enabled=False), torch.amp.GradScaler("cpu", enabled=True)):
-            setup = mu.AmpSetup(mode="off", device_type="cpu", dtype=None, scaler=scaler)
-            weights, logged = trained_weights(dqn.MixedPrecision(setup).update)
-            assert all(torch.equal(a, b) for a, b in zip(expected, weights, strict=True)), scaler.is_enabled()
-            assert [{k: v.item() for k, v in m.items()} for m in logged] == [
-                {k: v.item() for k, v in m.items()} for m in expected_logged
-            ]
-    finally:
-        torch.set_num_threads(threads)
+def functions_naming(source: str, name: str) -> set[str]:
+    """The module-level functions, and the methods, whose bodies (not their default arguments) name `name`."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = ast.Module(body=node.body, type_ignores=[])
+            if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(body)):
+                found.add(node.name)
+    return found
+
+
+def test_the_map_defaults_are_filled_in_one_place():
+    """`with_map_defaults` alone reads MAP_DEFAULTS, and it is called by `main` (every run's settings, before
+    anything reads them) and by `make_q_network` (a network made on its own) alone."""
+    assert functions_naming(SOURCE, "MAP_DEFAULTS") == {"with_map_defaults"}
+    assert functions_naming(SOURCE, "with_map_defaults") == {"main", "make_q_network"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_a_change_to_part_1s_update_trains_with_every_precision_a_cpu_runs(tmp_path, amp):
+    """A copy whose `update` adds a Q-value penalty (and prints a line each time it runs): every update of a tiny
+    run runs the change, and the logged TD loss carries it, with --amp off and with --amp bf16. (With a second copy
+    of the update for mixed precision, bf16 ran it 0 times.)"""
+    run = run_with_a_changed_update(tmp_path, amp)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.changed_updates == updates_of_a_run() + 1  # and once in the preallocation's update, undone
+    assert len(run.td_losses) == updates_of_a_run() and min(run.td_losses) >= 1000.0  # the penalty's constant

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dqn_starcraft_split as dqn
+import memory_utils as mu
 
 # the schedules are stepped here without optimizer steps
 pytestmark = pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
@@ -152,7 +153,7 @@ def test_td_loss_takes_each_transition_from_the_head_its_action_came_from():
 
 def lrs_per_episode(args, episodes):
     optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
-    scheduler = dqn.make_scheduler(optimizer, args)
+    scheduler = dqn.make_scheduler(optimizer, dqn.with_map_defaults(args))
     out = []
     for _ in range(episodes):
         out.append(optimizer.param_groups[0]["lr"])
@@ -280,7 +281,7 @@ def seeded_training(map_name: str, updates: int = 4) -> list[tuple[float, float,
     losses = []
     for _ in range(updates):
         batch = dqn.batch_to_device(rb.sample(8, rng, 3), "cpu")
-        metrics = dqn.update(q, target, optimizer, batch, args)
+        metrics = dqn.update(q, target, optimizer, batch, args, mu.amp("off", "cpu"))
         losses.append(
             tuple(metrics[key].item() for key in ("losses/td_loss", "losses/q_values", "losses/grad_norm"))
         )
