@@ -1,24 +1,17 @@
-"""Dreamer on Atari: DreamerV3 2023's Atari100k recipe (a world model, and an actor-critic that learns in its
-imagination), memory-safe and observable. Run: `python dreamer_atari.py --buffer-capacity 50000`
+"""Dreamer on Atari: DreamerV3 2023's Atari100k recipe, a world model and an actor-critic that learns in its
+imagination, memory-safe and observable. `python dreamer_atari.py --buffer-capacity 50000`
 
-Three parts. Part 1, the algorithm, in the order it runs: arguments, environment, replay, networks (`MODELS`), the
-RSSM, losses and the loop; with every speed option off it is exactly what trains. Part 2, speed: faster equivalents
-of Part 1's functions, installed by one call and checked against them. Part 3, the run: input checks, logging,
-videos and the ball measure, memory, checkpoints.
+Part 1 is the algorithm in the order it runs (arguments, environment, replay, networks, the RSSM, losses, the loop);
+with every speed option off it is exactly what trains. Part 2 puts faster equivalents in place, each checked against
+the Part 1 function it replaces. Part 3 runs it: input checks, logging, videos, memory, checkpoints. Shape comments
+give the default model's shapes: B x T = 16 x 64 replayed steps, each one 3 x 64 x 64 frame.
 
-The world model (DreamerV3's size-S encoder and decoder on 64x64 colour frames, an RSSM with a LayerNorm GRU, a
-learned initial state and 32x32 categorical latents, symlog two-hot reward and continue heads) learns from replayed
-sequences of 16 x 64, one update per env step; the actor and critic from 15-step rollouts it imagines. `--model
-nature` is a smaller model on 4 stacked 84x84 grey frames, whose shapes the shape comments give.
-
-It logs to TensorBoard in `runs/{run_name}` (wandb with `--track`): `charts/*`, `losses/*`, memory figures and, on
-Pong, `world_model/ball_f1_*`. Checkpoints go to `runs/{run_name}/checkpoint.pt`; `--resume PATH` continues a run.
+Logs go to TensorBoard in `runs/{run_name}` (wandb with `--track`): `charts/*`, `losses/*`, memory figures and, on
+Pong, `world_model/ball_f1_*`; checkpoints to `runs/{run_name}/checkpoint.pt` (`--resume PATH` continues a run).
 """
 
 # =====================================================================================================================
-# PART 1: THE ALGORITHM
-# Dreamer in the order it runs: arguments, environment, replay, networks, the RSSM, losses and the loop. With every
-# speed option off this is exactly what trains; Part 2 puts faster equivalents in place, and Part 3 runs it.
+# PART 1: THE ALGORITHM, in the order it runs. With every speed option off this is exactly what trains.
 # =====================================================================================================================
 
 import contextlib
@@ -27,14 +20,13 @@ import dataclasses
 import functools
 import itertools
 import math
-import mmap
 import os
 import random
-import signal
+import re
 import sys
 import time
 import types
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -55,14 +47,6 @@ import memory_utils as mu
 gym.register_envs(ale_py)
 
 
-# A number that changes during a run is changed in place, `agent.settings.set(...)`; `args.x = y` is refused at once
-@mu.fixed_once_parsed(
-    lambda name: (
-        f"schedule it with agent.settings.set({name!r}, value) (see UpdateSettings)"
-        if name in SCHEDULED or name in LEARNING_RATES
-        else f"it is not one to schedule during a run, so start the run with --{name.replace('_', '-')}"
-    )
-)
 @dataclass(frozen=True)
 class Args:
     # experiment
@@ -113,8 +97,7 @@ class Args:
     frame_stack: int | None = None
     """frames stacked into each observation, newest last, read as channels. Unset: the --model's own (1, 4)"""
     rgb: bool = True
-    """Atari frames in colour, as DreamerV3 reads them; --no-rgb: grey (a ball that weighs 3.75x less in the image
-    loss). --model nature and grey envs (Catch-v0) read grey either way"""
+    """Atari frames in colour, as DreamerV3 reads them (--model nature and grey envs such as Catch-v0: grey)"""
 
     # replay
     buffer_capacity: int | None = None
@@ -126,8 +109,7 @@ class Args:
 
     # model
     model: Literal["dreamerv3", "nature"] = "dreamerv3"
-    """the networks (a row of `MODELS`): dreamerv3, DreamerV3's size S; nature, a smaller NatureCNN model on 4 stacked
-    84x84 frames. The size flags below left unset take the model's values"""
+    """a row of `MODELS`: dreamerv3 (DreamerV3's size S) or nature (smaller, on 4 stacked 84x84 frames)"""
     encoder_channels: tuple[int, ...] | None = None
     """channels of the encoder's convolutions. Unset: dreamerv3 (32, 64, 128, 256), nature (32, 64, 64)"""
     embed_dim: int = 512
@@ -209,8 +191,7 @@ class Args:
 
     # memory
     amp: Literal["auto", "off", "fp16", "bf16"] = "off"
-    """mixed precision: off = float32 (DreamerV3's), bf16, fp16 (CUDA, a loss scaler per optimizer), auto = fp16 on
-    CUDA and off on CPU"""
+    """mixed precision: off (float32, DreamerV3's), bf16, fp16 (CUDA, with loss scaling), auto (fp16 on CUDA)"""
     preallocate: bool = True
     """create optimizer state at start-up with a worst-case batch (fail fast instead of OOM hours later)"""
     abort_on_leak: bool = False
@@ -224,7 +205,7 @@ class Args:
     memory_probes: bool = False
     """record memory at each stage of the loop and the update (debug/probe/*) to name the stage that grows"""
 
-    # speed: each flag turns off one faster equivalent of a function above (Part 2); the results stay the same
+    # speed: each flag turns off one faster equivalent of a function above (Part 2), checked against it
     fast_observe: bool = True
     """the observe scan in fewer kernels, with the backward of --observe-backward; off: `RSSM.observe` as written"""
     observe_backward: Literal["hand-written", "autograd"] = "hand-written"
@@ -234,21 +215,18 @@ class Args:
     fast_decoder: bool = True
     """CPU, --model nature: the decoder's last transposed convolution as a convolution and a pixel shuffle"""
     compile: bool = False
-    """torch.compile the steps an update repeats, the losses and targets, the encoder, decoder and heads (the first
-    updates take longer while it compiles)"""
+    """torch.compile the update's steps, losses, targets and networks (the first updates take longer)"""
     cudagraph: bool = True
-    """CUDA: capture the world-model and behaviour updates in CUDA graphs after 3 eager updates and replay them
-    (takes --amp off or bf16)"""
+    """CUDA: capture the updates and the policy step in CUDA graphs after 3 eager calls (--amp off or bf16)"""
     tf32: bool = True
     """CUDA: float32 matrix products on TensorFloat-32 tensor cores"""
     channels_last: bool = True
     """the encoder's and decoder's convolutions channels-last (NHWC): faster convolutions"""
     replay_frames: Literal["auto", "device", "host"] = "auto"
-    """where the replay's frames live: `device` (batches gathered there), `host`, or `auto` (device on CUDA when a
-    full replay takes at most a quarter of the GPU's free memory; said at start)"""
+    """the replay's frames on the `device` (batches gathered there), the `host`, or `auto` (said at start)"""
 
     def __post_init__(self):
-        # the size flags left unset take the chosen model's values (an unknown --model is check_args' to refuse)
+        # the size flags left unset take the chosen model's values (an unknown --model is refused later)
         model = MODELS.get(self.model)
         for name, value in (model.sizes if model else {}).items():
             if getattr(self, name) is None:
@@ -267,8 +245,7 @@ def is_atari(env_id: str) -> bool:
 
 
 def env_has_colour(env_id: str) -> bool:
-    """Whether `env_id` gives colour frames (Atari); False for an id that is not registered (`check_env` refuses
-    it)."""
+    """Whether `env_id` gives colour frames (Atari); False for an id that is not registered (refused later)."""
     try:
         return is_atari(env_id)
     except gym.error.Error:
@@ -276,18 +253,17 @@ def env_has_colour(env_id: str) -> bool:
 
 
 def env_kwargs(env_id: str, args: Args) -> dict:
-    """What `gym.make` gets besides the id: the emulator's settings for Atari, the frame size for Catch-v0."""
+    """What `gym.make` gets besides the id: the emulator's settings for Atari, the frames' side for other envs."""
     if is_atari(env_id):
         return dict(frameskip=1, repeat_action_probability=args.repeat_action_probability)
-    return dict(size=args.image_size) if env_id == CATCH_ID else {}
+    return dict(size=args.image_size)
 
 
 def make_env(env_id: str, idx: int, capture_video: bool, run_name: str, args: Args) -> Callable[[], gym.Env]:
-    """Atari ids get the usual preprocessing (frame skip 4, `--image-size` in colour or grey, no-op starts); other ids must
-    give grey uint8 frames of that size themselves (Catch-v0 does). Either way `--frame-stack` frames are stacked."""
+    """Atari ids get the usual preprocessing (frame skip 4, `--image-size`, no-op starts); other ids are made
+    with `size=--image-size` and must give grey uint8 frames of that side (Catch-v0 does). Stacks of --frame-stack."""
 
     def thunk():
-        register_catch()
         kwargs = env_kwargs(env_id, args)
         if capture_video and idx == 0:
             env = gym.make(env_id, render_mode="rgb_array", **kwargs)
@@ -307,8 +283,7 @@ def make_env(env_id: str, idx: int, capture_video: bool, run_name: str, args: Ar
         if args.max_episode_steps > 0:
             env = gym.wrappers.TimeLimit(env, args.max_episode_steps)
         env = gym.wrappers.RecordEpisodeStatistics(env)
-        env = gym.wrappers.FrameStackObservation(env, args.frame_stack)  # (4, S, S) uint8 at the defaults
-        return env
+        return gym.wrappers.FrameStackObservation(env, args.frame_stack)  # (1, 3, 64, 64) uint8
 
     return thunk
 
@@ -323,26 +298,17 @@ def channels_first(env: gym.Env) -> gym.Env:
 
 
 def make_vector_env(args: Args, run_name: str, seed: int) -> gym.vector.VectorEnv:
-    """SAME_STEP autoreset: a step that ends an episode returns the next episode's first obs and puts the last
-    obs in `infos["final_obs"]`, so every transition we store is real (no reward-0 reset step to filter)."""
+    """SAME_STEP autoreset: every stored transition is real (an ended episode's last obs is `final_obs`)."""
     fns = [make_env(args.env_id, i, args.capture_video, run_name, args) for i in range(args.num_envs)]
     mode = args.vector_mode if args.vector_mode != "auto" else ("async" if args.num_envs > 1 else "sync")
     autoreset = gym.vector.AutoresetMode.SAME_STEP
     if mode == "async":
-        # workers ignore Ctrl-C and SIGTERM (they inherit SIG_IGN): `scancel`, `docker stop` and `timeout` signal
-        # the whole process group, and the main process must find its workers alive to checkpoint and close them
-        stop_signals = (signal.SIGINT, signal.SIGTERM)
-        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stop_signals}
-        try:
+        # the workers ignore Ctrl-C and SIGTERM: on a signal the run checkpoints, then closes them
+        with mu.workers_ignore_stop_signals():
             envs = gym.vector.AsyncVectorEnv(fns, autoreset_mode=autoreset)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
     else:
         envs = gym.vector.SyncVectorEnv(fns, autoreset_mode=autoreset)
-    assert isinstance(envs.single_action_space, gym.spaces.Discrete), (
-        "only discrete action spaces are supported"
-    )
+    assert isinstance(envs.single_action_space, gym.spaces.Discrete), "only discrete actions are supported"
     envs.action_space.seed(seed)
     return envs
 
@@ -351,45 +317,33 @@ def make_vector_env(args: Args, run_name: str, seed: int) -> gym.vector.VectorEn
 
 
 class Episode:
-    """One episode. Per step: a uint8 frame, the action that led to it, the reward received on arriving (float32),
-    is_first and is_terminal. With stacks of k frames, frame j is the newest of step j - (k - 1), step t's stack is
-    frames[t : t + k], and the first stack's k - 1 older frames are stored once. Chunks live in memory maps."""
+    """One episode: per step a uint8 frame, the action that led to it, the reward on arriving (float32), is_first
+    and is_terminal. With stacks of k frames, step t's stack is frames[t : t + k] (k - 1 older frames stored once)."""
 
     FIELDS = ("frames", "action", "reward", "is_first", "is_terminal")
 
-    def __init__(self, first_obs: np.ndarray, chunk_size: int, frames=None):
-        """`frames`: where the frames go when they live elsewhere (`ChunkedArray`'s methods); host arrays when
-        None."""
-        stack, *frame_shape = first_obs.shape  # (4, 84, 84) uint8; a colour frame is (3, S, S)
-        self.stack = stack
-        item = {
-            "frames": (tuple(frame_shape), np.uint8),
-            "action": ((), np.uint8),
-            "reward": ((), np.float32),
-        }
-        item |= {"is_first": ((), np.bool_), "is_terminal": ((), np.bool_)}
-        if frames is not None:
-            del item["frames"]
-            self.frames = frames
-        blocks = ChunkBlocks({name: ((chunk_size, *shape), dtype) for name, (shape, dtype) in item.items()})
-        for name, (shape, dtype) in item.items():
-            # memory: the arrays hold the blocks, never the episode, so an evicted episode is freed at once
-            setattr(self, name, ChunkedArray(shape, dtype, chunk_size, functools.partial(blocks.take, name)))
-        self.blocks = blocks
+    @staticmethod
+    def shapes(first_obs: np.ndarray) -> dict[str, tuple[tuple, type]]:
+        """Each field's item (shape, dtype); a frame is (3, 64, 64) uint8."""
+        shapes = dict(frames=(first_obs.shape[1:], np.uint8), action=((), np.uint8), reward=((), np.float32))
+        return shapes | dict(is_first=((), np.bool_), is_terminal=((), np.bool_))
+
+    def __init__(self, first_obs: np.ndarray, columns):
+        """first_obs (k, 3, 64, 64) uint8; `columns`: the fields' arrays, by name (`new_episode` makes them)."""
+        self.stack, self.columns = len(first_obs), columns
+        for name in self.FIELDS:  # frames, action, reward, is_first, is_terminal
+            setattr(self, name, columns[name])
         self.done = False
         for frame in first_obs[:-1]:
             self.frames.append(frame)
         self.append(first_obs[-1], 0, 0.0, True, False)
 
     def append(self, frame, action: int, reward: float, is_first: bool, is_terminal: bool) -> None:
-        self.frames.append(frame)
-        self.action.append(action)
-        self.reward.append(reward)
-        self.is_first.append(is_first)
-        self.is_terminal.append(is_terminal)
+        for name, value in zip(self.FIELDS, (frame, action, reward, is_first, is_terminal)):
+            self.columns[name].append(value)
 
     @property
-    def aux(self) -> tuple["ChunkedArray", ...]:
+    def aux(self) -> tuple:
         return (self.action, self.reward, self.is_first, self.is_terminal)
 
     @property
@@ -410,16 +364,12 @@ class Episode:
         self.frames.drop_front_chunk()  # frames run k - 1 ahead, so step `start` still has its whole stack
         return dropped
 
-    def arrays(self) -> dict[str, "ChunkedArray"]:
+    def arrays(self) -> dict:
         return {name: getattr(self, name) for name in self.FIELDS}
 
     def finish(self) -> None:
         self.done = True
-        arrays = {name: array for name, array in self.arrays().items() if isinstance(array, ChunkedArray)}
-        exact = mapped_arrays({name: ((len(a), *a.item_shape), a.dtype) for name, a in arrays.items()})
-        for name, array in arrays.items():
-            array.compact(exact[name])
-        self.blocks.waiting.clear()  # a chunk the frames began that the episode's end left unused
+        self.columns.compact()  # memory: a finished episode's arrays in one exact-size block
 
     def evict(self) -> None:
         """The replay drops this episode: its frames are released (host arrays are freed with the episode)."""
@@ -427,14 +377,13 @@ class Episode:
 
 
 class EpisodeReplay:
-    """At most `capacity` env steps; whole oldest episodes are evicted first (an episode that alone outgrows the
-    capacity loses its oldest chunk). Episodes still being played are sampleable, and a sequence may cross from one
-    stored episode into the next (as DreamerV3's stream), so every stored step is sampled about equally often."""
+    """At most `capacity` env steps, whole oldest episodes evicted first (one that alone outgrows it loses its oldest
+    chunk). Episodes being played are sampleable; a sequence may run from one stored episode into the next."""
 
     def __init__(self, capacity: int, num_envs: int, seed: int, chunk_size: int | None = None):
         self.capacity, self.num_envs = capacity, num_envs
-        # memory: chunks bound the unused tail of an episode being written to one chunk per env
-        # (64 steps: 0.45 MB, i.e. under 20 bytes per stored step with 2 envs at the default capacity)
+        # memory: chunks bound the unused tail of an episode being written to one chunk per env (64 steps of colour
+        # frames: 0.79 MB, under 8 bytes per stored step of a 100k-step replay)
         self.chunk_size = chunk_size or int(np.clip(capacity // 64, 16, 64))
         self.episodes: deque[Episode] = deque()  # oldest first
         self.current: list[Episode | None] = [None] * num_envs
@@ -442,7 +391,8 @@ class EpisodeReplay:
         self.rng = np.random.default_rng(seed)
 
     def new_episode(self, env_idx: int, first_obs: np.ndarray) -> Episode:
-        return Episode(first_obs, self.chunk_size)
+        # memory: in chunks (an episode being played wastes at most one) in memory maps of their own, out of the heap
+        return Episode(first_obs, mu.ChunkedColumns(Episode.shapes(first_obs), self.chunk_size))
 
     def start_episode(self, env_idx: int, obs: np.ndarray) -> None:
         # an env reset in the middle of an episode: that episode has ended
@@ -454,33 +404,17 @@ class EpisodeReplay:
         self.total_steps += 1
         self._evict()
 
-    def add_step(
-        self,
-        env_idx: int,
-        frame: np.ndarray,
-        action: int,
-        reward: float,
-        terminated: bool,
-        episode_over: bool,
-    ) -> None:
+    def add_step(self, env_idx: int, frame, action: int, reward: float, terminated: bool, over: bool) -> None:
         episode = self.current[env_idx]
         episode.append(frame, action, reward, False, terminated)
         self.total_steps += 1
-        if episode_over:
+        if over:
             episode.finish()
             self.current[env_idx] = None
         self._evict()
 
-    def add(
-        self,
-        next_obs: np.ndarray,
-        actions: np.ndarray,
-        rewards: np.ndarray,
-        terminations: np.ndarray,
-        truncations: np.ndarray,
-        infos: dict,
-    ) -> None:
-        """Store one vector step (SAME_STEP autoreset): `next_obs` is (N, 4, 84, 84) uint8."""
+    def add(self, next_obs: np.ndarray, actions, rewards, terminations, truncations, infos: dict) -> None:
+        """Store one vector step (SAME_STEP autoreset): `next_obs` is (N, 1, 3, 64, 64) uint8."""
         for i in range(len(actions)):
             over = bool(terminations[i] or truncations[i])
             last_obs = infos["final_obs"][i] if over else next_obs[i]
@@ -508,12 +442,9 @@ class EpisodeReplay:
     def can_sample(self, sequence_length: int) -> bool:
         return self.total_steps >= sequence_length
 
-    def draw_windows(
-        self, batch_size: int, sequence_length: int, rng: np.random.Generator | None = None
-    ) -> list[list[tuple[Episode, int, int]]]:
-        """Where `sample` reads: for each window, its pieces (episode, first step, steps). Windows are consecutive
-        steps of the stream the stored episodes form, a ring (a window may wrap from the newest step to the oldest),
-        so every stored step is drawn equally often whatever the episode lengths. `rng`: the replay's own if None."""
+    def draw_windows(self, batch_size: int, sequence_length: int, rng=None) -> list[list[tuple]]:
+        """Each window's pieces (episode, first step, steps): consecutive steps of the ring the stored episodes form, so
+        every stored step is drawn equally often whatever the episode lengths. `rng`: the replay's own if None."""
         episodes = list(self.episodes)
         lengths = np.fromiter((ep.num_steps for ep in episodes), np.int64, len(episodes))
         ends = np.cumsum(lengths)  # stream position one past each episode's last step
@@ -536,67 +467,41 @@ class EpisodeReplay:
             windows.append(pieces)
         return windows
 
-    def sample(
-        self,
-        batch_size: int,
-        sequence_length: int,
-        rng: np.random.Generator | None = None,
-        out: dict[str, np.ndarray] | None = None,
-    ) -> dict[str, np.ndarray]:
-        """A batch of windows (`draw_windows`). A window may run from the end of one episode into the next one:
-        `is_first` marks where, and the world model resets its state there. Every returned array is a fresh
-        copy that owns its memory, or, with `out`, is written into the caller's arrays of the same shapes (pinned
-        buffers on CUDA). Pass another `rng` to sample without changing the training batches to come."""
-        return self.fill(self.draw_windows(batch_size, sequence_length, rng), sequence_length, "obs", out)
+    def sample(self, batch_size: int, sequence_length: int, rng=None) -> dict[str, np.ndarray]:
+        """Windows (`draw_windows`) as obs (B, T, 1, 3, 64, 64) uint8, action, reward, is_first, is_terminal (B, T),
+        `is_first` where a window crosses into another episode. Another `rng` leaves the training batches as they are."""
+        return self.fill(self.draw_windows(batch_size, sequence_length, rng), sequence_length)
 
-    def fill(
-        self, windows: list, sequence_length: int, frames_key: str, out: dict[str, np.ndarray] | None
-    ) -> dict[str, np.ndarray]:
-        """The arrays of these windows: the frames' stacks as `obs` (copies) or as `rows` (where they are, for frames
-        kept on the device), then action, reward, is_first and is_terminal."""
+    def fill(self, windows: list, sequence_length: int) -> dict[str, np.ndarray]:
+        """The arrays of these windows, each a fresh copy."""
         T, B = sequence_length, len(windows)
         stack, frame_shape = windows[0][0][0].stack, windows[0][0][0].frames.item_shape
-        frames_shape = (B, T, stack, *frame_shape) if frames_key == "obs" else (B, T, stack)
-        shapes = {frames_key: (frames_shape, np.uint8 if frames_key == "obs" else np.int64)}
-        shapes |= {"action": ((B, T), np.uint8), "reward": ((B, T), np.float32)}
-        shapes |= {"is_first": ((B, T), np.bool_), "is_terminal": ((B, T), np.bool_)}
-        if out is not None:
-            for key, (shape, dtype) in shapes.items():
-                assert out[key].shape == shape and out[key].dtype == dtype, (key, out[key].shape, shape)
         # memory: a batch is a copy; it never aliases replay storage, so it cannot keep evicted episodes alive
-        arrays = (
-            out
-            if out is not None
-            else {key: np.empty(shape, dtype) for key, (shape, dtype) in shapes.items()}
-        )
+        batch = {"obs": np.empty((B, T, stack, *frame_shape), np.uint8)}
+        batch |= {"action": np.empty((B, T), np.uint8), "reward": np.empty((B, T), np.float32)}
+        batch |= {"is_first": np.empty((B, T), np.bool_), "is_terminal": np.empty((B, T), np.bool_)}
         frames = np.empty((T + stack - 1, *frame_shape), np.uint8)  # one piece's frames, reused
         for b, pieces in enumerate(windows):
             filled = 0
             for episode, begin, take in pieces:
                 piece = slice(filled, filled + take)
                 # each piece rebuilds its stacks from its own episode's frames: a stack never mixes two episodes
-                if frames_key == "rows":
-                    arrays["rows"][b, piece] = episode.frames.rows(begin, take, stack)  # (take, k)
-                else:
-                    obs = arrays["obs"]  # (B, T, 4, 84, 84) uint8
-                    episode.frames.read_into(frames[: take + stack - 1], begin, begin + take + stack - 1)
-                    for k in range(stack):
-                        obs[b, piece, k] = frames[k : k + take]
+                episode.frames.read_into(frames[: take + stack - 1], begin, begin + take + stack - 1)
+                for k in range(stack):
+                    batch["obs"][b, piece, k] = frames[k : k + take]
                 for key in ("action", "reward", "is_first", "is_terminal"):
-                    getattr(episode, key).read_into(arrays[key][b, piece], begin, begin + take)
-                # the state resets where a piece starts, also where an episode's front was trimmed, and at each
-                # window's first step (DreamerV3's replay: a sequence starts from the initial state, with no action)
-                arrays["is_first"][b, filled] = True
+                    getattr(episode, key).read_into(batch[key][b, piece], begin, begin + take)
+                # the state resets where a piece starts (DreamerV3's replay: from the initial state, no action)
+                batch["is_first"][b, filled] = True
                 filled += take
-        return arrays
+        return batch
 
 
 # --- Networks ---------------------------------------------------------------------------------------------------------
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
-    """An autocast output (bf16, fp16) back in float32 for the delicate parts (softmaxes, losses, the recurrent
-    state); float32 and float64 (the equality tests) stay as they are."""
+    """An autocast output (bf16, fp16) back in float32 for the delicate parts; float32 and float64 stay."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
@@ -631,54 +536,23 @@ def twohot_mean(logits: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
     return symexp((F.softmax(upcast(logits), -1) * bins).sum(-1))
 
 
-_DRAW_MATRICES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """One-hot draws (..., C) float32 from `probs` (..., C), one uniform in [0, 1) per row (..., 1): class k where
-    CDF(k - 1) < u <= CDF(k), as `Categorical(probs).sample()`, in four kernels and no host sync. The CDF is a product
-    with a triangular matrix of ones (a GPU's cumsum is slow), one-hot a product with a difference matrix; the last
-    CDF column is doubled, so rounding never leaves a row without a class."""
-    if torch.compiler.is_compiling():
-        return one_hot_draw_fused(probs, uniform)
-    classes, key = probs.shape[-1], (probs.shape[-1], probs.device)
-    if key not in _DRAW_MATRICES:
-        eye = torch.eye(classes, dtype=torch.float32, device=probs.device)
-        cdf = torch.ones_like(eye).triu()
-        cdf[:, -1] = 2.0
-        diff = eye - eye.roll(1, 1).triu()
-        _DRAW_MATRICES[key] = cdf, diff
-    cdf_matrix, diff_matrix = _DRAW_MATRICES[key]
-    precision = torch.get_float32_matmul_precision()  # the CDF in full float32: TF32 rounds probs to 10 bits
-    torch.set_float32_matmul_precision("highest")
-    try:
-        with torch.autocast(probs.device.type, enabled=False):  # in float32, also under --amp
-            above = (probs.float() @ cdf_matrix >= uniform).float()  # 0 up to the drawn class, 1 from it
-            return above @ diff_matrix
-    finally:
-        torch.set_float32_matmul_precision(precision)
-
-
-def one_hot_draw_fused(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """`one_hot_draw` as --compile runs it: a cumulative sum and a difference, which Inductor fuses with the work
-    around them (the eager draw's products would stay matmul kernels). Part 2 checks that both draw alike."""
-    with torch.autocast(probs.device.type, enabled=False):
-        cdf = probs.float().cumsum(-1)
-        cdf = torch.cat([cdf[..., :-1], torch.full_like(cdf[..., -1:], 2.0)], -1)
-        above = (cdf >= uniform).float()  # (..., C): 0 up to the drawn class, 1 from it
-        return above - F.pad(above[..., :-1], (1, 0))
+    """One-hot draws (..., C) float32 from `probs` (..., C), a uniform in [0, 1) per row (..., 1): class k where
+    CDF(k - 1) < u <= CDF(k), as `Categorical(probs).sample()`; the last CDF step is 2, so rounding never leaves none."""
+    cdf = probs.detach().float().cumsum(-1)
+    cdf[..., -1] = 2.0
+    above = (cdf >= uniform).float()  # (..., C): 0 up to the drawn class, 1 from it
+    return above - F.pad(above[..., :-1], (1, 0))
 
 
 def categorical_draw(probs: torch.Tensor) -> torch.Tensor:
-    """One class index per row of `probs` (..., C) (`one_hot_draw` with fresh uniforms): the actions sent to the
-    envs."""
+    """One class index per row of `probs` (..., C), `one_hot_draw` with fresh uniforms: the actions to the envs."""
     uniform = torch.rand(probs.shape[:-1] + (1,), device=probs.device)
     return one_hot_draw(probs, uniform).argmax(-1)
 
 
 def one_hot(index: torch.Tensor, classes: int) -> torch.Tensor:
-    """float32 one-hot (..., classes) of integer `index` (...), by comparison with 0..classes-1: two kernels, and
-    unlike F.one_hot no check of the range that reads the indices back to the host."""
+    """float32 one-hot (..., classes) of integer `index` (...), with no range check read back to the host."""
     return (index.unsqueeze(-1) == torch.arange(classes, device=index.device)).float()
 
 
@@ -686,15 +560,10 @@ NORM_EPS = 1e-3  # every LayerNorm's epsilon, as DreamerV3's (torch's default is
 
 
 def mlp(in_dim: int, out_dim: int, hidden_dim: int, zero_output: bool = False) -> nn.Sequential:
-    layers = nn.Sequential(
-        nn.Linear(in_dim, hidden_dim),
-        nn.LayerNorm(hidden_dim, eps=NORM_EPS),
-        nn.SiLU(),
-        nn.Linear(hidden_dim, hidden_dim),
-        nn.LayerNorm(hidden_dim, eps=NORM_EPS),
-        nn.SiLU(),
-        nn.Linear(hidden_dim, out_dim),
-    )
+    layers = nn.Sequential()
+    for previous in (in_dim, hidden_dim):  # two hidden layers: linear, LayerNorm, SiLU
+        layers.extend([nn.Linear(previous, hidden_dim), nn.LayerNorm(hidden_dim, eps=NORM_EPS), nn.SiLU()])
+    layers.append(nn.Linear(hidden_dim, out_dim))
     if zero_output:  # DreamerV3: reward and value heads start predicting 0
         nn.init.zeros_(layers[-1].weight)
         nn.init.zeros_(layers[-1].bias)
@@ -702,12 +571,20 @@ def mlp(in_dim: int, out_dim: int, hidden_dim: int, zero_output: bool = False) -
     return layers
 
 
-MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 36, 256
+def dense(in_dim: int, hidden_dim: int, out_dim: int | None = None) -> nn.Sequential:
+    """The RSSM's layers: linear, LayerNorm and SiLU (`linear`, `norm`, `act`), then a linear `out` to `out_dim`."""
+    layers = OrderedDict(linear=nn.Linear(in_dim, hidden_dim), norm=nn.LayerNorm(hidden_dim, eps=NORM_EPS))
+    layers["act"] = nn.SiLU()
+    if out_dim is not None:
+        layers["out"] = nn.Linear(hidden_dim, out_dim)
+    return nn.Sequential(layers)
+
+
+NATURE_CONVS = ((8, 4), (4, 2), (3, 1))  # the NatureCNN's convolutions: (kernel, stride)
 
 
 def nature_cnn_sizes(image_size: int) -> tuple[int, int, int]:
-    """Sides of the NatureCNN's three maps (8x8 stride 4, 4x4 stride 2, 3x3 stride 1): 84 gives 20, 9, 7 and
-    64 gives 15, 6, 4."""
+    """Sides of the NatureCNN's three maps: 84 gives 20, 9, 7 and 64 gives 15, 6, 4."""
     s1 = (image_size - 8) // 4 + 1
     s2 = (s1 - 4) // 2 + 1
     return s1, s2, s2 - 2
@@ -716,23 +593,14 @@ def nature_cnn_sizes(image_size: int) -> tuple[int, int, int]:
 class NatureCNNEncoder(nn.Module):
     """(N, 4, S, S) float in [-0.5, 0.5] -> (N, E); S = --image-size, 84 in the shape comments."""
 
-    def __init__(
-        self, in_channels: int, channels: tuple[int, int, int], embed_dim: int, image_size: int = 84
-    ):
+    def __init__(self, in_channels: int, channels: tuple, embed_dim: int, image_size: int = 84):
         super().__init__()
         self.embed_dim = embed_dim
-        c1, c2, c3 = channels
-        side = nature_cnn_sizes(image_size)[2]
+        convs = zip(itertools.pairwise((in_channels, *channels)), NATURE_CONVS)  # (in, out), (kernel, stride)
+        layers = [layer for (i, o), (k, s) in convs for layer in (nn.Conv2d(i, o, k, stride=s), nn.ReLU())]
+        side = nature_cnn_sizes(image_size)[2]  # the maps' sides: 20, 9, 7 at 84
         self.net = nn.Sequential(
-            nn.Conv2d(in_channels, c1, 8, stride=4),
-            nn.ReLU(),  # (N, c1, 20, 20)
-            nn.Conv2d(c1, c2, 4, stride=2),
-            nn.ReLU(),  # (N, c2, 9, 9)
-            nn.Conv2d(c2, c3, 3, stride=1),
-            nn.ReLU(),  # (N, c3, 7, 7)
-            nn.Flatten(),
-            nn.Linear(c3 * side * side, embed_dim),
-            nn.ReLU(),
+            *layers, nn.Flatten(), nn.Linear(channels[-1] * side**2, embed_dim), nn.ReLU()
         )
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
@@ -744,7 +612,7 @@ class AtariConvDecoder(nn.Module):
     `output_padding` restores the rows a strided convolution of the encoder dropped (none at 84; 64 needs one)."""
 
     def __init__(
-        self, feat_dim: int, out_channels: int, base_channels: int, mid_channels: int, image_size: int = 84
+        self, feat_dim: int, out_channels: int, base_channels: int, mid_channels: int, image_size: int
     ):
         super().__init__()
         self.mid_channels = mid_channels
@@ -763,8 +631,7 @@ class AtariConvDecoder(nn.Module):
 
 
 class ChannelNorm(nn.Module):
-    """LayerNorm over the channels of each pixel of an (N, C, H, W) map, as DreamerV3's convolutions use it (on a
-    channels-last map both permutes are free)."""
+    """LayerNorm over the channels of each pixel of an (N, C, H, W) map, as DreamerV3's convolutions use it."""
 
     def __init__(self, channels: int):
         super().__init__()
@@ -775,9 +642,8 @@ class ChannelNorm(nn.Module):
 
 
 class ConvEncoder(nn.Module):
-    """DreamerV3's encoder: (N, C, S, S) float in [-0.5, 0.5] -> (N, E). Each convolution (4x4, stride 2) halves the
-    side and is followed by a LayerNorm over channels and SiLU: 64 -> 32 -> 16 -> 8 -> 4 with four; E is the last
-    map flattened (4 x 4 x 256 = 4,096 at the defaults)."""
+    """DreamerV3's encoder: (N, C, S, S) in [-0.5, 0.5] -> (N, E), 4x4 stride-2 convolutions each with LayerNorm and
+    SiLU (64 -> 32 -> 16 -> 8 -> 4), the last map flattened (4 x 4 x 256 = 4,096 features)."""
 
     def __init__(self, in_channels: int, channels: tuple[int, ...], image_size: int):
         super().__init__()
@@ -793,9 +659,8 @@ class ConvEncoder(nn.Module):
 
 
 class ConvDecoder(nn.Module):
-    """DreamerV3's decoder, the encoder mirrored: (N, F) -> a linear layer to the encoder's last map (4 x 4 x 256 at
-    the defaults), then 4x4 stride-2 transposed convolutions that double the side, each but the last followed by a
-    LayerNorm over channels and SiLU -> (N, C, S, S) image mean."""
+    """DreamerV3's decoder, the encoder mirrored: (N, F) -> a linear layer to the last map (4 x 4 x 256), then 4x4
+    stride-2 transposed convolutions, all but the last with LayerNorm and SiLU -> (N, C, S, S) image mean."""
 
     def __init__(self, feat_dim: int, out_channels: int, channels: tuple[int, ...], image_size: int):
         super().__init__()
@@ -818,8 +683,7 @@ class ConvDecoder(nn.Module):
 
 class LayerNormGRUCell(nn.Module):
     """DreamerV3's GRU: (input (N, I), state (N, D)) -> state (N, D). One linear layer on [input, state] and a
-    LayerNorm give the reset, candidate and update parts; the update gate's bias of -1 makes the state change slowly
-    from the start."""
+    LayerNorm give the reset, candidate and update parts; the update gate's bias of -1 makes the state change slowly."""
 
     def __init__(self, input_dim: int, hidden_dim: int):
         super().__init__()
@@ -836,9 +700,8 @@ class LayerNormGRUCell(nn.Module):
 
 @torch.no_grad()
 def dreamerv3_init_(module: nn.Module) -> None:
-    """DreamerV3's initialisation of every linear and convolution weight in `module`: a normal truncated at two
-    standard deviations, with variance 1 / the mean of fan-in and fan-out; biases zero. A layer made to start at
-    zero (`mlp(..., zero_output=True)`) stays zero."""
+    """DreamerV3's initialisation: linear and convolution weights from a normal truncated at 2 std, variance 1 / the
+    mean of fan-in and fan-out; biases zero. A layer made to start at zero (`mlp(..., zero_output=True)`) stays so."""
     for layer in module.modules():
         if isinstance(layer, (nn.Linear, nn.Conv2d, nn.ConvTranspose2d)):
             weight = layer.weight  # (out, in, ...), or (in, out, ...) transposed: the same sum of fans
@@ -846,8 +709,9 @@ def dreamerv3_init_(module: nn.Module) -> None:
             # 0.8796...: the std of a unit normal truncated at two standard deviations
             std = math.sqrt(2.0 / ((weight.shape[0] + weight.shape[1]) * taps)) / 0.87962566103423978
             nn.init.trunc_normal_(layer.weight, 0.0, std, -2 * std, 2 * std)
-            # a zero layer is drawn all the same, so that the layers after it get the same draws
-            if getattr(layer, "zero_init", False):
+            if getattr(
+                layer, "zero_init", False
+            ):  # drawn all the same: the layers after it get the same draws
                 nn.init.zeros_(layer.weight)
             if layer.bias is not None:
                 nn.init.zeros_(layer.bias)
@@ -857,30 +721,19 @@ def dreamerv3_init_(module: nn.Module) -> None:
 class Model:
     """One --model: the parts its world model is made of, how they start, and the sizes its flags default to."""
 
-    encoder: Callable[
-        ..., nn.Module
-    ]  # (args, channels, side) -> (N, C, S, S) in [-0.5, 0.5] -> (N, .embed_dim)
-    decoder: Callable[..., nn.Module]  # (args, feat_dim, channels, side) -> (N, F) -> (N, C, S, S) image mean
-    gru: Callable[
-        [int, int], nn.Module
-    ]  # (input_dim, deter_dim) -> cell: (input (N, I), state (N, D)) -> (N, D)
-    init: (
-        Callable[[nn.Module], None] | None
-    )  # applied to the world model, actor and critic; None: torch's own
-    colour: bool  # reads colour frames where the env has them (--rgb)
+    encoder: Callable  # (args, channels, side) -> module: (N, C, S, S) in [-0.5, 0.5] -> (N, .embed_dim)
+    decoder: Callable  # (args, feat_dim, channels, side) -> module: (N, F) -> (N, C, S, S) image mean
+    gru: Callable  # (input_dim, deter_dim) -> cell: (input (N, I), deter (N, D)) -> deter (N, D)
+    init: Callable | None  # applied to the world model, actor and critic (None: torch's own)
+    colour: bool  # whether it reads colour frames where the env has them (--rgb)
     sizes: dict  # the size flags' values when left unset
-    size_problem: Callable[
-        ["Args"], str | None
-    ]  # what about the sizes this model cannot be built with, or None
 
 
 # ALGO LOGIC: the models; a new one is a row here and its classes above
 MODELS = {
     "dreamerv3": Model(
         encoder=lambda args, channels, side: ConvEncoder(channels, args.encoder_channels, side),
-        decoder=lambda args, feat_dim, channels, side: ConvDecoder(
-            feat_dim, channels, args.encoder_channels, side
-        ),
+        decoder=lambda args, feat, channels, side: ConvDecoder(feat, channels, args.encoder_channels, side),
         gru=LayerNormGRUCell,
         init=dreamerv3_init_,  # zero outputs (the reward head, the critic) stay as `mlp` made them
         colour=True,
@@ -891,14 +744,13 @@ MODELS = {
             deterministic_dim=512,
             hidden_dim=512,
         ),
-        size_problem=lambda args: dreamerv3_size_problem(args),
     ),
     "nature": Model(
         encoder=lambda args, channels, side: NatureCNNEncoder(
             channels, args.encoder_channels, args.embed_dim, side
         ),
-        decoder=lambda args, feat_dim, channels, side: AtariConvDecoder(
-            feat_dim, channels, args.decoder_base_channels, args.decoder_mid_channels, side
+        decoder=lambda args, feat, channels, side: AtariConvDecoder(
+            feat, channels, args.decoder_base_channels, args.decoder_mid_channels, side
         ),
         gru=nn.GRUCell,
         init=None,
@@ -906,7 +758,6 @@ MODELS = {
         sizes=dict(
             image_size=84, frame_stack=4, encoder_channels=(32, 64, 64), deterministic_dim=200, hidden_dim=200
         ),
-        size_problem=lambda args: nature_size_problem(args),
     ),
 }
 
@@ -915,52 +766,25 @@ MODELS = {
 
 
 class RSSM(nn.Module):
-    """Recurrent state-space model: `deter` (GRU state) and `stoch`, `stoch_dim` categorical latents of `classes`
-    classes (straight-through gradients, `unimix` uniform mixed in) or, with classes 0, DreamerV1's Gaussians. A
-    distribution's `stats`: log-probabilities (..., stoch_dim, classes), or mean and std (..., 2 * stoch_dim)."""
+    """Recurrent state-space model: `deter` (GRU state) and `stoch`, `stoch_dim` categorical latents of `classes` classes
+    (straight-through, `unimix` mixed in) or, with classes 0, Gaussians. `stats`: log-probs (..., S, C), or mean, std."""
 
-    def __init__(
-        self,
-        embed_dim: int,
-        num_actions: int,
-        deter_dim: int,
-        stoch_dim: int,
-        classes: int,
-        hidden_dim: int,
-        unimix: float,
-        gru: Callable[[int, int], nn.Module] = nn.GRUCell,
-        learned_initial: bool = False,
-    ):
+    def __init__(self, embed_dim, num_actions, deter_dim, stoch_dim, classes, hidden, unimix, gru, learned):
         super().__init__()
         self.deter_dim, self.stoch_dim, self.classes, self.unimix = deter_dim, stoch_dim, classes, unimix
         self.stoch_flat = stoch_dim * classes if classes else stoch_dim
         stats_dim = stoch_dim * classes if classes else 2 * stoch_dim
-        self.img_in = nn.Sequential(
-            nn.Linear(self.stoch_flat + num_actions, hidden_dim),
-            nn.LayerNorm(hidden_dim, eps=NORM_EPS),
-            nn.SiLU(),
-        )
-        self.gru = gru(hidden_dim, deter_dim)  # (input (N, H), deter (N, D)) -> deter (N, D)
-        self.prior_net = nn.Sequential(
-            nn.Linear(deter_dim, hidden_dim),
-            nn.LayerNorm(hidden_dim, eps=NORM_EPS),
-            nn.SiLU(),
-            nn.Linear(hidden_dim, stats_dim),
-        )
-        self.posterior_net = nn.Sequential(
-            nn.Linear(deter_dim + embed_dim, hidden_dim),
-            nn.LayerNorm(hidden_dim, eps=NORM_EPS),
-            nn.SiLU(),
-            nn.Linear(hidden_dim, stats_dim),
-        )
+        self.img_in = dense(self.stoch_flat + num_actions, hidden)  # [stoch, action] -> (N, H)
+        self.gru = gru(hidden, deter_dim)  # (input (N, H), deter (N, D)) -> deter (N, D)
+        self.prior_net = dense(deter_dim, hidden, stats_dim)  # deter -> stats
+        self.posterior_net = dense(deter_dim + embed_dim, hidden, stats_dim)  # [deter, embed] -> stats
         # DreamerV3's learned initial state: deter = tanh(initial_deter), zeros at first (None: the zero state)
-        self.initial_deter = nn.Parameter(torch.zeros(deter_dim)) if learned_initial else None
+        self.initial_deter = nn.Parameter(torch.zeros(deter_dim)) if learned else None
 
     def initial(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The state an episode starts from, deter (n, D) and stoch (n, S). Learned (DreamerV3): deter = tanh(w),
-        which the loss trains through every episode start, and stoch the prior's mode from it (no gradient through
-        the mode, as DreamerV3's); or zeros."""
-        weight = self.prior_net[0].weight  # float32 (also under autocast), float64 in the equality tests
+        """The state an episode starts from, deter (n, D) and stoch (n, S): learned (DreamerV3's deter = tanh(w), and
+        stoch the prior's mode from it, with no gradient through the mode), or zeros."""
+        weight = self.prior_net.linear.weight  # float32 (also under autocast), float64 in the equality tests
         if self.initial_deter is None:
             zeros = functools.partial(torch.zeros, device=weight.device, dtype=weight.dtype)
             return zeros(n, self.deter_dim), zeros(n, self.stoch_flat)
@@ -969,11 +793,9 @@ class RSSM(nn.Module):
             stoch = self.mode(self.prior(deter)).to(deter.dtype)  # (1, S)
         return deter.expand(n, -1), stoch.expand(n, -1)
 
-    def episode_start(
-        self, first: torch.Tensor, deter, stoch, initial: tuple
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The previous state a step reads: deter (B, D) and stoch (B, S) as they are, or the `initial` state
-        (`initial(1)`) where `first` (B, 1) bool says an episode starts (also the previous action: zero there)."""
+    def episode_start(self, first: torch.Tensor, deter, stoch, initial: tuple) -> tuple:
+        """The previous state a step reads: deter (B, D) and stoch (B, S), or the `initial(1)` state where `first`
+        (B, 1) bool says an episode starts (where the previous action is zero too)."""
         return torch.where(first, initial[0], deter), torch.where(first, initial[1], stoch)
 
     def _stats(self, raw: torch.Tensor) -> torch.Tensor:
@@ -996,15 +818,13 @@ class RSSM(nn.Module):
         return self._stats(self.posterior_net(torch.cat([deter, upcast(embed)], -1)))
 
     def noise(self, shape: tuple[int, ...], device) -> torch.Tensor:
-        """The random numbers `sample` turns into latents, for `shape` samples: uniforms (*shape, stoch_dim, 1) for
-        categorical latents, normals (*shape, stoch_dim) for Gaussian ones. A sequence draws them all in one call."""
+        """The random numbers `sample` turns into `shape` latents: uniforms (*shape, S, 1), or normals (*shape, S)."""
         if self.classes:
             return torch.rand(*shape, self.stoch_dim, 1, device=device)
         return torch.randn(*shape, self.stoch_dim, device=device)
 
     def sample(self, stats: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
-        """A flat latent sample (..., stoch_flat) with gradients (straight-through or reparameterised), from `noise`
-        (see `noise`; fresh when None)."""
+        """A flat latent (..., stoch_flat) with gradients (straight-through or reparameterised) from `noise`."""
         if self.classes:
             probs = stats.exp()
             noise = torch.rand(stats.shape[:-1] + (1,), device=stats.device) if noise is None else noise
@@ -1016,8 +836,7 @@ class RSSM(nn.Module):
         return mean + std * (torch.randn_like(std) if noise is None else noise)
 
     def mode(self, stats: torch.Tensor) -> torch.Tensor:
-        """The most likely latent (..., stoch_flat), without gradients: each categorical's most likely class one-hot,
-        or the Gaussian's mean."""
+        """The most likely latent (..., stoch_flat), without gradients (each class one-hot, or the mean)."""
         if self.classes:
             return one_hot(stats.argmax(-1), self.classes).to(stats.dtype).flatten(-2)
         return stats.chunk(2, -1)[0].detach()
@@ -1031,10 +850,9 @@ class RSSM(nn.Module):
         return (torch.log(std_r / std_l) + (std_l**2 + (mean_l - mean_r) ** 2) / (2 * std_r**2) - 0.5).sum(-1)
 
     def observe(self, embed: torch.Tensor, action: torch.Tensor, is_first: torch.Tensor, noise=None):
-        """Posterior rollout over a sequence, one step at a time through the cell (`img_step`, `posterior`, `sample`),
-        the state reset to the initial one where an episode starts. embed (B, T, E); action (B, T, A) one-hot, the
-        action that led to step t; is_first (B, T); noise (T, B, ...) each step's sampling noise (drawn when None).
-        Returns deter (B, T, D), stoch (B, T, S), posterior and prior stats (B, T, ...)."""
+        """Posterior rollout, step by step through the cell (`img_step`, `posterior`, `sample`), reset to the initial
+        state where an episode starts: embed (B, T, E), action (B, T, A) one-hot (the action that led to step t),
+        is_first (B, T), noise (T, B, ...) or None -> deter (B, T, D), stoch (B, T, S), posterior and prior stats."""
         B, T = embed.shape[:2]
         if noise is None:
             noise = self.noise((T, B), embed.device)
@@ -1064,17 +882,9 @@ class WorldModel(nn.Module):
         channels, side = math.prod(obs_shape[:-2]), obs_shape[-1]  # frames (x 3 in colour) as channels
         self.encoder = model.encoder(args, channels, side)
         self.embed_dim = self.encoder.embed_dim
-        self.rssm = RSSM(
-            self.embed_dim,
-            num_actions,
-            args.deterministic_dim,
-            args.stochastic_dim,
-            args.stochastic_classes,
-            args.hidden_dim,
-            args.unimix,
-            gru=model.gru,
-            learned_initial=args.initial_state == "learned",
-        )
+        sizes = (args.deterministic_dim, args.stochastic_dim, args.stochastic_classes, args.hidden_dim)
+        learned = args.initial_state == "learned"
+        self.rssm = RSSM(self.embed_dim, num_actions, *sizes, args.unimix, model.gru, learned)
         feat_dim = args.deterministic_dim + self.rssm.stoch_flat
         self.decoder = model.decoder(args, feat_dim, channels, side)
         self.reward_head = mlp(feat_dim, args.reward_bins, args.hidden_dim, zero_output=True)
@@ -1130,61 +940,43 @@ class ReturnNormalizer(nn.Module):
         return torch.clamp(self.high - self.low, min=1.0)
 
 
-# ALGO LOGIC: the numbers a researcher may schedule during a run (`agent.settings.set`); the update reads them from
-# `agent.settings`, never from `args`
-SCHEDULED = (
-    "kl_dyn_scale",
-    "kl_rep_scale",
-    "free_nats",
-    "entropy_coef",
-    "gamma",
-    "return_lambda",
-    "return_norm_decay",
-    "slow_critic_fraction",
-    "world_model_grad_clip",
-    "actor_critic_grad_clip",
-)
+class Settings:
+    """The numbers the update reads that may change during a run (`settings["gamma"]`), as 0-d tensors changed in
+    place by `set` (a KL warm-up, a learning-rate decay), which a captured or compiled update reads anew; the learning
+    rates are the optimizers' own. `settings["1 - return_lambda"]` and the like are set in double, as from floats."""
 
+    # ALGO LOGIC: a number to schedule is one more name here, read as settings["name"] in the update
+    NAMES = ("kl_dyn_scale", "kl_rep_scale", "free_nats", "entropy_coef", "gamma", "return_lambda")
+    NAMES += ("return_norm_decay", "slow_critic_fraction", "world_model_grad_clip", "actor_critic_grad_clip")
+    NAMES += ("world_model_lr", "actor_lr", "critic_lr")
+    COMPLEMENTS = ("return_lambda", "return_norm_decay")
 
-LEARNING_RATES = {"world_model_lr": "world_model", "actor_lr": "actor", "critic_lr": "critic"}
+    def __init__(self, args: Args, optimizers: dict[str, torch.optim.Optimizer], device: torch.device):
+        self.tensors = {}
+        for name in self.NAMES:
+            if name.endswith("_lr"):  # fused Adam reads it in float32 on CUDA, in double on a CPU (a float)
+                group = optimizers[name.removesuffix("_lr")].param_groups[0]
+                dtype = torch.float32 if device.type == "cuda" else torch.float64
+                group["lr"] = self.tensors[name] = torch.tensor(group["lr"], device=device, dtype=dtype)
+            else:
+                self.tensors[name] = torch.tensor(float(getattr(args, name)), device=device)
+        for name in self.COMPLEMENTS:
+            self.tensors[f"1 - {name}"] = torch.tensor(1 - float(getattr(args, name)), device=device)
 
-
-# numbers the update reads that follow from a scheduled one: (the one, how)
-DERIVED_SETTINGS = {
-    "return_norm_rate": ("return_norm_decay", lambda x: 1 - x),
-    "one_minus_lambda": ("return_lambda", lambda x: 1 - x),
-}
-
-
-class UpdateSettings:
-    """The scheduled numbers (`SCHEDULED`, `values`) and the learning rates (each its optimizer's own), as the update
-    reads them (`settings["name"]`, the derived ones included), changed from the loop with `set`:
-    `run.agent.settings.set("kl_dyn_scale", 0.3)`. (Part 2 keeps them as tensors changed in place.)"""
-
-    def __init__(self, args: Args, optimizers: dict[str, torch.optim.Optimizer]):
-        self.values = {name: float(getattr(args, name)) for name in (*SCHEDULED, *LEARNING_RATES)}
-        self.optimizers = optimizers
-
-    def __getitem__(self, name: str):
-        if name in DERIVED_SETTINGS:
-            source, derive = DERIVED_SETTINGS[name]
-            return derive(self.values[source])
-        if name in LEARNING_RATES:
-            return self.optimizers[LEARNING_RATES[name]].param_groups[0]["lr"]
-        return self.values[name]
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
 
     def set(self, name: str, value: float) -> None:
-        if name not in self.values:
-            raise KeyError(f"{name!r} is not a scheduled setting; these are: {', '.join(self.values)}")
-        self.values[name] = float(value)
-        if name in LEARNING_RATES:
-            self.optimizers[LEARNING_RATES[name]].param_groups[0]["lr"] = float(value)
+        if name not in self.NAMES:
+            raise KeyError(f"{name!r} is not a scheduled setting; these are: {', '.join(self.NAMES)}")
+        self.tensors[name].fill_(float(value))
+        if name in self.COMPLEMENTS:
+            self.tensors[f"1 - {name}"].fill_(1 - float(value))
 
 
 @dataclass
 class Agent:
-    """Everything that learns: the networks, their optimizers, one loss scaler per optimizer (fp16 only; a scaler
-    that is not enabled passes everything through), and the autocast setup."""
+    """Everything that learns: networks, optimizers, loss scalers (fp16), autocast, settings, update functions."""
 
     world_model: WorldModel
     actor: Actor
@@ -1198,9 +990,8 @@ class Agent:
     scalers: dict[str, torch.amp.GradScaler]  # "world_model", "actor", "critic"
     device: torch.device
     num_actions: int
-    settings: UpdateSettings
-    # ALGO LOGIC: the functions an update calls: this part's own (`build_agent`), until the run's set-up puts faster
-    # equivalents in their place (Part 2: the same arguments and results, held to these by checks)
+    settings: Settings
+    # ALGO LOGIC: the functions an update calls (`build_agent`'s; Part 2 may put checked faster equivalents here)
     observe: Callable  # `RSSM.observe` of the world model's RSSM
     imagine: Callable  # `imagine`
     world_model_losses: Callable  # `world_model_losses`
@@ -1214,10 +1005,8 @@ class Agent:
         return {name: getattr(self, f"{name}_optimizer") for name in ("world_model", "actor", "critic")}
 
     def modules(self) -> dict[str, nn.Module]:
-        return {
-            name: getattr(self, name)
-            for name in ("world_model", "actor", "critic", "slow_critic", "return_norm")
-        }
+        names = ("world_model", "actor", "critic", "slow_critic", "return_norm")
+        return {name: getattr(self, name) for name in names}
 
 
 def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent:
@@ -1234,30 +1023,22 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
     slow_critic.load_state_dict(critic.state_dict())
     slow_critic.requires_grad_(False)
     amp = mu.amp(args.amp, device)
-    # a CUDA graph (--cudagraph) needs capturable Adam
-    adam = {"fused": True, "capturable": args.cudagraph and device.type == "cuda"}
     # fused Adam: one kernel per step, and it can skip a step on the device (see `clip_and_step`)
     optimizers = {
         name: torch.optim.Adam(
-            module.parameters(), lr=getattr(args, f"{name}_lr"), eps=getattr(args, f"{name}_eps"), **adam
+            module.parameters(), lr=getattr(args, f"{name}_lr"), eps=getattr(args, f"{name}_eps"), fused=True
         )
         for name, module in (("world_model", world_model), ("actor", actor), ("critic", critic))
     }
     return Agent(
-        world_model=world_model,
-        actor=actor,
-        critic=critic,
-        slow_critic=slow_critic,
-        return_norm=ReturnNormalizer().to(device),
-        world_model_optimizer=optimizers["world_model"],
-        actor_optimizer=optimizers["actor"],
-        critic_optimizer=optimizers["critic"],
+        *(world_model, actor, critic, slow_critic, ReturnNormalizer().to(device)),
+        *(optimizers["world_model"], optimizers["actor"], optimizers["critic"]),
         amp=amp,
         # one scaler per optimizer: an overflow in one loss shrinks that loss's scale alone
-        scalers={name: amp.new_scaler() for name in ("world_model", "actor", "critic")},
+        scalers={name: amp.new_scaler() for name in optimizers},
         device=device,
         num_actions=num_actions,
-        settings=UpdateSettings(args, optimizers),
+        settings=Settings(args, optimizers, device),
         observe=world_model.rssm.observe,
         imagine=imagine,
         world_model_losses=world_model_losses,
@@ -1266,47 +1047,34 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
 
 
 class Player:
-    """Acts in the vector env: keeps each env's latent state across steps, always detached, in tensors updated in
-    place (the same memory from the first step to the last, which a CUDA graph's replay needs)."""
+    """Acts in the vector env, each env's latent state kept across steps, detached, in tensors updated in place."""
 
     def __init__(self, agent: Agent, num_envs: int):
         self.agent, self.num_envs = agent, num_envs
-        self.deter: torch.Tensor | None = None
-        self.reset()
-        self.policy = self.policy_step  # what `act` calls (Part 2 may capture it in a CUDA graph)
-
-    @torch.no_grad()  # memory: the cached state never carries a graph
-    def reset(self) -> None:
-        device, rssm = self.agent.device, self.agent.world_model.rssm
-        # (N, D), (N, S): tensors of their own
-        deter, stoch = (x.clone() for x in rssm.initial(self.num_envs))
-        prev_action = torch.zeros(self.num_envs, self.agent.num_actions, device=device)  # (N, A) one-hot
-        if self.deter is None:
-            self.deter, self.stoch, self.prev_action = deter, stoch, prev_action
-        else:  # in place: a captured policy step reads and writes these very tensors
-            self.deter.copy_(deter), self.stoch.copy_(stoch), self.prev_action.copy_(prev_action)
+        with torch.no_grad():  # memory: the cached state never carries a graph; (N, D), (N, S) of their own
+            self.deter, self.stoch = (x.clone() for x in agent.world_model.rssm.initial(num_envs))
+        self.prev_action = torch.zeros(num_envs, agent.num_actions, device=agent.device)  # (N, A) one-hot
+        self.policy = self.policy_step  # what `act` calls (it may be captured in a CUDA graph)
 
     # memory: acting builds no graph; otherwise each step's graph stays reachable from the cached state
     @torch.no_grad()
     def policy_step(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
-        """obs (N, 4, 84, 84) uint8 and is_first (N,) bool on the device -> actions (N,) int64 on the device; the
+        """obs (N, 1, 3, 64, 64) uint8 and is_first (N,) bool on the device -> actions (N,) int64 on the device; the
         cached state moves on. No host read and no Python branch on a tensor, so it can be captured."""
         wm = self.agent.world_model
         with self.agent.amp.autocast():
-            # (N, 4, 84, 84); a colour stack's frames and channels together
-            image = inputs["obs"].flatten(1, -3).float() / 255.0 - 0.5
+            image = inputs["obs"].flatten(1, -3).float() / 255.0 - 0.5  # (N, 3, 64, 64): frames as channels
             first = inputs["is_first"].unsqueeze(-1)  # (N, 1) bool
             deter, stoch = wm.rssm.episode_start(first, self.deter, self.stoch, wm.rssm.initial(1))
             deter = wm.rssm.img_step(deter, stoch, self.prev_action * (~first).float())
             stoch = wm.rssm.sample(wm.rssm.posterior(deter, wm.encoder(image)))
             action = categorical_draw(self.agent.actor(torch.cat([deter, stoch], -1)))  # (N,)
-        # memory: the cached state is written under no_grad, so it can never carry a graph into the next step
         self.deter.copy_(deter), self.stoch.copy_(stoch)
         self.prev_action.copy_(one_hot(action, self.agent.num_actions))
         return (action,)
 
     def act(self, obs: np.ndarray, is_first: np.ndarray) -> np.ndarray:
-        """obs (N, 4, 84, 84) uint8, is_first (N,) bool -> actions (N,) int64."""
+        """obs (N, 1, 3, 64, 64) uint8, is_first (N,) bool -> actions (N,) int64."""
         device = self.agent.device
         inputs = {
             "obs": torch.as_tensor(obs, device=device),
@@ -1319,16 +1087,10 @@ class Player:
 # --- Losses and updates: plain functions of tensors; each update returns its logged values as device tensors ---
 
 
-def lambda_returns(
-    reward: torch.Tensor,
-    value: torch.Tensor,
-    discount: torch.Tensor,
-    lambda_: torch.Tensor | float,
-    one_minus_lambda: torch.Tensor | float | None = None,
-) -> torch.Tensor:
+def lambda_returns(reward, value, discount, lambda_, one_minus_lambda=None) -> torch.Tensor:
     """R_t = r_{t+1} + d_{t+1} ((1 - lambda) v_{t+1} + lambda R_{t+1}), R_H = v_H. reward, value, discount: (H+1, N)
     for imagined states s_0..s_H (those received on arriving at s_k); returns (H, N) for s_0..s_{H-1}. The loop is one
-    fused multiply-add per step. `one_minus_lambda`: 1 - lambda computed in double (`UpdateSettings`)."""
+    fused multiply-add per step. lambda_ and `one_minus_lambda` (1 - lambda_ in double, `Settings`): floats or 0-d."""
     if one_minus_lambda is None:
         one_minus_lambda = 1 - lambda_
     base = reward[1:] + discount[1:] * one_minus_lambda * value[1:]  # (H, N)
@@ -1340,36 +1102,28 @@ def lambda_returns(
 
 
 def batch_tensors(batch: dict[str, np.ndarray], device) -> dict[str, torch.Tensor]:
-    """The sampled arrays as tensors on `device`, still uint8 and bool."""
+    """The sampled arrays as tensors on `device`, still uint8 and bool; to CUDA from pinned memory, without waiting."""
+    pin = torch.device(device).type == "cuda"
     # memory: observations cross to the device as uint8 (a quarter of float32); floats exist only there
-    return {key: torch.from_numpy(value).to(device) for key, value in batch.items()}
+    tensors = {key: torch.from_numpy(value) for key, value in batch.items()}
+    return {key: (x.pin_memory() if pin else x).to(device, non_blocking=pin) for key, x in tensors.items()}
 
 
-def prepare_batch(
-    raw: dict[str, torch.Tensor], num_actions: int, channels_last: bool = False
-) -> dict[str, torch.Tensor]:
-    """The conversions a raw batch needs, made on the device: images to float, actions to one-hot. `channels_last`
-    lays the images out as channels-last convolutions read them (no layout copy of the batch, no strided loss)."""
-    obs = raw["obs"]  # (B, T, 4, 84, 84) uint8; in colour (B, T, stack, 3, S, S)
-    obs = obs.flatten(2, -3)  # (B, T, C, S, S): a colour stack's frames and channels together
+def prepare_batch(raw: dict[str, torch.Tensor], num_actions: int, channels_last: bool = False) -> dict:
+    """A raw batch converted on the device: image (B, T, 3, 64, 64) in [-0.5, 0.5] (channels-last, as such convolutions
+    read it, with `channels_last`), action (B, T, A) one-hot; reward, is_first and is_terminal (B, T) as they are."""
+    obs = raw["obs"].flatten(2, -3)  # (B, T, 1, 3, 64, 64) uint8 -> (B, T, 3, 64, 64): frames as channels
     layout = torch.channels_last if channels_last else torch.contiguous_format
     image = obs.flatten(0, 1).to(torch.float32, memory_format=layout).div_(255.0).sub_(0.5)
     image = image.unflatten(0, obs.shape[:2])
-    return {
-        "image": image,  # (B, T, 4, 84, 84) in [-0.5, 0.5]
-        "action": one_hot(raw["action"], num_actions),  # (B, T, A)
-        "reward": raw["reward"],  # (B, T)
-        "is_first": raw["is_first"],  # (B, T) bool
-        "is_terminal": raw["is_terminal"],  # (B, T) bool
-    }
+    data = {"image": image, "action": one_hot(raw["action"], num_actions)}
+    return data | {key: raw[key] for key in ("reward", "is_first", "is_terminal")}
 
 
 def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args):
     """Returns (loss, parts: the logged values as named tensors, posterior (deter, stoch) (B, T, ...))."""
-    wm = agent.world_model
-    image = data["image"]
-    B, T = image.shape[:2]
-    embed = wm.encoder(image.flatten(0, 1)).unflatten(0, (B, T))  # (B, T, E)
+    wm, (B, T) = agent.world_model, data["image"].shape[:2]
+    embed = wm.encoder(data["image"].flatten(0, 1)).unflatten(0, (B, T))  # (B, T, E)
     deter, stoch, posterior, prior = agent.observe(embed, data["action"], data["is_first"])
     loss, parts = agent.world_model_losses(wm, agent.settings, data, deter, stoch, posterior, prior, args)
     return loss, parts, (deter, stoch)
@@ -1386,30 +1140,19 @@ def loss_scales(args: Args) -> dict[str, float]:
     }
 
 
-def world_model_losses(
-    wm: "WorldModel",
-    settings: "UpdateSettings",
-    data: dict[str, torch.Tensor],
-    deter,
-    stoch,
-    posterior,
-    prior,
-    args,
-):
-    """`world_model_loss` from the posterior rollout on: the named losses (reconstruction, reward, continue, KL),
-    summed against `loss_scales`. Returns (loss, parts: the logged values)."""
+def world_model_losses(wm: WorldModel, settings: Settings, data: dict, deter, stoch, posterior, prior, args):
+    """The named losses from the posterior rollout on, summed against `loss_scales`: (loss, logged values)."""
     image = data["image"]
     B, T = image.shape[:2]
     feat = torch.cat([deter, stoch], -1)  # (B, T, D + S)
-    reconstruction = wm.decoder(feat.flatten(0, 1)).unflatten(0, (B, T))  # (B, T, 4, 84, 84)
+    reconstruction = wm.decoder(feat.flatten(0, 1)).unflatten(0, (B, T))  # (B, T, 3, 64, 64)
     # squared error summed over each image, averaged over images (one fused kernel each way)
     image_loss = F.mse_loss(upcast(reconstruction), image, reduction="sum") / (B * T)
     reward_logits = wm.reward_head(feat)  # (B, T, K)
     reward_loss = twohot_loss(reward_logits, data["reward"], wm.bins).mean()
     continue_logits = upcast(wm.continue_head(feat).squeeze(-1))  # (B, T)
-    continue_loss = F.binary_cross_entropy_with_logits(
-        continue_logits, (~data["is_terminal"]).to(continue_logits.dtype)
-    )
+    continues = (~data["is_terminal"]).to(continue_logits.dtype)
+    continue_loss = F.binary_cross_entropy_with_logits(continue_logits, continues)
     dyn = wm.rssm.kl(posterior.detach(), prior)  # (B, T)
     rep = wm.rssm.kl(posterior, prior.detach())
     kl_loss = (
@@ -1421,46 +1164,34 @@ def world_model_losses(
     scales = loss_scales(args)
     assert losses.keys() == scales.keys(), (losses.keys(), scales.keys())
     # a scale of 0 leaves its loss out (no gradient, and a non-finite value of it cannot spread), 1 adds it as it is
-    terms = [
-        value if scales[name] == 1 else scales[name] * value for name, value in losses.items() if scales[name]
-    ]
+    terms = [term if scales[key] == 1 else scales[key] * term for key, term in losses.items() if scales[key]]
     loss = functools.reduce(torch.add, terms)
-    parts = {
-        "losses/world_model": loss,
-        **{f"losses/{name}": value for name, value in losses.items()},
-        "debug/kl_value": dyn.mean(),
-        **reward_prediction_counts(twohot_mean(reward_logits.detach(), wm.bins), data["reward"]),
-    }
+    # the reward head on real rewards: hits (the sign, half the size), false alarms (0.5 or more for a zero)
+    predicted, reward = twohot_mean(reward_logits.detach(), wm.bins), data["reward"]
+    nonzero, alarm = reward != 0, predicted.abs() >= 0.5
+    hits = nonzero & (predicted * torch.sign(reward) >= 0.5 * reward.abs())
+    counts = dict(
+        reward_nonzero=nonzero, reward_hits=hits, reward_zero=~nonzero, reward_false_alarms=~nonzero & alarm
+    )
+    parts = {"losses/world_model": loss, **{f"losses/{name}": value for name, value in losses.items()}}
+    parts |= {"debug/kl_value": dyn.mean(), **{f"debug/{key}": n.float().sum() for key, n in counts.items()}}
     return loss, parts
 
 
-def clip_and_step(
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    parameters: list[torch.Tensor],
-    clip: torch.Tensor,
-    loss_finite: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """After the backward pass: unscale (fp16), clip to the norm `clip` (a 0-d tensor), and step unless the loss or
-    the gradient is non-finite, skipped on the device through the `found_inf` tensor fused Adam reads (as GradScaler
-    does; no host sync), so weights and moments stay as they were. fp16's scaler skips overflows itself. Returns
-    (grad_norm, healthy), 0-d tensors; `healthy` is False for a step skipped as a fault."""
+def clip_and_step(optimizer, scaler, parameters: list, clip: torch.Tensor, loss_finite: torch.Tensor):
+    """After the backward pass: unscale (fp16), clip to the norm `clip` (0-d), and step unless the loss or the
+    gradient is non-finite (skipped on the device; fp16's scaler skips overflows): (grad_norm, healthy), 0-d."""
     scaler.unscale_(optimizer)
     grads = [p.grad for p in parameters if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    # torch's clip_grad_norm_ turns its max_norm into a float, which a captured graph would keep: the same
-    # arithmetic (reciprocal, then the clip), with the clip as a tensor
+    # clip_grad_norm_'s arithmetic, with the clip as a tensor (it turns max_norm into a float, which a graph keeps)
     torch._foreach_mul_(grads, torch.clamp((grad_norm + 1e-6).reciprocal() * clip, max=1.0))
     if scaler.is_enabled():
         scaler.step(optimizer)
         scaler.update()
         return grad_norm, loss_finite
     healthy = loss_finite & torch.isfinite(grad_norm)
-    optimizer.grad_scale, optimizer.found_inf = None, (~healthy).float()
-    try:
-        optimizer.step()
-    finally:
-        del optimizer.grad_scale, optimizer.found_inf
+    mu.step_if_healthy(optimizer, healthy)
     return grad_norm, healthy
 
 
@@ -1475,27 +1206,18 @@ def train_world_model(agent: Agent, raw: dict[str, torch.Tensor], args: Args):
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     metrics = {key: value.detach().float() for key, value in parts.items()}
-    grad_norm, healthy = clip_and_step(
-        optimizer,
-        scaler,
-        list(agent.world_model.parameters()),
-        agent.settings["world_model_grad_clip"],
-        torch.isfinite(torch.stack(list(metrics.values()))).all(),
-    )
+    finite = torch.isfinite(torch.stack(list(metrics.values()))).all()
+    parameters, clip = list(agent.world_model.parameters()), agent.settings["world_model_grad_clip"]
+    grad_norm, healthy = clip_and_step(optimizer, scaler, parameters, clip, finite)
     optimizer.zero_grad(set_to_none=True)  # memory: gradients are not kept between updates
     metrics["debug/world_model_grad_norm"] = grad_norm.detach().float()
-    start = {
-        "deter": deter.detach().flatten(0, 1),
-        "stoch": stoch.detach().flatten(0, 1),
-        "continue": (~data["is_terminal"]).float().flatten(0, 1),
-    }
-    return metrics, healthy, start
+    start = {"deter": deter.detach().flatten(0, 1), "stoch": stoch.detach().flatten(0, 1)}
+    return metrics, healthy, start | {"continue": (~data["is_terminal"]).float().flatten(0, 1)}
 
 
 def imagine(agent: Agent, start_states, horizon: int):
-    """Roll the prior forward `horizon` steps with the actor from (N, ...) start states (deter, stoch, continue): the
-    actor picks an action (with gradients, for REINFORCE), the cell moves on (`img_step`), the prior's sample is the
-    next stoch. Returns feat (H+1, N, F) detached, log_prob (H, N), entropy (H, N)."""
+    """Roll the prior `horizon` steps from (N, ...) start states with the actor's actions (REINFORCE: with gradients),
+    the cell (`img_step`) and the prior's samples: feat (H+1, N, F) detached, log_prob and entropy (H, N)."""
     deter, stoch, _ = start_states
     rssm = agent.world_model.rssm
     action_uniforms = torch.rand(horizon, deter.shape[0], 1, device=deter.device)  # (H, N, 1)
@@ -1517,40 +1239,30 @@ def imagine(agent: Agent, start_states, horizon: int):
 
 def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = True):
     """Actor and critic losses on an imagined rollout. Returns (actor_loss, critic_loss, parts)."""
-    # (H+1, N, F), (H, N)
-    feat, log_prob, entropy = agent.imagine(agent, start_states, args.imagination_horizon)
+    feat, log_prob, entropy = agent.imagine(
+        agent, start_states, args.imagination_horizon
+    )  # (H+1, N, F), (H, N)
     # one critic pass gives both the values the targets bootstrap from (detached) and the logits its loss trains
     critic_logits = agent.critic(feat)  # (H+1, N, K)
     with torch.no_grad():
-        returns, weight, advantage, slow_value = agent.imagined_targets(
-            agent, feat, critic_logits, start_states[2], args, update_norm
-        )
+        targets = agent.imagined_targets(agent, feat, critic_logits, start_states[2], args, update_norm)
+        returns, weight, advantage, slow_value = targets
     settings = agent.settings
     # ALGO LOGIC: REINFORCE on normalised advantages + entropy; the critic is pulled toward the slow critic
     actor_loss = -(weight * (log_prob * advantage + settings["entropy_coef"] * entropy)).mean()
+    bins = agent.critic.bins
+    logits = critic_logits[:-1]
     critic_loss = (
-        weight
-        * (
-            twohot_loss(critic_logits[:-1], returns, agent.critic.bins)
-            + twohot_loss(critic_logits[:-1], slow_value, agent.critic.bins)
-        )
+        weight * (twohot_loss(logits, returns, bins) + twohot_loss(logits, slow_value, bins))
     ).mean()
-    parts = {
-        "losses/actor": actor_loss,
-        "losses/critic": critic_loss,
-        "losses/entropy": entropy.mean(),
-        "debug/imagined_return": returns.mean(),
-        "debug/return_scale": agent.return_norm.scale(),
-    }
+    parts = {"losses/actor": actor_loss, "losses/critic": critic_loss, "losses/entropy": entropy.mean()}
+    parts |= {"debug/imagined_return": returns.mean(), "debug/return_scale": agent.return_norm.scale()}
     return actor_loss, critic_loss, parts
 
 
-def imagined_targets(
-    agent: Agent, feat, critic_logits, start_continue, args: Args, update_norm: bool
-) -> tuple:
-    """What the actor and critic learn toward on an imagined rollout, without gradients: feat (H+1, N, F) and the
-    critic's logits (H+1, N, K) in. Returns lambda-returns, the discount weights, the normalised advantages and the
-    slow critic's values, (H, N) each."""
+def imagined_targets(agent: Agent, feat, critic_logits, start_continue, args: Args, update_norm: bool):
+    """What the actor and critic learn toward on a rollout, feat (H+1, N, F) and critic logits (H+1, N, K), without
+    gradients: the lambda-returns, discount weights, normalised advantages and slow critic's values, (H, N) each."""
     wm, settings = agent.world_model, agent.settings
     reward = twohot_mean(wm.reward_head(feat), wm.bins)  # (H+1, N)
     continues = torch.sigmoid(upcast(wm.continue_head(feat).squeeze(-1)))  # (H+1, N)
@@ -1560,45 +1272,35 @@ def imagined_targets(
     discount = settings["gamma"] * continues
     value = twohot_mean(critic_logits.detach(), agent.critic.bins)  # (H+1, N)
     slow_value = agent.slow_critic.value(feat[:-1])  # (H, N): the critic regresses states s_0..s_{H-1}
-    returns = lambda_returns(
-        reward, value, discount, settings["return_lambda"], settings["one_minus_lambda"]
-    )  # (H, N)
-    # DreamerV3's weights: w_t = prod_{k <= t} (gamma c_k) / gamma, so w_0 = c_0 (0 from a terminal start) and
-    # a state's own continue flag counts (the action chosen in a terminal state matters to nothing)
+    lambda_, one_minus_lambda = settings["return_lambda"], settings["1 - return_lambda"]
+    returns = lambda_returns(reward, value, discount, lambda_, one_minus_lambda)  # (H, N)
+    # DreamerV3's weights: w_t = prod_{k <= t} (gamma c_k) / gamma (w_0 = c_0: 0 from a terminal start)
     weight = torch.cumprod(discount[:-1], 0) / settings["gamma"]  # (H, N)
     if update_norm:
-        agent.return_norm.update(returns, settings["return_norm_rate"])
+        agent.return_norm.update(returns, settings["1 - return_norm_decay"])
     advantage = (returns - value[:-1]) / agent.return_norm.scale()
     return returns, weight, advantage, slow_value
 
 
 def train_behavior(agent: Agent, start: dict[str, torch.Tensor], args: Args):
-    """One actor and one critic update on rollouts imagined from `start`, then the slow critic follows the critic;
-    no host sync. Returns the logged values (detached 0-d float32 tensors) and healthy (0-d bool)."""
+    """One actor and one critic update imagined from `start`, then the slow critic follows: (logged, healthy)."""
     with agent.amp.autocast():
-        actor_loss, critic_loss, parts = behavior_losses(
-            agent, (start["deter"], start["stoch"], start["continue"]), args
-        )
+        states = (start["deter"], start["stoch"], start["continue"])
+        actor_loss, critic_loss, parts = behavior_losses(agent, states, args)
     scalers = agent.scalers
     for optimizer in (agent.actor_optimizer, agent.critic_optimizer):
         optimizer.zero_grad(set_to_none=True)
-    # one backward pass for both: they share no parameters (the features are detached, the critic's targets and the
-    # actor's advantages are computed without gradients), so each gets exactly its own loss's gradient
+    # one backward pass for both: they share no parameters and no graph, so each gets its own loss's gradient
     (scalers["actor"].scale(actor_loss) + scalers["critic"].scale(critic_loss)).backward()
     metrics = {key: value.detach().float() for key, value in parts.items()}
+    clip = agent.settings["actor_critic_grad_clip"]
+    actor, critic = list(agent.actor.parameters()), list(agent.critic.parameters())
+    actor_finite, critic_finite = torch.isfinite(actor_loss.detach()), torch.isfinite(critic_loss.detach())
     actor_norm, actor_healthy = clip_and_step(
-        agent.actor_optimizer,
-        scalers["actor"],
-        list(agent.actor.parameters()),
-        agent.settings["actor_critic_grad_clip"],
-        torch.isfinite(actor_loss.detach()),
+        agent.actor_optimizer, scalers["actor"], actor, clip, actor_finite
     )
     critic_norm, critic_healthy = clip_and_step(
-        agent.critic_optimizer,
-        scalers["critic"],
-        list(agent.critic.parameters()),
-        agent.settings["actor_critic_grad_clip"],
-        torch.isfinite(critic_loss.detach()),
+        agent.critic_optimizer, scalers["critic"], critic, clip, critic_finite
     )
     for optimizer in (agent.actor_optimizer, agent.critic_optimizer):
         optimizer.zero_grad(set_to_none=True)  # memory: gradients are not kept between updates
@@ -1615,7 +1317,7 @@ def train_behavior(agent: Agent, start: dict[str, torch.Tensor], args: Args):
 # --- The loop ---------------------------------------------------------------------------------------------------------
 
 
-def step_envs(run: "Run", envs, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def step_envs(run, envs, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One vector step into the replay, its finished episodes' returns logged; returns the next obs and is_first."""
     args, counters = run.args, run.counters
     next_obs, rewards, terminations, truncations, infos = envs.step(actions)
@@ -1631,21 +1333,19 @@ def step_envs(run: "Run", envs, actions: np.ndarray) -> tuple[np.ndarray, np.nda
     return next_obs, np.logical_or(terminations, truncations)
 
 
-def sample_batch(run: "Run") -> dict[str, torch.Tensor]:
+def sample_batch(run) -> dict[str, torch.Tensor]:
     """One training batch on the device, still uint8 and bool (`train_world_model` converts it there)."""
     return batch_tensors(run.replay.sample(run.args.batch_size, run.args.sequence_length), run.device)
 
 
-def train(run: "Run") -> None:
-    """The updates this env step owes at --train-ratio, one batch at a time (never sampled all at once to "catch
-    up"): a world-model update, then (once behaviour learning has started) an actor-critic update from its states."""
+def train(run) -> None:
+    """The updates this env step owes at --train-ratio, one batch at a time: world model, then actor and critic."""
     args, counters, replay = run.args, run.counters, run.replay
     step = counters["global_step"] + args.num_envs  # the env step they go with (it runs while they do)
     if step < args.learning_starts:
         return
     if not replay.can_sample(args.sequence_length):
-        say_replay_short(run)
-        return
+        return  # the run says so once
     counters["updates_owed"] += args.num_envs * args.train_ratio / (args.batch_size * args.sequence_length)
     while counters["updates_owed"] >= 1.0:
         counters["updates_owed"] -= 1.0
@@ -1662,36 +1362,27 @@ def train(run: "Run") -> None:
         counters["updates"] += 1
 
 
-def main(args: Args) -> dict:
-    """Train; returns the final counters (global_step, updates, ...) and the run directory."""
-    # TRY NOT TO MODIFY: the run (Part 3): the input checked, its folder and logs, the agent, the replay, the update
-    # steps (with Part 2's faster equivalents in place), a resumed run's state, and what watches its memory
-    run = set_up(args)
-    envs = make_vector_env(args, run.run_name, args.seed)
-    # TRY NOT TO MODIFY: a signal, an out-of-memory error or a crash leaves a checkpoint (Part 3)
-    with guarded(run, envs):
-        run.progress.mark(run.step)
-        obs, _ = envs.reset(seed=args.seed + run.step)
-        for i in range(args.num_envs):
-            run.replay.start_episode(i, obs[i])
-        is_first = np.ones(args.num_envs, np.bool_)
-        while run.step < args.total_timesteps:
-            run.probes("loop_start")
-            stop_if_signalled(run)
-            # ALGO LOGIC: act: random until learning starts, then the policy (which waits for the updates queued
-            # before it on a GPU and reads the actions back: the loop's one sync per env step)
-            if run.step < args.learning_starts:
-                actions = run.rng.integers(run.agent.num_actions, size=args.num_envs)
-            else:
-                actions = run.player.act(obs, is_first)
-            # ALGO LOGIC: the updates owed so far, queued first: on a GPU they run while the envs step (the newest
-            # step joins the replay after them). A schedule goes here: `run.agent.settings.set(name, value)`
-            train(run)
-            obs, is_first = step_envs(run, envs, actions)
-            run.probes("after_collect")
-            watch(run)  # videos, log points, checkpoints (Part 3)
-        finish(run)
-    return {**run.counters, "run_dir": run.run_dir, "run_name": run.run_name}
+def learn(run, envs) -> None:
+    """Dreamer's loop to --total-timesteps; `run` (Part 3) holds the agent, replay, update steps and watchers."""
+    args = run.args
+    obs, _ = envs.reset(seed=args.seed + run.step)
+    for i in range(args.num_envs):
+        run.replay.start_episode(i, obs[i])
+    is_first = np.ones(args.num_envs, np.bool_)
+    while run.step < args.total_timesteps:
+        run.probes("loop_start")  # TRY NOT TO MODIFY: memory probes, and a signal's checkpoint and exit
+        run.stop_if_signalled()
+        # ALGO LOGIC: act: random until learning starts, then the policy (the loop's one sync with a GPU)
+        if run.step < args.learning_starts:
+            actions = run.rng.integers(run.agent.num_actions, size=args.num_envs)
+        else:
+            actions = run.player.act(obs, is_first)
+        # ALGO LOGIC: the updates owed, queued before the env step (on a GPU they overlap it). A schedule goes here:
+        # `run.agent.settings.set(name, value)`
+        train(run)
+        obs, is_first = step_envs(run, envs, actions)
+        run.probes("after_collect")
+        run.watch()  # TRY NOT TO MODIFY: videos, log points, checkpoints
 
 
 # =====================================================================================================================
@@ -1735,6 +1426,48 @@ def transposed_conv_as_subpixel(x: torch.Tensor, layer: nn.ConvTranspose2d) -> t
     if pad_h or pad_w:
         out = F.pad(out, (0, pad_w, 0, pad_h))
     return out + layer.bias.view(1, -1, 1, 1)
+
+
+# --- The categorical draw as two products ---------------------------------------------------------------------------
+
+
+_DRAW_MATRICES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def fast_one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """`one_hot_draw` in four kernels (a GPU's cumulative sum is slow): the CDF is a product with a triangular matrix of
+    ones, the one-hot a product with a difference matrix, the last CDF column doubled. The product runs in full
+    float32 (TF32 would round the probabilities to 10 bits) and outside autocast. Compiled (--compile), Part 1's
+    cumulative sum, which Inductor fuses with the work around it. `check_draw` holds the two to the same classes."""
+    if torch.compiler.is_compiling():
+        return one_hot_draw(probs, uniform)
+    classes, key = probs.shape[-1], (probs.shape[-1], probs.device)
+    if key not in _DRAW_MATRICES:
+        eye = torch.eye(classes, dtype=torch.float32, device=probs.device)
+        cdf = torch.ones_like(eye).triu()
+        cdf[:, -1] = 2.0
+        diff = eye - eye.roll(1, 1).triu()
+        _DRAW_MATRICES[key] = cdf, diff
+    cdf_matrix, diff_matrix = _DRAW_MATRICES[key]
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.autocast(probs.device.type, enabled=False):
+            above = (probs.float() @ cdf_matrix >= uniform).float()  # 0 up to the drawn class, 1 from it
+            return above @ diff_matrix
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def fast_sample(rssm: RSSM, stats: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """`RSSM.sample` with `fast_one_hot_draw` (the same straight-through latent); Gaussian latents as written."""
+    if not rssm.classes:
+        return rssm.sample(stats, noise)
+    probs = stats.exp()
+    one_hot = fast_one_hot_draw(probs, noise).to(probs.dtype)
+    if torch.is_grad_enabled():
+        one_hot = one_hot + probs - probs.detach()
+    return one_hot.flatten(-2)
 
 
 # --- The fast observe: the RSSM's loop in fewer kernels, and its hand-written backward pass ---------------------------
@@ -1877,6 +1610,39 @@ class TorchGRUBackward:
         ]
 
 
+# each cell whose backward is written here: the class that holds its formulas
+GRU_BACKWARDS = {LayerNormGRUCell: LayerNormGRUBackward, nn.GRUCell: TorchGRUBackward}
+
+
+def fast_observe_problem(rssm: RSSM) -> str | None:
+    """Why `FastObserve` cannot run `rssm` (a clause to say), or None: it takes the first layer of `img_in` and of
+    `posterior_net`, an nn.Linear named `linear`, out of the loop."""
+    for name in ("img_in", "posterior_net"):
+        layers = list(getattr(rssm, name, nn.Sequential()).named_children())
+        if not layers or layers[0][0] != "linear" or type(layers[0][1]) is not nn.Linear:
+            return f"RSSM.{name} does not start with an nn.Linear named linear"
+    return None
+
+
+def hand_written_backward_problem(rssm: RSSM) -> str | None:
+    """Why `ObserveBackwardThroughTime` cannot run `rssm` (a clause to say), or None: its formulas are those of
+    categorical latents, of `img_in` and `posterior_net` as `dense` makes them, and of the cells in GRU_BACKWARDS."""
+    if not rssm.classes:
+        return "the latents are Gaussian"
+    for name, kinds in (
+        ("img_in", (nn.Linear, nn.LayerNorm, nn.SiLU)),
+        ("posterior_net", (nn.Linear, nn.LayerNorm, nn.SiLU, nn.Linear)),
+    ):
+        layers = [(layer_name, type(layer)) for layer_name, layer in getattr(rssm, name).named_children()]
+        if layers != list(zip(("linear", "norm", "act", "out"), kinds)):
+            found = ", ".join(kind.__name__ for _, kind in layers)
+            return f"RSSM.{name} is {found}, not {', '.join(kind.__name__ for kind in kinds)}"
+    if type(rssm.gru) not in GRU_BACKWARDS:
+        known = ", ".join(kind.__name__ for kind in GRU_BACKWARDS)
+        return f"its cell is {type(rssm.gru).__name__}, and the backward is written for {known}"
+    return None
+
+
 class FastObserve:
     """`RSSM.observe` in fewer kernels, with a hand-written backward pass (`ObserveBackwardThroughTime`) where it
     applies: the same arguments and results (`check_observe_forward`, `check_observe_backward`). The first layers of
@@ -1885,6 +1651,11 @@ class FastObserve:
 
     def __init__(self, rssm: RSSM, hand_written_backward: bool = True):
         self.rssm = rssm
+        # img_in's and the posterior's layers after their first (`linear`, split out of the loop)
+        self.img_rest, self.post_rest = (
+            nn.Sequential(*(layer for name, layer in net.named_children() if name != "linear"))
+            for net in (rssm.img_in, rssm.posterior_net)
+        )
         # False: autograd's backward of the per-step loop (the same gradients, more operations)
         self.hand_written_backward = hand_written_backward
         # the functions each step runs; `compile_agent` puts compiled ones in their place
@@ -1911,12 +1682,12 @@ class FastObserve:
         deter_weight the other shares' weights. Returns deter, stoch, posterior."""
         rssm = self.rssm
         deter, stoch = rssm.episode_start(first, deter, stoch, (initial_deter, initial_stoch))
-        # one fused product-and-sum each: = img_in[0](cat[stoch, action]), then = posterior_net[0](cat[deter, embed])
+        # one fused product-and-sum each: = img_in.linear(cat[stoch, action]), = posterior_net.linear(cat[deter, embed])
         hidden = torch.addmm(action_in, stoch, stoch_weight.t())
-        deter = rssm.gru(upcast(rssm.img_in[1:](hidden)), deter)
+        deter = rssm.gru(upcast(self.img_rest(hidden)), deter)
         hidden = torch.addmm(embed_in, deter, deter_weight.t())
-        posterior = rssm._stats(rssm.posterior_net[1:](hidden))
-        return deter, rssm.sample(posterior, noise), posterior
+        posterior = rssm._stats(self.post_rest(hidden))
+        return deter, fast_sample(rssm, posterior, noise), posterior
 
     def __call__(self, embed: torch.Tensor, action: torch.Tensor, is_first: torch.Tensor, noise=None):
         """`RSSM.observe(embed, action, is_first, noise)`, see there."""
@@ -1930,7 +1701,7 @@ class FastObserve:
             noise = rssm.noise((T, B), embed.device)
         # the first layers of img_in (on [stoch, action]) and of the posterior (on [deter, embed]), split: the action
         # and embed halves for all steps at once, before the loop (the same weights and sums, far fewer kernels)
-        img_first, post_first = rssm.img_in[0], rssm.posterior_net[0]
+        img_first, post_first = rssm.img_in.linear, rssm.posterior_net.linear
         action_in = F.linear(
             action * keep, img_first.weight[:, rssm.stoch_flat :], img_first.bias
         )  # (B, T, H)
@@ -1994,7 +1765,7 @@ class FastObserve:
         order `ObserveBackwardThroughTime` returns their gradients: img_in's and the posterior's LayerNorms, the
         posterior's output layer, then the GRU's own (`LayerNormGRUCell` or `nn.GRUCell`)."""
         rssm = self.rssm
-        img_norm, post_norm, post_out = rssm.img_in[1], rssm.posterior_net[1], rssm.posterior_net[3]
+        img_norm, post_norm, post_out = rssm.img_in.norm, rssm.posterior_net.norm, rssm.posterior_net.out
         return [
             img_norm.weight,
             img_norm.bias,
@@ -2140,7 +1911,7 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
         later steps in, those of step t - 1 out (masked where step t starts an episode), with the gradients of each
         layer's output at step t. --compile compiles it once for every step (`FastObserve.reverse_step`)."""
         S, C = rssm.stoch_dim, rssm.classes
-        post_norm, post_out = rssm.posterior_net[1], rssm.posterior_net[3]
+        post_norm, post_out = rssm.posterior_net.norm, rssm.posterior_net.out
         # posterior head: probs * d probs -> d logits (softmax) -> d post_pre (silu, LayerNorm)
         probs_grad = torch.addcmul(own_grad, carried_factor, stoch_carry.unflatten(-1, (S, C)))  # (B, S, C)
         logits_grad = torch.addcmul(probs_grad, probs, probs_grad.sum(-1, keepdim=True), value=-1)
@@ -2153,7 +1924,7 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
         # GRU, then img_in: d img -> d img_pre (silu, LayerNorm) -> d stoch_prev
         img_grad, deter_prev_grad, gru_grads = gru_step(rssm.gru, deter_total, *gru_inputs)  # (B, H), (B, D)
         img_norm_grad = img_grad * img_silu_grad
-        img_pre_grad = layer_norm_input_grad(img_norm_grad, img_pre, img_mean, img_rstd, rssm.img_in[1])
+        img_pre_grad = layer_norm_input_grad(img_norm_grad, img_pre, img_mean, img_rstd, rssm.img_in.norm)
         # the previous step's state gradients, masked where this step starts an episode (keep is in
         # carried_factor for stoch); there, and at t = 0, deter's goes to the initial state (`weight_grads`)
         deter_carry = torch.addcmul(deter_grad_prev, keep, deter_prev_grad)
@@ -2174,7 +1945,7 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
         product or one reduction over all T x B rows; the initial deter's, the previous deter's gradient summed over
         the steps that start from it (first (T, B, 1), and every sequence's step 0)."""
         rssm = acts.rssm
-        img_norm, post_norm = rssm.img_in[1], rssm.posterior_net[1]
+        img_norm, post_norm = rssm.img_in.norm, rssm.posterior_net.norm
         logits_grad, post_norm_grad, post_pre_grad, img_norm_grad, img_pre_grad = layer_grads[:5]
         deter_prev_grad, gru_grads = layer_grads[5], layer_grads[6:]
 
@@ -2228,7 +1999,7 @@ class ObserveActivations:
     def __init__(self, rssm, first, initial, action_in, embed_in, stoch_weight, deter_weight, deter, stoch):
         """first (T, B, 1) bool, deter (T, B, D), stoch (T, B, S*C) time-major, initial the initial deter (1, D) and
         stoch (1, S*C); action_in and embed_in (B, T, H)."""
-        img_norm, post_norm, post_out = rssm.img_in[1], rssm.posterior_net[1], rssm.posterior_net[3]
+        img_norm, post_norm, post_out = rssm.img_in.norm, rssm.posterior_net.norm, rssm.posterior_net.out
         S, C, unimix = rssm.stoch_dim, rssm.classes, rssm.unimix
         self.rssm, self.stoch_weight, self.deter_weight, self.deter = rssm, stoch_weight, deter_weight, deter
         # each step's previous state: the one before, or the initial one where an episode starts and at step 0
@@ -2241,8 +2012,7 @@ class ObserveActivations:
         img_normed, self.img_mean, self.img_rstd = layer_norm_stats(self.img_pre, img_norm)
         img = F.silu(img_normed)  # (T, B, H): the GRU's input
         self.img_silu_grad = silu_derivative(img_normed)
-        gru_kind = LayerNormGRUBackward if isinstance(rssm.gru, LayerNormGRUCell) else TorchGRUBackward
-        self.gru = gru_kind(rssm.gru, img, deter_prev)
+        self.gru = GRU_BACKWARDS[type(rssm.gru)](rssm.gru, img, deter_prev)
         self.post_pre = F.linear(deter, deter_weight) + embed_in.transpose(0, 1)  # (T, B, H)
         post_normed, self.post_mean, self.post_rstd = layer_norm_stats(self.post_pre, post_norm)
         self.post = F.silu(post_normed)  # (T, B, H)
@@ -2291,9 +2061,9 @@ def imagine_step(actor: "Actor", rssm: RSSM, deter, stoch, action_uniform, laten
     """One imagined step from deter (N, D), stoch (N, S), without gradients: the actor picks an action (from
     `action_uniform` (N, 1)), the prior moves on (`latent_noise`). Returns the one-hot action (N, A), the next deter
     and stoch. `--compile` compiles this function once and reuses it at every step."""
-    action = one_hot_draw(actor(torch.cat([deter, stoch], -1)), action_uniform)  # (N, A)
+    action = fast_one_hot_draw(actor(torch.cat([deter, stoch], -1)), action_uniform)  # (N, A)
     deter = rssm.img_step(deter, stoch, action.to(deter.dtype))
-    return action, deter, rssm.sample(rssm.prior(deter), latent_noise)
+    return action, deter, fast_sample(rssm, rssm.prior(deter), latent_noise)
 
 
 def compile_agent(agent: Agent, backend: str = "inductor") -> None:
@@ -2332,46 +2102,6 @@ class CaptureInvalid(RuntimeError):
     """A setting the captured update read as a Python value changed after capture (one sentence naming it)."""
 
 
-def learning_rate(value: float, device) -> torch.Tensor:
-    """A learning rate as a 0-d tensor on `device`, the form fused Adam reads at each step without the host. CUDA's
-    fused Adam reads a float32 tensor; the CPU's computes in double, as from a float."""
-    device = torch.device(device)
-    return torch.tensor(value, device=device, dtype=torch.float32 if device.type == "cuda" else torch.float64)
-
-
-class SettingsTensors(UpdateSettings):
-    """`UpdateSettings` as 0-d tensors on the update's device, changed in place by `set`: a CUDA graph replays the
-    tensors it was captured with, and a compiled update reads them without compiling again, where a Python float
-    would keep its first value. The learning rates become the optimizers' own `lr` tensors (`learning_rate`; a
-    checkpoint's optimizer state restores them). Derived numbers (`1 - decay`, `1 - lambda`) are computed in double
-    when set, as from floats, so that the losses are the same to the last bit. `dtype`: the parameters' (float32;
-    float64 in the equality tests)."""
-
-    def __init__(self, settings: UpdateSettings, device, dtype):
-        self.values, self.optimizers = dict(settings.values), settings.optimizers
-        self.tensors = {name: torch.tensor(settings[name], device=device, dtype=dtype) for name in SCHEDULED}
-        for name in DERIVED_SETTINGS:
-            self.tensors[name] = torch.tensor(settings[name], device=device, dtype=dtype)
-        for name, optimizer in LEARNING_RATES.items():
-            group = self.optimizers[optimizer].param_groups[0]
-            if not isinstance(group["lr"], torch.Tensor):  # before the optimizer's first step
-                group["lr"] = learning_rate(group["lr"], device)
-            self.tensors[name] = group["lr"]
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.tensors[name]
-
-    def set(self, name: str, value: float) -> None:
-        """Write `value` into the tensor the update reads (and into the numbers derived from it)."""
-        if name not in self.values:
-            raise KeyError(f"{name!r} is not a scheduled setting; these are: {', '.join(self.values)}")
-        self.values[name] = float(value)
-        self.tensors[name].fill_(float(value))
-        for derived, (source, derive) in DERIVED_SETTINGS.items():
-            if source == name:
-                self.tensors[derived].fill_(derive(float(value)))
-
-
 def capture_settings(agent: Agent) -> Callable[[], dict]:
     """What a captured update keeps as it was at capture: each optimizer's hyperparameters (a tensor by identity: its
     value may change in place, the object may not) and the settings' tensors. (`Args` is frozen: no field of it can
@@ -2404,7 +2134,7 @@ class CudaGraphed:
 
     A replay repeats the Python values `fn` read when it was captured. `settings()` (see `capture_settings`) reads
     those values; a replay after one of them changed raises `CaptureInvalid` naming it, instead of silently
-    training on the old value. Scheduled numbers go through `UpdateSettings`, whose tensors a replay reads.
+    training on the old value. Scheduled numbers go through `Settings`, whose tensors a replay reads.
     """
 
     def __init__(
@@ -2444,7 +2174,7 @@ class CudaGraphed:
         raise CaptureInvalid(
             f"{changed} changed from {self.captured_settings.get(changed)!r} to {now.get(changed)!r} after the update "
             f"was captured in a CUDA graph, which would go on using the old value: schedule it with "
-            f"agent.settings.set(...) (see UpdateSettings), or run with --no-cudagraph."
+            f"agent.settings.set(...) (see Settings), or run with --no-cudagraph."
         )
 
     def run_eagerly(self, inputs: dict[str, torch.Tensor]) -> tuple:
@@ -2629,10 +2359,27 @@ class DeviceFrames:
         self.store.release_before(self.env, self.first + self.end)
 
 
+class DeviceColumns(mu.ChunkedColumns):
+    """An episode's arrays (`mu.ChunkedColumns`) with its frames in a `FrameStore` (`DeviceFrames`)."""
+
+    def __init__(self, shapes: dict, chunk_size: int, frames: DeviceFrames):
+        super().__init__({name: shape for name, shape in shapes.items() if name != "frames"}, chunk_size)
+        self.frames = frames
+
+    def __getitem__(self, name: str):
+        return self.frames if name == "frames" else super().__getitem__(name)
+
+    def load(self, saved: dict[str, np.ndarray]) -> None:
+        super().load(saved)  # all but the frames, whose first stack the episode already wrote
+        for frame in saved["frames"][len(self.frames) :]:
+            self.frames.append(frame)
+
+
 class FrameStoreReplay(EpisodeReplay):
     """`EpisodeReplay` with its frames in a `FrameStore` on `frames_device` (`--replay-frames device`; the rest stays
-    in host memory): training batches are gathered there (`sample_rows`, then `gather` on the device), the same
-    batches as `sample` gives."""
+    in host memory). `sample` runs as written, with `fill` giving where each stack's frames are in the store, `rows`
+    (B, T, k) int64, in place of obs; `gather`, on the device, makes obs from them (`sample_gathered`). The batches
+    are the host sampler's (`check_device_frames`)."""
 
     def __init__(
         self, capacity: int, num_envs: int, seed: int, chunk_size: int | None = None, frames_device="cpu"
@@ -2650,25 +2397,31 @@ class FrameStoreReplay(EpisodeReplay):
                 first_obs.shape[1:], self.num_envs, self.chunk_size, blocks, self.frames_device
             )
         frames = DeviceFrames(self.store, env_idx, first_obs.shape[1:], self.chunk_size)
-        return Episode(first_obs, self.chunk_size, frames)
+        return Episode(first_obs, DeviceColumns(Episode.shapes(first_obs), self.chunk_size, frames))
 
-    def sample_rows(
-        self,
-        batch_size: int,
-        sequence_length: int,
-        rng: np.random.Generator | None = None,
-        out: dict[str, np.ndarray] | None = None,
-    ) -> dict[str, np.ndarray]:
-        """`sample` with the frames in the `FrameStore`: the same windows and arrays, with `rows` (B, T, k) int64 in place
-        of obs: where each stack's frames are in the store. `gather`, on the device, makes the batch from them."""
+    def fill(self, windows: list, sequence_length: int) -> dict[str, np.ndarray]:
+        """`EpisodeReplay.fill` with `rows` (B, T, k) int64, each stack's rows in the store, in place of obs."""
         self.store.flush()  # queued before the gather that reads them
-        return self.fill(self.draw_windows(batch_size, sequence_length, rng), sequence_length, "rows", out)
+        T, B, stack = sequence_length, len(windows), windows[0][0][0].stack
+        batch = {"rows": np.empty((B, T, stack), np.int64)}
+        batch |= {"action": np.empty((B, T), np.uint8), "reward": np.empty((B, T), np.float32)}
+        batch |= {"is_first": np.empty((B, T), np.bool_), "is_terminal": np.empty((B, T), np.bool_)}
+        for b, pieces in enumerate(windows):
+            filled = 0
+            for episode, begin, take in pieces:
+                piece = slice(filled, filled + take)
+                batch["rows"][b, piece] = episode.frames.rows(begin, take, stack)  # (take, k)
+                for key in ("action", "reward", "is_first", "is_terminal"):
+                    getattr(episode, key).read_into(batch[key][b, piece], begin, begin + take)
+                batch["is_first"][b, filled] = True
+                filled += take
+        return batch
 
-    def gather(self, indices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The batch that `sample` gives, from `sample_rows`' arrays moved to the store's device: obs (B, T, k, ...)
-        uint8 is one indexing of the store's rows (a new tensor: it never aliases the store)."""
-        batch = {"obs": self.store.rows[indices["rows"]]}  # (B, T, 4, 84, 84) uint8
-        return batch | {key: value for key, value in indices.items() if key != "rows"}
+    def gather(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch `sample` gives on the host, from `fill`'s moved to the store's device: obs (B, T, k, ...) uint8
+        is one indexing of the store's rows (a new tensor: it never aliases the store)."""
+        gathered = {"obs": self.store.rows[batch["rows"]]}  # (B, T, 1, 3, 64, 64) uint8
+        return gathered | {key: value for key, value in batch.items() if key != "rows"}
 
 
 def replay_frames_device(args: Args, device: torch.device, obs_shape: tuple) -> torch.device | None:
@@ -2689,47 +2442,6 @@ def replay_frames_device(args: Args, device: torch.device, obs_shape: tuple) -> 
     return device
 
 
-def staging_template(args: Args, obs_shape: tuple, frames_on_device: bool) -> dict[str, np.ndarray]:
-    """The arrays a training batch is sampled into on the host (`PinnedBatches`' shapes): the batch itself, or, with
-    the frames on the device, the rows of its stacks in the `FrameStore` (B, T, k) int64 in place of its frames."""
-    template = synthetic_batch(args, obs_shape)
-    if frames_on_device:
-        template["rows"] = np.zeros((args.batch_size, args.sequence_length, obs_shape[0]), np.int64)
-        del template["obs"]
-    return template
-
-
-class PinnedBatches:
-    """Two pinned host buffers that batches are sampled into and copied to the GPU from without blocking, so the
-    CPU samples the next batch while the GPU trains on this one. A buffer is written again only after the copy
-    that last read it has finished (a CUDA event)."""
-
-    def __init__(self, template: dict[str, np.ndarray], device: torch.device):
-        self.device = device
-        self.buffers = [
-            {key: torch.from_numpy(value).pin_memory() for key, value in template.items()} for _ in range(2)
-        ]
-        self.copied: list[torch.cuda.Event | None] = [None, None]
-        self.index = 0
-
-    def host_arrays(self) -> dict[str, np.ndarray]:
-        """numpy views of the next buffer, to sample into (waits until its last copy has finished)."""
-        if self.copied[self.index] is not None:
-            self.copied[self.index].synchronize()
-        return {key: tensor.numpy() for key, tensor in self.buffers[self.index].items()}
-
-    def to_device(self) -> dict[str, torch.Tensor]:
-        """Copies of that buffer on the device, queued without blocking; the next call uses the other buffer."""
-        tensors = {
-            key: tensor.to(self.device, non_blocking=True) for key, tensor in self.buffers[self.index].items()
-        }
-        event = torch.cuda.Event()
-        event.record()
-        self.copied[self.index] = event
-        self.index ^= 1
-        return tensors
-
-
 # --- The checks that hold each fast path to the function it replaces --------------------------------------------------
 
 
@@ -2747,7 +2459,7 @@ def float64_copy(rssm: RSSM, gru_scale: float = 1.0) -> RSSM:
     where a clamp or a cut of the state shows."""
     reference = copy.deepcopy(rssm).cpu().double()
     with torch.no_grad():
-        for p in reference.gru.parameters():
+        for p in getattr(reference, "gru", reference).parameters():
             p.mul_(gru_scale)
     return reference
 
@@ -2755,8 +2467,8 @@ def float64_copy(rssm: RSSM, gru_scale: float = 1.0) -> RSSM:
 def check_inputs(rssm: RSSM, B: int = 2, T: int = 6) -> tuple:
     """A small seeded batch for the checks: embed (B, T, E), one-hot actions, is_first (both sequences start, one has
     an episode start inside), the sampling noise. The global random state is left as it was."""
-    embed_dim = rssm.posterior_net[0].in_features - rssm.deter_dim
-    num_actions = rssm.img_in[0].in_features - rssm.stoch_flat
+    embed_dim = rssm.posterior_net.linear.in_features - rssm.deter_dim
+    num_actions = rssm.img_in.linear.in_features - rssm.stoch_flat
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         embed = torch.randn(B, T, embed_dim, dtype=torch.float64)
@@ -2788,8 +2500,9 @@ def check_observe_forward(rssm: RSSM, tolerance: float = 1e-9) -> None:
 
 
 def observe_gradients(reference: RSSM, hand_written: bool) -> dict[str, torch.Tensor]:
-    """The gradients of a fixed loss on `reference`'s observe (`check_inputs`), with the hand-written backward or
-    autograd's: {"embed": ..., parameter name: ...} (zeros where a parameter gets none)."""
+    """The gradients of a fixed loss on `reference`'s observe (`check_inputs`): the fast observe's with its
+    hand-written backward, or autograd's through `RSSM.observe` as written: {"embed": ..., parameter name: ...} (zeros
+    where a parameter gets none)."""
     embed, action, is_first, noise = check_inputs(reference)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
@@ -2798,8 +2511,8 @@ def observe_gradients(reference: RSSM, hand_written: bool) -> dict[str, torch.Te
             for n in (reference.deter_dim, reference.stoch_flat)
         ]
     named = {"embed": embed.requires_grad_(True), **dict(reference.named_parameters())}
-    fast = FastObserve(reference, hand_written_backward=hand_written)
-    deter, stoch, posterior, _ = fast(embed, action, is_first, noise)
+    observe = FastObserve(reference) if hand_written else reference.observe
+    deter, stoch, posterior, _ = observe(embed, action, is_first, noise)
     loss = (deter * weights[0]).sum() + (stoch * weights[1]).sum() + posterior.exp().square().sum()
     grads = torch.autograd.grad(loss, list(named.values()), allow_unused=True)
     return {name: torch.zeros_like(x) if g is None else g for (name, x), g in zip(named.items(), grads)}
@@ -2819,22 +2532,21 @@ def check_observe_backward(rssm: RSSM, tolerance: float = 1e-8) -> None:
             error = (ours[name] - expected).abs().max().item() / max(expected.abs().max().item(), 1e-12)
             if not error <= tolerance:
                 raise ObserveBackwardMismatch(
-                    f"the fast observe's hand-written backward (ObserveBackwardThroughTime) gives another gradient of "
-                    f"{name} than autograd's (relative error {error:.1e}): a change to observe_step must be carried "
-                    f"into its backward, or run with --observe-backward autograd."
+                    f"the fast observe's hand-written backward gives another gradient of {name} than autograd's "
+                    f"through RSSM.observe (relative error {error:.1e}): carry the change into its formulas "
+                    f"(ObserveBackwardThroughTime.reverse_step, and {GRU_BACKWARDS[type(rssm.gru)].__name__} for the "
+                    f"cell), or run with --observe-backward autograd."
                 )
 
 
-_COMPILED_DRAW: list[Callable] = []  # torch.compile(one_hot_draw), made at its first check
+_COMPILED_DRAW: list[Callable] = []  # torch.compile(fast_one_hot_draw), made at its first check
 
 
-def check_compiled_draw(device: torch.device) -> None:
-    """--compile: the compiled categorical draw (`one_hot_draw_fused`) against the eager one, on 4,096 rows of 32
-    classes (a row certain of one class and a uniform past the CDF's rounded end included; rows whose uniform lies
-    within 1e-5 of a CDF step are left out, where the two sums may round apart): other classes raise
-    FastPathMismatch. Compiles once (seconds), then milliseconds."""
-    if not _COMPILED_DRAW:
-        _COMPILED_DRAW.append(torch.compile(one_hot_draw, fullgraph=True, dynamic=False))
+def check_draw(device: torch.device, compiled: bool) -> None:
+    """The draw the fast observe and imagination use (`fast_one_hot_draw`: as products; with --compile, compiled)
+    against `one_hot_draw`, on 4,096 rows of 32 classes on the run's device (a row certain of one class and a uniform
+    past the CDF's rounded end included; rows whose uniform lies within 1e-5 of a CDF step are left out, where two
+    sums may round apart): other classes raise FastPathMismatch. With --compile, compiles once (seconds)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
         probs = torch.softmax(3 * torch.randn(4096, 32, device=device), -1)
@@ -2844,13 +2556,20 @@ def check_compiled_draw(device: torch.device) -> None:
     uniform[1] = 1.0 - 1e-7  # beyond any CDF that rounding left short of 1
     clear = (probs.double().cumsum(-1) - uniform.double()).abs().min(-1).values > 1e-5  # (4096,)
     clear[:2] = True
-    compiled, eager = _COMPILED_DRAW[0](probs, uniform)[clear], one_hot_draw(probs, uniform)[clear]
-    if not torch.equal(compiled, eager):
-        rows = int((compiled != eager).any(-1).sum())
-        raise FastPathMismatch(
-            f"the compiled categorical draw (one_hot_draw_fused, under --compile) picks other classes than the eager "
-            f"one_hot_draw in {rows} of {len(eager)} rows: carry the change into both, or run without --compile."
-        )
+    expected = one_hot_draw(probs, uniform)[clear]
+    draws = {"the draw as products (fast_one_hot_draw)": fast_one_hot_draw}
+    if compiled:
+        if not _COMPILED_DRAW:
+            _COMPILED_DRAW.append(torch.compile(fast_one_hot_draw, fullgraph=True, dynamic=False))
+        draws["the compiled draw (under --compile)"] = _COMPILED_DRAW[0]
+    for name, draw in draws.items():
+        ours = draw(probs, uniform)[clear]
+        if not torch.equal(ours, expected):
+            rows = int((ours != expected).any(-1).sum())
+            raise FastPathMismatch(
+                f"{name} picks other classes than one_hot_draw in {rows} of {len(expected)} rows: carry the change "
+                f"into fast_one_hot_draw, or run with --no-fast-observe --no-fast-imagine (and without --compile)."
+            )
 
 
 def check_fast_imagine(agent: "Agent", tolerance: float = 1e-9) -> None:
@@ -2899,11 +2618,60 @@ def check_subpixel_decoder(layer: nn.ConvTranspose2d, tolerance: float = 1e-9) -
         )
 
 
+def check_device_frames(run: "Run") -> None:
+    """The frames on the device (`FrameStoreReplay`, `sample_gathered`) against `sample_batch` with the frames in host
+    memory (`EpisodeReplay`), run as the run's own code: two small replays of the same random episodes, the same
+    seed, one batch each. Another batch, or an error on one side only (a change to `EpisodeReplay.sample` or `fill`
+    that the device's `fill` does not carry), raises FastPathMismatch naming --replay-frames host."""
+    args, device = run.args, run.replay.frames_device
+    twin_args = dataclasses.replace(args, batch_size=3, sequence_length=min(args.sequence_length, 12))
+    replays = (
+        EpisodeReplay(200, num_envs=2, seed=0, chunk_size=16),
+        FrameStoreReplay(200, num_envs=2, seed=0, chunk_size=16, frames_device=device),
+    )
+    for replay in replays:
+        rng = np.random.default_rng(0)  # the same episodes in both
+        for env in range(2):
+            replay.start_episode(env, rng.integers(0, 256, run.obs_shape, np.uint8))
+        for step in range(60):
+            obs, over = rng.integers(0, 256, run.obs_shape, np.uint8), bool(rng.random() < 0.1)
+            replay.add_step(
+                step % 2, obs[-1], int(rng.integers(run.agent.num_actions)), rng.normal(), over, over
+            )
+            if over:
+                replay.start_episode(step % 2, obs)
+    batches = []
+    for sampler, replay in ((sample_batch, replays[0]), (sample_gathered, replays[1])):
+        twin = types.SimpleNamespace(args=twin_args, replay=replay, device=device)
+        try:
+            batches.append({key: value.cpu() for key, value in sampler(twin).items()})
+        except Exception as exc:  # noqa: BLE001 - said in the mismatch's sentence
+            batches.append(f"{type(exc).__name__}: {exc}")
+    host, gathered = batches
+    if isinstance(host, str) != isinstance(gathered, str):
+        problem = f"fails where the host's does not ({gathered})" if isinstance(gathered, str) else None
+        problem = problem or f"runs where the host's fails ({host})"
+    elif isinstance(host, str) or host.keys() != gathered.keys():
+        problem = None if isinstance(host, str) else f"gives the keys {sorted(gathered)}, not {sorted(host)},"
+    else:
+        same = {
+            key: host[key].dtype == gathered[key].dtype and torch.equal(host[key], gathered[key])
+            for key in host
+        }
+        problem = next((f"gives another {key}" for key, equal in same.items() if not equal), None)
+    if problem:
+        raise FastPathMismatch(
+            f"sampling with the frames on the device (FrameStoreReplay.fill, then gathered there) {problem} than "
+            f"EpisodeReplay.sample with the frames in host memory: carry the change into FrameStoreReplay.fill, or "
+            f"run with --replay-frames host."
+        )
+
+
 def check_fast_paths(agent: "Agent", args: Args) -> None:
     """Each fast path in use against the Part 1 function it replaces, on the weights the run is using: the fast
     observe against `RSSM.observe` and its hand-written backward against autograd (float64 copies, also with the GRU
     saturated), the fast imagination against `imagine`, the pixel-shuffle decoder layer against the transposed
-    convolution, and with --compile the compiled draw against the eager one. Run at start-up, after --resume on the
+    convolution, and the draw they use (`check_draw`, compiled with --compile). Run at start-up, after --resume on the
     loaded weights, and at each periodic and final checkpoint on the live ones; FastPathMismatch names the path and
     the flag that switches it off. About a second on a CPU for the default model, in float64 whatever the device (the
     compiled draw's first check compiles it: seconds more)."""
@@ -2916,90 +2684,53 @@ def check_fast_paths(agent: "Agent", args: Args) -> None:
     decoder_layers = getattr(agent.world_model.decoder, "net", [None])
     if isinstance(decoder_layers[-1], SubpixelTransposedConv):
         check_subpixel_decoder(decoder_layers[-1])
-    if args.compile:
-        check_compiled_draw(agent.device)
+    if isinstance(agent.observe, FastObserve) or isinstance(agent.imagine, FastImagine):
+        check_draw(agent.device, compiled=args.compile)
+
+
+def check_run_fast_paths(run: "Run") -> None:
+    """`check_fast_paths` on the run's agent, and the frames on the device (`check_device_frames`) where they are:
+    after --resume, and at each periodic and final checkpoint."""
+    check_fast_paths(run.agent, run.args)
+    if isinstance(run.replay, FrameStoreReplay):
+        check_device_frames(run)
 
 
 # --- Installing it all: one call from the run's set-up ----------------------------------------------------------------
 
 
-class CudaPlayer(Player):
-    """`Player` on CUDA: the observations cross from a pinned buffer without blocking and the actions come back with
-    the one wait of the env step; with --cudagraph `policy_step` is captured in a CUDA graph after 3 eager steps
-    (`CudaGraphed`)."""
-
-    def __init__(self, agent: "Agent", num_envs: int, capture: bool):
-        super().__init__(agent, num_envs)
-        if capture:
-            self.policy = CudaGraphed(self.policy_step)
-        self.pinned: dict[str, torch.Tensor] = {}  # host buffers of obs, is_first and the actions
-
-    def act(self, obs: np.ndarray, is_first: np.ndarray) -> np.ndarray:
-        """obs (N, 4, 84, 84) uint8, is_first (N,) bool -> actions (N,) int64."""
-        if not self.pinned:
-            self.pinned = {
-                "obs": torch.empty(obs.shape, dtype=torch.uint8).pin_memory(),
-                "is_first": torch.empty(is_first.shape, dtype=torch.bool).pin_memory(),
-                "action": torch.empty(len(obs), dtype=torch.int64).pin_memory(),
-            }
-        # the last step's copies out of these buffers have finished: its actions were read after them
-        self.pinned["obs"].numpy()[:] = obs
-        self.pinned["is_first"].numpy()[:] = is_first
-        inputs = {
-            key: self.pinned[key].to(self.agent.device, non_blocking=True) for key in ("obs", "is_first")
-        }
-        (action,) = self.policy(inputs)
-        self.pinned["action"].copy_(action, non_blocking=True)
-        torch.cuda.current_stream().synchronize()  # the env step's one wait: for the updates queued before, too
-        return self.pinned["action"].numpy().copy()
-
-
 def sample_gathered(run: "Run") -> dict[str, torch.Tensor]:
-    """`sample_batch` with the frames on the device: the host draws the windows and sends where their frames are (a
-    few KB), the device gathers them."""
-    B, T, replay = run.args.batch_size, run.args.sequence_length, run.replay
-    return replay.gather(batch_tensors(replay.sample_rows(B, T), run.device))
-
-
-def sample_staged(run: "Run", staging: "PinnedBatches") -> dict[str, torch.Tensor]:
-    """`sample_batch` on CUDA: sampled into a pinned buffer and sent without blocking (the frames' rows only, when they
-    are on the device, which gathers them)."""
-    B, T, replay = run.args.batch_size, run.args.sequence_length, run.replay
-    if isinstance(replay, FrameStoreReplay):
-        replay.sample_rows(B, T, out=staging.host_arrays())
-        return replay.gather(staging.to_device())
-    replay.sample(B, T, out=staging.host_arrays())
-    return staging.to_device()
+    """`sample_batch` with the frames on the device: the batch it sends holds where each stack's frames are (a few
+    KB), and the device gathers them."""
+    return run.replay.gather(sample_batch(run))
 
 
 def install_speed(run: "Run") -> None:
     """Part 2 in one call from the run's set-up (LeanRL's executables block): each Part 1 function with a faster
     equivalent here gets it in its place, unless its flag turns it off, and each is checked against the function it
-    replaces before anything trains (`check_fast_paths`: FastPathMismatch). Nothing in Part 1 changes. The agent's
-    own (`speed_up_agent`), then the run's: CUDA graphs of the update steps and the policy, pinned transfers, the
-    frames on the device."""
+    replaces before anything trains (`check_fast_paths`, `check_device_frames`: FastPathMismatch). Nothing in Part 1
+    changes. The agent's own (`speed_up_agent`), then the run's: CUDA graphs of the update steps and the policy step
+    (wrapping them), the frames on the device."""
     args, device = run.args, run.device
     speed_up_agent(run.agent, args)
-    capture = captures_updates(args, device)
     run.world_model_step, run.behavior_step = make_update_steps(run.agent, args)
-    if device.type == "cuda":
-        run.player = CudaPlayer(run.agent, args.num_envs, capture=capture)
+    if captures_updates(args, device):
+        run.player.policy = CudaGraphed(run.player.policy_step)
     frames_device = replay_frames_device(args, device, run.obs_shape)
     if frames_device is not None:
         run.replay = FrameStoreReplay(
             run.replay.capacity, args.num_envs, seed=args.seed, frames_device=frames_device
         )
         run.sample_batch = sample_gathered
-    if device.type == "cuda":
-        # memory: batches are sampled into two reused pinned buffers and copied without blocking
-        staging = PinnedBatches(staging_template(args, run.obs_shape, frames_device is not None), run.device)
-        run.sample_batch = functools.partial(sample_staged, staging=staging)
+        check_device_frames(run)
 
 
 def make_update_steps(agent: "Agent", args: Args) -> tuple[Callable, Callable]:
     """The update steps (`update_steps`), captured in CUDA graphs where `captures_updates`."""
     world_model_step, behavior_step = update_steps(agent, args)
     if captures_updates(args, agent.device):
+        for optimizer in agent.optimizers:  # Adam's step in a CUDA graph
+            optimizer.param_groups[0]["capturable"] = True
         settings = capture_settings(agent)
         return CudaGraphed(world_model_step, settings=settings), CudaGraphed(behavior_step, settings=settings)
     return world_model_step, behavior_step
@@ -3010,9 +2741,16 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
     layer, channels-last convolutions, then --compile), each checked against Part 1's function first
     (FastPathMismatch)."""
     wm, device = agent.world_model, agent.device
-    agent.settings = SettingsTensors(agent.settings, device, next(wm.parameters()).dtype)
-    if args.fast_observe:
-        agent.observe = FastObserve(wm.rssm, hand_written_backward=args.observe_backward == "hand-written")
+    if args.fast_observe and (problem := fast_observe_problem(wm.rssm)):
+        print(f"speed: the fast observe does not apply here ({problem}); RSSM.observe runs as written")
+    elif args.fast_observe:
+        hand_written = args.observe_backward == "hand-written"
+        if hand_written and (problem := hand_written_backward_problem(wm.rssm)):
+            print(
+                f"speed: the observe scan's hand-written backward does not apply ({problem}); autograd's runs"
+            )
+            hand_written = False
+        agent.observe = FastObserve(wm.rssm, hand_written_backward=hand_written)
     if args.fast_imagine:
         agent.imagine = FastImagine()
     if args.fast_decoder and device.type == "cpu" and isinstance(wm.decoder, AtariConvDecoder):
@@ -3058,6 +2796,16 @@ OOM_ADVICE = (
     "Flags that lower the peak: --amp bf16 (or fp16 on CUDA), a smaller --batch-size or --sequence-length, a "
     "shorter --imagination-horizon, and PYTORCH_ALLOC_CONF=expandable_segments:True (set by default)."
 )
+
+
+# `args.x = y` during a run is refused at once, in one sentence: a captured update would keep the old value
+Args = mu.fixed_once_parsed(
+    lambda name: (
+        f"schedule it with agent.settings.set({name!r}, value) (see Settings)"
+        if name in Settings.NAMES
+        else f"it is not one to schedule during a run, so start the run with --{name.replace('_', '-')}"
+    )
+)(Args)
 
 
 # --- Input checks -----------------------------------------------------------------------------------------------------
@@ -3145,6 +2893,14 @@ def check_ranges(args: Args) -> None:
     }.items():
         if not value > 0:
             raise ArgsError(f"{flag} must be greater than 0, got {value}.")
+    # any other number, a flag added to Args too: finite and not negative
+    for field in dataclasses.fields(args):
+        value = getattr(args, field.name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value < math.inf:
+            raise ArgsError(f"--{field.name.replace('_', '-')} must be a number of 0 or more, got {value}.")
+
+
+MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 36, 256  # the nature encoder's three convolutions need 36
 
 
 def check_model_sizes(args: Args) -> None:
@@ -3165,8 +2921,33 @@ def check_model_sizes(args: Args) -> None:
             f"--image-size must be between {MIN_IMAGE_SIZE} and {MAX_IMAGE_SIZE} pixels (the nature encoder's "
             f"three convolutions need at least {MIN_IMAGE_SIZE}), got {args.image_size}."
         )
-    if problem := MODELS[args.model].size_problem(args):
+    sizes = {"dreamerv3": dreamerv3_size_problem, "nature": nature_size_problem}.get(args.model)
+    if problem := (sizes and sizes(args)) or world_model_problem(args):
         raise ArgsError(problem)
+
+
+def world_model_problem(args: Args) -> str | None:
+    """Any --model, a new row of MODELS too: its world model built on the meta device (no memory) and one frame through
+    its encoder and decoder. An error, or a frame of another shape back, said in one sentence; None when it fits."""
+    obs_shape = (args.frame_stack, *((3,) if args.rgb else ()), args.image_size, args.image_size)
+    sizes = f"--image-size {args.image_size}, --encoder-channels {' '.join(map(str, args.encoder_channels))}"
+    try:
+        with torch.device("meta"):
+            wm = WorldModel(args, obs_shape, num_actions=2)
+            image = torch.zeros(1, math.prod(obs_shape[:-2]), args.image_size, args.image_size)
+            embed = wm.encoder(image)
+            frame = wm.decoder(torch.zeros(1, args.deterministic_dim + wm.rssm.stoch_flat))
+    except Exception as exc:  # noqa: BLE001 - said in the sentence
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        return f"--model {args.model} cannot be built with {sizes}: {first_line}."
+    if tuple(embed.shape) != (1, wm.embed_dim):
+        return f"--model {args.model}'s encoder gives {embed.shape[-1]} features, not its embed_dim {wm.embed_dim}, with {sizes}."
+    if frame.shape != image.shape:
+        return (
+            f"--model {args.model}'s decoder draws {tuple(frame.shape[1:])} frames for {tuple(image.shape[1:])} ones "
+            f"with {sizes}."
+        )
+    return None
 
 
 def nature_size_problem(args: "Args") -> str | None:
@@ -3200,8 +2981,13 @@ def check_env(args: Args) -> None:
         )
     if not is_atari(args.env_id):
         side = args.image_size
-        # builds the env once, before anything is written
-        space = gym.make(spec, **env_kwargs(args.env_id, args)).observation_space
+        try:  # builds the env once, before anything is written
+            space = gym.make(spec, **env_kwargs(args.env_id, args)).observation_space
+        except TypeError as exc:
+            raise ArgsError(
+                f"--env-id {args.env_id!r} cannot be made with size={side} ({exc}); this script takes Atari ids "
+                f"(ALE/...) or environments made with size=--image-size that give grey uint8 frames of that side."
+            )
         if space.shape != (side, side) or space.dtype != np.uint8:
             raise ArgsError(
                 f"--env-id {args.env_id!r} gives observations of shape {space.shape} {space.dtype}; this script "
@@ -3663,126 +3449,6 @@ def register_catch() -> None:
 register_catch()
 
 
-# --- Memory: the replay's storage -------------------------------------------------------------------------------------
-
-
-_MAPS_EXHAUSTED: list[OSError] = []  # the first failed map, so that the warning is said once
-
-
-def mapped_arrays(shapes: dict[str, tuple[tuple, np.dtype]]) -> dict[str, np.ndarray]:
-    """Uninitialised arrays of these (shape, dtype), all in one anonymous memory map of their own.
-
-    memory: the replay keeps its storage out of the malloc heap. Its small arrays (a chunk's actions and rewards:
-    tens of bytes) live for a whole turnover of the replay. In the heap, among the short-lived tensors of the
-    updates, each one kept a page resident after the tensors around it were freed, and resident memory crept up
-    turnover after turnover (benchmark/results/soak/README.md). A map of its own goes back to the system whole
-    as soon as its last array is dropped. Where the system allows no more maps (Linux: `vm.max_map_count`, about
-    65k, which a replay of many very short episodes can reach), the arrays go in the heap instead, said once."""
-    fields = sorted(shapes.items(), key=lambda field: -np.dtype(field[1][1]).itemsize)  # each one aligned
-    sizes = [math.prod(shape) * np.dtype(dtype).itemsize for _, (shape, dtype) in fields]
-    try:
-        block = mmap.mmap(-1, max(sum(sizes), 1))
-    except OSError as exc:
-        if not _MAPS_EXHAUSTED:
-            _MAPS_EXHAUSTED.append(exc)
-            print(
-                f"replay: warning: no more memory maps ({exc.strerror}; Linux: sysctl vm.max_map_count); "
-                "new replay arrays go in the heap, where host memory may creep",
-                file=sys.stderr,
-            )
-        return {name: np.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
-    arrays, offset = {}, 0
-    for (name, (shape, dtype)), size in zip(fields, sizes):
-        arrays[name] = np.frombuffer(block, dtype, math.prod(shape), offset).reshape(shape)
-        offset += size
-    return arrays
-
-
-class ChunkBlocks:
-    """The chunks of an episode's five arrays, mapped together (`mapped_arrays`): chunk i of every field lives in
-    one map. The frames reach chunk i k - 1 steps before the rest; the map waits here for the others' views."""
-
-    def __init__(self, shapes: dict[str, tuple[tuple, np.dtype]]):
-        self.shapes = shapes
-        self.waiting: dict[int, dict[str, np.ndarray]] = {}  # chunk index -> views not yet taken
-
-    def take(self, name: str, index: int) -> np.ndarray:
-        views = self.waiting.get(index)
-        if views is None:
-            views = self.waiting[index] = mapped_arrays(self.shapes)
-        view = views.pop(name)
-        if not views:
-            del self.waiting[index]
-        return view
-
-
-class ChunkedArray:
-    """A growable array kept as fixed-size numpy chunks, so it can grow without copying and drop its front.
-
-    Logical indices run from `start` (first kept element) to `end` (one past the last). A finished episode is
-    compacted into one exact-size array, so stored bytes match stored steps. `allocate(i)` gives chunk i's
-    array.
-    """
-
-    def __init__(self, item_shape: tuple, dtype, chunk_size: int, allocate: Callable[[int], np.ndarray]):
-        self.item_shape, self.dtype, self.chunk_size = tuple(item_shape), np.dtype(dtype), chunk_size
-        self.allocate = allocate
-        self.chunks: list[np.ndarray] = []
-        self.start = 0
-        self.end = 0
-        self.compacted = False
-
-    def __len__(self) -> int:
-        return self.end - self.start
-
-    @property
-    def nbytes(self) -> int:
-        return sum(chunk.nbytes for chunk in self.chunks)
-
-    def append(self, item) -> None:
-        assert not self.compacted, "a compacted array is read-only"
-        offset = (self.end - self.start) % self.chunk_size
-        if offset == 0 and self.end - self.start == len(self.chunks) * self.chunk_size:
-            self.chunks.append(self.allocate(self.start // self.chunk_size + len(self.chunks)))
-        self.chunks[-1][offset] = item
-        self.end += 1
-
-    def read_into(self, out: np.ndarray, begin: int, stop: int) -> None:
-        """Copy logical elements [begin, stop) into `out` (the caller's own memory)."""
-        assert self.start <= begin <= stop <= self.end
-        if self.compacted:
-            out[:] = self.chunks[0][begin - self.start : stop - self.start]
-            return
-        pos = begin - self.start
-        written = 0
-        while written < stop - begin:
-            chunk, offset = divmod(pos, self.chunk_size)
-            take = min(self.chunk_size - offset, stop - begin - written)
-            out[written : written + take] = self.chunks[chunk][offset : offset + take]
-            written += take
-            pos += take
-
-    def drop_front_chunk(self) -> int:
-        """Free the oldest chunk; returns how many elements went. Only while growing; never the last chunk."""
-        if self.compacted or len(self.chunks) < 2:
-            return 0
-        self.chunks.pop(0)
-        self.start += self.chunk_size
-        return self.chunk_size
-
-    def release(self) -> None:
-        """Nothing to do: the arrays are freed with the episode that holds them."""
-
-    def compact(self, exact: np.ndarray) -> None:
-        """Replace the chunks by `exact`, an array of exactly len(self) items (frees the unused tail of the last
-        chunk)."""
-        if self.compacted:
-            return
-        self.read_into(exact, self.start, self.end)
-        self.chunks = [exact]
-        self.compacted = True
-
-
 # --- Checkpoints ------------------------------------------------------------------------------------------------------
 
 
@@ -3825,15 +3491,7 @@ def load_replay_state(replay: EpisodeReplay, state: dict) -> None:
         frames = arrays["frames"].numpy()
         stack = len(frames) - len(arrays["action"]) + 1  # an episode stores k - 1 frames more than steps
         episode = replay.new_episode(0, frames[:stack])
-        saved = {name: arrays[name].numpy() for name in Episode.FIELDS}
-        host = {name: array for name, array in episode.arrays().items() if isinstance(array, ChunkedArray)}
-        exact = mapped_arrays({name: (saved[name].shape, saved[name].dtype) for name in host})
-        for name, array in host.items():
-            exact[name][:] = saved[name]
-            array.chunks, array.end, array.compacted = [exact[name]], len(saved[name]), True
-        if not isinstance(episode.frames, ChunkedArray):
-            for frame in saved["frames"][stack:]:
-                episode.frames.append(frame)
+        episode.columns.load({name: arrays[name].numpy() for name in Episode.FIELDS})
         episode.done = True
         replay.episodes.append(episode)
         replay.total_steps += episode.num_steps
@@ -3945,20 +3603,28 @@ def check_checkpoint_matches(state: dict, args: Args) -> None:
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """torch's `load_state_dict` replaces each param group, learning-rate tensor included: the saved rate goes into
-    the optimizer's own device tensor instead, which `SettingsTensors` and a captured update hold (a rate that is a
-    float, with the speed options off, is the saved one as a float)."""
-    rates = [group["lr"] for group in optimizer.param_groups]
+    """torch's `load_state_dict` replaces each param group, its learning-rate tensor and `capturable` included: the
+    saved rate goes into the optimizer's own tensor instead, which `Settings` and a captured update hold, and
+    `capturable` stays this run's (a CPU run's checkpoint resumes captured on a GPU)."""
+    live = [(group["lr"], group["capturable"]) for group in optimizer.param_groups]
     optimizer.load_state_dict(state)
-    for group, rate in zip(optimizer.param_groups, rates):
-        if isinstance(rate, torch.Tensor):
-            rate.fill_(float(group["lr"]))
-            group["lr"] = rate
-        else:
-            group["lr"] = float(group["lr"])
+    for group, (rate, capturable) in zip(optimizer.param_groups, live):
+        rate.fill_(float(group["lr"]))
+        group["lr"], group["capturable"] = rate, capturable
+
+
+def named_rssm_keys(weights: dict) -> dict:
+    """A world model's weights saved when the RSSM's layers had numbers (`rssm.img_in.0.weight`), under their names
+    (`rssm.img_in.linear.weight`, see `dense`)."""
+    names = {"0": "linear", "1": "norm", "3": "out"}
+    pattern = re.compile(r"^rssm\.(img_in|prior_net|posterior_net)\.([013])\.")
+    return {
+        pattern.sub(lambda m: f"rssm.{m[1]}.{names[m[2]]}.", key): value for key, value in weights.items()
+    }
 
 
 def restore_checkpoint(state: dict, agent: Agent, replay: EpisodeReplay, rng: np.random.Generator) -> dict:
+    state["models"]["world_model"] = named_rssm_keys(state["models"]["world_model"])
     try:
         for name, module in agent.modules().items():
             module.load_state_dict(state["models"][name])
@@ -3988,19 +3654,6 @@ def restore_checkpoint(state: dict, agent: Agent, replay: EpisodeReplay, rng: np
 
 
 REWARD_COUNT_KEYS = ("reward_nonzero", "reward_hits", "reward_zero", "reward_false_alarms")
-
-
-def reward_prediction_counts(predicted: torch.Tensor, reward: torch.Tensor) -> dict[str, torch.Tensor]:
-    """How well the reward head predicts the rewards of real data (posterior states), as counts over (B, T).
-
-    A nonzero reward is a hit when the prediction has its sign and at least half its size; a zero reward is a
-    false alarm when the prediction is 0.5 or more in size. `reward_quality` turns the counts into rates.
-    """
-    nonzero = reward != 0
-    hits = nonzero & (predicted * torch.sign(reward) >= 0.5 * reward.abs())
-    false_alarms = ~nonzero & (predicted.abs() >= 0.5)
-    counts = (nonzero, hits, ~nonzero, false_alarms)
-    return {f"debug/{key}": count.float().sum() for key, count in zip(REWARD_COUNT_KEYS, counts)}
 
 
 def reward_quality(means: dict[str, float]) -> dict[str, float]:
@@ -4173,13 +3826,10 @@ def exit_with(message: str, code: int) -> None:
 @dataclass
 class Run:
     """Everything one training run holds between loop iterations; made by `set_up`: first the learner (agent,
-    replay, update steps), then the instruments that watch it (`instrument`)."""
+    replay, update steps), then its folder and logs (`open_run`), then the instruments that watch it (`instrument`)."""
 
     args: Args
     device: torch.device
-    run_name: str
-    run_dir: str
-    writer: SummaryWriter
     agent: Agent
     replay: EpisodeReplay
     player: Player
@@ -4189,6 +3839,10 @@ class Run:
     behavior_step: Callable
     update_log: UpdateLog
     obs_shape: tuple
+    # its folder and logs (`open_run`)
+    run_name: str = ""
+    run_dir: str = ""
+    writer: SummaryWriter | None = None
     # what `train` samples with: `sample_batch`, or Part 2's (`install_speed`), called as run.sample_batch(run)
     sample_batch: Callable = sample_batch
     # instruments and schedules (`instrument`)
@@ -4220,6 +3874,26 @@ class Run:
 
     def sps(self) -> float:
         return (self.step - self.start_step) / max(time.time() - self.start_time, 1e-9)
+
+    def stop_if_signalled(self) -> None:
+        """SIGINT or SIGTERM since the last iteration: a checkpoint, then exit 128 + N."""
+        if self.stop.received:
+            checkpoint(self, self.stop.name)
+            raise SystemExit(self.stop.exit_code)
+
+    def watch(self) -> None:
+        """After each env step: the open-loop videos, probes, snapshots and progress line (`diagnose`), a log point
+        every --log-interval env steps, a checkpoint every --checkpoint-every."""
+        args = self.args
+        diagnose(self)
+        if self.step >= self.next_log:
+            log_point(self)
+        if self.next_checkpoint is not None and self.step >= self.next_checkpoint:
+            self.next_checkpoint = (self.step // args.checkpoint_every + 1) * args.checkpoint_every
+            # a full disk: a warning, the next interval tries again
+            checkpoint(self, "periodic", required=False, check=True)
+        if self.step >= args.learning_starts and not self.replay.can_sample(args.sequence_length):
+            say_replay_short(self)
 
 
 def check_input(args: Args) -> tuple[torch.device, dict | None]:
@@ -4268,15 +3942,31 @@ NEW_COUNTERS = {
 
 
 def set_up(args: Args) -> Run:
-    """The run, in the order it is made: the input checked (bad input exits 2 before anything is written), its
-    folder and logs, the learner (`build_learner`), a resumed run's state restored, then the instruments that watch
-    it."""
+    """The run, in the order it is made: the input checked (bad input exits 2 before anything is written), the
+    learner with Part 2's equivalents checked (`build_learner`: a mismatch exits 7, before the run has a folder), its
+    folder and logs, the optimizer state (`preflight`), a resumed run's state restored, then the instruments that
+    watch it. Out of memory before training (the worst-case update does not fit) is a report and exit 3."""
     mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
     mu.one_malloc_arena()  # memory: before TensorBoard's and wandb's threads, whose own heaps are never trimmed
     device, resume_state = check_input(args)
-    run_name, run_dir, writer = open_run(args, resume_state)
     seed_everything(args, device)
-    run = build_learner(args, device, run_name, run_dir, writer)
+    run = None
+    try:
+        run = build_learner(args, device)
+        run.run_name, run.run_dir, run.writer = open_run(args, resume_state)
+        if device.type == "cuda":
+            mu.install_oom_observer(run.run_dir)
+        if args.preallocate:
+            preflight(run.agent, args, run.obs_shape)
+    except torch.OutOfMemoryError as exc:
+        run_dir = run.run_dir if run is not None and run.run_dir else open_run(args, resume_state)[1]
+        run = None  # memory: the half-built learner goes before the report
+        oom = mu.out_of_memory(exc, __file__, run_dir, device=device, advice=OOM_ADVICE)
+        exit_with(
+            f"out of memory at start-up ({oom.where}), before any training: a worst-case update (--batch-size "
+            f"{args.batch_size} x --sequence-length {args.sequence_length}) does not fit here.\n{oom.diagnosis}",
+            EXIT_OOM,
+        )
     say_replay_size(
         run.replay.capacity, run.obs_shape, frames_on_device=isinstance(run.replay, FrameStoreReplay)
     )
@@ -4284,16 +3974,16 @@ def set_up(args: Args) -> Run:
         try:
             run.counters.update(restore_checkpoint(resume_state, run.agent, run.replay, run.rng))
         except ArgsError as exc:
-            writer.close()
+            run.writer.close()
             exit_with(f"error: {exc}", EXIT_BAD_INPUT)
-        try:  # the fast paths on the weights the run goes on with
-            check_fast_paths(run.agent, args)
+        try:  # the fast paths on the weights and data the run goes on with
+            check_run_fast_paths(run)
         except FastPathMismatch as exc:
-            writer.close()
+            run.writer.close()
             exit_with(
                 f"error: {exc} (on the weights of --resume {args.resume!r}, left as it is)", EXIT_FAST_PATH
             )
-        print(f"resumed {run_name} at step {run.counters['global_step']} ({run.counters['updates']} updates)")
+        print(f"resumed {run.run_name} at step {run.step} ({run.counters['updates']} updates)")
         resume_state = None  # memory: the loaded tensors are now inside the modules; drop the copies
     probes = mu.StageProbes(enabled=args.memory_probes, device=device)
     if args.memory_probes:  # before the first update (a captured one would record nothing)
@@ -4361,53 +4051,32 @@ def update_steps(agent: Agent, args: Args) -> tuple[Callable, Callable]:
     return world_model_step, behavior_step
 
 
-def build_learner(
-    args: Args, device: torch.device, run_name: str, run_dir: str, writer: SummaryWriter
-) -> Run:
-    """Part 1's learner (agent, replay, player, update steps), Part 2's faster equivalents put in place and checked
-    (`install_speed`; a mismatch exits 7), and the optimizer state made by the preflight. Out of memory here (the
-    worst-case update does not fit) is a report and exit 3 before any training."""
+def build_learner(args: Args, device: torch.device) -> Run:
+    """Part 1's learner (agent, replay, player, update steps), with Part 2's faster equivalents put in place and
+    checked (`install_speed`; a mismatch exits 7)."""
     # the env workers start with the loop, where one `finally` closes them whatever happens; until then one env
     # gives the shapes (an async worker left open would block this process's exit: workers ignore SIGTERM)
-    obs_shape, num_actions = env_spaces(args)  # (--frame-stack, S, S), number of actions
-    if device.type == "cuda":
-        mu.install_oom_observer(run_dir)
+    obs_shape, num_actions = env_spaces(args)  # (--frame-stack, 3, S, S), number of actions
+    agent = build_agent(args, obs_shape, num_actions, device)
+    world_model_step, behavior_step = update_steps(agent, args)
+    run = Run(
+        args=args,
+        device=device,
+        agent=agent,
+        replay=EpisodeReplay(replay_capacity(args), args.num_envs, seed=args.seed),
+        player=Player(agent, args.num_envs),
+        rng=np.random.default_rng(args.seed),
+        counters=dict(NEW_COUNTERS),
+        world_model_step=world_model_step,
+        behavior_step=behavior_step,
+        update_log=UpdateLog(device),
+        obs_shape=obs_shape,
+    )
     try:
-        agent = build_agent(args, obs_shape, num_actions, device)
-        world_model_step, behavior_step = update_steps(agent, args)
-        run = Run(
-            args=args,
-            device=device,
-            run_name=run_name,
-            run_dir=run_dir,
-            writer=writer,
-            agent=agent,
-            replay=EpisodeReplay(replay_capacity(args), args.num_envs, seed=args.seed),
-            player=Player(agent, args.num_envs),
-            rng=np.random.default_rng(args.seed),
-            counters=dict(NEW_COUNTERS),
-            world_model_step=world_model_step,
-            behavior_step=behavior_step,
-            update_log=UpdateLog(device),
-            obs_shape=obs_shape,
-        )
-        try:
-            install_speed(run)
-        except FastPathMismatch as exc:
-            writer.close()
-            exit_with(f"error: {exc}", EXIT_FAST_PATH)
-        if args.preallocate:
-            preflight(agent, args, obs_shape)
-        return run
-    except torch.OutOfMemoryError as exc:
-        agent = run = None  # memory: the half-built learner goes before the report
-        oom = mu.out_of_memory(exc, __file__, run_dir, device=device, advice=OOM_ADVICE)
-        writer.close()
-        exit_with(
-            f"out of memory at start-up ({oom.where}), before any training: a worst-case update (--batch-size "
-            f"{args.batch_size} x --sequence-length {args.sequence_length}) does not fit here.\n{oom.diagnosis}",
-            EXIT_OOM,
-        )
+        install_speed(run)
+    except FastPathMismatch as exc:
+        exit_with(f"error: {exc}", EXIT_FAST_PATH)
+    return run
 
 
 def instrument(run: Run, probes: "mu.StageProbes") -> None:
@@ -4542,7 +4211,7 @@ def checkpoint(run: Run, reason: str, required: bool = True, check: bool = False
     run.progress.say(f"checkpoint ({reason}): {run.checkpoint_path} at step {run.step}")
     if check:
         try:
-            check_fast_paths(run.agent, run.args)
+            check_run_fast_paths(run)
         except FastPathMismatch as exc:
             exit_with(f"stopping at step {run.step}, its checkpoint written: {exc}", EXIT_FAST_PATH)
 
@@ -4557,32 +4226,25 @@ def say_replay_short(run: Run) -> None:
         )
 
 
-def stop_if_signalled(run: Run) -> None:
-    """SIGINT or SIGTERM since the last iteration: a checkpoint, then exit 128 + N."""
-    if run.stop.received:
-        checkpoint(run, run.stop.name)
-        raise SystemExit(run.stop.exit_code)
-
-
-def watch(run: Run) -> None:
-    """After each env step: the open-loop videos, probes, snapshots and progress line (`diagnose`), a log point every
-    --log-interval env steps, a checkpoint every --checkpoint-every."""
-    args = run.args
-    diagnose(run)
-    if run.step >= run.next_log:
-        log_point(run)
-    if run.next_checkpoint is not None and run.step >= run.next_checkpoint:
-        run.next_checkpoint = (run.step // args.checkpoint_every + 1) * args.checkpoint_every
-        # a full disk: a warning, the next interval tries again
-        checkpoint(run, "periodic", required=False, check=True)
-
-
 def finish(run: Run) -> None:
     """The end of training: the final checkpoint (--save-model) and the memory probes' verdict."""
     if run.args.save_model:
         checkpoint(run, "end of training", check=True)
     if run.args.memory_probes:
         run.progress.say(run.probes.verdict())
+
+
+def main(args: Args) -> dict:
+    """Train (Part 1's `learn`); returns the final counters (global_step, updates, ...) and the run directory."""
+    run = set_up(
+        args
+    )  # the input checked, the run's folder and logs, the learner with Part 2 in place, instruments
+    envs = make_vector_env(args, run.run_name, args.seed)
+    with guarded(run, envs):  # a signal, an out-of-memory error or a crash leaves a checkpoint
+        run.progress.mark(run.step)
+        learn(run, envs)
+        finish(run)
+    return {**run.counters, "run_dir": run.run_dir, "run_name": run.run_name}
 
 
 @contextlib.contextmanager

@@ -16,6 +16,8 @@ Library:
     save_checked, verify_checkpoint      a run's life: its own folder, stop signals read at the loop's top, the
                                          out-of-memory sequence in one call, settings frozen once parsed,
                                          checkpoints checked against their own CRC-32s and a checksum beside them
+    mapped_arrays, ChunkedArray,
+    ChunkedColumns                       replay storage: growable arrays in chunks, in memory maps of their own
 
 A run imports this file alone. The offline analysis of snapshot files and the command line (`report`,
 `allocator`, `wait`, `analyze`) are in memory_analysis.py, which no run imports.
@@ -33,6 +35,7 @@ import hashlib
 import itertools
 import json
 import math
+import mmap
 import numbers
 import os
 import pickle
@@ -1399,6 +1402,22 @@ def amp(mode: str, device) -> AmpSetup:
     return AmpSetup(mode=mode, device_type=device_type, dtype=dtype, scaler=scaler)
 
 
+def step_if_healthy(optimizer: torch.optim.Optimizer, healthy: torch.Tensor) -> None:
+    """`optimizer.step()`, skipped on the device where `healthy` (a 0-d bool tensor) is False: the weights and the
+    moments stay as they were, with no host sync (a captured update may call it). A fused optimizer (Adam's
+    `fused=True`) reads `found_inf` as `torch.amp.GradScaler` sets it; any other optimizer would need the flag on
+    the host, and is refused."""
+    _require(
+        bool(optimizer.defaults.get("fused")),
+        f"step_if_healthy needs a fused optimizer (fused=True), got {type(optimizer).__name__} without it",
+    )
+    optimizer.grad_scale, optimizer.found_inf = None, (~healthy).float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Forensics: stage probes
 # ---------------------------------------------------------------------------------------------------------
@@ -1800,6 +1819,19 @@ class StopSignals:
         return 128 + self.received[0]
 
 
+@contextlib.contextmanager
+def workers_ignore_stop_signals():
+    """Processes started inside the block (vector-env workers) ignore SIGINT and SIGTERM: they inherit SIG_IGN.
+    `scancel`, `docker stop`, `timeout` and Ctrl-C signal the whole process group, and the main process must find
+    its workers alive to checkpoint and close them. This process's handlers come back when the block ends."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 @dataclasses.dataclass
 class OutOfMemory:
     """What `out_of_memory` found: `where` in the script it happened, the error (its traceback dropped), and the
@@ -1975,3 +2007,157 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     return (
         f"note: {path} has no {CHECKSUM_SUFFIX} beside it, so it could not be verified; loading it as it is"
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Replay storage: growable arrays in chunks, in memory maps of their own
+# ---------------------------------------------------------------------------------------------------------
+_MAPS_EXHAUSTED: list[OSError] = []  # the first failed map, so that the warning is said once
+
+
+def mapped_arrays(shapes: dict[str, tuple[tuple, np.dtype]]) -> dict[str, np.ndarray]:
+    """Uninitialised arrays of these (shape, dtype), all in one anonymous memory map of their own.
+
+    memory: a replay keeps its storage out of the malloc heap. Its small arrays (a chunk's actions and rewards:
+    tens of bytes) live for a whole turnover of the replay. In the heap, among the short-lived tensors of the
+    updates, each one kept a page resident after the tensors around it were freed, and resident memory crept up
+    turnover after turnover (benchmark/results/soak/README.md). A map of its own goes back to the system whole
+    as soon as its last array is dropped. Where the system allows no more maps (Linux: `vm.max_map_count`, about
+    65k, which a replay of many very short episodes can reach), the arrays go in the heap instead, said once."""
+    fields = sorted(shapes.items(), key=lambda field: -np.dtype(field[1][1]).itemsize)  # each one aligned
+    sizes = [math.prod(shape) * np.dtype(dtype).itemsize for _, (shape, dtype) in fields]
+    try:
+        block = mmap.mmap(-1, max(sum(sizes), 1))
+    except OSError as exc:
+        if not _MAPS_EXHAUSTED:
+            _MAPS_EXHAUSTED.append(exc)
+            print(
+                f"replay: warning: no more memory maps ({exc.strerror}; Linux: sysctl vm.max_map_count); "
+                "new replay arrays go in the heap, where host memory may creep",
+                file=sys.stderr,
+            )
+        return {name: np.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
+    arrays, offset = {}, 0
+    for (name, (shape, dtype)), size in zip(fields, sizes):
+        arrays[name] = np.frombuffer(block, dtype, math.prod(shape), offset).reshape(shape)
+        offset += size
+    return arrays
+
+
+class ChunkedArray:
+    """A growable array kept as fixed-size numpy chunks, so it can grow without copying and drop its front.
+
+    Logical indices run from `start` (first kept element) to `end` (one past the last). A finished one is compacted
+    into one exact-size array, so stored bytes match stored items. `allocate(i)` gives chunk i's array.
+    """
+
+    def __init__(self, item_shape: tuple, dtype, chunk_size: int, allocate: Callable[[int], np.ndarray]):
+        self.item_shape, self.dtype, self.chunk_size = tuple(item_shape), np.dtype(dtype), chunk_size
+        self.allocate = allocate
+        self.chunks: list[np.ndarray] = []
+        self.start = 0
+        self.end = 0
+        self.compacted = False
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    @property
+    def nbytes(self) -> int:
+        return sum(chunk.nbytes for chunk in self.chunks)
+
+    def append(self, item) -> None:
+        assert not self.compacted, "a compacted array is read-only"
+        offset = (self.end - self.start) % self.chunk_size
+        if offset == 0 and self.end - self.start == len(self.chunks) * self.chunk_size:
+            self.chunks.append(self.allocate(self.start // self.chunk_size + len(self.chunks)))
+        self.chunks[-1][offset] = item
+        self.end += 1
+
+    def read_into(self, out: np.ndarray, begin: int, stop: int) -> None:
+        """Copy logical elements [begin, stop) into `out` (the caller's own memory)."""
+        assert self.start <= begin <= stop <= self.end
+        if self.compacted:
+            out[:] = self.chunks[0][begin - self.start : stop - self.start]
+            return
+        pos = begin - self.start
+        written = 0
+        while written < stop - begin:
+            chunk, offset = divmod(pos, self.chunk_size)
+            take = min(self.chunk_size - offset, stop - begin - written)
+            out[written : written + take] = self.chunks[chunk][offset : offset + take]
+            written += take
+            pos += take
+
+    def drop_front_chunk(self) -> int:
+        """Free the oldest chunk; returns how many elements went. Only while growing; never the last chunk."""
+        if self.compacted or len(self.chunks) < 2:
+            return 0
+        self.chunks.pop(0)
+        self.start += self.chunk_size
+        return self.chunk_size
+
+    def release(self) -> None:
+        """Nothing to do: the arrays are freed with whatever holds this one."""
+
+    def compact(self, exact: np.ndarray) -> None:
+        """Replace the chunks by `exact`, an array of exactly len(self) items (frees the unused tail of the last
+        chunk)."""
+        if self.compacted:
+            return
+        self.read_into(exact, self.start, self.end)
+        self.chunks = [exact]
+        self.compacted = True
+
+
+class _ChunkMaps:
+    """Chunk i of every column of a `ChunkedColumns`, mapped together (`mapped_arrays`). A column may reach chunk i
+    before the others (an episode's frames run k - 1 steps ahead): the map waits here for the others' views. The
+    columns hold this, never the other way round, so dropping the columns frees everything at once."""
+
+    def __init__(self, shapes: dict[str, tuple[tuple, np.dtype]]):
+        self.shapes = shapes  # name -> a chunk's (shape, dtype)
+        self.waiting: dict[int, dict[str, np.ndarray]] = {}  # chunk index -> views not yet taken
+
+    def take(self, name: str, index: int) -> np.ndarray:
+        views = self.waiting.get(index)
+        if views is None:
+            views = self.waiting[index] = mapped_arrays(self.shapes)
+        view = views.pop(name)
+        if not views:
+            del self.waiting[index]
+        return view
+
+
+class ChunkedColumns:
+    """Named growable arrays of one table (an episode's frames, actions, rewards...), `columns["reward"]`: chunk i of
+    every column lives in one memory map of its own (`mapped_arrays`), and `compact` moves the whole table into one
+    exact-size map. memory: a table being written wastes at most one chunk per column, a finished one nothing."""
+
+    def __init__(self, shapes: dict[str, tuple[tuple, np.dtype]], chunk_size: int):
+        """`shapes`: each column's item (shape, dtype)."""
+        self.maps = _ChunkMaps(
+            {name: ((chunk_size, *shape), dtype) for name, (shape, dtype) in shapes.items()}
+        )
+        self.columns = {
+            name: ChunkedArray(shape, dtype, chunk_size, functools.partial(self.maps.take, name))
+            for name, (shape, dtype) in shapes.items()
+        }
+
+    def __getitem__(self, name: str) -> ChunkedArray:
+        return self.columns[name]
+
+    def compact(self) -> None:
+        """Every column in one exact-size map (a table that grows no more)."""
+        exact = mapped_arrays({name: ((len(a), *a.item_shape), a.dtype) for name, a in self.columns.items()})
+        for name, array in self.columns.items():
+            array.compact(exact[name])
+        self.maps.waiting.clear()  # a chunk one column began that the table's end left unused
+
+    def load(self, saved: dict[str, np.ndarray]) -> None:
+        """The columns as `saved` (each column's items, as one array), compacted in one map."""
+        exact = mapped_arrays({name: (saved[name].shape, saved[name].dtype) for name in self.columns})
+        for name, array in self.columns.items():
+            exact[name][:] = saved[name]
+            array.chunks, array.start, array.end, array.compacted = [exact[name]], 0, len(saved[name]), True
+        self.maps.waiting.clear()

@@ -18,7 +18,8 @@ def test_cuda_captured_acting_reads_fresh_inputs_and_moves_its_state_as_the_eage
     args = tiny_args()
     torch.manual_seed(0)
     agent = da.build_agent(args, obs_shape(args), 6, "cuda")
-    player = da.CudaPlayer(agent, num_envs=3, capture=True)
+    player = da.Player(agent, num_envs=3)
+    player.policy = da.CudaGraphed(player.policy_step)  # as `install_speed` wraps it
     rng = np.random.default_rng(0)
     wm = agent.world_model
     for step in range(8):  # 3 eager, the capture, then replays
@@ -57,3 +58,26 @@ def test_cuda_tiny_run_with_frames_on_the_gpu_and_captured_updates_trains_and_re
         tiny_args(total_timesteps=400, model="nature", resume=f"{first['run_dir']}/checkpoint.pt", **schedule)
     )
     assert second["global_step"] == 400 and second["updates"] > first["updates"]
+
+
+def test_cuda_a_change_to_acting_or_sampling_takes_effect_on_the_captured_path(tmp_path, monkeypatch):
+    """A copy whose `Player.act` and `EpisodeReplay.sample` say when they run, trained on CUDA with the default flags
+    (the policy captured, the frames on the device): both run at every step and update they belong to."""
+    from test_dreamer_part1_changes import changed_copy, tiny_catch
+
+    counted = (
+        (
+            "        (action,) = self.policy(inputs)\n",
+            '        (action,) = self.policy(inputs)\n        CALLS.append("act")\n',
+        ),
+        (
+            "        return self.fill(self.draw_windows(batch_size, sequence_length, rng), sequence_length)",
+            '        CALLS.append("sample")\n'
+            "        return self.fill(self.draw_windows(batch_size, sequence_length, rng), sequence_length)",
+        ),
+    )
+    module = changed_copy(tmp_path, monkeypatch, *counted)
+    args = tiny_catch(module, total_timesteps=60)
+    counters = module.main(args)
+    assert module.CALLS.count("act") == args.total_timesteps - args.learning_starts
+    assert module.CALLS.count("sample") >= counters["updates"] > 0

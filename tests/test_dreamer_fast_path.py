@@ -358,7 +358,7 @@ def tiny_rssm(layer_norm_gru: bool) -> da.RSSM:
     """A float64 RSSM of a few units, every parameter (LayerNorms' included) moved off its initial value."""
     torch.manual_seed(0)
     gru = da.LayerNormGRUCell if layer_norm_gru else torch.nn.GRUCell
-    rssm = da.RSSM(5, 3, 4, 2, 3, 4, 0.01, gru=gru).double()
+    rssm = da.RSSM(5, 3, 4, 2, 3, 4, 0.01, gru, False).double()
     with torch.no_grad():
         for p in rssm.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -374,7 +374,7 @@ def test_the_hand_written_observe_backward_passes_gradcheck(monkeypatch, layer_n
     probabilities; its gradient is theirs by decree), so here the sample is the mixed probabilities themselves (the
     expected one-hot): then the straight-through gradient is the true derivative, and finite differences check it,
     the paths through stoch from one step to the next included."""
-    monkeypatch.setattr(da, "one_hot_draw", lambda probs, uniform: probs)
+    monkeypatch.setattr(da, "fast_one_hot_draw", lambda probs, uniform: probs)  # the fast observe's draw
     rssm = tiny_rssm(layer_norm_gru)
     B, T, H = 2, 4, 4
 
@@ -487,8 +487,9 @@ def test_a_change_to_the_hand_written_backward_stops_the_run_before_training(mon
 @pytest.mark.parametrize("model", ["dreamerv3", "nature"])
 def test_the_two_misses_of_the_old_check_are_caught(monkeypatch, model):
     """A residual added to `img_step` and not to `FastObserve.observe_step` (acting, imagination and video then differ from
-    training's observe), and a clamp of deter added to `observe_step` that only bites where the GRU saturates: the
-    old check (the hand-written backward against autograd's, on the initial weights) passed both."""
+    training's observe), and a clamp of deter added to `observe_step` that only bites where the GRU saturates: an
+    old check (the hand-written backward against autograd's of the fast step, on the initial weights) passed both.
+    The backward is now held to autograd's through `RSSM.observe` as written, which sees the residual too."""
     args = tiny_args(model=model)
     torch.manual_seed(0)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
@@ -500,7 +501,8 @@ def test_the_two_misses_of_the_old_check_are_caught(monkeypatch, model):
         )
         with pytest.raises(da.FastPathMismatch, match="--no-fast-observe"):
             da.check_fast_paths(agent, args)
-        da.check_observe_backward(agent.world_model.rssm)  # what the old check looked at: it passes
+        with pytest.raises(da.ObserveBackwardMismatch, match="through RSSM.observe"):
+            da.check_observe_backward(agent.world_model.rssm)
 
     def clamped(self, *inputs):
         deter, stoch, posterior = real_observe_step(self, *inputs)
@@ -515,24 +517,28 @@ def test_the_two_misses_of_the_old_check_are_caught(monkeypatch, model):
             da.check_fast_paths(agent, args)
 
 
-def test_a_changed_compiled_draw_is_caught(monkeypatch):
-    """--compile draws with `one_hot_draw_fused`, a second implementation of the categorical draw: the check holds it
-    to the eager draw (here compiled with aot_eager: Dynamo traces the same function, quickly)."""
+def test_a_changed_draw_is_caught(monkeypatch):
+    """The fast paths draw latents and actions with `fast_one_hot_draw` (two products; compiled, Part 1's cumulative
+    sum): the check holds both forms to Part 1's `one_hot_draw` (compiled here with aot_eager: Dynamo traces the same
+    function, quickly). A change to Part 1's draw not carried into the products, or a slip in the compiled form, is
+    refused naming the flags that switch them off."""
     args = tiny_args(compile=True)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+    agent.observe = da.FastObserve(agent.world_model.rssm)
     torch._dynamo.reset()
-    real_fused = da.one_hot_draw_fused
+    real_draw = da.one_hot_draw
     try:
-        monkeypatch.setattr(da, "_COMPILED_DRAW", [torch.compile(da.one_hot_draw, backend="aot_eager")])
+        monkeypatch.setattr(da, "_COMPILED_DRAW", [torch.compile(da.fast_one_hot_draw, backend="aot_eager")])
         da.check_fast_paths(agent, args)
         torch._dynamo.reset()
-        # the last class's CDF no longer doubled: a uniform past the rounded end picks no class
-        monkeypatch.setattr(
-            da, "one_hot_draw_fused", lambda probs, uniform: real_fused(probs, uniform).roll(1, -1)
-        )
-        monkeypatch.setattr(da, "_COMPILED_DRAW", [torch.compile(da.one_hot_draw, backend="aot_eager")])
-        with pytest.raises(da.FastPathMismatch, match="without --compile"):
+        # Part 1's draw changed (every class one later), and the compiled form follows it: the products do not
+        monkeypatch.setattr(da, "one_hot_draw", lambda probs, uniform: real_draw(probs, uniform).roll(1, -1))
+        monkeypatch.setattr(da, "_COMPILED_DRAW", [torch.compile(da.fast_one_hot_draw, backend="aot_eager")])
+        with pytest.raises(da.FastPathMismatch, match="deter"):  # the observe's check sees it first
             da.check_fast_paths(agent, args)
+        with pytest.raises(da.FastPathMismatch, match="fast_one_hot_draw") as refused:
+            da.check_draw(torch.device("cpu"), compiled=True)
+        assert "--no-fast-observe --no-fast-imagine" in str(refused.value)
     finally:
         torch._dynamo.reset()
 
@@ -547,7 +553,7 @@ def test_the_fast_paths_are_checked_at_start_up_on_the_resumed_weights_and_at_ea
     seen = []  # the weights each check saw: a parameter of the RSSM
 
     def spy(agent, args):
-        seen.append(agent.world_model.rssm.img_in[0].weight.detach().clone())
+        seen.append(agent.world_model.rssm.img_in.linear.weight.detach().clone())
 
     monkeypatch.setattr(da, "check_fast_paths", spy)
     schedule = dict(total_timesteps=80, checkpoint_every=40, save_model=True)
@@ -555,7 +561,7 @@ def test_the_fast_paths_are_checked_at_start_up_on_the_resumed_weights_and_at_ea
     assert len(seen) == 1 + 2 + 1  # start-up, two periodic checkpoints, the final one
     assert not torch.equal(seen[0], seen[-1])  # the last check saw trained weights
     checkpoint = tmp_path / first["run_dir"] / "checkpoint.pt"
-    saved = torch.load(checkpoint, weights_only=True)["models"]["world_model"]["rssm.img_in.0.weight"]
+    saved = torch.load(checkpoint, weights_only=True)["models"]["world_model"]["rssm.img_in.linear.weight"]
     torch.testing.assert_close(seen[-1], saved, rtol=0, atol=0)
     seen.clear()
     da.main(short_run(total_timesteps=100, resume=str(checkpoint)))
@@ -583,7 +589,7 @@ def test_the_start_up_check_passes_both_models_and_leaves_the_random_state_alone
 
 
 def test_the_compiled_draw_picks_the_classes_the_eager_draw_picks():
-    """Compiled, `one_hot_draw` takes a cumulative sum and a difference instead of its two products (which would stay
+    """Compiled, `fast_one_hot_draw` takes Part 1's cumulative sum instead of its two products (which would stay
     matmul kernels of their own): the same one-hots from the same probabilities and uniforms, the last class included
     when rounding leaves the CDF short of a uniform."""
     torch.manual_seed(0)
@@ -592,14 +598,14 @@ def test_the_compiled_draw_picks_the_classes_the_eager_draw_picks():
     probs[0, 5] = 1.0  # one class certain
     uniform = torch.rand(4096, 1)
     uniform[1] = 1.0 - 1e-7  # beyond any CDF that rounding left short of 1
-    compiled = torch.compile(da.one_hot_draw, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(da.fast_one_hot_draw, backend="aot_eager", fullgraph=True)
     torch._dynamo.reset()
     try:
         drawn = compiled(probs, uniform)
     finally:
         torch._dynamo.reset()
-    expected = da.one_hot_draw(probs, uniform)
-    assert torch.equal(drawn, expected)
+    expected = da.fast_one_hot_draw(probs, uniform)
+    assert torch.equal(drawn, expected) and torch.equal(da.one_hot_draw(probs, uniform), expected)
     assert torch.equal(drawn.sum(-1), torch.ones(4096)) and drawn[0, 5] == 1
 
 
@@ -622,7 +628,7 @@ def test_the_eager_draw_takes_its_cdf_in_full_float32_under_tf32():
     torch.set_float32_matmul_precision("high")
     try:
         with Precision():
-            da.one_hot_draw(probs, uniform)
+            da.fast_one_hot_draw(probs, uniform)
         assert seen == ["highest", "highest"] and torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(before)

@@ -2,6 +2,8 @@
 sampler gives for the same window starts, through episode boundaries, trimmed fronts, eviction, growth and a
 checkpoint's round trip; evicted frames give their rows back. Device-agnostic torch, so the CPU runs it."""
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -47,11 +49,14 @@ def drive(replays: list[da.EpisodeReplay], steps: int, seed: int, max_length: in
 
 
 def assert_same_batches(host: da.EpisodeReplay, device: da.EpisodeReplay, seed: int, B: int = 9, T: int = 13):
-    """`gather(sample_rows)` on the device replay, and its host `sample`, equal the host replay's `sample`."""
+    """`gather(sample)` on the device replay (its `fill` gives rows), and Part 1's `fill` reading its frames back to
+    the host, equal the host replay's `sample`."""
     expected = host.sample(B, T, rng=np.random.default_rng(seed))
-    indices = device.sample_rows(B, T, rng=np.random.default_rng(seed))
+    indices = device.sample(B, T, rng=np.random.default_rng(seed))
+    assert "obs" not in indices and indices["rows"].shape == (B, T, device.episodes[0].stack)
     gathered = device.gather(da.batch_tensors(indices, "cpu"))
-    copied = device.sample(B, T, rng=np.random.default_rng(seed))
+    windows = device.draw_windows(B, T, rng=np.random.default_rng(seed))
+    copied = da.EpisodeReplay.fill(device, windows, T)
     assert set(gathered) == set(expected) == set(copied)
     for key, value in expected.items():
         np.testing.assert_array_equal(gathered[key].numpy(), value, err_msg=key)
@@ -130,7 +135,7 @@ def test_a_gathered_batch_owns_its_memory_and_written_frames_wait_at_most_a_few(
     _, device = replays(capacity=500)
     drive([device], 100, seed=6)
     assert 0 < len(device.store.pending) < da.FrameStore.FLUSH_EVERY
-    batch = device.gather(da.batch_tensors(device.sample_rows(4, 8), "cpu"))
+    batch = device.gather(da.batch_tensors(device.sample(4, 8), "cpu"))
     assert not device.store.pending  # sampling flushed them first
     rows = device.store.rows
     begin, end = rows.data_ptr(), rows.data_ptr() + rows.nbytes
@@ -158,9 +163,7 @@ def test_cuda_batches_equal_the_host_sampler():
     device = da.FrameStoreReplay(300, 3, seed=0, chunk_size=8, frames_device="cuda")
     drive([host, device], 400, seed=8)
     expected = host.sample(9, 13, rng=np.random.default_rng(0))
-    gathered = device.gather(
-        da.batch_tensors(device.sample_rows(9, 13, rng=np.random.default_rng(0)), "cuda")
-    )
+    gathered = device.gather(da.batch_tensors(device.sample(9, 13, rng=np.random.default_rng(0)), "cuda"))
     for key, value in expected.items():
         np.testing.assert_array_equal(gathered[key].cpu().numpy(), value, err_msg=key)
 
@@ -227,21 +230,39 @@ def test_a_run_with_frames_on_the_device_trains_exactly_as_one_with_frames_in_ho
     assert resumed["global_step"] == 300 and resumed["updates"] > result["updates"]
 
 
-def test_the_staging_template_is_what_either_sampler_fills():
-    """On CUDA, batches are sampled into pinned buffers shaped by `staging_template`: with the frames on the device,
-    their rows in place of the frames; the samplers check every shape and dtype of the arrays they fill."""
+def device_run(**overrides):
+    """What `check_device_frames` reads of a run: its args, observation shape, agent's action count and replay."""
     from dreamer_tiny import tiny_args
 
-    args = tiny_args(batch_size=3, sequence_length=5)
-    obs_shape = (4, *FRAME)
-    host, device = replays(capacity=200)
-    drive([host, device], 60, seed=9)
-    rows = da.staging_template(args, obs_shape, frames_on_device=True)
-    assert "obs" not in rows and rows["rows"].shape == (3, 5, 4)
-    filled = device.sample_rows(3, 5, rng=np.random.default_rng(0), out=rows)
-    expected = host.sample(
-        3, 5, rng=np.random.default_rng(0), out=da.staging_template(args, obs_shape, False)
-    )
-    gathered = device.gather(da.batch_tensors(filled, "cpu"))
-    for key, value in expected.items():
-        np.testing.assert_array_equal(gathered[key].numpy(), value, err_msg=key)
+    replay = da.FrameStoreReplay(200, 1, seed=0, frames_device="cpu")
+    agent = types.SimpleNamespace(num_actions=3)
+    return types.SimpleNamespace(args=tiny_args(**overrides), obs_shape=(4, *FRAME), agent=agent, replay=replay)
+
+
+def test_the_device_sampler_is_checked_against_the_host_sampler_as_written(monkeypatch):
+    """`check_device_frames` runs both samplers as the run's code has them: as written they agree; a change to Part
+    1's `fill` that the device's `fill` does not carry, or a `sample` that reads the frames (an augmentation), is
+    refused in one sentence naming --replay-frames host."""
+    da.check_device_frames(device_run())
+    real_fill = da.EpisodeReplay.fill
+
+    def reward_doubled(self, windows, sequence_length):
+        batch = real_fill(self, windows, sequence_length)
+        batch["reward"] = 2 * batch["reward"]
+        return batch
+
+    monkeypatch.setattr(da.EpisodeReplay, "fill", reward_doubled)
+    with pytest.raises(da.FastPathMismatch, match="another reward") as refused:
+        da.check_device_frames(device_run())
+    assert "FrameStoreReplay.fill" in str(refused.value) and "--replay-frames host" in str(refused.value)
+    monkeypatch.setattr(da.EpisodeReplay, "fill", real_fill)
+    real_sample = da.EpisodeReplay.sample
+
+    def shifted(self, *args, **kwargs):
+        batch = real_sample(self, *args, **kwargs)
+        batch["obs"] = np.roll(batch["obs"], 1, axis=-1)
+        return batch
+
+    monkeypatch.setattr(da.EpisodeReplay, "sample", shifted)
+    with pytest.raises(da.FastPathMismatch, match="fails where the host's does not .KeyError"):
+        da.check_device_frames(device_run())

@@ -43,8 +43,8 @@ def test_acting_builds_no_graph_and_caches_detached_state():
 
 def test_acting_keeps_its_state_in_place_and_reads_nothing_back_inside_the_policy_step():
     """What capturing the policy step in a CUDA graph needs (a replay reads and writes the memory it captured, and
-    cannot read a tensor back to the host): the cached state stays in the same tensors from step to step, reset
-    included, and the step dispatches no host read; its actions are those of the readable cell's step."""
+    cannot read a tensor back to the host): the cached state stays in the same tensors from step to step, and the
+    step dispatches no host read; its actions are those of the readable cell's step."""
     from test_dreamer_fast_path import OpCounter
 
     args = tiny_args()
@@ -79,12 +79,11 @@ def test_acting_keeps_its_state_in_place_and_reads_nothing_back_inside_the_polic
         np.testing.assert_array_equal(actions, expected.numpy())
         torch.testing.assert_close(player.deter, expected_deter)
         assert [player.deter.data_ptr(), player.stoch.data_ptr(), player.prev_action.data_ptr()] == addresses
-    player.reset()
-    assert [player.deter.data_ptr(), player.stoch.data_ptr(), player.prev_action.data_ptr()] == addresses
-    initial_deter, initial_stoch = dreamerv3_initial_state(agent.world_model.rssm)
-    assert torch.equal(player.deter, initial_deter.expand(3, -1)) and not player.prev_action.any()
-    assert torch.equal(player.stoch, initial_stoch.expand(3, -1))
     assert player.deter.grad_fn is None and player.stoch.grad_fn is None
+    fresh = da.Player(agent, num_envs=3)  # a new player starts from the initial state, with no previous action
+    initial_deter, initial_stoch = dreamerv3_initial_state(agent.world_model.rssm)
+    assert torch.equal(fresh.deter, initial_deter.expand(3, -1)) and not fresh.prev_action.any()
+    assert torch.equal(fresh.stoch, initial_stoch.expand(3, -1)) and fresh.deter.grad_fn is None
 
 
 def test_updates_return_detached_values_that_the_log_sums_on_the_device():

@@ -144,8 +144,8 @@ def test_without_more_memory_maps_the_replay_goes_on_in_the_heap_and_says_so_onc
     def no_more_maps(*_):
         raise OSError(12, "Cannot allocate memory")  # what mmap gives past vm.max_map_count
 
-    monkeypatch.setattr(da, "_MAPS_EXHAUSTED", [])
-    monkeypatch.setattr(da.mmap, "mmap", no_more_maps)
+    monkeypatch.setattr(mu, "_MAPS_EXHAUSTED", [])
+    monkeypatch.setattr(mu.mmap, "mmap", no_more_maps)
     replay = da.EpisodeReplay(capacity=10_000, num_envs=2, seed=0, chunk_size=16)
     collect(pong_envs, replay, 150)  # finished and in-progress episodes, many chunks
     assert replay.sample(4, 8)["obs"].shape == (4, 8, 4, 84, 84)

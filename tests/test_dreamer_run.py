@@ -461,7 +461,7 @@ def test_out_of_memory_while_acting_writes_a_report_and_a_checkpoint(in_tmp, mon
     assert (run_dir / "oom" / "report.json").exists()
     assert load_checkpoint(run_dir / "checkpoint.pt")["counters"]["updates"] > 0
     err = capsys.readouterr().err
-    assert "out of memory at step" in err and "(in main, line" in err and "Traceback" not in err
+    assert "out of memory at step" in err and "(in learn, line" in err and "Traceback" not in err
 
 
 def test_out_of_memory_at_start_up_writes_a_report_and_stops_before_training(in_tmp, monkeypatch, capsys):

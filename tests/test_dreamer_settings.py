@@ -2,7 +2,7 @@
 
 A CUDA graph replays the Python values its update read when it was captured. So every number a researcher might
 schedule (learning rates, KL scales and free nats, entropy, discount, return normalisation, gradient clips) is a
-0-d tensor the update reads (`UpdateSettings`), and the capture refuses to replay once a value it read as a
+0-d tensor the update reads (`Settings`), and the capture refuses to replay once a value it read as a
 Python number has changed. There is no GPU here: `EagerGraph` below stands in for `CudaGraphed`'s CUDA calls
 (warm-up, capture, replay run the function eagerly) and keeps its settings check, which is what is tested.
 """
@@ -62,13 +62,15 @@ def graphed_steps(agent, args):
 
 def test_every_scheduled_number_is_a_tensor_the_update_reads():
     args, agent = make_agent()
-    for name in da.SCHEDULED:
+    for name in da.Settings.NAMES:
         tensor = agent.settings[name]
         assert isinstance(tensor, torch.Tensor) and tensor.dim() == 0, name
         assert tensor.item() == pytest.approx(getattr(args, name)), name
-    for name, optimizer in da.LEARNING_RATES.items():
-        assert agent.settings[name] is agent.named_optimizers()[optimizer].param_groups[0]["lr"], name
-    assert agent.settings["return_norm_rate"].item() == pytest.approx(1 - args.return_norm_decay)
+    for name in ("world_model_lr", "actor_lr", "critic_lr"):
+        optimizer = agent.named_optimizers()[name.removesuffix("_lr")]
+        assert agent.settings[name] is optimizer.param_groups[0]["lr"], name
+    assert agent.settings["1 - return_norm_decay"].item() == pytest.approx(1 - args.return_norm_decay)
+    assert agent.settings["1 - return_lambda"].item() == pytest.approx(1 - args.return_lambda)
 
 
 UPDATE_FUNCTIONS = (
@@ -84,7 +86,7 @@ UPDATE_FUNCTIONS = (
 @pytest.mark.parametrize("fn", UPDATE_FUNCTIONS, ids=lambda fn: fn.__name__)
 def test_the_update_reads_no_scheduled_number_from_args(fn):
     """`args.kl_dyn_scale` inside the update would be baked into a captured graph; `settings[...]` is not."""
-    scheduled = set(da.SCHEDULED) | set(da.LEARNING_RATES)
+    scheduled = set(da.Settings.NAMES)
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     reads = {
         node.attr
@@ -186,7 +188,7 @@ def test_a_setting_assigned_on_args_in_the_loop_is_refused_at_once_on_the_cpu(na
     assert message.startswith(f"args.{name} cannot change") and len(message.splitlines()) == 1, message
     assert f"agent.settings.set({name!r}, value)" in message, message
     agent.settings.set(name, 0.3)  # the way it says works
-    assert agent.settings.values[name] == 0.3 and getattr(args, name) != 0.3
+    assert agent.settings[name].item() == pytest.approx(0.3) and getattr(args, name) != 0.3
 
 
 def test_a_setting_that_is_not_scheduled_is_refused_with_its_flag():
@@ -218,13 +220,13 @@ def test_a_learning_rate_set_before_a_checkpoint_comes_back_into_the_optimizers_
     assert held.item() == pytest.approx(1e-3)
 
 
-def test_part_1s_settings_reach_the_update_as_plain_numbers():
-    """With the speed options off (an agent as `build_agent` makes it) the settings are Python numbers, and `set`
-    still reaches the update: the KL weights and a learning rate."""
+def test_part_1s_settings_reach_the_update_without_the_speed_part():
+    """With the speed options off (an agent as `build_agent` makes it) the settings are already the tensors the
+    update reads, and `set` reaches it: the KL weights and a learning rate."""
     args = dreamer_tiny.tiny_args(batch_size=3, sequence_length=6, imagination_horizon=4)
     torch.manual_seed(0)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
-    assert isinstance(agent.settings["kl_dyn_scale"], float)
+    assert isinstance(agent.settings["kl_dyn_scale"], torch.Tensor)
     data = da.prepare_batch(batch(args), NUM_ACTIONS)
     torch.manual_seed(1)
     kl = da.world_model_loss(agent, data, args)[1]["losses/kl"]

@@ -1,12 +1,14 @@
-"""The three changes `docs/dreamer_atari.md` walks through ("Modifying this script"), made as the page says on a copy
-of dreamer_atari.py, each in at most three places, and trained for a few updates on the CPU: the page's code is the
-code that runs, and each change does what it claims."""
+"""The changes `docs/dreamer_atari.md` walks through ("Modifying this script"), made as the page says on a copy of
+dreamer_atari.py, each in at most three places, and trained for a few updates on the CPU with the default flags: the
+page's code is the code that runs, each change does what it claims, and Part 1 stays within the length that
+tests/test_script_parts.py allows."""
 
 import importlib.util
 import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -19,6 +21,8 @@ CHANGES = {
     "kl_schedule": "### A KL schedule",
     "resnet": "### A ResNet encoder",
     "next_reward": "### An auxiliary head: the next reward from `deter`",
+    "mingru": "### A new transition: minGRU",
+    "recent_windows": "### Recent windows more often",
 }
 
 
@@ -53,13 +57,19 @@ def apply(source: str, where: str, anchor: str, lines: list[str]) -> str:
     return "\n".join(rows)
 
 
-def changed_script(name: str, tmp_path: Path, monkeypatch):
-    """dreamer_atari.py with the change `name` made as the page says, imported from a copy in `tmp_path`."""
+def changed_source(name: str) -> str:
+    """dreamer_atari.py's text with the change `name` made as the page says."""
     blocks = places(CHANGES[name])
     assert 1 <= len(blocks) <= 3, f"{name}: {len(blocks)} places"
     source = (ROOT / "dreamer_atari.py").read_text()
     for block in blocks:
         source = apply(source, *block)
+    return source
+
+
+def changed_script(name: str, tmp_path: Path, monkeypatch):
+    """dreamer_atari.py with the change `name` made as the page says, imported from a copy in `tmp_path`."""
+    source = changed_source(name)
     copy = tmp_path / f"dreamer_{name}.py"
     copy.write_text(source)
     monkeypatch.syspath_prepend(str(ROOT))  # memory_utils.py, which a copy takes along
@@ -110,8 +120,7 @@ def test_a_kl_schedule_raises_the_dynamics_kl_weight_from_zero(tmp_path, monkeyp
 
         return spy
 
-    for settings in (module.UpdateSettings, module.SettingsTensors):  # a run's are the tensors (Part 2)
-        monkeypatch.setattr(settings, "set", spying(vars(settings)["set"]))
+    monkeypatch.setattr(module.Settings, "set", spying(vars(module.Settings)["set"]))
     args = tiny_catch(module, kl_warmup_steps=40)
     trained(module, args)
     assert set_values[0] == 0.0 and set_values[-1] == args.kl_dyn_scale
@@ -168,3 +177,49 @@ def test_the_next_reward_loss_leaves_out_pairs_that_cross_an_episode_boundary(tm
 @pytest.mark.parametrize("name", list(CHANGES))
 def test_each_change_touches_at_most_three_places(name):
     assert 1 <= len(places(CHANGES[name])) <= 3
+
+
+@pytest.mark.parametrize("name", list(CHANGES))
+def test_each_change_leaves_part_1_within_the_repositorys_length_limit(name):
+    from test_script_parts import PART_1_MAX_LINES, part_1_lines
+
+    assert part_1_lines(changed_source(name)) <= PART_1_MAX_LINES
+
+
+def test_a_kl_warm_up_of_zero_steps_is_none_and_a_negative_one_is_refused(tmp_path, monkeypatch, capsys):
+    module = changed_script("kl_schedule", tmp_path, monkeypatch)
+    assert trained(module, tiny_catch(module, kl_warmup_steps=0))[0]["updates"] > 0
+    with pytest.raises(SystemExit) as refused:
+        module.main(tiny_catch(module, kl_warmup_steps=-5))
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: --kl-warmup-steps must be a number of 0 or more, got -5."
+
+
+def test_a_new_transition_is_one_row_and_its_class_and_trains_with_the_default_flags(tmp_path, monkeypatch, capsys):
+    module = changed_script("mingru", tmp_path, monkeypatch)
+    args = tiny_catch(module, model="mingru")
+    assert args.fast_observe and args.observe_backward == "hand-written"
+    _, weights = trained(module, args)
+    assert weights["rssm.gru.linear.weight"].shape[0] == 2 * args.deterministic_dim  # the new cell trained
+    said = capsys.readouterr().out
+    assert "the observe scan's hand-written backward does not apply (its cell is MinGRUCell" in said
+
+
+def test_recent_windows_are_drawn_more_often_on_both_samplers(tmp_path, monkeypatch):
+    module = changed_script("recent_windows", tmp_path, monkeypatch)
+    rng = np.random.default_rng(0)
+    replays = [
+        module.EpisodeReplay(1000, 1, seed=0, chunk_size=16),
+        module.FrameStoreReplay(1000, 1, seed=0, chunk_size=16, frames_device="cpu"),
+    ]
+    frames = rng.integers(0, 255, (400, 1, 8, 8), np.uint8)
+    for replay in replays:
+        replay.start_episode(0, frames[0])
+        for t in range(1, 400):
+            replay.add_step(0, frames[t][-1], 0, 0.0, False, False)
+    starts = [[pieces[0][1] for pieces in replay.draw_windows(2000, 8)] for replay in replays]  # one episode
+    assert starts[0] == starts[1]  # the same draws, whichever sampler
+    newest = np.mean(np.array(starts[0]) >= 400 - 40)
+    assert 0.5 < newest < 0.6  # half the windows, and the uniform draws that land there: 0.55
+    args = tiny_catch(module)
+    assert trained(module, args)[0]["updates"] > 0

@@ -1,6 +1,6 @@
-"""Each training script reads in three parts (the algorithm, speed, the run), each opened by a banner that names it,
-and the algorithm names nothing of the speed part: a researcher who copies Part 1 and changes it never has to read
-Part 2, and Part 2 installs itself from the run's set-up."""
+"""dreamer_atari.py reads in three parts (the algorithm, speed, the run), each opened by a banner that names it, and
+the algorithm names nothing of the other two: a researcher who copies Part 1 and changes it never has to read Part 2
+or Part 3, Part 2 installs itself from the run's set-up, and the loop reaches the run through the `run` it is given."""
 
 import ast
 import re
@@ -10,12 +10,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BANNERS = ("# PART 1: THE ALGORITHM", "# PART 2: SPEED", "# PART 3: THE RUN")
-PART_1_MAX_LINES = 1_700
+# Part 1 is under 1,400 lines from the top of the file; the limit leaves room for the changes that
+# docs/dreamer_atari.md walks through (the largest adds 35 lines), so that a copy with one of them still passes
+PART_1_MAX_LINES = 1_450
 
 
-def parts(script: str) -> list[str]:
-    """The script's text before Part 2's banner, from there to Part 3's, and the rest."""
-    text = (ROOT / script).read_text()
+def parts(script: str, text: str | None = None) -> list[str]:
+    """The script's text (or `text`, a changed copy of it) before Part 2's banner, from there to Part 3's, and the
+    rest."""
+    text = (ROOT / script).read_text() if text is None else text
     starts = [text.index(banner) for banner in BANNERS]  # ValueError: a banner is missing
     assert starts == sorted(starts), f"{script}: the banners are out of order"
     return [text[: starts[1]], text[starts[1] : starts[2]], text[starts[2] :]]
@@ -50,11 +53,35 @@ def test_the_algorithm_names_nothing_of_the_speed_part(script):
     assert not named, f"{script}: Part 1 names Part 2's {', '.join(named)}"
 
 
-@pytest.mark.parametrize("script", ["dreamer_atari.py"])
-def test_the_algorithm_part_stays_short_enough_to_read(script):
-    """Everything above Part 2's banner: the module docstring and imports open Part 1."""
-    lines = parts(script)[0].count("\n")
-    assert lines <= PART_1_MAX_LINES, f"{script}: Part 1 is {lines} lines (at most {PART_1_MAX_LINES})"
+def part_1_lines(text: str | None = None) -> int:
+    """dreamer_atari.py's Part 1 (or a changed copy's), counted from the top of the file: the module docstring and
+    imports open it."""
+    return parts("dreamer_atari.py", text)[0].count("\n")
+
+
+def test_the_algorithm_part_stays_short_enough_to_read():
+    lines = part_1_lines()
+    assert lines <= PART_1_MAX_LINES, f"dreamer_atari.py: Part 1 is {lines} lines (at most {PART_1_MAX_LINES})"
+
+
+def names_used(source: str) -> set[str]:
+    """The names `source` uses in its code (not attributes: `run.watch()` reaches the run it is given), in its string
+    annotations, and in backticks in its comments and docstrings (how a docstring points at a function)."""
+    tree = ast.parse(source)
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            used |= set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)", node.value))
+    return used | set(re.findall(r"#[^\n]*?`([A-Za-z_][A-Za-z0-9_]*)", source))
+
+
+def test_the_algorithm_names_nothing_of_the_run_part():
+    """Part 1 neither calls nor points at a Part 3 function, class or constant: the run's machinery (checks, logs,
+    checkpoints, memory wiring, Catch) stays out of the algorithm a researcher copies and changes."""
+    part_1, _, part_3 = parts("dreamer_atari.py")
+    run_names = defined_names(part_3) - defined_names(part_1)  # Part 3 wraps `Args` in place: still Part 1's
+    named = sorted(names_used(part_1) & run_names)
+    assert not named, f"dreamer_atari.py: Part 1 names Part 3's {', '.join(named)}"
 
 
 def test_speed_is_installed_by_one_call_from_the_run():

@@ -1,0 +1,121 @@
+"""A change a researcher makes to Part 1 of a copy of dreamer_atari.py is never silently dropped: on every path the
+copy can run on this CPU (the default flags, frames on the device) it takes effect, or the run stops before training
+with exit 7 and one sentence naming the function that holds the formula and the flag that switches the path off,
+leaving nothing in runs/. A cell or layer the fast paths do not know falls back to the readable code, said in one
+line. (The CUDA-only paths: tests/test_dreamer_cuda.py.)"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from dreamer_tiny import TINY
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def changed_copy(tmp_path: Path, monkeypatch, *replacements: tuple[str, str]):
+    """dreamer_atari.py with each (old, new) text replaced once and a list `CALLS`, imported from a copy in
+    `tmp_path` (the working folder from then on)."""
+    source = (ROOT / "dreamer_atari.py").read_text()
+    # CALLS: where a changed function can say that it ran
+    source = source.replace("import memory_utils as mu\n", "import memory_utils as mu\n\nCALLS = []\n", 1)
+    for old, new in replacements:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    copy = tmp_path / "dreamer_copy.py"
+    copy.write_text(source)
+    monkeypatch.syspath_prepend(str(ROOT))  # memory_utils.py, which a copy takes along
+    spec = importlib.util.spec_from_file_location(copy.stem, copy)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, copy.stem, module)
+    spec.loader.exec_module(module)
+    monkeypatch.chdir(tmp_path)
+    return module
+
+
+def tiny_catch(module, **overrides):
+    """A few updates of a tiny agent on Catch with the default flags, on the CPU."""
+    schedule = dict(total_timesteps=40, learning_starts=20, train_ratio=16.0, log_interval=20)
+    return module.Args(
+        **{**TINY, "env_id": "Catch-v0", "num_envs": 1, "vector_mode": "sync", **schedule, **overrides}
+    )
+
+
+def refused(module, args, capsys) -> str:
+    """The one sentence a run refused with exit 7 says; nothing is left in runs/."""
+    with pytest.raises(SystemExit) as stopped:
+        module.main(args)
+    assert stopped.value.code == module.EXIT_FAST_PATH
+    said = capsys.readouterr().err.strip()
+    assert len(said.splitlines()) == 1 and "Traceback" not in said, said
+    assert not list(Path("runs").glob("*")), "a refused start left a folder in runs/"
+    return said
+
+
+COUNTED_SAMPLE = (
+    """        return self.fill(self.draw_windows(batch_size, sequence_length, rng), sequence_length)""",
+    """        CALLS.append("sample")
+        return self.fill(self.draw_windows(batch_size, sequence_length, rng), sequence_length)""",
+)
+
+
+@pytest.mark.parametrize("frames", ["host", "device"])
+def test_a_change_to_sampling_takes_effect_with_the_frames_anywhere(tmp_path, monkeypatch, frames):
+    module = changed_copy(tmp_path, monkeypatch, COUNTED_SAMPLE)
+    counters = module.main(tiny_catch(module, replay_frames=frames))
+    assert counters["updates"] > 0 and module.CALLS.count("sample") >= counters["updates"]
+
+
+def test_an_augmentation_of_the_frames_trains_on_the_host_and_is_refused_with_them_on_the_device(
+    tmp_path, monkeypatch, capsys
+):
+    """A change `sample` makes to the frames cannot reach frames gathered on the device: refused in one sentence."""
+    shifted = (
+        COUNTED_SAMPLE[0],
+        """        batch = self.fill(self.draw_windows(batch_size, sequence_length, rng), sequence_length)
+        batch["obs"] = np.roll(batch["obs"], 1, axis=-1)  # a one-pixel shift
+        return batch""",
+    )
+    module = changed_copy(tmp_path, monkeypatch, shifted)
+    said = refused(module, tiny_catch(module, replay_frames="device"), capsys)
+    assert "FrameStoreReplay.fill" in said and "--replay-frames host" in said, said
+    assert module.main(tiny_catch(module, replay_frames="host"))["updates"] > 0
+
+
+def test_a_change_to_acting_takes_effect(tmp_path, monkeypatch):
+    counted = (
+        """        (action,) = self.policy(inputs)
+        return action.cpu().numpy()""",
+        """        (action,) = self.policy(inputs)
+        CALLS.append("act")
+        return action.cpu().numpy()""",
+    )
+    module = changed_copy(tmp_path, monkeypatch, counted)
+    args = tiny_catch(module)
+    module.main(args)
+    assert module.CALLS.count("act") == args.total_timesteps - args.learning_starts
+
+
+def test_a_changed_gru_stops_the_run_naming_where_its_backward_is_written(tmp_path, monkeypatch, capsys):
+    """The update gate's bias moved from -1 to -2 in Part 1's cell: the fast observe runs the cell as written, but the
+    hand-written backward has its own formula, and the run says where."""
+    gate = "        update = torch.sigmoid(update - {})\n        # update * candidate"
+    bias = (gate.format("1.0"), gate.format("2.0"))
+    module = changed_copy(tmp_path, monkeypatch, bias)
+    said = refused(module, tiny_catch(module), capsys)
+    assert "LayerNormGRUBackward" in said and "--observe-backward autograd" in said, said
+    assert module.main(tiny_catch(module, observe_backward="autograd"))["updates"] > 0
+
+
+def test_a_layer_the_hand_written_backward_does_not_know_falls_back_to_autograds(
+    tmp_path, monkeypatch, capsys
+):
+    """An RMSNorm in place of the RSSM's LayerNorms: the fast observe still runs its loop, the hand-written backward
+    steps aside in one line, and the run trains."""
+    rms = ("norm=nn.LayerNorm(hidden_dim, eps=NORM_EPS))", "norm=nn.RMSNorm(hidden_dim, eps=NORM_EPS))")
+    module = changed_copy(tmp_path, monkeypatch, rms)
+    assert module.main(tiny_catch(module))["updates"] > 0
+    said = capsys.readouterr().out
+    assert "hand-written backward does not apply (RSSM.img_in is Linear, RMSNorm, SiLU" in said, said
