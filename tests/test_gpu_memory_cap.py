@@ -56,7 +56,10 @@ def test_a_cap_within_the_card_is_accepted():
 
 def test_the_first_part_past_the_cap_is_named_with_what_came_before_and_what_would_fit():
     cap = mu.GpuCap(2.0)  # 1.5 GiB for the allocator
-    parts = [("the model", 0.5 * GIB, "a smaller model would fit"), ("the frames", 1.2 * GIB, "host frames would fit")]
+    parts = [
+        ("the model", 0.5 * GIB, "a smaller model would fit"),
+        ("the frames", 1.2 * GIB, "host frames would fit"),
+    ]
     problem = mu.gpu_fit_problem(cap, parts)
     assert problem == (
         "--gpu-memory-gb 2 is too small for this run: the frames (1.20 GiB) do not fit in the 1.00 GiB it leaves "
@@ -109,7 +112,11 @@ def test_dreamer_a_cap_too_small_for_its_model_or_its_frames_exits_3_naming_it(t
     monkeypatch.setattr(da.mu, "apply_gpu_cap", lambda cap, device: applied.append(cap) or 0.01)
     cuda = torch.device("cuda")
     cases = [
-        (da.Args(gpu_memory_gb=0.6), "the model and its optimizer state (0.20 GiB) do not fit", da.MODEL_INSTEAD),
+        (
+            da.Args(gpu_memory_gb=0.6),
+            "the model and its optimizer state (0.20 GiB) do not fit",
+            da.MODEL_INSTEAD,
+        ),
         (
             da.Args(gpu_memory_gb=1.5, buffer_capacity=100_000, replay_frames="device"),
             "the replay's frames on the device (1.20 GiB) do not fit in the 0.80 GiB",
@@ -161,13 +168,18 @@ def test_dreamer_the_default_fits_a_6_gb_card_by_the_measured_parts_and_not_a_4_
     ) * mib
     act = DEFAULT_DREAMER["activations"]
     parts = [
-        ("the replay's frames on the device", DEFAULT_DREAMER["frames"]["frame_store_mib_by_capacity"]["100000"] * mib),
+        (
+            "the replay's frames on the device",
+            DEFAULT_DREAMER["frames"]["frame_store_mib_by_capacity"]["100000"] * mib,
+        ),
         ("the update's activations (the preflight's peak)", act["preflight_step"]["peak_mib"] * mib),
         ("an open-loop report's activations", act["open_loop_report"]["peak_mib"] * mib),
     ]
     assert da.fit_problem(mu.GpuCap(6.0), parts, held_bytes=held) is None
     problem = da.fit_problem(mu.GpuCap(4.0), parts, held_bytes=held)
-    assert problem.startswith("--gpu-memory-gb 4 is too small for this run: an open-loop report's activations")
+    assert problem.startswith(
+        "--gpu-memory-gb 4 is too small for this run: an open-loop report's activations"
+    )
     assert problem.endswith(da.REPORT_INSTEAD + ".")
 
 
@@ -202,8 +214,12 @@ def test_dqn_bad_caps_exit_2_from_the_command_line_or_its_rl_variable(tmp_path):
 def test_dqn_counts_its_networks_and_optimizer_state_without_building_them():
     args = dqn.with_map_defaults(dqn.Args(res=8))
     agent = dqn.build_agent(args, seed=0, device="cpu")
-    dqn.preallocate(agent.q_network, agent.target_network, agent.optimizer, dqn.mu.amp("off", "cpu"), args, 4, "cpu")
-    tensors = [t for net in (agent.q_network, agent.target_network) for t in (*net.parameters(), *net.buffers())]
+    dqn.preallocate(
+        agent.q_network, agent.target_network, agent.optimizer, dqn.mu.amp("off", "cpu"), args, 4, "cpu"
+    )
+    tensors = [
+        t for net in (agent.q_network, agent.target_network) for t in (*net.parameters(), *net.buffers())
+    ]
     tensors += [v for state in agent.optimizer.state.values() for v in state.values()]
     held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
     assert dqn.networks_and_optimizer_nbytes(args) == held
@@ -239,14 +255,18 @@ def test_dqn_a_gpu_without_room_for_its_cuda_context_exits_3_with_a_report(tmp_p
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", no_room)
     logger = logging.getLogger("test_dqn_no_room")
-    with caplog.at_level(logging.INFO, logger="test_dqn_no_room"):
-        with pytest.raises(dqn.RunInterrupted) as stopped:
-            dqn.start_cuda(dqn.Args(), torch.device("cuda"), str(tmp_path), logger)
+    with (
+        caplog.at_level(logging.INFO, logger="test_dqn_no_room"),
+        pytest.raises(dqn.RunInterrupted) as stopped,
+    ):
+        dqn.start_cuda(dqn.Args(), torch.device("cuda"), str(tmp_path), logger)
     assert stopped.value.exit_code == dqn.EXIT_OOM
     assert "no room for this process's CUDA context" in caplog.text
     assert (tmp_path / "oom" / "report.json").exists()
     # any other CUDA error is not taken for one
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device=None: (_ for _ in ()).throw(RuntimeError("boom"))
+    )
     with pytest.raises(RuntimeError, match="boom"):
         dqn.start_cuda(dqn.Args(), torch.device("cuda"), str(tmp_path), logger)
 
