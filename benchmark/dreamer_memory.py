@@ -140,6 +140,7 @@ def open_loop_batch(args: da.Args, obs_shape: tuple) -> dict[str, np.ndarray]:
 
 
 def main(cli: Cli) -> dict:
+    code = code_version()  # before anything is measured or written
     torch.set_num_threads(cli.threads)
     args = da.Args(**(QUICK_FIELDS if cli.quick else {}))
     obs_shape = (
@@ -188,7 +189,7 @@ def main(cli: Cli) -> dict:
     result = {
         "what": "the default dreamer_atari.py's memory, part by part, measured on the CPU",
         "command": "python benchmark/dreamer_memory.py" + (" --quick" if cli.quick else ""),
-        "code": code_version(),
+        "code": code,
         "machine": bench_utils.machine(),
         "quick": cli.quick,
         "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(args).items()},
