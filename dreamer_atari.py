@@ -3681,7 +3681,7 @@ def fit_problem(cap: "mu.GpuCap", parts: list[tuple[str, float]], held_bytes: fl
     instead = {
         "the model and its optimizer state": MODEL_INSTEAD,
         "the replay's frames on the device": FRAMES_INSTEAD,
-        "the update's activations (the preflight's peak)": ACTIVATIONS_INSTEAD,
+        "the update's activations at the preflight's peak": ACTIVATIONS_INSTEAD,
         "an open-loop report's activations": REPORT_INSTEAD,
     }
     return mu.gpu_fit_problem(cap, [(name, nbytes, instead[name]) for name, nbytes in parts], held_bytes)
@@ -3714,7 +3714,7 @@ def check_fits_under_cap(run: "Run", activations_bytes: float) -> None:
     parts = []
     if isinstance(run.replay, FrameStoreReplay):
         parts.append(("the replay's frames on the device", frames_on_device_nbytes(args, run.obs_shape)))
-    parts.append(("the update's activations (the preflight's peak)", activations_bytes))
+    parts.append(("the update's activations at the preflight's peak", activations_bytes))
     if args.video_every:
         parts.append(("an open-loop report's activations", open_loop_peak_bytes(run)))
     if problem := fit_problem(cap, parts, held_bytes=held):

@@ -1237,11 +1237,10 @@ def gpu_fit_problem(
     used, before = float(held_bytes), []
     for what, nbytes, instead in parts:
         if used + nbytes > cap.allocator_bytes:
-            after = f"the CUDA context ({CUDA_CONTEXT_GIB:g} GiB)" + "".join(
-                f", {name} ({size / GIB:.2f} GiB)" for name, size in before
-            )
+            after = f"the CUDA context ({CUDA_CONTEXT_GIB:g} GiB)"
             if held_bytes:
                 after += f", what is held already ({held_bytes / GIB:.2f} GiB)"
+            after += "".join(f", {name} ({size / GIB:.2f} GiB)" for name, size in before)
             return (
                 f"{cap.flag} {cap.gib:g} is too small for this run: {what} ({nbytes / GIB:.2f} GiB) do not fit in "
                 f"the {max(0.0, cap.allocator_bytes - used) / GIB:.2f} GiB it leaves after {after}; {instead}."

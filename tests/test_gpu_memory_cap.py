@@ -172,7 +172,7 @@ def test_dreamer_the_default_fits_a_6_gb_card_by_the_measured_parts_and_not_a_4_
             "the replay's frames on the device",
             DEFAULT_DREAMER["frames"]["frame_store_mib_by_capacity"]["100000"] * mib,
         ),
-        ("the update's activations (the preflight's peak)", act["preflight_step"]["peak_mib"] * mib),
+        ("the update's activations at the preflight's peak", act["preflight_step"]["peak_mib"] * mib),
         ("an open-loop report's activations", act["open_loop_report"]["peak_mib"] * mib),
     ]
     assert da.fit_problem(mu.GpuCap(6.0), parts, held_bytes=held) is None
