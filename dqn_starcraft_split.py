@@ -2202,8 +2202,8 @@ def preallocate_or_fall_back(run: "Run", sources: dict) -> float:
         if not fallback_left:
             under = f" under --gpu-memory-gb {args.gpu_memory_gb:g}" if args.gpu_memory_gb is not None else ""
             run.logger.info(
-                f"out of memory at start-up ({oom.where}): the update's activations at batch {run.batch_size} "
-                f"(optimizer-state preallocation) do not fit{under}, so nothing was trained.\n{oom.diagnosis}\n"
+                f"out of memory at start-up ({oom.where}): optimizer-state preallocation at batch {run.batch_size} "
+                f"(the update's activations) does not fit{under}, so nothing was trained.\n{oom.diagnosis}\n"
                 + (
                     ""
                     if fallback_asked
