@@ -25,6 +25,10 @@
 #               for its own budget, then copies the files into $OUT, marked with both calls' times. Where
 #               GPU_LEASE_DIR holds nothing (the machine was given back between the calls, and the run with it) it
 #               says that the run is lost and exits 3.
+# `all` and `start` run issue 66's incidents stage between the update stage and Pong (dev/gpu/incident_stage.py, at
+# most GPU_LEASE_INCIDENTS_MINUTES, 2.5; GPU_LEASE_INCIDENTS=0 leaves it out), taking its minutes from the Pong run.
+# Before the device call, `python dev/code_version.py` and carry [".whl", ".code-version.json"]: the results name the
+# commit they ran (dev/README.md, "Results that name their code").
 # The detached run ends by GPU_LEASE_SPAN_S seconds (default 740) after call 1 began (its --budget-minutes), so that
 # call 2 started within 30 s of call 1's return still finds it ending inside its own budget.
 #
