@@ -222,6 +222,9 @@ class Args:
     """allocator history ring size of the snapshots"""
     memory_probes: bool = False
     """record memory at each stage of the loop (`debug/probe/*`) to name the stage that keeps memory"""
+    gpu_memory_gb: float | None = None
+    """CUDA: use at most this many GiB of the GPU, its CUDA context's 0.5 GiB included (a share of a shared card, or
+    a rehearsal of a smaller one); a run that cannot fit says what does not before it trains. Unset: the whole card"""
 
     # speed: the precision of `update` (PyTorch's mixed-precision recipe, in it) and the CPU threads (Part 2)
     amp: Literal["auto", "off", "fp16", "bf16"] = "auto"
@@ -1224,6 +1227,8 @@ RULES = (
     ("leak_warmup_steps", lambda a: a.leak_warmup_steps >= 0, "0 or more"),
     ("memory_snapshot_every", lambda a: a.memory_snapshot_every >= 0, "0 (off) or more"),
     ("snapshot_max_entries", lambda a: a.snapshot_max_entries >= 1, "at least 1"),
+    ("gpu_memory_gb", lambda a: a.gpu_memory_gb is None or a.gpu_memory_gb > mu.CUDA_CONTEXT_GIB,
+     f"more than {mu.CUDA_CONTEXT_GIB:g} GiB (the CUDA context alone takes about that much) or left out"),
 )
 # fmt: on
 
@@ -1717,6 +1722,12 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> tu
         raise ConfigError(sentence + where + ".")
     if args.amp == "fp16" and not (args.cuda and torch.cuda.is_available()):
         raise ConfigError("amp=fp16 needs a CUDA device and none is in use; use --amp auto, bf16 or off.")
+    if args.gpu_memory_gb is not None and args.cuda and torch.cuda.is_available():
+        # NVML's figure of the card: no CUDA context before the wait for memory (--wait-for-gpu-mb)
+        problem = mu.gpu_cap_problem(args.gpu_memory_gb, mu.gpu_card_bytes(), flag="gpu_memory_gb")
+        if problem:
+            where = sources["gpu_memory_gb"]
+            raise ConfigError(problem[:-1] + (f" (from {where})." if where.startswith("RL_") else "."))
     if args.backend == "pysc2":
         check_sc2_installed()
     return args, sources
@@ -1897,6 +1908,7 @@ def open_run(
     mu.one_malloc_arena()  # memory: before TensorBoard's and wandb's threads, whose own heaps are never trimmed
     device = resolve_device(args)
     batch_size, fallback_used, wait_line = wait_for_memory(args, device, stop)  # before building anything
+    check_fits_under_cap(args, device)  # by arithmetic, before anything is written (DoesNotFit: exit 3)
     if resume_step is None:  # a resumed run goes on in its own folder
         run_id = claim_run_folder(args.save_path, run_id, chosen=args.run_id is not None)
     run_dir = os.path.join(args.save_path, run_id)
@@ -1904,6 +1916,8 @@ def open_run(
     logger = make_logger(run_dir, run_id)
     if wait_line:
         logger.info(wait_line)
+    # the CUDA context, capped (--gpu-memory-gb); a GPU without room for it: exit 3
+    start_cuda(args, device, run_dir, logger)
     speed_up(args)  # Part 2, installed once: the thread count
     config = {
         "run_id": run_id,
@@ -2068,6 +2082,71 @@ def wait_for_memory(args: Args, device, stop: mu.StopSignals) -> tuple[int, bool
     )
 
 
+class DoesNotFit(Exception):
+    """The run cannot fit under --gpu-memory-gb: one sentence naming what does not, exit status 3 (EXIT_OOM)."""
+
+
+def networks_and_optimizer_nbytes(args: Args) -> int:
+    """Bytes of the online and target Q networks and of Adam's state (two moments per weight, a step per tensor),
+    from the network built on the meta device: nothing is allocated."""
+    with torch.device("meta"):
+        q_network = make_q_network(**network_settings(args))
+    weights = [*q_network.parameters(), *q_network.buffers()]
+    return 2 * sum(t.nbytes for t in weights) + sum(2 * p.nbytes + 4 for p in q_network.parameters())
+
+
+def check_fits_under_cap(args: Args, device) -> None:
+    """--gpu-memory-gb on CUDA, by arithmetic before anything is built or written: the Q networks and the optimizer
+    state must fit in the cap (DoesNotFit otherwise). The update's activations are measured by the preallocation,
+    under the cap (`start_cuda` sets it): an OOM there says so in train.log and exits 3."""
+    if args.gpu_memory_gb is None or device.type != "cuda":
+        return
+    problem = mu.gpu_fit_problem(
+        mu.GpuCap(args.gpu_memory_gb),
+        [
+            (
+                "the Q networks and the optimizer state",
+                networks_and_optimizer_nbytes(args),
+                "smaller --tower-channels and --fused-channels would fit",
+            )
+        ],
+    )
+    if problem:
+        raise DoesNotFit(problem)
+
+
+def start_cuda(args: Args, device, run_dir: str, logger) -> None:
+    """Make this process's CUDA context now (after any wait for memory), with torch's allocator capped under
+    --gpu-memory-gb. A GPU without room for the context itself (another process holds nearly all of it) is an
+    out-of-memory error like any other: the report in oom/, one line in train.log, exit 3, nothing trained."""
+    if device.type != "cuda":
+        if args.gpu_memory_gb is not None:
+            logger.info(
+                f"--gpu-memory-gb {args.gpu_memory_gb:g} ignored: no CUDA device, training on the CPU"
+            )
+        return
+    try:
+        if args.gpu_memory_gb is None:
+            torch.cuda.mem_get_info(device)  # the context is made by the first call that needs it
+            return
+        cap = mu.GpuCap(args.gpu_memory_gb)
+        fraction = mu.apply_gpu_cap(cap, device)
+    except RuntimeError as exc:  # the driver's "CUDA error: out of memory" is not torch's OutOfMemoryError
+        if "out of memory" not in str(exc).lower():
+            raise
+        oom = mu.out_of_memory(exc, __file__, run_dir, device=device)
+        logger.info(
+            f"out of memory at start-up ({oom.where}): the GPU has no room for this process's CUDA context (about "
+            f"{mu.CUDA_CONTEXT_GIB:g} GiB), so nothing was built or trained; --wait-for-gpu-mb MB waits for room."
+        )
+        raise RunInterrupted("out of memory", EXIT_OOM) from None
+    logger.info(
+        f"gpu: at most {cap.gib:g} GiB (--gpu-memory-gb): torch's allocator capped at "
+        f"{cap.allocator_bytes / mu.GIB:.2f} GiB ({fraction:.4f} of the card), {mu.CUDA_CONTEXT_GIB:g} GiB left to "
+        f"the CUDA context"
+    )
+
+
 def dummy_batch(batch_size: int, res: int, n_step: int, device) -> dict:
     """A worst-case-sized batch (all actions available) for optimizer-state preallocation."""
 
@@ -2143,9 +2222,10 @@ def preallocate_or_fall_back(run: "Run", sources: dict) -> float:
                 device=run.device,
             )
         if not fallback_left:
+            under = f" under --gpu-memory-gb {args.gpu_memory_gb:g}" if args.gpu_memory_gb is not None else ""
             run.logger.info(
-                f"out of memory at start-up ({oom.where}): optimizer-state preallocation at batch "
-                f"{run.batch_size} does not fit, so nothing was trained.\n{oom.diagnosis}\n"
+                f"out of memory at start-up ({oom.where}): optimizer-state preallocation at batch {run.batch_size} "
+                f"(the update's activations) does not fit{under}, so nothing was trained.\n{oom.diagnosis}\n"
                 + (
                     ""
                     if fallback_asked
@@ -2800,6 +2880,9 @@ def main(args: Args, sources: dict) -> int:
             except ConfigError as error:  # another run took this --run-id since the check above
                 print(f"error: {error}", file=sys.stderr)
                 return 2
+            except DoesNotFit as error:  # under --gpu-memory-gb, before anything was written
+                print(f"error: {error}", file=sys.stderr)
+                return EXIT_OOM
             except mu.WriteFailed as exc:  # config, test results, the final or interrupted checkpoint
                 print(f"stopped: {exc}; the run cannot go on without this file.", file=sys.stderr)
                 return EXIT_WRITE_FAILED

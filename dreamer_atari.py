@@ -204,6 +204,9 @@ class Args:
     """allocator history ring size of the snapshots"""
     memory_probes: bool = False
     """record memory at each stage of the loop and the update (debug/probe/*) to name the stage that grows"""
+    gpu_memory_gb: float | None = None
+    """CUDA: use at most this many GiB of the GPU, its CUDA context's 0.5 GiB included (a share of a shared card, or
+    a rehearsal of a smaller one: 6 is a 6 GB card); a run that cannot fit says what does not before it trains"""
 
     # speed: each flag turns off one faster equivalent of a function above (Part 2), checked against it
     fast_observe: bool = True
@@ -2135,6 +2138,12 @@ class CudaGraphed:
     A replay repeats the Python values `fn` read when it was captured. `settings()` (see `capture_settings`) reads
     those values; a replay after one of them changed raises `CaptureInvalid` naming it, instead of silently
     training on the old value. Scheduled numbers go through `Settings`, whose tensors a replay reads.
+
+    A captured graph keeps the memory its function used while it was captured, at its peak, as a private pool for
+    its replays. Graphs given the same `pool` (`torch.cuda.graph_pool_handle()`) share one: a later capture reuses
+    what an earlier one's temporaries left free, which is safe for graphs replayed one after another on one stream
+    whose outputs are read before the next replay (the updates' are: `UpdateLog.add`, the behaviour step's copy of
+    its inputs), so two updates need the larger of their peaks instead of the sum.
     """
 
     def __init__(
@@ -2142,8 +2151,9 @@ class CudaGraphed:
         fn: Callable[[dict[str, torch.Tensor]], tuple],
         warmup: int = 3,
         settings: Callable[[], dict] | None = None,
+        pool: tuple | None = None,
     ):
-        self.fn, self.warmup, self.calls = fn, warmup, 0
+        self.fn, self.warmup, self.calls, self.pool = fn, warmup, 0, pool
         self.settings = settings or dict
         self.captured_settings: dict | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -2190,7 +2200,7 @@ class CudaGraphed:
     def capture(self, inputs: dict[str, torch.Tensor]) -> tuple:
         self.static_inputs = {key: value.clone() for key, value in inputs.items()}
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=self.pool):  # it frees the warm-up's cached blocks first
             self.static_outputs = self.fn(self.static_inputs)
         self.graph.replay()  # capture runs nothing: this replay is this call's update
         return self.static_outputs
@@ -2424,18 +2434,29 @@ class FrameStoreReplay(EpisodeReplay):
         return gathered | {key: value for key, value in batch.items() if key != "rows"}
 
 
+def frame_store_nbytes(
+    capacity: int, num_envs: int, frame_shape: tuple, chunk_size: int | None = None
+) -> int:
+    """The bytes of the `FrameStore` a `FrameStoreReplay` of `capacity` steps makes (its sizing, in arithmetic)."""
+    chunk_size = chunk_size or EpisodeReplay(capacity, num_envs, seed=0).chunk_size  # the replay's own choice
+    blocks = math.ceil(1.05 * capacity / chunk_size) + 2 * num_envs + 2
+    return blocks * chunk_size * math.prod(frame_shape)
+
+
 def replay_frames_device(args: Args, device: torch.device, obs_shape: tuple) -> torch.device | None:
     """Where the replay's frames live (`--replay-frames`): the training device, or host memory (None); said in one
-    line."""
+    line. `auto` puts them on the device when a full replay's frames take at most a quarter of what this process may
+    still take there: the GPU's free memory, and under --gpu-memory-gb no more than the cap leaves."""
     full = replay_capacity(args) * math.prod(obs_shape[1:])  # a full replay's frames, one per step
     if args.replay_frames == "host" or (args.replay_frames == "auto" and device.type != "cuda"):
         return None
     if args.replay_frames == "auto":
-        free = torch.cuda.mem_get_info(device)[0]
+        free = mu.gpu_headroom_bytes(device, gpu_cap(args))
         if full > free / 4:
+            within = " the cap leaves of" if args.gpu_memory_gb is not None else ""
             print(
                 f"replay: frames in host memory: a full replay's {full / 2**30:.2f} GiB of frames is over a quarter "
-                f"of the GPU's {free / 2**30:.1f} GiB free (--replay-frames device puts them there anyway)"
+                f"of{within} the GPU's {free / 2**30:.1f} GiB free (--replay-frames device puts them there anyway)"
             )
             return None
     print(f"replay: frames on {device} ({full / 2**30:.2f} GiB when full); batches are gathered there")
@@ -2732,7 +2753,12 @@ def make_update_steps(agent: "Agent", args: Args) -> tuple[Callable, Callable]:
         for optimizer in agent.optimizers:  # Adam's step in a CUDA graph
             optimizer.param_groups[0]["capturable"] = True
         settings = capture_settings(agent)
-        return CudaGraphed(world_model_step, settings=settings), CudaGraphed(behavior_step, settings=settings)
+        # memory: one pool for both updates' graphs, about the larger peak instead of the sum (see CudaGraphed)
+        pool = torch.cuda.graph_pool_handle()
+        return (
+            CudaGraphed(world_model_step, settings=settings, pool=pool),
+            CudaGraphed(behavior_step, settings=settings, pool=pool),
+        )
     return world_model_step, behavior_step
 
 
@@ -3338,8 +3364,9 @@ def synthetic_batch(args: Args, obs_shape: tuple) -> dict[str, np.ndarray]:
     }
 
 
-def preflight(agent: Agent, args: Args, obs_shape: tuple) -> None:
-    """Create all optimizer state now with a worst-case batch; weights and moments are left untouched."""
+def preflight(agent: Agent, args: Args, obs_shape: tuple) -> float:
+    """Create all optimizer state now with a worst-case batch; weights and moments are left untouched. Returns the
+    step's peak in MiB (on CUDA: what it allocated beyond what was allocated before)."""
 
     def step_fn():
         batch = synthetic_batch(args, obs_shape)
@@ -3357,6 +3384,9 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> None:
     # An OOM here goes to main's start-up handler: a report, no checkpoint (nothing is trained yet), exit 3.
     peak_mb = mu.preallocate_optimizer_state(step_fn, agent.optimizers, modules=agent.modules().values())
     if agent.device.type == "cuda":
+        # memory: the step's cached blocks go back to the card (the warm-up updates run on another stream, which
+        # could not reuse them)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(agent.device)
         print(f"preflight: peak {peak_mb:.0f} MiB, free {free / 2**20:.0f} MiB of {total / 2**20:.0f} MiB")
         if peak_mb > 0.9 * free:
@@ -3366,6 +3396,121 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> None:
             )
     else:
         print(f"preflight: peak {peak_mb:.0f} MiB of host memory for one worst-case update")
+    return peak_mb
+
+
+# --- Memory: a cap on GPU memory (--gpu-memory-gb) --------------------------------------------------------------------
+
+
+# what would fit instead, said after each part that does not fit under the cap
+MODEL_INSTEAD = "a smaller model (--hidden-dim, --deterministic-dim, --encoder-channels) would fit"
+FRAMES_INSTEAD = "--replay-frames host (or a smaller --buffer-capacity) would fit"
+ACTIVATIONS_INSTEAD = "a smaller --batch-size or --sequence-length, or --amp bf16, would fit"
+REPORT_INSTEAD = "--video-every 0 (no open-loop reports) would fit"
+
+
+def gpu_cap(args: Args) -> "mu.GpuCap | None":
+    """--gpu-memory-gb as a cap, or None."""
+    return None if args.gpu_memory_gb is None else mu.GpuCap(args.gpu_memory_gb)
+
+
+def weights_and_optimizer_nbytes(args: Args, obs_shape: tuple, num_actions: int) -> int:
+    """The bytes of the agent's weights and buffers (the slow critic's too) and of Adam's state (two moments per
+    trained weight, a step per tensor), from its networks built on the meta device: nothing is allocated."""
+    with torch.device("meta"):
+        world_model = WorldModel(args, obs_shape, num_actions)
+        feat_dim = args.deterministic_dim + world_model.rssm.stoch_flat
+        actor = Actor(feat_dim, num_actions, args.hidden_dim, args.unimix)
+        critic = Critic(feat_dim, args.hidden_dim, args.reward_bins)
+        return_norm = ReturnNormalizer()
+    trained = [p for module in (world_model, actor, critic) for p in module.parameters()]
+    # the slow critic is a copy of the critic
+    buffers = [b for module in (world_model, actor, critic, critic, return_norm) for b in module.buffers()]
+    slow_critic = list(critic.parameters())
+    return sum(t.nbytes for t in trained + slow_critic + buffers) + sum(2 * p.nbytes + 4 for p in trained)
+
+
+def frames_on_device_nbytes(args: Args, obs_shape: tuple) -> int:
+    """The bytes of a full replay's frames on the device (`FrameStoreReplay`'s store)."""
+    return frame_store_nbytes(replay_capacity(args), args.num_envs, obs_shape[1:])
+
+
+def cap_gpu_memory(args: Args, device: torch.device) -> None:
+    """--gpu-memory-gb on CUDA: first, by arithmetic, the model and its optimizer state, and with --replay-frames
+    device the replay's frames, must fit in the cap (else one sentence and exit 3, before anything is written); then
+    torch's allocator is capped at the cap less the CUDA context's share. On a CPU the flag is said to be ignored."""
+    cap = gpu_cap(args)
+    if cap is None:
+        return
+    if device.type != "cuda":
+        print(f"--gpu-memory-gb {cap.gib:g} ignored: no CUDA device, training on the CPU")
+        return
+    obs_shape, num_actions = env_spaces(args)
+    parts = [
+        ("the model and its optimizer state", weights_and_optimizer_nbytes(args, obs_shape, num_actions))
+    ]
+    if args.replay_frames == "device":
+        parts.append(("the replay's frames on the device", frames_on_device_nbytes(args, obs_shape)))
+    if problem := fit_problem(cap, parts):
+        exit_with(f"error: {problem}", EXIT_OOM)
+    fraction = mu.apply_gpu_cap(cap, device)
+    print(
+        f"gpu: at most {cap.gib:g} GiB (--gpu-memory-gb): torch's allocator capped at "
+        f"{cap.allocator_bytes / 2**30:.2f} GiB ({fraction:.4f} of the card), {mu.CUDA_CONTEXT_GIB:g} GiB left to "
+        f"the CUDA context"
+    )
+
+
+def fit_problem(cap: "mu.GpuCap", parts: list[tuple[str, float]], held_bytes: float = 0.0) -> str | None:
+    """The first of the parts (name, bytes) that does not fit under the cap, after `held_bytes`, in one sentence
+    that says what would fit instead; None when all do."""
+    instead = {
+        "the model and its optimizer state": MODEL_INSTEAD,
+        "the replay's frames on the device": FRAMES_INSTEAD,
+        "the update's activations at the preflight's peak": ACTIVATIONS_INSTEAD,
+        "an open-loop report's activations": REPORT_INSTEAD,
+    }
+    return mu.gpu_fit_problem(cap, [(name, nbytes, instead[name]) for name, nbytes in parts], held_bytes)
+
+
+def open_loop_peak_bytes(run: "Run") -> int:
+    """CUDA: what one open-loop report (`open_loop_predictions` on as many sequences as `log_open_loop` draws)
+    allocates at its peak, measured once on a synthetic batch, with torch's random state left as it was."""
+    args, device = run.args, run.device
+    sequences = RECALL_SEQUENCES if is_pong(args.env_id) else 4
+    batch = synthetic_batch(dataclasses.replace(args, batch_size=sequences), run.obs_shape)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.random.fork_rng(devices=[device]):
+        open_loop_predictions(run.agent, batch)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()  # memory: its blocks go back, as the preflight's did
+    return peak
+
+
+def check_fits_under_cap(run: "Run", activations_bytes: float) -> None:
+    """After the preflight, under --gpu-memory-gb on CUDA: what is held (weights, optimizer state), the replay's frames
+    when they are on the device (made with the first episode), the update's activations (the preflight's peak, which
+    a captured update keeps as its graphs' pool) and, with open-loop reports, one report's peak must fit in the cap;
+    otherwise one sentence and exit 3, before anything trains. Said in one line when they fit."""
+    args, cap = run.args, gpu_cap(run.args)
+    held = torch.cuda.memory_allocated(run.device)
+    parts = []
+    if isinstance(run.replay, FrameStoreReplay):
+        parts.append(("the replay's frames on the device", frames_on_device_nbytes(args, run.obs_shape)))
+    parts.append(("the update's activations at the preflight's peak", activations_bytes))
+    if args.video_every:
+        parts.append(("an open-loop report's activations", open_loop_peak_bytes(run)))
+    if problem := fit_problem(cap, parts, held_bytes=held):
+        run.writer.close()
+        exit_with(f"error: {problem}", EXIT_OOM)
+    print(
+        f"gpu: under --gpu-memory-gb {cap.gib:g}: held {held / 2**30:.2f} GiB, "
+        + ", ".join(f"{name} {nbytes / 2**30:.2f} GiB" for name, nbytes in parts)
+        + f": {(held + sum(n for _, n in parts)) / 2**30:.2f} of the allocator's {cap.allocator_bytes / 2**30:.2f} GiB"
+    )
 
 
 def attach_memory_probes(agent: Agent, probes: "mu.StageProbes") -> None:
@@ -3921,6 +4066,10 @@ def check_input(args: Args) -> tuple[torch.device, dict | None]:
                 "--memory-probes measures eager updates (a captured graph runs no Python); add "
                 "--no-cudagraph."
             )
+        if args.gpu_memory_gb is not None:
+            card = mu.gpu_card_bytes(device) if device.type == "cuda" else None
+            if problem := mu.gpu_cap_problem(args.gpu_memory_gb, card):
+                raise ArgsError(problem)
         resume_state = load_checkpoint(args.resume) if args.resume else None
         if resume_state is not None:
             check_checkpoint_matches(resume_state, args)
@@ -3949,6 +4098,7 @@ def set_up(args: Args) -> Run:
     mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
     mu.one_malloc_arena()  # memory: before TensorBoard's and wandb's threads, whose own heaps are never trimmed
     device, resume_state = check_input(args)
+    cap_gpu_memory(args, device)  # before anything is written or built; a run that cannot fit exits 3
     seed_everything(args, device)
     run = None
     try:
@@ -3957,14 +4107,18 @@ def set_up(args: Args) -> Run:
         if device.type == "cuda":
             mu.install_oom_observer(run.run_dir)
         if args.preallocate:
-            preflight(run.agent, args, run.obs_shape)
+            peak_mb = preflight(run.agent, args, run.obs_shape)
+            if gpu_cap(args) is not None and device.type == "cuda":
+                check_fits_under_cap(run, peak_mb * 2**20)
     except torch.OutOfMemoryError as exc:
         run_dir = run.run_dir if run is not None and run.run_dir else open_run(args, resume_state)[1]
         run = None  # memory: the half-built learner goes before the report
         oom = mu.out_of_memory(exc, __file__, run_dir, device=device, advice=OOM_ADVICE)
+        under = f" under --gpu-memory-gb {args.gpu_memory_gb:g}" if gpu_cap(args) is not None else ""
         exit_with(
             f"out of memory at start-up ({oom.where}), before any training: a worst-case update (--batch-size "
-            f"{args.batch_size} x --sequence-length {args.sequence_length}) does not fit here.\n{oom.diagnosis}",
+            f"{args.batch_size} x --sequence-length {args.sequence_length}) does not fit here{under}.\n"
+            f"{oom.diagnosis}",
             EXIT_OOM,
         )
     say_replay_size(

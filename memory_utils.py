@@ -1156,6 +1156,104 @@ def _poll_free_memory(min_free_mb, poll_s, timeout_s, probe, sleep, clock, verbo
 
 
 # ---------------------------------------------------------------------------------------------------------
+# A cap on GPU memory (--gpu-memory-gb): a share of a card, or a rehearsal of a smaller one
+# ---------------------------------------------------------------------------------------------------------
+GIB = 1024.0**3
+# What a process holds on its GPU outside torch's allocator, which `torch.cuda.set_per_process_memory_fraction` does
+# not count: the CUDA context (the driver's state and the kernels' code, loaded as they are first used since CUDA
+# 11.7) and the cuBLAS and cuDNN handles' own memory, about 0.3-0.5 GiB with torch on current drivers. A cap leaves
+# this much of what it names to them, so that `--gpu-memory-gb 6` gives torch's allocator what a 6 GB card would.
+CUDA_CONTEXT_GIB = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuCap:
+    """A process's share of one GPU: `gib` GiB in all (`flag`, as the user gave it), of which the CUDA context keeps
+    CUDA_CONTEXT_GIB and torch's allocator may reserve the rest, `allocator_bytes`."""
+
+    gib: float
+    flag: str = "--gpu-memory-gb"
+
+    @property
+    def allocator_bytes(self) -> int:
+        return int((self.gib - CUDA_CONTEXT_GIB) * GIB)
+
+    def fraction(self, card_bytes: int) -> float:
+        """The share of a card of `card_bytes` that `torch.cuda.set_per_process_memory_fraction` takes."""
+        return self.allocator_bytes / card_bytes
+
+
+def gpu_cap_problem(gib: float, card_bytes: int | None, flag: str = "--gpu-memory-gb") -> str | None:
+    """One sentence when `gib` cannot cap a run's GPU memory (not more than the CUDA context's share, or more than the
+    card's `card_bytes` where that is known); None when it can."""
+    if not (_is_number(gib) and math.isfinite(gib) and gib > CUDA_CONTEXT_GIB):
+        return (
+            f"{flag} must be a number of GiB greater than {CUDA_CONTEXT_GIB:g} (the CUDA context alone takes about "
+            f"that much), got {gib!r}."
+        )
+    if card_bytes is not None and gib * GIB > card_bytes:
+        return f"{flag} {gib:g} is more than this GPU has ({card_bytes / GIB:.2f} GiB); give at most that."
+    return None
+
+
+def gpu_card_bytes(device=None) -> int | None:
+    """The GPU's memory in bytes: NVML's figure, which makes no CUDA context (a process waiting for memory must not
+    hold any), else torch's where CUDA is available; None without a GPU."""
+    try:
+        probe = NvmlProbe(_device_index(device))
+    except NvmlUnavailable:
+        if not _cuda_ready():
+            return None
+        return int(torch.cuda.get_device_properties(_device_index(device)).total_memory)
+    try:
+        return int(probe.nvml.nvmlDeviceGetMemoryInfo(probe.handle).total)
+    finally:
+        probe.close()
+
+
+def apply_gpu_cap(cap: GpuCap, device) -> float:
+    """Cap torch's allocator on `device` at `cap.allocator_bytes` (this makes the CUDA context: call it once the
+    process may hold memory on the card). Returns the fraction of the card set."""
+    card = torch.cuda.mem_get_info(device)[1]
+    fraction = min(1.0, cap.fraction(card))
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+def gpu_headroom_bytes(device, cap: GpuCap | None = None) -> int:
+    """Bytes this process may still reserve on `device`: the card's free memory, and under a cap no more than the
+    cap's allocator share less what torch's allocator holds already."""
+    free = torch.cuda.mem_get_info(device)[0]
+    if cap is None:
+        return free
+    return max(0, min(free, cap.allocator_bytes - torch.cuda.memory_reserved(device)))
+
+
+def gpu_fit_problem(
+    cap: GpuCap, parts: Sequence[tuple[str, float, str]], held_bytes: float = 0.0
+) -> str | None:
+    """The first of `parts` that does not fit under the cap, in one sentence; None when all do.
+
+    `parts` are (what, bytes, what would fit instead), in the order the run places them on the GPU, after
+    `held_bytes` already held by torch's allocator (0 before anything is built). A part fits when it and all the
+    parts before it fit in the cap's allocator share."""
+    used, before = float(held_bytes), []
+    for what, nbytes, instead in parts:
+        if used + nbytes > cap.allocator_bytes:
+            after = f"the CUDA context ({CUDA_CONTEXT_GIB:g} GiB)"
+            if held_bytes:
+                after += f", what is held already ({held_bytes / GIB:.2f} GiB)"
+            after += "".join(f", {name} ({size / GIB:.2f} GiB)" for name, size in before)
+            return (
+                f"{cap.flag} {cap.gib:g} is too small for this run: {what} ({nbytes / GIB:.2f} GiB) do not fit in "
+                f"the {max(0.0, cap.allocator_bytes - used) / GIB:.2f} GiB it leaves after {after}; {instead}."
+            )
+        used += nbytes
+        before.append((what, nbytes))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Optimizer-state preallocation
 # ---------------------------------------------------------------------------------------------------------
 # How each state entry of torch.optim's optimizers starts when the first step creates it: zero unless listed in

@@ -8,9 +8,12 @@ so that no module imports the command line. Importing this module runs nothing.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -148,6 +151,142 @@ PONG_QUICK = {
     "sequence_length": 16,
 }
 PONG_QUICK_RESUMABLE = {"checkpoint_every": 200}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The code a result ran: every results file records it (`code`)
+# ---------------------------------------------------------------------------------------------------------
+# where the code travels without .git (a GPU lease's copy of the working tree), `dev/code_version.py` writes what git
+# said before it left; ignored by git, carried to the device beside the wheels
+CODE_VERSION_FILE = ".code-version.json"
+CODE_SUFFIXES = (
+    ".py",
+    ".sh",
+    ".txt",
+    ".toml",
+)  # the files whose bytes `code_sha256` covers: the code a run runs
+LISTED_PATHS = 20  # differing paths named in a result (their count is always there)
+
+
+def git(root: Path, *argv: str) -> str | None:
+    """git's output in `root`, or None where it is not a checkout (or git is missing)."""
+    try:
+        done = subprocess.run(["git", "-C", str(root), *argv], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.decode(errors="replace") if done.returncode == 0 else None
+
+
+def code_files(root: Path) -> list[str]:
+    """The code files of the checkout at `root` as the device tool sends them: tracked, and untracked where git does
+    not ignore them (CODE_SUFFIXES only), sorted."""
+    listed = git(root, "ls-files", "--cached", "--others", "--exclude-standard", "-z") or ""
+    return sorted({path for path in listed.split("\0") if path.endswith(CODE_SUFFIXES)})
+
+
+def code_sha256(root: Path, paths: list[str]) -> str:
+    """One SHA-256 over the paths and bytes of `paths` under `root` (a missing file counts as missing)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        file = root / path
+        digest.update(path.encode() + b"\0")
+        digest.update(file.read_bytes() if file.is_file() else b"<missing>")
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def code_from_git(root: Path) -> dict | None:
+    """The commit checked out at `root` and whether the working tree differs from it (tracked files changed, or
+    untracked files git does not ignore); None where `root` is not a checkout."""
+    commit = git(root, "rev-parse", "HEAD")
+    if commit is None:
+        return None
+    status = [
+        line[3:] for line in (git(root, "status", "--porcelain", "--untracked-files=all") or "").splitlines()
+    ]
+    untracked = sorted(path for path in status if (root / path).is_file())
+    digest = hashlib.sha256((git(root, "diff", "HEAD", "--binary") or "").encode())
+    digest.update(code_sha256(root, untracked).encode())
+    return {
+        "commit": commit.strip(),
+        "tree_differs": bool(status),
+        "differing_paths": status[:LISTED_PATHS],
+        "differing_count": len(status),
+        "diff_sha256": digest.hexdigest() if status else None,  # the same changes give the same digest
+        "from": "git",
+    }
+
+
+def code_version(root: Path = ROOT) -> dict:
+    """The commit the code at `root` is and whether its working tree differed from it: from git in a checkout, else
+    from CODE_VERSION_FILE (a lease's copy has no .git; `files_match` says whether the code files are still those it
+    was written for), else unknown, said so."""
+    from_git = code_from_git(root)
+    if from_git is not None:
+        return from_git
+    file = root / CODE_VERSION_FILE
+    try:
+        recorded = json.loads(file.read_text())
+        paths = list(recorded.pop("code_files"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return {
+            "commit": None,
+            "tree_differs": None,
+            "from": f"unknown: no git checkout here and no readable {CODE_VERSION_FILE} (dev/code_version.py writes it)",
+        }
+    return {
+        **recorded,
+        "from": f"{CODE_VERSION_FILE}, written by dev/code_version.py at {recorded.get('written_at')}",
+        "files_match": code_sha256(root, paths) == recorded.get("code_sha256"),
+    }
+
+
+def write_code_version(root: Path = ROOT) -> dict:
+    """CODE_VERSION_FILE at `root`: what git says now, with the code files' digest that `code_version` checks."""
+    from_git = code_from_git(root)
+    if from_git is None:
+        fail(f"{root} is not a git checkout: there is no commit to record.")
+    paths = code_files(root)
+    recorded = {
+        **from_git,
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "code_sha256": code_sha256(root, paths),
+        "code_files": paths,
+    }
+    del recorded["from"]
+    tmp = root / (CODE_VERSION_FILE + ".tmp")
+    tmp.write_text(json.dumps(recorded, indent=1) + "\n")
+    tmp.replace(root / CODE_VERSION_FILE)
+    return recorded
+
+
+def read_results(path: str | Path) -> dict:
+    """A results JSON file of any age, in today's meaning of its keys: `pong_final_return` is the evaluation's mean
+    return everywhere. dev/gpu/gpu_report.py files written before that (the 2026-11-22 H100 session's) hold the
+    mean of the last 10 training episodes under `pong.pong_final_return`: read as `pong.pong_train_return_last_10`,
+    with `pong.pong_final_return` None (nothing was evaluated)."""
+    result = json.loads(Path(path).read_text())
+    pong = result.get("pong")
+    if isinstance(pong, dict) and "pong_final_return" in pong and "pong_train_return_last_10" not in pong:
+        pong["pong_train_return_last_10"] = pong["pong_final_return"]
+        pong["pong_final_return"] = None
+    return result
+
+
+def code_markdown(code: dict | None) -> str:
+    """One sentence for a results file's markdown: the code it ran."""
+    if not code or not code.get("commit"):
+        return "Code: not recorded" + (
+            f" ({code['from']})." if code else " (a file from before results named their code)."
+        )
+    text = f"Code: commit {code['commit'][:10]}"
+    if code.get("tree_differs"):
+        text += f", with {code.get('differing_count', 'some')} paths changed or added (diff {str(code.get('diff_sha256'))[:10]})"
+    else:
+        text += ", no changes"
+    if code.get("files_match") is False:
+        text += "; the code files differ from those the record was written for"
+    return text + "."
 
 
 # ---------------------------------------------------------------------------------------------------------

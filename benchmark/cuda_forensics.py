@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
 import memory_analysis as ma
 import memory_utils as mu
 from benchmark import bench_utils
+from benchmark.common import code_version
 from dreamer_atari import EXIT_OOM
 
 # Run sizes. Full: the seed model (dreamer_atari.Args() defaults) with fewer updates per env step, so the run stays
@@ -316,6 +317,7 @@ def main() -> None:
             result["oom_in_update"] = result["oom_in_preflight"] = {"skipped": skipped}
         snapshots["run_dir"] = str(snapshots["run_dir"].relative_to(work))
         result["snapshot_run"] = snapshots
+    result["code"] = code_version()  # the commit it ran, and whether the tree differed
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 

@@ -36,6 +36,7 @@ import torch
 
 import dqn_starcraft_split as dqn
 from benchmark import bench_utils
+from benchmark.common import code_version
 
 NO_OP, SELECT_ARMY = dqn.FUNCTION_IDS["no_op"], dqn.FUNCTION_IDS["select_army"]
 MOVE, SELECT_POINT = dqn.MOVE_SCREEN, dqn.SELECT_POINT
@@ -469,6 +470,7 @@ def main() -> int:
         "python": platform.python_version(),
         "wall_time_s": time.perf_counter() - start,
     }
+    report["code"] = code_version()  # the commit it ran, and whether the tree differed
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     write_markdown(out.with_suffix(".md"), report)
     for key in paper:

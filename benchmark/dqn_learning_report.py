@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dqn_starcraft_split as dqn
 import memory_utils as mu
+from benchmark.common import code_version
 from benchmark.dqn_calibration import (
     NEIGHBOUR_WORLD_UNITS,
     CarriedClicks,
@@ -492,6 +493,7 @@ def main() -> None:
     else:
         report["scripted_beacon_mean"] = reference_mean
     out.parent.mkdir(parents=True, exist_ok=True)
+    report["code"] = code_version()  # the commit it ran, and whether the tree differed
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     plot(report, out.with_suffix(".png"))
     out.with_suffix(".md").write_text(markdown(report))

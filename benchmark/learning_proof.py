@@ -34,6 +34,7 @@ import tyro
 
 import dreamer_atari as da
 from benchmark import bench_utils
+from benchmark.common import code_version
 
 # The proof's configuration: a small model and batch so that an update takes tens of milliseconds on a CPU;
 # everything not named here is the script's default.
@@ -326,6 +327,7 @@ def summary_markdown(results: list[dict]) -> str:
 def main(args: Args) -> dict:
     out = prove(args)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    out["code"] = code_version()  # the commit it ran, and whether the tree differed
     Path(args.json).write_text(json.dumps(out, indent=1))
     runs = [json.loads(p.read_text()) for p in sorted(Path(args.json).parent.glob("catch_seed_*.json"))]
     if runs:  # the results folder's summary, rewritten from every run in it

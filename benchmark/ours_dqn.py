@@ -26,6 +26,7 @@ import torch
 import dqn_starcraft_split as dqn
 import memory_utils as mu
 from benchmark import bench_utils
+from benchmark.common import code_version
 
 
 def env_steps_per_s(args: dqn.Args, steps: int, epsilon: float, q_network, rng) -> float:
@@ -106,6 +107,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     result = measure(args.quick)
     result["machine"] = bench_utils.machine()
+    result["code"] = code_version()  # the commit it ran, and whether the tree differed
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 

@@ -38,7 +38,7 @@ import torch
 import dreamer_atari as da
 import memory_utils as mu
 from benchmark import bench_utils
-from benchmark.common import TINY_MODEL_FIELDS
+from benchmark.common import TINY_MODEL_FIELDS, code_version
 
 MB = 1024.0 * 1024.0
 # `--quick` sizes: everything smaller, stated in the output, so the whole quick run takes a couple of minutes.
@@ -649,6 +649,7 @@ def main() -> None:
     else:
         result = cmd_gpu(args.quick, args.device, tuple(args.parts))
     result["machine"] = bench_utils.machine()
+    result["code"] = code_version()  # the commit it ran, and whether the tree differed
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 

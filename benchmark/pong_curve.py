@@ -187,6 +187,10 @@ def main() -> None:
         print(f"error: {cli.events!r} does not exist.", file=sys.stderr)
         raise SystemExit(2)
     result = curve(read_events(cli.events))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmark.common import code_version
+
+    result["code"] = code_version()  # the commit it ran, and whether the tree differed
     Path(cli.json).write_text(json.dumps(result, indent=1))
     if cli.png:
         plot(result, cli.png, cli.title)

@@ -47,6 +47,8 @@ from benchmark.common import (
     TARGET_UPDATE_SPEEDUP,
     Args,
     check_gpu_only_device,
+    code_markdown,
+    code_version,
     fail,
     fmt,
     fmt_load,
@@ -871,9 +873,11 @@ def main(args: Args) -> dict:
         return main_gpu_only(args)
     if args.matched_only:
         return main_matched_only(args)
+    code = code_version()  # the commit it runs, and whether the tree differs, before anything is written
     (BENCH_DIR / ".work").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="run-", dir=BENCH_DIR / ".work") as work:
         result = measure(args, Path(work))
+    result["code"] = code
     result["date"] = time.strftime("%Y-%m-%d")
     add_ratios(result)
     result["targets_met"] = verdicts(result)
@@ -888,7 +892,9 @@ def main(args: Args) -> dict:
         gpu_or_cpu = result["machine"].get("gpu") or result["machine"]["cpu"]
         stem = new_results_stem(args.results_dir, f"{result['date']}-{slug(gpu_or_cpu)}")
         command = "python benchmark/run.py" + (f" --peer {args.peer}" if args.peer else "")
-        Path(f"{stem}.md").write_text(results_markdown(result, table, command))
+        Path(f"{stem}.md").write_text(
+            results_markdown(result, table, command) + "\n" + code_markdown(code) + "\n"
+        )
         Path(f"{stem}.json").write_text(json.dumps(result, indent=2))
         log(f"wrote {stem}.md and {stem}.json")
     return result
@@ -905,7 +911,12 @@ def main_matched_only(args: Args) -> dict:
 
     started = time.time()
     stage_s: dict[str, float] = {}
-    result: dict = {"threads": args.threads, "load_average_start": os.getloadavg(), "peer": "sheeprl"}
+    result: dict = {
+        "threads": args.threads,
+        "load_average_start": os.getloadavg(),
+        "peer": "sheeprl",
+        "code": code_version(),  # the commit it runs, and whether the tree differs
+    }
     with timed(stage_s, PEER_ENV_STAGE):
         result["peer_versions"] = peer_venv.ensure(log=log)
     result["machine"] = bench_utils.machine()
@@ -951,6 +962,8 @@ def main_matched_only(args: Args) -> dict:
             "",
             *matched_markdown(result),
             "",
+            code_markdown(result["code"]),
+            "",
         ]
     )
     stem = new_results_stem(args.results_dir, f"{result['date']}-{slug(m.get('gpu') or m['cpu'])}-matched")
@@ -966,9 +979,11 @@ def main_gpu_only(args: Args) -> dict:
         fail(f"--pong-minutes must be 0 or more, got {args.pong_minutes}.")
     if args.pong_only and args.pong_minutes == 0:
         fail("--pong-only with --pong-minutes 0 would do nothing.")
+    code = code_version()  # the commit it runs, and whether the tree differs, before anything is written
     (BENCH_DIR / ".work").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="run-", dir=BENCH_DIR / ".work") as work:
         result = measure_gpu_only(args, Path(work))
+    result["code"] = code
     result["date"] = time.strftime("%Y-%m-%d")
     result["targets_met"] = gpu_verdicts(result)
     table = targets_table(result["targets_met"])
@@ -977,7 +992,8 @@ def main_gpu_only(args: Args) -> dict:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if not args.quick:
         stem = new_results_stem(args.results_dir, f"{result['date']}-{slug(result['machine']['gpu'])}")
-        Path(f"{stem}.md").write_text(gpu_only_markdown(result, table, "python benchmark/run.py --gpu-only"))
+        text = gpu_only_markdown(result, table, "python benchmark/run.py --gpu-only")
+        Path(f"{stem}.md").write_text(text + "\n" + code_markdown(code) + "\n")
         Path(f"{stem}.json").write_text(json.dumps(result, indent=2))
         log(f"wrote {stem}.md and {stem}.json")
     return result

@@ -268,6 +268,7 @@ BAD_VALUES = {
     "leak_warmup_steps": -1,
     "memory_snapshot_every": -1,
     "snapshot_max_entries": 0,
+    "gpu_memory_gb": 0.5,
 }
 
 

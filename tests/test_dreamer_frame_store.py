@@ -236,7 +236,9 @@ def device_run(**overrides):
 
     replay = da.FrameStoreReplay(200, 1, seed=0, frames_device="cpu")
     agent = types.SimpleNamespace(num_actions=3)
-    return types.SimpleNamespace(args=tiny_args(**overrides), obs_shape=(4, *FRAME), agent=agent, replay=replay)
+    return types.SimpleNamespace(
+        args=tiny_args(**overrides), obs_shape=(4, *FRAME), agent=agent, replay=replay
+    )
 
 
 def test_the_device_sampler_is_checked_against_the_host_sampler_as_written(monkeypatch):

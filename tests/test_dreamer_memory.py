@@ -80,7 +80,9 @@ def test_acting_keeps_its_state_in_place_and_reads_nothing_back_inside_the_polic
         torch.testing.assert_close(player.deter, expected_deter)
         assert [player.deter.data_ptr(), player.stoch.data_ptr(), player.prev_action.data_ptr()] == addresses
     assert player.deter.grad_fn is None and player.stoch.grad_fn is None
-    fresh = da.Player(agent, num_envs=3)  # a new player starts from the initial state, with no previous action
+    fresh = da.Player(
+        agent, num_envs=3
+    )  # a new player starts from the initial state, with no previous action
     initial_deter, initial_stoch = dreamerv3_initial_state(agent.world_model.rssm)
     assert torch.equal(fresh.deter, initial_deter.expand(3, -1)) and not fresh.prev_action.any()
     assert torch.equal(fresh.stoch, initial_stoch.expand(3, -1)) and fresh.deter.grad_fn is None

@@ -275,7 +275,7 @@ def test_targets_are_judged_on_a_full_size_cuda_run_and_the_pong_ones_only_at_10
     [
         (
             ["--device", "cpu", "--quick"],
-            "--stage names the stages to run: update, pong, or both in that order.",
+            "--stage names the stages to run: update, incidents, pong, or some of them in that order.",
         ),
         (
             ["--stage", "pong", "--device", "cpu", "--quick", "--pong-minutes", "0"],

@@ -192,10 +192,14 @@ def test_a_kl_warm_up_of_zero_steps_is_none_and_a_negative_one_is_refused(tmp_pa
     with pytest.raises(SystemExit) as refused:
         module.main(tiny_catch(module, kl_warmup_steps=-5))
     assert refused.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: --kl-warmup-steps must be a number of 0 or more, got -5."
+    assert (
+        capsys.readouterr().err.strip() == "error: --kl-warmup-steps must be a number of 0 or more, got -5."
+    )
 
 
-def test_a_new_transition_is_one_row_and_its_class_and_trains_with_the_default_flags(tmp_path, monkeypatch, capsys):
+def test_a_new_transition_is_one_row_and_its_class_and_trains_with_the_default_flags(
+    tmp_path, monkeypatch, capsys
+):
     module = changed_script("mingru", tmp_path, monkeypatch)
     args = tiny_catch(module, model="mingru")
     assert args.fast_observe and args.observe_backward == "hand-written"

@@ -61,7 +61,9 @@ def part_1_lines(text: str | None = None) -> int:
 
 def test_the_algorithm_part_stays_short_enough_to_read():
     lines = part_1_lines()
-    assert lines <= PART_1_MAX_LINES, f"dreamer_atari.py: Part 1 is {lines} lines (at most {PART_1_MAX_LINES})"
+    assert lines <= PART_1_MAX_LINES, (
+        f"dreamer_atari.py: Part 1 is {lines} lines (at most {PART_1_MAX_LINES})"
+    )
 
 
 def names_used(source: str) -> set[str]:

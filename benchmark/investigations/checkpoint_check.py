@@ -30,6 +30,7 @@ import torch
 import dreamer_atari as da
 import memory_utils as mu
 from benchmark import bench_utils
+from benchmark.common import code_version
 
 
 def default_checkpoint(folder: str) -> str:
@@ -98,6 +99,7 @@ def main() -> None:
         "samples_ms": rows,
         "median_ms": {name: statistics.median(samples) for name, samples in rows.items()},
     }
+    result["code"] = code_version()  # the commit it ran, and whether the tree differed
     Path(options.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [
         "# Checking a checkpoint before loading it",

@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import memory_utils as mu
+from benchmark.common import code_version
 
 EVERY = 1_000
 LENGTH = 300_000
@@ -235,6 +236,7 @@ def main() -> None:
     started = time.time()
     result = run_corpus(cli.seeds)
     result["wall_s"] = time.time() - started
+    result["code"] = code_version()  # the commit it ran, and whether the tree differed
     Path(cli.json).write_text(json.dumps(result, indent=1))
     if cli.md:
         command = " ".join(["python", "benchmark/investigations/leak_corpus.py", *sys.argv[1:]])

@@ -42,6 +42,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 import dreamer_atari as da
 from benchmark import bench_utils
+from benchmark.common import code_version
 
 ENV_ID = "ALE/Pong-v5"
 # Pong's RAM: the ball's row and the player's (right) paddle's top row
@@ -450,6 +451,7 @@ def main(args: Args) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.configs:
         result["configurations"].append(train_config(name, data, args))
+        result.setdefault("code", code_version())  # the commit it ran (once), and whether the tree differed
         out.write_text(json.dumps(result, indent=1) + "\n")
         plot(result, out.with_suffix(".png"))
         write_summary(out.parent)

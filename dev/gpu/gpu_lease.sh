@@ -25,6 +25,10 @@
 #               for its own budget, then copies the files into $OUT, marked with both calls' times. Where
 #               GPU_LEASE_DIR holds nothing (the machine was given back between the calls, and the run with it) it
 #               says that the run is lost and exits 3.
+# `all` and `start` run issue 66's incidents stage between the update stage and Pong (dev/gpu/incident_stage.py, at
+# most GPU_LEASE_INCIDENTS_MINUTES, 2.5; GPU_LEASE_INCIDENTS=0 leaves it out), taking its minutes from the Pong run.
+# Before the device call, `python dev/code_version.py` and carry [".whl", ".code-version.json"]: the results name the
+# commit they ran (dev/README.md, "Results that name their code").
 # The detached run ends by GPU_LEASE_SPAN_S seconds (default 740) after call 1 began (its --budget-minutes), so that
 # call 2 started within 30 s of call 1's return still finds it ending inside its own budget.
 #
@@ -87,6 +91,11 @@ if [ "$cpu_check" != 1 ] && ! ls .whl/*.whl >/dev/null 2>&1 && ! { [ "$mode" = f
     exit 2
 fi
 exec > >(tee -a "$OUT/lease.log") 2>&1
+# the code the results name: git's answer, written before the device call (dev/code_version.py) and carried here
+if [ ! -d .git ] && [ ! -f .git ] && [ ! -f .code-version.json ]; then
+    echo "[gpu_lease] no .code-version.json: the results will say their code is unknown (run python dev/code_version.py" \
+        "before the device call and carry the file)"
+fi
 
 seconds_left() { echo $((budget_s - ($(date +%s) - start_s))); }
 say() { echo "[gpu_lease $mode $(($(date +%s) - start_s)) s] $*"; }
@@ -125,6 +134,12 @@ minutes() { "$py" -c "print(round($1 / 60, 2))"; }
 default_variants="training tf32+compile+cudagraph"
 [ "$cpu_check" = 1 ] && default_variants=training
 read -r -a variants <<<"${GPU_LEASE_UPDATE_VARIANTS:-$default_variants}"
+# issue 66's stage between the update stage and Pong (dev/gpu/incident_stage.py, at most GPU_LEASE_INCIDENTS_MINUTES,
+# 2.5): on by default on a GPU; the CPU check runs it only with GPU_LEASE_INCIDENTS=1 (a minute or two of CPU)
+incidents=()
+if [ "${GPU_LEASE_INCIDENTS:-$([ "$cpu_check" = 1 ] && echo 0 || echo 1)}" = 1 ]; then
+    incidents=(incidents --incidents-minutes "${GPU_LEASE_INCIDENTS_MINUTES:-2.5}")
+fi
 
 # ---------------------------------------------------------------------------------------------------------------
 # One call: gpu_stages.py in the foreground, its files straight into $OUT
@@ -133,7 +148,8 @@ if [ "$mode" = all ] || [ "$mode" = update ] || [ "$mode" = pong ]; then
     pong_dir=$(mktemp -d /tmp/gpu-lease-pong.XXXXXX) # a new run each time (--no-pong-resumable wants an empty folder)
     common=(--results-dir "$OUT" --pong-dir "$pong_dir" --no-pong-resumable)
     case "$mode" in
-        all) stages=(--stage update pong --update-minutes 2 --update-variants "${variants[@]}" --pong-eval-minutes 1) ;;
+        all) stages=(--stage update "${incidents[@]:0:1}" pong --update-minutes 2 --update-variants "${variants[@]}"
+            "${incidents[@]:1}" --pong-eval-minutes 1) ;;
         update) stages=(--stage update --update-minutes 4 --update-variants "${variants[@]}") ;;
         pong) stages=(--stage pong --pong-eval-minutes 1) ;;
     esac
@@ -198,13 +214,14 @@ if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
     mkdir -p "$lease_dir/code/benchmark/results"  # DreamerV3's own Pong curves, drawn beside the run's
     cp benchmark/results/dreamerv3_atari100k_pong.json "$lease_dir/code/benchmark/results/"
     cp dev/__init__.py "$lease_dir/code/dev/"
+    cp .code-version.json "$lease_dir/code/" 2>/dev/null # the commit the results name (dev/code_version.py)
     cp dev/gpu/*.py "$lease_dir/code/dev/gpu/"
     # the tests that need CUDA, first and alone on the GPU (pytest travels among the wheels), into lease.log: the
     # lease's last minutes then all go to the run
     if "$py" -c "import pytest" 2>/dev/null; then
         say "the tests that need CUDA (tests/test_dreamer_cuda.py, the CUDA test of tests/test_dreamer_frame_store.py)"
         timeout 60 "$py" -m pytest -q -o addopts= -p no:cacheprovider tests/test_dreamer_cuda.py \
-            tests/test_dreamer_frame_store.py -k cuda
+            tests/test_dreamer_frame_store.py tests/test_gpu_memory_cap_cuda.py -k cuda
         say "CUDA tests: exit $?"
     fi
     span_s=${GPU_LEASE_SPAN_S:-740}
@@ -213,8 +230,8 @@ if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
     record call_1_budget_s "$budget_s"
     record span_s "$span_s"
     case "$mode" in
-        start) stages=(--stage update pong --update-minutes "${GPU_LEASE_UPDATE_MINUTES:-2}"
-            --update-variants "${variants[@]}" --pong-inductor-cache update-stage) ;;
+        start) stages=(--stage update "${incidents[@]:0:1}" pong --update-minutes "${GPU_LEASE_UPDATE_MINUTES:-2}"
+            --update-variants "${variants[@]}" "${incidents[@]:1}" --pong-inductor-cache update-stage) ;;
         start-pong) stages=(--stage pong) ;;
     esac
     budget=$(minutes "$((span_s - ($(date +%s) - start_s)))")

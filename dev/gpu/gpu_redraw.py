@@ -21,12 +21,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmark import pong_curve, pong_run
-from benchmark.common import fail
+from benchmark.common import fail, read_results
 from dev.gpu import gpu_stages
 
 
 def redraw(results_json: Path) -> dict:
-    result = json.loads(results_json.read_text())
+    result = read_results(results_json)  # any age, in today's meaning of its keys
     if not result.get("pong_points"):
         fail(f"{results_json} holds no Pong curve (pong_points) to draw.")
     reference = pong_curve.reference()

@@ -38,6 +38,8 @@ from benchmark.common import (
     BENCH_DIR,
     Args,
     check_gpu_only_device,
+    code_markdown,
+    code_version,
     fail,
     fmt,
     fmt_load,
@@ -46,6 +48,7 @@ from benchmark.common import (
     slug,
 )
 from benchmark.pong_run import PONG_TARGET_STEPS, check_pong_args, run_pong
+from dev.gpu import incident_stage
 
 HERE = Path(__file__).resolve().parent
 
@@ -58,12 +61,15 @@ class StageArgs(Args):
     gpu_only: tyro.conf.Suppress[bool] = True
     pong_only: tyro.conf.Suppress[bool] = False
     matched_only: tyro.conf.Suppress[bool] = False
-    stage: tuple[Literal["update", "pong"], ...] = ()
+    stage: tuple[Literal["update", "incidents", "pong"], ...] = ()
     """these stages, in this order, into one results file rewritten as each step ends. `update`: the update variants
-    (UPDATE_VARIANTS) at B16 x T64; `pong`: the Atari100k Pong run (PONG_RECIPE), its curve every --pong-curve-every
-    env steps, then its final agent evaluated"""
+    (UPDATE_VARIANTS) at B16 x T64; `incidents`: the incidents' GPUs (dev/gpu/incident_stage.py: the default Dreamer
+    under --gpu-memory-gb 6, the DQN in each precision, the DQN incident replayed); `pong`: the Atari100k Pong run
+    (PONG_RECIPE), its curve every --pong-curve-every env steps, then its final agent evaluated"""
     update_minutes: float = 4.0
     """--stage update: its time cap; variants not reached by then are reported as not measured"""
+    incidents_minutes: float = 2.5
+    """--stage incidents: its time cap; parts not reached by then are missing from its results"""
     update_variants: tuple[str, ...] = ()
     """--stage update: only these variants (`training`, then names of UPDATE_VARIANTS); unset: all of them. With
     `training` (the default's update: captured, TF32) and `tf32+compile+cudagraph` (the same with --compile) the
@@ -117,9 +123,11 @@ def check_staged_args(args: StageArgs) -> None:
 
     check_gpu_only_device(args, who="gpu_stages.py")
     if not args.stage:
-        fail("--stage names the stages to run: update, pong, or both in that order.")
+        fail("--stage names the stages to run: update, incidents, pong, or some of them in that order.")
     if len(set(args.stage)) != len(args.stage):
         fail(f"--stage names a stage twice: {' '.join(args.stage)}.")
+    if "incidents" in args.stage and not args.incidents_minutes > 0:
+        fail(f"--incidents-minutes must be greater than 0, got {args.incidents_minutes}.")
     if "update" in args.stage and not args.update_minutes > 0:
         fail(f"--update-minutes must be greater than 0, got {args.update_minutes}.")
     if "pong" in args.stage and not args.pong_minutes > 0:
@@ -192,6 +200,7 @@ def main_staged(args: StageArgs) -> dict:
         "budget_minutes": args.budget_minutes,
         "load_average_start": os.getloadavg(),
         "results_stem": stem.name,
+        "code": code_version(),  # the commit it runs, and whether the tree differs (.code-version.json on a lease)
     }
     results = Results(stem, result)
     results.save()
@@ -203,6 +212,8 @@ def main_staged(args: StageArgs) -> dict:
             if stage == "update":
                 run_update_stage(args, Path(work), result, results.save, deadline())
                 fast_path = faster_path(result)
+            elif stage == "incidents":
+                incident_stage.run_incident_stage(args, Path(work), result, results.save, deadline())
             else:
                 pong = run_pong(
                     args,
@@ -622,7 +633,8 @@ def staged_markdown(result: dict) -> str:
                 if "load_average_end" in result
                 else " (the run had not finished when this was written)"
             )
-            + ". Every sample is in the JSON file."
+            + ". Every sample is in the JSON file. "
+            + code_markdown(result.get("code"))
             + (
                 " Tiny sizes (--quick): the figures check the steps, they are not the issue's."
                 if result["quick"]
@@ -637,7 +649,14 @@ def staged_markdown(result: dict) -> str:
     ]
     return (
         "\n".join(
-            [*head, *lease_markdown(result), *update_markdown(result), "", *pong_markdown_staged(result)]
+            [
+                *head,
+                *lease_markdown(result),
+                *update_markdown(result),
+                "",
+                *incident_stage.incidents_markdown(result),
+                *pong_markdown_staged(result),
+            ]
         )
         + "\n"
     )

@@ -37,6 +37,7 @@ import torch._inductor.config
 
 import dreamer_atari as da
 from benchmark import bench_utils
+from benchmark.common import code_version
 from benchmark.ours_dreamer import fill_replay, seed_args
 
 QUICK_MODEL = {
@@ -194,6 +195,7 @@ def main() -> None:
     }
 
     def save():
+        result["code"] = code_version()  # the commit it ran, and whether the tree differed
         (out_dir / "profile.json").write_text(json.dumps(result, indent=1))
 
     for mode in cli.amp:

@@ -47,6 +47,7 @@ if str(ROOT) not in sys.path:
 
 import dreamer_atari as da
 from benchmark import bench_utils
+from benchmark.common import code_version
 
 NUM_ACTIONS = 6
 TINY = {  # tests/dreamer_tiny.py's widths at tests/test_dreamer_fast_path.py's batch
@@ -426,6 +427,7 @@ def main() -> None:
     result["command"] = " ".join(["python", "dev/gpu/update_regions.py", *sys.argv[1:]])
     print(table(result))
     if options.out:
+        result["code"] = code_version()  # the commit it ran, and whether the tree differed
         Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -48,7 +48,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 import dreamer_atari as da
 from benchmark import bench_utils
-from benchmark.common import ATARI100K_BATCH, CUDA_FAST_PATH, TINY_MODEL_FIELDS
+from benchmark.common import ATARI100K_BATCH, CUDA_FAST_PATH, TINY_MODEL_FIELDS, code_version
 from benchmark.ours_dreamer import fill_replay
 from dev.gpu.gpu_stages import FAST_PATHS_OFF, UPDATE_VARIANTS
 
@@ -400,6 +400,7 @@ def main() -> None:
     def save() -> None:
         result["wall_s"] = time.perf_counter() - started
         tmp = out.with_suffix(".tmp")
+        result.setdefault("code", code_version())  # the commit it ran (once), and whether the tree differed
         tmp.write_text(json.dumps(result, indent=1))
         tmp.replace(out)  # a reader never sees half a file
 
