@@ -689,3 +689,44 @@ def test_the_timeline_charges_idle_time_to_the_kernel_that_ends_it():
     )
     assert by_region["rest forward"]["wall_ms"] == pytest.approx(0.011)
     assert sum(r["wall_ms"] for r in by_region.values()) == pytest.approx(span_ms)
+
+
+def test_compile_never_adds_inductors_cuda_graphs_inside_ours(monkeypatch):
+    """--compile with --cudagraph: our graph captures the compiled update, so Inductor must not capture graphs of its
+    own inside it (its "reduce-overhead" mode, or TORCHINDUCTOR_CUDAGRAPHS=1): every compile turns them off."""
+    import torch._inductor.config
+
+    monkeypatch.setattr(
+        torch._inductor.config.triton, "cudagraphs", True
+    )  # as TORCHINDUCTOR_CUDAGRAPHS=1 would
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    args = _tiny_region_args()
+    agent = da.build_agent(args, update_regions.model_obs_shape(args), update_regions.NUM_ACTIONS, "cpu")
+    da.speed_up_agent(agent, args)
+    da.compile_agent(agent)
+    assert len(calls) >= 10  # the steps, the losses, the targets and the modules
+    for kwargs in calls:
+        assert kwargs.get("mode") in (None, "default") and kwargs["options"] == {"triton.cudagraphs": False}
+
+
+@pytest.mark.parametrize(
+    "deterministic, device, benchmark",
+    [(True, "cuda", False), (False, "cuda", True), (False, "cpu", False)],
+    ids=["deterministic: off", "--no-torch-deterministic on CUDA: on", "CPU: off"],
+)
+def test_cudnn_benchmarks_its_algorithms_only_where_runs_need_not_repeat_bit_for_bit(
+    deterministic, device, benchmark
+):
+    saved = (
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.get_float32_matmul_precision(),
+    )
+    try:
+        da.seed_everything(da.Args(torch_deterministic=deterministic), torch.device(device))
+        assert torch.backends.cudnn.benchmark is benchmark
+        assert torch.backends.cudnn.deterministic is deterministic
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])
