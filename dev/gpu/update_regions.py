@@ -533,7 +533,7 @@ def table(result: dict) -> str:
 def readme(folder: Path) -> str:
     """The results folder's README.md, from its JSON files (`M_S_B.json`, B the observe backward)."""
     runs = {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))}
-    some = next(iter(runs.values()))
+    some = next(run for run in runs.values() if run["size"] != "atari100k")
     lines = [
         "# Operations per Dreamer update, by region",
         "",
@@ -574,7 +574,34 @@ def readme(folder: Path) -> str:
                 if compiled
                 else f"| {model} | {size} | {regions(auto)} | {regions(hand)} | — | — | — | — | — | — | — | — |"
             )
+    for name, run in runs.items():
+        if "flops" in run and run["size"] == "atari100k":
+            lines += flops_table(name, run)
     return "\n".join(lines) + "\n"
+
+
+def flops_table(name: str, run: dict) -> list[str]:
+    """One update at DreamerV3's batch, region by region: operations and FLOPs (a `--size atari100k` run)."""
+    sizes = run["sizes"]
+    lines = [
+        "",
+        f"## {run['model']} at {sizes['batch_size']} x {sizes['sequence_length']}, horizon "
+        f"{sizes['imagination_horizon']}, region by region (`{name}.json`)",
+        "",
+        f"`{run['command']}` ({run['machine'].get('cpu', '?')}, torch {run['torch']}): the operations (counted at batch "
+        f"{run['flops_counted_at_batch']}; from batch 2 they do not depend on it) and FLOPs (torch's FLOP counter: "
+        f"matrix products and convolutions; from batches {run['flops_counted_at_batch']} and "
+        f"{run['flops_counted_at_batch'] + 1}, extended to {sizes['batch_size']}) of one world-model and one "
+        f"behaviour update. The regions' FLOPs sum to {run['flops_total'] / 1e9:.1f} GFLOP; FlopCounterMode's own count "
+        f"of the whole update: {run['flop_counter_total'] / 1e9:.1f} GFLOP.",
+        "",
+        "| region | operations | GFLOP |",
+        "|---|---:|---:|",
+    ]
+    for region in REGIONS:
+        lines.append(f"| {region} | {run['total'][region]:,} | {run['flops'][region] / 1e9:.1f} |")
+    lines.append(f"| update | {run['update_total']:,} | {run['flops_total'] / 1e9:.1f} |")
+    return lines
 
 
 def main() -> None:
