@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -668,6 +669,84 @@ def test_a_graph_replays_kernels_take_the_regions_of_the_eager_call_they_were_ca
     assert update_variants.align(eager, replay) == [None, None, 0, 1, 2, 3, 4, 5, 6, 7, None, 8, 9]
     assert update_variants.align(eager, eager[:4] + eager[5:]) == [0, 1, 2, 3, 5, 6, 7, 8, 9]
     assert update_variants.align(eager, ["fill"] + eager[1:]) == [None, *range(1, 10)]
+
+
+def _event(name, device_type, id=0, start=0.0, end=1.0, parent=None, **fields):
+    """A profiler event as torch.profiler's `events()` gives it (FunctionEvent's fields this code reads)."""
+    defaults = {"scope": 0, "sequence_nr": -1, "linked_correlation_id": 0, "is_user_annotation": False}
+    return types.SimpleNamespace(
+        name=name,
+        device_type=device_type,
+        id=id,
+        time_range=types.SimpleNamespace(start=start, end=end),
+        cpu_parent=parent,
+        **{**defaults, **fields},
+    )
+
+
+@pytest.mark.parametrize(
+    "with_activity", [True, False], ids=["activities named", "an older profiler's events"]
+)
+def test_cuda_work_takes_the_region_of_the_launch_that_started_it(with_activity):
+    """A CUDA profile, written out: kernels launched inside a labelled range, by an autograd node in backward, from
+    Triton code (no aten operation around its launch), one the profiler linked only to its operation, one it linked
+    to nothing, and a range's copy on the device's timeline, which is no work."""
+    from torch.autograd import DeviceType
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+
+    def activity(kind):
+        return {"activity_type": kind} if with_activity else {}
+
+    regions = update_regions.Regions()
+    regions.spans = [(10, 20, "observe"), (20, 40, "decoder")]
+    encoder = _event("region: encoder", cpu, id=1, is_user_annotation=True, **activity("user_annotation"))
+    conv = _event("aten::conv2d", cpu, id=2, parent=encoder, **activity("cpu_op"))
+    node = _event(
+        "ObserveBackwardThroughTimeBackward", cpu, id=3, scope=1, sequence_nr=15, **activity("cpu_op")
+    )
+    mm = _event("aten::mm", cpu, id=4, parent=node, **activity("cpu_op"))
+    compiled = _event("CompiledFunctionBackward", cpu, id=5, scope=1, sequence_nr=33, **activity("cpu_op"))
+    adam = _event("aten::_fused_adam_", cpu, id=6, **activity("cpu_op"))
+    launches = [
+        _event(
+            "cudaLaunchKernel", cpu, id=101, parent=conv, linked_correlation_id=2, **activity("cuda_runtime")
+        ),
+        _event(
+            "cudaLaunchKernel", cpu, id=102, parent=mm, linked_correlation_id=4, **activity("cuda_runtime")
+        ),
+        _event("cuLaunchKernel", cpu, id=103, parent=compiled, **activity("cuda_driver")),
+    ]
+    device = [
+        _event("sm90_xmma_fprop_implicit_gemm", cuda, id=101, start=0, end=5, **activity("kernel")),
+        _event("region: encoder", cuda, id=1, start=0, end=6, **activity("gpu_user_annotation")),
+        _event("sm90_xmma_gemm_f32f32", cuda, id=102, start=6, end=8, **activity("kernel")),
+        _event("triton_per_fused_0", cuda, id=103, start=9, end=10, **activity("kernel")),
+        _event(
+            "multi_tensor_apply_kernel",
+            cuda,
+            id=104,
+            start=11,
+            end=12,
+            linked_correlation_id=6,
+            **activity("kernel"),
+        ),
+        _event("Memset (Device)", cuda, id=105, start=13, end=14, **activity("gpu_memset")),
+    ]
+    items, unlinked = update_variants.device_work(
+        [encoder, conv, node, mm, compiled, adam, *launches, *device], regions
+    )
+    assert [(name, region) for name, _, _, region in items] == [
+        ("sm90_xmma_fprop_implicit_gemm", "encoder forward"),
+        ("sm90_xmma_gemm_f32f32", "observe backward"),
+        ("triton_per_fused_0", "decoder backward"),
+        (
+            "multi_tensor_apply_kernel",
+            "rest forward",
+        ),  # linked to Adam's operation, outside every labelled call
+        ("Memset (Device)", "rest forward"),
+    ]
+    assert unlinked == 1  # the memset
 
 
 def test_the_timeline_charges_idle_time_to_the_kernel_that_ends_it():

@@ -40,6 +40,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -141,7 +142,6 @@ def profile_update(update, device: torch.device, regions: update_regions.Regions
     their parents: `update_regions.event_region`); the second value counts those found in neither (counted as
     "rest forward"). On a CPU the aten operations called from Python or the autograd engine (not from another aten
     operation; allocations and views left out), and 0."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -151,21 +151,7 @@ def profile_update(update, device: torch.device, regions: update_regions.Regions
     events = prof.events()
     items, unlinked = [], 0
     if device.type == "cuda":
-        launches, operations = {}, {}
-        for event in events:
-            if event.device_type != DeviceType.CPU:
-                continue
-            if event.activity_type in ("cuda_runtime", "cuda_driver"):
-                launches[event.id] = event
-            elif event.activity_type in (None, "cpu_op"):
-                operations.setdefault(event.id, event)
-        for event in events:
-            if event.device_type != DeviceType.CUDA or event.activity_type not in (None, *GPU_WORK):
-                continue
-            source = launches.get(event.id) or operations.get(event.linked_correlation_id)
-            unlinked += source is None
-            region = update_regions.event_region(source, regions) if source is not None else "rest forward"
-            items.append((event.name, event.time_range.start, event.time_range.end, region))
+        items, unlinked = device_work(events, regions)
     else:
         for event in events:
             if not event.name.startswith("aten::") or event.name in update_regions.NOT_KERNEL_EVENTS:
@@ -184,6 +170,52 @@ def profile_update(update, device: torch.device, regions: update_regions.Regions
                 )
     items.sort(key=lambda item: (item[1], item[2]))
     return items, unlinked
+
+
+def device_work(events, regions: update_regions.Regions) -> tuple[list[tuple], int]:
+    """The GPU work among a CUDA profile's `events`, each as (name, start us, end us, region) in the region of the
+    launch that started it (the runtime call with its correlation id, or else the operation the profiler links it
+    to), and how many were found in neither ("rest forward")."""
+    from torch.autograd import DeviceType
+
+    launches, operations, annotations = {}, {}, set()
+    for event in events:
+        if event.device_type != DeviceType.CPU:
+            continue
+        if is_launch(event):
+            launches[event.id] = event
+        elif getattr(event, "is_user_annotation", False):
+            annotations.add(event.name)
+        elif getattr(event, "activity_type", None) in (None, "cpu_op"):
+            operations.setdefault(event.id, event)
+    items, unlinked = [], 0
+    for event in events:
+        activity = getattr(event, "activity_type", None)
+        if (
+            event.device_type != DeviceType.CUDA
+            or activity not in (None, *GPU_WORK)
+            # a range's copy on the device's timeline, not work
+            or (
+                activity is None
+                and (event.name in annotations or event.name.startswith(update_regions.REGION_LABEL))
+            )
+        ):
+            continue
+        source = launches.get(event.id) or operations.get(getattr(event, "linked_correlation_id", 0))
+        unlinked += source is None
+        region = update_regions.event_region(source, regions) if source is not None else "rest forward"
+        items.append((event.name, event.time_range.start, event.time_range.end, region))
+    return items, unlinked
+
+
+def is_launch(event) -> bool:
+    """A CUDA runtime or driver call (cudaLaunchKernel, cuLaunchKernel, cudaMemcpyAsync, ...): the profiler gives it
+    the correlation id of the GPU work it started. By its activity, or by its name where this torch's profiler does
+    not say the activity."""
+    activity = getattr(event, "activity_type", None)
+    if activity is not None:
+        return activity in ("cuda_runtime", "cuda_driver")
+    return re.match(r"cu(da)?[A-Z]", event.name) is not None
 
 
 def align(reference: list[str], names: list[str], window: int = 4, lookahead: int = 64) -> list[int | None]:
