@@ -294,32 +294,42 @@ def model_obs_shape(args: da.Args) -> tuple:
 def count_update(args: da.Args, warmup: int = 2) -> dict:
     """Operations and FLOPs by region of the world-model update and behaviour update after `warmup` uncounted ones (the
     first two create the optimizer state and the sampling matrices later ones reuse; FLOPs are the same without), on
-    the CPU: {"world_model": {region: ops},
-    "behavior": {...}, "flops": {"world_model": {region: FLOPs}, "behavior": {...}}, "flop_counter_total": the
-    whole update's FLOPs by `FlopCounterMode`}."""
+    the CPU: {"world_model": {region: ops}, "behavior": {...}, "flops": {"world_model": {region: FLOPs},
+    "behavior": {...}}, "flop_counter_total": the whole update's FLOPs by `FlopCounterMode`}."""
+    return count_updates(args, (args.batch_size,), warmup)[0]
+
+
+def count_updates(args: da.Args, batch_sizes: tuple[int, ...], warmup: int = 2) -> list[dict]:
+    """`count_update` at each of `batch_sizes`, in turn, with one agent (built and checked once)."""
     torch.manual_seed(0)
     obs_shape = model_obs_shape(args)
     agent = da.build_agent(args, obs_shape, NUM_ACTIONS, "cpu")
     da.speed_up_agent(agent, args)  # the fast paths a run trains with
-    raw = da.batch_tensors(random_batch(args, obs_shape), "cpu")
     regions = Regions()
+    counts = []
     with labelled(agent, regions):
         world_model_step, behavior_step = da.make_update_steps(agent, args)
-        for _ in range(warmup):
-            _, _, start = world_model_step(raw)
-            behavior_step(start)
-        world, behavior = RegionCounter(regions), RegionCounter(regions)
-        with FlopCounterMode(display=False) as flop_counter, regions.recording():
-            with world:
+        for index, batch_size in enumerate(batch_sizes):
+            batch_args = dataclasses.replace(args, batch_size=batch_size)
+            raw = da.batch_tensors(random_batch(batch_args, obs_shape), "cpu")
+            for _ in range(warmup if index == 0 else 0):
                 _, _, start = world_model_step(raw)
-            with behavior:
                 behavior_step(start)
-    return {
-        "world_model": world.by_region(),
-        "behavior": behavior.by_region(),
-        "flops": {"world_model": world.flops_by_region(), "behavior": behavior.flops_by_region()},
-        "flop_counter_total": flop_counter.get_total_flops(),
-    }
+            world, behavior = RegionCounter(regions), RegionCounter(regions)
+            with FlopCounterMode(display=False) as flop_counter, regions.recording():
+                with world:
+                    _, _, start = world_model_step(raw)
+                with behavior:
+                    behavior_step(start)
+            counts.append(
+                {
+                    "world_model": world.by_region(),
+                    "behavior": behavior.by_region(),
+                    "flops": {"world_model": world.flops_by_region(), "behavior": behavior.flops_by_region()},
+                    "flop_counter_total": flop_counter.get_total_flops(),
+                }
+            )
+    return counts
 
 
 # profiler events that launch no kernel: allocations, views and shape bookkeeping
@@ -430,8 +440,7 @@ def flops_at(args: da.Args, batch_size: int, warmup: int = 2) -> dict:
     the FLOP counter counts is linear in the batch, plus a part that is not (the learned initial state, one row per
     update), so FLOPs(B) = FLOPs(b) + (B - b) (FLOPs(b + 1) - FLOPs(b)) exactly. Returns {"by_region", "total",
     "flop_counter_total": FlopCounterMode's count of the whole update, the same way, "counts": `count_update` at b}."""
-    low = count_update(args, warmup)
-    high = count_update(dataclasses.replace(args, batch_size=args.batch_size + 1), warmup)
+    low, high = count_updates(args, (args.batch_size, args.batch_size + 1), warmup)
     steps = batch_size - args.batch_size
 
     def both(counts: dict, region: str) -> int:
