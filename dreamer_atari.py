@@ -2076,11 +2076,16 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
     steps, are compiled too (`nn.Module.compile`: their state_dict keys stay, so checkpoints are the same either
     way), and so are the world model's losses (`world_model_losses`) and the actor-critic targets
     (`imagined_targets`, the lambda-return loop included), each as one graph. Each compiles as one whole graph
-    (`fullgraph=True`: a graph break is an error, not a silent slow path)."""
+    (`fullgraph=True`: a graph break is an error, not a silent slow path). Inductor compiles without CUDA graphs of
+    its own: `CudaGraphed` (--cudagraph) captures the whole update around the compiled code, and Inductor's (its
+    "reduce-overhead" mode, or `triton.cudagraphs` from TORCHINDUCTOR_CUDAGRAPHS=1) would start a capture of its own
+    while ours captures, which CUDA refuses; so the mode stays the default and each compile turns them off."""
     wm = agent.world_model
+    # no CUDA graphs of Inductor's inside ours (see above)
+    options = {"options": {"triton.cudagraphs": False}} if backend == "inductor" else {}
 
     def compile_(fn):
-        return torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
+        return torch.compile(fn, dynamic=False, fullgraph=True, backend=backend, **options)
 
     if isinstance(agent.observe, FastObserve):
         agent.observe.step = compile_(agent.observe.observe_step)
@@ -2098,7 +2103,7 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
         agent.critic,
         agent.slow_critic,
     ):
-        module.compile(dynamic=False, fullgraph=True, backend=backend)
+        module.compile(dynamic=False, fullgraph=True, backend=backend, **options)
 
 
 class CaptureInvalid(RuntimeError):
@@ -4184,10 +4189,16 @@ def open_run(args: Args, resume_state: dict | None) -> tuple[str, str, SummaryWr
 
 
 def seed_everything(args: Args, device: torch.device) -> None:
+    """The seeds, and the numerics the whole process keeps. cuDNN's benchmark (on CUDA without --torch-deterministic)
+    times each convolution's algorithms the first time it meets their shapes, in the first updates, before they are
+    captured, and keeps the fastest. With --torch-deterministic (the default) it stays off: benchmarking would then
+    choose among deterministic algorithms only, but by their timings, so two runs could choose differently and
+    differ in their last bits; off, cuDNN's choice is the same in every run."""
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.backends.cudnn.benchmark = device.type == "cuda" and not args.torch_deterministic
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high" if args.tf32 else "highest")
 

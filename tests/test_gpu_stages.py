@@ -1,6 +1,7 @@
 """`dev/gpu/gpu_stages.py --stage update pong` (issue 40's GPU benchmark), checked on the CPU at tiny sizes: the
 results file a GPU session commits, the curve written while the Pong run trains, the variants table, the verdicts."""
 
+import collections
 import dataclasses
 import json
 import os
@@ -8,13 +9,15 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 import dreamer_atari as da
 from benchmark import common, pong_run
-from dev.gpu import gpu_stages, update_variants
+from dev.gpu import gpu_stages, update_regions, update_variants
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ROOT / "dev" / "gpu" / "gpu_stages.py"
@@ -94,13 +97,13 @@ def test_staged_run_writes_one_results_file_with_the_issue_keys_machine_command_
 def test_every_update_variant_is_measured_or_says_why_not(staged):
     result, _, _ = staged
     variants = result["update"]["variants"]
-    assert list(variants) == ["training", *(name for name, _ in gpu_stages.UPDATE_VARIANTS)]
+    assert list(variants) == gpu_stages.variant_names()
     fields = {f.name for f in dataclasses.fields(da.Args)}
-    for name, overrides in gpu_stages.UPDATE_VARIANTS:
+    for name, overrides in (*gpu_stages.TRAINING_VARIANTS, *gpu_stages.UPDATE_VARIANTS):
         entry = variants[name]
         if set(overrides) - fields:
             assert entry["skipped"].startswith("not available in this version"), name
-        elif overrides.get("cudagraph"):
+        elif overrides.get("cudagraph") or overrides.get("fused_scan"):
             assert entry["skipped"] == "needs CUDA", name
         elif overrides.get("compile"):
             assert "compiling takes minutes on a CPU" in entry["skipped"], name
@@ -111,6 +114,40 @@ def test_every_update_variant_is_measured_or_says_why_not(staged):
     assert result["update_ms_b16_t64"] == variants["training"]["update_ms"]
     assert result["kernels_per_update"] == variants["training"]["kernels_per_update"]
     assert result["update_batch"] == "B4 x T10"  # --quick's tiny batch, named beside the figure
+
+
+@pytest.mark.slow
+def test_the_update_stage_times_each_region_and_counts_its_flops(staged):
+    """The region table of each variant measured: every region of update_regions.REGIONS, their operations adding up
+    to the whole update's (counted apart, on another update), their wall time to the profiled update's span; and the
+    FLOPs by region adding up to FlopCounterMode's count of the whole update."""
+    result, results_dir, _ = staged
+    data = result["update"]
+    flops = data["flops"]
+    assert list(flops["by_region"]) == list(update_regions.REGIONS)
+    assert sum(flops["by_region"].values()) == flops["total"] == flops["flop_counter_total"] > 0
+    assert "at B2 and one at B3 (x T10), extended to B4" in flops["counted_as"]
+    for part in ("encoder", "decoder", "observe", "imagination", "behaviour heads and losses"):
+        assert flops["by_region"][f"{part} forward"] > 0 and flops["by_region"][f"{part} backward"] > 0, part
+    assert flops["by_region"]["optimizers"] == 0  # Adam's elementwise work is no product
+    measured = [name for name, v in data["variants"].items() if "update_ms" in v]
+    assert "training" in measured and "training+cudnn-benchmark" in measured
+    for name in measured:
+        entry = data["variants"][name]
+        regions = entry["regions"]
+        assert list(regions) == list(update_regions.REGIONS), name
+        assert sum(r["kernels"] for r in regions.values()) == entry["kernels_per_update"], name
+        for part in ("encoder", "observe", "decoder", "imagination", "behaviour heads and losses"):
+            assert regions[f"{part} forward"]["kernels"] > 0 and regions[f"{part} backward"]["kernels"] > 0
+        assert regions["optimizers"]["kernels"] > 0
+        assert sum(r["wall_ms"] for r in regions.values()) == pytest.approx(entry["regions_span_ms"])
+        assert all(r["busy_ms"] <= r["wall_ms"] + 1e-6 for r in regions.values()), name  # one CPU thread
+    # per observe step, the scan's forward dispatches more operations than the encoder's convolutions in all
+    training = data["variants"]["training"]["regions"]
+    assert training["observe forward"]["kernels"] > 10 * training["encoder forward"]["kernels"]
+    markdown = next(results_dir.glob("*.md")).read_text()
+    assert "### The update region by region" in markdown and "| observe backward | " in markdown
+    assert "FlopCounterMode's count of the whole update" in markdown
 
 
 @pytest.mark.slow
@@ -148,27 +185,63 @@ def test_pong_curve_is_written_while_the_run_trains_and_the_final_agent_plays_te
 
 
 @pytest.mark.parametrize(
-    "compiled_ms, warmup_s, chosen",
-    [(20.0, [30.0], {"compile": True}), (20.0, [400.0], {}), (30.0, [1.0], {}), (None, [], {})],
-    ids=["compile faster", "its warm-up costs more than it saves", "compile slower", "not measured"],
+    "measured, chosen",
+    [
+        ({"training+compile": (20.0, [30.0])}, {"compile": True}),
+        ({"training+compile": (20.0, [400.0])}, {}),
+        ({"training+compile": (30.0, [1.0])}, {}),
+        ({"training+compile": (20.0, [30.0]), "training+bf16": (12.0, [5.0])}, {"precision": "bf16"}),
+        ({"training+bf16": None, "training+compile": (25.0, [1.0])}, {"compile": True}),
+        ({"training+compile": None}, {}),
+        ({"fp32": (5.0, [1.0])}, {}),
+    ],
+    ids=[
+        "compile faster",
+        "its warm-up costs more than it saves",
+        "compile slower",
+        "bf16 fastest",
+        "a variant its checks refused is no candidate",
+        "not measured",
+        "a variant on every fast path off is no candidate",
+    ],
 )
-def test_the_faster_of_the_default_update_and_compile_runs_pong(compiled_ms, warmup_s, chosen):
-    """The update stage times the default's update (captured) and the same with --compile; the Pong run takes the one
-    whose 30k updates and warm-up take less, and the results say which and why."""
-    compiled = {"update_ms": compiled_ms, "warmup_calls_s": warmup_s} if compiled_ms else {"skipped": "cap"}
-    result = {
-        "update": {
-            "variants": {
-                "training": {"update_ms": 30.0, "warmup_calls_s": [1.0]},
-                "tf32+compile+cudagraph": compiled,
-            }
-        }
-    }
+def test_the_fastest_of_the_training_update_and_its_variants_runs_pong(measured, chosen):
+    """The update stage times the default's update (captured) and its variants (TRAINING_VARIANTS); the Pong run takes
+    the one whose 30k updates and warm-up take least, with the fields that variant changes, and the results say which
+    and why."""
+    variants = {"training": {"update_ms": 30.0, "warmup_calls_s": [1.0]}}
+    for name, figures in measured.items():
+        variants[name] = (
+            {"update_ms": figures[0], "warmup_calls_s": figures[1]}
+            if figures
+            else {"error": "FastPathMismatch: the compiled draw picks other classes"}
+        )
+    result = {"update": {"variants": variants}}
     fields = gpu_stages.faster_path(result)
     assert fields == chosen
-    assert result["pong_fast_path"].startswith("--compile" if chosen else "the default")
+    assert result["pong_fast_path"].startswith(
+        "the default" if not chosen else next(n for n, f in gpu_stages.TRAINING_VARIANTS if f == chosen)
+    )
     args = gpu_stages.StageArgs(stage=("pong",), device="cpu", quick=True)
-    assert pong_run.pong_fields(args, fields).get("compile", False) is bool(chosen)
+    assert pong_run.pong_fields(args, fields).get("compile", False) is (chosen.get("compile") is True)
+
+
+def test_the_leases_update_variants_are_known_and_the_stage_refuses_an_unknown_one(capsys):
+    text = LEASE.read_text()
+    (line,) = [line for line in text.splitlines() if line.startswith("default_variants=")]
+    names = line.split("=", 1)[1].strip('"').split()
+    assert names[0] == "training" and names[-1] == "training+compile"  # compile last: the others come first
+    assert set(names) <= set(gpu_stages.variant_names())
+    with pytest.raises(SystemExit) as stopped:
+        gpu_stages.check_staged_args(
+            gpu_stages.StageArgs(
+                stage=("update",), device="cpu", quick=True, update_variants=("tf32+compile",)
+            )
+        )
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        "error: --update-variants names no variant tf32+compile; known: "
+    )
 
 
 def test_a_variant_that_names_a_field_this_version_lacks_is_skipped_and_the_rest_run():
@@ -496,3 +569,243 @@ def test_kernel_times_split_an_updates_gpu_time_by_kind_and_name():
     assert next(iter(times["by_kind"])) == "convolution"  # longest first
     assert [t["name"] for t in times["top"]] == [kernels[0][0], kernels[1][0]]
     assert times["top"][1] == {"name": kernels[1][0], "kernels": 2, "ms": 0.022}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The update region by region (dev/gpu/update_regions.py, update_variants.py), at the tiny sizes
+# ---------------------------------------------------------------------------------------------------------
+def _tiny_region_args(**overrides) -> da.Args:
+    return da.Args(**{**update_regions.TINY, "model": "dreamerv3", "amp": "off", "num_envs": 1, **overrides})
+
+
+def test_flops_by_region_are_affine_in_the_batch_and_add_up_to_the_flop_counters_count():
+    """The update stage counts FLOPs at two small batches and extends them to 16: exact only if every region's FLOPs lie
+    on a straight line in the batch (linear, plus the learned initial state's one row per update, which the batch
+    does not change). And the regions' FLOPs add up to FlopCounterMode's count of the whole update (nothing counted
+    twice, nothing lost)."""
+    counts = [update_regions.count_update(_tiny_region_args(batch_size=b), warmup=0) for b in (1, 2, 3)]
+    for part in ("world_model", "behavior"):
+        one, two, three = (c["flops"][part] for c in counts)
+        assert {r: three[r] - two[r] for r in three} == {r: two[r] - one[r] for r in two}, part
+        # nor do the operations (from batch 2: at batch 1 some copies to contiguous memory have nothing to do)
+        assert counts[1][part] == counts[2][part], part
+    for c in counts:
+        assert (
+            sum(c["flops"]["world_model"].values()) + sum(c["flops"]["behavior"].values())
+            == c["flop_counter_total"]
+        )
+    assert counts[1]["flops"]["world_model"]["observe backward"] > 0
+    assert counts[1]["flops"]["behavior"]["imagination forward"] > 0
+    extended = update_regions.flops_at(_tiny_region_args(batch_size=1), 3, warmup=0)
+    assert extended["by_region"] == {
+        r: counts[2]["flops"]["world_model"][r] + counts[2]["flops"]["behavior"][r]
+        for r in update_regions.REGIONS
+    }
+    assert extended["flop_counter_total"] == counts[2]["flop_counter_total"] == extended["total"]
+
+
+def test_a_profile_puts_each_operation_in_the_same_region_as_the_operation_counter():
+    """The profile's regions (labelled ranges forward, autograd nodes' sequence numbers backward; what the GPU's
+    kernels are attributed by) agree with the dispatch counter's (the CPU's counts) on the convolutions: the encoder's
+    and decoder's, forward and backward, each in its own region."""
+    args = _tiny_region_args()
+    shape = update_regions.model_obs_shape(args)
+    torch.manual_seed(0)
+    agent = da.build_agent(args, shape, update_regions.NUM_ACTIONS, "cpu")
+    da.speed_up_agent(agent, args)
+    raw = da.batch_tensors(update_regions.random_batch(args, shape), "cpu")
+    regions = update_regions.Regions()
+    device = torch.device("cpu")
+    with update_regions.labelled(agent, regions):
+        world_model_step, behavior_step = da.make_update_steps(agent, args)
+
+        def update():
+            _, _, start = world_model_step(raw)
+            behavior_step(start)
+
+        update()
+        counter = update_regions.RegionCounter(regions)
+        with regions.recording(), counter:
+            update()
+        items, unlinked = update_variants.profile_update(update, device, regions)
+    assert unlinked == 0
+    dispatched = collections.Counter()
+    for (region, name), count in counter.ops.items():
+        if name in ("aten.convolution", "aten.convolution_backward"):
+            dispatched[region] += count
+    profiled = collections.Counter(
+        region
+        for name, _, _, region in items
+        if name in ("aten::conv2d", "aten::conv_transpose2d", "aten::convolution_backward")
+    )
+    assert profiled == dispatched
+    assert set(profiled) == {"encoder forward", "encoder backward", "decoder forward", "decoder backward"}
+    # every region that runs shows in the profile; and the labels are gone again afterwards
+    assert {region for *_, region in items} >= {"observe forward", "observe backward", "optimizers"}
+    assert isinstance(agent.observe, da.FastObserve) and not isinstance(
+        agent.world_model.encoder, update_regions.LabelledModule
+    )
+
+
+def test_a_graph_replays_kernels_take_the_regions_of_the_eager_call_they_were_captured_from():
+    """A replay runs no Python: its kernels are matched by name and order to the call before capture, where the
+    replay has kernels of its own (copies into the graph's inputs) or lacks some."""
+    eager = ["memcpy", "conv", "gemm", "add", "add", "gemm", "norm", "gemm", "adam", "adam"]
+    replay = [
+        "copy",
+        "copy",
+        "memcpy",
+        "conv",
+        "gemm",
+        "add",
+        "add",
+        "gemm",
+        "norm",
+        "gemm",
+        "copy",
+        "adam",
+        "adam",
+    ]
+    assert update_variants.align(eager, replay) == [None, None, 0, 1, 2, 3, 4, 5, 6, 7, None, 8, 9]
+    assert update_variants.align(eager, eager[:4] + eager[5:]) == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    assert update_variants.align(eager, ["fill"] + eager[1:]) == [None, *range(1, 10)]
+
+
+def _event(name, device_type, id=0, start=0.0, end=1.0, parent=None, **fields):
+    """A profiler event as torch.profiler's `events()` gives it (FunctionEvent's fields this code reads)."""
+    defaults = {"scope": 0, "sequence_nr": -1, "linked_correlation_id": 0, "is_user_annotation": False}
+    return types.SimpleNamespace(
+        name=name,
+        device_type=device_type,
+        id=id,
+        time_range=types.SimpleNamespace(start=start, end=end),
+        cpu_parent=parent,
+        **{**defaults, **fields},
+    )
+
+
+@pytest.mark.parametrize(
+    "with_activity", [True, False], ids=["activities named", "an older profiler's events"]
+)
+def test_cuda_work_takes_the_region_of_the_launch_that_started_it(with_activity):
+    """A CUDA profile, written out: kernels launched inside a labelled range, by an autograd node in backward, from
+    Triton code (no aten operation around its launch), one the profiler linked only to its operation, one it linked
+    to nothing, and a range's copy on the device's timeline, which is no work."""
+    from torch.autograd import DeviceType
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+
+    def activity(kind):
+        return {"activity_type": kind} if with_activity else {}
+
+    regions = update_regions.Regions()
+    regions.spans = [(10, 20, "observe"), (20, 40, "decoder")]
+    encoder = _event("region: encoder", cpu, id=1, is_user_annotation=True, **activity("user_annotation"))
+    conv = _event("aten::conv2d", cpu, id=2, parent=encoder, **activity("cpu_op"))
+    node = _event(
+        "ObserveBackwardThroughTimeBackward", cpu, id=3, scope=1, sequence_nr=15, **activity("cpu_op")
+    )
+    mm = _event("aten::mm", cpu, id=4, parent=node, **activity("cpu_op"))
+    compiled = _event("CompiledFunctionBackward", cpu, id=5, scope=1, sequence_nr=33, **activity("cpu_op"))
+    adam = _event("aten::_fused_adam_", cpu, id=6, **activity("cpu_op"))
+    launches = [
+        _event(
+            "cudaLaunchKernel", cpu, id=101, parent=conv, linked_correlation_id=2, **activity("cuda_runtime")
+        ),
+        _event(
+            "cudaLaunchKernel", cpu, id=102, parent=mm, linked_correlation_id=4, **activity("cuda_runtime")
+        ),
+        _event("cuLaunchKernel", cpu, id=103, parent=compiled, **activity("cuda_driver")),
+    ]
+    device = [
+        _event("sm90_xmma_fprop_implicit_gemm", cuda, id=101, start=0, end=5, **activity("kernel")),
+        _event("region: encoder", cuda, id=1, start=0, end=6, **activity("gpu_user_annotation")),
+        _event("sm90_xmma_gemm_f32f32", cuda, id=102, start=6, end=8, **activity("kernel")),
+        _event("triton_per_fused_0", cuda, id=103, start=9, end=10, **activity("kernel")),
+        _event(
+            "multi_tensor_apply_kernel",
+            cuda,
+            id=104,
+            start=11,
+            end=12,
+            linked_correlation_id=6,
+            **activity("kernel"),
+        ),
+        _event("Memset (Device)", cuda, id=105, start=13, end=14, **activity("gpu_memset")),
+    ]
+    items, unlinked = update_variants.device_work(
+        [encoder, conv, node, mm, compiled, adam, *launches, *device], regions
+    )
+    assert [(name, region) for name, _, _, region in items] == [
+        ("sm90_xmma_fprop_implicit_gemm", "encoder forward"),
+        ("sm90_xmma_gemm_f32f32", "observe backward"),
+        ("triton_per_fused_0", "decoder backward"),
+        (
+            "multi_tensor_apply_kernel",
+            "rest forward",
+        ),  # linked to Adam's operation, outside every labelled call
+        ("Memset (Device)", "rest forward"),
+    ]
+    assert unlinked == 1  # the memset
+
+
+def test_the_timeline_charges_idle_time_to_the_kernel_that_ends_it():
+    items = [  # (name, start us, end us, region)
+        ("a", 0.0, 10.0, "encoder forward"),
+        ("b", 15.0, 20.0, "observe forward"),  # 5 us idle before it: observe's
+        ("c", 18.0, 30.0, "observe forward"),  # overlaps b: only what lies past 20 counts
+        ("d", 22.0, 25.0, "optimizers"),  # inside c: busy, no wall time
+        ("e", 40.0, 41.0, "rest forward"),
+    ]
+    by_region, span_ms = update_variants.timeline(items)
+    assert span_ms == pytest.approx(0.041)
+    assert by_region["encoder forward"] == {"kernels": 1, "busy_ms": 0.01, "wall_ms": 0.01}
+    assert by_region["observe forward"]["kernels"] == 2
+    assert by_region["observe forward"]["busy_ms"] == pytest.approx(0.017)
+    assert by_region["observe forward"]["wall_ms"] == pytest.approx(0.020)
+    assert by_region["optimizers"]["wall_ms"] == 0 and by_region["optimizers"]["busy_ms"] == pytest.approx(
+        0.003
+    )
+    assert by_region["rest forward"]["wall_ms"] == pytest.approx(0.011)
+    assert sum(r["wall_ms"] for r in by_region.values()) == pytest.approx(span_ms)
+
+
+def test_compile_never_adds_inductors_cuda_graphs_inside_ours(monkeypatch):
+    """--compile with --cudagraph: our graph captures the compiled update, so Inductor must not capture graphs of its
+    own inside it (its "reduce-overhead" mode, or TORCHINDUCTOR_CUDAGRAPHS=1): every compile turns them off."""
+    import torch._inductor.config
+
+    monkeypatch.setattr(
+        torch._inductor.config.triton, "cudagraphs", True
+    )  # as TORCHINDUCTOR_CUDAGRAPHS=1 would
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    args = _tiny_region_args()
+    agent = da.build_agent(args, update_regions.model_obs_shape(args), update_regions.NUM_ACTIONS, "cpu")
+    da.speed_up_agent(agent, args)
+    da.compile_agent(agent)
+    assert len(calls) >= 10  # the steps, the losses, the targets and the modules
+    for kwargs in calls:
+        assert kwargs.get("mode") in (None, "default") and kwargs["options"] == {"triton.cudagraphs": False}
+
+
+@pytest.mark.parametrize(
+    "deterministic, device, benchmark",
+    [(True, "cuda", False), (False, "cuda", True), (False, "cpu", False)],
+    ids=["deterministic: off", "--no-torch-deterministic on CUDA: on", "CPU: off"],
+)
+def test_cudnn_benchmarks_its_algorithms_only_where_runs_need_not_repeat_bit_for_bit(
+    deterministic, device, benchmark
+):
+    saved = (
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.get_float32_matmul_precision(),
+    )
+    try:
+        da.seed_everything(da.Args(torch_deterministic=deterministic), torch.device(device))
+        assert torch.backends.cudnn.benchmark is benchmark
+        assert torch.backends.cudnn.deterministic is deterministic
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])

@@ -5,17 +5,17 @@
 #   bash dev/gpu/gpu_lease.sh [MODE] [more gpu_stages.py flags, e.g. --pong-args="--amp bf16"]
 #
 # One device command (ends within GPU_LEASE_BUDGET_S seconds, default 575, under the tool's 600 s per command):
-#   all     (default) `gpu_stages.py --stage update pong`: the default's update eager against --compile (at
-#           most 2 minutes), then the Atari100k Pong run on the faster of the two with the time left (about 4.5
-#           minutes of it training), its evaluation, the results
+#   all     (default) `gpu_stages.py --stage update pong`: the default's update against its variants in bf16, bf16
+#           with the fused scan, and --compile, region by region (at most 2 minutes), then the Atari100k Pong run on
+#           the fastest with the time left (about 4.5 minutes of it training), its evaluation, the results
 #   update  the update variants alone (at most 4 minutes)
 #   pong    the Pong run alone (about 6.5 minutes of it training), its evaluation, the results
 # Two device commands, the second issued as soon as the first returns (the machine stays warm 30 s), so that the
 # Pong run outlives the first command's 10 minutes (dev/README.md, "Two calls"):
 #   start       call 1 (default budget 550 s): the tests that need CUDA (at most 60 s), then the default's update
-#               at 16 x 64, captured, eager against --compile
-#               (GPU_LEASE_UPDATE_VARIANTS, at most GPU_LEASE_UPDATE_MINUTES, 2: ms and kernels each), then the Pong
-#               run on the faster (about 8 minutes before its time cap), both in one `gpu_stages.py` process started
+#               at 16 x 64, captured, against its variants (GPU_LEASE_UPDATE_VARIANTS, at most
+#               GPU_LEASE_UPDATE_MINUTES, 2: ms, kernels and each region's time), then the Pong run on the fastest
+#               (about 8 minutes before its time cap), both in one `gpu_stages.py` process started
 #               detached (setsid) in GPU_LEASE_DIR (/tmp/gpu-lease), so the stages never share the GPU; waits on it
 #               until its own budget is nearly spent, then copies what was measured so far into $OUT, marked "call 1,
 #               still running"
@@ -129,9 +129,11 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
       "gymnasium", gymnasium.__version__, "ale_py", ale_py.__version__, "tyro", tyro.__version__)' || exit 1
 fi
 minutes() { "$py" -c "print(round($1 / 60, 2))"; }
-# the update stage's variants: the default's update (captured) and the same with --compile; the faster runs Pong
-# (the CPU check: the default's alone unless named, since compiling takes minutes on a CPU)
-default_variants="training tf32+compile+cudagraph"
+# the update stage's variants: the default's update (captured) and the same in bf16, in bf16 with the fused scan, and
+# with --compile (last: a compile cut short by the stage's cap leaves the others measured); the fastest runs Pong. A
+# variant whose flag this version lacks is skipped. (The CPU check: the default's alone unless named, since
+# compiling takes minutes on a CPU.)
+default_variants="training training+bf16 training+bf16+fused-scan training+compile"
 [ "$cpu_check" = 1 ] && default_variants=training
 read -r -a variants <<<"${GPU_LEASE_UPDATE_VARIANTS:-$default_variants}"
 # issue 66's stage between the update stage and Pong (dev/gpu/incident_stage.py, at most GPU_LEASE_INCIDENTS_MINUTES,

@@ -71,9 +71,9 @@ class StageArgs(Args):
     incidents_minutes: float = 2.5
     """--stage incidents: its time cap; parts not reached by then are missing from its results"""
     update_variants: tuple[str, ...] = ()
-    """--stage update: only these variants (`training`, then names of UPDATE_VARIANTS); unset: all of them. With
-    `training` (the default's update: captured, TF32) and `tf32+compile+cudagraph` (the same with --compile) the
-    faster of the two, as measured, runs the Pong stage that follows"""
+    """--stage update: only these variants (`training`, then names of TRAINING_VARIANTS and UPDATE_VARIANTS); unset:
+    all of them. The fastest of `training` (the default's update: captured, TF32) and the TRAINING_VARIANTS measured,
+    their warm-up counted in, runs the Pong stage that follows"""
     budget_minutes: float | None = None
     """this whole invocation ends within this many minutes (the Pong run's training is cut short so that its
     evaluation and the results fit in); unset: only the stages' own caps"""
@@ -86,25 +86,38 @@ class StageArgs(Args):
     the lease has left (`gpu_lease.sh finish`); an earlier time, or anything else, changes nothing"""
 
 
-# The update variants, each as dreamer_atari.Args field overrides on top of every fast path off; a field this
-# version of the script lacks is left out and said so.
-# every fast path off: each variant below changes only what it names from this
+# The update variants. `training` is the update the Pong run trains with (the script's defaults plus
+# CUDA_FAST_PATH); each of TRAINING_VARIANTS changes only the Args fields it names from it, and the fastest of them
+# and `training` whose start-up checks pass runs the Pong stage that follows (`faster_path`); each of
+# UPDATE_VARIANTS changes the fields it names from every fast path off (FAST_PATHS_OFF). A variant naming a field
+# this version of the script lacks is reported "not available in this version" and skipped.
 FAST_PATHS_OFF = {"tf32": False, "amp": "off", "compile": False, "cudagraph": False}
-# the default's update, eager against --compile (both captured): the faster runs Pong (`--update-variants`)
-COMPILED_VARIANT = "tf32+compile+cudagraph"
-UPDATE_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is one more line
+TRAINING_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is one more line. Compile last: its
+    # first calls compile for a minute or more, and a stage cut short by its time cap still measured the others
+    ("training+bf16", {"precision": "bf16"}),
+    # the fused observe scan; imagination's fast path (--fast-imagine) is the default's
+    ("training+bf16+fused-scan", {"precision": "bf16", "fused_scan": True}),
+    ("training+cudnn-benchmark", {"torch_deterministic": False}),  # cuDNN's benchmark is on only without it
+    ("training+compile", {"compile": True}),
+)
+UPDATE_VARIANTS = (  # (name, Args field overrides on every fast path off)
     ("fp32", {}),
     ("tf32", {"tf32": True}),
     ("bf16", {"amp": "bf16"}),
     ("cudagraph", {"cudagraph": True}),
     ("bf16+cudagraph", {"amp": "bf16", "cudagraph": True}),
-    ("tf32+compile+cudagraph", {"tf32": True, "compile": True, "cudagraph": True}),
     ("compile", {"compile": True}),
     (
         "tf32+cudagraph, autograd observe backward",
         {"tf32": True, "cudagraph": True, "observe_backward": "autograd"},
     ),
 )
+
+
+def variant_names() -> list[str]:
+    """Every variant, in the order the update stage measures them."""
+    return ["training", *(name for name, _ in TRAINING_VARIANTS), *(name for name, _ in UPDATE_VARIANTS)]
+
 
 # the speed issue's targets (an update in 5 ms): (figure, result key, must, moonshot, direction)
 TARGETS = (
@@ -130,6 +143,9 @@ def check_staged_args(args: StageArgs) -> None:
         fail(f"--incidents-minutes must be greater than 0, got {args.incidents_minutes}.")
     if "update" in args.stage and not args.update_minutes > 0:
         fail(f"--update-minutes must be greater than 0, got {args.update_minutes}.")
+    unknown = [name for name in args.update_variants if name not in variant_names()]
+    if unknown:
+        fail(f"--update-variants names no variant {', '.join(unknown)}; known: {', '.join(variant_names())}.")
     if "pong" in args.stage and not args.pong_minutes > 0:
         fail(f"--stage pong needs --pong-minutes greater than 0, got {args.pong_minutes}.")
     if args.budget_minutes is not None and not args.budget_minutes > 0:
@@ -273,8 +289,16 @@ def run_update_stage(
         str(args.threads),
         *(["--variants", *args.update_variants] if args.update_variants else []),
     ]
-    # a fresh compile cache: compiled variants show what compiling costs a new user
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-update")}
+    # a fresh compile cache: compiled variants show what compiling costs a new user. Its FX graphs and AOTAutograd's
+    # (on by default; forced on here), autotuning's results and Triton's kernels all go into this one folder, which
+    # the Pong run reuses with --pong-inductor-cache update-stage (update_variants.py says what was on)
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-update"),
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+    }
     result["update_command"] = " ".join(
         [
             "python",
@@ -331,7 +355,7 @@ def merge_update_figures(result: dict, out: Path, final: bool, why_missing: str 
         data = {"variants": {}}
     variants = data.setdefault("variants", {})
     if final:
-        for name in ["training", *(name for name, _ in UPDATE_VARIANTS)]:
+        for name in variant_names():
             variants.setdefault(name, {"skipped": why_missing})
     result["update"] = data
     training = variants.get("training", {})
@@ -358,10 +382,12 @@ PLANNED_UPDATES = 30_000  # the updates a lease's Pong run aims at: what a compi
 
 
 def faster_path(result: dict) -> dict:
-    """The Pong run's extra fields from the update stage: {"compile": True} where the default's update with --compile
-    (COMPILED_VARIANT) beat it as measured, its warm-up spread over PLANNED_UPDATES updates counted in; else none.
-    Said in the results as `pong_fast_path`."""
+    """The Pong run's extra fields from the update stage: the overrides of the fastest of `training` and the
+    TRAINING_VARIANTS as measured (its start-up checks passed: a variant they refuse has an error, not a time), its
+    warm-up spread over PLANNED_UPDATES updates counted in; {} for `training` or where none was measured. Said in the
+    results as `pong_fast_path`."""
     variants = (result.get("update") or {}).get("variants", {})
+    candidates = {"training": {}, **dict(TRAINING_VARIANTS)}
 
     def cost_s(name: str) -> float | None:
         entry = variants.get(name, {})
@@ -369,16 +395,20 @@ def faster_path(result: dict) -> dict:
             return None
         return entry["update_ms"] / 1000 * PLANNED_UPDATES + sum(entry.get("warmup_calls_s") or [0.0])
 
-    eager, compiled = cost_s("training"), cost_s(COMPILED_VARIANT)
-    if eager is None or compiled is None:
+    costs = {name: cost_s(name) for name in candidates if cost_s(name) is not None}
+    if "training" not in costs or len(costs) < 2:
         result["pong_fast_path"] = "the default's: the update stage measured no pair to choose from"
         return {}
-    faster = compiled < eager
+    fastest = min(costs, key=costs.get)
+    fields = candidates[fastest]
     result["pong_fast_path"] = (
-        f"{'--compile' if faster else 'the default (no --compile)'}: {PLANNED_UPDATES:,} updates and their warm-up "
-        f"would take {compiled:.0f} s with --compile against {eager:.0f} s without"
+        f"{'the default (training)' if not fields else fastest + ' (' + json.dumps(fields) + ')'}: "
+        f"{PLANNED_UPDATES:,} updates and their warm-up would take "
+        + ", ".join(
+            f"{cost:.0f} s with {name}" for name, cost in sorted(costs.items(), key=lambda item: item[1])
+        )
     )
-    return {"compile": True} if faster else {}
+    return dict(fields)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -486,6 +516,9 @@ def update_markdown(result: dict) -> list[str]:
         v.get("kernels_counted_as") for v in data.get("variants", {}).values() if v.get("kernels_counted_as")
     }
     lines += ["", "Kernels counted as: " + "; ".join(sorted(counted)) + "." if counted else ""]
+    if result.get("pong_fast_path"):
+        lines += ["", f"The Pong run's update: {result['pong_fast_path']}."]
+    lines += regions_markdown(data)
     for name, v in data.get("variants", {}).items():
         times = v.get("kernel_time")
         if times and v.get("update_ms"):
@@ -500,6 +533,72 @@ def update_markdown(result: dict) -> list[str]:
                 f"(`update.variants.{name}.kernel_time.top`).",
             ]
     return lines
+
+
+def regions_markdown(data: dict) -> list[str]:
+    """The update region by region (update_variants.py, dev/gpu/update_regions.py): its FLOPs, then for each variant
+    measured its kernels, their busy time and the wall time of each region."""
+    flops = data.get("flops") or {}
+    by_region = flops.get("by_region") or {}
+    lines = ["", "### The update region by region", ""]
+    if flops:
+        lines.append(
+            f"FLOPs per update: {fmt(flops['total'] / 1e9)} GFLOP, {flops['counted_as']}; FlopCounterMode's count of "
+            f"the whole update {fmt(flops['flop_counter_total'] / 1e9)} GFLOP. The same for every variant (the same "
+            "products, compiled, captured, fused or in bf16)."
+        )
+    elif data.get("flops_error"):
+        lines.append(f"FLOPs: not counted ({data['flops_error']}).")
+    caches = data.get("inductor_caches")
+    if caches:
+        lines += [
+            "",
+            "Inductor's caches in this process: "
+            + ", ".join(f"{key} {fmt(value)}" for key, value in caches.items())
+            + ".",
+        ]
+    for name, v in data.get("variants", {}).items():
+        regions = v.get("regions")
+        if not regions or "update_ms" not in v:
+            continue
+        lines += [
+            "",
+            (
+                f"`{name}`: {v.get('regions_timed_as')}. The regions' wall time sums to the profiled update's span, "
+                f"{fmt(v.get('regions_span_ms'))} ms from its first kernel's start to its last kernel's end, of its "
+                f"median {fmt(v['update_ms'])} ms, timed without the profiler (on CUDA the rest of it is the host's: "
+                "the batch's copy, the launches)"
+                + (
+                    f"; {v['regions_unlinked']} kernels whose launch the profiler did not link are in 'rest forward'"
+                    if v.get("regions_unlinked")
+                    else ""
+                )
+                + "."
+            ),
+            "",
+            "| region | kernels | busy ms | wall ms | busy / wall | GFLOP | TFLOP/s over wall |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for region, entry in [*regions.items(), ("update", update_totals(regions))]:
+            region_flops = flops["total"] if region == "update" and flops else by_region.get(region)
+            wall = entry["wall_ms"]
+            lines.append(
+                f"| {region} | {fmt(entry['kernels'])} | {fmt(entry['busy_ms'])} | {fmt(wall)} | "
+                f"{fmt(entry['busy_ms'] / wall if wall else None)} | "
+                f"{fmt(region_flops / 1e9 if region_flops is not None else None)} | "
+                f"{fmt(region_flops / wall / 1e9 if region_flops and wall else None)} |"
+            )
+    return lines
+
+
+def update_totals(regions: dict) -> dict:
+    """The regions' kernels, busy and wall time summed (None where a region's kernels were not counted)."""
+    kernels = [entry["kernels"] for entry in regions.values()]
+    return {
+        "kernels": None if None in kernels else sum(kernels),
+        "busy_ms": sum(entry["busy_ms"] for entry in regions.values()),
+        "wall_ms": sum(entry["wall_ms"] for entry in regions.values()),
+    }
 
 
 def pong_markdown_staged(result: dict) -> list[str]:

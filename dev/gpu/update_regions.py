@@ -1,30 +1,42 @@
-"""How many operations each region of one Dreamer update dispatches: observe forward and backward, imagination
-forward and backward, the optimizers, and the rest.
+"""What each region of one Dreamer update costs: the encoder, the observe scan forward and backward, the decoder, the
+world model's heads and losses, imagination, the behaviour heads and losses, the optimizers, and the rest; in
+operations dispatched and FLOPs on the CPU, and (for update_variants.py) in kernels and time on a profile.
 
     python dev/gpu/update_regions.py --model dreamerv3 --size tiny --out /tmp/regions_dreamerv3_tiny.json
     python dev/gpu/update_regions.py --model nature --size modest --out /tmp/regions_nature_modest.json
+    python dev/gpu/update_regions.py --size atari100k          # DreamerV3's batch, 16 x 64: FLOPs by region
 
 On the CPU, a `TorchDispatchMode` counts the aten operations (views left out: they launch no kernel) of one
-world-model update and one behaviour update of dreamer_atari.py, after a warm-up update, as
-tests/test_dreamer_fast_path.py does. On a GPU an eager update launches about one kernel per operation (fewer where
-the GRU cell's elementwise work fuses), and at batch 16 x 64 the kernel count, not arithmetic, sets its time.
+world-model update and one behaviour update of dreamer_atari.py, after two warm-up updates, as
+tests/test_dreamer_fast_path.py does, and their FLOPs by torch's FLOP counter's formulas
+(`torch.utils.flop_counter`: matrix products and convolutions; the whole update's count by `FlopCounterMode`
+itself is kept beside them). On a GPU an eager update launches about one kernel per operation (fewer where the GRU
+cell's elementwise work fuses), and at batch 16 x 64 the kernel count, not arithmetic, sets its time.
 
-How each operation finds its region:
-- forward: the fast observe, the fast imagination and `clip_and_step` (gradient norm, clip and Adam: "optimizers") are wrapped
-  while the count runs; an operation dispatched inside one of them belongs to it, any other to "rest".
+How each operation finds its region (`Regions`, `labelled`):
+- forward: the update's parts are wrapped while the count runs: the encoder and the decoder (modules), the agent's
+  `observe`, `world_model_losses` and `imagine`, and the script's `behavior_losses` and `clip_and_step` (gradient
+  norm, clip and Adam: "optimizers"). An operation belongs to the innermost wrapped call running (the decoder runs
+  inside the world model's losses, imagination inside the behaviour losses), any other to "rest" (the batch's
+  conversion, the logged values, the slow critic's update). A profiler sees the same calls as `region: NAME` ranges.
 - backward: inside `loss.backward()` the autograd engine marks the node it is running
-  (`torch._C._current_autograd_node()`), and every node carries the sequence number of its creation. The wrappers
-  record the sequence numbers before and after the fast observe and imagination ran (one marker node each, not
-  counted), so a backward operation belongs to observe or imagination when the node that dispatched it was
-  created inside that call, and to "rest" otherwise (including the parameters' gradient accumulation nodes). The
-  gradient additions where a tensor has several consumers are made by the engine on behalf of the node that
-  produced the later contribution: at the border of a region (the `deter` that both the prior and the decoder
-  read) they count for that node's region.
+  (`torch._C._current_autograd_node()`; a profiler records it with the node's sequence number), and every node
+  carries the sequence number of its creation. The wrappers record the sequence numbers before and after each call
+  (one view each, which launches nothing), so a backward operation belongs to the innermost call that created its
+  node, and to "rest" otherwise (including the parameters' gradient accumulation nodes). The gradient additions
+  where a tensor has several consumers are made by the engine on behalf of the node that produced the later
+  contribution: at the border of a region (the `deter` that both the prior and the decoder read) they count for
+  that node's region.
+- compiled code (--compile) is one call to the wrappers around it, and its backward one node: a region compiled
+  inside another (the decoder inside the world model's compiled losses) counts for the outer one.
 
 Each figure is also measured at sequence length T - 1 and horizon H - 1, which gives the operations one observe
 step and one imagination step add, by region. `--size tiny` takes the test's sizes (batch 3 x 6, horizon 4, the
-tiny widths); `--size modest` the model's own widths at batch 4 x 64, horizon 15 (an op count does not depend on
-the batch size or the widths, but does on T and H). Prints a table and writes a JSON file (`--out`).
+tiny widths); `--size modest` the model's own widths at batch 4 x 64, horizon 15; `--size atari100k` at batch
+16 x 64, counted at batch `--count-batch` (2), its FLOPs from that batch and the next (an operation count does
+not depend on the batch size, from 2, or the widths, but does on T and H; the FLOPs are linear in the batch but for
+the learned initial state's one row per update, so two batches give them at any: `flops_at`, and
+`tests/test_gpu_stages.py` holds them to a straight line through three). Prints a table and writes a JSON file (`--out`).
 """
 
 from __future__ import annotations
@@ -35,11 +47,14 @@ import contextlib
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -64,57 +79,178 @@ TINY = {  # tests/dreamer_tiny.py's widths at tests/test_dreamer_fast_path.py's 
     "imagination_horizon": 4,
 }
 MODEST = {"batch_size": 4, "sequence_length": 64, "imagination_horizon": 15}
+ATARI100K = {
+    "batch_size": 16,
+    "sequence_length": 64,
+    "imagination_horizon": 15,
+}  # DreamerV3's Atari100k update
+# the labelled calls, in the order an update runs them (`labelled`); "rest" is everything outside them
+PARTS = (
+    "encoder",
+    "observe",
+    "decoder",
+    "world-model heads and losses",
+    "imagination",
+    "behaviour heads and losses",
+)
 REGIONS = (
-    "observe forward",
-    "observe backward",
-    "imagination forward",
-    "imagination backward",
+    *(f"{part} {direction}" for part in PARTS for direction in ("forward", "backward")),
     "optimizers",
     "rest forward",
     "rest backward",
 )
 NOT_KERNELS = frozenset({"aten.detach", "aten.lift_fresh", "aten._unsafe_view"})
+NOT_KERNEL_NAMESPACES = ("profiler.",)  # a profiler range's own enter and exit (`Regions.wrap`)
+REGION_LABEL = "region: "  # a labelled call's profiler range: "region: encoder"
+BACKWARD_SCOPE = (
+    1  # RecordScope::BACKWARD_FUNCTION: a profiled autograd node, with its node's sequence number
+)
+
+
+class Regions:
+    """Which region of an update is running, as the wrappers `labelled` installs tell it while `active`: `current`
+    (forward), and `spans`, the (first, last) autograd sequence numbers each labelled call created, innermost calls
+    first (a call's span is recorded when it returns), from which a backward node's region follows. Inactive, the
+    wrappers only call through; inside compiled code they do nothing (so a compiled graph is the same with them)."""
+
+    def __init__(self):
+        self.active = False
+        self.current = "rest"
+        self.spans: list[tuple[int, int, str]] = []
+        self.marking = False  # True while a marker runs: its view is no operation of the update
+        self._leaf = torch.zeros((), requires_grad=True)
+
+    def marker(self) -> int:
+        """The sequence number of a fresh autograd node: a view of a leaf (no kernel)."""
+        self.marking = True
+        try:
+            with torch.enable_grad():
+                return self._leaf.view_as(self._leaf).grad_fn._sequence_nr()
+        finally:
+            self.marking = False
+
+    def forward_region(self) -> str:
+        return "optimizers" if self.current == "optimizers" else f"{self.current} forward"
+
+    def backward_region(self, sequence_nr: int) -> str:
+        """The region of the backward node created with this sequence number."""
+        for first, last, region in self.spans:
+            if first < sequence_nr < last:
+                return f"{region} backward"
+        return "rest backward"
+
+    def wrap(self, fn: Callable, region: str, spans: bool = True) -> Callable:
+        """`fn`, telling this object (and a profiler, as a `region: NAME` range) that `region` runs inside it."""
+
+        def labelled_call(*args, **kwargs):
+            if (
+                torch.compiler.is_compiling() or not self.active
+            ):  # first: a compiled graph guards on nothing here
+                return fn(*args, **kwargs)
+            outer, first = self.current, self.marker() if spans else None
+            self.current = region
+            try:
+                with torch.profiler.record_function(REGION_LABEL + region):
+                    return fn(*args, **kwargs)
+            finally:
+                self.current = outer
+                if spans:
+                    self.spans.append((first, self.marker(), region))
+
+        return labelled_call
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Active for one update: the spans of this update only."""
+        self.spans.clear()
+        self.active = True
+        try:
+            yield self
+        finally:
+            self.active = False
+
+
+class LabelledModule(nn.Module):
+    """A module called through `Regions.wrap` (its parameters are the wrapped module's own)."""
+
+    def __init__(self, module: nn.Module, call: Callable):
+        super().__init__()
+        self.module = module
+        self.call = call
+
+    def forward(self, *args, **kwargs):
+        return self.call(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def labelled(agent: da.Agent, regions: Regions):
+    """The agent's update with its parts wrapped for `regions` (see the module docstring), after `speed_up_agent`
+    (so that what is wrapped is what a run calls, compiled or not) and before the first update (so that a compiled
+    function traces the wrappers once). Everything is put back on exit."""
+    wm = agent.world_model
+    saved = (
+        wm.encoder,
+        wm.decoder,
+        agent.observe,
+        agent.world_model_losses,
+        agent.imagine,
+        da.behavior_losses,
+        da.clip_and_step,
+    )
+    wm.encoder = LabelledModule(wm.encoder, regions.wrap(wm.encoder, "encoder"))
+    wm.decoder = LabelledModule(wm.decoder, regions.wrap(wm.decoder, "decoder"))
+    agent.observe = regions.wrap(agent.observe, "observe")
+    agent.world_model_losses = regions.wrap(agent.world_model_losses, "world-model heads and losses")
+    agent.imagine = regions.wrap(agent.imagine, "imagination")
+    da.behavior_losses = regions.wrap(da.behavior_losses, "behaviour heads and losses")
+    da.clip_and_step = regions.wrap(da.clip_and_step, "optimizers", spans=False)
+    try:
+        yield agent
+    finally:
+        (
+            wm.encoder,
+            wm.decoder,
+            agent.observe,
+            agent.world_model_losses,
+            agent.imagine,
+            da.behavior_losses,
+            da.clip_and_step,
+        ) = saved
 
 
 class RegionCounter(TorchDispatchMode):
-    """Counts non-view aten operations by region (see the module docstring): `forward_region` is set by the
-    wrappers, `spans` holds the (first, last) autograd sequence numbers each wrapped call created."""
+    """Counts non-view aten operations (`ops`: (region, op name) -> count) and their FLOPs (`flops`: region -> FLOPs,
+    torch's FLOP counter's formulas) by region, as `regions` says (see the module docstring)."""
 
-    def __init__(self):
+    def __init__(self, regions: Regions):
         super().__init__()
-        self.ops = collections.Counter()  # (region, op name) -> count
-        self.forward_region = "rest"
-        self.spans: list[tuple[int, int, str]] = []
-        self.paused = False
+        self.regions = regions
+        self.ops = collections.Counter()
+        self.flops = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         name = str(func.overloadpacket)
-        if not (self.paused or func.is_view or name in NOT_KERNELS):
+        counted = not (
+            self.regions.marking
+            or func.is_view
+            or name in NOT_KERNELS
+            or name.startswith(NOT_KERNEL_NAMESPACES)
+        )
+        flop_formula = flop_registry.get(func.overloadpacket)
+        if counted or flop_formula is not None:
             node = torch._C._current_autograd_node()
-            if node is None:
-                region = (
-                    f"{self.forward_region} forward" if self.forward_region != "optimizers" else "optimizers"
-                )
-            else:
-                region = f"{self.backward_region(node._sequence_nr())} backward"
-            self.ops[region, name] += 1
-        return func(*args, **(kwargs or {}))
-
-    def backward_region(self, sequence_nr: int) -> str:
-        """The wrapped call that created the node with this sequence number, or "rest"."""
-        for first, last, region in self.spans:
-            if first < sequence_nr < last:
-                return region
-        return "rest"
-
-    def marker(self) -> int:
-        """The sequence number of a fresh autograd node (not counted)."""
-        self.paused = True
-        try:
-            with torch.enable_grad():
-                return (torch.zeros((), requires_grad=True) * 1.0).grad_fn._sequence_nr()
-        finally:
-            self.paused = False
+            region = (
+                self.regions.forward_region()
+                if node is None
+                else self.regions.backward_region(node._sequence_nr())
+            )
+            if counted:
+                self.ops[region, name] += 1
+            if flop_formula is not None:
+                self.flops[region] += flop_formula(*args, **kwargs, out_val=out)
+        return out
 
     def by_region(self) -> dict[str, int]:
         totals = dict.fromkeys(REGIONS, 0)
@@ -122,34 +258,21 @@ class RegionCounter(TorchDispatchMode):
             totals[region] += count
         return totals
 
+    def flops_by_region(self) -> dict[str, int]:
+        return {region: self.flops[region] for region in REGIONS}
 
-@contextlib.contextmanager
-def wrapped(counter: RegionCounter):
-    """The fast observe and imagination (`FastObserve`, `FastImagine`: what a run's updates call) and
-    `da.clip_and_step` replaced by wrappers that tell `counter` their region."""
 
-    def wrap(fn, region: str, spans: bool):
-        def inner(*args, **kwargs):
-            outer = counter.forward_region
-            first = counter.marker() if spans else None
-            counter.forward_region = region
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                counter.forward_region = outer
-                if spans:
-                    counter.spans.append((first, counter.marker(), region))
-
-        return inner
-
-    saved = da.FastObserve.__call__, da.FastImagine.__call__, da.clip_and_step
-    da.FastObserve.__call__ = wrap(da.FastObserve.__call__, "observe", True)
-    da.FastImagine.__call__ = wrap(da.FastImagine.__call__, "imagination", True)
-    da.clip_and_step = wrap(da.clip_and_step, "optimizers", False)
-    try:
-        yield
-    finally:
-        da.FastObserve.__call__, da.FastImagine.__call__, da.clip_and_step = saved
+def event_region(event, regions: Regions) -> str:
+    """The region of a profiled CPU event (an operation, or a CUDA launch): that of the innermost labelled call
+    (`region: NAME` range) or autograd node around it, found up its parents."""
+    while event is not None:
+        if event.name.startswith(REGION_LABEL):
+            part = event.name[len(REGION_LABEL) :]
+            return "optimizers" if part == "optimizers" else f"{part} forward"
+        if event.scope == BACKWARD_SCOPE:
+            return regions.backward_region(event.sequence_nr)
+        event = event.cpu_parent
+    return "rest forward"
 
 
 def random_batch(args: da.Args, obs_shape: tuple, seed: int = 0) -> dict:
@@ -164,22 +287,50 @@ def random_batch(args: da.Args, obs_shape: tuple, seed: int = 0) -> dict:
     return batch
 
 
-def count_update(args: da.Args) -> dict[str, dict[str, int]]:
-    """Operations by region of the third world-model update and behaviour update (the first two create the
-    optimizer state and the sampling matrices later ones reuse): {"world_model": {...}, "behavior": {...}}."""
+def model_obs_shape(args: da.Args) -> tuple:
+    """One observation of the model `args` describes: (frames, side, side), or (frames, 3, side, side) in colour."""
+    return (args.frame_stack, *((3,) if args.rgb else ()), args.image_size, args.image_size)
+
+
+def count_update(args: da.Args, warmup: int = 2) -> dict:
+    """Operations and FLOPs by region of the world-model update and behaviour update after `warmup` uncounted ones (the
+    first two create the optimizer state and the sampling matrices later ones reuse; FLOPs are the same without), on
+    the CPU: {"world_model": {region: ops}, "behavior": {...}, "flops": {"world_model": {region: FLOPs},
+    "behavior": {...}}, "flop_counter_total": the whole update's FLOPs by `FlopCounterMode`}."""
+    return count_updates(args, (args.batch_size,), warmup)[0]
+
+
+def count_updates(args: da.Args, batch_sizes: tuple[int, ...], warmup: int = 2) -> list[dict]:
+    """`count_update` at each of `batch_sizes`, in turn, with one agent (built and checked once)."""
     torch.manual_seed(0)
-    obs_shape = (args.frame_stack, args.image_size, args.image_size)
+    obs_shape = model_obs_shape(args)
     agent = da.build_agent(args, obs_shape, NUM_ACTIONS, "cpu")
     da.speed_up_agent(agent, args)  # the fast paths a run trains with
-    raw = da.batch_tensors(random_batch(args, obs_shape), "cpu")
-    world_model_step, behavior_step = da.make_update_steps(agent, args)
-    for _ in range(3):
-        world, behavior = RegionCounter(), RegionCounter()
-        with wrapped(world), world:
-            _, _, start = world_model_step(raw)
-        with wrapped(behavior), behavior:
-            behavior_step(start)
-    return {"world_model": world.by_region(), "behavior": behavior.by_region()}
+    regions = Regions()
+    counts = []
+    with labelled(agent, regions):
+        world_model_step, behavior_step = da.make_update_steps(agent, args)
+        for index, batch_size in enumerate(batch_sizes):
+            batch_args = dataclasses.replace(args, batch_size=batch_size)
+            raw = da.batch_tensors(random_batch(batch_args, obs_shape), "cpu")
+            for _ in range(warmup if index == 0 else 0):
+                _, _, start = world_model_step(raw)
+                behavior_step(start)
+            world, behavior = RegionCounter(regions), RegionCounter(regions)
+            with FlopCounterMode(display=False) as flop_counter, regions.recording():
+                with world:
+                    _, _, start = world_model_step(raw)
+                with behavior:
+                    behavior_step(start)
+            counts.append(
+                {
+                    "world_model": world.by_region(),
+                    "behavior": behavior.by_region(),
+                    "flops": {"world_model": world.flops_by_region(), "behavior": behavior.flops_by_region()},
+                    "flop_counter_total": flop_counter.get_total_flops(),
+                }
+            )
+    return counts
 
 
 # profiler events that launch no kernel: allocations, views and shape bookkeeping
@@ -190,6 +341,7 @@ NOT_KERNEL_EVENTS = frozenset(
         "empty_strided",
         "empty_like",
         "view",
+        "view_as",
         "as_strided",
         "detach",
         "alias",
@@ -268,7 +420,7 @@ def count_compiled_update(args: da.Args) -> int:
 
 def measure_compiled(model: str, size: str) -> dict:
     """Compiled kernel calls at (T, H), (T - 1, H) and (T, H - 1), and the per-step differences."""
-    sizes = {**(TINY if size == "tiny" else MODEST), "model": model, "amp": "off", "num_envs": 1}
+    sizes = {**SIZES[size], "model": model, "amp": "off", "num_envs": 1}
     T, H = sizes["sequence_length"], sizes["imagination_horizon"]
     base = count_compiled_update(da.Args(**sizes))
     short_t = count_compiled_update(da.Args(**{**sizes, "sequence_length": T - 1}))
@@ -281,15 +433,47 @@ def measure_compiled(model: str, size: str) -> dict:
     }
 
 
-def measure(model: str, size: str, observe_backward: str = "hand-written") -> dict:
-    """Counts at (T, H), (T - 1, H) and (T, H - 1), and the per-step differences."""
-    sizes = {**(TINY if size == "tiny" else MODEST), "model": model, "amp": "off", "num_envs": 1}
+SIZES = {"tiny": TINY, "modest": MODEST, "atari100k": ATARI100K}
+
+
+def flops_at(args: da.Args, batch_size: int, warmup: int = 2) -> dict:
+    """FLOPs by region of one update at `batch_size`, from counts at `args.batch_size` (b) and b + 1: every operation
+    the FLOP counter counts is linear in the batch, plus a part that is not (the learned initial state, one row per
+    update), so FLOPs(B) = FLOPs(b) + (B - b) (FLOPs(b + 1) - FLOPs(b)) exactly. Returns {"by_region", "total",
+    "flop_counter_total": FlopCounterMode's count of the whole update, the same way, "counts": `count_update` at b}."""
+    low, high = count_updates(args, (args.batch_size, args.batch_size + 1), warmup)
+    steps = batch_size - args.batch_size
+
+    def both(counts: dict, region: str) -> int:
+        return counts["flops"]["world_model"][region] + counts["flops"]["behavior"][region]
+
+    by_region = {
+        region: both(low, region) + steps * (both(high, region) - both(low, region)) for region in REGIONS
+    }
+    return {
+        "by_region": by_region,
+        "total": sum(by_region.values()),
+        "flop_counter_total": low["flop_counter_total"]
+        + steps * (high["flop_counter_total"] - low["flop_counter_total"]),
+        "counts": low,
+    }
+
+
+def measure(model: str, size: str, observe_backward: str = "hand-written", count_batch: int = 2) -> dict:
+    """Counts at (T, H), (T - 1, H) and (T, H - 1), and the per-step differences; FLOPs by region at (T, H). At
+    `--size atari100k` everything is counted at batch `count_batch` (and `count_batch` + 1, for the FLOPs at the
+    size's batch: `flops_at`)."""
+    sizes = {**SIZES[size], "model": model, "amp": "off", "num_envs": 1}
     sizes["observe_backward"] = observe_backward
+    batch_size = sizes["batch_size"]
+    if size == "atari100k":
+        sizes["batch_size"] = count_batch
     T, H = sizes["sequence_length"], sizes["imagination_horizon"]
-    base = count_update(da.Args(**sizes))
+    flops = flops_at(da.Args(**sizes), batch_size)
+    base = flops["counts"]
     short_t = count_update(da.Args(**{**sizes, "sequence_length": T - 1}))
     short_h = count_update(da.Args(**{**sizes, "imagination_horizon": H - 1}))
-    args = da.Args(**sizes)
+    args = da.Args(**{**sizes, "batch_size": batch_size})
     total = {region: base["world_model"][region] + base["behavior"][region] for region in REGIONS}
     return {
         "torch": torch.__version__,
@@ -309,9 +493,10 @@ def measure(model: str, size: str, observe_backward: str = "hand-written") -> di
                 "encoder_channels",
                 "image_size",
                 "frame_stack",
+                "rgb",
             )
         },
-        "counts": base,
+        "counts": {"world_model": base["world_model"], "behavior": base["behavior"]},
         "total": total,
         "update_total": sum(total.values()),
         "per_observe_step": {
@@ -320,6 +505,10 @@ def measure(model: str, size: str, observe_backward: str = "hand-written") -> di
         "per_imagination_step": {
             region: base["behavior"][region] - short_h["behavior"][region] for region in REGIONS
         },
+        "flops": flops["by_region"],
+        "flops_total": flops["total"],
+        "flop_counter_total": flops["flop_counter_total"],
+        "flops_counted_at_batch": sizes["batch_size"],
     }
 
 
@@ -328,19 +517,25 @@ def table(result: dict) -> str:
     lines = [
         f"{result['model']} ({result['size']}: batch {result['sizes']['batch_size']} x "
         f"{result['sizes']['sequence_length']}, horizon {result['sizes']['imagination_horizon']}), torch "
-        f"{result['torch']}",
-        f"{'region':<22}{'world model':>12}{'behaviour':>11}{'total':>8}{'/observe step':>15}{'/imagine step':>15}",
+        f"{result['torch']}; FLOPs from batches {result['flops_counted_at_batch']} and "
+        f"{result['flops_counted_at_batch'] + 1}",
+        f"{'region':<40}{'world model':>12}{'behaviour':>11}{'total':>8}{'/observe step':>15}{'/imagine step':>15}"
+        f"{'GFLOP':>10}",
     ]
     for region in REGIONS:
         lines.append(
-            f"{region:<22}{result['counts']['world_model'][region]:>12}{result['counts']['behavior'][region]:>11}"
+            f"{region:<40}{result['counts']['world_model'][region]:>12}{result['counts']['behavior'][region]:>11}"
             f"{result['total'][region]:>8}{result['per_observe_step'][region]:>15}"
-            f"{result['per_imagination_step'][region]:>15}"
+            f"{result['per_imagination_step'][region]:>15}{result['flops'][region] / 1e9:>10.2f}"
         )
     lines.append(
-        f"{'update':<22}{sum(result['counts']['world_model'].values()):>12}"
+        f"{'update':<40}{sum(result['counts']['world_model'].values()):>12}"
         f"{sum(result['counts']['behavior'].values()):>11}{result['update_total']:>8}"
         f"{sum(result['per_observe_step'].values()):>15}{sum(result['per_imagination_step'].values()):>15}"
+        f"{result['flops_total'] / 1e9:>10.2f}"
+    )
+    lines.append(
+        f"FlopCounterMode's count of the whole update: {result['flop_counter_total'] / 1e9:.2f} GFLOP"
     )
     return "\n".join(lines)
 
@@ -348,7 +543,7 @@ def table(result: dict) -> str:
 def readme(folder: Path) -> str:
     """The results folder's README.md, from its JSON files (`M_S_B.json`, B the observe backward)."""
     runs = {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))}
-    some = next(iter(runs.values()))
+    some = next(run for run in runs.values() if run["size"] != "atari100k")
     lines = [
         "# Operations per Dreamer update, by region",
         "",
@@ -389,13 +584,46 @@ def readme(folder: Path) -> str:
                 if compiled
                 else f"| {model} | {size} | {regions(auto)} | {regions(hand)} | — | — | — | — | — | — | — | — |"
             )
+    for name, run in runs.items():
+        if "flops" in run and run["size"] == "atari100k":
+            lines += flops_table(name, run)
     return "\n".join(lines) + "\n"
+
+
+def flops_table(name: str, run: dict) -> list[str]:
+    """One update at DreamerV3's batch, region by region: operations and FLOPs (a `--size atari100k` run)."""
+    sizes = run["sizes"]
+    lines = [
+        "",
+        f"## {run['model']} at {sizes['batch_size']} x {sizes['sequence_length']}, horizon "
+        f"{sizes['imagination_horizon']}, region by region (`{name}.json`)",
+        "",
+        f"`{run['command']}` ({run['machine'].get('cpu', '?')}, torch {run['torch']}): the operations (counted at batch "
+        f"{run['flops_counted_at_batch']}; from batch 2 they do not depend on it) and FLOPs (torch's FLOP counter: "
+        f"matrix products and convolutions; from batches {run['flops_counted_at_batch']} and "
+        f"{run['flops_counted_at_batch'] + 1}, extended to {sizes['batch_size']}) of one world-model and one "
+        f"behaviour update. The regions' FLOPs sum to {run['flops_total'] / 1e9:.1f} GFLOP; FlopCounterMode's own count "
+        f"of the whole update: {run['flop_counter_total'] / 1e9:.1f} GFLOP.",
+        "",
+        "| region | operations | GFLOP |",
+        "|---|---:|---:|",
+    ]
+    for region in REGIONS:
+        lines.append(f"| {region} | {run['total'][region]:,} | {run['flops'][region] / 1e9:.1f} |")
+    lines.append(f"| update | {run['update_total']:,} | {run['flops_total'] / 1e9:.1f} |")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("dreamerv3", "nature"), default="dreamerv3")
-    parser.add_argument("--size", choices=("tiny", "modest"), default="tiny")
+    parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
+    parser.add_argument(
+        "--count-batch",
+        type=int,
+        default=2,
+        help="--size atari100k: count at this batch (and the next for FLOPs)",
+    )
     parser.add_argument("--out", help="write the counts to this JSON file")
     parser.add_argument(
         "--observe-backward",
@@ -414,7 +642,7 @@ def main() -> None:
         (Path(options.readme) / "README.md").write_text(readme(Path(options.readme)))
         return
     torch.set_num_threads(1)
-    result = measure(options.model, options.size, options.observe_backward)
+    result = measure(options.model, options.size, options.observe_backward, options.count_batch)
     if options.compiled:
         result["compiled"] = measure_compiled(options.model, options.size)
         compiled = result["compiled"]

@@ -1,23 +1,36 @@
-"""The update variants at DreamerV3's Atari100k batch (B16 x T64), on one real replayed Pong batch.
+"""The update variants at DreamerV3's Atari100k batch (B16 x T64), on one real replayed Pong batch, each region by
+region.
 
     python dev/gpu/update_variants.py --out PATH                        # CUDA
     python dev/gpu/update_variants.py --out PATH --device cpu --quick   # the same steps, tiny, without a GPU
 
-`gpu_stages.py --stage update` runs it in its own process with a time cap. The variants are the table
-`gpu_stages.UPDATE_VARIANTS` (name, Args field overrides), each on top of every fast path off
-(`gpu_stages.FAST_PATHS_OFF`), and first `training`: the script's defaults plus what the Pong stage turns on
-(`common.CUDA_FAST_PATH`), the update the Pong run trains with. A variant that names an Args field this
-version of dreamer_atari.py lacks is reported as not available and skipped, and so is one this device cannot
-run (CUDA graphs on a CPU).
+`gpu_stages.py --stage update` runs it in its own process with a time cap. The variants: first `training`, the
+script's defaults plus what the Pong stage turns on (`common.CUDA_FAST_PATH`), the update the Pong run trains with;
+then `gpu_stages.TRAINING_VARIANTS` (name, Args field overrides on top of `training`: bf16, the fused scan, compile),
+then `gpu_stages.UPDATE_VARIANTS` (overrides on top of every fast path off, `gpu_stages.FAST_PATHS_OFF`). A variant
+that names an Args field this version of dreamer_atari.py lacks is reported as not available and skipped, and so is
+one this device cannot run (CUDA graphs or the fused scan on a CPU).
 
-For each variant: its agent built by the script's `build_agent` with its fast paths (`speed_up_agent`, which compiles with `compile`), its update
-steps by `make_update_steps` (captured in CUDA graphs by `CudaGraphed` with `cudagraph`), fed as the training loop
-feeds them (on CUDA from the script's pinned staging buffers, `PinnedBatches`). Every warm-up call is timed (the
-first ones compile and capture), then `--reps` updates, each followed by a device synchronisation; the median is
-the update as training runs it. One more update runs under torch.profiler: its CUDA kernels (on a CPU, the aten
-operations one update dispatches, counted by a TorchDispatchMode, and labelled so). Peak GPU memory is the
-allocator's peak over the variant. PATH is rewritten after each variant, so a run stopped early keeps what it
-measured.
+First the FLOPs of one update, by region (`count_flops`: torch's FLOP counter on the CPU at a small batch, scaled).
+For each variant: its agent built by the script's `build_agent` with its fast paths (`speed_up_agent`, which
+compiles with `compile`), its parts labelled by region (`update_regions.labelled`), its update steps by
+`make_update_steps` (captured in CUDA graphs by `CudaGraphed` with `cudagraph`), fed as the training loop feeds them
+(on CUDA from the script's pinned staging buffers, `PinnedBatches`). Every warm-up call is timed (the first ones
+compile and capture), then `--reps` updates, each followed by a device synchronisation; the median is the update as
+training runs it. One more update runs under torch.profiler: its CUDA kernels (on a CPU, the aten operations one
+update dispatches, counted by a TorchDispatchMode, and labelled so). Peak GPU memory is the allocator's peak over the
+variant. PATH is rewritten after each variant, so a run stopped early keeps what it measured.
+
+The regions (`regions`: kernels, busy ms, wall ms for each of `update_regions.REGIONS`; `regions_timed_as` says how
+for each variant). A captured graph replays without Python, so nothing labels its kernels as it runs: the last call
+before capture runs the same function eagerly and is profiled with the labels on (each kernel in the region of the
+launch that started it), and the profiled replay's kernels take the regions of the same kernels of that call, matched
+by name in order (`align`). Busy time is a region's kernels' durations summed; wall time its share of the replay's
+GPU timeline (`timeline`: from the first kernel's start to the last one's end, the idle time before a kernel charged
+to its region); they sum to that span, which the update's median exceeds by the host's share. Where the profiler sees
+nothing inside a replay, the eager call's own timeline stands in (its gaps are launches the graph does not make). An
+uncaptured variant's profiled update is labelled directly. On a CPU: the aten operations each region dispatches, and
+the times of those a profile sees called from Python or the autograd engine.
 """
 
 from __future__ import annotations
@@ -26,6 +39,8 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
+import re
 import statistics
 import sys
 import tempfile
@@ -50,7 +65,8 @@ import dreamer_atari as da
 from benchmark import bench_utils
 from benchmark.common import ATARI100K_BATCH, CUDA_FAST_PATH, TINY_MODEL_FIELDS, code_version
 from benchmark.ours_dreamer import fill_replay
-from dev.gpu.gpu_stages import FAST_PATHS_OFF, UPDATE_VARIANTS
+from dev.gpu import update_regions
+from dev.gpu.gpu_stages import FAST_PATHS_OFF, TRAINING_VARIANTS, UPDATE_VARIANTS, variant_names
 
 MB = 2.0**20
 # --quick: the plumbing only
@@ -59,14 +75,20 @@ ARGS_FIELDS = {field.name for field in dataclasses.fields(da.Args)}
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the aten operations dispatched while it is active (forward and backward)."""
+    """Counts the aten operations dispatched while it is active (forward and backward), as update_regions.py counts
+    them: views, and a profiler range's own enter and exit, left out (they launch no kernel)."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        name = str(func.overloadpacket)
+        self.count += not (
+            func.is_view
+            or name in update_regions.NOT_KERNELS
+            or name.startswith(update_regions.NOT_KERNEL_NAMESPACES)
+        )
         return func(*args, **(kwargs or {}))
 
 
@@ -77,7 +99,9 @@ def variant_args(
     missing = sorted(set(overrides) - ARGS_FIELDS)
     if missing:
         return None, f"not available in this version (dreamer_atari.Args has no {', '.join(missing)})"
-    if not on_cuda and (overrides.get("cudagraph") or overrides.get("amp") == "fp16"):
+    if not on_cuda and (
+        overrides.get("cudagraph") or overrides.get("amp") == "fp16" or overrides.get("fused_scan")
+    ):
         return None, "needs CUDA"
     if not on_cuda and quick and overrides.get("compile"):
         return (
@@ -86,16 +110,16 @@ def variant_args(
         )
     if training:
         fast = {k: v for k, v in CUDA_FAST_PATH.items() if k in ARGS_FIELDS} if on_cuda else {}
-        return dataclasses.replace(base, **fast, **overrides), ""
+        return dataclasses.replace(base, **{**fast, **overrides}), ""
     off = {k: v for k, v in FAST_PATHS_OFF.items() if k in ARGS_FIELDS}
     return dataclasses.replace(base, **{**off, **overrides}), ""
 
 
-def apply_precision(args: da.Args) -> None:
-    """The process-wide settings dreamer_atari.main makes for a run: cuDNN determinism, and TF32 matmuls where the
-    script has a `tf32` field (set explicitly each time, so no variant inherits an earlier one's)."""
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.set_float32_matmul_precision("high" if getattr(args, "tf32", False) else "highest")
+def apply_precision(args: da.Args, device: torch.device) -> None:
+    """The process-wide settings dreamer_atari.main makes for a run (`seed_everything`: cuDNN's determinism and
+    benchmark, TF32 matmuls on CUDA), set anew for each variant so that none inherits an earlier one's."""
+    torch.set_float32_matmul_precision("highest")
+    da.seed_everything(args, device)
 
 
 def sync(device: torch.device) -> None:
@@ -103,20 +127,136 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def count_kernels(update, device: torch.device) -> tuple[int, dict]:
-    """CUDA kernels (every GPU activity the profiler records: kernels, copies, fills) of one call, and where their
-    time goes (`kernel_times`)."""
+GPU_WORK = (
+    "kernel",
+    "gpu_memcpy",
+    "gpu_memset",
+)  # the profiler's device activities that are work (not ranges)
+
+
+def profile_update(update, device: torch.device, regions: update_regions.Regions) -> tuple[list[tuple], int]:
+    """One call of `update` under torch.profiler, its parts labelled (`regions` recording): what it ran, each as
+    (name, start us, end us, region), in order of start. On CUDA every GPU activity the profiler records (kernels,
+    copies, fills; not the device's copies of `region:` ranges), each in the region of the launch that started it
+    (the CUDA runtime call with the kernel's correlation id, or else the operation the profiler links it to, and up
+    their parents: `update_regions.event_region`); the second value counts those found in neither (counted as
+    "rest forward"). On a CPU the aten operations called from Python or the autograd engine (not from another aten
+    operation; allocations and views left out), and 0."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof, regions.recording():
         update()
         sync(device)
-    kernels = [
-        (e.name, e.time_range.elapsed_us())
-        for e in prof.events()
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
-    ]
-    return len(kernels), kernel_times(kernels)
+    events = prof.events()
+    items, unlinked = [], 0
+    if device.type == "cuda":
+        items, unlinked = device_work(events, regions)
+    else:
+        for event in events:
+            if not event.name.startswith("aten::") or event.name in update_regions.NOT_KERNEL_EVENTS:
+                continue
+            parent = event.cpu_parent
+            while parent is not None and not parent.name.startswith("aten::"):
+                parent = parent.cpu_parent
+            if parent is None:
+                items.append(
+                    (
+                        event.name,
+                        event.time_range.start,
+                        event.time_range.end,
+                        update_regions.event_region(event, regions),
+                    )
+                )
+    items.sort(key=lambda item: (item[1], item[2]))
+    return items, unlinked
+
+
+def device_work(events, regions: update_regions.Regions) -> tuple[list[tuple], int]:
+    """The GPU work among a CUDA profile's `events`, each as (name, start us, end us, region) in the region of the
+    launch that started it (the runtime call with its correlation id, or else the operation the profiler links it
+    to), and how many were found in neither ("rest forward")."""
+    from torch.autograd import DeviceType
+
+    launches, operations, annotations = {}, {}, set()
+    for event in events:
+        if event.device_type != DeviceType.CPU:
+            continue
+        if is_launch(event):
+            launches[event.id] = event
+        elif getattr(event, "is_user_annotation", False):
+            annotations.add(event.name)
+        elif getattr(event, "activity_type", None) in (None, "cpu_op"):
+            operations.setdefault(event.id, event)
+    items, unlinked = [], 0
+    for event in events:
+        activity = getattr(event, "activity_type", None)
+        if (
+            event.device_type != DeviceType.CUDA
+            or activity not in (None, *GPU_WORK)
+            # a range's copy on the device's timeline, not work
+            or (
+                activity is None
+                and (event.name in annotations or event.name.startswith(update_regions.REGION_LABEL))
+            )
+        ):
+            continue
+        source = launches.get(event.id) or operations.get(getattr(event, "linked_correlation_id", 0))
+        unlinked += source is None
+        region = update_regions.event_region(source, regions) if source is not None else "rest forward"
+        items.append((event.name, event.time_range.start, event.time_range.end, region))
+    return items, unlinked
+
+
+def is_launch(event) -> bool:
+    """A CUDA runtime or driver call (cudaLaunchKernel, cuLaunchKernel, cudaMemcpyAsync, ...): the profiler gives it
+    the correlation id of the GPU work it started. By its activity, or by its name where this torch's profiler does
+    not say the activity."""
+    activity = getattr(event, "activity_type", None)
+    if activity is not None:
+        return activity in ("cuda_runtime", "cuda_driver")
+    return re.match(r"cu(da)?[A-Z]", event.name) is not None
+
+
+def align(reference: list[str], names: list[str], window: int = 4, lookahead: int = 64) -> list[int | None]:
+    """For each of `names` (a graph replay's kernels, in order), the index of the same kernel in `reference` (the
+    kernels of the eager call it was captured from): the same name in the same order, where one list may hold
+    kernels the other lacks (a replay's copies into the graph's inputs). None where there is no counterpart."""
+    matched: list[int | None] = [None] * len(names)
+    i = j = 0
+    while i < len(reference) and j < len(names):
+        if reference[i] == names[j]:
+            matched[j] = i
+            i, j = i + 1, j + 1
+            continue
+        # the nearest place where the two agree again for `window` kernels: extra kernels in one of them
+        for k in range(1, lookahead):
+            if names[j + k : j + k + window] == reference[i : i + window]:
+                j += k
+                break
+            if reference[i + k : i + k + window] == names[j : j + window]:
+                i += k
+                break
+        else:
+            i, j = i + 1, j + 1  # two different kernels in the same place: neither has a counterpart
+    return matched
+
+
+def timeline(items: list[tuple]) -> tuple[dict, float]:
+    """(name, start us, end us, region) of each kernel, in order of start -> by region: kernels, busy ms (their
+    durations summed) and wall ms (the timeline from the first kernel's start to the last one's end, each stretch
+    charged to the kernel that ends it: the idle time before a kernel counts for its region); and that span (ms)."""
+    by_region = {region: {"kernels": 0, "busy_ms": 0.0, "wall_ms": 0.0} for region in update_regions.REGIONS}
+    reached = None
+    for _, start, end, region in items:
+        entry = by_region[region]
+        entry["kernels"] += 1
+        entry["busy_ms"] += (end - start) / 1e3
+        if reached is None or end > reached:
+            entry["wall_ms"] += (end - (start if reached is None else reached)) / 1e3
+            reached = end
+    span_ms = (reached - items[0][1]) / 1e3 if items else 0.0
+    return by_region, span_ms
 
 
 # kinds of GPU work by kernel name, the first that matches: cuDNN's convolutions before the GEMMs they are built on
@@ -163,9 +303,20 @@ def count_aten_ops(update, device: torch.device) -> int:
     return counter.count
 
 
+def count_region_ops(update, device: torch.device, regions: update_regions.Regions) -> dict[str, int]:
+    """The aten operations one call of `update` dispatches, by region (update_regions.RegionCounter)."""
+    counter = update_regions.RegionCounter(regions)
+    with regions.recording(), counter:
+        update()
+        sync(device)
+    return counter.by_region()
+
+
 def measure_variant(
     args: da.Args, batch: dict, obs_shape, num_actions, device: torch.device, reps: int, warmup: int
 ) -> dict:
+    """The variant's update timed, its kernels counted, and each region of it (`update_regions.REGIONS`) profiled:
+    see `regions`."""
     on_cuda = device.type == "cuda"
     gc.collect()
     if on_cuda:
@@ -173,8 +324,25 @@ def measure_variant(
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(args.seed)
     agent = da.build_agent(args, obs_shape, num_actions, device)
-    apply_precision(args)
+    apply_precision(args, device)
     da.speed_up_agent(agent, args)  # the fast paths a run trains with (and --compile with `compile`)
+    regions = update_regions.Regions()
+    with update_regions.labelled(
+        agent, regions
+    ):  # before the first update: compiled code traces the labels once
+        return timed_variant(agent, args, batch, device, reps, warmup, regions)
+
+
+def timed_variant(
+    agent: da.Agent,
+    args: da.Args,
+    batch: dict,
+    device: torch.device,
+    reps: int,
+    warmup: int,
+    regions: update_regions.Regions,
+) -> dict:
+    on_cuda = device.type == "cuda"
     world_model_step, behavior_step = da.make_update_steps(agent, args)
     staging = da.PinnedBatches(batch, device) if on_cuda else None
     if staging is not None:
@@ -194,8 +362,9 @@ def measure_variant(
         behavior_step(start)
 
     figures: dict = {"float32_matmul_precision": torch.get_float32_matmul_precision()}  # "high": TF32
+    figures["cudnn_benchmark"] = torch.backends.cudnn.benchmark
     warmup_s, profiled_call = [], None
-    kernels_before_capture = times_before_capture = None
+    before_capture = None  # the profile of the last call before capture: the captured function, run eagerly
     for call in range(warmup):
         step = world_model_step
         # the last call before capture runs the captured function uncaptured: its kernels are the graph's
@@ -206,7 +375,7 @@ def measure_variant(
         )
         start = time.perf_counter()
         if about_to_capture and on_cuda:
-            kernels_before_capture, times_before_capture = count_kernels(update, device)
+            before_capture = profile_update(update, device, regions)
             profiled_call = call
         else:
             update()
@@ -235,20 +404,48 @@ def measure_variant(
     )
     figures["captured"] = captured
     if on_cuda:
-        kernels, figures["kernel_time"] = count_kernels(update, device)
-        figures["kernels_in_profile"] = kernels
-        if captured and kernels < 10 and kernels_before_capture is not None:
+        items, unlinked = profile_update(update, device, regions)
+        figures["kernels_in_profile"] = len(items)
+        if captured and len(items) < 10 and before_capture is not None:
             # the profiler did not see inside the graph replay: the same work, counted on the call before capture
-            figures["kernels_per_update"] = kernels_before_capture
-            figures["kernel_time"] = times_before_capture  # an eager call's: launch gaps are not the graph's
+            items, unlinked = before_capture
             figures["kernels_counted_as"] = (
                 "CUDA kernels of the last call before capture (the captured function)"
             )
+            figures["regions_timed_as"] = (
+                "the last call before capture, run eagerly (torch.profiler): kernels and their busy time are the "
+                "graph's, wall time is an eager call's (launch gaps are not the graph's)"
+            )
+        elif captured and before_capture is not None:
+            # a replay runs no Python: each of its kernels takes the region of the same kernel in the call it was
+            # captured from
+            reference = before_capture[0]
+            matched = align([item[0] for item in reference], [item[0] for item in items])
+            items = [
+                (*item[:3], reference[index][3] if index is not None else "rest forward")
+                for item, index in zip(items, matched)
+            ]
+            unlinked = before_capture[1]
+            figures["kernels_counted_as"] = "CUDA kernels (torch.profiler) of one update (graph replay)"
+            figures["regions_matched"] = sum(index is not None for index in matched)
+            figures["regions_timed_as"] = (
+                "one graph replay (torch.profiler): its kernels, each in the region of the same kernel (by name, "
+                "in order: `regions_matched` of them; the rest, such as the copies into the graph's inputs, in "
+                "'rest forward') of the last call before capture, whose regions the profiler saw"
+            )
         else:
-            figures["kernels_per_update"] = kernels
             figures["kernels_counted_as"] = "CUDA kernels (torch.profiler) of one update" + (
                 " (graph replay)" if captured else ""
             )
+            figures["regions_timed_as"] = "one update, profiled (torch.profiler)" + (
+                ": a graph replay whose regions could not be told (no eager call before capture was profiled)"
+                if captured
+                else ", eagerly"
+            )
+        figures["kernels_per_update"] = len(items)
+        figures["kernel_time"] = kernel_times([(item[0], item[2] - item[1]) for item in items])
+        figures["regions"], figures["regions_span_ms"] = timeline(items)
+        figures["regions_unlinked"] = unlinked
         if not captured and not args.compile:
             # the CPU's proxy (aten operations dispatched) of the same eager update, beside its real kernels
             figures["aten_ops_per_update"] = count_aten_ops(update, device)
@@ -259,16 +456,33 @@ def measure_variant(
         figures["kernels_counted_as"] = (
             "not counted (CPU: compiled code runs eagerly under a TorchDispatchMode)"
         )
+        items, _ = profile_update(update, device, regions)
+        figures["regions"], figures["regions_span_ms"] = timeline(items)
+        for entry in figures["regions"].values():
+            entry["kernels"] = None
+        figures["regions_timed_as"] = CPU_REGIONS_TIMED_AS
     else:
         figures["kernels_per_update"] = count_aten_ops(update, device)
         figures["kernels_counted_as"] = (
             "aten ops dispatched in one update (TorchDispatchMode; CPU, no CUDA kernels)"
         )
+        items, _ = profile_update(update, device, regions)
+        figures["regions"], figures["regions_span_ms"] = timeline(items)
+        for region, ops in count_region_ops(update, device, regions).items():
+            figures["regions"][region]["kernels"] = ops
+        figures["regions_timed_as"] = CPU_REGIONS_TIMED_AS
     if (
         staging is not None
     ):  # what the training loop adds per update on the CPU: one batch sampled into pinned memory
         figures["staging"] = "pinned buffers (PinnedBatches), copied without blocking"
     return figures
+
+
+CPU_REGIONS_TIMED_AS = (
+    "CPU: kernels are the aten ops each region dispatches (update_regions.RegionCounter, on another update); busy "
+    "and wall time those of the aten ops called from Python or the autograd engine in one profiled update "
+    "(torch.profiler)"
+)
 
 
 def time_outside_update(base: da.Args, device: torch.device, steps: int, warmup: int) -> dict:
@@ -328,6 +542,47 @@ def time_outside_update(base: da.Args, device: torch.device, steps: int, warmup:
     }
 
 
+def count_flops(base: da.Args, count_batch: int) -> dict:
+    """FLOPs of one update by region (`update_regions.flops_at`: torch's FLOP counter's formulas, and FlopCounterMode's
+    count of the whole update beside them), counted on the CPU at batches `count_batch` and `count_batch` + 1 and
+    extended to the run's batch, for the training update without compiling and in float32: every variant does the
+    same products (compiled, captured, in bf16 or fused)."""
+    on_cpu = {key: False for key in ("compile", "fused_scan") if key in ARGS_FIELDS}
+    args = dataclasses.replace(base, batch_size=count_batch, cuda=False, amp="off", **on_cpu)
+    started = time.perf_counter()
+    flops = update_regions.flops_at(args, base.batch_size, warmup=0)
+    return {
+        "by_region": flops["by_region"],
+        "total": flops["total"],
+        "flop_counter_total": flops["flop_counter_total"],
+        "counted_as": (
+            f"torch's FLOP counter (torch.utils.flop_counter: matrix products and convolutions) on the CPU, one update "
+            f"at B{count_batch} and one at B{count_batch + 1} (x T{base.sequence_length}), extended to "
+            f"B{base.batch_size} (linear in the batch, but for the learned initial state's one row per update)"
+        ),
+        "count_s": time.perf_counter() - started,
+    }
+
+
+def inductor_caches() -> dict:
+    """Whether the caches that spare a later process compiling are on, and whether they are kept in the one folder
+    TORCHINDUCTOR_CACHE_DIR names (the update stage's, which the lease's Pong run reuses)."""
+    import torch._functorch.config
+    import torch._inductor.config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, triton_cache_dir
+
+    folder = Path(cache_dir()).resolve()
+    return {
+        "cache_dir_from_env": "TORCHINDUCTOR_CACHE_DIR" in os.environ,
+        "fx_graph_cache": bool(torch._inductor.config.fx_graph_cache),
+        "autograd_cache": bool(torch._functorch.config.enable_autograd_cache),
+        "autotune_local_cache": bool(torch._inductor.config.autotune_local_cache),
+        # FX graphs, AOTAutograd's and autotuning's entries go into cache_dir(); Triton's kernels into this folder
+        "triton_cache_in_cache_dir": folder in Path(triton_cache_dir(0)).resolve().parents,
+        "inductor_cudagraphs": bool(torch._inductor.config.triton.cudagraphs),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -345,7 +600,7 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads on a CPU (CUDA: torch's default)"
     )
     cli = parser.parse_args()
-    names = ["training", *(name for name, _ in UPDATE_VARIANTS)]
+    names = variant_names()
     if cli.variants and set(cli.variants) - set(names):
         print(
             f"error: unknown variants {sorted(set(cli.variants) - set(names))}; known: {names}.",
@@ -413,19 +668,35 @@ def main() -> None:
         result["outside_update_error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
         print(f"outside the update: failed, {result['outside_update_error']}", flush=True)
     save()
-    table = [("training", None), *UPDATE_VARIANTS]
-    for name, overrides in table:
+    try:
+        result["flops"] = count_flops(base, count_batch=2 if cli.quick else 1)
+        print(f"FLOPs of one update: {result['flops']['total'] / 1e9:.1f} GFLOP", flush=True)
+    except Exception as exc:  # noqa: BLE001 - a figure that cannot be measured is a finding, not the end
+        result["flops_error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        print(f"FLOPs: failed, {result['flops_error']}", flush=True)
+    result["inductor_caches"] = inductor_caches()
+    save()
+    table = [
+        ("training", None, True),
+        *((name, overrides, True) for name, overrides in TRAINING_VARIANTS),
+        *((name, overrides, False) for name, overrides in UPDATE_VARIANTS),
+    ]
+    for name, overrides, on_training in table:
         if cli.variants and name not in cli.variants:
             continue
         quick_skip = cli.quick and not (cli.variants and name in cli.variants)
-        args, why = variant_args(base, overrides or {}, on_cuda, training=overrides is None, quick=quick_skip)
+        args, why = variant_args(base, overrides or {}, on_cuda, training=on_training, quick=quick_skip)
         entry: dict = {"overrides": overrides if overrides is not None else CUDA_FAST_PATH if on_cuda else {}}
+        if on_training:
+            entry["on"] = "training"  # the overrides change the training update, not every fast path off
         if args is None:
             entry["skipped"] = why
             print(f"{name}: skipped, {why}", flush=True)
         else:
             entry["args"] = {
-                k: getattr(args, k) for k in (*FAST_PATHS_OFF, *CUDA_FAST_PATH) if k in ARGS_FIELDS
+                k: getattr(args, k)
+                for k in (*FAST_PATHS_OFF, *CUDA_FAST_PATH, *(overrides or {}))
+                if k in ARGS_FIELDS
             }
             try:
                 entry.update(measure_variant(args, batch, obs_shape, num_actions, device, reps, warmup))
