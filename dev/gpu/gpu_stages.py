@@ -483,7 +483,7 @@ def update_markdown(result: dict) -> list[str]:
         "",
         (
             f"`{result.get('update_command')}`: {data.get('batch')}, {data.get('batch_from')}; each variant's "
-            f"agent from the same seed, fed from the script's staging buffers as training feeds it; median of "
+            f"agent from the same seed, fed through the script's batch_tensors as training feeds it; median of "
             f"{data.get('reps')} updates after the warm-up calls (which compile and capture), a device "
             f"synchronisation after each. Variants change the named Args fields from every fast path off "
             f"({json.dumps(data.get('fast_paths_off'))}); `training` is the script's defaults plus "

@@ -15,7 +15,7 @@ First the FLOPs of one update, by region (`count_flops`: torch's FLOP counter on
 For each variant: its agent built by the script's `build_agent` with its fast paths (`speed_up_agent`, which
 compiles with `compile`), its parts labelled by region (`update_regions.labelled`), its update steps by
 `make_update_steps` (captured in CUDA graphs by `CudaGraphed` with `cudagraph`), fed as the training loop feeds them
-(on CUDA from the script's pinned staging buffers, `PinnedBatches`). Every warm-up call is timed (the first ones
+(`batch_tensors`: on CUDA from pinned memory, without blocking). Every warm-up call is timed (the first ones
 compile and capture), then `--reps` updates, each followed by a device synchronisation; the median is the update as
 training runs it. One more update runs under torch.profiler: its CUDA kernels (on a CPU, the aten operations one
 update dispatches, counted by a TorchDispatchMode, and labelled so). Peak GPU memory is the allocator's peak over the
@@ -344,20 +344,11 @@ def timed_variant(
 ) -> dict:
     on_cuda = device.type == "cuda"
     world_model_step, behavior_step = da.make_update_steps(agent, args)
-    staging = da.PinnedBatches(batch, device) if on_cuda else None
-    if staging is not None:
-        # both pinned buffers hold the batch; each update copies one to the device, as training does
-        for _ in range(2):
-            for key, array in staging.host_arrays().items():
-                np.copyto(array, batch[key])
-            staging.to_device()
 
     def update() -> None:
-        if staging is not None:
-            staging.host_arrays()  # waits for the copy that last read this buffer, as the training loop does
-            raw = staging.to_device()
-        else:
-            raw = da.batch_tensors(batch, device)
+        raw = da.batch_tensors(
+            batch, device
+        )  # as `sample_batch` sends a batch: pinned, without blocking, on CUDA
         _, _, start = world_model_step(raw)
         behavior_step(start)
 
@@ -471,10 +462,8 @@ def timed_variant(
         for region, ops in count_region_ops(update, device, regions).items():
             figures["regions"][region]["kernels"] = ops
         figures["regions_timed_as"] = CPU_REGIONS_TIMED_AS
-    if (
-        staging is not None
-    ):  # what the training loop adds per update on the CPU: one batch sampled into pinned memory
-        figures["staging"] = "pinned buffers (PinnedBatches), copied without blocking"
+    if on_cuda:  # what the training loop adds per update on the CPU: one batch copied into pinned memory
+        figures["staging"] = "batch_tensors: pinned memory, copied without blocking"
     return figures
 
 
