@@ -56,12 +56,20 @@ def test_catch_is_a_gymnasium_env_with_the_stated_rules():
     assert terminated and reward == -1.0
 
 
-def test_reward_prediction_counts_and_rates():
+def test_reward_prediction_counts_and_rates(monkeypatch):
+    """The world-model losses count how the reward head's predictions (`twohot_mean` of its logits, set here) meet
+    the batch's rewards; `reward_quality` turns the counts into rates."""
     reward = torch.tensor([[1.0, -1.0, 0.0, 0.0, 1.0, 0.0]])
     predicted = torch.tensor(
         [[0.9, 0.3, 0.6, -0.1, -0.8, 0.0]]
     )  # hit, too small, false alarm, ok, wrong sign
-    counts = {key: value.item() for key, value in da.reward_prediction_counts(predicted, reward).items()}
+    args = dreamer_tiny.tiny_args(batch_size=1, sequence_length=6)
+    agent = da.build_agent(args, dreamer_tiny.obs_shape(args), 3, "cpu")
+    raw = da.batch_tensors(da.synthetic_batch(args, dreamer_tiny.obs_shape(args)), "cpu")
+    data = da.prepare_batch(raw | {"reward": reward}, 3)
+    monkeypatch.setattr(da, "twohot_mean", lambda logits, bins: predicted)  # the reward head's predictions
+    parts = da.world_model_loss(agent, data, args)[1]
+    counts = {key: parts[key].item() for key in parts if key.startswith("debug/reward_")}
     assert counts == {
         "debug/reward_nonzero": 3.0,
         "debug/reward_hits": 1.0,
