@@ -215,6 +215,8 @@ class Args:
     """the fast observe's backward: hand-written (47 operations per step instead of 80) or autograd's"""
     fast_imagine: bool = True
     """imagine without a graph, then the actor once with gradients on all states; off: `imagine` as written"""
+    fast_heads: bool = True
+    """the five heads on imagined states share one first-layer product; off: `behavior_losses` as written"""
     fast_decoder: bool = True
     """CPU, --model nature: the decoder's last transposed convolution as a convolution and a pixel shuffle"""
     compile: bool = False
@@ -999,6 +1001,7 @@ class Agent:
     imagine: Callable  # `imagine`
     world_model_losses: Callable  # `world_model_losses`
     imagined_targets: Callable  # `imagined_targets`
+    behavior_losses: Callable  # `behavior_losses`
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -1046,6 +1049,7 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
         imagine=imagine,
         world_model_losses=world_model_losses,
         imagined_targets=imagined_targets,
+        behavior_losses=behavior_losses,
     )
 
 
@@ -1289,7 +1293,7 @@ def train_behavior(agent: Agent, start: dict[str, torch.Tensor], args: Args):
     """One actor and one critic update imagined from `start`, then the slow critic follows: (logged, healthy)."""
     with agent.amp.autocast():
         states = (start["deter"], start["stoch"], start["continue"])
-        actor_loss, critic_loss, parts = behavior_losses(agent, states, args)
+        actor_loss, critic_loss, parts = agent.behavior_losses(agent, states, args)
     scalers = agent.scalers
     for optimizer in (agent.actor_optimizer, agent.critic_optimizer):
         optimizer.zero_grad(set_to_none=True)
@@ -2025,6 +2029,337 @@ class ObserveActivations:
         self.mixed = self.probs_share + unimix / C  # the posterior's probabilities, as `_stats` computes them
 
 
+# --- Imagination and the behaviour heads in fewer, larger kernels -----------------------------------------------------
+# Imagined latents are one-hot in the forward pass (a sample drawn without gradients is the one-hot itself), and so
+# are the actions: the product of a one-hot (N, S x C) with a weight is the sum of the S weight rows its ones pick,
+# one gather-and-sum (`F.embedding_bag`) in place of a product S x C long. Each imagination step gathers so
+# (`gather_imagine_step`, in `FastImagine`); the five heads that read the imagined states (`FastHeads`) share one
+# first-layer product, whose latent part is such a gather. The same terms summed in another order: equal to float64
+# rounding (`check_fast_imagine`, `check_fast_heads`), not bit for bit in float32. Part 1's layers are found by name
+# (`img_in.linear`) or by type (a head is an nn.Sequential that starts with an nn.Linear on the features); the cell and
+# every other layer run as Part 1 writes them.
+
+_CONSTANTS: dict[tuple, torch.Tensor | tuple] = {}
+
+
+def constant(key: tuple, make: Callable[[], torch.Tensor | tuple]) -> torch.Tensor | tuple:
+    """`make()`, made once for `key` (what it depends on: sizes, a device): the index and draw constants below, made
+    by eager code, never inside a captured or compiled step."""
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = make()
+    return _CONSTANTS[key]
+
+
+def latent_offsets(rssm: RSSM, device) -> torch.Tensor:
+    """(S,) int64: s x C, where latent s's classes start in the flattened one-hot (compiled: made in the graph, where
+    Inductor fuses it into its use)."""
+    S, C = rssm.stoch_dim, rssm.classes
+    if torch.compiler.is_compiling():
+        return torch.arange(S, device=device) * C
+    key = ("latent offsets", S, C, torch.device(device))
+    return constant(key, lambda: torch.arange(S, device=device) * C)
+
+
+def latent_index(stoch: torch.Tensor, rssm: RSSM) -> torch.Tensor:
+    """Each latent's class in a one-hot stoch (..., S x C), as the row of the flattened one-hot that holds its one
+    (..., S): s x C + class. Not exact for a start state: its stoch comes from a straight-through sample (one_hot +
+    probs - probs), whose ones are 1 only up to a rounding, so a gather of weight rows differs from Part 1's product
+    with it by that rounding (about 1e-7 of a row in float32, 1e-16 in float64); every imagined state is exact."""
+    return stoch.unflatten(-1, (rssm.stoch_dim, rssm.classes)).argmax(-1) + latent_offsets(rssm, stoch.device)
+
+
+def bag_offsets(rows: int, per_row: int, device) -> torch.Tensor:
+    """(rows,) int64: where each row's indices start in the flattened index, for `gather_sum`."""
+    key = ("bag offsets", rows, per_row, torch.device(device))
+    return constant(key, lambda: torch.arange(0, rows * per_row, per_row, device=device))
+
+
+def gather_sum(index: torch.Tensor, table: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The product of a one-hot (N, S x C) with a weight, where `index` (N, S) says which row holds each latent's one
+    (`latent_index`) and `table` (S x C, width) is the weight's transpose: the sum of the S rows picked, (N, width),
+    in one `embedding_bag` (`offsets`: `bag_offsets(N, S)`)."""
+    return F.embedding_bag(index.reshape(-1), table, offsets, mode="sum")
+
+
+def draw_matrices(classes: int, unimix: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CDF of probabilities (..., C) with `unimix` uniform mixed in, as one product (`mixed_draw`): the matrix
+    (1 - unimix) x a triangle of ones (C, C) and the bias unimix (k + 1) / C (C,); the last column 0 and 2, as
+    `one_hot_draw` sets the last CDF step to 2 (so rounding never leaves no class)."""
+
+    def make():
+        weight = (1 - unimix) * torch.ones(classes, classes, device=device).triu()
+        bias = unimix / classes * torch.arange(1, classes + 1, dtype=torch.float32, device=device)
+        weight[:, -1], bias[-1] = 0.0, 2.0
+        return weight, bias
+
+    return constant(("draw matrices", classes, unimix, torch.device(device)), make)
+
+
+def mixed_draw(probs: torch.Tensor, unimix: float, uniform: torch.Tensor) -> torch.Tensor:
+    """The class `one_hot_draw` picks from `probs` (..., C) with `unimix` uniform mixed in ((1 - unimix) probs +
+    unimix / C, as `RSSM._stats` and `Actor.forward` mix), from a uniform per row (..., 1), as its index (..., 1)
+    int64: the mixed CDF in one product with the mixing in its matrix and bias (`draw_matrices`), then the first class
+    whose CDF reaches the uniform (`searchsorted`). The product in full float32 outside autocast, as
+    `fast_one_hot_draw`'s. Compiled (--compile; a product there would take TF32), the mixed probabilities' cumulative
+    sum and a count of the CDF steps below the uniform, which Inductor fuses."""
+    classes = probs.shape[-1]
+    if torch.compiler.is_compiling():
+        cdf = ((1 - unimix) * probs.float() + unimix / classes).cumsum(-1)
+        return (cdf[..., :-1] < uniform).sum(-1, keepdim=True)  # the last class where no step is below
+    weight, bias = draw_matrices(classes, unimix, probs.device)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.autocast(probs.device.type, enabled=False):
+            cdf = torch.addmm(bias, probs.reshape(-1, classes).float(), weight).view(probs.shape)
+            return torch.searchsorted(cdf, uniform.float())
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def first_linear(net: nn.Module, in_features: int) -> nn.Linear | None:
+    """A head's first layer where the head is an nn.Sequential (not a subclass, whose forward may differ) whose first
+    layer is an nn.Linear (with a bias) on `in_features` inputs, as `mlp` makes every head (Linear, LayerNorm, SiLU,
+    Linear, LayerNorm, SiLU, Linear), found by type; None for any other head. The layers after it run as they are
+    (`after_first`), whatever they are."""
+    layers = list(net.children()) if type(net) is nn.Sequential else []
+    if layers and type(layers[0]) is nn.Linear and layers[0].in_features == in_features:
+        return layers[0] if layers[0].bias is not None else None
+    return None
+
+
+def after_first(net: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """A head's layers after its first (`first_linear`) on x, as the head runs them."""
+    for layer in list(net.children())[1:]:
+        x = layer(x)
+    return x
+
+
+def gather_imagine_problem(agent: "Agent") -> str | None:
+    """Why `gather_imagine_step` cannot imagine with the agent's RSSM and actor (a clause to say), or None."""
+    rssm = agent.world_model.rssm
+    if not rssm.classes:
+        return "the latents are Gaussian, not one-hot"
+    if type(dict(rssm.img_in.named_children()).get("linear")) is not nn.Linear:
+        return "RSSM.img_in has no nn.Linear named linear"
+    if first_linear(getattr(agent.actor, "net", None), rssm.deter_dim + rssm.stoch_flat) is None:
+        return "the actor's net is not an nn.Sequential that starts with an nn.Linear on the features"
+    return None
+
+
+def imagine_tables(actor: Actor, rssm: RSSM) -> tuple:
+    """What `gather_imagine_step` reads in place of its products, from the live weights, once per rollout:
+    stoch_table (S x C, H_actor + H_img), whose row s x C + k is what latent s in class k adds to the actor's first
+    layer and to img_in's (the actor's bias folded into latent 0's rows: every state picks one of them); action_table
+    (A, H_img), what each action adds to img_in's, its bias folded in; the actor's first layer on deter (H_actor, D).
+    `--compile` compiles it (its copies fuse)."""
+    D, flat = rssm.deter_dim, rssm.stoch_flat
+    actor_first, img_first = first_linear(actor.net, D + flat), rssm.img_in.linear
+    stoch_table = torch.cat([actor_first.weight[:, D:].t(), img_first.weight[:, :flat].t()], 1)
+    stoch_table[: rssm.classes, : actor_first.out_features] += actor_first.bias
+    action_table = img_first.weight[:, flat:].t() + img_first.bias  # (A, H_img)
+    return stoch_table, action_table, actor_first.weight[:, :D]
+
+
+def gather_imagine_step(actor: Actor, rssm: RSSM, tables, deter, stoch_index, action_uniform, latent_noise):
+    """`imagine_step` with its products of one-hot latents and actions as gathers of the rows of `imagine_tables`
+    (`tables`: those, then the gathers' `bag_offsets`): from deter (N, D) and stoch_index (N, S) (`latent_index`),
+    the action drawn from `action_uniform` (N, 1) as its index (N, 1), the next deter and the next stoch_index (from
+    `latent_noise`). The cell (`RSSM.gru`) and the prior's layers run as they are; each draw's mixing is in its CDF's
+    product (`mixed_draw`). 32 operations per step where `imagine_step` takes 42. `--compile` compiles it once."""
+    stoch_table, action_table, deter_weight, offsets = tables
+    actor_width = deter_weight.shape[0]
+    stoch_part = gather_sum(stoch_index, stoch_table, offsets)  # (N, H_actor + H_img)
+    logits = after_first(actor.net, torch.addmm(stoch_part[:, :actor_width], deter, deter_weight.t()))
+    # `Actor.forward`'s probabilities (its mixing in the draw), then img_in.linear's output
+    action_index = mixed_draw(F.softmax(upcast(logits), -1), actor.unimix, action_uniform)  # (N, 1)
+    hidden = stoch_part[:, actor_width:] + F.embedding(action_index.squeeze(-1), action_table)
+    for name, layer in rssm.img_in.named_children():
+        hidden = hidden if name == "linear" else layer(hidden)
+    deter = rssm.gru(upcast(hidden), deter)
+    # `RSSM.prior` and `RSSM.sample`: each latent's class from its probabilities, the uniform mixed in by the draw
+    probs = F.softmax(upcast(rssm.prior_net(deter)).unflatten(-1, (rssm.stoch_dim, rssm.classes)), -1)
+    offsets = latent_offsets(rssm, deter.device)
+    return action_index, deter, mixed_draw(probs, rssm.unimix, latent_noise).squeeze(-1) + offsets
+
+
+# the heads `behavior_losses` runs on the imagined states; the learning ones (the losses' gradients reach them) first
+LEARNING_HEADS = ("actor", "critic")
+
+
+def behaviour_heads(agent: "Agent") -> dict[str, nn.Module | None]:
+    """The nets of the heads on the imagined states, by the attributes that hold them: the actor's and the critic's,
+    which learn from the behaviour losses, then the slow critic's and the world model's reward and continue heads."""
+    wm = agent.world_model
+    return {
+        "actor": getattr(agent.actor, "net", None),
+        "critic": getattr(agent.critic, "net", None),
+        "slow critic": getattr(agent.slow_critic, "net", None),
+        "reward": getattr(wm, "reward_head", None),
+        "continue": getattr(wm, "continue_head", None),
+    }
+
+
+def fast_heads_problem(agent: "Agent", args: Args) -> str | None:
+    """Why `FastHeads` cannot replace `behavior_losses` for this agent (a clause to say), or None."""
+    if not isinstance(agent.imagine, FastImagine):
+        return "they read the fast imagination's states, and --no-fast-imagine is set"
+    if args.compile:
+        return "--compile compiles the heads and the targets as Part 1 writes them"
+    feat_dim = agent.world_model.rssm.deter_dim + agent.world_model.rssm.stoch_flat
+    for name, net in behaviour_heads(agent).items():
+        if net is None or first_linear(net, feat_dim) is None:
+            return f"the {name} head is not an nn.Sequential that starts with an nn.Linear on the features"
+    return None
+
+
+def head_tables(firsts: list[nn.Linear], rssm: RSSM, gathers: bool) -> tuple:
+    """The heads' first layers side by side for `SharedFirstLayer`, from the live weights, once per update: with
+    gathers their weights on deter (sum of widths, D), their stoch table (S x C, sum of widths; row s x C + k is what
+    latent s in class k adds to each, the biases folded into latent 0's rows) and no bias; else their whole weights
+    (sum of widths, F), no table, and their biases."""
+    bias = torch.cat([first.bias for first in firsts])
+    if not gathers:
+        return torch.cat([first.weight for first in firsts]), None, bias
+    D = rssm.deter_dim
+    stoch_table = torch.cat([first.weight[:, D:].t() for first in firsts], 1)
+    stoch_table[: rssm.classes] += bias
+    return torch.cat([first.weight[:, :D] for first in firsts]), stoch_table, None
+
+
+class SharedFirstLayer(torch.autograd.Function):
+    """The first layers of all heads on the imagined features feat (M, F) in one product: feat's deter part times
+    their weights side by side, plus the rows of their stoch table that the latents pick (`head_tables`); with
+    Gaussian latents one product with their whole weights. Each head's output is its columns of it, on the leading
+    rows it reads. The backward pass computes the gradients of the learning heads' weights and biases alone (those
+    passed in after the tables, whose values the tables hold), one product with feat and one sum each: feat is
+    detached, and the heads read without gradients learn nothing here, where autograd's backward of the product
+    would compute their weights' gradients too (zeros)."""
+
+    @staticmethod
+    def forward(ctx, feat, stoch_index, weight, stoch_table, bias, rows: tuple, widths: tuple, *learning):
+        """feat (M, F), stoch_index (M, S) or None, `head_tables`' three, the rows and the width of each head's
+        output, then the learning heads' weights and biases in pairs -> each head's output (rows, width), the learning
+        heads first."""
+        ctx.set_materialize_grads(False)  # a head read without gradients gives None
+        ctx.save_for_backward(feat)
+        ctx.rows, ctx.learning = rows, len(learning) // 2
+        if stoch_index is None:
+            hidden = torch.addmm(bias, feat, weight.t())
+        else:
+            stoch_part = gather_sum(stoch_index, stoch_table, bag_offsets(*stoch_index.shape, feat.device))
+            hidden = torch.addmm(stoch_part, feat[:, : weight.shape[1]], weight.t())
+        return tuple(part[:n] for part, n in zip(hidden.split(widths, -1), rows))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (feat,) = ctx.saved_tensors
+        parameter_grads = []
+        for grad, n in zip(grads[: ctx.learning], ctx.rows):
+            grad = None if grad is None else grad.to(feat.dtype)  # autocast's float16 or bfloat16 back
+            parameter_grads += [None, None] if grad is None else [grad.t() @ feat[:n], grad.sum(0)]
+        return None, None, None, None, None, None, None, *parameter_grads
+
+
+# the heads `imagine` and `imagined_targets` run on the imagined states but the last (feat[:-1])
+ALL_BUT_THE_LAST_STATE = ("actor", "slow critic")
+
+
+def heads_on_features(agent: "Agent", feat: torch.Tensor, stoch_index: torch.Tensor | None) -> dict:
+    """Each behaviour head's output on the imagined states it reads, from feat (H+1, N, F): (H+1 or H, N, its out).
+    The first layers in one `SharedFirstLayer`, then each head's others as they are, with gradients for the learning
+    heads alone."""
+    heads = behaviour_heads(agent)
+    firsts = [first_linear(net, feat.shape[-1]) for net in heads.values()]
+    with torch.no_grad():
+        tables = head_tables(firsts, agent.world_model.rssm, stoch_index is not None)
+    learning = [(first.weight, first.bias) for name, first in zip(heads, firsts) if name in LEARNING_HEADS]
+    states = [feat.shape[0] - (name in ALL_BUT_THE_LAST_STATE) for name in heads]
+    rows, widths = tuple(n * feat.shape[1] for n in states), tuple(first.out_features for first in firsts)
+    index = None if stoch_index is None else stoch_index.flatten(0, 1)
+    hidden = SharedFirstLayer.apply(
+        feat.flatten(0, 1), index, *tables, rows, widths, *itertools.chain(*learning)
+    )
+    outputs = {}
+    for name, net, part, n in zip(heads, heads.values(), hidden, states):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and name in LEARNING_HEADS):
+            outputs[name] = after_first(net, part).unflatten(0, (n, feat.shape[1]))
+    return outputs
+
+
+class Answered:
+    """A head's net whose outputs on the imagined features' leading states are computed already: called on feat's
+    first states (feat itself, or feat[:-1]) that `output` holds, it returns them; on anything else it runs the net."""
+
+    def __init__(self, net: nn.Module, feat: torch.Tensor, output: torch.Tensor):
+        self.net, self.feat, self.output = net, feat, output
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        feat = self.feat
+        leading_rows = (x.device, x.dtype, x.data_ptr(), x.shape[1:], x.stride()) == (
+            feat.device,
+            feat.dtype,
+            feat.data_ptr(),
+            feat.shape[1:],
+            feat.stride(),
+        )
+        if not leading_rows or x.shape[0] > len(self.output):
+            return self.net(x)
+        return self.output if x.shape[0] == len(self.output) else self.output[: x.shape[0]]
+
+
+class Twin:
+    """`target` (a module, or the agent) with the attributes given in place of its own: its class's methods run with
+    the twin as self (so `Critic.value` calls the twin's `net`), calling the twin runs its class's `forward`, and any
+    other attribute is the target's."""
+
+    def __init__(self, target, **replaced):
+        self.__dict__.update(replaced, _target=target)
+
+    def __getattr__(self, name: str):
+        target = self.__dict__["_target"]
+        method = getattr(type(target), name, None)
+        if isinstance(method, types.FunctionType):
+            return types.MethodType(method, self)
+        return getattr(target, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+class FastHeads:
+    """`behavior_losses` with the five heads on the imagined states (actor, critic, slow critic, reward, continue)
+    sharing one first-layer product: the same arguments and results (`check_fast_heads`; --no-fast-heads leaves
+    `behavior_losses`).
+
+    The fast imagination's rollout (`FastImagine.rollout`), then every head on all states at once
+    (`heads_on_features`), the actor's log-probabilities and entropies from them as `FastImagine` takes them; then
+    `behavior_losses` and `imagined_targets` as Part 1 writes them, on a twin of the agent (`Twin`) whose imagination
+    returns these and whose heads answer from these outputs (`Answered`). So the losses' formulas are Part 1's own;
+    what is replaced is how the heads' first layers are computed, and where.
+    """
+
+    def __init__(self, imagine: "FastImagine"):
+        self.imagine = imagine
+        self.rollout = imagine.rollout  # what imagines (dev/gpu/update_regions.py labels it)
+
+    def __call__(self, agent: "Agent", start_states, args: Args, update_norm: bool = True):
+        feat, stoch_index, action_index = self.rollout(agent, start_states, args.imagination_horizon)
+        outputs = heads_on_features(agent, feat, stoch_index)
+        answered = {name: Answered(net, feat, outputs[name]) for name, net in behaviour_heads(agent).items()}
+        probs = Twin(agent.actor, net=answered["actor"])(feat[:-1])  # (H, N, A): `Actor.forward`
+        log_prob, entropy = policy_terms(probs, action_index)
+        wm = Twin(agent.world_model, reward_head=answered["reward"], continue_head=answered["continue"])
+        twin = Twin(
+            agent,
+            imagine=lambda *_: (feat, log_prob, entropy),
+            critic=Twin(agent.critic, net=answered["critic"]),
+            slow_critic=Twin(agent.slow_critic, net=answered["slow critic"]),
+            world_model=wm,
+        )
+        return behavior_losses(twin, start_states, args, update_norm)
+
+
 # --- The fast imagination, compile and CUDA graphs --------------------------------------------------------------------
 
 
@@ -2035,29 +2370,53 @@ class FastImagine:
     The rollout runs without gradients: the actor learns by REINFORCE and the critic from fixed targets, so only
     the actor's log-probabilities and entropy need a graph. The actor therefore runs once more after the loop, with
     gradients, on all imagined states at once: one forward and one backward pass for the whole rollout instead of
-    one per step (the same values). The random numbers of the whole rollout are drawn in two calls. Returns feat
-    (H+1, N, F) detached, log_prob (H, N), entropy (H, N).
+    one per step (the same values). The random numbers of the whole rollout are drawn in two calls. With `gathers`
+    (where `gather_imagine_problem` finds none) each step is `gather_imagine_step`: its products with one-hot
+    latents and actions are gathers of weight rows. Returns feat (H+1, N, F) detached, log_prob (H, N), entropy (H, N).
     """
 
-    def __init__(self):
-        self.step = imagine_step  # one imagined step (`compile_agent` puts a compiled one here)
+    def __init__(self, gathers: bool = False):
+        self.gathers = gathers
+        # one imagined step, and the gathers' tables (`compile_agent` puts compiled ones here)
+        self.step, self.tables = (gather_imagine_step if gathers else imagine_step), imagine_tables
 
     def __call__(self, agent: "Agent", start_states, horizon: int):
+        feat, _, action_index = self.rollout(agent, start_states, horizon)
+        probs = agent.actor(feat[:-1])  # (H, N, A), with gradients
+        return feat, *policy_terms(probs, action_index)
+
+    def rollout(self, agent: "Agent", start_states, horizon: int) -> tuple:
+        """The imagined states, without gradients: feat (H+1, N, F); with `gathers` their latents as indices too,
+        stoch_index (H+1, N, S) (`latent_index`), else None; and the actions drawn, action_index (H, N, 1)."""
         deter, stoch, _ = start_states
         rssm = agent.world_model.rssm
         action_uniforms = torch.rand(horizon, deter.shape[0], 1, device=deter.device)  # (H, N, 1)
         latent_noise = rssm.noise((horizon, deter.shape[0]), deter.device)  # (H, N, ...)
         step = self.step
         with torch.no_grad():
+            if self.gathers:
+                return self.gather_rollout(agent, deter, stoch, action_uniforms, latent_noise)
             deters, stochs, actions = [deter], [stoch], []
             for action_uniform, noise in zip(action_uniforms.unbind(0), latent_noise.unbind(0)):
                 action, deter, stoch = step(agent.actor, rssm, deter, stoch, action_uniform, noise)
                 deters.append(deter), stochs.append(stoch), actions.append(action)
             feat = torch.cat([torch.stack(deters), torch.stack(stochs)], -1)  # (H+1, N, F)
-            action = torch.stack(actions)  # (H, N, A) one-hot
-        probs = agent.actor(feat[:-1])  # (H, N, A), with gradients
-        log_probs = probs.log()
-        return feat, (log_probs * action).sum(-1), -(probs * log_probs).sum(-1)
+            return feat, None, torch.stack(actions).argmax(-1, keepdim=True)  # (H, N, 1)
+
+    def gather_rollout(self, agent: "Agent", deter, stoch, action_uniforms, latent_noise) -> tuple:
+        """`rollout` by `gather_imagine_step`, on one set of tables from the live weights (`imagine_tables`)."""
+        rssm = agent.world_model.rssm
+        tables = (*self.tables(agent.actor, rssm), bag_offsets(deter.shape[0], rssm.stoch_dim, deter.device))
+        index = latent_index(stoch, rssm)  # (N, S)
+        deters, indices, actions = [deter], [index], []
+        for action_uniform, noise in zip(action_uniforms.unbind(0), latent_noise.unbind(0)):
+            action, deter, index = self.step(agent.actor, rssm, tables, deter, index, action_uniform, noise)
+            deters.append(deter), indices.append(index), actions.append(action)
+        stoch_index = torch.stack(indices)  # (H+1, N, S)
+        # the imagined latents one-hot again; the start's as it came (see `latent_index`)
+        stochs = stoch.new_zeros(*stoch_index[1:].shape[:2], stoch.shape[-1])  # (H, N, S x C)
+        stochs = torch.cat([stoch.unsqueeze(0), stochs.scatter_(-1, stoch_index[1:], 1.0)])  # (H+1, N, S x C)
+        return torch.cat([torch.stack(deters), stochs], -1), stoch_index, torch.stack(actions)
 
 
 def imagine_step(actor: "Actor", rssm: RSSM, deter, stoch, action_uniform, latent_noise) -> tuple:
@@ -2067,6 +2426,14 @@ def imagine_step(actor: "Actor", rssm: RSSM, deter, stoch, action_uniform, laten
     action = fast_one_hot_draw(actor(torch.cat([deter, stoch], -1)), action_uniform)  # (N, A)
     deter = rssm.img_step(deter, stoch, action.to(deter.dtype))
     return action, deter, fast_sample(rssm, rssm.prior(deter), latent_noise)
+
+
+def policy_terms(probs: torch.Tensor, action_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`imagine`'s log-probabilities of the actions drawn and the policy's entropies (H, N), from the probabilities
+    (H, N, A) and the actions' indices (H, N, 1): a gather where `imagine` multiplies by the one-hot action and sums
+    (the same value: the other terms are zeros)."""
+    log_probs = probs.log()
+    return log_probs.gather(-1, action_index).squeeze(-1), -(probs * log_probs).sum(-1)
 
 
 def compile_agent(agent: Agent, backend: str = "inductor") -> None:
@@ -2091,7 +2458,9 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
         agent.observe.step = compile_(agent.observe.observe_step)
         agent.observe.reverse_step = compile_(ObserveBackwardThroughTime.reverse_step)
     if isinstance(agent.imagine, FastImagine):
-        agent.imagine.step = compile_(imagine_step)
+        agent.imagine.step, agent.imagine.tables = compile_(agent.imagine.step), compile_(imagine_tables)
+    if isinstance(agent.behavior_losses, FastHeads):
+        agent.behavior_losses = behavior_losses  # compiled heads and targets, as Part 1 writes them
     agent.world_model_losses = compile_(world_model_losses)
     agent.imagined_targets = compile_(imagined_targets)
     for module in (
@@ -2569,10 +2938,11 @@ _COMPILED_DRAW: list[Callable] = []  # torch.compile(fast_one_hot_draw), made at
 
 
 def check_draw(device: torch.device, compiled: bool) -> None:
-    """The draw the fast observe and imagination use (`fast_one_hot_draw`: as products; with --compile, compiled)
-    against `one_hot_draw`, on 4,096 rows of 32 classes on the run's device (a row certain of one class and a uniform
-    past the CDF's rounded end included; rows whose uniform lies within 1e-5 of a CDF step are left out, where two
-    sums may round apart): other classes raise FastPathMismatch. With --compile, compiles once (seconds)."""
+    """The draws the fast observe and imagination use (`fast_one_hot_draw`: as products; with --compile, compiled;
+    `mixed_draw`, with nothing mixed in) against `one_hot_draw`, on 4,096 rows of 32 classes on the run's device (a
+    row certain of one class and a uniform past the CDF's rounded end included; rows whose uniform lies within 1e-5
+    of a CDF step are left out, where two sums may round apart): other classes raise FastPathMismatch. With
+    --compile, compiles once (seconds)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
         probs = torch.softmax(3 * torch.randn(4096, 32, device=device), -1)
@@ -2584,6 +2954,7 @@ def check_draw(device: torch.device, compiled: bool) -> None:
     clear[:2] = True
     expected = one_hot_draw(probs, uniform)[clear]
     draws = {"the draw as products (fast_one_hot_draw)": fast_one_hot_draw}
+    draws["the draw of an index (mixed_draw)"] = lambda p, u: one_hot(mixed_draw(p, 0.0, u).squeeze(-1), 32)
     if compiled:
         if not _COMPILED_DRAW:
             _COMPILED_DRAW.append(torch.compile(fast_one_hot_draw, fullgraph=True, dynamic=False))
@@ -2594,14 +2965,16 @@ def check_draw(device: torch.device, compiled: bool) -> None:
             rows = int((ours != expected).any(-1).sum())
             raise FastPathMismatch(
                 f"{name} picks other classes than one_hot_draw in {rows} of {len(expected)} rows: carry the change "
-                f"into fast_one_hot_draw, or run with --no-fast-observe --no-fast-imagine (and without --compile)."
+                f"into {'mixed_draw' if 'mixed' in name else 'fast_one_hot_draw'}, or run with --no-fast-observe "
+                f"--no-fast-imagine (and without --compile)."
             )
 
 
 def check_fast_imagine(agent: "Agent", tolerance: float = 1e-9) -> None:
-    """The fast imagination (`FastImagine`) against `imagine`, on float64 copies of the run's actor and RSSM, with the
-    same random numbers: the imagined features, log-probabilities and entropies, and the actor's gradients from them.
-    A change to one that is not carried into the other raises FastPathMismatch."""
+    """The fast imagination (`FastImagine`, with the gathers where the run's has them) against `imagine`, on float64
+    copies of the run's actor and RSSM, with the same random numbers: the imagined features, log-probabilities and
+    entropies, and the actor's gradients from them. A change to one that is not carried into the other raises
+    FastPathMismatch."""
     rssm = float64_copy(agent.world_model.rssm)
     actor = copy.deepcopy(agent.actor).cpu().double()
     twin = types.SimpleNamespace(world_model=types.SimpleNamespace(rssm=rssm), actor=actor)
@@ -2611,17 +2984,80 @@ def check_fast_imagine(agent: "Agent", tolerance: float = 1e-9) -> None:
         deter = torch.randn(N, rssm.deter_dim, dtype=torch.float64)
         stoch = rssm.sample(rssm.prior(deter)).detach()
         results = []
-        for rollout in (FastImagine(), imagine):
+        for rollout in (FastImagine(agent.imagine.gathers), imagine):
             torch.manual_seed(4)  # the same random numbers for both
             feat, log_prob, entropy = rollout(twin, (deter, stoch, None), 4)
             grads = torch.autograd.grad((log_prob.sum() + entropy.sum()), list(actor.parameters()))
             results.append((feat, log_prob, entropy, *grads))
-    for index, (ours, expected) in enumerate(zip(*results)):
+    names = ["feat", "log_prob", "entropy"] + [
+        f"gradient of actor.{name}" for name, _ in actor.named_parameters()
+    ]
+    for name, ours, expected in zip(names, *results):
         error = (ours - expected).abs().max().item() / max(expected.abs().max().item(), 1e-12)
         if not error <= tolerance:
             raise FastPathMismatch(
-                f"the fast imagination (FastImagine) gives another result ({index}) than imagine (relative error "
-                f"{error:.1e}): carry the change into both, or run with --no-fast-imagine."
+                f"the fast imagination (FastImagine) gives another {name} than imagine (relative error {error:.1e}): "
+                f"carry the change into both (imagine, RSSM.img_step, RSSM.prior, RSSM.sample and Actor.forward hold "
+                f"the formulas; gather_imagine_step and mixed_draw their copies), or run with --no-fast-imagine."
+            )
+
+
+def float64_twin(agent: "Agent") -> "Agent":
+    """A copy of `agent` for the checks, in float64 on the CPU, with Part 1's functions in its slots: its world model
+    (without the encoder and decoder, which imagination never runs), actor, critics, return normaliser and settings
+    (a dict of 0-d tensors)."""
+    wm = agent.world_model
+    left_out = {id(wm.encoder): None, id(wm.decoder): None}  # deepcopy's memo: these are copied as None
+    modules = {"world_model": copy.deepcopy(wm, memo=left_out)}
+    modules |= {
+        name: copy.deepcopy(getattr(agent, name))
+        for name in ("actor", "critic", "slow_critic", "return_norm")
+    }
+    return dataclasses.replace(
+        agent,
+        **{name: module.cpu().double() for name, module in modules.items()},
+        settings={name: value.detach().cpu().double() for name, value in agent.settings.tensors.items()},
+        imagine=imagine,
+        imagined_targets=imagined_targets,
+        behavior_losses=behavior_losses,
+    )
+
+
+def check_fast_heads(agent: "Agent", args: Args, tolerance: float = 1e-9) -> None:
+    """The behaviour losses with the shared heads (`FastHeads` on `FastImagine`'s rollout) against `behavior_losses`
+    on `imagine` as Part 1 writes them, on float64 copies of the run's weights, return normaliser and settings
+    (`float64_twin`), with the same random numbers: the losses and logged values, the return normaliser's update, and
+    every gradient of the actor and the critic. A change to one that is not carried into the other raises
+    FastPathMismatch. Each is compared relative to its size, or to 1e-3 below that: a mean of returns near 0 (from
+    heads that start at zero) keeps only the rounding of its terms, which the sums' order moves."""
+    short = dataclasses.replace(args, imagination_horizon=4)
+    results = []
+    with torch.random.fork_rng(devices=[]):
+        for fast in (True, False):
+            twin = float64_twin(agent)
+            if fast:
+                twin.imagine = FastImagine(agent.behavior_losses.imagine.gathers)
+                twin.behavior_losses = FastHeads(twin.imagine)
+            rssm = twin.world_model.rssm
+            torch.manual_seed(2)
+            deter = torch.randn(3, rssm.deter_dim, dtype=torch.float64)
+            start = (deter, rssm.sample(rssm.prior(deter)).detach(), torch.tensor([1.0, 0.0, 1.0]).double())
+            torch.manual_seed(4)  # the same random numbers for both
+            actor_loss, critic_loss, parts = twin.behavior_losses(twin, start, short)
+            learning = {f"actor.{name}": p for name, p in twin.actor.named_parameters()}
+            learning |= {f"critic.{name}": p for name, p in twin.critic.named_parameters()}
+            grads = torch.autograd.grad(actor_loss + critic_loss, list(learning.values()))
+            values = {name: value.detach() for name, value in parts.items()}
+            values |= {"the return normaliser's low": twin.return_norm.low, "high": twin.return_norm.high}
+            results.append(values | {f"gradient of {name}": g for name, g in zip(learning, grads)})
+    ours, reference = results
+    for name, expected in reference.items():
+        error = (ours[name] - expected).abs().max().item() / max(expected.abs().max().item(), 1e-3)
+        if not error <= tolerance:
+            raise FastPathMismatch(
+                f"the behaviour losses with the shared heads (FastHeads, heads_on_features) give another {name} "
+                f"than behavior_losses and imagined_targets (relative error {error:.1e}): carry the change into "
+                f"both, or run with --no-fast-heads."
             )
 
 
@@ -2707,6 +3143,8 @@ def check_fast_paths(agent: "Agent", args: Args) -> None:
             check_observe_backward(agent.world_model.rssm)
     if isinstance(agent.imagine, FastImagine):
         check_fast_imagine(agent)
+    if isinstance(agent.behavior_losses, FastHeads):
+        check_fast_heads(agent, args)
     decoder_layers = getattr(agent.world_model.decoder, "net", [None])
     if isinstance(decoder_layers[-1], SubpixelTransposedConv):
         check_subpixel_decoder(decoder_layers[-1])
@@ -2783,7 +3221,15 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
             hand_written = False
         agent.observe = FastObserve(wm.rssm, hand_written_backward=hand_written)
     if args.fast_imagine:
-        agent.imagine = FastImagine()
+        if problem := gather_imagine_problem(agent):
+            print(f"speed: imagination's products with one-hot latents stay products ({problem})")
+        agent.imagine = FastImagine(gathers=problem is None)
+    if args.fast_heads and (problem := fast_heads_problem(agent, args)):
+        print(
+            f"speed: the heads on imagined states keep their own first layers ({problem}); behavior_losses runs"
+        )
+    elif args.fast_heads:
+        agent.behavior_losses = FastHeads(agent.imagine)
     if args.fast_decoder and device.type == "cpu" and isinstance(wm.decoder, AtariConvDecoder):
         wm.decoder.net[-1] = SubpixelTransposedConv.sharing(wm.decoder.net[-1])
     if args.channels_last:
@@ -3382,7 +3828,7 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> float:
         deter, stoch = deter.detach().flatten(0, 1), stoch.detach().flatten(0, 1)  # (B*T, D), (B*T, S)
         states = (deter, stoch, torch.ones(deter.shape[0], device=agent.device))
         with agent.amp.autocast():
-            actor_loss, critic_loss, _ = behavior_losses(agent, states, args, update_norm=False)
+            actor_loss, critic_loss, _ = agent.behavior_losses(agent, states, args, update_norm=False)
         (actor_loss + critic_loss).backward()
 
     # memory: Adam's moments exist before the first real update (fail now, not hours later); no weight moves.

@@ -109,42 +109,81 @@ def test_world_model_loss_and_gradients_equal_the_reference_in_float64(model, cl
     assert all(g.abs().sum() > 0 for g in reference[2].values())  # every parameter is in the comparison
 
 
-@pytest.mark.parametrize("model", ["dreamerv3", "nature"])
-def test_behavior_losses_and_gradients_equal_the_reference_in_float64(model):
-    args = tiny_args(model=model)
-    agent = float64_agent(args)
+def start_states(args, agent) -> tuple:
+    """float64 start states from the observe scan of `random_batch` (their stoch straight-through samples, one-hot up
+    to a rounding), every fourth one a terminal start."""
     with torch.no_grad():
         _, _, (deter, stoch) = da.world_model_loss(agent, float64_data(args, agent), args)
     states = (deter.flatten(0, 1), stoch.flatten(0, 1), torch.ones(deter.shape[0] * deter.shape[1]).double())
     states[2][::4] = 0.0
+    return states
+
+
+# the default model, the nature model (nn.GRUCell: the cell runs as it is), Gaussian latents (products, no gathers)
+BEHAVIOUR_CASES = [("dreamerv3", 4), ("nature", 4), ("dreamerv3", 0)]
+
+
+@pytest.mark.parametrize("model, classes", BEHAVIOUR_CASES)
+def test_behavior_losses_and_gradients_equal_the_reference_in_float64(model, classes):
+    """`FastHeads` (the five heads' first layers in one product and gather, on `FastImagine`'s gathered rollout)
+    against Part 1's `behavior_losses` on `imagine`: every logged value, the return normaliser's update and every
+    gradient of the actor and the critic."""
+    args = tiny_args(model=model, stochastic_classes=classes)
+    agent = float64_agent(args)
+    states = start_states(args, agent)
 
     def run():
         torch.manual_seed(7)
         agent.actor.zero_grad(set_to_none=True), agent.critic.zero_grad(set_to_none=True)
-        actor_loss, critic_loss, parts = da.behavior_losses(agent, states, args, update_norm=False)
+        norm = agent.return_norm
+        norm.low.fill_(-1.0), norm.high.fill_(2.0)
+        actor_loss, critic_loss, parts = agent.behavior_losses(agent, states, args)
         (actor_loss + critic_loss).backward()
         values = torch.stack(
-            [
-                actor_loss.detach(),
-                critic_loss.detach(),
-                parts["losses/entropy"].detach(),
-                parts["debug/imagined_return"].detach(),
-            ]
+            [actor_loss.detach(), critic_loss.detach(), *(v.detach() for v in parts.values())]
         )
-        return values, {
+        return torch.cat([values, norm.low[None], norm.high[None]]), {
             **gradients(agent.actor),
             **{"critic." + k: v for k, v in gradients(agent.critic).items()},
         }
 
     reference = run()
     da.speed_up_agent(agent, args)
-    assert isinstance(agent.imagine, da.FastImagine)
+    assert isinstance(agent.behavior_losses, da.FastHeads) and agent.imagine.gathers == (classes > 0)
     fast = run()
     torch.testing.assert_close(fast[0], reference[0], rtol=1e-12, atol=1e-12)
     assert len(reference[1]) == len(list(agent.actor.parameters())) + len(list(agent.critic.parameters()))
     for name in reference[1]:
         torch.testing.assert_close(fast[1][name], reference[1][name], rtol=1e-10, atol=1e-12, msg=name)
     assert all(g.abs().sum() > 0 for g in reference[1].values())
+
+
+@pytest.mark.parametrize("model, classes", BEHAVIOUR_CASES)
+def test_the_fast_imagination_equals_imagine_in_float64(model, classes):
+    """`FastImagine` (with categorical latents, each step's products with one-hot latents and actions as gathers,
+    `gather_imagine_step`) against Part 1's `imagine` on the same random numbers: the imagined features (their
+    latents the same one-hots), the log-probabilities and entropies, and the actor's gradients from them."""
+    args = tiny_args(model=model, stochastic_classes=classes)
+    agent = float64_agent(args)
+    states = start_states(args, agent)
+    results = []
+    for rollout in (da.imagine, da.FastImagine(gathers=classes > 0)):
+        torch.manual_seed(7)
+        feat, log_prob, entropy = rollout(agent, states, args.imagination_horizon)
+        agent.actor.zero_grad(set_to_none=True)
+        (log_prob.sum() + 0.5 * entropy.sum()).backward()
+        results.append((feat, log_prob, entropy, gradients(agent.actor)))
+    (feat, log_prob, entropy, grads), expected = results[1], results[0]
+    deter_dim = args.deterministic_dim
+    if (
+        classes
+    ):  # the imagined latents are the same one-hots; the start states' are passed through as they came
+        assert torch.equal(feat[:, :, deter_dim:], expected[0][:, :, deter_dim:])
+    for got, want in zip((feat, log_prob, entropy), expected[:3]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert grads.keys() == expected[3].keys() and len(grads) == len(list(agent.actor.parameters()))
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[3][name], rtol=1e-10, atol=1e-12, msg=name)
 
 
 def test_the_reference_is_what_the_equality_tests_compare_against():
@@ -213,16 +252,23 @@ def update_ops(sequence_length: int, horizon: int) -> tuple[collections.Counter,
 # update when the observe step's two split first layers became one addmm each instead of a product and a sum. Then
 # 1,173 with DreamerV3's learned initial state (its deter and the prior's mode from it once per update, its gradient
 # after the loop), the image loss's scale and DreamerV3's imagination weights: 23 operations per update, none per step.
+# Measured again before the gathers: 42 per observe step, 42 per imagination step, 1,120 per update. Then 33 per
+# imagination step and 1,095 per update when imagination's products with one-hot latents and actions became gathers
+# of weight rows (`gather_imagine_step`: the actor's and img_in's first layers; each draw's mixing in its CDF's
+# product, its class by `searchsorted`) and the five heads on the imagined states came to share one first-layer
+# product (`FastHeads`: the same count there, a third of the FLOPs).
 OBSERVE_STEP_CEILING = 47
-IMAGINE_STEP_CEILING = 47
-UPDATE_CEILING = 1_173
+IMAGINE_STEP_CEILING = 33
+UPDATE_CEILING = 1_095
 
 
 # The same for the --compile path: kernel calls of one compiled update at dev/gpu/update_regions.py's tiny sizes
 # (Inductor on the CPU: its generated kernels and the aten operations called from Python or a graph), 598 when set
 # (1,150 operations eager; at 4 x 64, H 15: 1,923 against 4,405, benchmark/results/update_regions/README.md). 615
 # with DreamerV3's learned initial state, which runs eagerly once per update (tanh, the prior's mode and its gradient).
-COMPILED_UPDATE_CEILING = 615
+# Measured again at 614 before imagination's gathers; 611 with them (17 per imagination step either way; the gathers'
+# tables, once per rollout, compiled too), the shared heads leaving the compiled path (`compile_agent`).
+COMPILED_UPDATE_CEILING = 611
 
 
 def over_budget(ceiling: str, measured: str, ops: collections.Counter) -> str:
@@ -482,6 +528,67 @@ def test_a_change_to_the_hand_written_backward_stops_the_run_before_training(mon
     status, said = run_exit(short_run(), capsys)
     assert status == da.EXIT_FAST_PATH and "--observe-backward autograd" in said
     assert da.main(short_run(observe_backward="autograd"))["global_step"] == 50
+
+
+def test_a_head_changed_where_its_weights_do_not_show_stops_the_run_before_training(
+    monkeypatch, tmp_path, capsys
+):
+    """The shared heads read each head's first layer as its weight and bias (`head_tables`); a head whose first layer
+    computes something else (here a forward hook, the way `torch.nn.utils.spectral_norm` and activation clipping
+    change a layer) is refused at start-up in one sentence naming the way out, and --no-fast-heads trains through
+    `behavior_losses` as written."""
+    real_init = da.Critic.__init__
+
+    def critic_with_a_hook(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        first = next(self.net.children())
+        first.register_forward_hook(lambda layer, inputs, output: torch.relu(output))  # a researcher's change
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(da.Critic, "__init__", critic_with_a_hook)
+    status, said = run_exit(short_run(), capsys)
+    assert status == da.EXIT_FAST_PATH and "--no-fast-heads" in said and "behavior_losses" in said
+    assert not list(tmp_path.glob("runs/*"))
+    assert da.main(short_run(fast_heads=False))["behavior_updates"] > 0
+
+
+@pytest.mark.parametrize("part", ["critic", "actor"])
+def test_a_head_of_another_shape_takes_the_readable_path_with_one_line(monkeypatch, capsys, part):
+    """A head that is not an nn.Sequential starting with an nn.Linear on the features (a researcher's new head: here
+    a LayerNorm of the features first) leaves `behavior_losses` as written, said in one line; an actor of another
+    shape also keeps imagination's products with the one-hot latents (`imagine_step`). The update still runs."""
+    kind = {"critic": da.Critic, "actor": da.Actor}[part]
+    real_init = kind.__init__
+
+    def normalised_features_first(self, feat_dim, *args, **kwargs):
+        real_init(self, feat_dim, *args, **kwargs)
+        self.net = torch.nn.Sequential(torch.nn.LayerNorm(feat_dim), *self.net.children())
+
+    monkeypatch.setattr(kind, "__init__", normalised_features_first)
+    args = tiny_args()
+    torch.manual_seed(0)
+    agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+    da.speed_up_agent(agent, args)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("speed:")]
+    assert agent.behavior_losses is da.behavior_losses
+    heads_line = (
+        f"speed: the heads on imagined states keep their own first layers (the {part} head is not an nn.Sequential "
+        f"that starts with an nn.Linear on the features); behavior_losses runs"
+    )
+    assert said[-1] == heads_line
+    if part == "actor":
+        assert not agent.imagine.gathers and agent.imagine.step is da.imagine_step
+        assert said == [
+            "speed: imagination's products with one-hot latents stay products (the actor's net is not an "
+            "nn.Sequential that starts with an nn.Linear on the features)",
+            heads_line,
+        ]
+    else:
+        assert agent.imagine.gathers and len(said) == 1
+    world_model_step, behavior_step = da.update_steps(agent, args)
+    _, healthy, start = world_model_step(da.batch_tensors(random_batch(args), "cpu"))
+    metrics, behavior_healthy = behavior_step(start)
+    assert bool(healthy) and bool(behavior_healthy) and torch.isfinite(metrics["losses/critic"])
 
 
 @pytest.mark.parametrize("model", ["dreamerv3", "nature"])

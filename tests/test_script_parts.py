@@ -94,17 +94,17 @@ def test_speed_is_installed_by_one_call_from_the_run():
 
 
 def test_with_every_speed_option_off_the_readable_functions_train(tmp_path, monkeypatch):
-    """--no-fast-observe, --no-fast-imagine, --no-fast-decoder and --no-channels-last (the CPU runs eagerly, and
-    --compile is off by default): a run trains through Part 1's `RSSM.observe` and `imagine`, and Part 2's
-    equivalents never run."""
+    """--no-fast-observe, --no-fast-imagine, --no-fast-heads, --no-fast-decoder and --no-channels-last (the CPU runs
+    eagerly, and --compile is off by default): a run trains through Part 1's `RSSM.observe`, `imagine` and
+    `behavior_losses`, and Part 2's equivalents never run."""
     import dreamer_atari as da
     from dreamer_tiny import tiny_args
 
     def refuse(*args, **kwargs):
         raise AssertionError("a fast path ran with its flag off")
 
-    calls = {"observe": 0, "imagine": 0}
-    real_observe, real_imagine = da.RSSM.observe, da.imagine
+    calls = {"observe": 0, "imagine": 0, "behavior_losses": 0}
+    real_observe, real_imagine, real_behavior_losses = da.RSSM.observe, da.imagine, da.behavior_losses
 
     def observe(self, *args, **kwargs):
         calls["observe"] += 1
@@ -114,13 +114,21 @@ def test_with_every_speed_option_off_the_readable_functions_train(tmp_path, monk
         calls["imagine"] += 1
         return real_imagine(*args, **kwargs)
 
+    def behavior_losses(*args, **kwargs):
+        calls["behavior_losses"] += 1
+        return real_behavior_losses(*args, **kwargs)
+
     monkeypatch.setattr(da.FastObserve, "__call__", refuse)
     monkeypatch.setattr(da.FastImagine, "__call__", refuse)
+    monkeypatch.setattr(da.FastHeads, "__call__", refuse)
     monkeypatch.setattr(da, "transposed_conv_as_subpixel", refuse)
     monkeypatch.setattr(da.RSSM, "observe", observe)
     monkeypatch.setattr(da, "imagine", imagine)
+    monkeypatch.setattr(da, "behavior_losses", behavior_losses)
     monkeypatch.chdir(tmp_path)
-    speed_off = dict(fast_observe=False, fast_imagine=False, fast_decoder=False, channels_last=False)
+    speed_off = dict(
+        fast_observe=False, fast_imagine=False, fast_heads=False, fast_decoder=False, channels_last=False
+    )
     for model in ("dreamerv3", "nature"):
         counters = da.main(
             tiny_args(
@@ -128,4 +136,4 @@ def test_with_every_speed_option_off_the_readable_functions_train(tmp_path, monk
             )
         )
         assert counters["updates"] > 0 and counters["behavior_updates"] > 0
-    assert calls["observe"] > 0 and calls["imagine"] > 0
+    assert calls["observe"] > 0 and calls["imagine"] > 0 and calls["behavior_losses"] > 0

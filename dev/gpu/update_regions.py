@@ -15,10 +15,11 @@ cell's elementwise work fuses), and at batch 16 x 64 the kernel count, not arith
 
 How each operation finds its region (`Regions`, `labelled`):
 - forward: the update's parts are wrapped while the count runs: the encoder and the decoder (modules), the agent's
-  `observe`, `world_model_losses` and `imagine`, and the script's `behavior_losses` and `clip_and_step` (gradient
-  norm, clip and Adam: "optimizers"). An operation belongs to the innermost wrapped call running (the decoder runs
-  inside the world model's losses, imagination inside the behaviour losses), any other to "rest" (the batch's
-  conversion, the logged values, the slow critic's update). A profiler sees the same calls as `region: NAME` ranges.
+  `observe`, `world_model_losses`, `imagine` and `behavior_losses` (and the rollout of the shared heads,
+  `FastHeads.rollout`, as "imagination"), and the script's `clip_and_step` (gradient norm, clip and Adam:
+  "optimizers"). An operation belongs to the innermost wrapped call running (the decoder runs inside the world
+  model's losses, imagination inside the behaviour losses), any other to "rest" (the batch's conversion, the logged
+  values, the slow critic's update). A profiler sees the same calls as `region: NAME` ranges.
 - backward: inside `loss.backward()` the autograd engine marks the node it is running
   (`torch._C._current_autograd_node()`; a profiler records it with the node's sequence number), and every node
   carries the sequence number of its creation. The wrappers record the sequence numbers before and after each call
@@ -194,15 +195,20 @@ def labelled(agent: da.Agent, regions: Regions):
         agent.observe,
         agent.world_model_losses,
         agent.imagine,
-        da.behavior_losses,
+        agent.behavior_losses,
         da.clip_and_step,
     )
+    # the shared heads imagine through the fast imagination's rollout, which they hold
+    fast_heads = agent.behavior_losses if isinstance(agent.behavior_losses, da.FastHeads) else None
+    if fast_heads is not None:
+        rollout = fast_heads.rollout
+        fast_heads.rollout = regions.wrap(rollout, "imagination")
     wm.encoder = LabelledModule(wm.encoder, regions.wrap(wm.encoder, "encoder"))
     wm.decoder = LabelledModule(wm.decoder, regions.wrap(wm.decoder, "decoder"))
     agent.observe = regions.wrap(agent.observe, "observe")
     agent.world_model_losses = regions.wrap(agent.world_model_losses, "world-model heads and losses")
     agent.imagine = regions.wrap(agent.imagine, "imagination")
-    da.behavior_losses = regions.wrap(da.behavior_losses, "behaviour heads and losses")
+    agent.behavior_losses = regions.wrap(agent.behavior_losses, "behaviour heads and losses")
     da.clip_and_step = regions.wrap(da.clip_and_step, "optimizers", spans=False)
     try:
         yield agent
@@ -213,9 +219,11 @@ def labelled(agent: da.Agent, regions: Regions):
             agent.observe,
             agent.world_model_losses,
             agent.imagine,
-            da.behavior_losses,
+            agent.behavior_losses,
             da.clip_and_step,
         ) = saved
+        if fast_heads is not None:
+            fast_heads.rollout = rollout
 
 
 class RegionCounter(TorchDispatchMode):
