@@ -2259,7 +2259,7 @@ class ObserveActivations:
 #
 # --fused-scan (CUDA): `FusedObserve` is `FastObserve` whose two per-step functions, `step` (one observe step) and
 # `reverse_step` (one step of `ObserveBackwardThroughTime`'s backward), launch four Triton kernels each, where the
-# fast observe's dispatch about 30 torch operations each (tests/test_dreamer_fused_scan.py counts both). What comes
+# fast observe's dispatch about 28 and 15 torch operations (tests/test_dreamer_fused_scan.py counts both). What comes
 # before and after the loops stays `FastObserve`'s and `ObserveBackwardThroughTime`'s (the first layers' shares for
 # all steps, the activations the backward reads, the weight gradients as products over all T x B rows): the kernels
 # compute only what must go step by step.
@@ -2917,24 +2917,22 @@ SCAN_KERNELS = (
     scan_gru_backward_kernel,
     scan_img_backward_kernel,
 )
-_JITTED_SCAN_KERNELS: dict[bool, types.SimpleNamespace] = {}
+_JITTED_SCAN_KERNELS: list[types.SimpleNamespace] = []
 
 
 def triton_interprets() -> bool:
-    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1: on CPU tensors, float64 included, one
-    program after another), as the tests do, rather than compiling them for the GPU."""
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when Triton was imported: on CPU tensors,
+    float64 included, one program after another), as the tests do, rather than compiling them for the GPU."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 def scan_kernels() -> types.SimpleNamespace:
-    """The fused scan's kernels by name, made at first use: compiled for the GPU by `triton.jit`, or interpreted
-    (`triton_interprets`). Imports Triton, and registers the operations that launch the kernels (`SCAN_OPS`)."""
+    """The fused scan's kernels by name, made by `triton.jit` at first use (compiled for the GPU, or interpreted:
+    `triton_interprets`). Imports Triton, and registers the operations that launch the kernels (`SCAN_OPS`)."""
     global tl
-    interpret = triton_interprets()
-    if interpret not in _JITTED_SCAN_KERNELS:
+    if not _JITTED_SCAN_KERNELS:
         import triton
         import triton.language
-        from triton.runtime.interpreter import InterpretedFunction
 
         tl = triton.language  # what the kernels' source reads
         kernels = {}
@@ -2943,12 +2941,10 @@ def scan_kernels() -> types.SimpleNamespace:
             # share one compiled kernel
             arguments = kernel.__code__.co_varnames[: kernel.__code__.co_argcount]
             varying = [name for name in ("B", "first_stride", "keep_stride") if name in arguments]
-            kernels[kernel.__name__] = (
-                InterpretedFunction(kernel) if interpret else triton.jit(kernel, do_not_specialize=varying)
-            )
-        _JITTED_SCAN_KERNELS[interpret] = types.SimpleNamespace(**kernels)
+            kernels[kernel.__name__] = triton.jit(kernel, do_not_specialize=varying)
+        _JITTED_SCAN_KERNELS.append(types.SimpleNamespace(**kernels))
         register_scan_ops()
-    return _JITTED_SCAN_KERNELS[interpret]
+    return _JITTED_SCAN_KERNELS[0]
 
 
 @dataclass(frozen=True)
@@ -2984,15 +2980,15 @@ def chunk(blocks: ScanBlocks, rows: int, columns: int, reduced: int) -> int:
     return block
 
 
-def scan_blocks(H: int, D: int, S: int, latents: int, device: torch.device) -> ScanBlocks:
-    """For an RSSM of hidden width H, deter D, flat stoch S of `latents` latents. On a GPU: each kernel's columns in
-    the fewest programs that still give every SM one (at batch 16 a block of 4 columns is 16 x 4 outputs, each a sum
-    of 512 to 1,536 products: the default model's kernels run 128 programs on an H100's 132 SMs, the posterior's one
-    latent per program 32), tiles of 2,048 elements (16 registers a thread in 4 warps), and rows padded to 16, so
-    that every batch up to 16 shares one compiled kernel. Under Triton's interpreter, which runs programs one after
-    another, each costing milliseconds of Python per operation: whole rows in one or two programs, large tiles."""
-    if device.type == "cuda" and not triton_interprets():
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+def scan_blocks(H: int, D: int, S: int, latents: int, sms: int | None) -> ScanBlocks:
+    """For an RSSM of hidden width H, deter D, flat stoch S of `latents` latents, on a GPU of `sms` SMs: each
+    kernel's columns in the fewest programs that still give every SM one (at batch 16 a block of 4 columns is 16 x 4
+    outputs, each a sum of 512 to 1,536 products: the default model's kernels run 128 programs on an H100's 132 SMs,
+    the posterior's one latent per program 32), tiles of 2,048 elements (16 registers a thread in 4 warps), and rows
+    padded to 16, so that every batch up to 16 shares one compiled kernel. With `sms` None, for Triton's
+    interpreter, which runs programs one after another at milliseconds of Python per operation: whole rows in one or
+    two programs, and large tiles."""
+    if sms is not None:
 
         def fill(n: int) -> int:
             block = 1
@@ -3495,8 +3491,10 @@ class FusedObserve(FastObserve):
         dtype and device, each as the operations take them. The constants are made at the first step, outside any
         CUDA graph's capture (a copy to the device is not allowed inside one)."""
         if self.blocks is None:
-            H, S = stoch_weight.shape
-            self.blocks = scan_blocks(H, self.rssm.deter_dim, S, self.rssm.stoch_dim, stoch_weight.device)
+            (H, S), device = stoch_weight.shape, stoch_weight.device
+            compiled = device.type == "cuda" and not triton_interprets()
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if compiled else None
+            self.blocks = scan_blocks(H, self.rssm.deter_dim, S, self.rssm.stoch_dim, sms)
         key = (stoch_weight.dtype, stoch_weight.device)
         if key not in self.constants:
             rssm = self.rssm
@@ -3655,9 +3653,14 @@ def fused_scan_problem(rssm: RSSM, args: "Args") -> str | None:
     return None
 
 
+# Where --fused-scan runs: compiled on CUDA. (On the CPU, Triton has only its interpreter, started by
+# TRITON_INTERPRET=1 before Triton is imported: a test's speed, not a run's; tests add "cpu" here.)
+FUSED_SCAN_DEVICES = {"cuda"}
+
+
 def fused_observe(rssm: RSSM, args: "Args") -> FastObserve:
-    """The observe a run with --fused-scan trains with (`speed_up_agent`, on CUDA, or on the CPU under Triton's
-    interpreter): `FusedObserve`, or the fast observe with one line saying why not."""
+    """The observe a run with --fused-scan trains with on a device of `FUSED_SCAN_DEVICES` (`speed_up_agent`):
+    `FusedObserve`, or the fast observe with one line saying why not."""
     problem = fused_scan_problem(rssm, args)
     if problem is None:
         return FusedObserve(rssm)
@@ -3712,11 +3715,12 @@ FUSED_SCAN_FLOAT32_TOLERANCE = 1e-4
 
 
 def check_fused_scan(
-    rssm: RSSM, device, steps: int = 6, tolerance: float = 1e-9, backward_tolerance: float = 1e-8
+    rssm: RSSM, device, steps: int = 3, tolerance: float = 1e-9, backward_tolerance: float = 1e-8
 ) -> None:
     """The fused scan as the run launches it (its kernels compiled for `device`, or interpreted on the CPU under
-    TRITON_INTERPRET=1), on the run's weights and `check_inputs`' batch of 2 x `steps`; a difference raises
-    FastPathMismatch, naming the kernels and --no-fused-scan. Two comparisons, each catching what the other cannot:
+    TRITON_INTERPRET=1), on the run's weights and `check_inputs`' batch of 2 x `steps` (3: a step from the initial
+    state, one from the step before, one from an episode start inside the sequence, the backward across all three);
+    a difference raises FastPathMismatch, naming the kernels and --no-fused-scan. Two comparisons, each catching what the other cannot:
     - float64 (the same kernels compiled for float64): its results against `RSSM.observe`'s and its gradients against
       autograd's, also with the GRU saturated (x 8), within 1e-9 and 1e-8 as the other checks, so that a formula
       changed in the readable code and not in the kernels shows, however small the change;
@@ -4541,7 +4545,7 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
     agent.settings = SettingsTensors(agent.settings, device, next(wm.parameters()).dtype)
     if args.fast_observe:
         agent.observe = FastObserve(wm.rssm, hand_written_backward=args.observe_backward == "hand-written")
-        if args.fused_scan and (device.type == "cuda" or triton_interprets()):
+        if args.fused_scan and device.type in FUSED_SCAN_DEVICES:
             agent.observe = fused_observe(wm.rssm, args)
     if args.fast_imagine:
         agent.imagine = FastImagine()
