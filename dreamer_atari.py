@@ -3837,9 +3837,8 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
     def compile_(fn):
         return torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
 
-    if isinstance(agent.observe, FastObserve) and not isinstance(
-        agent.observe, FusedObserve
-    ):  # kernels already
+    # the fused scan's steps are kernels already: left as they are
+    if isinstance(agent.observe, FastObserve) and not isinstance(agent.observe, FusedObserve):
         agent.observe.step = compile_(agent.observe.observe_step)
         agent.observe.reverse_step = compile_(ObserveBackwardThroughTime.reverse_step)
     if isinstance(agent.imagine, FastImagine):
