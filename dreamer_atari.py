@@ -230,8 +230,8 @@ class Args:
     observe_backward: Literal["hand-written", "autograd"] = "hand-written"
     """the fast observe's backward: hand-written (47 operations per step instead of 80) or autograd's"""
     fused_scan: bool = True
-    """CUDA: each step of the fast observe, and of its hand-written backward, as 4 Triton kernels (`FusedObserve`);
-    the LayerNorm GRU with categorical latents and --amp off, else the fast observe runs (said in one line)"""
+    """CUDA: each step of the fast observe, and of its hand-written backward, as 4 Triton kernels; the LayerNorm GRU
+    with categorical latents and --amp off, else the fast observe runs (said in one line)"""
     fast_imagine: bool = True
     """imagine without a graph, then the actor once with gradients on all states; off: `imagine` as written"""
     fast_decoder: bool = True
@@ -2951,7 +2951,7 @@ def scan_kernels() -> types.SimpleNamespace:
 class ScanBlocks:
     """How the fused scan's kernels divide their work: `batch` the least BLOCK_B (rows are padded to a power of two
     at least this); `tile` the elements of a program's product tile (BLOCK_B x BLOCK_K x its columns: a product's
-    chunk BLOCK_K follows, `chunk`); and the output columns each program computes: forward `img` (of H), `gru`
+    chunk BLOCK_K follows, `reduction_block`); and the output columns each program computes: forward `img` (of H), `gru`
     (units of D, three columns each), `post` (of H), `latents` (of the posterior's, C columns each); backward
     `logits` (of H), `deter` (units of D), `state` (of H + D), `stoch` (of S)."""
 
@@ -2971,7 +2971,7 @@ def power_of_two_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def chunk(blocks: ScanBlocks, rows: int, columns: int, reduced: int) -> int:
+def reduction_block(blocks: ScanBlocks, rows: int, columns: int, reduced: int) -> int:
     """BLOCK_K of a product (rows x reduced) @ (reduced x columns) whose tile holds `blocks.tile` elements: a power of
     two, at most the reduction's own length."""
     block = 1
@@ -3091,7 +3091,7 @@ def scan_img_in(
         S,
         H,
         BLOCK_B=rows_block(B, blocks),
-        BLOCK_K=chunk(blocks, rows_block(B, blocks), blocks.img, S),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.img, S),
         BLOCK_N=blocks.img,
     )
     return img_pre, stats
@@ -3134,7 +3134,7 @@ def scan_gru_in(
         D,
         blocks.img,
         BLOCK_B=rows_block(B, blocks),
-        BLOCK_K=chunk(blocks, rows_block(B, blocks), blocks.gru, max(H, D)),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.gru, max(H, D)),
         BLOCK_N=blocks.gru,
         BLOCK_P=power_of_two_at_least(img_stats.shape[-1]),
     )
@@ -3183,7 +3183,7 @@ def scan_gru_out(
         H,
         blocks.gru,
         BLOCK_B=rows_block(B, blocks),
-        BLOCK_K=chunk(blocks, rows_block(B, blocks), blocks.post, D),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.post, D),
         BLOCK_N=blocks.post,
         BLOCK_P=power_of_two_at_least(gru_stats.shape[-1]),
     )
@@ -3225,7 +3225,7 @@ def scan_posterior(
         classes,
         blocks.post,
         BLOCK_B=rows_block(B, blocks),
-        BLOCK_K=chunk(blocks, rows_block(B, blocks), columns, H),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), columns, H),
         BLOCK_L=blocks.latents,
         BLOCK_C=power_of_two_at_least(classes),
         BLOCK_P=power_of_two_at_least(post_stats.shape[-1]),
@@ -3276,7 +3276,9 @@ def scan_posterior_backward(
         classes,
         H,
         BLOCK_B=rows_block(B, blocks),
-        BLOCK_L=chunk(blocks, rows_block(B, blocks) * power_of_two_at_least(classes), blocks.logits, latents),
+        BLOCK_L=reduction_block(
+            blocks, rows_block(B, blocks) * power_of_two_at_least(classes), blocks.logits, latents
+        ),
         BLOCK_C=power_of_two_at_least(classes),
         BLOCK_N=blocks.logits,
     )
@@ -3332,7 +3334,7 @@ def scan_posterior_input_backward(
         D,
         post_sums.shape[-1],
         BLOCK_B=rows_block(B, blocks),
-        BLOCK_K=chunk(blocks, rows_block(B, blocks), blocks.deter, H),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.deter, H),
         BLOCK_N=blocks.deter,
         BLOCK_P=power_of_two_at_least(post_sums.shape[-1]),
     )
@@ -3400,7 +3402,7 @@ def scan_gru_backward(
         D,
         gru_sums.shape[-1],
         BLOCK_B=rows_block(B, blocks),
-        BLOCK_K=chunk(blocks, rows_block(B, blocks), blocks.state, 3 * D),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.state, 3 * D),
         BLOCK_N=blocks.state,
         BLOCK_P=power_of_two_at_least(gru_sums.shape[-1]),
     )
@@ -3441,7 +3443,7 @@ def scan_img_backward(
         S,
         img_sums.shape[-1],
         BLOCK_B=rows_block(B, blocks),
-        BLOCK_K=chunk(blocks, rows_block(B, blocks), blocks.stoch, H),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.stoch, H),
         BLOCK_N=blocks.stoch,
         BLOCK_P=power_of_two_at_least(img_sums.shape[-1]),
     )

@@ -39,7 +39,7 @@ def constexprs(sizes: dict, blocks) -> dict[str, dict[str, int]]:
     S, rows, classes = L * C, da.rows_block(B, blocks), da.power_of_two_at_least(C)
 
     def k(columns: int, reduced: int) -> int:
-        return da.chunk(blocks, rows, columns, reduced)
+        return da.reduction_block(blocks, rows, columns, reduced)
 
     def parts(n: int, block: int) -> int:
         return da.power_of_two_at_least(-(-n // block))
@@ -61,7 +61,7 @@ def constexprs(sizes: dict, blocks) -> dict[str, dict[str, int]]:
         ),
         "scan_posterior_backward_kernel": dict(
             BLOCK_B=rows,
-            BLOCK_L=da.chunk(blocks, rows * classes, blocks.logits, L),
+            BLOCK_L=da.reduction_block(blocks, rows * classes, blocks.logits, L),
             BLOCK_C=classes,
             BLOCK_N=blocks.logits,
         ),
