@@ -4433,8 +4433,9 @@ def check_subpixel_decoder(layer: nn.ConvTranspose2d, tolerance: float = 1e-9) -
 def check_fast_paths(agent: "Agent", args: Args) -> None:
     """Each fast path in use against the Part 1 function it replaces, on the weights the run is using: the fast
     observe against `RSSM.observe` and its hand-written backward against autograd (float64 copies, also with the GRU
-    saturated), the fast imagination against `imagine`, the pixel-shuffle decoder layer against the transposed
-    convolution, and with --compile the compiled draw against the eager one. Run at start-up, after --resume on the
+    saturated), with --fused-scan its kernels against both on the device (`check_fused_scan`), the fast imagination
+    against `imagine`, the pixel-shuffle decoder layer against the transposed convolution, and with --compile the
+    compiled draw against the eager one. Run at start-up, after --resume on the
     loaded weights, and at each periodic and final checkpoint on the live ones; FastPathMismatch names the path and
     the flag that switches it off. About a second on a CPU for the default model, in float64 whatever the device (the
     compiled draw's first check compiles it: seconds more)."""
