@@ -2255,7 +2255,7 @@ class ObserveActivations:
         self.mixed = self.probs_share + unimix / C  # the posterior's probabilities, as `_stats` computes them
 
 
-# --- The fused observe scan (Triton): an observe step in 4 kernels, its backward step in 4 ------------------------------
+# --- The fused observe scan (Triton): an observe step in 4 kernels, its backward step in 4 ----------------------------
 #
 # --fused-scan (CUDA): `FusedObserve` is `FastObserve` whose two per-step functions, `step` (one observe step) and
 # `reverse_step` (one step of `ObserveBackwardThroughTime`'s backward), launch four Triton kernels each, where the
@@ -3500,11 +3500,8 @@ class FusedObserve(FastObserve):
         key = (stoch_weight.dtype, stoch_weight.device)
         if key not in self.constants:
             rssm = self.rssm
-            values = [
-                NORM_EPS,
-                1 - rssm.unimix,
-                rssm.unimix / rssm.classes,
-            ]  # every LayerNorm's eps is NORM_EPS
+            # every LayerNorm's eps is NORM_EPS
+            values = [NORM_EPS, 1 - rssm.unimix, rssm.unimix / rssm.classes]
             self.constants[key] = torch.tensor(values, dtype=stoch_weight.dtype, device=stoch_weight.device)
         weights = [stoch_weight, deter_weight, *self.scan_parameters()]
         return weights, list(dataclasses.astuple(self.blocks)), self.constants[key]
@@ -3722,7 +3719,8 @@ def check_fused_scan(
     """The fused scan as the run launches it (its kernels compiled for `device`, or interpreted on the CPU under
     TRITON_INTERPRET=1), on the run's weights and `check_inputs`' batch of 2 x `steps` (3: a step from the initial
     state, one from the step before, one from an episode start inside the sequence, the backward across all three);
-    a difference raises FastPathMismatch, naming the kernels and --no-fused-scan. Two comparisons, each catching what the other cannot:
+    a difference raises FastPathMismatch, naming the kernels and --no-fused-scan. Two comparisons, each catching what
+    the other cannot:
     - float64 (the same kernels compiled for float64): its results against `RSSM.observe`'s and its gradients against
       autograd's, also with the GRU saturated (x 8), within 1e-9 and 1e-8 as the other checks, so that a formula
       changed in the readable code and not in the kernels shows, however small the change;
@@ -3741,7 +3739,7 @@ def check_fused_scan(
             expected = dict(zip(("deter", "stoch", "posterior", "prior"), reference.observe(*inputs)))
         expected |= {
             name: x
-            for name, x in scan_results(FastObserve(reference, False), inputs).items()
+            for name, x in scan_results(FastObserve(reference, hand_written_backward=False), inputs).items()
             if "gradient" in name
         }
         for name, x in expected.items():
