@@ -213,6 +213,9 @@ class Args:
     """the observe scan in fewer kernels, with the backward of --observe-backward; off: `RSSM.observe` as written"""
     observe_backward: Literal["hand-written", "autograd"] = "hand-written"
     """the fast observe's backward: hand-written (47 operations per step instead of 80) or autograd's"""
+    fused_scan: bool = True
+    """CUDA: each step of the fast observe, and of its hand-written backward, as 4 Triton kernels; the LayerNorm GRU
+    with categorical latents and --amp off, else the fast observe runs (said in one line)"""
     fast_imagine: bool = True
     """imagine without a graph, then the actor once with gradients on all states; off: `imagine` as written"""
     fast_decoder: bool = True
@@ -2025,6 +2028,1533 @@ class ObserveActivations:
         self.mixed = self.probs_share + unimix / C  # the posterior's probabilities, as `_stats` computes them
 
 
+# --- The fused observe scan (Triton): an observe step in 4 kernels, its backward step in 4 ----------------------------
+#
+# --fused-scan (CUDA): `FusedObserve` is `FastObserve` whose two per-step functions, `step` (one observe step) and
+# `reverse_step` (one step of `ObserveBackwardThroughTime`'s backward), launch four Triton kernels each, where the
+# fast observe's dispatch about 28 and 15 torch operations (tests/test_dreamer_fused_scan.py counts both). What comes
+# before and after the loops stays `FastObserve`'s and `ObserveBackwardThroughTime`'s (the first layers' shares for
+# all steps, the activations the backward reads, the weight gradients as products over all T x B rows): the kernels
+# compute only what must go step by step.
+#
+# A step is four dependent products, each followed by a LayerNorm over whole rows (or a softmax over a latent's
+# classes), so each kernel is one product: its prologue makes the product's input from the last kernel's output
+# (normalise a row, the GRU's gates), its epilogue does what needs only its own columns. At batch 16 a product has
+# 16 rows, so the work is divided by output columns: each program computes one block of columns for every row,
+# reading whole input rows and its columns of the weight, and the blocks are sized so that the programs fill the
+# GPU's SMs (`scan_blocks`). Two consequences, met the same way in every kernel:
+# - A LayerNorm needs statistics of whole rows, which no program has: each program stores those of its own columns
+#   (forward: the mean and the sum of squared deviations M2; backward: the sums of g and g n), and the next kernel
+#   combines them (Chan's formula, exact to rounding: M2 = sum_p M2_p + n_p (mean_p - mean)^2).
+# - The next kernel's prologue makes its whole input row in every program (each needs all of it); where that row is
+#   also an output (deter, the gradients `weight_grads` reads), its chunk k is stored by program k mod programs.
+# The products are broadcast multiply-and-sums rather than `tl.dot`: any float type (float64 for the tests and the
+# checks, on the CPU under TRITON_INTERPRET=1 and on the GPU), full float32 (no TF32), no 16-row minimum. The
+# categorical draw is `one_hot_draw`'s: a float32 CDF of exp(posterior) against the step's uniform.
+
+# Triton's language, imported at the fused scan's first use (`scan_kernels`): importing Triton takes half a second,
+# and a machine without it runs everything else. Until then `tl` serves only the kernels' `tl.constexpr`
+# annotations, which Python reads when it defines them.
+tl = types.SimpleNamespace(constexpr="constexpr")
+
+
+def scan_img_in_kernel(
+    stoch_ptr,
+    first_ptr,
+    first_stride,
+    initial_stoch_ptr,
+    action_in_ptr,
+    action_in_stride,
+    weight_ptr,
+    weight_stride,
+    img_pre_ptr,
+    stats_ptr,
+    B,
+    S,
+    H,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Forward 1 of 4, img_in's product: img_pre = stoch_prev Ws^T + action_in (B, H), this program's block of H's
+    columns; stoch_prev is stoch (B, S), or the initial stoch (S,) where `first` (B,) says an episode starts. With
+    each row's mean and M2 over these columns (stats (2, B, programs))."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_B)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < B
+    col_ok = cols < H
+    ok = row_ok[:, None] & col_ok[None, :]
+    first = tl.load(first_ptr + rows * first_stride, mask=row_ok, other=0) != 0
+    acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=img_pre_ptr.dtype.element_ty)
+    for k in range(0, S, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < S
+        stoch = tl.load(
+            stoch_ptr + rows[:, None] * S + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        initial = tl.load(initial_stoch_ptr + ks, mask=k_ok, other=0.0)
+        stoch = tl.where(first[:, None], initial[None, :], stoch)  # (BLOCK_B, BLOCK_K)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        weight = tl.load(weight_ptr + cols[None, :] * weight_stride + ks[:, None], mask=w_ok, other=0.0)
+        acc += stoch[:, :, None] * weight[None, :, :]  # weight (BLOCK_K, BLOCK_N): Ws[col, k]
+    action_in = tl.load(action_in_ptr + rows[:, None] * action_in_stride + cols[None, :], mask=ok, other=0.0)
+    img_pre = tl.sum(acc, 1) + action_in  # (BLOCK_B, BLOCK_N)
+    tl.store(img_pre_ptr + rows[:, None] * H + cols[None, :], img_pre, mask=ok)
+    programs = tl.num_programs(0)
+    mean = tl.sum(tl.where(ok, img_pre, 0.0), 1) / tl.sum(col_ok.to(tl.int32), 0)
+    deviation = tl.where(ok, img_pre - mean[:, None], 0.0)
+    tl.store(stats_ptr + rows * programs + pid, mean, mask=row_ok)
+    tl.store(stats_ptr + (B + rows) * programs + pid, tl.sum(deviation * deviation, 1), mask=row_ok)
+
+
+def scan_gru_in_kernel(
+    img_pre_ptr,
+    img_stats_ptr,
+    norm_weight_ptr,
+    norm_bias_ptr,
+    deter_ptr,
+    first_ptr,
+    first_stride,
+    initial_deter_ptr,
+    weight_ptr,
+    constants_ptr,
+    pre_ptr,
+    stats_ptr,
+    B,
+    H,
+    D,
+    IMG_BLOCK,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Forward 2 of 4, the GRU's product: pre = [img, deter_prev] Wg^T (B, 3D) for this program's block of units,
+    their reset, candidate and update columns (j, D + j, 2D + j); img = silu(LayerNorm(img_pre)) with img_in's
+    LayerNorm (its statistics combined from kernel 1's, whose programs took IMG_BLOCK columns each); deter_prev =
+    deter (B, D), or the initial deter where an episode starts. With each row's mean and M2 over this program's
+    3 x BLOCK_N columns (stats (2, B, programs))."""
+    pid = tl.program_id(0)
+    dtype = pre_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_B)
+    units = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < B
+    unit_ok = units < D
+    ok = row_ok[:, None] & unit_ok[None, :]
+    # img_in's LayerNorm statistics from kernel 1's (Chan's formula)
+    producers = tl.cdiv(H, IMG_BLOCK)
+    parts = tl.arange(0, BLOCK_P)
+    part_ok = row_ok[:, None] & (parts < producers)[None, :]
+    counts = tl.where(parts < producers, tl.minimum(H - parts * IMG_BLOCK, IMG_BLOCK), 0).to(dtype)
+    means = tl.load(img_stats_ptr + rows[:, None] * producers + parts[None, :], mask=part_ok, other=0.0)
+    m2s = tl.load(img_stats_ptr + (B + rows[:, None]) * producers + parts[None, :], mask=part_ok, other=0.0)
+    mean = tl.sum(counts[None, :] * means, 1) / H
+    spread = tl.where(part_ok, means - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(m2s + counts[None, :] * spread * spread, 1) / H + tl.load(constants_ptr))
+    first = tl.load(first_ptr + rows * first_stride, mask=row_ok, other=0) != 0
+    reset_acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=dtype)
+    candidate_acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=dtype)
+    update_acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=dtype)
+    for k in range(0, H, BLOCK_K):  # the input's first part: img
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        img = tl.load(img_pre_ptr + rows[:, None] * H + ks[None, :], mask=x_ok, other=0.0)
+        norm_weight = tl.load(norm_weight_ptr + ks, mask=k_ok, other=0.0)
+        norm_bias = tl.load(norm_bias_ptr + ks, mask=k_ok, other=0.0)
+        img = (img - mean[:, None]) * rstd[:, None] * norm_weight[None, :] + norm_bias[None, :]
+        img = tl.where(x_ok, img / (1.0 + tl.exp(-img)), 0.0)  # silu
+        w_ok = k_ok[:, None] & unit_ok[None, :]
+        weight = weight_ptr + units[None, :] * (H + D) + ks[:, None]  # (BLOCK_K, BLOCK_N): Wg[j, k]
+        reset_acc += img[:, :, None] * tl.load(weight, mask=w_ok, other=0.0)[None, :, :]
+        candidate_acc += img[:, :, None] * tl.load(weight + D * (H + D), mask=w_ok, other=0.0)[None, :, :]
+        update_acc += img[:, :, None] * tl.load(weight + 2 * D * (H + D), mask=w_ok, other=0.0)[None, :, :]
+    for k in range(0, D, BLOCK_K):  # its second part: deter_prev
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < D
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        deter = tl.load(deter_ptr + rows[:, None] * D + ks[None, :], mask=x_ok, other=0.0)
+        initial = tl.load(initial_deter_ptr + ks, mask=k_ok, other=0.0)
+        deter = tl.where(first[:, None], initial[None, :], deter)
+        w_ok = k_ok[:, None] & unit_ok[None, :]
+        weight = weight_ptr + units[None, :] * (H + D) + H + ks[:, None]
+        reset_acc += deter[:, :, None] * tl.load(weight, mask=w_ok, other=0.0)[None, :, :]
+        candidate_acc += deter[:, :, None] * tl.load(weight + D * (H + D), mask=w_ok, other=0.0)[None, :, :]
+        update_acc += deter[:, :, None] * tl.load(weight + 2 * D * (H + D), mask=w_ok, other=0.0)[None, :, :]
+    reset = tl.sum(reset_acc, 1)
+    candidate = tl.sum(candidate_acc, 1)
+    update = tl.sum(update_acc, 1)
+    out = pre_ptr + rows[:, None] * 3 * D + units[None, :]
+    tl.store(out, reset, mask=ok)
+    tl.store(out + D, candidate, mask=ok)
+    tl.store(out + 2 * D, update, mask=ok)
+    programs = tl.num_programs(0)
+    mean = tl.sum(tl.where(ok, reset + candidate + update, 0.0), 1) / (3 * tl.sum(unit_ok.to(tl.int32), 0))
+    reset = tl.where(ok, reset - mean[:, None], 0.0)
+    candidate = tl.where(ok, candidate - mean[:, None], 0.0)
+    update = tl.where(ok, update - mean[:, None], 0.0)
+    tl.store(stats_ptr + rows * programs + pid, mean, mask=row_ok)
+    m2 = tl.sum(reset * reset + candidate * candidate + update * update, 1)
+    tl.store(stats_ptr + (B + rows) * programs + pid, m2, mask=row_ok)
+
+
+def scan_gru_out_kernel(
+    pre_ptr,
+    gru_stats_ptr,
+    norm_weight_ptr,
+    norm_bias_ptr,
+    deter_ptr,
+    first_ptr,
+    first_stride,
+    initial_deter_ptr,
+    embed_in_ptr,
+    embed_in_stride,
+    weight_ptr,
+    weight_stride,
+    constants_ptr,
+    deter_out_ptr,
+    post_pre_ptr,
+    stats_ptr,
+    B,
+    D,
+    H,
+    GRU_BLOCK,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Forward 3 of 4, the GRU's gates, then the posterior's product: deter = lerp(deter_prev, tanh(sigmoid(reset)
+    candidate), sigmoid(update - 1)) (B, D) from LayerNorm(pre) (its statistics combined from kernel 2's, whose
+    programs took GRU_BLOCK units each), made whole in every program and stored chunk by chunk; post_pre = deter Wd^T
+    + embed_in (B, H) for this program's block of H's columns, with each row's mean and M2 over them (stats)."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dtype = post_pre_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_B)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < B
+    col_ok = cols < H
+    ok = row_ok[:, None] & col_ok[None, :]
+    # the GRU's LayerNorm statistics over its 3D columns, from kernel 2's (Chan's formula)
+    producers = tl.cdiv(D, GRU_BLOCK)
+    parts = tl.arange(0, BLOCK_P)
+    part_ok = row_ok[:, None] & (parts < producers)[None, :]
+    counts = 3 * tl.where(parts < producers, tl.minimum(D - parts * GRU_BLOCK, GRU_BLOCK), 0).to(dtype)
+    means = tl.load(gru_stats_ptr + rows[:, None] * producers + parts[None, :], mask=part_ok, other=0.0)
+    m2s = tl.load(gru_stats_ptr + (B + rows[:, None]) * producers + parts[None, :], mask=part_ok, other=0.0)
+    mean = tl.sum(counts[None, :] * means, 1) / (3 * D)
+    spread = tl.where(part_ok, means - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(
+        tl.sum(m2s + counts[None, :] * spread * spread, 1) / (3 * D) + tl.load(constants_ptr)
+    )
+    first = tl.load(first_ptr + rows * first_stride, mask=row_ok, other=0) != 0
+    acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=dtype)
+    for k in range(0, D, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < D
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        pre = pre_ptr + rows[:, None] * 3 * D + ks[None, :]
+        reset = (tl.load(pre, mask=x_ok, other=0.0) - mean[:, None]) * rstd[:, None]
+        candidate = (tl.load(pre + D, mask=x_ok, other=0.0) - mean[:, None]) * rstd[:, None]
+        update = (tl.load(pre + 2 * D, mask=x_ok, other=0.0) - mean[:, None]) * rstd[:, None]
+        reset = (
+            reset * tl.load(norm_weight_ptr + ks, mask=k_ok, other=0.0)[None, :]
+            + tl.load(norm_bias_ptr + ks, mask=k_ok, other=0.0)[None, :]
+        )
+        candidate = (
+            candidate * tl.load(norm_weight_ptr + D + ks, mask=k_ok, other=0.0)[None, :]
+            + tl.load(norm_bias_ptr + D + ks, mask=k_ok, other=0.0)[None, :]
+        )
+        update = (
+            update * tl.load(norm_weight_ptr + 2 * D + ks, mask=k_ok, other=0.0)[None, :]
+            + tl.load(norm_bias_ptr + 2 * D + ks, mask=k_ok, other=0.0)[None, :]
+        )
+        candidate = candidate / (1.0 + tl.exp(-reset))  # sigmoid(reset) candidate
+        decay = tl.exp(-2.0 * tl.abs(candidate))
+        candidate = tl.where(candidate >= 0, 1.0, -1.0) * (1.0 - decay) / (1.0 + decay)  # tanh
+        update = 1.0 / (1.0 + tl.exp(1.0 - update))  # sigmoid(update - 1)
+        deter = tl.load(deter_ptr + rows[:, None] * D + ks[None, :], mask=x_ok, other=0.0)
+        initial = tl.load(initial_deter_ptr + ks, mask=k_ok, other=0.0)
+        deter = tl.where(first[:, None], initial[None, :], deter)
+        # torch.lerp(deter, candidate, update), as torch computes it
+        lerp_low = deter + update * (candidate - deter)
+        lerp_high = candidate - (candidate - deter) * (1.0 - update)
+        deter = tl.where(x_ok, tl.where(update < 0.5, lerp_low, lerp_high), 0.0)
+        owner = (ks // BLOCK_K) % programs == pid  # this chunk's program
+        tl.store(deter_out_ptr + rows[:, None] * D + ks[None, :], deter, mask=x_ok & owner[None, :])
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        weight = tl.load(weight_ptr + cols[None, :] * weight_stride + ks[:, None], mask=w_ok, other=0.0)
+        acc += deter[:, :, None] * weight[None, :, :]  # weight (BLOCK_K, BLOCK_N): Wd[col, k]
+    embed_in = tl.load(embed_in_ptr + rows[:, None] * embed_in_stride + cols[None, :], mask=ok, other=0.0)
+    post_pre = tl.sum(acc, 1) + embed_in  # (BLOCK_B, BLOCK_N)
+    tl.store(post_pre_ptr + rows[:, None] * H + cols[None, :], post_pre, mask=ok)
+    mean = tl.sum(tl.where(ok, post_pre, 0.0), 1) / tl.sum(col_ok.to(tl.int32), 0)
+    deviation = tl.where(ok, post_pre - mean[:, None], 0.0)
+    tl.store(stats_ptr + rows * programs + pid, mean, mask=row_ok)
+    tl.store(stats_ptr + (B + rows) * programs + pid, tl.sum(deviation * deviation, 1), mask=row_ok)
+
+
+def scan_posterior_kernel(
+    post_pre_ptr,
+    post_stats_ptr,
+    norm_weight_ptr,
+    norm_bias_ptr,
+    weight_ptr,
+    bias_ptr,
+    noise_ptr,
+    constants_ptr,
+    posterior_ptr,
+    stoch_ptr,
+    B,
+    H,
+    LATENTS,
+    C,
+    POST_BLOCK,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Forward 4 of 4, the posterior of this program's BLOCK_L latents: logits = silu(LayerNorm(post_pre)) Wo^T + bo
+    for their C classes each (the statistics combined from kernel 3's, whose programs took POST_BLOCK columns each),
+    posterior = log((1 - unimix) softmax(logits) + unimix / C) (B, LATENTS, C), and the one-hot sample stoch
+    (B, LATENTS * C) that `one_hot_draw` makes of exp(posterior) with the step's uniforms (B, LATENTS)."""
+    pid = tl.program_id(0)
+    dtype = posterior_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_B)
+    latents = pid * BLOCK_L + tl.arange(0, BLOCK_L)
+    classes = tl.arange(0, BLOCK_C)
+    cols = latents[:, None] * C + classes[None, :]  # (BLOCK_L, BLOCK_C): columns of the flat logits
+    row_ok = rows < B
+    col_ok = (latents < LATENTS)[:, None] & (classes < C)[None, :]
+    ok = row_ok[:, None, None] & col_ok[None, :, :]
+    # the posterior's LayerNorm statistics from kernel 3's (Chan's formula)
+    producers = tl.cdiv(H, POST_BLOCK)
+    parts = tl.arange(0, BLOCK_P)
+    part_ok = row_ok[:, None] & (parts < producers)[None, :]
+    counts = tl.where(parts < producers, tl.minimum(H - parts * POST_BLOCK, POST_BLOCK), 0).to(dtype)
+    means = tl.load(post_stats_ptr + rows[:, None] * producers + parts[None, :], mask=part_ok, other=0.0)
+    m2s = tl.load(post_stats_ptr + (B + rows[:, None]) * producers + parts[None, :], mask=part_ok, other=0.0)
+    mean = tl.sum(counts[None, :] * means, 1) / H
+    spread = tl.where(part_ok, means - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(m2s + counts[None, :] * spread * spread, 1) / H + tl.load(constants_ptr))
+    flat_cols = tl.reshape(cols, [BLOCK_L * BLOCK_C])
+    flat_ok = tl.reshape(col_ok, [BLOCK_L * BLOCK_C])
+    acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_L * BLOCK_C], dtype=dtype)
+    for k in range(0, H, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        post = tl.load(post_pre_ptr + rows[:, None] * H + ks[None, :], mask=x_ok, other=0.0)
+        norm_weight = tl.load(norm_weight_ptr + ks, mask=k_ok, other=0.0)
+        norm_bias = tl.load(norm_bias_ptr + ks, mask=k_ok, other=0.0)
+        post = (post - mean[:, None]) * rstd[:, None] * norm_weight[None, :] + norm_bias[None, :]
+        post = tl.where(x_ok, post / (1.0 + tl.exp(-post)), 0.0)  # silu
+        w_ok = k_ok[:, None] & flat_ok[None, :]
+        weight = tl.load(weight_ptr + flat_cols[None, :] * H + ks[:, None], mask=w_ok, other=0.0)
+        acc += post[:, :, None] * weight[None, :, :]  # weight (BLOCK_K, BLOCK_L * BLOCK_C): Wo[col, k]
+    logits = tl.reshape(tl.sum(acc, 1), [BLOCK_B, BLOCK_L, BLOCK_C])
+    logits = logits + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :, :]
+    logits = tl.where(col_ok[None, :, :], logits, -float("inf"))
+    maximum = tl.where((latents < LATENTS)[None, :], tl.max(logits, 2), 0.0)  # (BLOCK_B, BLOCK_L)
+    exps = tl.where(col_ok[None, :, :], tl.exp(logits - maximum[:, :, None]), 0.0)
+    probs = exps / tl.where(latents < LATENTS, tl.sum(exps, 2), 1.0)[:, :, None]
+    posterior = tl.log(
+        tl.load(constants_ptr + 1) * probs + tl.load(constants_ptr + 2)
+    )  # 1 - unimix, unimix / C
+    out = rows[:, None, None] * LATENTS * C + cols[None, :, :]
+    tl.store(posterior_ptr + out, posterior, mask=ok)
+    # the draw: the first class whose float32 CDF reaches the uniform (the last class takes what rounding leaves)
+    cdf = tl.cumsum(tl.where(ok, tl.exp(posterior), 0.0).to(tl.float32), 2)
+    uniform_ok = row_ok[:, None] & (latents < LATENTS)[None, :]
+    uniform = tl.load(noise_ptr + rows[:, None] * LATENTS + latents[None, :], mask=uniform_ok, other=0.0)
+    below = (cdf < uniform[:, :, None]) & (classes < C - 1)[None, None, :]
+    drawn = tl.sum(below.to(tl.int32), 2)  # (BLOCK_B, BLOCK_L)
+    tl.store(stoch_ptr + out, (classes[None, None, :] == drawn[:, :, None]).to(dtype), mask=ok)
+
+
+def scan_posterior_backward_kernel(
+    stoch_carry_ptr,
+    own_grad_ptr,
+    carried_factor_ptr,
+    probs_ptr,
+    weight_ptr,
+    silu_grad_ptr,
+    post_pre_ptr,
+    mean_ptr,
+    rstd_ptr,
+    norm_weight_ptr,
+    logits_grad_ptr,
+    post_norm_grad_ptr,
+    sums_ptr,
+    B,
+    LATENTS,
+    C,
+    H,
+    BLOCK_B: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Backward 1 of 4, the posterior's head: d probs = own_grad + carried_factor d stoch (d stoch carried from step
+    t + 1), d logits = d probs - probs sum(d probs) per latent (B, LATENTS * C), made whole in every program,
+    BLOCK_L latents at a time (chunk k stored by program k mod programs); d post_norm = (d logits Wo) silu'(post)
+    (B, H) for this program's block of H's columns, with each row's sums of g and g n over them, g = d post_norm
+    times the LayerNorm's weight and n the normalised post_pre (sums (2, B, programs))."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK_B)
+    classes = tl.arange(0, BLOCK_C)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < B
+    col_ok = cols < H
+    ok = row_ok[:, None] & col_ok[None, :]
+    acc = tl.zeros([BLOCK_B, BLOCK_L * BLOCK_C, BLOCK_N], dtype=post_norm_grad_ptr.dtype.element_ty)
+    for latent in range(0, LATENTS, BLOCK_L):
+        latents = latent + tl.arange(0, BLOCK_L)
+        ks = latents[:, None] * C + classes[None, :]  # (BLOCK_L, BLOCK_C): columns of the flat logits
+        k_ok = (latents < LATENTS)[:, None] & (classes < C)[None, :]
+        x_ok = row_ok[:, None, None] & k_ok[None, :, :]
+        offsets = rows[:, None, None] * LATENTS * C + ks[None, :, :]
+        carried = tl.load(carried_factor_ptr + offsets, mask=x_ok, other=0.0)
+        stoch_grad = tl.load(stoch_carry_ptr + offsets, mask=x_ok, other=0.0)
+        probs_grad = tl.load(own_grad_ptr + offsets, mask=x_ok, other=0.0) + carried * stoch_grad
+        probs = tl.load(probs_ptr + offsets, mask=x_ok, other=0.0)
+        logits_grad = probs_grad - probs * tl.sum(probs_grad, 2)[:, :, None]  # the softmax's backward
+        owner = (latents // BLOCK_L) % programs == pid  # this chunk's program
+        tl.store(logits_grad_ptr + offsets, logits_grad, mask=x_ok & owner[None, :, None])
+        flat_ks = tl.reshape(ks, [BLOCK_L * BLOCK_C])
+        w_ok = tl.reshape(k_ok, [BLOCK_L * BLOCK_C])[:, None] & col_ok[None, :]
+        weight = tl.load(weight_ptr + flat_ks[:, None] * H + cols[None, :], mask=w_ok, other=0.0)
+        logits_grad = tl.reshape(logits_grad, [BLOCK_B, BLOCK_L * BLOCK_C])
+        acc += logits_grad[:, :, None] * weight[None, :, :]  # weight (BLOCK_L * BLOCK_C, BLOCK_N): Wo[k, col]
+    hidden = rows[:, None] * H + cols[None, :]
+    post_norm_grad = tl.sum(acc, 1) * tl.load(silu_grad_ptr + hidden, mask=ok, other=0.0)
+    tl.store(post_norm_grad_ptr + hidden, post_norm_grad, mask=ok)
+    mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+    normed = (tl.load(post_pre_ptr + hidden, mask=ok, other=0.0) - mean[:, None]) * rstd[:, None]
+    g = tl.where(ok, post_norm_grad * tl.load(norm_weight_ptr + cols, mask=col_ok, other=0.0)[None, :], 0.0)
+    tl.store(sums_ptr + rows * programs + pid, tl.sum(g, 1), mask=row_ok)
+    tl.store(sums_ptr + (B + rows) * programs + pid, tl.sum(g * normed, 1), mask=row_ok)
+
+
+def scan_posterior_input_backward_kernel(
+    post_norm_grad_ptr,
+    post_sums_ptr,
+    post_pre_ptr,
+    post_mean_ptr,
+    post_rstd_ptr,
+    post_norm_weight_ptr,
+    weight_ptr,
+    weight_stride,
+    deter_carry_ptr,
+    gate_grads_ptr,
+    pre_norm_ptr,
+    gru_mean_ptr,
+    gru_rstd_ptr,
+    gru_norm_weight_ptr,
+    post_pre_grad_ptr,
+    deter_total_ptr,
+    norm_grad_ptr,
+    sums_ptr,
+    B,
+    H,
+    D,
+    PRODUCERS,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Backward 2 of 4, the posterior's LayerNorm and product, and the GRU's gates: d post_pre = rstd (g - mean(g) -
+    n mean(g n)) (B, H) from the sums of kernel 1's PRODUCERS programs, made whole in every program and stored by
+    chunk; d deter = d deter carried + d post_pre Wd (B, D) for this program's block of units; d LayerNorm(pre) =
+    d deter gate_grads (B, 3D) for their reset, candidate and update columns, with each row's sums of g and g n over
+    them (sums (2, B, programs))."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dtype = deter_total_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_B)
+    units = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < B
+    unit_ok = units < D
+    ok = row_ok[:, None] & unit_ok[None, :]
+    parts = tl.arange(0, BLOCK_P)
+    part_ok = row_ok[:, None] & (parts < PRODUCERS)[None, :]
+    sums = post_sums_ptr + rows[:, None] * PRODUCERS + parts[None, :]
+    mean_g = tl.sum(tl.load(sums, mask=part_ok, other=0.0), 1) / H
+    mean_gn = tl.sum(tl.load(sums + B * PRODUCERS, mask=part_ok, other=0.0), 1) / H
+    mean = tl.load(post_mean_ptr + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(post_rstd_ptr + rows, mask=row_ok, other=0.0)
+    acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=dtype)
+    for k in range(0, H, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        hidden = rows[:, None] * H + ks[None, :]
+        g = tl.load(post_norm_grad_ptr + hidden, mask=x_ok, other=0.0)
+        g = g * tl.load(post_norm_weight_ptr + ks, mask=k_ok, other=0.0)[None, :]
+        normed = (tl.load(post_pre_ptr + hidden, mask=x_ok, other=0.0) - mean[:, None]) * rstd[:, None]
+        post_pre_grad = tl.where(x_ok, rstd[:, None] * (g - mean_g[:, None] - normed * mean_gn[:, None]), 0.0)
+        tl.store(
+            post_pre_grad_ptr + hidden,
+            post_pre_grad,
+            mask=x_ok & ((ks // BLOCK_K) % programs == pid)[None, :],
+        )
+        w_ok = k_ok[:, None] & unit_ok[None, :]
+        weight = tl.load(weight_ptr + ks[:, None] * weight_stride + units[None, :], mask=w_ok, other=0.0)
+        acc += post_pre_grad[:, :, None] * weight[None, :, :]  # weight (BLOCK_K, BLOCK_N): Wd[k, j]
+    state = rows[:, None] * D + units[None, :]
+    deter_total = tl.sum(acc, 1) + tl.load(deter_carry_ptr + state, mask=ok, other=0.0)  # all of d deter_t
+    tl.store(deter_total_ptr + state, deter_total, mask=ok)
+    gru_mean = tl.load(gru_mean_ptr + rows, mask=row_ok, other=0.0)
+    gru_rstd = tl.load(gru_rstd_ptr + rows, mask=row_ok, other=0.0)
+    g_sum = tl.zeros([BLOCK_B], dtype=dtype)
+    gn_sum = tl.zeros([BLOCK_B], dtype=dtype)
+    for part in tl.static_range(3):  # reset, candidate, update
+        gate = rows[:, None] * 3 * D + part * D + units[None, :]
+        norm_grad = deter_total * tl.load(gate_grads_ptr + gate, mask=ok, other=0.0)
+        tl.store(norm_grad_ptr + gate, norm_grad, mask=ok)
+        normed = (tl.load(pre_norm_ptr + gate, mask=ok, other=0.0) - gru_mean[:, None]) * gru_rstd[:, None]
+        norm_weight = tl.load(gru_norm_weight_ptr + part * D + units, mask=unit_ok, other=0.0)
+        g = tl.where(ok, norm_grad * norm_weight[None, :], 0.0)
+        g_sum += tl.sum(g, 1)
+        gn_sum += tl.sum(g * normed, 1)
+    tl.store(sums_ptr + rows * programs + pid, g_sum, mask=row_ok)
+    tl.store(sums_ptr + (B + rows) * programs + pid, gn_sum, mask=row_ok)
+
+
+def scan_gru_backward_kernel(
+    norm_grad_ptr,
+    gru_sums_ptr,
+    pre_norm_ptr,
+    gru_mean_ptr,
+    gru_rstd_ptr,
+    gru_norm_weight_ptr,
+    weight_ptr,
+    img_silu_grad_ptr,
+    img_pre_ptr,
+    img_mean_ptr,
+    img_rstd_ptr,
+    img_norm_weight_ptr,
+    state_grad_ptr,
+    deter_total_ptr,
+    deter_grad_prev_ptr,
+    keep_ptr,
+    keep_stride,
+    pre_norm_grad_ptr,
+    img_norm_grad_ptr,
+    deter_prev_grad_ptr,
+    deter_carry_ptr,
+    sums_ptr,
+    B,
+    H,
+    D,
+    PRODUCERS,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Backward 3 of 4, the GRU's LayerNorm and product: d pre = rstd (g - mean(g) - n mean(g n)) (B, 3D) from the
+    sums of kernel 2's PRODUCERS programs, made whole in every program and stored by chunk; d [img, deter_prev] =
+    d pre Wg for this program's block of the H + D columns. Of these, img's: d img_norm = d img silu'(img) (B, H),
+    with each row's sums of g and g n over them (sums (2, B, programs)); deter_prev's: d deter_prev = its part +
+    (1 - update) d deter (B, D), and what is carried to step t - 1, d deter_{t-1} = its output gradient + keep d
+    deter_prev (keep (B,) 0 where step t starts an episode)."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK_B)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < B
+    col_ok = cols < H + D
+    parts = tl.arange(0, BLOCK_P)
+    part_ok = row_ok[:, None] & (parts < PRODUCERS)[None, :]
+    sums = gru_sums_ptr + rows[:, None] * PRODUCERS + parts[None, :]
+    mean_g = tl.sum(tl.load(sums, mask=part_ok, other=0.0), 1) / (3 * D)
+    mean_gn = tl.sum(tl.load(sums + B * PRODUCERS, mask=part_ok, other=0.0), 1) / (3 * D)
+    mean = tl.load(gru_mean_ptr + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(gru_rstd_ptr + rows, mask=row_ok, other=0.0)
+    acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=deter_carry_ptr.dtype.element_ty)
+    for k in range(0, 3 * D, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < 3 * D
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        gates = rows[:, None] * 3 * D + ks[None, :]
+        g = tl.load(norm_grad_ptr + gates, mask=x_ok, other=0.0)
+        g = g * tl.load(gru_norm_weight_ptr + ks, mask=k_ok, other=0.0)[None, :]
+        normed = (tl.load(pre_norm_ptr + gates, mask=x_ok, other=0.0) - mean[:, None]) * rstd[:, None]
+        pre_grad = tl.where(x_ok, rstd[:, None] * (g - mean_g[:, None] - normed * mean_gn[:, None]), 0.0)
+        tl.store(
+            pre_norm_grad_ptr + gates, pre_grad, mask=x_ok & ((ks // BLOCK_K) % programs == pid)[None, :]
+        )
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        weight = tl.load(weight_ptr + ks[:, None] * (H + D) + cols[None, :], mask=w_ok, other=0.0)
+        acc += pre_grad[:, :, None] * weight[None, :, :]  # weight (BLOCK_K, BLOCK_N): Wg[k, col]
+    input_grad = tl.sum(acc, 1)  # (BLOCK_B, BLOCK_N): columns [0, H) are img's, [H, H + D) deter_prev's
+    # img's columns: d img_norm, and this block's sums for img_in's LayerNorm backward
+    img_ok = row_ok[:, None] & (cols < H)[None, :]
+    hidden = rows[:, None] * H + cols[None, :]
+    img_norm_grad = input_grad * tl.load(img_silu_grad_ptr + hidden, mask=img_ok, other=0.0)
+    tl.store(img_norm_grad_ptr + hidden, img_norm_grad, mask=img_ok)
+    img_mean = tl.load(img_mean_ptr + rows, mask=row_ok, other=0.0)
+    img_rstd = tl.load(img_rstd_ptr + rows, mask=row_ok, other=0.0)
+    normed = (tl.load(img_pre_ptr + hidden, mask=img_ok, other=0.0) - img_mean[:, None]) * img_rstd[:, None]
+    norm_weight = tl.load(img_norm_weight_ptr + cols, mask=cols < H, other=0.0)
+    g = tl.where(img_ok, img_norm_grad * norm_weight[None, :], 0.0)
+    tl.store(sums_ptr + rows * programs + pid, tl.sum(g, 1), mask=row_ok)
+    tl.store(sums_ptr + (B + rows) * programs + pid, tl.sum(g * normed, 1), mask=row_ok)
+    # deter_prev's columns: its gradient, and the one carried to the previous step
+    deter_ok = row_ok[:, None] & ((cols >= H) & col_ok)[None, :]
+    state = rows[:, None] * D + (cols - H)[None, :]
+    deter_total = tl.load(deter_total_ptr + state, mask=deter_ok, other=0.0)
+    deter_prev_grad = input_grad + tl.load(state_grad_ptr + state, mask=deter_ok, other=0.0) * deter_total
+    tl.store(deter_prev_grad_ptr + state, deter_prev_grad, mask=deter_ok)
+    keep = tl.load(keep_ptr + rows * keep_stride, mask=row_ok, other=0.0)
+    deter_carry = (
+        tl.load(deter_grad_prev_ptr + state, mask=deter_ok, other=0.0) + keep[:, None] * deter_prev_grad
+    )
+    tl.store(deter_carry_ptr + state, deter_carry, mask=deter_ok)
+
+
+def scan_img_backward_kernel(
+    img_norm_grad_ptr,
+    img_sums_ptr,
+    img_pre_ptr,
+    img_mean_ptr,
+    img_rstd_ptr,
+    img_norm_weight_ptr,
+    weight_ptr,
+    weight_stride,
+    img_pre_grad_ptr,
+    stoch_carry_ptr,
+    B,
+    H,
+    S,
+    PRODUCERS,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Backward 4 of 4, img_in's LayerNorm and product: d img_pre = rstd (g - mean(g) - n mean(g n)) (B, H) from the
+    sums of kernel 3's PRODUCERS programs, made whole in every program and stored by chunk; what is carried to step
+    t - 1's stoch, d stoch = d img_pre Ws (B, S), for this program's block of S's columns."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK_B)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < B
+    col_ok = cols < S
+    parts = tl.arange(0, BLOCK_P)
+    part_ok = row_ok[:, None] & (parts < PRODUCERS)[None, :]
+    sums = img_sums_ptr + rows[:, None] * PRODUCERS + parts[None, :]
+    mean_g = tl.sum(tl.load(sums, mask=part_ok, other=0.0), 1) / H
+    mean_gn = tl.sum(tl.load(sums + B * PRODUCERS, mask=part_ok, other=0.0), 1) / H
+    mean = tl.load(img_mean_ptr + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(img_rstd_ptr + rows, mask=row_ok, other=0.0)
+    acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=stoch_carry_ptr.dtype.element_ty)
+    for k in range(0, H, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        hidden = rows[:, None] * H + ks[None, :]
+        g = tl.load(img_norm_grad_ptr + hidden, mask=x_ok, other=0.0)
+        g = g * tl.load(img_norm_weight_ptr + ks, mask=k_ok, other=0.0)[None, :]
+        normed = (tl.load(img_pre_ptr + hidden, mask=x_ok, other=0.0) - mean[:, None]) * rstd[:, None]
+        img_pre_grad = tl.where(x_ok, rstd[:, None] * (g - mean_g[:, None] - normed * mean_gn[:, None]), 0.0)
+        tl.store(
+            img_pre_grad_ptr + hidden, img_pre_grad, mask=x_ok & ((ks // BLOCK_K) % programs == pid)[None, :]
+        )
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        weight = tl.load(weight_ptr + ks[:, None] * weight_stride + cols[None, :], mask=w_ok, other=0.0)
+        acc += img_pre_grad[:, :, None] * weight[None, :, :]  # weight (BLOCK_K, BLOCK_N): Ws[k, col]
+    tl.store(
+        stoch_carry_ptr + rows[:, None] * S + cols[None, :],
+        tl.sum(acc, 1),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+SCAN_KERNELS = (
+    scan_img_in_kernel,
+    scan_gru_in_kernel,
+    scan_gru_out_kernel,
+    scan_posterior_kernel,
+    scan_posterior_backward_kernel,
+    scan_posterior_input_backward_kernel,
+    scan_gru_backward_kernel,
+    scan_img_backward_kernel,
+)
+_JITTED_SCAN_KERNELS: list[types.SimpleNamespace] = []
+
+
+def triton_interprets() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when Triton was imported: on CPU tensors,
+    float64 included, one program after another), as the tests do, rather than compiling them for the GPU."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def scan_kernels() -> types.SimpleNamespace:
+    """The fused scan's kernels by name, made by `triton.jit` at first use (compiled for the GPU, or interpreted:
+    `triton_interprets`). Imports Triton, and registers the operations that launch the kernels (`SCAN_OPS`)."""
+    global tl
+    if not _JITTED_SCAN_KERNELS:
+        import triton
+        import triton.language
+
+        tl = triton.language  # what the kernels' source reads
+        kernels = {}
+        for kernel in SCAN_KERNELS:
+            # not specialised on the batch size and the strides that follow T: the check's calls and the run's
+            # share one compiled kernel
+            arguments = kernel.__code__.co_varnames[: kernel.__code__.co_argcount]
+            varying = [name for name in ("B", "first_stride", "keep_stride") if name in arguments]
+            kernels[kernel.__name__] = triton.jit(kernel, do_not_specialize=varying)
+        _JITTED_SCAN_KERNELS.append(types.SimpleNamespace(**kernels))
+        register_scan_ops()
+    return _JITTED_SCAN_KERNELS[0]
+
+
+@dataclass(frozen=True)
+class ScanBlocks:
+    """How the fused scan's kernels divide their work: `batch` the least BLOCK_B (rows are padded to a power of two
+    at least this); `tile` the elements of a program's product tile (BLOCK_B x BLOCK_K x its columns: a product's
+    chunk BLOCK_K follows, `reduction_block`); and the output columns each program computes: forward `img` (of H), `gru`
+    (units of D, three columns each), `post` (of H), `latents` (of the posterior's, C columns each); backward
+    `logits` (of H), `deter` (units of D), `state` (of H + D), `stoch` (of S)."""
+
+    batch: int
+    tile: int
+    img: int
+    gru: int
+    post: int
+    latents: int
+    logits: int
+    deter: int
+    state: int
+    stoch: int
+
+
+def power_of_two_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def reduction_block(blocks: ScanBlocks, rows: int, columns: int, reduced: int) -> int:
+    """BLOCK_K of a product (rows x reduced) @ (reduced x columns) whose tile holds `blocks.tile` elements: a power of
+    two, at most the reduction's own length."""
+    block = 1
+    while 2 * block * rows * columns <= blocks.tile and block < reduced:
+        block *= 2
+    return block
+
+
+def scan_blocks(H: int, D: int, S: int, latents: int, sms: int | None) -> ScanBlocks:
+    """For an RSSM of hidden width H, deter D, flat stoch S of `latents` latents, on a GPU of `sms` SMs: each
+    kernel's columns in the fewest programs that still give every SM one (at batch 16 a block of 4 columns is 16 x 4
+    outputs, each a sum of 512 to 1,536 products: the default model's kernels run 128 programs on an H100's 132 SMs,
+    the posterior's one latent per program 32), tiles of 2,048 elements (16 registers a thread in 4 warps), and rows
+    padded to 16, so that every batch up to 16 shares one compiled kernel. With `sms` None, for Triton's
+    interpreter, which runs programs one after another at milliseconds of Python per operation: whole rows in one or
+    two programs, and large tiles."""
+    if sms is not None:
+
+        def fill(n: int) -> int:
+            block = 1
+            while -(-n // block) > sms:
+                block *= 2
+            return block
+
+        return ScanBlocks(16, 2048, fill(H), fill(D), fill(H), 1, fill(H), fill(D), fill(H + D), fill(S))
+
+    def whole(n: int) -> int:
+        return min(power_of_two_at_least(n), 1024)
+
+    columns = [whole(n) for n in (H, D, H)] + [power_of_two_at_least(latents)]
+    return ScanBlocks(1, 2**20, *columns, whole(H), whole(D), whole(H + D), whole(S))
+
+
+@dataclass(frozen=True)
+class ScanWeights:
+    """The weights the fused scan's kernels read (`FusedObserve.launch_settings`): the shares of the first layers
+    that the step computes (stoch_weight (H, S) and deter_weight (H, D), their rows strided), then
+    `FastObserve.scan_parameters()` in its order (the LayerNorm GRU's own last)."""
+
+    stoch_weight: torch.Tensor
+    deter_weight: torch.Tensor
+    img_norm_weight: torch.Tensor
+    img_norm_bias: torch.Tensor
+    post_norm_weight: torch.Tensor
+    post_norm_bias: torch.Tensor
+    post_out_weight: torch.Tensor
+    post_out_bias: torch.Tensor
+    gru_weight: torch.Tensor
+    gru_norm_weight: torch.Tensor
+    gru_norm_bias: torch.Tensor
+
+
+def row_stride(x: torch.Tensor) -> int:
+    """The stride between the rows of a per-step tensor x (B, ...) whose rows are each contiguous (a step of a
+    time-major or a batch-major tensor). Another layout is a caller's mistake, not something to copy quietly: the
+    copy would be a kernel that the operation counts do not see."""
+    if not x[0].is_contiguous():
+        raise ValueError(
+            f"the fused scan reads contiguous rows, not a tensor {tuple(x.shape)} of strides {x.stride()}"
+        )
+    return x.stride(0)
+
+
+def contiguous_only(*tensors: torch.Tensor) -> None:
+    """Checks that the tensors are contiguous, as the kernels read them (see `row_stride`)."""
+    for x in tensors:
+        if not x.is_contiguous():
+            raise ValueError(
+                f"the fused scan reads contiguous tensors, not one {tuple(x.shape)} of strides {x.stride()}"
+            )
+
+
+def launch(kernel: str, programs: int, *args, **constants) -> None:
+    """One launch of the fused scan's `kernel` on `programs` programs, through `wrap_triton` (so that the operation
+    around it traces as the kernel itself)."""
+    torch.library.wrap_triton(getattr(scan_kernels(), kernel))[(programs,)](*args, **constants)
+
+
+def rows_block(B: int, blocks: ScanBlocks) -> int:
+    return max(power_of_two_at_least(B), blocks.batch)
+
+
+# The kernels' launches as torch operations, one operation per launch (`torch.library.triton_op`, registered by
+# `register_scan_ops` as torch.ops.dreamer_scan.<name>): a dispatch mode counts each as one, and torch.compile could
+# trace into it. Each returns new tensors; `weights` is a `ScanWeights`, `blocks` a `ScanBlocks`, both as lists.
+
+
+def scan_img_in(
+    stoch: torch.Tensor,
+    first: torch.Tensor,
+    initial_stoch: torch.Tensor,
+    action_in: torch.Tensor,
+    weights: list[torch.Tensor],
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scan_img_in_kernel`: stoch (B, S), first (B, 1) uint8, initial_stoch (1, S), action_in (B, H) -> img_pre
+    (B, H), its per-program statistics (2, B, programs)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    (B, S), H = stoch.shape, w.stoch_weight.shape[0]
+    programs = -(-H // blocks.img)
+    contiguous_only(stoch, initial_stoch)
+    img_pre, stats = stoch.new_empty(B, H), stoch.new_empty(2, B, programs)
+    launch(
+        "scan_img_in_kernel",
+        programs,
+        stoch,
+        first,
+        row_stride(first),
+        initial_stoch,
+        action_in,
+        row_stride(action_in),
+        w.stoch_weight,
+        row_stride(w.stoch_weight),
+        img_pre,
+        stats,
+        B,
+        S,
+        H,
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.img, S),
+        BLOCK_N=blocks.img,
+    )
+    return img_pre, stats
+
+
+def scan_gru_in(
+    img_pre: torch.Tensor,
+    img_stats: torch.Tensor,
+    deter: torch.Tensor,
+    first: torch.Tensor,
+    initial_deter: torch.Tensor,
+    weights: list[torch.Tensor],
+    constants: torch.Tensor,
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scan_gru_in_kernel`: img_pre (B, H) and its statistics, deter (B, D), first (B, 1) uint8, initial_deter
+    (1, D) -> pre (B, 3D), its per-program statistics (2, B, programs)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    (B, H), D = img_pre.shape, deter.shape[1]
+    programs = -(-D // blocks.gru)
+    contiguous_only(deter, initial_deter, w.gru_weight)
+    pre, stats = img_pre.new_empty(B, 3 * D), img_pre.new_empty(2, B, programs)
+    launch(
+        "scan_gru_in_kernel",
+        programs,
+        img_pre,
+        img_stats,
+        w.img_norm_weight,
+        w.img_norm_bias,
+        deter,
+        first,
+        row_stride(first),
+        initial_deter,
+        w.gru_weight,
+        constants,
+        pre,
+        stats,
+        B,
+        H,
+        D,
+        blocks.img,
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.gru, max(H, D)),
+        BLOCK_N=blocks.gru,
+        BLOCK_P=power_of_two_at_least(img_stats.shape[-1]),
+    )
+    return pre, stats
+
+
+def scan_gru_out(
+    pre: torch.Tensor,
+    gru_stats: torch.Tensor,
+    deter: torch.Tensor,
+    first: torch.Tensor,
+    initial_deter: torch.Tensor,
+    embed_in: torch.Tensor,
+    weights: list[torch.Tensor],
+    constants: torch.Tensor,
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`scan_gru_out_kernel`: pre (B, 3D) and its statistics, deter (B, D), first (B, 1) uint8, initial_deter (1, D),
+    embed_in (B, H) -> the new deter (B, D), post_pre (B, H), its per-program statistics (2, B, programs)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    (B, D), H = deter.shape, embed_in.shape[1]
+    programs = -(-H // blocks.post)
+    contiguous_only(deter, initial_deter)
+    new_deter, post_pre, stats = deter.new_empty(B, D), deter.new_empty(B, H), deter.new_empty(2, B, programs)
+    launch(
+        "scan_gru_out_kernel",
+        programs,
+        pre,
+        gru_stats,
+        w.gru_norm_weight,
+        w.gru_norm_bias,
+        deter,
+        first,
+        row_stride(first),
+        initial_deter,
+        embed_in,
+        row_stride(embed_in),
+        w.deter_weight,
+        row_stride(w.deter_weight),
+        constants,
+        new_deter,
+        post_pre,
+        stats,
+        B,
+        D,
+        H,
+        blocks.gru,
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.post, D),
+        BLOCK_N=blocks.post,
+        BLOCK_P=power_of_two_at_least(gru_stats.shape[-1]),
+    )
+    return new_deter, post_pre, stats
+
+
+def scan_posterior(
+    post_pre: torch.Tensor,
+    post_stats: torch.Tensor,
+    noise: torch.Tensor,
+    weights: list[torch.Tensor],
+    constants: torch.Tensor,
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scan_posterior_kernel`: post_pre (B, H) and its statistics, noise (B, S / C, 1) the step's uniforms ->
+    posterior (B, S / C, C), stoch (B, S)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    (B, H), latents = post_pre.shape, noise.shape[1]
+    classes = w.post_out_weight.shape[0] // latents
+    contiguous_only(noise, w.post_out_weight)
+    posterior, stoch = post_pre.new_empty(B, latents, classes), post_pre.new_empty(B, latents * classes)
+    columns = blocks.latents * power_of_two_at_least(classes)
+    launch(
+        "scan_posterior_kernel",
+        -(-latents // blocks.latents),
+        post_pre,
+        post_stats,
+        w.post_norm_weight,
+        w.post_norm_bias,
+        w.post_out_weight,
+        w.post_out_bias,
+        noise,
+        constants,
+        posterior,
+        stoch,
+        B,
+        H,
+        latents,
+        classes,
+        blocks.post,
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), columns, H),
+        BLOCK_L=blocks.latents,
+        BLOCK_C=power_of_two_at_least(classes),
+        BLOCK_P=power_of_two_at_least(post_stats.shape[-1]),
+    )
+    return posterior, stoch
+
+
+def scan_posterior_backward(
+    stoch_carry: torch.Tensor,
+    own_grad: torch.Tensor,
+    carried_factor: torch.Tensor,
+    probs: torch.Tensor,
+    post_silu_grad: torch.Tensor,
+    post_pre: torch.Tensor,
+    post_mean: torch.Tensor,
+    post_rstd: torch.Tensor,
+    weights: list[torch.Tensor],
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`scan_posterior_backward_kernel`: d stoch carried (B, S), own_grad, carried_factor and probs (B, S / C, C),
+    post_silu_grad and post_pre (B, H), post_mean and post_rstd (B, 1) -> d logits (B, S), d post_norm (B, H),
+    per-program sums (2, B, programs)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    B, latents, classes = probs.shape
+    H = post_pre.shape[1]
+    programs = -(-H // blocks.logits)
+    contiguous_only(
+        stoch_carry, own_grad, carried_factor, probs, post_silu_grad, post_pre, post_mean, post_rstd
+    )
+    logits_grad = probs.new_empty(B, latents * classes)
+    post_norm_grad, sums = probs.new_empty(B, H), probs.new_empty(2, B, programs)
+    launch(
+        "scan_posterior_backward_kernel",
+        programs,
+        stoch_carry,
+        own_grad,
+        carried_factor,
+        probs,
+        w.post_out_weight,
+        post_silu_grad,
+        post_pre,
+        post_mean,
+        post_rstd,
+        w.post_norm_weight,
+        logits_grad,
+        post_norm_grad,
+        sums,
+        B,
+        latents,
+        classes,
+        H,
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_L=reduction_block(
+            blocks, rows_block(B, blocks) * power_of_two_at_least(classes), blocks.logits, latents
+        ),
+        BLOCK_C=power_of_two_at_least(classes),
+        BLOCK_N=blocks.logits,
+    )
+    return logits_grad, post_norm_grad, sums
+
+
+def scan_posterior_input_backward(
+    post_norm_grad: torch.Tensor,
+    post_sums: torch.Tensor,
+    post_pre: torch.Tensor,
+    post_mean: torch.Tensor,
+    post_rstd: torch.Tensor,
+    deter_carry: torch.Tensor,
+    gate_grads: torch.Tensor,
+    pre_norm: torch.Tensor,
+    gru_mean: torch.Tensor,
+    gru_rstd: torch.Tensor,
+    weights: list[torch.Tensor],
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`scan_posterior_input_backward_kernel`: d post_norm (B, H) and its sums, post_pre (B, H), post_mean and
+    post_rstd (B, 1), d deter carried (B, D), the GRU's gate_grads (B, 3, D), pre_norm (B, 3D), mean and rstd
+    (B, 1) -> d post_pre (B, H), d deter (B, D), d LayerNorm(pre) (B, 3D), per-program sums (2, B, programs)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    (B, H), D = post_pre.shape, deter_carry.shape[1]
+    programs = -(-D // blocks.deter)
+    contiguous_only(post_pre, post_mean, post_rstd, deter_carry, gate_grads, pre_norm, gru_mean, gru_rstd)
+    post_pre_grad, deter_total = post_pre.new_empty(B, H), post_pre.new_empty(B, D)
+    norm_grad, sums = post_pre.new_empty(B, 3 * D), post_pre.new_empty(2, B, programs)
+    launch(
+        "scan_posterior_input_backward_kernel",
+        programs,
+        post_norm_grad,
+        post_sums,
+        post_pre,
+        post_mean,
+        post_rstd,
+        w.post_norm_weight,
+        w.deter_weight,
+        row_stride(w.deter_weight),
+        deter_carry,
+        gate_grads,
+        pre_norm,
+        gru_mean,
+        gru_rstd,
+        w.gru_norm_weight,
+        post_pre_grad,
+        deter_total,
+        norm_grad,
+        sums,
+        B,
+        H,
+        D,
+        post_sums.shape[-1],
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.deter, H),
+        BLOCK_N=blocks.deter,
+        BLOCK_P=power_of_two_at_least(post_sums.shape[-1]),
+    )
+    return post_pre_grad, deter_total, norm_grad, sums
+
+
+def scan_gru_backward(
+    norm_grad: torch.Tensor,
+    gru_sums: torch.Tensor,
+    pre_norm: torch.Tensor,
+    gru_mean: torch.Tensor,
+    gru_rstd: torch.Tensor,
+    img_silu_grad: torch.Tensor,
+    img_pre: torch.Tensor,
+    img_mean: torch.Tensor,
+    img_rstd: torch.Tensor,
+    state_grad: torch.Tensor,
+    deter_total: torch.Tensor,
+    deter_grad_prev: torch.Tensor,
+    keep: torch.Tensor,
+    weights: list[torch.Tensor],
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`scan_gru_backward_kernel`: d LayerNorm(pre) (B, 3D) and its sums, pre_norm (B, 3D), the GRU's mean and rstd
+    (B, 1), img_silu_grad and img_pre (B, H), img_mean and img_rstd (B, 1), state_grad (B, D), d deter (B, D),
+    deter_grad_prev (B, D), keep (B, 1) -> d pre (B, 3D), d img_norm (B, H), d deter_prev (B, D), d deter carried to
+    step t - 1 (B, D), per-program sums (2, B, programs)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    (B, H), D = img_pre.shape, state_grad.shape[1]
+    programs = -(-(H + D) // blocks.state)
+    contiguous_only(
+        pre_norm, gru_mean, gru_rstd, img_silu_grad, img_pre, img_mean, img_rstd, state_grad, deter_grad_prev
+    )
+    contiguous_only(w.gru_weight)
+    pre_norm_grad, img_norm_grad = pre_norm.new_empty(B, 3 * D), pre_norm.new_empty(B, H)
+    deter_prev_grad, deter_carry = pre_norm.new_empty(B, D), pre_norm.new_empty(B, D)
+    sums = pre_norm.new_empty(2, B, programs)
+    launch(
+        "scan_gru_backward_kernel",
+        programs,
+        norm_grad,
+        gru_sums,
+        pre_norm,
+        gru_mean,
+        gru_rstd,
+        w.gru_norm_weight,
+        w.gru_weight,
+        img_silu_grad,
+        img_pre,
+        img_mean,
+        img_rstd,
+        w.img_norm_weight,
+        state_grad,
+        deter_total,
+        deter_grad_prev,
+        keep,
+        row_stride(keep),
+        pre_norm_grad,
+        img_norm_grad,
+        deter_prev_grad,
+        deter_carry,
+        sums,
+        B,
+        H,
+        D,
+        gru_sums.shape[-1],
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.state, 3 * D),
+        BLOCK_N=blocks.state,
+        BLOCK_P=power_of_two_at_least(gru_sums.shape[-1]),
+    )
+    return pre_norm_grad, img_norm_grad, deter_prev_grad, deter_carry, sums
+
+
+def scan_img_backward(
+    img_norm_grad: torch.Tensor,
+    img_sums: torch.Tensor,
+    img_pre: torch.Tensor,
+    img_mean: torch.Tensor,
+    img_rstd: torch.Tensor,
+    weights: list[torch.Tensor],
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scan_img_backward_kernel`: d img_norm (B, H) and its sums, img_pre (B, H), img_mean and img_rstd (B, 1) ->
+    d img_pre (B, H), d stoch carried to step t - 1 (B, S)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    (B, H), S = img_pre.shape, w.stoch_weight.shape[1]
+    programs = -(-S // blocks.stoch)
+    contiguous_only(img_pre, img_mean, img_rstd)
+    img_pre_grad, stoch_carry = img_pre.new_empty(B, H), img_pre.new_empty(B, S)
+    launch(
+        "scan_img_backward_kernel",
+        programs,
+        img_norm_grad,
+        img_sums,
+        img_pre,
+        img_mean,
+        img_rstd,
+        w.img_norm_weight,
+        w.stoch_weight,
+        row_stride(w.stoch_weight),
+        img_pre_grad,
+        stoch_carry,
+        B,
+        H,
+        S,
+        img_sums.shape[-1],
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.stoch, H),
+        BLOCK_N=blocks.stoch,
+        BLOCK_P=power_of_two_at_least(img_sums.shape[-1]),
+    )
+    return img_pre_grad, stoch_carry
+
+
+SCAN_OPS = (
+    scan_img_in,
+    scan_gru_in,
+    scan_gru_out,
+    scan_posterior,
+    scan_posterior_backward,
+    scan_posterior_input_backward,
+    scan_gru_backward,
+    scan_img_backward,
+)
+_SCAN_OPS_REGISTERED: list[bool] = []
+
+
+def register_scan_ops() -> None:
+    """Each of `SCAN_OPS` as torch.ops.dreamer_scan.<name> (once a process)."""
+    if not _SCAN_OPS_REGISTERED:
+        for op in SCAN_OPS:
+            torch.library.triton_op(f"dreamer_scan::{op.__name__}", op, mutates_args=())
+        _SCAN_OPS_REGISTERED.append(True)
+
+
+class FusedObserve(FastObserve):
+    """--fused-scan: `FastObserve` whose step (`fused_step`) and backward step (`fused_reverse_step`) are the fused
+    scan's kernels, four launches each, for the LayerNorm GRU with categorical latents (`fused_scan_problem` says
+    where it does not apply). The same arguments and results as `RSSM.observe` and the hand-written backward, held to
+    them by `check_fused_scan`. Where autograd must record the step (under autocast, which takes autograd's backward
+    of the loop) the step is `observe_step`."""
+
+    def __init__(self, rssm: RSSM, blocks: ScanBlocks | None = None):
+        super().__init__(rssm, hand_written_backward=True)
+        self.blocks = blocks  # None: `scan_blocks` for the device, at the first step
+        self.constants: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> [eps, 1 - unimix, unimix / C]
+        # what `observe_loop` and `ObserveBackwardThroughTime` call at each step (--compile leaves them: kernels)
+        self.step, self.reverse_step = self.fused_step, self.fused_reverse_step
+        scan_kernels()  # Triton imported, the operations registered
+
+    def launch_settings(
+        self, stoch_weight: torch.Tensor, deter_weight: torch.Tensor
+    ) -> tuple[list, list, torch.Tensor]:
+        """The weights (a `ScanWeights`), the blocks and the constants [eps, 1 - unimix, unimix / C] of the weights'
+        dtype and device, each as the operations take them. The constants are made at the first step, outside any
+        CUDA graph's capture (a copy to the device is not allowed inside one)."""
+        if self.blocks is None:
+            (H, S), device = stoch_weight.shape, stoch_weight.device
+            compiled = device.type == "cuda" and not triton_interprets()
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if compiled else None
+            self.blocks = scan_blocks(H, self.rssm.deter_dim, S, self.rssm.stoch_dim, sms)
+        key = (stoch_weight.dtype, stoch_weight.device)
+        if key not in self.constants:
+            rssm = self.rssm
+            # every LayerNorm's eps is NORM_EPS
+            values = [NORM_EPS, 1 - rssm.unimix, rssm.unimix / rssm.classes]
+            self.constants[key] = torch.tensor(values, dtype=stoch_weight.dtype, device=stoch_weight.device)
+        weights = [stoch_weight, deter_weight, *self.scan_parameters()]
+        return weights, list(dataclasses.astuple(self.blocks)), self.constants[key]
+
+    def fused_step(
+        self,
+        deter,
+        stoch,
+        first,
+        initial_deter,
+        initial_stoch,
+        action_in,
+        embed_in,
+        noise,
+        stoch_weight,
+        deter_weight,
+    ):
+        """`observe_step` (the same arguments and results, see there) in four kernel launches, without a graph."""
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(deter.device.type):
+            return self.observe_step(
+                deter,
+                stoch,
+                first,
+                initial_deter,
+                initial_stoch,
+                action_in,
+                embed_in,
+                noise,
+                stoch_weight,
+                deter_weight,
+            )
+        weights, blocks, constants = self.launch_settings(stoch_weight, deter_weight)
+        scan = torch.ops.dreamer_scan
+        first = first.view(torch.uint8)  # (B, 1) as bytes (a view: no kernel)
+        img_pre, img_stats = scan.scan_img_in(stoch, first, initial_stoch, action_in, weights, blocks)
+        pre, gru_stats = scan.scan_gru_in(
+            img_pre, img_stats, deter, first, initial_deter, weights, constants, blocks
+        )
+        deter, post_pre, post_stats = scan.scan_gru_out(
+            pre, gru_stats, deter, first, initial_deter, embed_in, weights, constants, blocks
+        )
+        posterior, stoch = scan.scan_posterior(post_pre, post_stats, noise, weights, constants, blocks)
+        return deter, stoch, posterior
+
+    def fused_reverse_step(
+        self,
+        rssm,
+        gru_step,
+        deter_weight,
+        stoch_weight,
+        deter_carry,
+        stoch_carry,
+        own_grad,
+        carried_factor,
+        probs,
+        post_silu_grad,
+        post_pre,
+        post_mean,
+        post_rstd,
+        img_silu_grad,
+        img_pre,
+        img_mean,
+        img_rstd,
+        deter_grad_prev,
+        keep,
+        gate_grads,
+        pre_norm,
+        gru_mean,
+        gru_rstd,
+        state_grad,
+    ) -> tuple:
+        """`ObserveBackwardThroughTime.reverse_step` (the same arguments and results, see there; the kernels hold the
+        formula of `gru_step`, `LayerNormGRUBackward.step`) in four kernel launches."""
+        weights, blocks, _ = self.launch_settings(stoch_weight, deter_weight)
+        scan = torch.ops.dreamer_scan
+        logits_grad, post_norm_grad, post_sums = scan.scan_posterior_backward(
+            stoch_carry,
+            own_grad,
+            carried_factor,
+            probs,
+            post_silu_grad,
+            post_pre,
+            post_mean,
+            post_rstd,
+            weights,
+            blocks,
+        )
+        post_pre_grad, deter_total, norm_grad, gru_sums = scan.scan_posterior_input_backward(
+            post_norm_grad,
+            post_sums,
+            post_pre,
+            post_mean,
+            post_rstd,
+            deter_carry,
+            gate_grads,
+            pre_norm,
+            gru_mean,
+            gru_rstd,
+            weights,
+            blocks,
+        )
+        pre_norm_grad, img_norm_grad, deter_prev_grad, deter_carry, img_sums = scan.scan_gru_backward(
+            norm_grad,
+            gru_sums,
+            pre_norm,
+            gru_mean,
+            gru_rstd,
+            img_silu_grad,
+            img_pre,
+            img_mean,
+            img_rstd,
+            state_grad,
+            deter_total,
+            deter_grad_prev,
+            keep,
+            weights,
+            blocks,
+        )
+        img_pre_grad, stoch_carry = scan.scan_img_backward(
+            img_norm_grad, img_sums, img_pre, img_mean, img_rstd, weights, blocks
+        )
+        layer_grads = (
+            logits_grad,
+            post_norm_grad,
+            post_pre_grad,
+            img_norm_grad,
+            img_pre_grad,
+            deter_prev_grad,
+        )
+        return deter_carry, stoch_carry, (*layer_grads, norm_grad, pre_norm_grad)
+
+
+def fused_scan_problem(rssm: RSSM, args: "Args") -> str | None:
+    """Why --fused-scan cannot run this run's observe scan (said in one line: the fast observe runs instead), or
+    None."""
+    if type(rssm.gru) is not LayerNormGRUCell or hand_written_backward_problem(rssm):
+        return f"its kernels compute the LayerNorm GRU, and --model {args.model}'s cell is {type(rssm.gru).__name__}"
+    if rssm.classes == 0:
+        return "its kernels draw categorical latents, and --stochastic-classes 0 makes them Gaussian"
+    if args.observe_backward != "hand-written":
+        return "its backward is the hand-written one, and --observe-backward is autograd"
+    if args.amp != "off":
+        return f"it computes in float32, and --amp {args.amp} autocasts the observe step"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    return None
+
+
+# Where --fused-scan runs: compiled on CUDA. (On the CPU, Triton has only its interpreter, started by
+# TRITON_INTERPRET=1 before Triton is imported: a test's speed, not a run's; tests add "cpu" here.)
+FUSED_SCAN_DEVICES = {"cuda"}
+
+
+def fused_observe(rssm: RSSM, args: "Args") -> FastObserve:
+    """The observe a run with --fused-scan trains with on a device of `FUSED_SCAN_DEVICES` (`speed_up_agent`):
+    `FusedObserve`, or the fast observe with one line saying why not."""
+    problem = fused_scan_problem(rssm, args)
+    if problem is None:
+        return FusedObserve(rssm)
+    print(f"--fused-scan does not apply: {problem}; the fast observe (FastObserve) runs instead")
+    return FastObserve(rssm, hand_written_backward=args.observe_backward == "hand-written")
+
+
+def clear_draws(reference: RSSM, inputs: tuple) -> tuple:
+    """`inputs` (`check_inputs`) with each uniform moved to the middle of the class it draws in `reference.observe`:
+    the same draws, each at least half its class's probability (at least unimix / 2C) from a step of the CDF, where
+    two sums of the same probabilities that round apart could draw different classes."""
+    embed, action, is_first, noise = inputs
+    with torch.no_grad():
+        _, stoch, posterior, _ = reference.observe(*inputs)
+    probs = posterior.exp()  # (B, T, S / C, C)
+    drawn = stoch.unflatten(-1, probs.shape[-2:]).argmax(-1, keepdim=True)  # (B, T, S / C, 1)
+    middle = probs.cumsum(-1).gather(-1, drawn) - probs.gather(-1, drawn) / 2
+    return embed, action, is_first, middle.transpose(0, 1).to(noise.dtype).contiguous()  # (T, B, S / C, 1)
+
+
+def scan_results(observe: FastObserve, inputs: tuple) -> dict[str, torch.Tensor]:
+    """`observe`'s results (`FastObserve.__call__`) and the gradients of `observe_gradients`' loss of them with
+    respect to embed and each parameter of its RSSM, in float64 on the CPU: {"deter", "stoch", "posterior", "prior",
+    "gradient of embed", "gradient of <parameter name>", ...} (zeros where a parameter gets none)."""
+    embed, action, is_first, noise = inputs
+    rssm = observe.rssm
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        weights = [
+            torch.randn(*is_first.shape, n, dtype=torch.float64) for n in (rssm.deter_dim, rssm.stoch_flat)
+        ]
+    weights = [w.to(embed) for w in weights]
+    named = {"embed": embed.detach().requires_grad_(True), **dict(rssm.named_parameters())}
+    results = observe(named["embed"], action, is_first, noise)
+    deter, stoch, posterior, _ = results
+    loss = (deter * weights[0]).sum() + (stoch * weights[1]).sum() + posterior.exp().square().sum()
+    grads = torch.autograd.grad(loss, list(named.values()), allow_unused=True)
+    grads = {
+        f"gradient of {name}": torch.zeros_like(x) if g is None else g
+        for (name, x), g in zip(named.items(), grads)
+    }
+    results = dict(zip(("deter", "stoch", "posterior", "prior"), results))
+    return {name: x.detach().cpu().double() for name, x in (results | grads).items()}
+
+
+def relative_error(ours: torch.Tensor, expected: torch.Tensor) -> float:
+    return (ours - expected).abs().max().item() / max(expected.abs().max().item(), 1e-12)
+
+
+# float32 against float32: the same sums in another order, and a GPU's approximate exp, division and square root
+FUSED_SCAN_FLOAT32_TOLERANCE = 1e-4
+
+
+def check_fused_scan(
+    rssm: RSSM, device, steps: int = 3, tolerance: float = 1e-9, backward_tolerance: float = 1e-8
+) -> None:
+    """The fused scan as the run launches it (its kernels compiled for `device`, or interpreted on the CPU under
+    TRITON_INTERPRET=1), on the run's weights and `check_inputs`' batch of 2 x `steps` (3: a step from the initial
+    state, one from the step before, one from an episode start inside the sequence, the backward across all three);
+    a difference raises FastPathMismatch, naming the kernels and --no-fused-scan. Two comparisons, each catching what
+    the other cannot:
+    - float64 (the same kernels compiled for float64): its results against `RSSM.observe`'s and its gradients against
+      autograd's, also with the GRU saturated (x 8), within 1e-9 and 1e-8 as the other checks, so that a formula
+      changed in the readable code and not in the kernels shows, however small the change;
+    - float32, the run's own precision, against `FastObserve` on the same device with full-float32 products (no
+      TF32), results and gradients within FUSED_SCAN_FLOAT32_TOLERANCE: what the run's kernels compute.
+    Both draw alike: each uniform sits in the middle of the class it draws (`clear_draws`). Milliseconds of GPU time,
+    once Triton has compiled the float64 kernels (seconds, then cached for later runs)."""
+    device = torch.device(device)
+    for scale, weights in ((1.0, "the run's weights"), (8.0, "the run's weights with the GRU's x 8")):
+        reference = float64_copy(rssm, scale)
+        inputs = clear_draws(reference, check_inputs(reference, T=steps))
+        ours = scan_results(
+            FusedObserve(copy.deepcopy(reference).to(device)), tuple(x.to(device) for x in inputs)
+        )
+        with torch.no_grad():
+            expected = dict(zip(("deter", "stoch", "posterior", "prior"), reference.observe(*inputs)))
+        expected |= {
+            name: x
+            for name, x in scan_results(FastObserve(reference, hand_written_backward=False), inputs).items()
+            if "gradient" in name
+        }
+        for name, x in expected.items():
+            error = relative_error(ours[name], x)
+            if not error <= (backward_tolerance if "gradient" in name else tolerance):
+                kernels, launcher, readable = (
+                    (
+                        "scan_posterior_backward_kernel to scan_img_backward_kernel",
+                        "fused_reverse_step",
+                        "autograd",
+                    )
+                    if "gradient" in name
+                    else ("scan_img_in_kernel to scan_posterior_kernel", "fused_step", "RSSM.observe")
+                )
+                raise FastPathMismatch(
+                    f"the fused observe scan (the kernels {kernels}, which FusedObserve.{launcher} launches) gives "
+                    f"another {name} than {readable} on {weights}, in float64 on {device} (relative error "
+                    f"{error:.1e}): carry the change into the kernels, or run with --no-fused-scan."
+                )
+    # float32 on the device: the run's weights, against the fast observe with full-float32 products
+    model = copy.deepcopy(rssm).to(device, torch.float32)
+    inputs = clear_draws(float64_copy(rssm), check_inputs(rssm, T=steps))
+    inputs = tuple(x.to(device, torch.float32) if x.is_floating_point() else x.to(device) for x in inputs)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        ours, expected = scan_results(FusedObserve(model), inputs), scan_results(FastObserve(model), inputs)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    for name, x in expected.items():
+        error = relative_error(ours[name], x)
+        if not error <= FUSED_SCAN_FLOAT32_TOLERANCE:
+            raise FastPathMismatch(
+                f"the fused observe scan (the kernels FusedObserve.fused_step and fused_reverse_step launch) gives "
+                f"another {name} than the fast observe (FastObserve) in float32 on {device} (relative error "
+                f"{error:.1e}, above the {FUSED_SCAN_FLOAT32_TOLERANCE:.0e} that float32 rounding leaves): run with "
+                f"--no-fused-scan."
+            )
+
+
 # --- The fast imagination, compile and CUDA graphs --------------------------------------------------------------------
 
 
@@ -2087,7 +3617,8 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
     def compile_(fn):
         return torch.compile(fn, dynamic=False, fullgraph=True, backend=backend, **options)
 
-    if isinstance(agent.observe, FastObserve):
+    # the fused scan's steps are kernels already: left as they are
+    if isinstance(agent.observe, FastObserve) and not isinstance(agent.observe, FusedObserve):
         agent.observe.step = compile_(agent.observe.observe_step)
         agent.observe.reverse_step = compile_(ObserveBackwardThroughTime.reverse_step)
     if isinstance(agent.imagine, FastImagine):
@@ -2696,8 +4227,9 @@ def check_device_frames(run: "Run") -> None:
 def check_fast_paths(agent: "Agent", args: Args) -> None:
     """Each fast path in use against the Part 1 function it replaces, on the weights the run is using: the fast
     observe against `RSSM.observe` and its hand-written backward against autograd (float64 copies, also with the GRU
-    saturated), the fast imagination against `imagine`, the pixel-shuffle decoder layer against the transposed
-    convolution, and the draw they use (`check_draw`, compiled with --compile). Run at start-up, after --resume on the
+    saturated), with --fused-scan its kernels against both on the device (`check_fused_scan`), the fast imagination
+    against `imagine`, the pixel-shuffle decoder layer against the transposed convolution, and the draw they use
+    (`check_draw`, compiled with --compile). Run at start-up, after --resume on the
     loaded weights, and at each periodic and final checkpoint on the live ones; FastPathMismatch names the path and
     the flag that switches it off. About a second on a CPU for the default model, in float64 whatever the device (the
     compiled draw's first check compiles it: seconds more)."""
@@ -2705,6 +4237,8 @@ def check_fast_paths(agent: "Agent", args: Args) -> None:
         check_observe_forward(agent.world_model.rssm)
         if agent.observe.hand_written_backward:
             check_observe_backward(agent.world_model.rssm)
+    if isinstance(agent.observe, FusedObserve):
+        check_fused_scan(agent.world_model.rssm, agent.device)
     if isinstance(agent.imagine, FastImagine):
         check_fast_imagine(agent)
     decoder_layers = getattr(agent.world_model.decoder, "net", [None])
@@ -2782,6 +4316,8 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
             )
             hand_written = False
         agent.observe = FastObserve(wm.rssm, hand_written_backward=hand_written)
+        if hand_written and args.fused_scan and device.type in FUSED_SCAN_DEVICES:
+            agent.observe = fused_observe(wm.rssm, args)
     if args.fast_imagine:
         agent.imagine = FastImagine()
     if args.fast_decoder and device.type == "cpu" and isinstance(wm.decoder, AtariConvDecoder):
