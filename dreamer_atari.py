@@ -188,10 +188,10 @@ class Args:
     """EMA rate with which the slow critic follows the critic each update"""
     max_nonfinite: int = 10
     """stop (with a checkpoint) when this many updates in a row had a non-finite loss or gradient (each is skipped)"""
+    precision: Literal["float32", "bf16", "fp16"] = "float32"
+    """float32 (DreamerV3's Atari100k); bf16 autocast with the observe scan in float32; fp16 (CUDA, loss scaling)"""
 
     # memory
-    amp: Literal["auto", "off", "fp16", "bf16"] = "off"
-    """mixed precision: off (float32, DreamerV3's), bf16, fp16 (CUDA, with loss scaling), auto (fp16 on CUDA)"""
     preallocate: bool = True
     """create optimizer state at start-up with a worst-case batch (fail fast instead of OOM hours later)"""
     abort_on_leak: bool = False
@@ -215,7 +215,7 @@ class Args:
     """the fast observe's backward: hand-written (47 operations per step instead of 80) or autograd's"""
     fused_scan: bool = True
     """CUDA: each step of the fast observe, and of its hand-written backward, as 4 Triton kernels; the LayerNorm GRU
-    with categorical latents and --amp off, else the fast observe runs (said in one line)"""
+    with categorical latents, else the fast observe runs (said in one line)"""
     fast_imagine: bool = True
     """imagine without a graph, then the actor once with gradients on all states; off: `imagine` as written"""
     fast_decoder: bool = True
@@ -223,7 +223,7 @@ class Args:
     compile: bool = False
     """torch.compile the update's steps, losses, targets and networks (the first updates take longer)"""
     cudagraph: bool = True
-    """CUDA: capture the updates and the policy step in CUDA graphs after 3 eager calls (--amp off or bf16)"""
+    """CUDA: capture the updates and the policy step in CUDA graphs after 3 eager calls (--precision float32, bf16)"""
     tf32: bool = True
     """CUDA: float32 matrix products on TensorFloat-32 tensor cores"""
     channels_last: bool = True
@@ -1028,7 +1028,7 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
     slow_critic = Critic(feat_dim, args.hidden_dim, args.reward_bins).to(device)
     slow_critic.load_state_dict(critic.state_dict())
     slow_critic.requires_grad_(False)
-    amp = mu.amp(args.amp, device)
+    amp = mu.amp("off" if args.precision == "float32" else args.precision, device)  # autocast, loss scaling
     # fused Adam: one kernel per step, and it can skip a step on the device (see `clip_and_step`)
     optimizers = {
         name: torch.optim.Adam(
@@ -1130,7 +1130,9 @@ def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args):
     """Returns (loss, parts: the logged values as named tensors, posterior (deter, stoch) (B, T, ...))."""
     wm, (B, T) = agent.world_model, data["image"].shape[:2]
     embed = wm.encoder(data["image"].flatten(0, 1)).unflatten(0, (B, T))  # (B, T, E)
-    deter, stoch, posterior, prior = agent.observe(embed, data["action"], data["is_first"])
+    # the observe scan in float32 whatever --precision: its steps add up their rounding
+    with torch.autocast(embed.device.type, enabled=False):
+        deter, stoch, posterior, prior = agent.observe(upcast(embed), data["action"], data["is_first"])
     loss, parts = agent.world_model_losses(wm, agent.settings, data, deter, stoch, posterior, prior, args)
     return loss, parts, (deter, stoch)
 
@@ -1757,7 +1759,7 @@ class FastObserve:
 
     def backward_through_time_applies(self, embed: torch.Tensor) -> bool:
         """Whether the call takes `ObserveBackwardThroughTime` (its hand-written backward pass): with gradients,
-        categorical latents and no autocast. Gaussian latents (classes 0) and --amp take autograd's backward of
+        categorical latents and no autocast. Gaussian latents (classes 0) and autocast take autograd's backward of
         `observe_loop` (tests/test_dreamer_fast_path.py checks which runs); without gradients both are the loop."""
         return (
             self.hand_written_backward
@@ -3418,8 +3420,6 @@ def fused_scan_problem(rssm: RSSM, args: "Args") -> str | None:
         return "its kernels draw categorical latents, and --stochastic-classes 0 makes them Gaussian"
     if args.observe_backward != "hand-written":
         return "its backward is the hand-written one, and --observe-backward is autograd"
-    if args.amp != "off":
-        return f"it computes in float32, and --amp {args.amp} autocasts the observe step"
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -4360,7 +4360,7 @@ CHECKPOINT_FORMAT = "dreamer_atari/1"
 
 
 OOM_ADVICE = (
-    "Flags that lower the peak: --amp bf16 (or fp16 on CUDA), a smaller --batch-size or --sequence-length, a "
+    "Flags that lower the peak: --precision bf16, a smaller --batch-size or --sequence-length, a "
     "shorter --imagination-horizon, and PYTORCH_ALLOC_CONF=expandable_segments:True (set by default)."
 )
 
@@ -4388,6 +4388,8 @@ def check_args(args: Args) -> None:
         raise ArgsError(f"--model must be one of {', '.join(MODELS)}, got {args.model!r}.")
     if args.initial_state not in ("learned", "zeros"):
         raise ArgsError(f"--initial-state must be learned or zeros, got {args.initial_state!r}.")
+    if args.precision not in ("float32", "bf16", "fp16"):
+        raise ArgsError(f"--precision must be float32, bf16 or fp16, got {args.precision!r}.")
     if args.observe_backward not in ("hand-written", "autograd"):
         raise ArgsError(
             f"--observe-backward must be hand-written or autograd, got {args.observe_backward!r}."
@@ -4932,7 +4934,7 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> float:
         print(f"preflight: peak {peak_mb:.0f} MiB, free {free / 2**20:.0f} MiB of {total / 2**20:.0f} MiB")
         if peak_mb > 0.9 * free:
             print(
-                "preflight: little headroom left; --amp fp16, a smaller --batch-size or --sequence-length "
+                "preflight: little headroom left; --precision bf16, a smaller --batch-size or --sequence-length "
                 "help"
             )
     else:
@@ -4946,7 +4948,7 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> float:
 # what would fit instead, said after each part that does not fit under the cap
 MODEL_INSTEAD = "a smaller model (--hidden-dim, --deterministic-dim, --encoder-channels) would fit"
 FRAMES_INSTEAD = "--replay-frames host (or a smaller --buffer-capacity) would fit"
-ACTIVATIONS_INSTEAD = "a smaller --batch-size or --sequence-length, or --amp bf16, would fit"
+ACTIVATIONS_INSTEAD = "a smaller --batch-size or --sequence-length, or --precision bf16, would fit"
 REPORT_INSTEAD = "--video-every 0 (no open-loop reports) would fit"
 
 
@@ -5589,13 +5591,13 @@ def check_input(args: Args) -> tuple[torch.device, dict | None]:
         check_args(args)
         device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
         try:
-            amp = mu.amp(args.amp, device)
+            amp = mu.amp("off" if args.precision == "float32" else args.precision, device)
         except ValueError as exc:
-            raise ArgsError(f"--amp {args.amp} is not available here: {exc}.")
+            raise ArgsError(f"--precision {args.precision} is not available here: {exc}.")
         if captures_updates(args, device) and amp.dtype == torch.float16:
             raise ArgsError(
-                f"CUDA-graph capture (on by default on CUDA) takes --amp off or bf16, got --amp {args.amp} "
-                f"(fp16's loss scaling is not captured); add --no-cudagraph to run fp16 eagerly."
+                "CUDA-graph capture (on by default on CUDA) takes --precision float32 or bf16, got --precision fp16 "
+                "(fp16's loss scaling is not captured); add --no-cudagraph to run fp16 eagerly."
             )
         if args.compile and args.memory_probes:
             raise ArgsError(
@@ -5884,7 +5886,8 @@ def log_point(run: Run) -> None:
         checkpoint(run, "non-finite losses")
         exit_with(
             f"stopping: {longest_skipped_run} updates in a row had a non-finite loss or gradient (each step was "
-            f"skipped, so the checkpoint holds the last finite weights); try --amp off or lower learning rates.",
+            f"skipped, so the checkpoint holds the last finite weights); try --precision float32 or lower learning "
+            f"rates.",
             EXIT_NONFINITE,
         )
     if verdict.abort and args.abort_on_leak:

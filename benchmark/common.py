@@ -72,7 +72,7 @@ class Args:
     pong_eval_minutes: float = 1.5
     """time cap of that evaluation; episodes unfinished by then are reported as unfinished"""
     pong_args: str = ""
-    """more dreamer_atari.py flags for the Pong run, as one value: --pong-args="--amp bf16" (kept in the results)"""
+    """more dreamer_atari.py flags for the Pong run, as one value: --pong-args="--precision bf16" (kept in the results)"""
 
 
 def fail(message: str) -> None:

@@ -56,7 +56,6 @@ PROOF_ARGS = dict(
     hidden_dim=64,
     sequence_length=16,
     imagination_horizon=10,
-    amp="off",
     log_interval=500,
     video_every=0,
     leak_warmup_steps=0,
@@ -107,6 +106,8 @@ class Args:
     optimal return"""
     reach_window: int = 50
     """`reached_at`: over this many of the latest training episodes (about 500 env steps on Catch)"""
+    precision: str = "float32"
+    """dreamer_atari.py's --precision: float32 (the script's default) or bf16 (autocast, the observe scan float32)"""
 
 
 def play(train_args: da.Args, episodes: int, seed: int, policy) -> list[float]:
@@ -190,6 +191,7 @@ def prove(args: Args) -> dict:
         image_size=args.image_size,
         learning_starts=args.learning_starts,
         batch_size=args.batch_size,
+        precision=args.precision,
         save_model=True,
         exp_name="learning_proof",
     )

@@ -7,7 +7,7 @@ Each command runs in its own process (run.py starts them) and writes one JSON ob
     python benchmark/ours_dreamer.py trials --out PATH              # defaults without channels_last / inverse-CDF, compile, bf16
     python benchmark/ours_dreamer.py soak --out PATH [--capacity N] [--warmup N] [--turnovers N]  # tiny-model main
     python benchmark/ours_dreamer.py soak --out PATH --no-updates    # the same loop, never training
-    python benchmark/ours_dreamer.py gpu --out PATH [--quick]       # CUDA: updates/s and peak memory per --amp
+    python benchmark/ours_dreamer.py gpu --out PATH [--quick]       # CUDA: updates/s and peak memory per --precision
 
 The seed configuration is `seed_args()`: Pong, the seed's model, 2 envs, capacity 50k steps, batch 16 x 50.
 """
@@ -235,7 +235,7 @@ def cmd_measure(quick: bool) -> dict:
     # the ratio compares sampling and updating at the same batch shape
     out["sample_to_update_ratio"] = update_sample["median_ms"] / updating["median_ms"]
     out.update(agent_params(agent))
-    out["model"] = {k: getattr(args, k) for k in (*da.MODEL_FLAGS, "imagination_horizon", "amp")}
+    out["model"] = {k: getattr(args, k) for k in (*da.MODEL_FLAGS, "imagination_horizon", "precision")}
     out["model"]["amp_resolved"] = agent.amp.mode
     optimizer = agent.world_model_optimizer
     out["model"]["optimizer"] = (
@@ -286,9 +286,9 @@ TRIALS = {
     "baseline": (None, {}),
     "without_channels_last": (None, {"channels_last": False}),
     "without_inverse_cdf_sampling": (_slow_categorical_sample, {}),
-    "bf16_autocast": (None, {"amp": "bf16"}),
+    "bf16_autocast": (None, {"precision": "bf16"}),
     "compile": (_compile, {}),
-    "bf16+compile": (_compile, {"amp": "bf16"}),
+    "bf16+compile": (_compile, {"precision": "bf16"}),
 }
 
 
@@ -496,7 +496,7 @@ def cmd_soak(
 # without the CUDA memory figures, to check it on a machine without a GPU.
 # ---------------------------------------------------------------------------------------------------------
 def cmd_gpu(quick: bool, device_name: str, parts: tuple[str, ...] = ("amp", "loop")) -> dict:
-    """`amp`: one eager update per --amp mode, its time and peak memory; `loop`: the training loop past replay
+    """`amp`: one eager update per --precision (float32 is "off" there), its time and peak memory; `loop`: the training loop past replay
     capacity (captured updates on CUDA), its env steps/s and the slope of GPU-allocated memory once full."""
     device = torch.device(device_name)
     on_cuda = device.type == "cuda"
@@ -513,7 +513,7 @@ def cmd_gpu(quick: bool, device_name: str, parts: tuple[str, ...] = ("amp", "loo
     }
     for mode in ("off", "bf16", "fp16") if "amp" in parts else ():
         amp_args = dataclasses.replace(
-            args, amp=mode, cudagraph=False
+            args, precision={"off": "float32"}.get(mode, mode), cudagraph=False
         )  # the eager update (Adam not capturable)
         try:
             mu.amp(mode, device)
@@ -573,7 +573,7 @@ def cmd_gpu(quick: bool, device_name: str, parts: tuple[str, ...] = ("amp", "loo
     out["loop"] = {
         "capacity_steps": capacity,
         "cudagraph": loop_args.cudagraph,
-        "amp": loop_args.amp,
+        "precision": loop_args.precision,
         "env_steps": loop_args.total_timesteps,
         "batch": f"B{loop_args.batch_size} x T{loop_args.sequence_length}",
         "updates": result["updates"],

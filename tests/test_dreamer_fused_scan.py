@@ -288,7 +288,6 @@ def observe_of(capsys, **overrides) -> tuple[da.FastObserve, str]:
         (dict(model="nature"), "--model nature's cell is GRUCell"),
         (dict(stochastic_classes=0), "--stochastic-classes 0 makes them Gaussian"),
         (dict(observe_backward="autograd"), "--observe-backward is autograd"),
-        (dict(amp="bf16"), "--amp bf16 autocasts the observe step"),
     ],
 )
 def test_where_the_fused_scan_does_not_apply_the_fast_observe_runs_and_one_line_says_why(
