@@ -4462,9 +4462,9 @@ def check_ranges(args: Args) -> None:
     }.items():
         if not value > 0:
             raise ArgsError(f"{flag} must be greater than 0, got {value}.")
-    # any other number, a flag added to Args too: finite and not negative
+    # any other number, a flag added to Args too: finite and not negative (--gpu-memory-gb: its own check, later)
     for field in dataclasses.fields(args):
-        value = getattr(args, field.name)
+        value = None if field.name == "gpu_memory_gb" else getattr(args, field.name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value < math.inf:
             raise ArgsError(f"--{field.name.replace('_', '-')} must be a number of 0 or more, got {value}.")
 
