@@ -309,8 +309,7 @@ def make_vector_env(args: Args, run_name: str, seed: int) -> gym.vector.VectorEn
     mode = args.vector_mode if args.vector_mode != "auto" else ("async" if args.num_envs > 1 else "sync")
     autoreset = gym.vector.AutoresetMode.SAME_STEP
     if mode == "async":
-        # the workers ignore Ctrl-C and SIGTERM: on a signal the run checkpoints, then closes them
-        with mu.workers_ignore_stop_signals():
+        with mu.workers_ignore_stop_signals():  # on a signal the run checkpoints, then closes them
             envs = gym.vector.AsyncVectorEnv(fns, autoreset_mode=autoreset)
     else:
         envs = gym.vector.SyncVectorEnv(fns, autoreset_mode=autoreset)
@@ -364,14 +363,8 @@ class Episode:
         """Drop the oldest chunk of an episode still being written (frames and aux in lockstep)."""
         if self.done or len(self.action.chunks) < 2:
             return 0
-        dropped = self.action.drop_front_chunk()
-        for array in (self.reward, self.is_first, self.is_terminal):
-            array.drop_front_chunk()
-        self.frames.drop_front_chunk()  # frames run k - 1 ahead, so step `start` still has its whole stack
-        return dropped
-
-    def arrays(self) -> dict:
-        return {name: getattr(self, name) for name in self.FIELDS}
+        # frames run k - 1 ahead, so step `start` still has its whole stack
+        return [self.columns[name].drop_front_chunk() for name in self.FIELDS][1]  # the steps dropped
 
     def finish(self) -> None:
         self.done = True
@@ -388,8 +381,7 @@ class EpisodeReplay:
 
     def __init__(self, capacity: int, num_envs: int, seed: int, chunk_size: int | None = None):
         self.capacity, self.num_envs = capacity, num_envs
-        # memory: chunks bound the unused tail of an episode being written to one chunk per env (64 steps of colour
-        # frames: 0.79 MB, under 8 bytes per stored step of a 100k-step replay)
+        # memory: an episode being written wastes at most a chunk (64 colour frames: 0.79 MB, 8 B a step of 100k)
         self.chunk_size = chunk_size or int(np.clip(capacity // 64, 16, 64))
         self.episodes: deque[Episode] = deque()  # oldest first
         self.current: list[Episode | None] = [None] * num_envs
@@ -617,9 +609,7 @@ class AtariConvDecoder(nn.Module):
     """(N, F) latent features -> (N, 4, S, S) image mean; NatureCNN reversed (7 -> 9 -> 20 -> 84 at S = 84).
     `output_padding` restores the rows a strided convolution of the encoder dropped (none at 84; 64 needs one)."""
 
-    def __init__(
-        self, feat_dim: int, out_channels: int, base_channels: int, mid_channels: int, image_size: int
-    ):
+    def __init__(self, feat_dim: int, out_channels: int, base_channels: int, mid_channels: int, image_size):
         super().__init__()
         self.mid_channels = mid_channels
         s1, _, self.side = nature_cnn_sizes(image_size)
@@ -674,12 +664,9 @@ class ConvDecoder(nn.Module):
         self.linear = nn.Linear(feat_dim, self.channels * self.side * self.side)
         widths = channels[::-1]  # (256, 128, 64, 32)
         layers = []
-        for previous, current in itertools.pairwise(widths):
-            layers += [
-                nn.ConvTranspose2d(previous, current, 4, 2, 1, bias=False),
-                ChannelNorm(current),
-                nn.SiLU(),
-            ]
+        for previous, current in itertools.pairwise(widths):  # no bias: the LayerNorm after it has one
+            layers += [nn.ConvTranspose2d(previous, current, 4, 2, 1, bias=False), ChannelNorm(current)]
+            layers.append(nn.SiLU())
         layers.append(nn.ConvTranspose2d(widths[-1], out_channels, 4, 2, 1))
         self.net = nn.Sequential(*layers)
 
@@ -947,9 +934,8 @@ class ReturnNormalizer(nn.Module):
 
 
 class Settings:
-    """The numbers the update reads that may change during a run (`settings["gamma"]`), as 0-d tensors changed in
-    place by `set` (a KL warm-up, a learning-rate decay), which a captured or compiled update reads anew; the learning
-    rates are the optimizers' own. `settings["1 - return_lambda"]` and the like are set in double, as from floats."""
+    """The numbers the update reads (`settings["gamma"]`) that a run may change (`set`: a KL warm-up, a learning-rate
+    decay), as 0-d tensors changed in place, which a captured or compiled update reads anew (`1 - x`: in double)."""
 
     # ALGO LOGIC: a number to schedule is one more name here, read as settings["name"] in the update
     NAMES = ("kl_dyn_scale", "kl_rep_scale", "free_nats", "entropy_coef", "gamma", "return_lambda")
@@ -1346,22 +1332,32 @@ def sample_batch(run) -> dict[str, torch.Tensor]:
     return batch_tensors(run.replay.sample(run.args.batch_size, run.args.sequence_length), run.device)
 
 
-def train(run) -> None:
-    """The updates this env step owes at --train-ratio, one batch at a time: world model, then actor and critic."""
-    args, counters, replay = run.args, run.counters, run.replay
-    step = counters["global_step"] + args.num_envs  # the env step they go with (it runs while they do)
-    if step < args.learning_starts:
-        return
-    if not replay.can_sample(args.sequence_length):
-        return  # the run says so once
+def owed_updates(run) -> int:
+    """The updates this env step owes at --train-ratio (none before learning starts, nor while the replay holds less
+    than a sequence: the run says so), each later on a batch of its own, never sampled all at once to catch up."""
+    args, counters = run.args, run.counters
+    if run.step + args.num_envs < args.learning_starts or not run.replay.can_sample(args.sequence_length):
+        return 0
     counters["updates_owed"] += args.num_envs * args.train_ratio / (args.batch_size * args.sequence_length)
+    owed = 0
     while counters["updates_owed"] >= 1.0:
         counters["updates_owed"] -= 1.0
-        raw = run.sample_batch(run)
+        owed += 1
+    return owed
+
+
+def train(run, owed: int, batch) -> None:
+    """`owed` updates, the first on `batch`, later ones on batches sampled then: world model, then actor and critic."""
+    args, counters = run.args, run.counters
+    behavior = (
+        run.step + args.num_envs >= args.learning_starts + args.warmup_steps
+    )  # the env step they go with
+    for update in range(owed):
+        raw = batch if update == 0 else run.sample_batch(run)
         run.probes("after_sample")
         metrics, healthy, start = run.world_model_step(raw)
         run.update_log.add(metrics, healthy)
-        if step >= args.learning_starts + args.warmup_steps:
+        if behavior:
             behavior_metrics, behavior_healthy = run.behavior_step(start)
             run.update_log.add(behavior_metrics, behavior_healthy)
             healthy = healthy & behavior_healthy
@@ -1380,14 +1376,16 @@ def learn(run, envs) -> None:
     while run.step < args.total_timesteps:
         run.probes("loop_start")  # TRY NOT TO MODIFY: memory probes, and a signal's checkpoint and exit
         run.stop_if_signalled()
+        # ALGO LOGIC: the updates owed, and the first one's batch, sampled before acting (on a GPU while updates run)
+        owed = owed_updates(run)
+        batch = run.sample_batch(run) if owed else None
         # ALGO LOGIC: act: random until learning starts, then the policy (the loop's one sync with a GPU)
         if run.step < args.learning_starts:
             actions = run.rng.integers(run.agent.num_actions, size=args.num_envs)
         else:
             actions = run.player.act(obs, is_first)
-        # ALGO LOGIC: the updates owed, queued before the env step (on a GPU they overlap it). A schedule goes here:
-        # `run.agent.settings.set(name, value)`
-        train(run)
+        # ALGO LOGIC: the updates, before the env step (on a GPU they overlap it); a schedule goes here (settings.set)
+        train(run, owed, batch)
         obs, is_first = step_envs(run, envs, actions)
         run.probes("after_collect")
         run.watch()  # TRY NOT TO MODIFY: videos, log points, checkpoints
