@@ -1975,3 +1975,12 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     return (
         f"note: {path} has no {CHECKSUM_SUFFIX} beside it, so it could not be verified; loading it as it is"
     )
+
+
+if __name__ == "__main__":
+    print(
+        "memory_utils.py is the library a run imports and has no command line: the command line (report, allocator, "
+        "wait, analyze) is memory_analysis.py (python memory_analysis.py --help).",
+        file=sys.stderr,
+    )
+    raise SystemExit(2)
