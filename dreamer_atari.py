@@ -4030,6 +4030,7 @@ class UpdateLog:
         self.streak = torch.zeros((), device=self.device)  # non-finite updates in a row, now
         self.longest = torch.zeros((), device=self.device)  # the longest such run since the last `pop`
         self.skipped = torch.zeros((), device=self.device)  # non-finite updates since the last `pop`
+        self.seen: dict[str, torch.Tensor] = {}  # key -> (2,): its sum and count at the last `recent`
 
     def add(self, metrics: dict[str, torch.Tensor], healthy: torch.Tensor) -> None:
         """The named 0-d values of one part of an update, and whether that part was healthy (0-d bool)."""
@@ -4062,10 +4063,23 @@ class UpdateLog:
             if count > 0:
                 means.update({key: flat[offset + i] / count for i, key in enumerate(keys)})
             offset += len(keys) + 1
-        self.sums = {}
+        self.sums, self.seen = {}, {}
         self.skipped.zero_()
         self.longest.copy_(self.streak)
         return means, int(flat[-2]), int(flat[-1])
+
+    def recent(self, key: str) -> float | None:
+        """The mean of `key` over the healthy updates since the last call (or the last `pop`), for the status line:
+        one host transfer, every 30 s, never per update. The sums go on to `pop` as they are. None when no healthy
+        update logged it since."""
+        for keys, row in self.sums.items():
+            if key in keys:
+                now = row[[keys.index(key), -1]]  # (2,): the sum and the count (a copy)
+                since = now - self.seen[key] if key in self.seen else now
+                self.seen[key] = now
+                total, count = since.tolist()
+                return total / count if count > 0 else None
+        return None
 
     def state(self) -> dict:
         """The sums since the last log point as plain numbers, for a checkpoint: a run resumed from it logs the
@@ -4076,6 +4090,7 @@ class UpdateLog:
         }
 
     def restore(self, state: dict) -> None:
+        self.seen = {}
         self.sums = {
             tuple(keys.split("|")): torch.tensor(row, device=self.device)
             for keys, row in state["sums"].items()
@@ -4196,6 +4211,7 @@ class Run:
     snapshots: "mu.MemorySnapshots | None" = None
     leak_detector: "mu.LeakDetector | None" = None
     progress: ProgressLine | None = None
+    status: "mu.StatusLine | None" = None
     next_log: int = 0
     next_checkpoint: int | None = None
     next_video: int | None = None
@@ -4432,6 +4448,12 @@ def instrument(run: Run, probes: "mu.StageProbes") -> None:
     run.progress = ProgressLine(
         args.total_timesteps, run.device, phase_starts=(args.learning_starts, behavior_starts)
     )
+    run.status = mu.StatusLine(
+        run.writer,
+        "world_model_loss",
+        phase_starts=(args.learning_starts, behavior_starts),
+        say=run.progress.say,
+    )
     run.next_log = (step // args.log_interval + 1) * args.log_interval
     if args.checkpoint_every:
         run.next_checkpoint = (step // args.checkpoint_every + 1) * args.checkpoint_every
@@ -4564,11 +4586,28 @@ def stop_if_signalled(run: Run) -> None:
         raise SystemExit(run.stop.exit_code)
 
 
+def say_status(run: Run) -> None:
+    """Every 30 s of wall time (`mu.StatusLine`), however slow an update is: the step, env steps/s, updates/s, the
+    ETA to --total-timesteps, the last episode's return and the world model's mean loss since the last status line
+    (read from the device sums then: the line's one host transfer), printed and under `status/*` in TensorBoard."""
+    args, step, updates = run.args, run.step, run.counters["updates"]
+    if run.status.tick(step, updates):
+        run.status.emit(
+            step,
+            updates,
+            remaining_steps=args.total_timesteps - step,
+            last_return=run.last_return,
+            loss=run.update_log.recent("losses/world_model"),
+            progress=f"step {step:,}/{args.total_timesteps:,}",
+        )
+
+
 def watch(run: Run) -> None:
-    """After each env step: the open-loop videos, probes, snapshots and progress line (`diagnose`), a log point every
-    --log-interval env steps, a checkpoint every --checkpoint-every."""
+    """After each env step: the open-loop videos, probes, snapshots and progress line (`diagnose`), the status line
+    every 30 s, a log point every --log-interval env steps, a checkpoint every --checkpoint-every."""
     args = run.args
     diagnose(run)
+    say_status(run)
     if run.step >= run.next_log:
         log_point(run)
     if run.next_checkpoint is not None and run.step >= run.next_checkpoint:

@@ -1,0 +1,193 @@
+"""What a run says of its progress: both scripts' status line every 30 s of wall time (a fake clock here), with where
+the run is, how fast it goes, when it ends, the last return and the loss, on the terminal and under `status/*` in
+TensorBoard."""
+
+import re
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
+
+import dqn_starcraft_split as dqn
+import dreamer_atari as da
+import dreamer_tiny
+import memory_utils as mu
+from dqn_tiny import TINY_FLAGS
+
+UPDATE, SAY = dqn.update, dqn.say_status
+
+
+class FakeClock:
+    """`seconds_per_read` seconds pass each time the status line reads the clock (once per loop iteration)."""
+
+    def __init__(self, seconds_per_read: float):
+        self.now, self.step = 1000.0, seconds_per_read
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.set_num_threads(1)
+    return tmp_path
+
+
+def read_scalars(run_dir) -> dict[str, dict[int, float]]:
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def status_lines(text: str) -> list[str]:
+    """The status lines of stdout or train.log (whose lines begin with their time)."""
+    lines = (re.sub(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", "", line) for line in text.splitlines())
+    return [line for line in lines if line.startswith("status: ")]
+
+
+def test_the_status_line_takes_its_rates_over_recent_lines_within_a_phase(tmp_path):
+    """The rates and the ETA from a fake clock: the prefill's fast steps are not the training rate, and a time limit
+    caps the ETA. Scalars that are not known are not written."""
+    said = []
+    writer = SummaryWriter(str(tmp_path))
+    status = mu.StatusLine(writer, "td_loss", every_s=10, phase_starts=(100,), window=2, say=said.append)
+    status.clock = FakeClock(1.0)  # one tick a second
+    lines, step = {}, 0
+    while step < 300:
+        step += (
+            5 if step < 100 else 1
+        )  # 5 steps a second in the prefill, then 1 a second with one update each
+        updates = max(0, step - 100)
+        if status.tick(step, updates):
+            lines[step] = status.emit(step, updates, remaining_steps=1000 - step, last_return=-1.5, loss=0.25)
+    writer.close()
+    assert said == list(lines.values())
+    assert (
+        lines[55]
+        == "status: step 55  5 env steps/s  0 updates/s  ETA -- (prefill)  return -1.5  td_loss 0.25"
+    )
+    training = [step for step in lines if step > 100]
+    assert training == list(range(101, 300, 10))  # every 10 s, the first 1 s after the phase began
+    assert all("  1 env steps/s  1 updates/s  " in lines[step] for step in training)
+    assert all(f"ETA {mu.duration_text(1000 - step)}" in lines[step] for step in training)
+    scalars = read_scalars(tmp_path)
+    assert set(scalars[mu.KEY_STATUS_SPS]) == set(lines) == {55, *training}
+    assert set(scalars[mu.KEY_STATUS_ETA_S]) == set(training)  # none in the prefill
+    assert all(scalars[mu.KEY_STATUS_ETA_S][step] == pytest.approx(1000 - step) for step in training)
+    assert all(value == 0.25 for value in scalars["status/td_loss"].values())
+    assert "ETA 60 s  return --  td_loss --" in status.emit(step, 200, remaining_steps=700, time_left_s=60)
+    assert "ETA --  " in status.emit(step, 200, remaining_steps=None)
+    # a line due just as training begins: the rates since the last line, and no training rate for an ETA yet
+    status = mu.StatusLine(None, "loss", every_s=10, phase_starts=(100,), say=said.append)
+    status.clock = FakeClock(14.0)
+    assert not status.tick(1, 0) and status.tick(100, 1)
+    assert status.emit(100, 1, remaining_steps=900).startswith(
+        "status: step 100  7.07 env steps/s  0.0714 updates/s  ETA --  "
+    )
+
+
+def test_update_log_reads_the_loss_since_the_last_status_line_and_leaves_the_log_interval_whole():
+    log = da.UpdateLog("cpu")
+    healthy, faulty = torch.tensor(True), torch.tensor(False)
+    assert log.recent("losses/world_model") is None
+    for value, ok in ((1.0, healthy), (3.0, healthy), (100.0, faulty)):
+        log.add({"losses/world_model": torch.tensor(value), "losses/kl": torch.tensor(0.5)}, ok)
+    assert log.recent("losses/world_model") == 2.0  # the faulty update is left out, as in the log's means
+    assert log.recent("losses/world_model") is None  # nothing since
+    log.add({"losses/world_model": torch.tensor(6.0), "losses/kl": torch.tensor(0.5)}, healthy)
+    assert log.recent("losses/world_model") == 6.0
+    means, skipped, _ = log.pop()
+    assert means == {"losses/world_model": 10.0 / 3, "losses/kl": 0.5} and skipped == 0
+    log.add({"losses/world_model": torch.tensor(4.0), "losses/kl": torch.tensor(0.5)}, healthy)
+    assert log.recent("losses/world_model") == 4.0  # a new interval starts from its own sums
+
+
+def test_a_dreamer_run_says_its_status_every_30_seconds_and_logs_it(in_tmp, monkeypatch, capsys):
+    """10 s of fake time per env step: a line every 3 env steps from the first on, with the figures the clock and the
+    run's counters give, and the same figures under status/* in TensorBoard."""
+    monkeypatch.setattr(mu.StatusLine, "clock", staticmethod(FakeClock(10.0)))
+    args = dreamer_tiny.tiny_args(
+        env_id=da.CATCH_ID,
+        num_envs=1,
+        total_timesteps=150,
+        learning_starts=60,
+        train_ratio=8.0,  # at 2 x 12: an update every 3 env steps
+        sequence_length=12,
+        log_interval=1000,
+    )
+    result = da.main(args)
+    lines = status_lines(capsys.readouterr().out)
+    scalars = read_scalars(in_tmp / result["run_dir"])
+    steps = sorted(scalars[mu.KEY_STATUS_SPS])
+    assert steps == list(range(4, 150, 3)) and len(lines) == len(steps)  # the clock starts at step 1
+    for line, step in zip(lines, steps):
+        assert re.match(rf"status: step {step}/150  0.1 env steps/s  \S+ updates/s  ETA ", line), line
+        assert scalars[mu.KEY_STATUS_SPS][step] == pytest.approx(0.1)
+    prefill = [step for step in steps if step < 60]
+    training = [step for step in steps if step >= 60]
+    assert all("ETA -- (prefill)" in lines[steps.index(step)] for step in prefill)
+    assert set(scalars[mu.KEY_STATUS_ETA_S]) == set(training)
+    for step in training:
+        assert scalars[mu.KEY_STATUS_ETA_S][step] == pytest.approx((150 - step) * 10.0)
+        if step >= 60 + 13:  # a window of 4 lines (12 env steps, 4 updates) inside training
+            assert scalars[mu.KEY_STATUS_UPDATES_PER_S][step] == pytest.approx(1 / 30)
+    assert all(scalars[mu.KEY_STATUS_UPDATES_PER_S][step] == 0 for step in prefill)
+    returns = scalars["charts/episodic_return"]
+    assert scalars[mu.KEY_STATUS_RETURN]
+    for step, value in scalars[mu.KEY_STATUS_RETURN].items():
+        assert value == returns[max(s for s in returns if s <= step)]  # the last episode's
+    losses = scalars["status/world_model_loss"]
+    assert {step for step in training if step >= 64} <= set(losses) <= set(training)  # once updates have run
+    assert all(value > 0 for value in losses.values())
+    assert all("world_model_loss --" in lines[steps.index(step)] for step in prefill)
+
+
+def test_a_dqn_run_says_its_status_every_30_seconds_and_logs_it(tmp_path, monkeypatch):
+    """1 s of fake time per agent step: a line every 30 steps in train.log, with the ETA from the episodes left at
+    the episode's length, and the same figures under status/* in TensorBoard."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(mu.StatusLine, "clock", staticmethod(FakeClock(1.0)))
+    made, made_by = [], {}  # the updates; how many by each agent step
+    monkeypatch.setattr(dqn, "update", lambda *a, **k: made.append(1) or UPDATE(*a, **k))
+    monkeypatch.setattr(
+        dqn, "say_status", lambda run, step: made_by.update({step: len(made)}) or SAY(run, step)
+    )
+    argv = [*TINY_FLAGS, "--num-episodes", "8", "--run-id", "status", "--eval-every-episodes", "0"]
+    args, sources = dqn.parse_args(argv, {})
+    assert dqn.main(args, sources) == 0
+    lines = status_lines((tmp_path / "results" / "status" / "train.log").read_text())
+    scalars = read_scalars(tmp_path / "runs" / "status")
+    steps = sorted(scalars[mu.KEY_STATUS_SPS])
+    episode_steps = dqn.episode_steps(128)  # 15 agent steps at --step-mul 128: 8 episodes are 120 steps
+    assert len(lines) == len(steps) and steps == [31, 61, 91]  # the clock starts at step 1
+    for line, step in zip(lines, steps):
+        episode = step // episode_steps + 1
+        assert line.startswith(f"status: episode {episode}/8 step {step}  1 env steps/s  "), line
+        assert scalars[mu.KEY_STATUS_ETA_S][step] == pytest.approx(120 - step)
+        assert f"ETA {mu.duration_text(120 - step)}" in line
+    # the count the rates are taken from is the loop's, at every step
+    assert len(made_by) == 120 and all(dqn.updates_made(args, step) == n for step, n in made_by.items())
+    rates = scalars[mu.KEY_STATUS_UPDATES_PER_S]
+    assert rates[61] == pytest.approx((dqn.updates_made(args, 61) - dqn.updates_made(args, 10)) / 51)
+    assert rates[91] == pytest.approx((dqn.updates_made(args, 91) - dqn.updates_made(args, 10)) / 81)
+    returns = scalars["charts/episodic_return"]
+    for step, value in scalars[mu.KEY_STATUS_RETURN].items():
+        assert value == returns[max(s for s in returns if s <= step)]
+    td = scalars["losses/td_loss"]
+    assert set(scalars["status/td_loss"]) == set(steps)
+    for step, value in scalars["status/td_loss"].items():
+        assert value == pytest.approx(td[max(s for s in td if s <= step)])  # the last logged TD loss
+
+
+def test_the_dqn_eta_stops_at_the_time_limit(tmp_path, monkeypatch):
+    """--time-limit-min 1 caps the ETA at the minute's rest (60 s of fake time), before the episodes would end."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(mu.StatusLine, "clock", staticmethod(FakeClock(1.0)))
+    argv = [*TINY_FLAGS, "--num-episodes", "8", "--run-id", "limit", "--time-limit-min", "1"]
+    argv += ["--eval-every-episodes", "0"]
+    assert dqn.main(*dqn.parse_args(argv, {})) == 0
+    eta = read_scalars(tmp_path / "runs" / "limit")[mu.KEY_STATUS_ETA_S]
+    assert eta == {31: pytest.approx(30.0), 61: 0.0, 91: 0.0}  # episodes alone: 89, 59, 29
