@@ -3552,24 +3552,44 @@ def synthetic_batch(args: Args, obs_shape: tuple) -> dict[str, np.ndarray]:
     }
 
 
+def seconds_since(start: float, device: torch.device) -> float:
+    """Wall time since `start` (time.perf_counter) of the work queued on `device` since then."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def preflight(agent: Agent, args: Args, obs_shape: tuple) -> None:
-    """Create all optimizer state now with a worst-case batch; weights and moments are left untouched."""
+    """Create all optimizer state now with a worst-case batch; weights and moments are left untouched. Then say what
+    the whole run takes at the rate of that update (`say_run_time`)."""
+    seconds = {}  # the worst-case update's parts, timed
 
     def step_fn():
+        start = time.perf_counter()
         batch = synthetic_batch(args, obs_shape)
         data = batch_to_device(batch, agent.num_actions, agent.device, args.channels_last)
         with agent.amp.autocast():
             loss, _, (deter, stoch) = world_model_loss(agent, data, args)
         loss.backward()
+        seconds["world_model"] = seconds_since(start, agent.device)
+        start = time.perf_counter()
         deter, stoch = deter.detach().flatten(0, 1), stoch.detach().flatten(0, 1)  # (B*T, D), (B*T, S)
         states = (deter, stoch, torch.ones(deter.shape[0], device=agent.device))
         with agent.amp.autocast():
             actor_loss, critic_loss, _ = behavior_losses(agent, states, args, update_norm=False)
         (actor_loss + critic_loss).backward()
+        seconds["behavior"] = seconds_since(start, agent.device)
 
     # memory: Adam's moments exist before the first real update (fail now, not hours later); no weight moves.
     # An OOM here goes to main's start-up handler: a report, no checkpoint (nothing is trained yet), exit 3.
     peak_mb = mu.preallocate_optimizer_state(step_fn, agent.optimizers, modules=agent.modules().values())
+    if agent.device.type == "cuda":
+        # the first pass paid CUDA's one-time costs (kernels loaded, handles made): time a second one, which
+        # draws its own random numbers and leaves no gradient behind
+        with torch.random.fork_rng(devices=[agent.device]):
+            step_fn()
+        for optimizer in agent.optimizers:
+            optimizer.zero_grad(set_to_none=True)
     if agent.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(agent.device)
         print(f"preflight: peak {peak_mb:.0f} MiB, free {free / 2**20:.0f} MiB of {total / 2**20:.0f} MiB")
@@ -3580,6 +3600,64 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> None:
             )
     else:
         print(f"preflight: peak {peak_mb:.0f} MiB of host memory for one worst-case update")
+    say_run_time(agent, args, obs_shape, seconds)
+
+
+# a run on a CPU longer than this is told how to see learning on this machine in minutes (Catch)
+LONG_CPU_RUN_S = 3600.0
+
+
+def run_seconds(args: Args, world_model_s: float, behavior_s: float, act_s: float) -> float:
+    """The wall time of a whole run at these costs: a world-model update and a behaviour update, each --train-ratio
+    owes, and acting (the policy's step, once per vector step after --learning-starts). The emulator's own time and
+    sampling batches are left out (about 1 ms a Pong step on a CPU core)."""
+    per_step = args.train_ratio / (args.batch_size * args.sequence_length)  # updates per env step
+    trained = max(0, args.total_timesteps - args.learning_starts)  # env steps with the policy and updates
+    behaving = max(0, trained - args.warmup_steps)
+    return trained / args.num_envs * act_s + per_step * (trained * world_model_s + behaving * behavior_s)
+
+
+def time_acting(agent: Agent, args: Args, obs_shape: tuple, repeats: int = 3) -> float:
+    """Seconds of one policy step for --num-envs observations (the fastest of `repeats` after one to warm up), with
+    its own random numbers and a state of its own."""
+    player = Player(agent, args.num_envs)
+    obs = np.zeros((args.num_envs, *obs_shape), np.uint8)
+    is_first = np.ones(args.num_envs, np.bool_)
+    devices = [agent.device] if agent.device.type == "cuda" else []
+    times = []
+    with torch.random.fork_rng(devices=devices):
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            player.act(obs, is_first)  # reads the actions back: synchronised
+            times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def seconds_text(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def say_run_time(agent: Agent, args: Args, obs_shape: tuple, seconds: dict[str, float]) -> None:
+    """One line: the preflight's update and the policy's step as timed here, and the whole run's wall time at that
+    rate; on a CPU, when that is more than LONG_CPU_RUN_S, the same line names the Catch-v0 run that learns here in
+    minutes (timed here too, `catch_seconds`), and the next line gives its command."""
+    act_s = time_acting(agent, args, obs_shape)
+    total_s = run_seconds(args, seconds["world_model"], seconds["behavior"], act_s)
+    per_step = args.train_ratio / (args.batch_size * args.sequence_length)
+    updates = per_step * max(0, args.total_timesteps - args.learning_starts)
+    eager = " (eager; a captured one is faster)" if captures_updates(args, agent.device) else ""
+    line = (
+        f"preflight: an update of {args.batch_size} x {args.sequence_length} takes "
+        f"{seconds_text(seconds['world_model'] + seconds['behavior'])} here{eager} and acting "
+        f"{seconds_text(act_s)} an env step: this run, {args.total_timesteps:,} env steps with {updates:,.0f} "
+        f"updates, takes about {mu.duration_text(total_s)} at that rate"
+    )
+    if agent.device.type == "cpu" and args.env_id != CATCH_ID and total_s > LONG_CPU_RUN_S:
+        line += (
+            f". To see learning on this machine, --env-id Catch-v0 at a small size learns in about "
+            f"{mu.duration_text(catch_seconds())} here:\n  {catch_command()}"
+        )
+    print(line)
 
 
 def attach_memory_probes(agent: Agent, probes: "mu.StageProbes") -> None:
@@ -3661,6 +3739,71 @@ def register_catch() -> None:
 
 
 register_catch()
+
+
+# The run that learns Catch-v0 on a CPU in minutes: benchmark/learning_proof.py's configuration, with which seeds 1-10
+# all reached 0.8 of the optimal return (tests/test_learning_proof.py holds the two equal)
+CATCH_ON_CPU = dict(
+    env_id=CATCH_ID,
+    model="nature",
+    continue_mode=False,
+    encoder_channels=(8, 16, 16),
+    embed_dim=64,
+    decoder_base_channels=8,
+    decoder_mid_channels=8,
+    deterministic_dim=64,
+    stochastic_dim=8,
+    stochastic_classes=8,
+    hidden_dim=64,
+    frame_stack=1,
+    image_size=84,
+    batch_size=8,
+    sequence_length=16,
+    imagination_horizon=10,
+    total_timesteps=2_400,
+    learning_starts=300,
+    train_ratio=144.0,
+    world_model_lr=2e-3,
+    actor_lr=3e-4,
+    critic_lr=1e-3,
+    entropy_coef=1e-2,
+)
+
+
+def catch_command() -> str:
+    """The command line of CATCH_ON_CPU: its flags that differ from the defaults of --model nature."""
+    defaults = Args(env_id=CATCH_ID, model=CATCH_ON_CPU["model"])
+    flags = []
+    for name, value in CATCH_ON_CPU.items():
+        if name not in ("env_id", "model") and value == getattr(defaults, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            flags += [flag, *(str(v) for v in (value if isinstance(value, tuple) else (value,)))]
+    return " ".join(["python", os.path.basename(__file__), *flags])
+
+
+def catch_seconds(repeats: int = 2) -> float:
+    """The wall time of CATCH_ON_CPU's run on this machine's CPU (`run_seconds`), from its update and its policy
+    step timed here on a model of its own (about half a second), with random numbers of their own."""
+    args = Args(**CATCH_ON_CPU)
+    obs_shape = (args.frame_stack, args.image_size, args.image_size)  # (1, 84, 84)
+    with torch.random.fork_rng(devices=[]):
+        agent = build_agent(args, obs_shape, int(CatchEnv().action_space.n), torch.device("cpu"))
+        speed_up_agent(agent, args)
+        raw = batch_tensors(synthetic_batch(args, obs_shape), agent.device)
+        world_model_s, behavior_s = [], []
+        for _ in range(repeats + 1):  # the first warms up
+            start = time.perf_counter()
+            _, _, states = train_world_model(agent, raw, args)
+            world_model_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            train_behavior(agent, states, args)
+            behavior_s.append(time.perf_counter() - start)
+        act_s = time_acting(agent, args, obs_shape)
+    return run_seconds(args, min(world_model_s[1:]), min(behavior_s[1:]), act_s)
 
 
 # --- Memory: the replay's storage -------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """What a run says of its progress: both scripts' status line every 30 s of wall time (a fake clock here), with where
 the run is, how fast it goes, when it ends, the last return and the loss, on the terminal and under `status/*` in
-TensorBoard."""
+TensorBoard; and dreamer_atari.py's preflight, which says what the whole run takes at the rate it timed."""
 
+import dataclasses
 import re
 
 import pytest
@@ -191,3 +192,57 @@ def test_the_dqn_eta_stops_at_the_time_limit(tmp_path, monkeypatch):
     assert dqn.main(*dqn.parse_args(argv, {})) == 0
     eta = read_scalars(tmp_path / "runs" / "limit")[mu.KEY_STATUS_ETA_S]
     assert eta == {31: pytest.approx(30.0), 61: 0.0, 91: 0.0}  # episodes alone: 89, 59, 29
+
+
+def test_the_whole_run_is_its_updates_and_its_acting():
+    """`run_seconds`: the updates --train-ratio owes after --learning-starts (behaviour ones after --warmup-steps too)
+    and one policy step per vector step."""
+    args = dreamer_tiny.tiny_args(
+        total_timesteps=1_000, learning_starts=100, warmup_steps=300, train_ratio=32.0
+    )
+    # 2 x 8 per batch: 2 updates per env step; 900 env steps trained, 600 of them with behaviour; 2 envs
+    assert da.run_seconds(args, 3.0, 5.0, 7.0) == pytest.approx(1_800 * 3.0 + 1_200 * 5.0 + 450 * 7.0)
+
+
+def test_the_preflight_says_the_whole_run_and_on_a_long_cpu_run_how_to_see_learning(monkeypatch, capsys):
+    monkeypatch.setattr(da, "time_acting", lambda *a: 0.004)
+    monkeypatch.setattr(da, "catch_seconds", lambda: 185.0)
+    agent = da.build_agent(dreamer_tiny.tiny_args(), (1, 64, 64), 6, "cpu")
+    args = da.Args(total_timesteps=100_000)  # the default run: 99,000 updates
+    da.say_run_time(agent, args, (1, 64, 64), {"world_model": 4.0, "behavior": 3.0})
+    first, second = capsys.readouterr().out.splitlines()
+    days = mu.duration_text(99_000 * (7.0 + 0.004))
+    assert first == (
+        "preflight: an update of 16 x 64 takes 7.0 s here and acting 4 ms an env step: this run, 100,000 env "
+        f"steps with 99,000 updates, takes about {days} at that rate. To see learning on this machine, --env-id "
+        "Catch-v0 at a small size learns in about 3 min here:"
+    )
+    assert second == "  " + da.catch_command()
+    short = dataclasses.replace(args, total_timesteps=1_400)  # 400 updates: 47 min
+    da.say_run_time(agent, short, (1, 64, 64), {"world_model": 4.0, "behavior": 3.0})
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.endswith("this run, 1,400 env steps with 400 updates, takes about 47 min at that rate")
+
+
+def test_the_catch_minutes_are_timed_here(monkeypatch):
+    """`catch_seconds` is the Catch run at the rate of its own update and policy step, timed on this machine: with a
+    clock that moves 0.25 s per reading, every timed part takes 0.25 s."""
+    readings = iter(range(10_000))
+    monkeypatch.setattr(da.time, "perf_counter", lambda: 0.25 * next(readings))
+    catch = da.Args(**da.CATCH_ON_CPU)
+    assert da.catch_seconds() == pytest.approx(da.run_seconds(catch, 0.25, 0.25, 0.25))
+
+
+def test_a_tiny_run_says_what_it_takes_before_it_trains(in_tmp, capsys):
+    da.main(
+        dreamer_tiny.tiny_args(total_timesteps=60, learning_starts=20, train_ratio=8.0, vector_mode="sync")
+    )
+    out = capsys.readouterr().out
+    (line,) = [line for line in out.splitlines() if line.startswith("preflight: an update")]
+    # 40 env steps trained at 8 / (2 x 8) = 0.5 updates each
+    assert re.fullmatch(
+        r"preflight: an update of 2 x 8 takes \d+ ms here and acting \d+ ms an env step: this run, 60 env steps "
+        r"with 20 updates, takes about \d+ s at that rate",
+        line,
+    ), line
+    assert out.index(line) < out.index("replay: up to")  # said before the run starts
