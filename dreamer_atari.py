@@ -152,8 +152,8 @@ class Args:
     """two-hot bins (on the symlog scale) of the reward head and the critic"""
 
     # training
-    total_timesteps: int = 1_000_000
-    """total env steps of the experiment"""
+    total_timesteps: int = 100_000
+    """total env steps of the experiment (DreamerV3's Atari100k: 100k env steps of 4 frames)"""
     learning_starts: int = 1_000
     """env steps of random actions that fill the replay before any update (DreamerV3: about 1k)"""
     warmup_steps: int = 0
