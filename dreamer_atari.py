@@ -3300,8 +3300,8 @@ def open_loop_predictions(
 ) -> tuple[np.ndarray, np.ndarray]:
     """What the world model predicts without looking: it observes the first `context` steps of each replayed
     sequence, then imagines the rest from the real actions (prior samples). Returns (truth, model), each (n, T, S, S)
-    uint8: the newest frame of each stack and the model's reconstruction (steps < context) or prediction of it
-    (colour frames in grey, `grey`).
+    uint8, or (n, T, 3, S, S) when the model reads colour: the newest frame of each stack and the model's
+    reconstruction (steps < context) or prediction of it.
     Past an episode boundary inside a sequence the model cannot know the new episode's frames."""
     wm, rssm = agent.world_model, agent.world_model.rssm
     data = batch_to_device(batch, agent.num_actions, agent.device)
@@ -3323,7 +3323,7 @@ def open_loop_predictions(
     colour = truth.ndim == 5
     newest = model[:, :, -3:] if colour else model[:, :, -1]  # the newest frame's channels
     model = ((newest.float() + 0.5).clamp(0.0, 1.0) * 255).round().to(torch.uint8).cpu().numpy()
-    return (grey(truth), grey(model)) if colour else (truth, model)
+    return truth, model
 
 
 GREY_WEIGHTS = (0.299, 0.587, 0.114)  # ITU-R BT.601, as OpenCV's and ALE's own grey frames
@@ -3335,12 +3335,24 @@ def grey(frames: np.ndarray) -> np.ndarray:
     return np.rint((frames.astype(np.float32) * weights).sum(-3)).clip(0, 255).astype(np.uint8)
 
 
+def grey_frames(frames: np.ndarray) -> np.ndarray:
+    """Open-loop frames in grey: colour ones (n, T, 3, S, S) through `grey`, grey ones (n, T, S, S) as they are."""
+    return grey(frames) if frames.ndim == 5 else frames
+
+
 def open_loop_strip(truth: np.ndarray, model: np.ndarray) -> np.ndarray:
     """(n, T, S, S) truth and model frames -> (T, n * S, 3 * S) uint8: one row per sequence with truth | model |
-    error (grey 128 = no error)."""
-    error = ((model.astype(np.int16) - truth + 256) // 2).astype(np.uint8)
-    rows = np.concatenate([truth, model, error], -1)  # (n, T, S, 3S)
-    return np.ascontiguousarray(rows.transpose(1, 0, 2, 3).reshape(truth.shape[1], -1, rows.shape[-1]))
+    error (grey 128 = no error, from the frames in grey). Colour frames (n, T, 3, S, S) give a colour strip
+    (T, n * S, 3 * S, 3), its error column grey."""
+    error = ((grey_frames(model).astype(np.int16) - grey_frames(truth) + 256) // 2).astype(
+        np.uint8
+    )  # (n, T, S, S)
+    if truth.ndim == 5:  # channels last, the error in all three
+        truth, model = truth.transpose(0, 1, 3, 4, 2), model.transpose(0, 1, 3, 4, 2)  # (n, T, S, S, 3)
+        error = np.repeat(error[..., None], 3, -1)
+    rows = np.concatenate([truth, model, error], 3)  # (n, T, S, 3S) or (n, T, S, 3S, 3)
+    n, T = rows.shape[:2]
+    return np.ascontiguousarray(rows.swapaxes(0, 1).reshape(T, n * rows.shape[2], *rows.shape[3:]))
 
 
 PONG_SCREEN_ROWS, PONG_SCREEN_COLUMNS = 210, 160
@@ -3463,13 +3475,14 @@ def ball_scores(truth: np.ndarray, model: np.ndarray) -> dict[str, float]:
 def open_loop_ball_scores(
     truth: np.ndarray, model: np.ndarray, context: int = OPEN_LOOP_CONTEXT
 ) -> dict[str, float]:
-    """`ball_scores` of open-loop predictions (n, T, S, S), per horizon: the `context` observed frames
-    (`world_model/ball_f1_observed`, `_precision_`, `_recall_`, `_centroid_px_`) and the frames 5 and 10 steps after
-    the last observed one (`world_model/ball_f1_open_loop_5`, `_10`, ...). Beside each F1, its chance level
+    """`ball_scores` of open-loop predictions (n, T, S, S), colour ones in grey, per horizon: the `context` observed
+    frames (`world_model/ball_f1_observed`, `_precision_`, `_recall_`, `_centroid_px_`) and the frames 5 and 10 steps
+    after the last observed one (`world_model/ball_f1_open_loop_5`, `_10`, ...). Beside each F1, its chance level
     (`world_model/ball_f1_chance_observed`, ...): the same model frames scored against the next sequence's truth
     (truth rolled by one along n), so a model that draws a ball where the truth is, and not just anywhere, scores
     well above it (needs n >= 2). A figure with nothing to count, or that the sequences are too short for, is
     left out."""
+    truth, model = grey_frames(truth), grey_frames(model)  # (n, T, S, S): the ball is found in grey
     horizons = {"observed": np.s_[:, :context]}
     for k in OPEN_LOOP_BALL_STEPS:
         if context - 1 + k < truth.shape[1]:
@@ -3499,8 +3512,9 @@ def log_open_loop(
     rng: np.random.Generator,
     num_sequences: int = 4,
 ) -> str:
-    """Open-loop predictions of replayed sequences as an animated GIF: in TensorBoard's image tab (and wandb's
-    media, which syncs it as a video) under `videos/open_loop`, and as `open_loop/step_<N>.gif` in the run dir. On
+    """Open-loop predictions of replayed sequences as an animated GIF (in colour when the model reads colour): in
+    TensorBoard's image tab (and wandb's media, which syncs it as a video) under `videos/open_loop`, and as
+    `open_loop/step_<N>.gif` in the run dir. On
     Pong, beside it, how well the predictions draw the ball (`open_loop_ball_scores`: F1, precision, recall,
     centroid distance and F1's chance level per horizon) over RECALL_SEQUENCES sequences.
     Uses its own random generators, so the training batches and latents that follow are the same with or
@@ -3517,16 +3531,20 @@ def log_open_loop(
     devices = [agent.device] if agent.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(int(rng.integers(2**31)))
-        truth, model = open_loop_predictions(agent, batch)  # (n, T, S, S) uint8
+        truth, model = open_loop_predictions(agent, batch)  # (n, T, S, S) uint8; colour (n, T, 3, S, S)
     if is_pong(args.env_id):
         for key, value in open_loop_ball_scores(truth, model).items():
             writer.add_scalar(key, value, step)
-    frames = open_loop_strip(truth[:num_sequences], model[:num_sequences])  # (T, H, W) uint8
+    # (T, H, W) uint8; colour (T, H, W, 3)
+    frames = open_loop_strip(truth[:num_sequences], model[:num_sequences])
     images = [Image.fromarray(frame) for frame in frames]
     gif = io.BytesIO()
     images[0].save(gif, format="GIF", save_all=True, append_images=images[1:], duration=100, loop=0)
-    height, width = frames.shape[1:]
-    image = Summary.Image(height=height, width=width, colorspace=1, encoded_image_string=gif.getvalue())
+    height, width = frames.shape[1:3]
+    colorspace = 3 if frames.ndim == 4 else 1  # RGB or grey
+    image = Summary.Image(
+        height=height, width=width, colorspace=colorspace, encoded_image_string=gif.getvalue()
+    )
     writer._get_file_writer().add_summary(
         Summary(value=[Summary.Value(tag="videos/open_loop", image=image)]), step
     )
