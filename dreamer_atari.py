@@ -4609,11 +4609,10 @@ def instrument(run: Run, probes: "mu.StageProbes") -> None:
     run.progress = ProgressLine(
         args.total_timesteps, run.device, phase_starts=(args.learning_starts, behavior_starts)
     )
+    # a phase's rates start at the env step before its first update (`train` runs before the envs step)
+    phase_starts = (args.learning_starts - args.num_envs, behavior_starts - args.num_envs)
     run.status = mu.StatusLine(
-        run.writer,
-        "world_model_loss",
-        phase_starts=(args.learning_starts, behavior_starts),
-        say=run.progress.say,
+        run.writer, "world_model_loss", phase_starts=phase_starts, say=run.progress.say
     )
     run.next_log = (step // args.log_interval + 1) * args.log_interval
     if args.checkpoint_every:
