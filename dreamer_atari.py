@@ -4788,8 +4788,9 @@ def finish(run: Run) -> None:
 def guarded(run: Run, envs):
     """The loop's guard: SIGINT and SIGTERM are recorded from here on (and read at the top of the loop); an
     out-of-memory error gets a report, a checkpoint and exit 3; any other error a checkpoint, then its traceback; and
-    whatever happens the snapshots, envs, TensorBoard and wandb are closed."""
-    with run.stop:
+    whatever happens the snapshots, envs, TensorBoard and wandb are closed. While it runs, a status line comes at
+    least every 30 s, also while an update outlasts that (`mu.StatusLine.keep_alive`)."""
+    with run.stop, run.status.keep_alive():
         try:
             yield
         except torch.OutOfMemoryError as exc:

@@ -42,6 +42,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 import zlib
@@ -1433,8 +1434,8 @@ class StatusLine:
     a random prefill, whose fast steps say nothing of the training rate), and the ETA from them; during the first
     phase of a run that has phases there is no training rate yet, and the ETA says so. A line due just as a phase
     begins gives the rates since the previous line, and no ETA. A line comes at the first tick `every_s` after the
-    last, so when one loop iteration (an update on a slow machine) takes longer, the lines are that far apart.
-    `clock` (a class attribute, seconds) is what a test replaces with a fake one.
+    last; while one loop iteration outlasts that (an update on a slow machine), `keep_alive`'s thread says how long
+    the loop has been busy instead. `clock` (a class attribute, seconds) is what a test replaces with a fake one.
     """
 
     clock = staticmethod(time.monotonic)
@@ -1452,27 +1453,66 @@ class StatusLine:
         _require(window >= 1, f"window must be at least 1, got {window!r}")
         self.writer, self.loss_name, self.every_s, self.say = writer, loss_name, every_s, say
         self.phase_starts = sorted(set(phase_starts))
-        self.points: deque[tuple[float, int, int]] = deque(
-            maxlen=window
-        )  # (time, step, updates), oldest first
+        # (time, step, updates) of the window's points, oldest first
+        self.points: deque[tuple[float, int, int]] = deque(maxlen=window)
         self.phase = -1
         self.now = 0.0
         self.started: float | None = None  # the first tick's time
-        self.last_line: tuple[float, int, int] | None = (
-            None  # (time, step, updates) of the last line, or first tick
-        )
+        # (time, step, updates) of the last line (or the first tick), and of the last tick
+        self.last_line: tuple[float, int, int] | None = None
+        self.last_tick: tuple[float, int, int] | None = None
+        self.last_busy = -math.inf  # when `busy_line` last said something
 
     def tick(self, step: int, updates: int) -> bool:
         """Whether a line is due now; a new phase starts its rates from here."""
         self.now = self.clock()
+        self.last_tick = (self.now, step, updates)
         if self.started is None:
-            self.started, self.last_line = self.now, (self.now, step, updates)
+            self.started, self.last_line = self.now, self.last_tick
         phase = sum(step >= start for start in self.phase_starts)
         if phase != self.phase:
             self.phase = phase
             self.points.clear()
             self.points.append((self.now, step, updates))
         return self.now - self.last_line[0] >= self.every_s
+
+    def busy_line(self) -> str | None:
+        """The line to say when one loop iteration has run for `every_s` / 6 or more (an update on a slow machine, a
+        checkpoint) and nothing was said for `every_s`: where the loop is and how long it has been busy, from the last
+        tick alone (no device read), so that another thread can say it (`keep_alive`). None when nothing is due."""
+        if self.last_tick is None:
+            return None
+        now = self.clock()
+        then, step, updates = self.last_tick
+        if now - then < self.every_s / 6 or now - max(self.last_line[0], self.last_busy) < self.every_s:
+            return None
+        self.last_busy = now
+        return (
+            f"status: step {step:,}  busy for {duration_text(now - then)} in one loop iteration (an update, a "
+            f"checkpoint); updates so far: {updates:,}"
+        )
+
+    @contextlib.contextmanager
+    def keep_alive(self, poll_s: float = 1.0):
+        """While inside, a thread says `busy_line` when one is due (polled every `poll_s`), so that a line comes at
+        least every `every_s` + `poll_s` also while one iteration outlasts the interval; it stops on the way out."""
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(poll_s):
+                try:
+                    if (line := self.busy_line()) is not None:
+                        self.say(line)
+                except Exception:  # noqa: BLE001 - memory: diagnostics never break training
+                    return
+
+        thread = threading.Thread(target=watch, name="status-line", daemon=True)
+        thread.start()
+        try:
+            yield thread
+        finally:
+            stop.set()
+            thread.join()
 
     def elapsed_s(self) -> float:
         """Seconds since the first tick, at the last tick."""

@@ -3,7 +3,9 @@ the run is, how fast it goes, when it ends, the last return and the loss, on the
 TensorBoard; and dreamer_atari.py's preflight, which says what the whole run takes at the rate it timed."""
 
 import dataclasses
+import itertools
 import re
+import threading
 
 import pytest
 import torch
@@ -20,13 +22,15 @@ UPDATE, SAY = dqn.update, dqn.say_status
 
 
 class FakeClock:
-    """`seconds_per_read` seconds pass each time the status line reads the clock (once per loop iteration)."""
+    """`seconds_per_read` seconds pass each time the loop's status line reads the clock (once per iteration); the
+    thread that watches for long iterations (`keep_alive`) reads the time the loop last read."""
 
     def __init__(self, seconds_per_read: float):
         self.now, self.step = 1000.0, seconds_per_read
 
     def __call__(self) -> float:
-        self.now += self.step
+        if threading.current_thread() is threading.main_thread():
+            self.now += self.step
         return self.now
 
 
@@ -90,6 +94,42 @@ def test_the_status_line_takes_its_rates_over_recent_lines_within_a_phase(tmp_pa
     )
 
 
+def test_a_long_iteration_still_gets_a_line_every_30_seconds():
+    """While one loop iteration outlasts the interval (an update on a slow machine), `busy_line` says how long the
+    loop has been busy, every 30 s; a loop that ticks often never needs it."""
+    said = []
+    status = mu.StatusLine(None, "loss", every_s=30, say=said.append)
+    status.clock = iter([1000.0, 1001.0, 1020.0, 1031.5, 1040.0, 1062.0, 1070.0]).__next__
+    assert not status.tick(1, 0) and not status.tick(2, 0)  # 1000, 1001
+    assert status.busy_line() is None  # 1020: 20 s since the run's first tick
+    expected = (
+        "status: step 2  busy for {} in one loop iteration (an update, a checkpoint); updates so far: 0"
+    )
+    assert status.busy_line() == expected.format("30 s")  # 1031.5
+    assert status.busy_line() is None  # 1040: said 8.5 s ago
+    assert status.busy_line() == expected.format("61 s")  # 1062
+    assert status.tick(3, 1)  # 1070: the loop is back, and its own line is due
+    status.clock = FakeClock(1.0)  # a tick a second: never busy
+    for step in range(4, 100):
+        status.tick(step, 1)
+        assert status.busy_line() is None
+
+
+def test_keep_alive_says_the_busy_line_from_its_thread_and_stops_with_it():
+    lines, said = [], threading.Event()
+    status = mu.StatusLine(None, every_s=30, say=lambda line: (lines.append(line), said.set()))
+    status.clock = itertools.chain(
+        [1000.0], itertools.repeat(2000.0)
+    ).__next__  # the loop ticks, then is busy
+    status.tick(5, 2)
+    with status.keep_alive(poll_s=0.01) as thread:
+        assert said.wait(timeout=60)
+    assert not thread.is_alive()
+    assert lines == [
+        "status: step 5  busy for 17 min in one loop iteration (an update, a checkpoint); updates so far: 2"
+    ]
+
+
 def test_update_log_reads_the_loss_since_the_last_status_line_and_leaves_the_log_interval_whole():
     log = da.UpdateLog("cpu")
     healthy, faulty = torch.tensor(True), torch.tensor(False)
@@ -110,6 +150,8 @@ def test_a_dreamer_run_says_its_status_every_30_seconds_and_logs_it(in_tmp, monk
     """10 s of fake time per env step: a line every 3 env steps from the first on, with the figures the clock and the
     run's counters give, and the same figures under status/* in TensorBoard."""
     monkeypatch.setattr(mu.StatusLine, "clock", staticmethod(FakeClock(10.0)))
+    watched, keep_alive = [], mu.StatusLine.keep_alive  # the loop runs with the thread for long iterations
+    monkeypatch.setattr(mu.StatusLine, "keep_alive", lambda self: watched.append(self) or keep_alive(self))
     args = dreamer_tiny.tiny_args(
         env_id=da.CATCH_ID,
         num_envs=1,
@@ -120,6 +162,7 @@ def test_a_dreamer_run_says_its_status_every_30_seconds_and_logs_it(in_tmp, monk
         log_interval=1000,
     )
     result = da.main(args)
+    assert len(watched) == 1 and "status-line" not in {thread.name for thread in threading.enumerate()}
     lines = status_lines(capsys.readouterr().out)
     scalars = read_scalars(in_tmp / result["run_dir"])
     steps = sorted(scalars[mu.KEY_STATUS_SPS])
