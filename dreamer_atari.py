@@ -3635,7 +3635,7 @@ def run_seconds(args: Args, world_model_s: float, behavior_s: float, act_s: floa
     return trained / args.num_envs * act_s + per_step * (trained * world_model_s + behaving * behavior_s)
 
 
-def time_acting(agent: Agent, args: Args, obs_shape: tuple, repeats: int = 3) -> float:
+def time_acting(agent: Agent, args: Args, obs_shape: tuple, repeats: int = 2) -> float:
     """Seconds of one policy step for --num-envs observations (the fastest of `repeats` after one to warm up), with
     its own random numbers and a state of its own."""
     player = Player(agent, args.num_envs)
@@ -3803,9 +3803,10 @@ def catch_command() -> str:
     return " ".join(["python", os.path.basename(__file__), *flags])
 
 
-def catch_seconds(repeats: int = 2) -> float:
+def catch_seconds(repeats: int = 1) -> float:
     """The wall time of CATCH_ON_CPU's run on this machine's CPU (`run_seconds`), from its update and its policy
-    step timed here on a model of its own (about half a second), with random numbers of their own."""
+    step timed here on a model of its own (two updates: about a second on an idle 2-core CPU), with random numbers
+    of their own."""
     args = Args(**CATCH_ON_CPU)
     obs_shape = (args.frame_stack, args.image_size, args.image_size)  # (1, 84, 84)
     with torch.random.fork_rng(devices=[]):
