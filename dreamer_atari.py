@@ -134,8 +134,8 @@ class Args:
     """two-hot bins (on the symlog scale) of the reward head and the critic"""
 
     # training
-    total_timesteps: int = 1_000_000
-    """total env steps of the experiment"""
+    total_timesteps: int = 100_000
+    """total env steps of the experiment (DreamerV3's Atari100k: 100k env steps of 4 frames)"""
     learning_starts: int = 1_000
     """env steps of random actions that fill the replay before any update (DreamerV3: about 1k)"""
     warmup_steps: int = 0
@@ -4653,8 +4653,8 @@ def open_loop_predictions(
 ) -> tuple[np.ndarray, np.ndarray]:
     """What the world model predicts without looking: it observes the first `context` steps of each replayed
     sequence, then imagines the rest from the real actions (prior samples). Returns (truth, model), each (n, T, S, S)
-    uint8: the newest frame of each stack and the model's reconstruction (steps < context) or prediction of it
-    (colour frames in grey, `grey`).
+    uint8, or (n, T, 3, S, S) when the model reads colour: the newest frame of each stack and the model's
+    reconstruction (steps < context) or prediction of it.
     Past an episode boundary inside a sequence the model cannot know the new episode's frames."""
     wm, rssm = agent.world_model, agent.world_model.rssm
     data = batch_to_device(batch, agent.num_actions, agent.device)
@@ -4676,7 +4676,7 @@ def open_loop_predictions(
     colour = truth.ndim == 5
     newest = model[:, :, -3:] if colour else model[:, :, -1]  # the newest frame's channels
     model = ((newest.float() + 0.5).clamp(0.0, 1.0) * 255).round().to(torch.uint8).cpu().numpy()
-    return (grey(truth), grey(model)) if colour else (truth, model)
+    return truth, model
 
 
 GREY_WEIGHTS = (0.299, 0.587, 0.114)  # ITU-R BT.601, as OpenCV's and ALE's own grey frames
@@ -4688,12 +4688,24 @@ def grey(frames: np.ndarray) -> np.ndarray:
     return np.rint((frames.astype(np.float32) * weights).sum(-3)).clip(0, 255).astype(np.uint8)
 
 
+def grey_frames(frames: np.ndarray) -> np.ndarray:
+    """Open-loop frames in grey: colour ones (n, T, 3, S, S) through `grey`, grey ones (n, T, S, S) as they are."""
+    return grey(frames) if frames.ndim == 5 else frames
+
+
 def open_loop_strip(truth: np.ndarray, model: np.ndarray) -> np.ndarray:
     """(n, T, S, S) truth and model frames -> (T, n * S, 3 * S) uint8: one row per sequence with truth | model |
-    error (grey 128 = no error)."""
-    error = ((model.astype(np.int16) - truth + 256) // 2).astype(np.uint8)
-    rows = np.concatenate([truth, model, error], -1)  # (n, T, S, 3S)
-    return np.ascontiguousarray(rows.transpose(1, 0, 2, 3).reshape(truth.shape[1], -1, rows.shape[-1]))
+    error (grey 128 = no error, from the frames in grey). Colour frames (n, T, 3, S, S) give a colour strip
+    (T, n * S, 3 * S, 3), its error column grey."""
+    error = ((grey_frames(model).astype(np.int16) - grey_frames(truth) + 256) // 2).astype(
+        np.uint8
+    )  # (n, T, S, S)
+    if truth.ndim == 5:  # channels last, the error in all three
+        truth, model = truth.transpose(0, 1, 3, 4, 2), model.transpose(0, 1, 3, 4, 2)  # (n, T, S, S, 3)
+        error = np.repeat(error[..., None], 3, -1)
+    rows = np.concatenate([truth, model, error], 3)  # (n, T, S, 3S) or (n, T, S, 3S, 3)
+    n, T = rows.shape[:2]
+    return np.ascontiguousarray(rows.swapaxes(0, 1).reshape(T, n * rows.shape[2], *rows.shape[3:]))
 
 
 PONG_SCREEN_ROWS, PONG_SCREEN_COLUMNS = 210, 160
@@ -4816,13 +4828,14 @@ def ball_scores(truth: np.ndarray, model: np.ndarray) -> dict[str, float]:
 def open_loop_ball_scores(
     truth: np.ndarray, model: np.ndarray, context: int = OPEN_LOOP_CONTEXT
 ) -> dict[str, float]:
-    """`ball_scores` of open-loop predictions (n, T, S, S), per horizon: the `context` observed frames
-    (`world_model/ball_f1_observed`, `_precision_`, `_recall_`, `_centroid_px_`) and the frames 5 and 10 steps after
-    the last observed one (`world_model/ball_f1_open_loop_5`, `_10`, ...). Beside each F1, its chance level
+    """`ball_scores` of open-loop predictions (n, T, S, S), colour ones in grey, per horizon: the `context` observed
+    frames (`world_model/ball_f1_observed`, `_precision_`, `_recall_`, `_centroid_px_`) and the frames 5 and 10 steps
+    after the last observed one (`world_model/ball_f1_open_loop_5`, `_10`, ...). Beside each F1, its chance level
     (`world_model/ball_f1_chance_observed`, ...): the same model frames scored against the next sequence's truth
     (truth rolled by one along n), so a model that draws a ball where the truth is, and not just anywhere, scores
     well above it (needs n >= 2). A figure with nothing to count, or that the sequences are too short for, is
     left out."""
+    truth, model = grey_frames(truth), grey_frames(model)  # (n, T, S, S): the ball is found in grey
     horizons = {"observed": np.s_[:, :context]}
     for k in OPEN_LOOP_BALL_STEPS:
         if context - 1 + k < truth.shape[1]:
@@ -4852,8 +4865,9 @@ def log_open_loop(
     rng: np.random.Generator,
     num_sequences: int = 4,
 ) -> str:
-    """Open-loop predictions of replayed sequences as an animated GIF: in TensorBoard's image tab (and wandb's
-    media, which syncs it as a video) under `videos/open_loop`, and as `open_loop/step_<N>.gif` in the run dir. On
+    """Open-loop predictions of replayed sequences as an animated GIF (in colour when the model reads colour): in
+    TensorBoard's image tab (and wandb's media, which syncs it as a video) under `videos/open_loop`, and as
+    `open_loop/step_<N>.gif` in the run dir. On
     Pong, beside it, how well the predictions draw the ball (`open_loop_ball_scores`: F1, precision, recall,
     centroid distance and F1's chance level per horizon) over RECALL_SEQUENCES sequences.
     Uses its own random generators, so the training batches and latents that follow are the same with or
@@ -4870,16 +4884,20 @@ def log_open_loop(
     devices = [agent.device] if agent.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(int(rng.integers(2**31)))
-        truth, model = open_loop_predictions(agent, batch)  # (n, T, S, S) uint8
+        truth, model = open_loop_predictions(agent, batch)  # (n, T, S, S) uint8; colour (n, T, 3, S, S)
     if is_pong(args.env_id):
         for key, value in open_loop_ball_scores(truth, model).items():
             writer.add_scalar(key, value, step)
-    frames = open_loop_strip(truth[:num_sequences], model[:num_sequences])  # (T, H, W) uint8
+    # (T, H, W) uint8; colour (T, H, W, 3)
+    frames = open_loop_strip(truth[:num_sequences], model[:num_sequences])
     images = [Image.fromarray(frame) for frame in frames]
     gif = io.BytesIO()
     images[0].save(gif, format="GIF", save_all=True, append_images=images[1:], duration=100, loop=0)
-    height, width = frames.shape[1:]
-    image = Summary.Image(height=height, width=width, colorspace=1, encoded_image_string=gif.getvalue())
+    height, width = frames.shape[1:3]
+    colorspace = 3 if frames.ndim == 4 else 1  # RGB or grey
+    image = Summary.Image(
+        height=height, width=width, colorspace=colorspace, encoded_image_string=gif.getvalue()
+    )
     writer._get_file_writer().add_summary(
         Summary(value=[Summary.Value(tag="videos/open_loop", image=image)]), step
     )
@@ -4905,27 +4923,46 @@ def synthetic_batch(args: Args, obs_shape: tuple) -> dict[str, np.ndarray]:
     }
 
 
+def seconds_since(start: float, device: torch.device) -> float:
+    """Wall time since `start` (time.perf_counter) of the work queued on `device` since then."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def preflight(agent: Agent, args: Args, obs_shape: tuple) -> float:
-    """Create all optimizer state now with a worst-case batch; weights and moments are left untouched. Returns the
-    step's peak in MiB (on CUDA: what it allocated beyond what was allocated before)."""
+    """Create all optimizer state now with a worst-case batch; weights and moments are left untouched. Then say what
+    the whole run takes at the rate of that update (`say_run_time`). Returns the step's peak in MiB (on CUDA: what it
+    allocated beyond what was allocated before)."""
+    seconds = {}  # the worst-case update's parts, timed
 
     def step_fn():
+        start = time.perf_counter()
         batch = synthetic_batch(args, obs_shape)
         data = batch_to_device(batch, agent.num_actions, agent.device, args.channels_last)
         with agent.amp.autocast():
             loss, _, (deter, stoch) = world_model_loss(agent, data, args)
         loss.backward()
+        seconds["world_model"] = seconds_since(start, agent.device)
+        start = time.perf_counter()
         deter, stoch = deter.detach().flatten(0, 1), stoch.detach().flatten(0, 1)  # (B*T, D), (B*T, S)
         states = (deter, stoch, torch.ones(deter.shape[0], device=agent.device))
         with agent.amp.autocast():
             actor_loss, critic_loss, _ = behavior_losses(agent, states, args, update_norm=False)
         (actor_loss + critic_loss).backward()
+        seconds["behavior"] = seconds_since(start, agent.device)
 
     # memory: Adam's moments exist before the first real update (fail now, not hours later); no weight moves.
     # An OOM here goes to main's start-up handler: a report, no checkpoint (nothing is trained yet), exit 3.
     peak_mb = mu.preallocate_optimizer_state(step_fn, agent.optimizers, modules=agent.modules().values())
     if agent.device.type == "cuda":
-        # memory: the step's cached blocks go back to the card (the warm-up updates run on another stream, which
+        # the first pass paid CUDA's one-time costs (kernels loaded, handles made): time a second one, which
+        # draws its own random numbers and leaves no gradient behind
+        with torch.random.fork_rng(devices=[agent.device]):
+            step_fn()
+        for optimizer in agent.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        # memory: the steps' cached blocks go back to the card (the warm-up updates run on another stream, which
         # could not reuse them)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(agent.device)
@@ -4937,7 +4974,65 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> float:
             )
     else:
         print(f"preflight: peak {peak_mb:.0f} MiB of host memory for one worst-case update")
+    say_run_time(agent, args, obs_shape, seconds)
     return peak_mb
+
+
+# a run on a CPU longer than this is told how to see learning on this machine in minutes (Catch)
+LONG_CPU_RUN_S = 3600.0
+
+
+def run_seconds(args: Args, world_model_s: float, behavior_s: float, act_s: float) -> float:
+    """The wall time of a whole run at these costs: a world-model update and a behaviour update, each --train-ratio
+    owes, and acting (the policy's step, once per vector step after --learning-starts). The emulator's own time and
+    sampling batches are left out (about 1 ms a Pong step on a CPU core)."""
+    per_step = args.train_ratio / (args.batch_size * args.sequence_length)  # updates per env step
+    trained = max(0, args.total_timesteps - args.learning_starts)  # env steps with the policy and updates
+    behaving = max(0, trained - args.warmup_steps)
+    return trained / args.num_envs * act_s + per_step * (trained * world_model_s + behaving * behavior_s)
+
+
+def time_acting(agent: Agent, args: Args, obs_shape: tuple, repeats: int = 2) -> float:
+    """Seconds of one policy step for --num-envs observations (the fastest of `repeats` after one to warm up), with
+    its own random numbers and a state of its own."""
+    player = Player(agent, args.num_envs)
+    obs = np.zeros((args.num_envs, *obs_shape), np.uint8)
+    is_first = np.ones(args.num_envs, np.bool_)
+    devices = [agent.device] if agent.device.type == "cuda" else []
+    times = []
+    with torch.random.fork_rng(devices=devices):
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            player.act(obs, is_first)  # reads the actions back: synchronised
+            times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def seconds_text(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def say_run_time(agent: Agent, args: Args, obs_shape: tuple, seconds: dict[str, float]) -> None:
+    """One line: the preflight's update and the policy's step as timed here, and the whole run's wall time at that
+    rate; on a CPU, when that is more than LONG_CPU_RUN_S, the same line names the Catch-v0 run that learns here in
+    minutes (timed here too, `catch_seconds`), and the next line gives its command."""
+    act_s = time_acting(agent, args, obs_shape)
+    total_s = run_seconds(args, seconds["world_model"], seconds["behavior"], act_s)
+    per_step = args.train_ratio / (args.batch_size * args.sequence_length)
+    updates = per_step * max(0, args.total_timesteps - args.learning_starts)
+    eager = " (eager; a captured one is faster)" if captures_updates(args, agent.device) else ""
+    line = (
+        f"preflight: an update of {args.batch_size} x {args.sequence_length} takes "
+        f"{seconds_text(seconds['world_model'] + seconds['behavior'])} here{eager} and acting "
+        f"{seconds_text(act_s)} an env step: this run, {args.total_timesteps:,} env steps with {updates:,.0f} "
+        f"updates, takes about {mu.duration_text(total_s)} at that rate"
+    )
+    if agent.device.type == "cpu" and args.env_id != CATCH_ID and total_s > LONG_CPU_RUN_S:
+        line += (
+            f". To see learning on this machine, --env-id Catch-v0 at a small size learns in about "
+            f"{mu.duration_text(catch_seconds())} here:\n  {catch_command()}"
+        )
+    print(line)
 
 
 # --- Memory: a cap on GPU memory (--gpu-memory-gb) --------------------------------------------------------------------
@@ -5133,6 +5228,72 @@ def register_catch() -> None:
 
 
 register_catch()
+
+
+# The run that learns Catch-v0 on a CPU in minutes: benchmark/learning_proof.py's configuration, with which seeds 1-10
+# all reached 0.8 of the optimal return (tests/test_learning_proof.py holds the two equal)
+CATCH_ON_CPU = dict(
+    env_id=CATCH_ID,
+    model="nature",
+    continue_mode=False,
+    encoder_channels=(8, 16, 16),
+    embed_dim=64,
+    decoder_base_channels=8,
+    decoder_mid_channels=8,
+    deterministic_dim=64,
+    stochastic_dim=8,
+    stochastic_classes=8,
+    hidden_dim=64,
+    frame_stack=1,
+    image_size=84,
+    batch_size=8,
+    sequence_length=16,
+    imagination_horizon=10,
+    total_timesteps=2_400,
+    learning_starts=300,
+    train_ratio=144.0,
+    world_model_lr=2e-3,
+    actor_lr=3e-4,
+    critic_lr=1e-3,
+    entropy_coef=1e-2,
+)
+
+
+def catch_command() -> str:
+    """The command line of CATCH_ON_CPU: its flags that differ from the defaults of --model nature."""
+    defaults = Args(env_id=CATCH_ID, model=CATCH_ON_CPU["model"])
+    flags = []
+    for name, value in CATCH_ON_CPU.items():
+        if name not in ("env_id", "model") and value == getattr(defaults, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            flags += [flag, *(str(v) for v in (value if isinstance(value, tuple) else (value,)))]
+    return " ".join(["python", os.path.basename(__file__), *flags])
+
+
+def catch_seconds(repeats: int = 1) -> float:
+    """The wall time of CATCH_ON_CPU's run on this machine's CPU (`run_seconds`), from its update and its policy
+    step timed here on a model of its own (two updates: about a second on an idle 2-core CPU), with random numbers
+    of their own."""
+    args = Args(**CATCH_ON_CPU)
+    obs_shape = (args.frame_stack, args.image_size, args.image_size)  # (1, 84, 84)
+    with torch.random.fork_rng(devices=[]):
+        agent = build_agent(args, obs_shape, int(CatchEnv().action_space.n), torch.device("cpu"))
+        speed_up_agent(agent, args)
+        raw = batch_tensors(synthetic_batch(args, obs_shape), agent.device)
+        world_model_s, behavior_s = [], []
+        for _ in range(repeats + 1):  # the first warms up
+            start = time.perf_counter()
+            _, _, states = train_world_model(agent, raw, args)
+            world_model_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            train_behavior(agent, states, args)
+            behavior_s.append(time.perf_counter() - start)
+        act_s = time_acting(agent, args, obs_shape)
+    return run_seconds(args, min(world_model_s[1:]), min(behavior_s[1:]), act_s)
 
 
 # --- Checkpoints ------------------------------------------------------------------------------------------------------
@@ -5369,6 +5530,7 @@ class UpdateLog:
         self.streak = torch.zeros((), device=self.device)  # non-finite updates in a row, now
         self.longest = torch.zeros((), device=self.device)  # the longest such run since the last `pop`
         self.skipped = torch.zeros((), device=self.device)  # non-finite updates since the last `pop`
+        self.seen: dict[str, torch.Tensor] = {}  # key -> (2,): its sum and count at the last `recent`
 
     def add(self, metrics: dict[str, torch.Tensor], healthy: torch.Tensor) -> None:
         """The named 0-d values of one part of an update, and whether that part was healthy (0-d bool)."""
@@ -5401,10 +5563,23 @@ class UpdateLog:
             if count > 0:
                 means.update({key: flat[offset + i] / count for i, key in enumerate(keys)})
             offset += len(keys) + 1
-        self.sums = {}
+        self.sums, self.seen = {}, {}
         self.skipped.zero_()
         self.longest.copy_(self.streak)
         return means, int(flat[-2]), int(flat[-1])
+
+    def recent(self, key: str) -> float | None:
+        """The mean of `key` over the healthy updates since the last call (or the last `pop`), for the status line:
+        one host transfer, every 30 s, never per update. The sums go on to `pop` as they are. None when no healthy
+        update logged it since."""
+        for keys, row in self.sums.items():
+            if key in keys:
+                now = row[[keys.index(key), -1]]  # (2,): the sum and the count (a copy)
+                since = now - self.seen[key] if key in self.seen else now
+                self.seen[key] = now
+                total, count = since.tolist()
+                return total / count if count > 0 else None
+        return None
 
     def state(self) -> dict:
         """The sums since the last log point as plain numbers, for a checkpoint: a run resumed from it logs the
@@ -5415,6 +5590,7 @@ class UpdateLog:
         }
 
     def restore(self, state: dict) -> None:
+        self.seen = {}
         self.sums = {
             tuple(keys.split("|")): torch.tensor(row, device=self.device)
             for keys, row in state["sums"].items()
@@ -5536,6 +5712,7 @@ class Run:
     snapshots: "mu.MemorySnapshots | None" = None
     leak_detector: "mu.LeakDetector | None" = None
     progress: ProgressLine | None = None
+    status: "mu.StatusLine | None" = None
     next_log: int = 0
     next_checkpoint: int | None = None
     next_video: int | None = None
@@ -5568,10 +5745,12 @@ class Run:
             raise SystemExit(self.stop.exit_code)
 
     def watch(self) -> None:
-        """After each env step: the open-loop videos, probes, snapshots and progress line (`diagnose`), a log point
-        every --log-interval env steps, a checkpoint every --checkpoint-every."""
+        """After each env step: the open-loop videos, probes, snapshots and progress line (`diagnose`), the status
+        line every 30 s (`say_status`), a log point every --log-interval env steps, a checkpoint every
+        --checkpoint-every."""
         args = self.args
         diagnose(self)
+        say_status(self)
         if self.step >= self.next_log:
             log_point(self)
         if self.next_checkpoint is not None and self.step >= self.next_checkpoint:
@@ -5802,6 +5981,11 @@ def instrument(run: Run, probes: "mu.StageProbes") -> None:
     run.progress = ProgressLine(
         args.total_timesteps, run.device, phase_starts=(args.learning_starts, behavior_starts)
     )
+    # a phase's rates start at the env step before its first update (`train` runs before the envs step)
+    phase_starts = (args.learning_starts - args.num_envs, behavior_starts - args.num_envs)
+    run.status = mu.StatusLine(
+        run.writer, "world_model_loss", phase_starts=phase_starts, say=run.progress.say
+    )
     run.next_log = (step // args.log_interval + 1) * args.log_interval
     if args.checkpoint_every:
         run.next_checkpoint = (step // args.checkpoint_every + 1) * args.checkpoint_every
@@ -5928,6 +6112,22 @@ def say_replay_short(run: Run) -> None:
         )
 
 
+def say_status(run: Run) -> None:
+    """Every 30 s of wall time (`mu.StatusLine`), however slow an update is: the step, env steps/s, updates/s, the
+    ETA to --total-timesteps, the last episode's return and the world model's mean loss since the last status line
+    (read from the device sums then: the line's one host transfer), printed and under `status/*` in TensorBoard."""
+    args, step, updates = run.args, run.step, run.counters["updates"]
+    if run.status.tick(step, updates):
+        run.status.emit(
+            step,
+            updates,
+            remaining_steps=args.total_timesteps - step,
+            last_return=run.last_return,
+            loss=run.update_log.recent("losses/world_model"),
+            progress=f"step {step:,}/{args.total_timesteps:,}",
+        )
+
+
 def finish(run: Run) -> None:
     """The end of training: the final checkpoint (--save-model) and the memory probes' verdict."""
     if run.args.save_model:
@@ -5953,8 +6153,9 @@ def main(args: Args) -> dict:
 def guarded(run: Run, envs):
     """The loop's guard: SIGINT and SIGTERM are recorded from here on (and read at the top of the loop); an
     out-of-memory error gets a report, a checkpoint and exit 3; any other error a checkpoint, then its traceback; and
-    whatever happens the snapshots, envs, TensorBoard and wandb are closed."""
-    with run.stop:
+    whatever happens the snapshots, envs, TensorBoard and wandb are closed. While it runs, a status line comes at
+    least every 30 s, also while an update outlasts that (`mu.StatusLine.keep_alive`)."""
+    with run.stop, run.status.keep_alive():
         try:
             yield
         except torch.OutOfMemoryError as exc:

@@ -175,9 +175,10 @@ def training_curve(returns: dict[int, float], bin_steps: int) -> list[dict]:
     ]
 
 
-def prove(args: Args) -> dict:
-    torch.set_num_threads(args.threads)
-    train_args = da.Args(
+def training_args(args: Args) -> da.Args:
+    """The dreamer_atari.py run the proof trains (`dreamer_atari.CATCH_ON_CPU`, which the script's preflight names
+    on a CPU, is this run's learning configuration)."""
+    return da.Args(
         **PROOF_ARGS,
         seed=args.seed,
         total_timesteps=args.total_timesteps,
@@ -195,6 +196,11 @@ def prove(args: Args) -> dict:
         save_model=True,
         exp_name="learning_proof",
     )
+
+
+def prove(args: Args) -> dict:
+    torch.set_num_threads(args.threads)
+    train_args = training_args(args)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
