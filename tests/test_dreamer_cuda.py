@@ -77,7 +77,7 @@ def test_cuda_a_change_to_acting_or_sampling_takes_effect_on_the_captured_path(t
         ),
     )
     module = changed_copy(tmp_path, monkeypatch, *counted)
-    args = tiny_catch(module, total_timesteps=60)
+    args = tiny_catch(module, total_timesteps=60, preallocate=False)  # the preflight times acting too
     counters = module.main(args)
     assert module.CALLS.count("act") == args.total_timesteps - args.learning_starts
     assert module.CALLS.count("sample") >= counters["updates"] > 0

@@ -194,8 +194,24 @@ def test_a_dqn_run_says_its_status_every_30_seconds_and_logs_it(tmp_path, monkey
     the episode's length, and the same figures under status/* in TensorBoard."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(mu.StatusLine, "clock", staticmethod(FakeClock(1.0)))
-    made, made_by = [], {}  # the updates; how many by each agent step
-    monkeypatch.setattr(dqn, "update", lambda *a, **k: made.append(1) or UPDATE(*a, **k))
+    made, made_by, starting = (
+        [],
+        {},
+        [],
+    )  # the training updates; how many by each agent step; in the preallocation
+    monkeypatch.setattr(
+        dqn, "update", lambda *a, **k: (None if starting else made.append(1)) or UPDATE(*a, **k)
+    )
+    real_preallocate = dqn.preallocate
+
+    def preallocate(*a, **k):  # its one update, on a dummy batch, is undone: not a training update
+        starting.append(1)
+        try:
+            return real_preallocate(*a, **k)
+        finally:
+            starting.clear()
+
+    monkeypatch.setattr(dqn, "preallocate", preallocate)
     monkeypatch.setattr(
         dqn, "say_status", lambda run, step: made_by.update({step: len(made)}) or SAY(run, step)
     )
