@@ -3412,12 +3412,12 @@ class FusedObserve(FastObserve):
 def fused_scan_problem(rssm: RSSM, args: "Args") -> str | None:
     """Why --fused-scan cannot run this run's observe scan (said in one line: the fast observe runs instead), or
     None."""
-    if type(rssm.gru) is not LayerNormGRUCell or hand_written_backward_problem(rssm):
-        return f"its kernels compute the LayerNorm GRU, and --model {args.model}'s cell is {type(rssm.gru).__name__}"
     if rssm.classes == 0:
         return "its kernels draw categorical latents, and --stochastic-classes 0 makes them Gaussian"
     if args.observe_backward != "hand-written":
         return "its backward is the hand-written one, and --observe-backward is autograd"
+    if type(rssm.gru) is not LayerNormGRUCell or hand_written_backward_problem(rssm):
+        return f"its kernels compute the LayerNorm GRU, and --model {args.model}'s cell is {type(rssm.gru).__name__}"
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -3430,14 +3430,14 @@ def fused_scan_problem(rssm: RSSM, args: "Args") -> str | None:
 FUSED_SCAN_DEVICES = {"cuda"}
 
 
-def fused_observe(rssm: RSSM, args: "Args") -> FastObserve:
+def fused_observe(rssm: RSSM, args: "Args", fast: FastObserve) -> FastObserve:
     """The observe a run with --fused-scan trains with on a device of `FUSED_SCAN_DEVICES` (`speed_up_agent`):
-    `FusedObserve`, or the fast observe with one line saying why not."""
+    `FusedObserve`, or `fast` (the fast observe) with one line saying why not."""
     problem = fused_scan_problem(rssm, args)
     if problem is None:
         return FusedObserve(rssm)
     print(f"--fused-scan does not apply: {problem}; the fast observe (FastObserve) runs instead")
-    return FastObserve(rssm, hand_written_backward=args.observe_backward == "hand-written")
+    return fast
 
 
 def clear_draws(reference: RSSM, inputs: tuple) -> tuple:
@@ -4314,8 +4314,8 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
             )
             hand_written = False
         agent.observe = FastObserve(wm.rssm, hand_written_backward=hand_written)
-        if hand_written and args.fused_scan and device.type in FUSED_SCAN_DEVICES:
-            agent.observe = fused_observe(wm.rssm, args)
+        if args.fused_scan and device.type in FUSED_SCAN_DEVICES:
+            agent.observe = fused_observe(wm.rssm, args, agent.observe)
     if args.fast_imagine:
         agent.imagine = FastImagine()
     if args.fast_decoder and device.type == "cpu" and isinstance(wm.decoder, AtariConvDecoder):

@@ -62,7 +62,7 @@ def odd_rssm() -> da.RSSM:
     """A float64 RSSM whose sizes are no powers of two (embed 7, 3 actions, deter 6, 3 latents of 5 classes, hidden
     5), every parameter moved off its initial value, the initial state learned."""
     torch.manual_seed(0)
-    rssm = da.RSSM(7, 3, 6, 3, 5, 5, 0.01, gru=da.LayerNormGRUCell, learned_initial=True).double()
+    rssm = da.RSSM(7, 3, 6, 3, 5, 5, 0.01, da.LayerNormGRUCell, True).double()
     with torch.no_grad():
         for p in rssm.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -190,9 +190,7 @@ def test_the_default_widths_in_float64_and_float32():
     float32 within the tolerance the start-up check allows against the fast observe (its products in full float32)."""
     args = da.Args()
     torch.manual_seed(0)
-    rssm = da.RSSM(
-        4096, NUM_ACTIONS, 512, 32, 32, 512, args.unimix, gru=da.LayerNormGRUCell, learned_initial=True
-    )
+    rssm = da.RSSM(4096, NUM_ACTIONS, 512, 32, 32, 512, args.unimix, da.LayerNormGRUCell, True)
     da.dreamerv3_init_(rssm)
     reference = da.float64_copy(rssm)
     with torch.no_grad():
@@ -331,7 +329,7 @@ def test_cuda_the_compiled_kernels_pass_the_check_and_match_the_fast_observe_at_
     default batch of 16 x 64 against the fast observe in float32 (full-float32 products) within the check's
     tolerance."""
     torch.manual_seed(0)
-    rssm = da.RSSM(4096, NUM_ACTIONS, 512, 32, 32, 512, 0.01, gru=da.LayerNormGRUCell, learned_initial=True)
+    rssm = da.RSSM(4096, NUM_ACTIONS, 512, 32, 32, 512, 0.01, da.LayerNormGRUCell, True)
     da.dreamerv3_init_(rssm)
     rssm = rssm.cuda()
     da.check_fused_scan(rssm, "cuda")

@@ -101,7 +101,7 @@ def variant_args(
     if missing:
         return None, f"not available in this version (dreamer_atari.Args has no {', '.join(missing)})"
     if not on_cuda and (
-        overrides.get("cudagraph") or overrides.get("amp") == "fp16" or overrides.get("fused_scan")
+        overrides.get("cudagraph") or overrides.get("precision") == "fp16" or overrides.get("fused_scan")
     ):
         return None, "needs CUDA"
     if not on_cuda and quick and overrides.get("compile"):
@@ -547,7 +547,7 @@ def count_flops(base: da.Args, count_batch: int) -> dict:
     extended to the run's batch, for the training update without compiling and in float32: every variant does the
     same products (compiled, captured, in bf16 or fused)."""
     on_cpu = {key: False for key in ("compile", "fused_scan") if key in ARGS_FIELDS}
-    args = dataclasses.replace(base, batch_size=count_batch, cuda=False, amp="off", **on_cpu)
+    args = dataclasses.replace(base, batch_size=count_batch, cuda=False, precision="float32", **on_cpu)
     started = time.perf_counter()
     flops = update_regions.flops_at(args, base.batch_size, warmup=0)
     return {
@@ -625,11 +625,8 @@ def main() -> None:
         dataclasses.replace(base, buffer_capacity=fill_steps, num_envs=2), fill_steps
     )
     batch = replay.sample(base.batch_size, base.sequence_length)
-    scratch = {
-        key: array.copy() for key, array in batch.items()
-    }  # sampled into, as training samples into its buffers
-    sampling = bench_utils.time_ms(
-        lambda: replay.sample(base.batch_size, base.sequence_length, out=scratch), reps=reps, warmup=1
+    sampling = bench_utils.time_ms(  # as training samples a batch (a fresh copy of its windows)
+        lambda: replay.sample(base.batch_size, base.sequence_length), reps=reps, warmup=1
     )
     result: dict = {
         "machine": bench_utils.machine(),
