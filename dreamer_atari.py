@@ -4239,9 +4239,9 @@ def check_fast_paths(agent: "Agent", args: Args) -> None:
         check_fused_scan(agent.world_model.rssm, agent.device)
     if isinstance(agent.imagine, FastImagine):
         check_fast_imagine(agent)
-    decoder_layers = getattr(agent.world_model.decoder, "net", [None])
-    if isinstance(decoder_layers[-1], SubpixelTransposedConv):
-        check_subpixel_decoder(decoder_layers[-1])
+    for layer in agent.world_model.decoder.modules():
+        if isinstance(layer, SubpixelTransposedConv):
+            check_subpixel_decoder(layer)
     if isinstance(agent.observe, FastObserve) or isinstance(agent.imagine, FastImagine):
         check_draw(agent.device, compiled=args.compile)
 
@@ -4318,8 +4318,12 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
             agent.observe = fused_observe(wm.rssm, args, agent.observe)
     if args.fast_imagine:
         agent.imagine = FastImagine()
-    if args.fast_decoder and device.type == "cpu" and isinstance(wm.decoder, AtariConvDecoder):
-        wm.decoder.net[-1] = SubpixelTransposedConv.sharing(wm.decoder.net[-1])
+    if args.fast_decoder and device.type == "cpu" and type(wm.decoder) is AtariConvDecoder:
+        # its output layer, by type: the decoder's last transposed convolution
+        last = [name for name, layer in wm.decoder.net.named_children() if type(layer) is nn.ConvTranspose2d][
+            -1
+        ]
+        setattr(wm.decoder.net, last, SubpixelTransposedConv.sharing(getattr(wm.decoder.net, last)))
     if args.channels_last:
         wm.encoder.to(memory_format=torch.channels_last)
         wm.decoder.to(memory_format=torch.channels_last)

@@ -137,3 +137,13 @@ def test_no_part_defines_again_a_name_another_defines():
     part_1, part_2, part_3 = (defined_names(part) for part in parts("dreamer_atari.py"))
     again = sorted(((part_1 & part_2) | (part_1 & part_3) | (part_2 & part_3)) - {"Args"})
     assert not again, f"dreamer_atari.py defines {', '.join(again)} in two parts"
+
+
+def test_the_speed_part_reaches_the_algorithms_layers_by_name_not_by_position():
+    """`rssm.img_in.linear`, not `rssm.img_in[0]`: a layer added to a Sequential in Part 1 moves every later position,
+    and a fast path that indexes by position would silently read another layer."""
+    _, part_2, _ = parts("dreamer_atari.py")
+    indexed = re.findall(
+        r"\.(?:img_in|prior_net|posterior_net|net|encoder|decoder|reward_head|continue_head)\[", part_2
+    )
+    assert not indexed, f"Part 2 indexes Part 1's layers by position: {indexed}"
