@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import itertools
 import json
 import math
 import os
@@ -144,6 +145,19 @@ def agent_params(agent) -> dict:
         "params_critic": bench_utils.param_count(agent.critic),
         "params_total": bench_utils.param_count(agent.world_model, agent.actor, agent.critic),
     }
+
+
+def biases_before_norms(*modules: torch.nn.Module) -> int:
+    """Parameters in the biases of linear layers that a LayerNorm follows directly (in a Sequential): the norm's
+    own shift makes them redundant, and SheepRL's layers leave them out."""
+    total = 0
+    for module in modules:
+        for block in module.modules():
+            if isinstance(block, torch.nn.Sequential):
+                for layer, after in itertools.pairwise(block.children()):
+                    if isinstance(layer, torch.nn.Linear) and isinstance(after, torch.nn.LayerNorm):
+                        total += 0 if layer.bias is None else layer.bias.numel()
+    return total
 
 
 def sampling_evenness(replay: da.EpisodeReplay, batch_size: int, sequence_length: int, batches: int) -> dict:
@@ -330,20 +344,31 @@ def cmd_trials(names: list[str], reps: int) -> dict:
     return {"trials": results, "trial_batch": f"B{args.batch_size} x T{args.sequence_length}"}
 
 
-def cmd_serve(image_size: int, decoder_mid_channels: int | None = None) -> None:
-    """The seed model at `--image-size` (and `--decoder-mid-channels` where given), one update per `update` line
-    on stdin (see bench_utils.alternate_updates)."""
-    model = {} if decoder_mid_channels is None else {"decoder_mid_channels": decoder_mid_channels}
-    args = seed_args(buffer_capacity=3_000, image_size=image_size, **model)
+def serve_args(model: str, image_size: int, decoder_mid_channels: int | None = None) -> da.Args:
+    """What `serve` updates: the seed model at `image_size` (and `decoder_mid_channels` where given), or, for
+    `dreamerv3`, the script's defaults (DreamerV3 size S on 64x64 colour frames, batch 16 x 64) as they are."""
+    if model == "dreamerv3":
+        return dataclasses.replace(da.Args(), cuda=torch.cuda.is_available(), buffer_capacity=3_000)
+    sizes = {} if decoder_mid_channels is None else {"decoder_mid_channels": decoder_mid_channels}
+    return seed_args(buffer_capacity=3_000, image_size=image_size, **sizes)
+
+
+def cmd_serve(model: str, image_size: int, decoder_mid_channels: int | None = None) -> None:
+    """`serve_args`' model, one update per `update` line on stdin (see bench_utils.alternate_updates)."""
+    args = serve_args(model, image_size, decoder_mid_channels)
     replay, obs_shape, num_actions = fill_replay(args, 3_000)
     batch = replay.sample(args.batch_size, args.sequence_length)
     torch.manual_seed(args.seed)
     agent = fast_agent(args, obs_shape, num_actions, "cpu")
     info = {
         **agent_params(agent),
-        "image_size": image_size,
+        "params_biases_before_norms": biases_before_norms(agent.world_model, agent.actor, agent.critic),
+        "image_size": args.image_size,
         "obs": f"{tuple(batch['obs'].shape)} uint8",
         "decoder_mid_channels": args.decoder_mid_channels,
+        "model": {k: getattr(args, k) for k in da.MODEL_FLAGS},
+        "precision": args.precision,
+        "fused_adam": bool(agent.world_model_optimizer.defaults.get("fused")),
         "update_includes": "world model (batch to float on the device included), actor and critic updates, "
         "slow-critic EMA, on one sampled batch",
     }
@@ -595,6 +620,12 @@ def main() -> None:
     parser.add_argument(
         "--parts", nargs="+", default=["amp", "loop"], choices=["amp", "loop"], help="gpu: which parts"
     )
+    parser.add_argument(
+        "--model",
+        choices=["nature", "dreamerv3"],
+        default="nature",
+        help="serve: the seed model (nature) or the script's defaults as they are (dreamerv3, size S)",
+    )
     parser.add_argument("--image-size", type=int, default=84, help="serve: frame side of the seed model")
     parser.add_argument(
         "--decoder-mid-channels", type=int, help="serve: channels of the decoder's bottleneck"
@@ -627,7 +658,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.command == "serve":
-        return cmd_serve(args.image_size, args.decoder_mid_channels)
+        return cmd_serve(args.model, args.image_size, args.decoder_mid_channels)
     if args.out is None:
         parser.error("--out is required")
     if args.command == "measure":
