@@ -1145,6 +1145,7 @@ def train_one_seed(run) -> str:
                 target_network.load_state_dict(q_network.state_dict())
             # memory: the stage probes, allocator snapshots, the memory report and the leak check, when due
             run.watch_memory(global_step)
+            run.say_status(global_step)  # every 30 s: rates, ETA, the last return and TD loss
 
         # TRY NOT TO MODIFY: the episode's charts, then the periodic greedy test and the time limit
         recent_train_scores = (recent_train_scores + [score])[-args.eval_every_episodes or -1 :]
@@ -1833,6 +1834,13 @@ class Run:
     # where training stands: kept by Part 1's loop, set by `restore`, saved by a checkpoint
     progress: Progress = dataclasses.field(default_factory=lambda: Progress(0, 0, [], False))
     start_time: float = 0.0  # when the loop started (time.time()): steps/s, the time limit
+    # the status line every 30 s (`say_status`), and what it says that the loop's logging saw last
+    status: mu.StatusLine | None = None
+    episodes_done: int = 0
+    episode_end_step: int = 0  # the agent step the last finished episode ended at
+    last_length: int | None = None
+    last_return: float | None = None
+    last_td_loss: float | None = None
 
     @property
     def checkpoint_path(self) -> str:
@@ -1860,6 +1868,10 @@ class Run:
     def watch_memory(self, global_step: int) -> None:
         """`watch_memory` for this run."""
         watch_memory(self, global_step)
+
+    def say_status(self, global_step: int) -> None:
+        """`say_status` for this run."""
+        say_status(self, global_step)
 
     def log_episode(self, episode: int, global_step: int, score: float, length: int, epsilon: float, lr):
         """`log_episode` for this run."""
@@ -2274,6 +2286,9 @@ def instrument(run: Run) -> None:
     if run.device.type == "cuda":
         mu.install_oom_observer(run.run_dir)
     run.leak = mu.LeakDetector(warmup_steps=args.leak_warmup_steps)
+    run.status = mu.StatusLine(
+        run.writer, "td_loss", phase_starts=(args.learning_starts,), say=run.logger.info
+    )
 
 
 def watch_memory(run: Run, global_step: int) -> None:
@@ -2334,7 +2349,10 @@ def out_of_memory_ends_the_run(run: Run, global_step: int):
 def log_update(run: Run, metrics: dict, global_step: int, start_time: float) -> None:
     """`losses/*` of the latest update, and `charts/SPS`."""
     for key, value in metrics.items():  # memory: floats, once per log interval
-        run.writer.add_scalar(key, value.item(), global_step)
+        value = value.item()
+        run.writer.add_scalar(key, value, global_step)
+        if key == "losses/td_loss":
+            run.last_td_loss = value  # for the status line
     run.writer.add_scalar("charts/SPS", global_step / (time.time() - start_time), global_step)
 
 
@@ -2342,6 +2360,8 @@ def log_episode(
     run: Run, episode: int, global_step: int, score: float, length: int, epsilon: float, lr: float
 ):
     """`charts/*` of a finished training episode, and its line on stdout."""
+    run.episodes_done, run.episode_end_step = episode, global_step  # for the status line
+    run.last_length, run.last_return = length, score
     run.writer.add_scalar("charts/episodic_return", score, global_step)
     run.writer.add_scalar("charts/episodic_length", length, global_step)
     run.writer.add_scalar("charts/epsilon", epsilon, global_step)
@@ -2349,6 +2369,39 @@ def log_episode(
     print(
         f"episode={episode} global_step={global_step} score={score:g} epsilon={epsilon:.3f} lr={lr:.3g}",
         flush=True,
+    )
+
+
+def updates_made(args: Args, global_step: int) -> int:
+    """The updates the loop has made by `global_step`: one every `train_frequency` agent steps after
+    `learning_starts`."""
+    if global_step <= args.learning_starts:
+        return 0
+    return global_step // args.train_frequency - args.learning_starts // args.train_frequency
+
+
+def say_status(run: Run, global_step: int) -> None:
+    """Every 30 s of wall time (`mu.StatusLine`): the episode and step, agent steps/s, updates/s, the ETA of the run's
+    end (the episodes left at the last episode's length, or the --time-limit-min left if that comes first), the
+    last episode's score and the last logged TD loss, in train.log and under `status/*` in TensorBoard."""
+    args = run.args
+    updates = updates_made(args, global_step)
+    if not run.status.tick(global_step, updates):
+        return
+    episode_length = run.last_length or (episode_steps(args.step_mul) if args.backend == "builtin" else None)
+    episodes_left = args.num_episodes - run.episodes_done
+    remaining = (
+        episodes_left * episode_length - (global_step - run.episode_end_step) if episode_length else None
+    )
+    time_left = 60 * args.time_limit_min - run.status.elapsed_s() if args.time_limit_min > 0 else None
+    run.status.emit(
+        global_step,
+        updates,
+        remaining_steps=remaining,
+        last_return=run.last_return,
+        loss=run.last_td_loss,
+        progress=f"episode {run.episodes_done + 1:,}/{args.num_episodes:,} step {global_step:,}",
+        time_left_s=time_left,
     )
 
 
@@ -2604,6 +2657,7 @@ def restore(run: Run, state: dict) -> None:
     run, and where its training stood (`run.progress`)."""
     # an interrupted episode starts again; a finished one is followed by the next
     first_episode = state["episode"] + (0 if state["interrupted"] else 1)
+    run.episodes_done, run.episode_end_step = first_episode - 1, state["global_step"]
     run.agent.q_network.load_state_dict(state["q_network"])
     run.agent.target_network.load_state_dict(state["target_network"])
     run.agent.optimizer.load_state_dict(state["optimizer"])

@@ -134,8 +134,8 @@ class Args:
     """two-hot bins (on the symlog scale) of the reward head and the critic"""
 
     # training
-    total_timesteps: int = 1_000_000
-    """total env steps of the experiment"""
+    total_timesteps: int = 100_000
+    """total env steps of the experiment (DreamerV3's Atari100k: 100k env steps of 4 frames)"""
     learning_starts: int = 1_000
     """env steps of random actions that fill the replay before any update (DreamerV3: about 1k)"""
     warmup_steps: int = 0
@@ -188,10 +188,10 @@ class Args:
     """EMA rate with which the slow critic follows the critic each update"""
     max_nonfinite: int = 10
     """stop (with a checkpoint) when this many updates in a row had a non-finite loss or gradient (each is skipped)"""
+    precision: Literal["float32", "bf16", "fp16"] = "float32"
+    """float32 (DreamerV3's Atari100k); bf16 autocast with the observe scan in float32; fp16 (CUDA, loss scaling)"""
 
     # memory
-    amp: Literal["auto", "off", "fp16", "bf16"] = "off"
-    """mixed precision: off (float32, DreamerV3's), bf16, fp16 (CUDA, with loss scaling), auto (fp16 on CUDA)"""
     preallocate: bool = True
     """create optimizer state at start-up with a worst-case batch (fail fast instead of OOM hours later)"""
     abort_on_leak: bool = False
@@ -213,6 +213,9 @@ class Args:
     """the observe scan in fewer kernels, with the backward of --observe-backward; off: `RSSM.observe` as written"""
     observe_backward: Literal["hand-written", "autograd"] = "hand-written"
     """the fast observe's backward: hand-written (47 operations per step instead of 80) or autograd's"""
+    fused_scan: bool = True
+    """CUDA: each step of the fast observe, and of its hand-written backward, as 4 Triton kernels; the LayerNorm GRU
+    with categorical latents, else the fast observe runs (said in one line)"""
     fast_imagine: bool = True
     """imagine without a graph, then the actor once with gradients on all states; off: `imagine` as written"""
     fast_heads: bool = True
@@ -222,7 +225,7 @@ class Args:
     compile: bool = False
     """torch.compile the update's steps, losses, targets and networks (the first updates take longer)"""
     cudagraph: bool = True
-    """CUDA: capture the updates and the policy step in CUDA graphs after 3 eager calls (--amp off or bf16)"""
+    """CUDA: capture the updates and the policy step in CUDA graphs after 3 eager calls (--precision float32, bf16)"""
     tf32: bool = True
     """CUDA: float32 matrix products on TensorFloat-32 tensor cores"""
     channels_last: bool = True
@@ -308,8 +311,7 @@ def make_vector_env(args: Args, run_name: str, seed: int) -> gym.vector.VectorEn
     mode = args.vector_mode if args.vector_mode != "auto" else ("async" if args.num_envs > 1 else "sync")
     autoreset = gym.vector.AutoresetMode.SAME_STEP
     if mode == "async":
-        # the workers ignore Ctrl-C and SIGTERM: on a signal the run checkpoints, then closes them
-        with mu.workers_ignore_stop_signals():
+        with mu.workers_ignore_stop_signals():  # on a signal the run checkpoints, then closes them
             envs = gym.vector.AsyncVectorEnv(fns, autoreset_mode=autoreset)
     else:
         envs = gym.vector.SyncVectorEnv(fns, autoreset_mode=autoreset)
@@ -363,14 +365,8 @@ class Episode:
         """Drop the oldest chunk of an episode still being written (frames and aux in lockstep)."""
         if self.done or len(self.action.chunks) < 2:
             return 0
-        dropped = self.action.drop_front_chunk()
-        for array in (self.reward, self.is_first, self.is_terminal):
-            array.drop_front_chunk()
-        self.frames.drop_front_chunk()  # frames run k - 1 ahead, so step `start` still has its whole stack
-        return dropped
-
-    def arrays(self) -> dict:
-        return {name: getattr(self, name) for name in self.FIELDS}
+        # frames run k - 1 ahead, so step `start` still has its whole stack
+        return [self.columns[name].drop_front_chunk() for name in self.FIELDS][1]  # the steps dropped
 
     def finish(self) -> None:
         self.done = True
@@ -387,8 +383,7 @@ class EpisodeReplay:
 
     def __init__(self, capacity: int, num_envs: int, seed: int, chunk_size: int | None = None):
         self.capacity, self.num_envs = capacity, num_envs
-        # memory: chunks bound the unused tail of an episode being written to one chunk per env (64 steps of colour
-        # frames: 0.79 MB, under 8 bytes per stored step of a 100k-step replay)
+        # memory: an episode being written wastes at most a chunk (64 colour frames: 0.79 MB, 8 B a step of 100k)
         self.chunk_size = chunk_size or int(np.clip(capacity // 64, 16, 64))
         self.episodes: deque[Episode] = deque()  # oldest first
         self.current: list[Episode | None] = [None] * num_envs
@@ -616,9 +611,7 @@ class AtariConvDecoder(nn.Module):
     """(N, F) latent features -> (N, 4, S, S) image mean; NatureCNN reversed (7 -> 9 -> 20 -> 84 at S = 84).
     `output_padding` restores the rows a strided convolution of the encoder dropped (none at 84; 64 needs one)."""
 
-    def __init__(
-        self, feat_dim: int, out_channels: int, base_channels: int, mid_channels: int, image_size: int
-    ):
+    def __init__(self, feat_dim: int, out_channels: int, base_channels: int, mid_channels: int, image_size):
         super().__init__()
         self.mid_channels = mid_channels
         s1, _, self.side = nature_cnn_sizes(image_size)
@@ -673,12 +666,9 @@ class ConvDecoder(nn.Module):
         self.linear = nn.Linear(feat_dim, self.channels * self.side * self.side)
         widths = channels[::-1]  # (256, 128, 64, 32)
         layers = []
-        for previous, current in itertools.pairwise(widths):
-            layers += [
-                nn.ConvTranspose2d(previous, current, 4, 2, 1, bias=False),
-                ChannelNorm(current),
-                nn.SiLU(),
-            ]
+        for previous, current in itertools.pairwise(widths):  # no bias: the LayerNorm after it has one
+            layers += [nn.ConvTranspose2d(previous, current, 4, 2, 1, bias=False), ChannelNorm(current)]
+            layers.append(nn.SiLU())
         layers.append(nn.ConvTranspose2d(widths[-1], out_channels, 4, 2, 1))
         self.net = nn.Sequential(*layers)
 
@@ -946,9 +936,8 @@ class ReturnNormalizer(nn.Module):
 
 
 class Settings:
-    """The numbers the update reads that may change during a run (`settings["gamma"]`), as 0-d tensors changed in
-    place by `set` (a KL warm-up, a learning-rate decay), which a captured or compiled update reads anew; the learning
-    rates are the optimizers' own. `settings["1 - return_lambda"]` and the like are set in double, as from floats."""
+    """The numbers the update reads (`settings["gamma"]`) that a run may change (`set`: a KL warm-up, a learning-rate
+    decay), as 0-d tensors changed in place, which a captured or compiled update reads anew (`1 - x`: in double)."""
 
     # ALGO LOGIC: a number to schedule is one more name here, read as settings["name"] in the update
     NAMES = ("kl_dyn_scale", "kl_rep_scale", "free_nats", "entropy_coef", "gamma", "return_lambda")
@@ -1028,7 +1017,7 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
     slow_critic = Critic(feat_dim, args.hidden_dim, args.reward_bins).to(device)
     slow_critic.load_state_dict(critic.state_dict())
     slow_critic.requires_grad_(False)
-    amp = mu.amp(args.amp, device)
+    amp = mu.amp("off" if args.precision == "float32" else args.precision, device)  # autocast, loss scaling
     # fused Adam: one kernel per step, and it can skip a step on the device (see `clip_and_step`)
     optimizers = {
         name: torch.optim.Adam(
@@ -1131,7 +1120,9 @@ def world_model_loss(agent: Agent, data: dict[str, torch.Tensor], args: Args):
     """Returns (loss, parts: the logged values as named tensors, posterior (deter, stoch) (B, T, ...))."""
     wm, (B, T) = agent.world_model, data["image"].shape[:2]
     embed = wm.encoder(data["image"].flatten(0, 1)).unflatten(0, (B, T))  # (B, T, E)
-    deter, stoch, posterior, prior = agent.observe(embed, data["action"], data["is_first"])
+    # the observe scan in float32 whatever --precision: its steps add up their rounding
+    with torch.autocast(embed.device.type, enabled=False):
+        deter, stoch, posterior, prior = agent.observe(upcast(embed), data["action"], data["is_first"])
     loss, parts = agent.world_model_losses(wm, agent.settings, data, deter, stoch, posterior, prior, args)
     return loss, parts, (deter, stoch)
 
@@ -1345,22 +1336,32 @@ def sample_batch(run) -> dict[str, torch.Tensor]:
     return batch_tensors(run.replay.sample(run.args.batch_size, run.args.sequence_length), run.device)
 
 
-def train(run) -> None:
-    """The updates this env step owes at --train-ratio, one batch at a time: world model, then actor and critic."""
-    args, counters, replay = run.args, run.counters, run.replay
-    step = counters["global_step"] + args.num_envs  # the env step they go with (it runs while they do)
-    if step < args.learning_starts:
-        return
-    if not replay.can_sample(args.sequence_length):
-        return  # the run says so once
+def owed_updates(run) -> int:
+    """The updates this env step owes at --train-ratio (none before learning starts, nor while the replay holds less
+    than a sequence: the run says so), each later on a batch of its own, never sampled all at once to catch up."""
+    args, counters = run.args, run.counters
+    if run.step + args.num_envs < args.learning_starts or not run.replay.can_sample(args.sequence_length):
+        return 0
     counters["updates_owed"] += args.num_envs * args.train_ratio / (args.batch_size * args.sequence_length)
+    owed = 0
     while counters["updates_owed"] >= 1.0:
         counters["updates_owed"] -= 1.0
-        raw = run.sample_batch(run)
+        owed += 1
+    return owed
+
+
+def train(run, owed: int, batch) -> None:
+    """`owed` updates, the first on `batch`, later ones on batches sampled then: world model, then actor and critic."""
+    args, counters = run.args, run.counters
+    behavior = (
+        run.step + args.num_envs >= args.learning_starts + args.warmup_steps
+    )  # the env step they go with
+    for update in range(owed):
+        raw = batch if update == 0 else run.sample_batch(run)
         run.probes("after_sample")
         metrics, healthy, start = run.world_model_step(raw)
         run.update_log.add(metrics, healthy)
-        if step >= args.learning_starts + args.warmup_steps:
+        if behavior:
             behavior_metrics, behavior_healthy = run.behavior_step(start)
             run.update_log.add(behavior_metrics, behavior_healthy)
             healthy = healthy & behavior_healthy
@@ -1379,14 +1380,16 @@ def learn(run, envs) -> None:
     while run.step < args.total_timesteps:
         run.probes("loop_start")  # TRY NOT TO MODIFY: memory probes, and a signal's checkpoint and exit
         run.stop_if_signalled()
+        # ALGO LOGIC: the updates owed, and the first one's batch, sampled before acting (on a GPU while updates run)
+        owed = owed_updates(run)
+        batch = run.sample_batch(run) if owed else None
         # ALGO LOGIC: act: random until learning starts, then the policy (the loop's one sync with a GPU)
         if run.step < args.learning_starts:
             actions = run.rng.integers(run.agent.num_actions, size=args.num_envs)
         else:
             actions = run.player.act(obs, is_first)
-        # ALGO LOGIC: the updates owed, queued before the env step (on a GPU they overlap it). A schedule goes here:
-        # `run.agent.settings.set(name, value)`
-        train(run)
+        # ALGO LOGIC: the updates, before the env step (on a GPU they overlap it); a schedule goes here (settings.set)
+        train(run, owed, batch)
         obs, is_first = step_envs(run, envs, actions)
         run.probes("after_collect")
         run.watch()  # TRY NOT TO MODIFY: videos, log points, checkpoints
@@ -1758,7 +1761,7 @@ class FastObserve:
 
     def backward_through_time_applies(self, embed: torch.Tensor) -> bool:
         """Whether the call takes `ObserveBackwardThroughTime` (its hand-written backward pass): with gradients,
-        categorical latents and no autocast. Gaussian latents (classes 0) and --amp take autograd's backward of
+        categorical latents and no autocast. Gaussian latents (classes 0) and autocast take autograd's backward of
         `observe_loop` (tests/test_dreamer_fast_path.py checks which runs); without gradients both are the loop."""
         return (
             self.hand_written_backward
@@ -2027,6 +2030,1531 @@ class ObserveActivations:
         self.probs = F.softmax(post_out(self.post).unflatten(-1, (S, C)), -1)  # (T, B, S, C)
         self.probs_share = (1 - unimix) * self.probs  # (T, B, S, C)
         self.mixed = self.probs_share + unimix / C  # the posterior's probabilities, as `_stats` computes them
+
+
+# --- The fused observe scan (Triton): an observe step in 4 kernels, its backward step in 4 ----------------------------
+#
+# --fused-scan (CUDA): `FusedObserve` is `FastObserve` whose two per-step functions, `step` (one observe step) and
+# `reverse_step` (one step of `ObserveBackwardThroughTime`'s backward), launch four Triton kernels each, where the
+# fast observe's dispatch about 28 and 15 torch operations (tests/test_dreamer_fused_scan.py counts both). What comes
+# before and after the loops stays `FastObserve`'s and `ObserveBackwardThroughTime`'s (the first layers' shares for
+# all steps, the activations the backward reads, the weight gradients as products over all T x B rows): the kernels
+# compute only what must go step by step.
+#
+# A step is four dependent products, each followed by a LayerNorm over whole rows (or a softmax over a latent's
+# classes), so each kernel is one product: its prologue makes the product's input from the last kernel's output
+# (normalise a row, the GRU's gates), its epilogue does what needs only its own columns. At batch 16 a product has
+# 16 rows, so the work is divided by output columns: each program computes one block of columns for every row,
+# reading whole input rows and its columns of the weight, and the blocks are sized so that the programs fill the
+# GPU's SMs (`scan_blocks`). Two consequences, met the same way in every kernel:
+# - A LayerNorm needs statistics of whole rows, which no program has: each program stores those of its own columns
+#   (forward: the mean and the sum of squared deviations M2; backward: the sums of g and g n), and the next kernel
+#   combines them (Chan's formula, exact to rounding: M2 = sum_p M2_p + n_p (mean_p - mean)^2).
+# - The next kernel's prologue makes its whole input row in every program (each needs all of it); where that row is
+#   also an output (deter, the gradients `weight_grads` reads), its chunk k is stored by program k mod programs.
+# The products are broadcast multiply-and-sums rather than `tl.dot`: any float type (float64 for the tests and the
+# checks, on the CPU under TRITON_INTERPRET=1 and on the GPU), full float32 (no TF32), no 16-row minimum. The
+# categorical draw is `one_hot_draw`'s: a float32 CDF of exp(posterior) against the step's uniform.
+
+# Triton's language, imported at the fused scan's first use (`scan_kernels`): importing Triton takes half a second,
+# and a machine without it runs everything else. Until then `tl` serves only the kernels' `tl.constexpr`
+# annotations, which Python reads when it defines them.
+tl = types.SimpleNamespace(constexpr="constexpr")
+
+
+def scan_img_in_kernel(
+    stoch_ptr,
+    first_ptr,
+    first_stride,
+    initial_stoch_ptr,
+    action_in_ptr,
+    action_in_stride,
+    weight_ptr,
+    weight_stride,
+    img_pre_ptr,
+    stats_ptr,
+    B,
+    S,
+    H,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Forward 1 of 4, img_in's product: img_pre = stoch_prev Ws^T + action_in (B, H), this program's block of H's
+    columns; stoch_prev is stoch (B, S), or the initial stoch (S,) where `first` (B,) says an episode starts. With
+    each row's mean and M2 over these columns (stats (2, B, programs))."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_B)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < B
+    col_ok = cols < H
+    ok = row_ok[:, None] & col_ok[None, :]
+    first = tl.load(first_ptr + rows * first_stride, mask=row_ok, other=0) != 0
+    acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=img_pre_ptr.dtype.element_ty)
+    for k in range(0, S, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < S
+        stoch = tl.load(
+            stoch_ptr + rows[:, None] * S + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        initial = tl.load(initial_stoch_ptr + ks, mask=k_ok, other=0.0)
+        stoch = tl.where(first[:, None], initial[None, :], stoch)  # (BLOCK_B, BLOCK_K)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        weight = tl.load(weight_ptr + cols[None, :] * weight_stride + ks[:, None], mask=w_ok, other=0.0)
+        acc += stoch[:, :, None] * weight[None, :, :]  # weight (BLOCK_K, BLOCK_N): Ws[col, k]
+    action_in = tl.load(action_in_ptr + rows[:, None] * action_in_stride + cols[None, :], mask=ok, other=0.0)
+    img_pre = tl.sum(acc, 1) + action_in  # (BLOCK_B, BLOCK_N)
+    tl.store(img_pre_ptr + rows[:, None] * H + cols[None, :], img_pre, mask=ok)
+    programs = tl.num_programs(0)
+    mean = tl.sum(tl.where(ok, img_pre, 0.0), 1) / tl.sum(col_ok.to(tl.int32), 0)
+    deviation = tl.where(ok, img_pre - mean[:, None], 0.0)
+    tl.store(stats_ptr + rows * programs + pid, mean, mask=row_ok)
+    tl.store(stats_ptr + (B + rows) * programs + pid, tl.sum(deviation * deviation, 1), mask=row_ok)
+
+
+def scan_gru_in_kernel(
+    img_pre_ptr,
+    img_stats_ptr,
+    norm_weight_ptr,
+    norm_bias_ptr,
+    deter_ptr,
+    first_ptr,
+    first_stride,
+    initial_deter_ptr,
+    weight_ptr,
+    constants_ptr,
+    pre_ptr,
+    stats_ptr,
+    B,
+    H,
+    D,
+    IMG_BLOCK,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Forward 2 of 4, the GRU's product: pre = [img, deter_prev] Wg^T (B, 3D) for this program's block of units,
+    their reset, candidate and update columns (j, D + j, 2D + j); img = silu(LayerNorm(img_pre)) with img_in's
+    LayerNorm (its statistics combined from kernel 1's, whose programs took IMG_BLOCK columns each); deter_prev =
+    deter (B, D), or the initial deter where an episode starts. With each row's mean and M2 over this program's
+    3 x BLOCK_N columns (stats (2, B, programs))."""
+    pid = tl.program_id(0)
+    dtype = pre_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_B)
+    units = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < B
+    unit_ok = units < D
+    ok = row_ok[:, None] & unit_ok[None, :]
+    # img_in's LayerNorm statistics from kernel 1's (Chan's formula)
+    producers = tl.cdiv(H, IMG_BLOCK)
+    parts = tl.arange(0, BLOCK_P)
+    part_ok = row_ok[:, None] & (parts < producers)[None, :]
+    counts = tl.where(parts < producers, tl.minimum(H - parts * IMG_BLOCK, IMG_BLOCK), 0).to(dtype)
+    means = tl.load(img_stats_ptr + rows[:, None] * producers + parts[None, :], mask=part_ok, other=0.0)
+    m2s = tl.load(img_stats_ptr + (B + rows[:, None]) * producers + parts[None, :], mask=part_ok, other=0.0)
+    mean = tl.sum(counts[None, :] * means, 1) / H
+    spread = tl.where(part_ok, means - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(m2s + counts[None, :] * spread * spread, 1) / H + tl.load(constants_ptr))
+    first = tl.load(first_ptr + rows * first_stride, mask=row_ok, other=0) != 0
+    reset_acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=dtype)
+    candidate_acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=dtype)
+    update_acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=dtype)
+    for k in range(0, H, BLOCK_K):  # the input's first part: img
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        img = tl.load(img_pre_ptr + rows[:, None] * H + ks[None, :], mask=x_ok, other=0.0)
+        norm_weight = tl.load(norm_weight_ptr + ks, mask=k_ok, other=0.0)
+        norm_bias = tl.load(norm_bias_ptr + ks, mask=k_ok, other=0.0)
+        img = (img - mean[:, None]) * rstd[:, None] * norm_weight[None, :] + norm_bias[None, :]
+        img = tl.where(x_ok, img / (1.0 + tl.exp(-img)), 0.0)  # silu
+        w_ok = k_ok[:, None] & unit_ok[None, :]
+        weight = weight_ptr + units[None, :] * (H + D) + ks[:, None]  # (BLOCK_K, BLOCK_N): Wg[j, k]
+        reset_acc += img[:, :, None] * tl.load(weight, mask=w_ok, other=0.0)[None, :, :]
+        candidate_acc += img[:, :, None] * tl.load(weight + D * (H + D), mask=w_ok, other=0.0)[None, :, :]
+        update_acc += img[:, :, None] * tl.load(weight + 2 * D * (H + D), mask=w_ok, other=0.0)[None, :, :]
+    for k in range(0, D, BLOCK_K):  # its second part: deter_prev
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < D
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        deter = tl.load(deter_ptr + rows[:, None] * D + ks[None, :], mask=x_ok, other=0.0)
+        initial = tl.load(initial_deter_ptr + ks, mask=k_ok, other=0.0)
+        deter = tl.where(first[:, None], initial[None, :], deter)
+        w_ok = k_ok[:, None] & unit_ok[None, :]
+        weight = weight_ptr + units[None, :] * (H + D) + H + ks[:, None]
+        reset_acc += deter[:, :, None] * tl.load(weight, mask=w_ok, other=0.0)[None, :, :]
+        candidate_acc += deter[:, :, None] * tl.load(weight + D * (H + D), mask=w_ok, other=0.0)[None, :, :]
+        update_acc += deter[:, :, None] * tl.load(weight + 2 * D * (H + D), mask=w_ok, other=0.0)[None, :, :]
+    reset = tl.sum(reset_acc, 1)
+    candidate = tl.sum(candidate_acc, 1)
+    update = tl.sum(update_acc, 1)
+    out = pre_ptr + rows[:, None] * 3 * D + units[None, :]
+    tl.store(out, reset, mask=ok)
+    tl.store(out + D, candidate, mask=ok)
+    tl.store(out + 2 * D, update, mask=ok)
+    programs = tl.num_programs(0)
+    mean = tl.sum(tl.where(ok, reset + candidate + update, 0.0), 1) / (3 * tl.sum(unit_ok.to(tl.int32), 0))
+    reset = tl.where(ok, reset - mean[:, None], 0.0)
+    candidate = tl.where(ok, candidate - mean[:, None], 0.0)
+    update = tl.where(ok, update - mean[:, None], 0.0)
+    tl.store(stats_ptr + rows * programs + pid, mean, mask=row_ok)
+    m2 = tl.sum(reset * reset + candidate * candidate + update * update, 1)
+    tl.store(stats_ptr + (B + rows) * programs + pid, m2, mask=row_ok)
+
+
+def scan_gru_out_kernel(
+    pre_ptr,
+    gru_stats_ptr,
+    norm_weight_ptr,
+    norm_bias_ptr,
+    deter_ptr,
+    first_ptr,
+    first_stride,
+    initial_deter_ptr,
+    embed_in_ptr,
+    embed_in_stride,
+    weight_ptr,
+    weight_stride,
+    constants_ptr,
+    deter_out_ptr,
+    post_pre_ptr,
+    stats_ptr,
+    B,
+    D,
+    H,
+    GRU_BLOCK,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Forward 3 of 4, the GRU's gates, then the posterior's product: deter = lerp(deter_prev, tanh(sigmoid(reset)
+    candidate), sigmoid(update - 1)) (B, D) from LayerNorm(pre) (its statistics combined from kernel 2's, whose
+    programs took GRU_BLOCK units each), made whole in every program and stored chunk by chunk; post_pre = deter Wd^T
+    + embed_in (B, H) for this program's block of H's columns, with each row's mean and M2 over them (stats)."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dtype = post_pre_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_B)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < B
+    col_ok = cols < H
+    ok = row_ok[:, None] & col_ok[None, :]
+    # the GRU's LayerNorm statistics over its 3D columns, from kernel 2's (Chan's formula)
+    producers = tl.cdiv(D, GRU_BLOCK)
+    parts = tl.arange(0, BLOCK_P)
+    part_ok = row_ok[:, None] & (parts < producers)[None, :]
+    counts = 3 * tl.where(parts < producers, tl.minimum(D - parts * GRU_BLOCK, GRU_BLOCK), 0).to(dtype)
+    means = tl.load(gru_stats_ptr + rows[:, None] * producers + parts[None, :], mask=part_ok, other=0.0)
+    m2s = tl.load(gru_stats_ptr + (B + rows[:, None]) * producers + parts[None, :], mask=part_ok, other=0.0)
+    mean = tl.sum(counts[None, :] * means, 1) / (3 * D)
+    spread = tl.where(part_ok, means - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(
+        tl.sum(m2s + counts[None, :] * spread * spread, 1) / (3 * D) + tl.load(constants_ptr)
+    )
+    first = tl.load(first_ptr + rows * first_stride, mask=row_ok, other=0) != 0
+    acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=dtype)
+    for k in range(0, D, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < D
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        pre = pre_ptr + rows[:, None] * 3 * D + ks[None, :]
+        reset = (tl.load(pre, mask=x_ok, other=0.0) - mean[:, None]) * rstd[:, None]
+        candidate = (tl.load(pre + D, mask=x_ok, other=0.0) - mean[:, None]) * rstd[:, None]
+        update = (tl.load(pre + 2 * D, mask=x_ok, other=0.0) - mean[:, None]) * rstd[:, None]
+        reset = (
+            reset * tl.load(norm_weight_ptr + ks, mask=k_ok, other=0.0)[None, :]
+            + tl.load(norm_bias_ptr + ks, mask=k_ok, other=0.0)[None, :]
+        )
+        candidate = (
+            candidate * tl.load(norm_weight_ptr + D + ks, mask=k_ok, other=0.0)[None, :]
+            + tl.load(norm_bias_ptr + D + ks, mask=k_ok, other=0.0)[None, :]
+        )
+        update = (
+            update * tl.load(norm_weight_ptr + 2 * D + ks, mask=k_ok, other=0.0)[None, :]
+            + tl.load(norm_bias_ptr + 2 * D + ks, mask=k_ok, other=0.0)[None, :]
+        )
+        candidate = candidate / (1.0 + tl.exp(-reset))  # sigmoid(reset) candidate
+        decay = tl.exp(-2.0 * tl.abs(candidate))
+        candidate = tl.where(candidate >= 0, 1.0, -1.0) * (1.0 - decay) / (1.0 + decay)  # tanh
+        update = 1.0 / (1.0 + tl.exp(1.0 - update))  # sigmoid(update - 1)
+        deter = tl.load(deter_ptr + rows[:, None] * D + ks[None, :], mask=x_ok, other=0.0)
+        initial = tl.load(initial_deter_ptr + ks, mask=k_ok, other=0.0)
+        deter = tl.where(first[:, None], initial[None, :], deter)
+        # torch.lerp(deter, candidate, update), as torch computes it
+        lerp_low = deter + update * (candidate - deter)
+        lerp_high = candidate - (candidate - deter) * (1.0 - update)
+        deter = tl.where(x_ok, tl.where(update < 0.5, lerp_low, lerp_high), 0.0)
+        owner = (ks // BLOCK_K) % programs == pid  # this chunk's program
+        tl.store(deter_out_ptr + rows[:, None] * D + ks[None, :], deter, mask=x_ok & owner[None, :])
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        weight = tl.load(weight_ptr + cols[None, :] * weight_stride + ks[:, None], mask=w_ok, other=0.0)
+        acc += deter[:, :, None] * weight[None, :, :]  # weight (BLOCK_K, BLOCK_N): Wd[col, k]
+    embed_in = tl.load(embed_in_ptr + rows[:, None] * embed_in_stride + cols[None, :], mask=ok, other=0.0)
+    post_pre = tl.sum(acc, 1) + embed_in  # (BLOCK_B, BLOCK_N)
+    tl.store(post_pre_ptr + rows[:, None] * H + cols[None, :], post_pre, mask=ok)
+    mean = tl.sum(tl.where(ok, post_pre, 0.0), 1) / tl.sum(col_ok.to(tl.int32), 0)
+    deviation = tl.where(ok, post_pre - mean[:, None], 0.0)
+    tl.store(stats_ptr + rows * programs + pid, mean, mask=row_ok)
+    tl.store(stats_ptr + (B + rows) * programs + pid, tl.sum(deviation * deviation, 1), mask=row_ok)
+
+
+def scan_posterior_kernel(
+    post_pre_ptr,
+    post_stats_ptr,
+    norm_weight_ptr,
+    norm_bias_ptr,
+    weight_ptr,
+    bias_ptr,
+    noise_ptr,
+    constants_ptr,
+    posterior_ptr,
+    stoch_ptr,
+    B,
+    H,
+    LATENTS,
+    C,
+    POST_BLOCK,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Forward 4 of 4, the posterior of this program's BLOCK_L latents: logits = silu(LayerNorm(post_pre)) Wo^T + bo
+    for their C classes each (the statistics combined from kernel 3's, whose programs took POST_BLOCK columns each),
+    posterior = log((1 - unimix) softmax(logits) + unimix / C) (B, LATENTS, C), and the one-hot sample stoch
+    (B, LATENTS * C) that `one_hot_draw` makes of exp(posterior) with the step's uniforms (B, LATENTS)."""
+    pid = tl.program_id(0)
+    dtype = posterior_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_B)
+    latents = pid * BLOCK_L + tl.arange(0, BLOCK_L)
+    classes = tl.arange(0, BLOCK_C)
+    cols = latents[:, None] * C + classes[None, :]  # (BLOCK_L, BLOCK_C): columns of the flat logits
+    row_ok = rows < B
+    col_ok = (latents < LATENTS)[:, None] & (classes < C)[None, :]
+    ok = row_ok[:, None, None] & col_ok[None, :, :]
+    # the posterior's LayerNorm statistics from kernel 3's (Chan's formula)
+    producers = tl.cdiv(H, POST_BLOCK)
+    parts = tl.arange(0, BLOCK_P)
+    part_ok = row_ok[:, None] & (parts < producers)[None, :]
+    counts = tl.where(parts < producers, tl.minimum(H - parts * POST_BLOCK, POST_BLOCK), 0).to(dtype)
+    means = tl.load(post_stats_ptr + rows[:, None] * producers + parts[None, :], mask=part_ok, other=0.0)
+    m2s = tl.load(post_stats_ptr + (B + rows[:, None]) * producers + parts[None, :], mask=part_ok, other=0.0)
+    mean = tl.sum(counts[None, :] * means, 1) / H
+    spread = tl.where(part_ok, means - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(m2s + counts[None, :] * spread * spread, 1) / H + tl.load(constants_ptr))
+    flat_cols = tl.reshape(cols, [BLOCK_L * BLOCK_C])
+    flat_ok = tl.reshape(col_ok, [BLOCK_L * BLOCK_C])
+    acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_L * BLOCK_C], dtype=dtype)
+    for k in range(0, H, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        post = tl.load(post_pre_ptr + rows[:, None] * H + ks[None, :], mask=x_ok, other=0.0)
+        norm_weight = tl.load(norm_weight_ptr + ks, mask=k_ok, other=0.0)
+        norm_bias = tl.load(norm_bias_ptr + ks, mask=k_ok, other=0.0)
+        post = (post - mean[:, None]) * rstd[:, None] * norm_weight[None, :] + norm_bias[None, :]
+        post = tl.where(x_ok, post / (1.0 + tl.exp(-post)), 0.0)  # silu
+        w_ok = k_ok[:, None] & flat_ok[None, :]
+        weight = tl.load(weight_ptr + flat_cols[None, :] * H + ks[:, None], mask=w_ok, other=0.0)
+        acc += post[:, :, None] * weight[None, :, :]  # weight (BLOCK_K, BLOCK_L * BLOCK_C): Wo[col, k]
+    logits = tl.reshape(tl.sum(acc, 1), [BLOCK_B, BLOCK_L, BLOCK_C])
+    logits = logits + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :, :]
+    logits = tl.where(col_ok[None, :, :], logits, -float("inf"))
+    maximum = tl.where((latents < LATENTS)[None, :], tl.max(logits, 2), 0.0)  # (BLOCK_B, BLOCK_L)
+    exps = tl.where(col_ok[None, :, :], tl.exp(logits - maximum[:, :, None]), 0.0)
+    probs = exps / tl.where(latents < LATENTS, tl.sum(exps, 2), 1.0)[:, :, None]
+    posterior = tl.log(
+        tl.load(constants_ptr + 1) * probs + tl.load(constants_ptr + 2)
+    )  # 1 - unimix, unimix / C
+    out = rows[:, None, None] * LATENTS * C + cols[None, :, :]
+    tl.store(posterior_ptr + out, posterior, mask=ok)
+    # the draw: the first class whose float32 CDF reaches the uniform (the last class takes what rounding leaves)
+    cdf = tl.cumsum(tl.where(ok, tl.exp(posterior), 0.0).to(tl.float32), 2)
+    uniform_ok = row_ok[:, None] & (latents < LATENTS)[None, :]
+    uniform = tl.load(noise_ptr + rows[:, None] * LATENTS + latents[None, :], mask=uniform_ok, other=0.0)
+    below = (cdf < uniform[:, :, None]) & (classes < C - 1)[None, None, :]
+    drawn = tl.sum(below.to(tl.int32), 2)  # (BLOCK_B, BLOCK_L)
+    tl.store(stoch_ptr + out, (classes[None, None, :] == drawn[:, :, None]).to(dtype), mask=ok)
+
+
+def scan_posterior_backward_kernel(
+    stoch_carry_ptr,
+    own_grad_ptr,
+    carried_factor_ptr,
+    probs_ptr,
+    weight_ptr,
+    silu_grad_ptr,
+    post_pre_ptr,
+    mean_ptr,
+    rstd_ptr,
+    norm_weight_ptr,
+    logits_grad_ptr,
+    post_norm_grad_ptr,
+    sums_ptr,
+    B,
+    LATENTS,
+    C,
+    H,
+    BLOCK_B: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Backward 1 of 4, the posterior's head: d probs = own_grad + carried_factor d stoch (d stoch carried from step
+    t + 1), d logits = d probs - probs sum(d probs) per latent (B, LATENTS * C), made whole in every program,
+    BLOCK_L latents at a time (chunk k stored by program k mod programs); d post_norm = (d logits Wo) silu'(post)
+    (B, H) for this program's block of H's columns, with each row's sums of g and g n over them, g = d post_norm
+    times the LayerNorm's weight and n the normalised post_pre (sums (2, B, programs))."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK_B)
+    classes = tl.arange(0, BLOCK_C)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < B
+    col_ok = cols < H
+    ok = row_ok[:, None] & col_ok[None, :]
+    acc = tl.zeros([BLOCK_B, BLOCK_L * BLOCK_C, BLOCK_N], dtype=post_norm_grad_ptr.dtype.element_ty)
+    for latent in range(0, LATENTS, BLOCK_L):
+        latents = latent + tl.arange(0, BLOCK_L)
+        ks = latents[:, None] * C + classes[None, :]  # (BLOCK_L, BLOCK_C): columns of the flat logits
+        k_ok = (latents < LATENTS)[:, None] & (classes < C)[None, :]
+        x_ok = row_ok[:, None, None] & k_ok[None, :, :]
+        offsets = rows[:, None, None] * LATENTS * C + ks[None, :, :]
+        carried = tl.load(carried_factor_ptr + offsets, mask=x_ok, other=0.0)
+        stoch_grad = tl.load(stoch_carry_ptr + offsets, mask=x_ok, other=0.0)
+        probs_grad = tl.load(own_grad_ptr + offsets, mask=x_ok, other=0.0) + carried * stoch_grad
+        probs = tl.load(probs_ptr + offsets, mask=x_ok, other=0.0)
+        logits_grad = probs_grad - probs * tl.sum(probs_grad, 2)[:, :, None]  # the softmax's backward
+        owner = (latents // BLOCK_L) % programs == pid  # this chunk's program
+        tl.store(logits_grad_ptr + offsets, logits_grad, mask=x_ok & owner[None, :, None])
+        flat_ks = tl.reshape(ks, [BLOCK_L * BLOCK_C])
+        w_ok = tl.reshape(k_ok, [BLOCK_L * BLOCK_C])[:, None] & col_ok[None, :]
+        weight = tl.load(weight_ptr + flat_ks[:, None] * H + cols[None, :], mask=w_ok, other=0.0)
+        logits_grad = tl.reshape(logits_grad, [BLOCK_B, BLOCK_L * BLOCK_C])
+        acc += logits_grad[:, :, None] * weight[None, :, :]  # weight (BLOCK_L * BLOCK_C, BLOCK_N): Wo[k, col]
+    hidden = rows[:, None] * H + cols[None, :]
+    post_norm_grad = tl.sum(acc, 1) * tl.load(silu_grad_ptr + hidden, mask=ok, other=0.0)
+    tl.store(post_norm_grad_ptr + hidden, post_norm_grad, mask=ok)
+    mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+    normed = (tl.load(post_pre_ptr + hidden, mask=ok, other=0.0) - mean[:, None]) * rstd[:, None]
+    g = tl.where(ok, post_norm_grad * tl.load(norm_weight_ptr + cols, mask=col_ok, other=0.0)[None, :], 0.0)
+    tl.store(sums_ptr + rows * programs + pid, tl.sum(g, 1), mask=row_ok)
+    tl.store(sums_ptr + (B + rows) * programs + pid, tl.sum(g * normed, 1), mask=row_ok)
+
+
+def scan_posterior_input_backward_kernel(
+    post_norm_grad_ptr,
+    post_sums_ptr,
+    post_pre_ptr,
+    post_mean_ptr,
+    post_rstd_ptr,
+    post_norm_weight_ptr,
+    weight_ptr,
+    weight_stride,
+    deter_carry_ptr,
+    gate_grads_ptr,
+    pre_norm_ptr,
+    gru_mean_ptr,
+    gru_rstd_ptr,
+    gru_norm_weight_ptr,
+    post_pre_grad_ptr,
+    deter_total_ptr,
+    norm_grad_ptr,
+    sums_ptr,
+    B,
+    H,
+    D,
+    PRODUCERS,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Backward 2 of 4, the posterior's LayerNorm and product, and the GRU's gates: d post_pre = rstd (g - mean(g) -
+    n mean(g n)) (B, H) from the sums of kernel 1's PRODUCERS programs, made whole in every program and stored by
+    chunk; d deter = d deter carried + d post_pre Wd (B, D) for this program's block of units; d LayerNorm(pre) =
+    d deter gate_grads (B, 3D) for their reset, candidate and update columns, with each row's sums of g and g n over
+    them (sums (2, B, programs))."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dtype = deter_total_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_B)
+    units = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < B
+    unit_ok = units < D
+    ok = row_ok[:, None] & unit_ok[None, :]
+    parts = tl.arange(0, BLOCK_P)
+    part_ok = row_ok[:, None] & (parts < PRODUCERS)[None, :]
+    sums = post_sums_ptr + rows[:, None] * PRODUCERS + parts[None, :]
+    mean_g = tl.sum(tl.load(sums, mask=part_ok, other=0.0), 1) / H
+    mean_gn = tl.sum(tl.load(sums + B * PRODUCERS, mask=part_ok, other=0.0), 1) / H
+    mean = tl.load(post_mean_ptr + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(post_rstd_ptr + rows, mask=row_ok, other=0.0)
+    acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=dtype)
+    for k in range(0, H, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        hidden = rows[:, None] * H + ks[None, :]
+        g = tl.load(post_norm_grad_ptr + hidden, mask=x_ok, other=0.0)
+        g = g * tl.load(post_norm_weight_ptr + ks, mask=k_ok, other=0.0)[None, :]
+        normed = (tl.load(post_pre_ptr + hidden, mask=x_ok, other=0.0) - mean[:, None]) * rstd[:, None]
+        post_pre_grad = tl.where(x_ok, rstd[:, None] * (g - mean_g[:, None] - normed * mean_gn[:, None]), 0.0)
+        tl.store(
+            post_pre_grad_ptr + hidden,
+            post_pre_grad,
+            mask=x_ok & ((ks // BLOCK_K) % programs == pid)[None, :],
+        )
+        w_ok = k_ok[:, None] & unit_ok[None, :]
+        weight = tl.load(weight_ptr + ks[:, None] * weight_stride + units[None, :], mask=w_ok, other=0.0)
+        acc += post_pre_grad[:, :, None] * weight[None, :, :]  # weight (BLOCK_K, BLOCK_N): Wd[k, j]
+    state = rows[:, None] * D + units[None, :]
+    deter_total = tl.sum(acc, 1) + tl.load(deter_carry_ptr + state, mask=ok, other=0.0)  # all of d deter_t
+    tl.store(deter_total_ptr + state, deter_total, mask=ok)
+    gru_mean = tl.load(gru_mean_ptr + rows, mask=row_ok, other=0.0)
+    gru_rstd = tl.load(gru_rstd_ptr + rows, mask=row_ok, other=0.0)
+    g_sum = tl.zeros([BLOCK_B], dtype=dtype)
+    gn_sum = tl.zeros([BLOCK_B], dtype=dtype)
+    for part in tl.static_range(3):  # reset, candidate, update
+        gate = rows[:, None] * 3 * D + part * D + units[None, :]
+        norm_grad = deter_total * tl.load(gate_grads_ptr + gate, mask=ok, other=0.0)
+        tl.store(norm_grad_ptr + gate, norm_grad, mask=ok)
+        normed = (tl.load(pre_norm_ptr + gate, mask=ok, other=0.0) - gru_mean[:, None]) * gru_rstd[:, None]
+        norm_weight = tl.load(gru_norm_weight_ptr + part * D + units, mask=unit_ok, other=0.0)
+        g = tl.where(ok, norm_grad * norm_weight[None, :], 0.0)
+        g_sum += tl.sum(g, 1)
+        gn_sum += tl.sum(g * normed, 1)
+    tl.store(sums_ptr + rows * programs + pid, g_sum, mask=row_ok)
+    tl.store(sums_ptr + (B + rows) * programs + pid, gn_sum, mask=row_ok)
+
+
+def scan_gru_backward_kernel(
+    norm_grad_ptr,
+    gru_sums_ptr,
+    pre_norm_ptr,
+    gru_mean_ptr,
+    gru_rstd_ptr,
+    gru_norm_weight_ptr,
+    weight_ptr,
+    img_silu_grad_ptr,
+    img_pre_ptr,
+    img_mean_ptr,
+    img_rstd_ptr,
+    img_norm_weight_ptr,
+    state_grad_ptr,
+    deter_total_ptr,
+    deter_grad_prev_ptr,
+    keep_ptr,
+    keep_stride,
+    pre_norm_grad_ptr,
+    img_norm_grad_ptr,
+    deter_prev_grad_ptr,
+    deter_carry_ptr,
+    sums_ptr,
+    B,
+    H,
+    D,
+    PRODUCERS,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Backward 3 of 4, the GRU's LayerNorm and product: d pre = rstd (g - mean(g) - n mean(g n)) (B, 3D) from the
+    sums of kernel 2's PRODUCERS programs, made whole in every program and stored by chunk; d [img, deter_prev] =
+    d pre Wg for this program's block of the H + D columns. Of these, img's: d img_norm = d img silu'(img) (B, H),
+    with each row's sums of g and g n over them (sums (2, B, programs)); deter_prev's: d deter_prev = its part +
+    (1 - update) d deter (B, D), and what is carried to step t - 1, d deter_{t-1} = its output gradient + keep d
+    deter_prev (keep (B,) 0 where step t starts an episode)."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK_B)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < B
+    col_ok = cols < H + D
+    parts = tl.arange(0, BLOCK_P)
+    part_ok = row_ok[:, None] & (parts < PRODUCERS)[None, :]
+    sums = gru_sums_ptr + rows[:, None] * PRODUCERS + parts[None, :]
+    mean_g = tl.sum(tl.load(sums, mask=part_ok, other=0.0), 1) / (3 * D)
+    mean_gn = tl.sum(tl.load(sums + B * PRODUCERS, mask=part_ok, other=0.0), 1) / (3 * D)
+    mean = tl.load(gru_mean_ptr + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(gru_rstd_ptr + rows, mask=row_ok, other=0.0)
+    acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=deter_carry_ptr.dtype.element_ty)
+    for k in range(0, 3 * D, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < 3 * D
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        gates = rows[:, None] * 3 * D + ks[None, :]
+        g = tl.load(norm_grad_ptr + gates, mask=x_ok, other=0.0)
+        g = g * tl.load(gru_norm_weight_ptr + ks, mask=k_ok, other=0.0)[None, :]
+        normed = (tl.load(pre_norm_ptr + gates, mask=x_ok, other=0.0) - mean[:, None]) * rstd[:, None]
+        pre_grad = tl.where(x_ok, rstd[:, None] * (g - mean_g[:, None] - normed * mean_gn[:, None]), 0.0)
+        tl.store(
+            pre_norm_grad_ptr + gates, pre_grad, mask=x_ok & ((ks // BLOCK_K) % programs == pid)[None, :]
+        )
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        weight = tl.load(weight_ptr + ks[:, None] * (H + D) + cols[None, :], mask=w_ok, other=0.0)
+        acc += pre_grad[:, :, None] * weight[None, :, :]  # weight (BLOCK_K, BLOCK_N): Wg[k, col]
+    input_grad = tl.sum(acc, 1)  # (BLOCK_B, BLOCK_N): columns [0, H) are img's, [H, H + D) deter_prev's
+    # img's columns: d img_norm, and this block's sums for img_in's LayerNorm backward
+    img_ok = row_ok[:, None] & (cols < H)[None, :]
+    hidden = rows[:, None] * H + cols[None, :]
+    img_norm_grad = input_grad * tl.load(img_silu_grad_ptr + hidden, mask=img_ok, other=0.0)
+    tl.store(img_norm_grad_ptr + hidden, img_norm_grad, mask=img_ok)
+    img_mean = tl.load(img_mean_ptr + rows, mask=row_ok, other=0.0)
+    img_rstd = tl.load(img_rstd_ptr + rows, mask=row_ok, other=0.0)
+    normed = (tl.load(img_pre_ptr + hidden, mask=img_ok, other=0.0) - img_mean[:, None]) * img_rstd[:, None]
+    norm_weight = tl.load(img_norm_weight_ptr + cols, mask=cols < H, other=0.0)
+    g = tl.where(img_ok, img_norm_grad * norm_weight[None, :], 0.0)
+    tl.store(sums_ptr + rows * programs + pid, tl.sum(g, 1), mask=row_ok)
+    tl.store(sums_ptr + (B + rows) * programs + pid, tl.sum(g * normed, 1), mask=row_ok)
+    # deter_prev's columns: its gradient, and the one carried to the previous step
+    deter_ok = row_ok[:, None] & ((cols >= H) & col_ok)[None, :]
+    state = rows[:, None] * D + (cols - H)[None, :]
+    deter_total = tl.load(deter_total_ptr + state, mask=deter_ok, other=0.0)
+    deter_prev_grad = input_grad + tl.load(state_grad_ptr + state, mask=deter_ok, other=0.0) * deter_total
+    tl.store(deter_prev_grad_ptr + state, deter_prev_grad, mask=deter_ok)
+    keep = tl.load(keep_ptr + rows * keep_stride, mask=row_ok, other=0.0)
+    deter_carry = (
+        tl.load(deter_grad_prev_ptr + state, mask=deter_ok, other=0.0) + keep[:, None] * deter_prev_grad
+    )
+    tl.store(deter_carry_ptr + state, deter_carry, mask=deter_ok)
+
+
+def scan_img_backward_kernel(
+    img_norm_grad_ptr,
+    img_sums_ptr,
+    img_pre_ptr,
+    img_mean_ptr,
+    img_rstd_ptr,
+    img_norm_weight_ptr,
+    weight_ptr,
+    weight_stride,
+    img_pre_grad_ptr,
+    stoch_carry_ptr,
+    B,
+    H,
+    S,
+    PRODUCERS,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Backward 4 of 4, img_in's LayerNorm and product: d img_pre = rstd (g - mean(g) - n mean(g n)) (B, H) from the
+    sums of kernel 3's PRODUCERS programs, made whole in every program and stored by chunk; what is carried to step
+    t - 1's stoch, d stoch = d img_pre Ws (B, S), for this program's block of S's columns."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK_B)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < B
+    col_ok = cols < S
+    parts = tl.arange(0, BLOCK_P)
+    part_ok = row_ok[:, None] & (parts < PRODUCERS)[None, :]
+    sums = img_sums_ptr + rows[:, None] * PRODUCERS + parts[None, :]
+    mean_g = tl.sum(tl.load(sums, mask=part_ok, other=0.0), 1) / H
+    mean_gn = tl.sum(tl.load(sums + B * PRODUCERS, mask=part_ok, other=0.0), 1) / H
+    mean = tl.load(img_mean_ptr + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(img_rstd_ptr + rows, mask=row_ok, other=0.0)
+    acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=stoch_carry_ptr.dtype.element_ty)
+    for k in range(0, H, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        x_ok = row_ok[:, None] & k_ok[None, :]
+        hidden = rows[:, None] * H + ks[None, :]
+        g = tl.load(img_norm_grad_ptr + hidden, mask=x_ok, other=0.0)
+        g = g * tl.load(img_norm_weight_ptr + ks, mask=k_ok, other=0.0)[None, :]
+        normed = (tl.load(img_pre_ptr + hidden, mask=x_ok, other=0.0) - mean[:, None]) * rstd[:, None]
+        img_pre_grad = tl.where(x_ok, rstd[:, None] * (g - mean_g[:, None] - normed * mean_gn[:, None]), 0.0)
+        tl.store(
+            img_pre_grad_ptr + hidden, img_pre_grad, mask=x_ok & ((ks // BLOCK_K) % programs == pid)[None, :]
+        )
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        weight = tl.load(weight_ptr + ks[:, None] * weight_stride + cols[None, :], mask=w_ok, other=0.0)
+        acc += img_pre_grad[:, :, None] * weight[None, :, :]  # weight (BLOCK_K, BLOCK_N): Ws[k, col]
+    tl.store(
+        stoch_carry_ptr + rows[:, None] * S + cols[None, :],
+        tl.sum(acc, 1),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+SCAN_KERNELS = (
+    scan_img_in_kernel,
+    scan_gru_in_kernel,
+    scan_gru_out_kernel,
+    scan_posterior_kernel,
+    scan_posterior_backward_kernel,
+    scan_posterior_input_backward_kernel,
+    scan_gru_backward_kernel,
+    scan_img_backward_kernel,
+)
+_JITTED_SCAN_KERNELS: list[types.SimpleNamespace] = []
+
+
+def triton_interprets() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1 when Triton was imported: on CPU tensors,
+    float64 included, one program after another), as the tests do, rather than compiling them for the GPU."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def scan_kernels() -> types.SimpleNamespace:
+    """The fused scan's kernels by name, made by `triton.jit` at first use (compiled for the GPU, or interpreted:
+    `triton_interprets`). Imports Triton, and registers the operations that launch the kernels (`SCAN_OPS`)."""
+    global tl
+    if not _JITTED_SCAN_KERNELS:
+        import triton
+        import triton.language
+
+        tl = triton.language  # what the kernels' source reads
+        kernels = {}
+        for kernel in SCAN_KERNELS:
+            # not specialised on the batch size and the strides that follow T: the check's calls and the run's
+            # share one compiled kernel
+            arguments = kernel.__code__.co_varnames[: kernel.__code__.co_argcount]
+            varying = [name for name in ("B", "first_stride", "keep_stride") if name in arguments]
+            kernels[kernel.__name__] = triton.jit(kernel, do_not_specialize=varying)
+        _JITTED_SCAN_KERNELS.append(types.SimpleNamespace(**kernels))
+        register_scan_ops()
+    return _JITTED_SCAN_KERNELS[0]
+
+
+@dataclass(frozen=True)
+class ScanBlocks:
+    """How the fused scan's kernels divide their work: `batch` the least BLOCK_B (rows are padded to a power of two
+    at least this); `tile` the elements of a program's product tile (BLOCK_B x BLOCK_K x its columns: a product's
+    chunk BLOCK_K follows, `reduction_block`); and the output columns each program computes: forward `img` (of H), `gru`
+    (units of D, three columns each), `post` (of H), `latents` (of the posterior's, C columns each); backward
+    `logits` (of H), `deter` (units of D), `state` (of H + D), `stoch` (of S)."""
+
+    batch: int
+    tile: int
+    img: int
+    gru: int
+    post: int
+    latents: int
+    logits: int
+    deter: int
+    state: int
+    stoch: int
+
+
+def power_of_two_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def reduction_block(blocks: ScanBlocks, rows: int, columns: int, reduced: int) -> int:
+    """BLOCK_K of a product (rows x reduced) @ (reduced x columns) whose tile holds `blocks.tile` elements: a power of
+    two, at most the reduction's own length."""
+    block = 1
+    while 2 * block * rows * columns <= blocks.tile and block < reduced:
+        block *= 2
+    return block
+
+
+def scan_blocks(H: int, D: int, S: int, latents: int, sms: int | None) -> ScanBlocks:
+    """For an RSSM of hidden width H, deter D, flat stoch S of `latents` latents, on a GPU of `sms` SMs: each
+    kernel's columns in the fewest programs that still give every SM one (at batch 16 a block of 4 columns is 16 x 4
+    outputs, each a sum of 512 to 1,536 products: the default model's kernels run 128 programs on an H100's 132 SMs,
+    the posterior's one latent per program 32), tiles of 2,048 elements (16 registers a thread in 4 warps), and rows
+    padded to 16, so that every batch up to 16 shares one compiled kernel. With `sms` None, for Triton's
+    interpreter, which runs programs one after another at milliseconds of Python per operation: whole rows in one or
+    two programs, and large tiles."""
+    if sms is not None:
+
+        def fill(n: int) -> int:
+            block = 1
+            while -(-n // block) > sms:
+                block *= 2
+            return block
+
+        return ScanBlocks(16, 2048, fill(H), fill(D), fill(H), 1, fill(H), fill(D), fill(H + D), fill(S))
+
+    def whole(n: int) -> int:
+        return min(power_of_two_at_least(n), 1024)
+
+    columns = [whole(n) for n in (H, D, H)] + [power_of_two_at_least(latents)]
+    return ScanBlocks(1, 2**20, *columns, whole(H), whole(D), whole(H + D), whole(S))
+
+
+@dataclass(frozen=True)
+class ScanWeights:
+    """The weights the fused scan's kernels read (`FusedObserve.launch_settings`): the shares of the first layers
+    that the step computes (stoch_weight (H, S) and deter_weight (H, D), their rows strided), then
+    `FastObserve.scan_parameters()` in its order (the LayerNorm GRU's own last)."""
+
+    stoch_weight: torch.Tensor
+    deter_weight: torch.Tensor
+    img_norm_weight: torch.Tensor
+    img_norm_bias: torch.Tensor
+    post_norm_weight: torch.Tensor
+    post_norm_bias: torch.Tensor
+    post_out_weight: torch.Tensor
+    post_out_bias: torch.Tensor
+    gru_weight: torch.Tensor
+    gru_norm_weight: torch.Tensor
+    gru_norm_bias: torch.Tensor
+
+
+def row_stride(x: torch.Tensor) -> int:
+    """The stride between the rows of a per-step tensor x (B, ...) whose rows are each contiguous (a step of a
+    time-major or a batch-major tensor). Another layout is a caller's mistake, not something to copy quietly: the
+    copy would be a kernel that the operation counts do not see."""
+    if not x[0].is_contiguous():
+        raise ValueError(
+            f"the fused scan reads contiguous rows, not a tensor {tuple(x.shape)} of strides {x.stride()}"
+        )
+    return x.stride(0)
+
+
+def contiguous_only(*tensors: torch.Tensor) -> None:
+    """Checks that the tensors are contiguous, as the kernels read them (see `row_stride`)."""
+    for x in tensors:
+        if not x.is_contiguous():
+            raise ValueError(
+                f"the fused scan reads contiguous tensors, not one {tuple(x.shape)} of strides {x.stride()}"
+            )
+
+
+def launch(kernel: str, programs: int, *args, **constants) -> None:
+    """One launch of the fused scan's `kernel` on `programs` programs, through `wrap_triton` (so that the operation
+    around it traces as the kernel itself)."""
+    torch.library.wrap_triton(getattr(scan_kernels(), kernel))[(programs,)](*args, **constants)
+
+
+def rows_block(B: int, blocks: ScanBlocks) -> int:
+    return max(power_of_two_at_least(B), blocks.batch)
+
+
+# The kernels' launches as torch operations, one operation per launch (`torch.library.triton_op`, registered by
+# `register_scan_ops` as torch.ops.dreamer_scan.<name>): a dispatch mode counts each as one, and torch.compile could
+# trace into it. Each returns new tensors; `weights` is a `ScanWeights`, `blocks` a `ScanBlocks`, both as lists.
+
+
+def scan_img_in(
+    stoch: torch.Tensor,
+    first: torch.Tensor,
+    initial_stoch: torch.Tensor,
+    action_in: torch.Tensor,
+    weights: list[torch.Tensor],
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scan_img_in_kernel`: stoch (B, S), first (B, 1) uint8, initial_stoch (1, S), action_in (B, H) -> img_pre
+    (B, H), its per-program statistics (2, B, programs)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    (B, S), H = stoch.shape, w.stoch_weight.shape[0]
+    programs = -(-H // blocks.img)
+    contiguous_only(stoch, initial_stoch)
+    img_pre, stats = stoch.new_empty(B, H), stoch.new_empty(2, B, programs)
+    launch(
+        "scan_img_in_kernel",
+        programs,
+        stoch,
+        first,
+        row_stride(first),
+        initial_stoch,
+        action_in,
+        row_stride(action_in),
+        w.stoch_weight,
+        row_stride(w.stoch_weight),
+        img_pre,
+        stats,
+        B,
+        S,
+        H,
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.img, S),
+        BLOCK_N=blocks.img,
+    )
+    return img_pre, stats
+
+
+def scan_gru_in(
+    img_pre: torch.Tensor,
+    img_stats: torch.Tensor,
+    deter: torch.Tensor,
+    first: torch.Tensor,
+    initial_deter: torch.Tensor,
+    weights: list[torch.Tensor],
+    constants: torch.Tensor,
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scan_gru_in_kernel`: img_pre (B, H) and its statistics, deter (B, D), first (B, 1) uint8, initial_deter
+    (1, D) -> pre (B, 3D), its per-program statistics (2, B, programs)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    (B, H), D = img_pre.shape, deter.shape[1]
+    programs = -(-D // blocks.gru)
+    contiguous_only(deter, initial_deter, w.gru_weight)
+    pre, stats = img_pre.new_empty(B, 3 * D), img_pre.new_empty(2, B, programs)
+    launch(
+        "scan_gru_in_kernel",
+        programs,
+        img_pre,
+        img_stats,
+        w.img_norm_weight,
+        w.img_norm_bias,
+        deter,
+        first,
+        row_stride(first),
+        initial_deter,
+        w.gru_weight,
+        constants,
+        pre,
+        stats,
+        B,
+        H,
+        D,
+        blocks.img,
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.gru, max(H, D)),
+        BLOCK_N=blocks.gru,
+        BLOCK_P=power_of_two_at_least(img_stats.shape[-1]),
+    )
+    return pre, stats
+
+
+def scan_gru_out(
+    pre: torch.Tensor,
+    gru_stats: torch.Tensor,
+    deter: torch.Tensor,
+    first: torch.Tensor,
+    initial_deter: torch.Tensor,
+    embed_in: torch.Tensor,
+    weights: list[torch.Tensor],
+    constants: torch.Tensor,
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`scan_gru_out_kernel`: pre (B, 3D) and its statistics, deter (B, D), first (B, 1) uint8, initial_deter (1, D),
+    embed_in (B, H) -> the new deter (B, D), post_pre (B, H), its per-program statistics (2, B, programs)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    (B, D), H = deter.shape, embed_in.shape[1]
+    programs = -(-H // blocks.post)
+    contiguous_only(deter, initial_deter)
+    new_deter, post_pre, stats = deter.new_empty(B, D), deter.new_empty(B, H), deter.new_empty(2, B, programs)
+    launch(
+        "scan_gru_out_kernel",
+        programs,
+        pre,
+        gru_stats,
+        w.gru_norm_weight,
+        w.gru_norm_bias,
+        deter,
+        first,
+        row_stride(first),
+        initial_deter,
+        embed_in,
+        row_stride(embed_in),
+        w.deter_weight,
+        row_stride(w.deter_weight),
+        constants,
+        new_deter,
+        post_pre,
+        stats,
+        B,
+        D,
+        H,
+        blocks.gru,
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.post, D),
+        BLOCK_N=blocks.post,
+        BLOCK_P=power_of_two_at_least(gru_stats.shape[-1]),
+    )
+    return new_deter, post_pre, stats
+
+
+def scan_posterior(
+    post_pre: torch.Tensor,
+    post_stats: torch.Tensor,
+    noise: torch.Tensor,
+    weights: list[torch.Tensor],
+    constants: torch.Tensor,
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scan_posterior_kernel`: post_pre (B, H) and its statistics, noise (B, S / C, 1) the step's uniforms ->
+    posterior (B, S / C, C), stoch (B, S)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    (B, H), latents = post_pre.shape, noise.shape[1]
+    classes = w.post_out_weight.shape[0] // latents
+    contiguous_only(noise, w.post_out_weight)
+    posterior, stoch = post_pre.new_empty(B, latents, classes), post_pre.new_empty(B, latents * classes)
+    columns = blocks.latents * power_of_two_at_least(classes)
+    launch(
+        "scan_posterior_kernel",
+        -(-latents // blocks.latents),
+        post_pre,
+        post_stats,
+        w.post_norm_weight,
+        w.post_norm_bias,
+        w.post_out_weight,
+        w.post_out_bias,
+        noise,
+        constants,
+        posterior,
+        stoch,
+        B,
+        H,
+        latents,
+        classes,
+        blocks.post,
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), columns, H),
+        BLOCK_L=blocks.latents,
+        BLOCK_C=power_of_two_at_least(classes),
+        BLOCK_P=power_of_two_at_least(post_stats.shape[-1]),
+    )
+    return posterior, stoch
+
+
+def scan_posterior_backward(
+    stoch_carry: torch.Tensor,
+    own_grad: torch.Tensor,
+    carried_factor: torch.Tensor,
+    probs: torch.Tensor,
+    post_silu_grad: torch.Tensor,
+    post_pre: torch.Tensor,
+    post_mean: torch.Tensor,
+    post_rstd: torch.Tensor,
+    weights: list[torch.Tensor],
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`scan_posterior_backward_kernel`: d stoch carried (B, S), own_grad, carried_factor and probs (B, S / C, C),
+    post_silu_grad and post_pre (B, H), post_mean and post_rstd (B, 1) -> d logits (B, S), d post_norm (B, H),
+    per-program sums (2, B, programs)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    B, latents, classes = probs.shape
+    H = post_pre.shape[1]
+    programs = -(-H // blocks.logits)
+    contiguous_only(
+        stoch_carry, own_grad, carried_factor, probs, post_silu_grad, post_pre, post_mean, post_rstd
+    )
+    logits_grad = probs.new_empty(B, latents * classes)
+    post_norm_grad, sums = probs.new_empty(B, H), probs.new_empty(2, B, programs)
+    launch(
+        "scan_posterior_backward_kernel",
+        programs,
+        stoch_carry,
+        own_grad,
+        carried_factor,
+        probs,
+        w.post_out_weight,
+        post_silu_grad,
+        post_pre,
+        post_mean,
+        post_rstd,
+        w.post_norm_weight,
+        logits_grad,
+        post_norm_grad,
+        sums,
+        B,
+        latents,
+        classes,
+        H,
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_L=reduction_block(
+            blocks, rows_block(B, blocks) * power_of_two_at_least(classes), blocks.logits, latents
+        ),
+        BLOCK_C=power_of_two_at_least(classes),
+        BLOCK_N=blocks.logits,
+    )
+    return logits_grad, post_norm_grad, sums
+
+
+def scan_posterior_input_backward(
+    post_norm_grad: torch.Tensor,
+    post_sums: torch.Tensor,
+    post_pre: torch.Tensor,
+    post_mean: torch.Tensor,
+    post_rstd: torch.Tensor,
+    deter_carry: torch.Tensor,
+    gate_grads: torch.Tensor,
+    pre_norm: torch.Tensor,
+    gru_mean: torch.Tensor,
+    gru_rstd: torch.Tensor,
+    weights: list[torch.Tensor],
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`scan_posterior_input_backward_kernel`: d post_norm (B, H) and its sums, post_pre (B, H), post_mean and
+    post_rstd (B, 1), d deter carried (B, D), the GRU's gate_grads (B, 3, D), pre_norm (B, 3D), mean and rstd
+    (B, 1) -> d post_pre (B, H), d deter (B, D), d LayerNorm(pre) (B, 3D), per-program sums (2, B, programs)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    (B, H), D = post_pre.shape, deter_carry.shape[1]
+    programs = -(-D // blocks.deter)
+    contiguous_only(post_pre, post_mean, post_rstd, deter_carry, gate_grads, pre_norm, gru_mean, gru_rstd)
+    post_pre_grad, deter_total = post_pre.new_empty(B, H), post_pre.new_empty(B, D)
+    norm_grad, sums = post_pre.new_empty(B, 3 * D), post_pre.new_empty(2, B, programs)
+    launch(
+        "scan_posterior_input_backward_kernel",
+        programs,
+        post_norm_grad,
+        post_sums,
+        post_pre,
+        post_mean,
+        post_rstd,
+        w.post_norm_weight,
+        w.deter_weight,
+        row_stride(w.deter_weight),
+        deter_carry,
+        gate_grads,
+        pre_norm,
+        gru_mean,
+        gru_rstd,
+        w.gru_norm_weight,
+        post_pre_grad,
+        deter_total,
+        norm_grad,
+        sums,
+        B,
+        H,
+        D,
+        post_sums.shape[-1],
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.deter, H),
+        BLOCK_N=blocks.deter,
+        BLOCK_P=power_of_two_at_least(post_sums.shape[-1]),
+    )
+    return post_pre_grad, deter_total, norm_grad, sums
+
+
+def scan_gru_backward(
+    norm_grad: torch.Tensor,
+    gru_sums: torch.Tensor,
+    pre_norm: torch.Tensor,
+    gru_mean: torch.Tensor,
+    gru_rstd: torch.Tensor,
+    img_silu_grad: torch.Tensor,
+    img_pre: torch.Tensor,
+    img_mean: torch.Tensor,
+    img_rstd: torch.Tensor,
+    state_grad: torch.Tensor,
+    deter_total: torch.Tensor,
+    deter_grad_prev: torch.Tensor,
+    keep: torch.Tensor,
+    weights: list[torch.Tensor],
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`scan_gru_backward_kernel`: d LayerNorm(pre) (B, 3D) and its sums, pre_norm (B, 3D), the GRU's mean and rstd
+    (B, 1), img_silu_grad and img_pre (B, H), img_mean and img_rstd (B, 1), state_grad (B, D), d deter (B, D),
+    deter_grad_prev (B, D), keep (B, 1) -> d pre (B, 3D), d img_norm (B, H), d deter_prev (B, D), d deter carried to
+    step t - 1 (B, D), per-program sums (2, B, programs)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    (B, H), D = img_pre.shape, state_grad.shape[1]
+    programs = -(-(H + D) // blocks.state)
+    contiguous_only(
+        pre_norm, gru_mean, gru_rstd, img_silu_grad, img_pre, img_mean, img_rstd, state_grad, deter_grad_prev
+    )
+    contiguous_only(w.gru_weight)
+    pre_norm_grad, img_norm_grad = pre_norm.new_empty(B, 3 * D), pre_norm.new_empty(B, H)
+    deter_prev_grad, deter_carry = pre_norm.new_empty(B, D), pre_norm.new_empty(B, D)
+    sums = pre_norm.new_empty(2, B, programs)
+    launch(
+        "scan_gru_backward_kernel",
+        programs,
+        norm_grad,
+        gru_sums,
+        pre_norm,
+        gru_mean,
+        gru_rstd,
+        w.gru_norm_weight,
+        w.gru_weight,
+        img_silu_grad,
+        img_pre,
+        img_mean,
+        img_rstd,
+        w.img_norm_weight,
+        state_grad,
+        deter_total,
+        deter_grad_prev,
+        keep,
+        row_stride(keep),
+        pre_norm_grad,
+        img_norm_grad,
+        deter_prev_grad,
+        deter_carry,
+        sums,
+        B,
+        H,
+        D,
+        gru_sums.shape[-1],
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.state, 3 * D),
+        BLOCK_N=blocks.state,
+        BLOCK_P=power_of_two_at_least(gru_sums.shape[-1]),
+    )
+    return pre_norm_grad, img_norm_grad, deter_prev_grad, deter_carry, sums
+
+
+def scan_img_backward(
+    img_norm_grad: torch.Tensor,
+    img_sums: torch.Tensor,
+    img_pre: torch.Tensor,
+    img_mean: torch.Tensor,
+    img_rstd: torch.Tensor,
+    weights: list[torch.Tensor],
+    blocks: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scan_img_backward_kernel`: d img_norm (B, H) and its sums, img_pre (B, H), img_mean and img_rstd (B, 1) ->
+    d img_pre (B, H), d stoch carried to step t - 1 (B, S)."""
+    w, blocks = ScanWeights(*weights), ScanBlocks(*blocks)
+    (B, H), S = img_pre.shape, w.stoch_weight.shape[1]
+    programs = -(-S // blocks.stoch)
+    contiguous_only(img_pre, img_mean, img_rstd)
+    img_pre_grad, stoch_carry = img_pre.new_empty(B, H), img_pre.new_empty(B, S)
+    launch(
+        "scan_img_backward_kernel",
+        programs,
+        img_norm_grad,
+        img_sums,
+        img_pre,
+        img_mean,
+        img_rstd,
+        w.img_norm_weight,
+        w.stoch_weight,
+        row_stride(w.stoch_weight),
+        img_pre_grad,
+        stoch_carry,
+        B,
+        H,
+        S,
+        img_sums.shape[-1],
+        BLOCK_B=rows_block(B, blocks),
+        BLOCK_K=reduction_block(blocks, rows_block(B, blocks), blocks.stoch, H),
+        BLOCK_N=blocks.stoch,
+        BLOCK_P=power_of_two_at_least(img_sums.shape[-1]),
+    )
+    return img_pre_grad, stoch_carry
+
+
+SCAN_OPS = (
+    scan_img_in,
+    scan_gru_in,
+    scan_gru_out,
+    scan_posterior,
+    scan_posterior_backward,
+    scan_posterior_input_backward,
+    scan_gru_backward,
+    scan_img_backward,
+)
+_SCAN_OPS_REGISTERED: list[bool] = []
+
+
+def register_scan_ops() -> None:
+    """Each of `SCAN_OPS` as torch.ops.dreamer_scan.<name> (once a process)."""
+    if not _SCAN_OPS_REGISTERED:
+        for op in SCAN_OPS:
+            torch.library.triton_op(f"dreamer_scan::{op.__name__}", op, mutates_args=())
+        _SCAN_OPS_REGISTERED.append(True)
+
+
+class FusedObserve(FastObserve):
+    """--fused-scan: `FastObserve` whose step (`fused_step`) and backward step (`fused_reverse_step`) are the fused
+    scan's kernels, four launches each, for the LayerNorm GRU with categorical latents (`fused_scan_problem` says
+    where it does not apply). The same arguments and results as `RSSM.observe` and the hand-written backward, held to
+    them by `check_fused_scan`. Where autograd must record the step (under autocast, which takes autograd's backward
+    of the loop) the step is `observe_step`."""
+
+    def __init__(self, rssm: RSSM, blocks: ScanBlocks | None = None):
+        super().__init__(rssm, hand_written_backward=True)
+        self.blocks = blocks  # None: `scan_blocks` for the device, at the first step
+        self.constants: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> [eps, 1 - unimix, unimix / C]
+        # what `observe_loop` and `ObserveBackwardThroughTime` call at each step (--compile leaves them: kernels)
+        self.step, self.reverse_step = self.fused_step, self.fused_reverse_step
+        scan_kernels()  # Triton imported, the operations registered
+
+    def launch_settings(
+        self, stoch_weight: torch.Tensor, deter_weight: torch.Tensor
+    ) -> tuple[list, list, torch.Tensor]:
+        """The weights (a `ScanWeights`), the blocks and the constants [eps, 1 - unimix, unimix / C] of the weights'
+        dtype and device, each as the operations take them. The constants are made at the first step, outside any
+        CUDA graph's capture (a copy to the device is not allowed inside one)."""
+        if self.blocks is None:
+            (H, S), device = stoch_weight.shape, stoch_weight.device
+            compiled = device.type == "cuda" and not triton_interprets()
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if compiled else None
+            self.blocks = scan_blocks(H, self.rssm.deter_dim, S, self.rssm.stoch_dim, sms)
+        key = (stoch_weight.dtype, stoch_weight.device)
+        if key not in self.constants:
+            rssm = self.rssm
+            # every LayerNorm's eps is NORM_EPS
+            values = [NORM_EPS, 1 - rssm.unimix, rssm.unimix / rssm.classes]
+            self.constants[key] = torch.tensor(values, dtype=stoch_weight.dtype, device=stoch_weight.device)
+        weights = [stoch_weight, deter_weight, *self.scan_parameters()]
+        return weights, list(dataclasses.astuple(self.blocks)), self.constants[key]
+
+    def fused_step(
+        self,
+        deter,
+        stoch,
+        first,
+        initial_deter,
+        initial_stoch,
+        action_in,
+        embed_in,
+        noise,
+        stoch_weight,
+        deter_weight,
+    ):
+        """`observe_step` (the same arguments and results, see there) in four kernel launches, without a graph."""
+        if torch.is_grad_enabled() or torch.is_autocast_enabled(deter.device.type):
+            return self.observe_step(
+                deter,
+                stoch,
+                first,
+                initial_deter,
+                initial_stoch,
+                action_in,
+                embed_in,
+                noise,
+                stoch_weight,
+                deter_weight,
+            )
+        weights, blocks, constants = self.launch_settings(stoch_weight, deter_weight)
+        scan = torch.ops.dreamer_scan
+        first = first.view(torch.uint8)  # (B, 1) as bytes (a view: no kernel)
+        img_pre, img_stats = scan.scan_img_in(stoch, first, initial_stoch, action_in, weights, blocks)
+        pre, gru_stats = scan.scan_gru_in(
+            img_pre, img_stats, deter, first, initial_deter, weights, constants, blocks
+        )
+        deter, post_pre, post_stats = scan.scan_gru_out(
+            pre, gru_stats, deter, first, initial_deter, embed_in, weights, constants, blocks
+        )
+        posterior, stoch = scan.scan_posterior(post_pre, post_stats, noise, weights, constants, blocks)
+        return deter, stoch, posterior
+
+    def fused_reverse_step(
+        self,
+        rssm,
+        gru_step,
+        deter_weight,
+        stoch_weight,
+        deter_carry,
+        stoch_carry,
+        own_grad,
+        carried_factor,
+        probs,
+        post_silu_grad,
+        post_pre,
+        post_mean,
+        post_rstd,
+        img_silu_grad,
+        img_pre,
+        img_mean,
+        img_rstd,
+        deter_grad_prev,
+        keep,
+        gate_grads,
+        pre_norm,
+        gru_mean,
+        gru_rstd,
+        state_grad,
+    ) -> tuple:
+        """`ObserveBackwardThroughTime.reverse_step` (the same arguments and results, see there; the kernels hold the
+        formula of `gru_step`, `LayerNormGRUBackward.step`) in four kernel launches."""
+        weights, blocks, _ = self.launch_settings(stoch_weight, deter_weight)
+        scan = torch.ops.dreamer_scan
+        logits_grad, post_norm_grad, post_sums = scan.scan_posterior_backward(
+            stoch_carry,
+            own_grad,
+            carried_factor,
+            probs,
+            post_silu_grad,
+            post_pre,
+            post_mean,
+            post_rstd,
+            weights,
+            blocks,
+        )
+        post_pre_grad, deter_total, norm_grad, gru_sums = scan.scan_posterior_input_backward(
+            post_norm_grad,
+            post_sums,
+            post_pre,
+            post_mean,
+            post_rstd,
+            deter_carry,
+            gate_grads,
+            pre_norm,
+            gru_mean,
+            gru_rstd,
+            weights,
+            blocks,
+        )
+        pre_norm_grad, img_norm_grad, deter_prev_grad, deter_carry, img_sums = scan.scan_gru_backward(
+            norm_grad,
+            gru_sums,
+            pre_norm,
+            gru_mean,
+            gru_rstd,
+            img_silu_grad,
+            img_pre,
+            img_mean,
+            img_rstd,
+            state_grad,
+            deter_total,
+            deter_grad_prev,
+            keep,
+            weights,
+            blocks,
+        )
+        img_pre_grad, stoch_carry = scan.scan_img_backward(
+            img_norm_grad, img_sums, img_pre, img_mean, img_rstd, weights, blocks
+        )
+        layer_grads = (
+            logits_grad,
+            post_norm_grad,
+            post_pre_grad,
+            img_norm_grad,
+            img_pre_grad,
+            deter_prev_grad,
+        )
+        return deter_carry, stoch_carry, (*layer_grads, norm_grad, pre_norm_grad)
+
+
+def fused_scan_problem(rssm: RSSM, args: "Args") -> str | None:
+    """Why --fused-scan cannot run this run's observe scan (said in one line: the fast observe runs instead), or
+    None."""
+    if rssm.classes == 0:
+        return "its kernels draw categorical latents, and --stochastic-classes 0 makes them Gaussian"
+    if args.observe_backward != "hand-written":
+        return "its backward is the hand-written one, and --observe-backward is autograd"
+    if type(rssm.gru) is not LayerNormGRUCell or hand_written_backward_problem(rssm):
+        return f"its kernels compute the LayerNorm GRU, and --model {args.model}'s cell is {type(rssm.gru).__name__}"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    return None
+
+
+# Where --fused-scan runs: compiled on CUDA. (On the CPU, Triton has only its interpreter, started by
+# TRITON_INTERPRET=1 before Triton is imported: a test's speed, not a run's; tests add "cpu" here.)
+FUSED_SCAN_DEVICES = {"cuda"}
+
+
+def fused_observe(rssm: RSSM, args: "Args", fast: FastObserve) -> FastObserve:
+    """The observe a run with --fused-scan trains with on a device of `FUSED_SCAN_DEVICES` (`speed_up_agent`):
+    `FusedObserve`, or `fast` (the fast observe) with one line saying why not."""
+    problem = fused_scan_problem(rssm, args)
+    if problem is None:
+        return FusedObserve(rssm)
+    print(f"--fused-scan does not apply: {problem}; the fast observe (FastObserve) runs instead")
+    return fast
+
+
+def clear_draws(reference: RSSM, inputs: tuple) -> tuple:
+    """`inputs` (`check_inputs`) with each uniform moved to the middle of the class it draws in `reference.observe`:
+    the same draws, each at least half its class's probability (at least unimix / 2C) from a step of the CDF, where
+    two sums of the same probabilities that round apart could draw different classes."""
+    embed, action, is_first, noise = inputs
+    with torch.no_grad():
+        _, stoch, posterior, _ = reference.observe(*inputs)
+    probs = posterior.exp()  # (B, T, S / C, C)
+    drawn = stoch.unflatten(-1, probs.shape[-2:]).argmax(-1, keepdim=True)  # (B, T, S / C, 1)
+    middle = probs.cumsum(-1).gather(-1, drawn) - probs.gather(-1, drawn) / 2
+    return embed, action, is_first, middle.transpose(0, 1).to(noise.dtype).contiguous()  # (T, B, S / C, 1)
+
+
+def scan_results(observe: FastObserve, inputs: tuple) -> dict[str, torch.Tensor]:
+    """`observe`'s results (`FastObserve.__call__`) and the gradients of `observe_gradients`' loss of them with
+    respect to embed and each parameter of its RSSM, in float64 on the CPU: {"deter", "stoch", "posterior", "prior",
+    "gradient of embed", "gradient of <parameter name>", ...} (zeros where a parameter gets none)."""
+    embed, action, is_first, noise = inputs
+    rssm = observe.rssm
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        weights = [
+            torch.randn(*is_first.shape, n, dtype=torch.float64) for n in (rssm.deter_dim, rssm.stoch_flat)
+        ]
+    weights = [w.to(embed) for w in weights]
+    named = {"embed": embed.detach().requires_grad_(True), **dict(rssm.named_parameters())}
+    results = observe(named["embed"], action, is_first, noise)
+    deter, stoch, posterior, _ = results
+    loss = (deter * weights[0]).sum() + (stoch * weights[1]).sum() + posterior.exp().square().sum()
+    grads = torch.autograd.grad(loss, list(named.values()), allow_unused=True)
+    grads = {
+        f"gradient of {name}": torch.zeros_like(x) if g is None else g
+        for (name, x), g in zip(named.items(), grads)
+    }
+    results = dict(zip(("deter", "stoch", "posterior", "prior"), results))
+    return {name: x.detach().cpu().double() for name, x in (results | grads).items()}
+
+
+def relative_error(ours: torch.Tensor, expected: torch.Tensor) -> float:
+    return (ours - expected).abs().max().item() / max(expected.abs().max().item(), 1e-12)
+
+
+# float32 against float32: the same sums in another order, and a GPU's approximate exp, division and square root
+FUSED_SCAN_FLOAT32_TOLERANCE = 1e-4
+
+
+def check_fused_scan(
+    rssm: RSSM, device, steps: int = 3, tolerance: float = 1e-9, backward_tolerance: float = 1e-8
+) -> None:
+    """The fused scan as the run launches it (its kernels compiled for `device`, or interpreted on the CPU under
+    TRITON_INTERPRET=1), on the run's weights and `check_inputs`' batch of 2 x `steps` (3: a step from the initial
+    state, one from the step before, one from an episode start inside the sequence, the backward across all three);
+    a difference raises FastPathMismatch, naming the kernels and --no-fused-scan. Two comparisons, each catching what
+    the other cannot:
+    - float64 (the same kernels compiled for float64): its results against `RSSM.observe`'s and its gradients against
+      autograd's, also with the GRU saturated (x 8), within 1e-9 and 1e-8 as the other checks, so that a formula
+      changed in the readable code and not in the kernels shows, however small the change;
+    - float32, the run's own precision, against `FastObserve` on the same device with full-float32 products (no
+      TF32), results and gradients within FUSED_SCAN_FLOAT32_TOLERANCE: what the run's kernels compute.
+    Both draw alike: each uniform sits in the middle of the class it draws (`clear_draws`). Milliseconds of GPU time,
+    once Triton has compiled the float64 kernels (seconds, then cached for later runs)."""
+    device = torch.device(device)
+    for scale, weights in ((1.0, "the run's weights"), (8.0, "the run's weights with the GRU's x 8")):
+        reference = float64_copy(rssm, scale)
+        inputs = clear_draws(reference, check_inputs(reference, T=steps))
+        ours = scan_results(
+            FusedObserve(copy.deepcopy(reference).to(device)), tuple(x.to(device) for x in inputs)
+        )
+        with torch.no_grad():
+            expected = dict(zip(("deter", "stoch", "posterior", "prior"), reference.observe(*inputs)))
+        expected |= {
+            name: x
+            for name, x in scan_results(FastObserve(reference, hand_written_backward=False), inputs).items()
+            if "gradient" in name
+        }
+        for name, x in expected.items():
+            error = relative_error(ours[name], x)
+            if not error <= (backward_tolerance if "gradient" in name else tolerance):
+                kernels, launcher, readable = (
+                    (
+                        "scan_posterior_backward_kernel to scan_img_backward_kernel",
+                        "fused_reverse_step",
+                        "autograd",
+                    )
+                    if "gradient" in name
+                    else ("scan_img_in_kernel to scan_posterior_kernel", "fused_step", "RSSM.observe")
+                )
+                raise FastPathMismatch(
+                    f"the fused observe scan (the kernels {kernels}, which FusedObserve.{launcher} launches) gives "
+                    f"another {name} than {readable} on {weights}, in float64 on {device} (relative error "
+                    f"{error:.1e}): carry the change into the kernels, or run with --no-fused-scan."
+                )
+    # float32 on the device: the run's weights, against the fast observe with full-float32 products
+    model = copy.deepcopy(rssm).to(device, torch.float32)
+    inputs = clear_draws(float64_copy(rssm), check_inputs(rssm, T=steps))
+    inputs = tuple(x.to(device, torch.float32) if x.is_floating_point() else x.to(device) for x in inputs)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        ours, expected = scan_results(FusedObserve(model), inputs), scan_results(FastObserve(model), inputs)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    for name, x in expected.items():
+        error = relative_error(ours[name], x)
+        if not error <= FUSED_SCAN_FLOAT32_TOLERANCE:
+            raise FastPathMismatch(
+                f"the fused observe scan (the kernels FusedObserve.fused_step and fused_reverse_step launch) gives "
+                f"another {name} than the fast observe (FastObserve) in float32 on {device} (relative error "
+                f"{error:.1e}, above the {FUSED_SCAN_FLOAT32_TOLERANCE:.0e} that float32 rounding leaves): run with "
+                f"--no-fused-scan."
+            )
 
 
 # --- Imagination and the behaviour heads in fewer, larger kernels -----------------------------------------------------
@@ -2454,7 +3982,8 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
     def compile_(fn):
         return torch.compile(fn, dynamic=False, fullgraph=True, backend=backend, **options)
 
-    if isinstance(agent.observe, FastObserve):
+    # the fused scan's steps are kernels already: left as they are
+    if isinstance(agent.observe, FastObserve) and not isinstance(agent.observe, FusedObserve):
         agent.observe.step = compile_(agent.observe.observe_step)
         agent.observe.reverse_step = compile_(ObserveBackwardThroughTime.reverse_step)
     if isinstance(agent.imagine, FastImagine):
@@ -3132,8 +4661,9 @@ def check_device_frames(run: "Run") -> None:
 def check_fast_paths(agent: "Agent", args: Args) -> None:
     """Each fast path in use against the Part 1 function it replaces, on the weights the run is using: the fast
     observe against `RSSM.observe` and its hand-written backward against autograd (float64 copies, also with the GRU
-    saturated), the fast imagination against `imagine`, the pixel-shuffle decoder layer against the transposed
-    convolution, and the draw they use (`check_draw`, compiled with --compile). Run at start-up, after --resume on the
+    saturated), with --fused-scan its kernels against both on the device (`check_fused_scan`), the fast imagination
+    against `imagine`, the pixel-shuffle decoder layer against the transposed convolution, and the draw they use
+    (`check_draw`, compiled with --compile). Run at start-up, after --resume on the
     loaded weights, and at each periodic and final checkpoint on the live ones; FastPathMismatch names the path and
     the flag that switches it off. About a second on a CPU for the default model, in float64 whatever the device (the
     compiled draw's first check compiles it: seconds more)."""
@@ -3141,13 +4671,15 @@ def check_fast_paths(agent: "Agent", args: Args) -> None:
         check_observe_forward(agent.world_model.rssm)
         if agent.observe.hand_written_backward:
             check_observe_backward(agent.world_model.rssm)
+    if isinstance(agent.observe, FusedObserve):
+        check_fused_scan(agent.world_model.rssm, agent.device)
     if isinstance(agent.imagine, FastImagine):
         check_fast_imagine(agent)
     if isinstance(agent.behavior_losses, FastHeads):
         check_fast_heads(agent, args)
-    decoder_layers = getattr(agent.world_model.decoder, "net", [None])
-    if isinstance(decoder_layers[-1], SubpixelTransposedConv):
-        check_subpixel_decoder(decoder_layers[-1])
+    for layer in agent.world_model.decoder.modules():
+        if isinstance(layer, SubpixelTransposedConv):
+            check_subpixel_decoder(layer)
     if isinstance(agent.observe, FastObserve) or isinstance(agent.imagine, FastImagine):
         check_draw(agent.device, compiled=args.compile)
 
@@ -3220,6 +4752,8 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
             )
             hand_written = False
         agent.observe = FastObserve(wm.rssm, hand_written_backward=hand_written)
+        if args.fused_scan and device.type in FUSED_SCAN_DEVICES:
+            agent.observe = fused_observe(wm.rssm, args, agent.observe)
     if args.fast_imagine:
         if problem := gather_imagine_problem(agent):
             print(f"speed: imagination's products with one-hot latents stay products ({problem})")
@@ -3230,8 +4764,12 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
         )
     elif args.fast_heads:
         agent.behavior_losses = FastHeads(agent.imagine)
-    if args.fast_decoder and device.type == "cpu" and isinstance(wm.decoder, AtariConvDecoder):
-        wm.decoder.net[-1] = SubpixelTransposedConv.sharing(wm.decoder.net[-1])
+    if args.fast_decoder and device.type == "cpu" and type(wm.decoder) is AtariConvDecoder:
+        # its output layer, by type: the decoder's last transposed convolution
+        last = [name for name, layer in wm.decoder.net.named_children() if type(layer) is nn.ConvTranspose2d][
+            -1
+        ]
+        setattr(wm.decoder.net, last, SubpixelTransposedConv.sharing(getattr(wm.decoder.net, last)))
     if args.channels_last:
         wm.encoder.to(memory_format=torch.channels_last)
         wm.decoder.to(memory_format=torch.channels_last)
@@ -3270,7 +4808,7 @@ CHECKPOINT_FORMAT = "dreamer_atari/1"
 
 
 OOM_ADVICE = (
-    "Flags that lower the peak: --amp bf16 (or fp16 on CUDA), a smaller --batch-size or --sequence-length, a "
+    "Flags that lower the peak: --precision bf16, a smaller --batch-size or --sequence-length, a "
     "shorter --imagination-horizon, and PYTORCH_ALLOC_CONF=expandable_segments:True (set by default)."
 )
 
@@ -3298,6 +4836,8 @@ def check_args(args: Args) -> None:
         raise ArgsError(f"--model must be one of {', '.join(MODELS)}, got {args.model!r}.")
     if args.initial_state not in ("learned", "zeros"):
         raise ArgsError(f"--initial-state must be learned or zeros, got {args.initial_state!r}.")
+    if args.precision not in ("float32", "bf16", "fp16"):
+        raise ArgsError(f"--precision must be float32, bf16 or fp16, got {args.precision!r}.")
     if args.observe_backward not in ("hand-written", "autograd"):
         raise ArgsError(
             f"--observe-backward must be hand-written or autograd, got {args.observe_backward!r}."
@@ -3370,9 +4910,9 @@ def check_ranges(args: Args) -> None:
     }.items():
         if not value > 0:
             raise ArgsError(f"{flag} must be greater than 0, got {value}.")
-    # any other number, a flag added to Args too: finite and not negative
+    # any other number, a flag added to Args too: finite and not negative (--gpu-memory-gb: its own check, later)
     for field in dataclasses.fields(args):
-        value = getattr(args, field.name)
+        value = None if field.name == "gpu_memory_gb" else getattr(args, field.name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value < math.inf:
             raise ArgsError(f"--{field.name.replace('_', '-')} must be a number of 0 or more, got {value}.")
 
@@ -3563,8 +5103,8 @@ def open_loop_predictions(
 ) -> tuple[np.ndarray, np.ndarray]:
     """What the world model predicts without looking: it observes the first `context` steps of each replayed
     sequence, then imagines the rest from the real actions (prior samples). Returns (truth, model), each (n, T, S, S)
-    uint8: the newest frame of each stack and the model's reconstruction (steps < context) or prediction of it
-    (colour frames in grey, `grey`).
+    uint8, or (n, T, 3, S, S) when the model reads colour: the newest frame of each stack and the model's
+    reconstruction (steps < context) or prediction of it.
     Past an episode boundary inside a sequence the model cannot know the new episode's frames."""
     wm, rssm = agent.world_model, agent.world_model.rssm
     data = batch_to_device(batch, agent.num_actions, agent.device)
@@ -3586,7 +5126,7 @@ def open_loop_predictions(
     colour = truth.ndim == 5
     newest = model[:, :, -3:] if colour else model[:, :, -1]  # the newest frame's channels
     model = ((newest.float() + 0.5).clamp(0.0, 1.0) * 255).round().to(torch.uint8).cpu().numpy()
-    return (grey(truth), grey(model)) if colour else (truth, model)
+    return truth, model
 
 
 GREY_WEIGHTS = (0.299, 0.587, 0.114)  # ITU-R BT.601, as OpenCV's and ALE's own grey frames
@@ -3598,12 +5138,24 @@ def grey(frames: np.ndarray) -> np.ndarray:
     return np.rint((frames.astype(np.float32) * weights).sum(-3)).clip(0, 255).astype(np.uint8)
 
 
+def grey_frames(frames: np.ndarray) -> np.ndarray:
+    """Open-loop frames in grey: colour ones (n, T, 3, S, S) through `grey`, grey ones (n, T, S, S) as they are."""
+    return grey(frames) if frames.ndim == 5 else frames
+
+
 def open_loop_strip(truth: np.ndarray, model: np.ndarray) -> np.ndarray:
     """(n, T, S, S) truth and model frames -> (T, n * S, 3 * S) uint8: one row per sequence with truth | model |
-    error (grey 128 = no error)."""
-    error = ((model.astype(np.int16) - truth + 256) // 2).astype(np.uint8)
-    rows = np.concatenate([truth, model, error], -1)  # (n, T, S, 3S)
-    return np.ascontiguousarray(rows.transpose(1, 0, 2, 3).reshape(truth.shape[1], -1, rows.shape[-1]))
+    error (grey 128 = no error, from the frames in grey). Colour frames (n, T, 3, S, S) give a colour strip
+    (T, n * S, 3 * S, 3), its error column grey."""
+    error = ((grey_frames(model).astype(np.int16) - grey_frames(truth) + 256) // 2).astype(
+        np.uint8
+    )  # (n, T, S, S)
+    if truth.ndim == 5:  # channels last, the error in all three
+        truth, model = truth.transpose(0, 1, 3, 4, 2), model.transpose(0, 1, 3, 4, 2)  # (n, T, S, S, 3)
+        error = np.repeat(error[..., None], 3, -1)
+    rows = np.concatenate([truth, model, error], 3)  # (n, T, S, 3S) or (n, T, S, 3S, 3)
+    n, T = rows.shape[:2]
+    return np.ascontiguousarray(rows.swapaxes(0, 1).reshape(T, n * rows.shape[2], *rows.shape[3:]))
 
 
 PONG_SCREEN_ROWS, PONG_SCREEN_COLUMNS = 210, 160
@@ -3726,13 +5278,14 @@ def ball_scores(truth: np.ndarray, model: np.ndarray) -> dict[str, float]:
 def open_loop_ball_scores(
     truth: np.ndarray, model: np.ndarray, context: int = OPEN_LOOP_CONTEXT
 ) -> dict[str, float]:
-    """`ball_scores` of open-loop predictions (n, T, S, S), per horizon: the `context` observed frames
-    (`world_model/ball_f1_observed`, `_precision_`, `_recall_`, `_centroid_px_`) and the frames 5 and 10 steps after
-    the last observed one (`world_model/ball_f1_open_loop_5`, `_10`, ...). Beside each F1, its chance level
+    """`ball_scores` of open-loop predictions (n, T, S, S), colour ones in grey, per horizon: the `context` observed
+    frames (`world_model/ball_f1_observed`, `_precision_`, `_recall_`, `_centroid_px_`) and the frames 5 and 10 steps
+    after the last observed one (`world_model/ball_f1_open_loop_5`, `_10`, ...). Beside each F1, its chance level
     (`world_model/ball_f1_chance_observed`, ...): the same model frames scored against the next sequence's truth
     (truth rolled by one along n), so a model that draws a ball where the truth is, and not just anywhere, scores
     well above it (needs n >= 2). A figure with nothing to count, or that the sequences are too short for, is
     left out."""
+    truth, model = grey_frames(truth), grey_frames(model)  # (n, T, S, S): the ball is found in grey
     horizons = {"observed": np.s_[:, :context]}
     for k in OPEN_LOOP_BALL_STEPS:
         if context - 1 + k < truth.shape[1]:
@@ -3762,8 +5315,9 @@ def log_open_loop(
     rng: np.random.Generator,
     num_sequences: int = 4,
 ) -> str:
-    """Open-loop predictions of replayed sequences as an animated GIF: in TensorBoard's image tab (and wandb's
-    media, which syncs it as a video) under `videos/open_loop`, and as `open_loop/step_<N>.gif` in the run dir. On
+    """Open-loop predictions of replayed sequences as an animated GIF (in colour when the model reads colour): in
+    TensorBoard's image tab (and wandb's media, which syncs it as a video) under `videos/open_loop`, and as
+    `open_loop/step_<N>.gif` in the run dir. On
     Pong, beside it, how well the predictions draw the ball (`open_loop_ball_scores`: F1, precision, recall,
     centroid distance and F1's chance level per horizon) over RECALL_SEQUENCES sequences.
     Uses its own random generators, so the training batches and latents that follow are the same with or
@@ -3780,16 +5334,20 @@ def log_open_loop(
     devices = [agent.device] if agent.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(int(rng.integers(2**31)))
-        truth, model = open_loop_predictions(agent, batch)  # (n, T, S, S) uint8
+        truth, model = open_loop_predictions(agent, batch)  # (n, T, S, S) uint8; colour (n, T, 3, S, S)
     if is_pong(args.env_id):
         for key, value in open_loop_ball_scores(truth, model).items():
             writer.add_scalar(key, value, step)
-    frames = open_loop_strip(truth[:num_sequences], model[:num_sequences])  # (T, H, W) uint8
+    # (T, H, W) uint8; colour (T, H, W, 3)
+    frames = open_loop_strip(truth[:num_sequences], model[:num_sequences])
     images = [Image.fromarray(frame) for frame in frames]
     gif = io.BytesIO()
     images[0].save(gif, format="GIF", save_all=True, append_images=images[1:], duration=100, loop=0)
-    height, width = frames.shape[1:]
-    image = Summary.Image(height=height, width=width, colorspace=1, encoded_image_string=gif.getvalue())
+    height, width = frames.shape[1:3]
+    colorspace = 3 if frames.ndim == 4 else 1  # RGB or grey
+    image = Summary.Image(
+        height=height, width=width, colorspace=colorspace, encoded_image_string=gif.getvalue()
+    )
     writer._get_file_writer().add_summary(
         Summary(value=[Summary.Value(tag="videos/open_loop", image=image)]), step
     )
@@ -3815,39 +5373,116 @@ def synthetic_batch(args: Args, obs_shape: tuple) -> dict[str, np.ndarray]:
     }
 
 
+def seconds_since(start: float, device: torch.device) -> float:
+    """Wall time since `start` (time.perf_counter) of the work queued on `device` since then."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def preflight(agent: Agent, args: Args, obs_shape: tuple) -> float:
-    """Create all optimizer state now with a worst-case batch; weights and moments are left untouched. Returns the
-    step's peak in MiB (on CUDA: what it allocated beyond what was allocated before)."""
+    """Create all optimizer state now with a worst-case batch; weights and moments are left untouched. Then say what
+    the whole run takes at the rate of that update (`say_run_time`). Returns the step's peak in MiB (on CUDA: what it
+    allocated beyond what was allocated before)."""
+    seconds = {}  # the worst-case update's parts, timed
 
     def step_fn():
+        start = time.perf_counter()
         batch = synthetic_batch(args, obs_shape)
         data = batch_to_device(batch, agent.num_actions, agent.device, args.channels_last)
         with agent.amp.autocast():
             loss, _, (deter, stoch) = world_model_loss(agent, data, args)
         loss.backward()
+        seconds["world_model"] = seconds_since(start, agent.device)
+        start = time.perf_counter()
         deter, stoch = deter.detach().flatten(0, 1), stoch.detach().flatten(0, 1)  # (B*T, D), (B*T, S)
         states = (deter, stoch, torch.ones(deter.shape[0], device=agent.device))
         with agent.amp.autocast():
             actor_loss, critic_loss, _ = agent.behavior_losses(agent, states, args, update_norm=False)
         (actor_loss + critic_loss).backward()
+        seconds["behavior"] = seconds_since(start, agent.device)
 
     # memory: Adam's moments exist before the first real update (fail now, not hours later); no weight moves.
     # An OOM here goes to main's start-up handler: a report, no checkpoint (nothing is trained yet), exit 3.
     peak_mb = mu.preallocate_optimizer_state(step_fn, agent.optimizers, modules=agent.modules().values())
     if agent.device.type == "cuda":
-        # memory: the step's cached blocks go back to the card (the warm-up updates run on another stream, which
+        # the first pass paid CUDA's one-time costs (kernels loaded, handles made): time a second one, which
+        # draws its own random numbers and leaves no gradient behind
+        with torch.random.fork_rng(devices=[agent.device]):
+            step_fn()
+        for optimizer in agent.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        # memory: the steps' cached blocks go back to the card (the warm-up updates run on another stream, which
         # could not reuse them)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(agent.device)
         print(f"preflight: peak {peak_mb:.0f} MiB, free {free / 2**20:.0f} MiB of {total / 2**20:.0f} MiB")
         if peak_mb > 0.9 * free:
             print(
-                "preflight: little headroom left; --amp fp16, a smaller --batch-size or --sequence-length "
+                "preflight: little headroom left; --precision bf16, a smaller --batch-size or --sequence-length "
                 "help"
             )
     else:
         print(f"preflight: peak {peak_mb:.0f} MiB of host memory for one worst-case update")
+    say_run_time(agent, args, obs_shape, seconds)
     return peak_mb
+
+
+# a run on a CPU longer than this is told how to see learning on this machine in minutes (Catch)
+LONG_CPU_RUN_S = 3600.0
+
+
+def run_seconds(args: Args, world_model_s: float, behavior_s: float, act_s: float) -> float:
+    """The wall time of a whole run at these costs: a world-model update and a behaviour update, each --train-ratio
+    owes, and acting (the policy's step, once per vector step after --learning-starts). The emulator's own time and
+    sampling batches are left out (about 1 ms a Pong step on a CPU core)."""
+    per_step = args.train_ratio / (args.batch_size * args.sequence_length)  # updates per env step
+    trained = max(0, args.total_timesteps - args.learning_starts)  # env steps with the policy and updates
+    behaving = max(0, trained - args.warmup_steps)
+    return trained / args.num_envs * act_s + per_step * (trained * world_model_s + behaving * behavior_s)
+
+
+def time_acting(agent: Agent, args: Args, obs_shape: tuple, repeats: int = 2) -> float:
+    """Seconds of one policy step for --num-envs observations (the fastest of `repeats` after one to warm up), with
+    its own random numbers and a state of its own."""
+    player = Player(agent, args.num_envs)
+    obs = np.zeros((args.num_envs, *obs_shape), np.uint8)
+    is_first = np.ones(args.num_envs, np.bool_)
+    devices = [agent.device] if agent.device.type == "cuda" else []
+    times = []
+    with torch.random.fork_rng(devices=devices):
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            player.act(obs, is_first)  # reads the actions back: synchronised
+            times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def seconds_text(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def say_run_time(agent: Agent, args: Args, obs_shape: tuple, seconds: dict[str, float]) -> None:
+    """One line: the preflight's update and the policy's step as timed here, and the whole run's wall time at that
+    rate; on a CPU, when that is more than LONG_CPU_RUN_S, the same line names the Catch-v0 run that learns here in
+    minutes (timed here too, `catch_seconds`), and the next line gives its command."""
+    act_s = time_acting(agent, args, obs_shape)
+    total_s = run_seconds(args, seconds["world_model"], seconds["behavior"], act_s)
+    per_step = args.train_ratio / (args.batch_size * args.sequence_length)
+    updates = per_step * max(0, args.total_timesteps - args.learning_starts)
+    eager = " (eager; a captured one is faster)" if captures_updates(args, agent.device) else ""
+    line = (
+        f"preflight: an update of {args.batch_size} x {args.sequence_length} takes "
+        f"{seconds_text(seconds['world_model'] + seconds['behavior'])} here{eager} and acting "
+        f"{seconds_text(act_s)} an env step: this run, {args.total_timesteps:,} env steps with {updates:,.0f} "
+        f"updates, takes about {mu.duration_text(total_s)} at that rate"
+    )
+    if agent.device.type == "cpu" and args.env_id != CATCH_ID and total_s > LONG_CPU_RUN_S:
+        line += (
+            f". To see learning on this machine, --env-id Catch-v0 at a small size learns in about "
+            f"{mu.duration_text(catch_seconds())} here:\n  {catch_command()}"
+        )
+    print(line)
 
 
 # --- Memory: a cap on GPU memory (--gpu-memory-gb) --------------------------------------------------------------------
@@ -3856,7 +5491,7 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> float:
 # what would fit instead, said after each part that does not fit under the cap
 MODEL_INSTEAD = "a smaller model (--hidden-dim, --deterministic-dim, --encoder-channels) would fit"
 FRAMES_INSTEAD = "--replay-frames host (or a smaller --buffer-capacity) would fit"
-ACTIVATIONS_INSTEAD = "a smaller --batch-size or --sequence-length, or --amp bf16, would fit"
+ACTIVATIONS_INSTEAD = "a smaller --batch-size or --sequence-length, or --precision bf16, would fit"
 REPORT_INSTEAD = "--video-every 0 (no open-loop reports) would fit"
 
 
@@ -4043,6 +5678,72 @@ def register_catch() -> None:
 
 
 register_catch()
+
+
+# The run that learns Catch-v0 on a CPU in minutes: benchmark/learning_proof.py's configuration, with which seeds 1-10
+# all reached 0.8 of the optimal return (tests/test_learning_proof.py holds the two equal)
+CATCH_ON_CPU = dict(
+    env_id=CATCH_ID,
+    model="nature",
+    continue_mode=False,
+    encoder_channels=(8, 16, 16),
+    embed_dim=64,
+    decoder_base_channels=8,
+    decoder_mid_channels=8,
+    deterministic_dim=64,
+    stochastic_dim=8,
+    stochastic_classes=8,
+    hidden_dim=64,
+    frame_stack=1,
+    image_size=84,
+    batch_size=8,
+    sequence_length=16,
+    imagination_horizon=10,
+    total_timesteps=2_400,
+    learning_starts=300,
+    train_ratio=144.0,
+    world_model_lr=2e-3,
+    actor_lr=3e-4,
+    critic_lr=1e-3,
+    entropy_coef=1e-2,
+)
+
+
+def catch_command() -> str:
+    """The command line of CATCH_ON_CPU: its flags that differ from the defaults of --model nature."""
+    defaults = Args(env_id=CATCH_ID, model=CATCH_ON_CPU["model"])
+    flags = []
+    for name, value in CATCH_ON_CPU.items():
+        if name not in ("env_id", "model") and value == getattr(defaults, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            flags += [flag, *(str(v) for v in (value if isinstance(value, tuple) else (value,)))]
+    return " ".join(["python", os.path.basename(__file__), *flags])
+
+
+def catch_seconds(repeats: int = 1) -> float:
+    """The wall time of CATCH_ON_CPU's run on this machine's CPU (`run_seconds`), from its update and its policy
+    step timed here on a model of its own (two updates: about a second on an idle 2-core CPU), with random numbers
+    of their own."""
+    args = Args(**CATCH_ON_CPU)
+    obs_shape = (args.frame_stack, args.image_size, args.image_size)  # (1, 84, 84)
+    with torch.random.fork_rng(devices=[]):
+        agent = build_agent(args, obs_shape, int(CatchEnv().action_space.n), torch.device("cpu"))
+        speed_up_agent(agent, args)
+        raw = batch_tensors(synthetic_batch(args, obs_shape), agent.device)
+        world_model_s, behavior_s = [], []
+        for _ in range(repeats + 1):  # the first warms up
+            start = time.perf_counter()
+            _, _, states = train_world_model(agent, raw, args)
+            world_model_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            train_behavior(agent, states, args)
+            behavior_s.append(time.perf_counter() - start)
+        act_s = time_acting(agent, args, obs_shape)
+    return run_seconds(args, min(world_model_s[1:]), min(behavior_s[1:]), act_s)
 
 
 # --- Checkpoints ------------------------------------------------------------------------------------------------------
@@ -4279,6 +5980,7 @@ class UpdateLog:
         self.streak = torch.zeros((), device=self.device)  # non-finite updates in a row, now
         self.longest = torch.zeros((), device=self.device)  # the longest such run since the last `pop`
         self.skipped = torch.zeros((), device=self.device)  # non-finite updates since the last `pop`
+        self.seen: dict[str, torch.Tensor] = {}  # key -> (2,): its sum and count at the last `recent`
 
     def add(self, metrics: dict[str, torch.Tensor], healthy: torch.Tensor) -> None:
         """The named 0-d values of one part of an update, and whether that part was healthy (0-d bool)."""
@@ -4311,10 +6013,23 @@ class UpdateLog:
             if count > 0:
                 means.update({key: flat[offset + i] / count for i, key in enumerate(keys)})
             offset += len(keys) + 1
-        self.sums = {}
+        self.sums, self.seen = {}, {}
         self.skipped.zero_()
         self.longest.copy_(self.streak)
         return means, int(flat[-2]), int(flat[-1])
+
+    def recent(self, key: str) -> float | None:
+        """The mean of `key` over the healthy updates since the last call (or the last `pop`), for the status line:
+        one host transfer, every 30 s, never per update. The sums go on to `pop` as they are. None when no healthy
+        update logged it since."""
+        for keys, row in self.sums.items():
+            if key in keys:
+                now = row[[keys.index(key), -1]]  # (2,): the sum and the count (a copy)
+                since = now - self.seen[key] if key in self.seen else now
+                self.seen[key] = now
+                total, count = since.tolist()
+                return total / count if count > 0 else None
+        return None
 
     def state(self) -> dict:
         """The sums since the last log point as plain numbers, for a checkpoint: a run resumed from it logs the
@@ -4325,6 +6040,7 @@ class UpdateLog:
         }
 
     def restore(self, state: dict) -> None:
+        self.seen = {}
         self.sums = {
             tuple(keys.split("|")): torch.tensor(row, device=self.device)
             for keys, row in state["sums"].items()
@@ -4446,6 +6162,7 @@ class Run:
     snapshots: "mu.MemorySnapshots | None" = None
     leak_detector: "mu.LeakDetector | None" = None
     progress: ProgressLine | None = None
+    status: "mu.StatusLine | None" = None
     next_log: int = 0
     next_checkpoint: int | None = None
     next_video: int | None = None
@@ -4478,10 +6195,12 @@ class Run:
             raise SystemExit(self.stop.exit_code)
 
     def watch(self) -> None:
-        """After each env step: the open-loop videos, probes, snapshots and progress line (`diagnose`), a log point
-        every --log-interval env steps, a checkpoint every --checkpoint-every."""
+        """After each env step: the open-loop videos, probes, snapshots and progress line (`diagnose`), the status
+        line every 30 s (`say_status`), a log point every --log-interval env steps, a checkpoint every
+        --checkpoint-every."""
         args = self.args
         diagnose(self)
+        say_status(self)
         if self.step >= self.next_log:
             log_point(self)
         if self.next_checkpoint is not None and self.step >= self.next_checkpoint:
@@ -4499,13 +6218,13 @@ def check_input(args: Args) -> tuple[torch.device, dict | None]:
         check_args(args)
         device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
         try:
-            amp = mu.amp(args.amp, device)
+            amp = mu.amp("off" if args.precision == "float32" else args.precision, device)
         except ValueError as exc:
-            raise ArgsError(f"--amp {args.amp} is not available here: {exc}.")
+            raise ArgsError(f"--precision {args.precision} is not available here: {exc}.")
         if captures_updates(args, device) and amp.dtype == torch.float16:
             raise ArgsError(
-                f"CUDA-graph capture (on by default on CUDA) takes --amp off or bf16, got --amp {args.amp} "
-                f"(fp16's loss scaling is not captured); add --no-cudagraph to run fp16 eagerly."
+                "CUDA-graph capture (on by default on CUDA) takes --precision float32 or bf16, got --precision fp16 "
+                "(fp16's loss scaling is not captured); add --no-cudagraph to run fp16 eagerly."
             )
         if args.compile and args.memory_probes:
             raise ArgsError(
@@ -4712,6 +6431,11 @@ def instrument(run: Run, probes: "mu.StageProbes") -> None:
     run.progress = ProgressLine(
         args.total_timesteps, run.device, phase_starts=(args.learning_starts, behavior_starts)
     )
+    # a phase's rates start at the env step before its first update (`train` runs before the envs step)
+    phase_starts = (args.learning_starts - args.num_envs, behavior_starts - args.num_envs)
+    run.status = mu.StatusLine(
+        run.writer, "world_model_loss", phase_starts=phase_starts, say=run.progress.say
+    )
     run.next_log = (step // args.log_interval + 1) * args.log_interval
     if args.checkpoint_every:
         run.next_checkpoint = (step // args.checkpoint_every + 1) * args.checkpoint_every
@@ -4794,7 +6518,8 @@ def log_point(run: Run) -> None:
         checkpoint(run, "non-finite losses")
         exit_with(
             f"stopping: {longest_skipped_run} updates in a row had a non-finite loss or gradient (each step was "
-            f"skipped, so the checkpoint holds the last finite weights); try --amp off or lower learning rates.",
+            f"skipped, so the checkpoint holds the last finite weights); try --precision float32 or lower learning "
+            f"rates.",
             EXIT_NONFINITE,
         )
     if verdict.abort and args.abort_on_leak:
@@ -4837,6 +6562,22 @@ def say_replay_short(run: Run) -> None:
         )
 
 
+def say_status(run: Run) -> None:
+    """Every 30 s of wall time (`mu.StatusLine`), however slow an update is: the step, env steps/s, updates/s, the
+    ETA to --total-timesteps, the last episode's return and the world model's mean loss since the last status line
+    (read from the device sums then: the line's one host transfer), printed and under `status/*` in TensorBoard."""
+    args, step, updates = run.args, run.step, run.counters["updates"]
+    if run.status.tick(step, updates):
+        run.status.emit(
+            step,
+            updates,
+            remaining_steps=args.total_timesteps - step,
+            last_return=run.last_return,
+            loss=run.update_log.recent("losses/world_model"),
+            progress=f"step {step:,}/{args.total_timesteps:,}",
+        )
+
+
 def finish(run: Run) -> None:
     """The end of training: the final checkpoint (--save-model) and the memory probes' verdict."""
     if run.args.save_model:
@@ -4862,8 +6603,9 @@ def main(args: Args) -> dict:
 def guarded(run: Run, envs):
     """The loop's guard: SIGINT and SIGTERM are recorded from here on (and read at the top of the loop); an
     out-of-memory error gets a report, a checkpoint and exit 3; any other error a checkpoint, then its traceback; and
-    whatever happens the snapshots, envs, TensorBoard and wandb are closed."""
-    with run.stop:
+    whatever happens the snapshots, envs, TensorBoard and wandb are closed. While it runs, a status line comes at
+    least every 30 s, also while an update outlasts that (`mu.StatusLine.keep_alive`)."""
+    with run.stop, run.status.keep_alive():
         try:
             yield
         except torch.OutOfMemoryError as exc:

@@ -8,6 +8,7 @@ Library:
     wait_for_gpu, NvmlProbe              poll free GPU memory (NVML: no CUDA context) with a timeout
     preallocate_optimizer_state          materialise optimizer state up front, changing nothing
     amp                                  autocast + GradScaler set-up for off / fp16 / bf16
+    StatusLine                           a status line every 30 s of wall time (rates, ETA, return, loss)
     StageProbes, MemorySnapshots,
     install_oom_observer,
     write_oom_report                     forensics: where in the loop memory grows, and why an OOM hit
@@ -44,6 +45,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 import zlib
@@ -1517,6 +1519,182 @@ def step_if_healthy(optimizer: torch.optim.Optimizer, healthy: torch.Tensor) -> 
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Progress: a status line by time as well as by steps
+# ---------------------------------------------------------------------------------------------------------
+STATUS_EVERY_S = 30.0  # a run says it is alive at least this often, however slow its steps are
+KEY_STATUS_SPS = "status/env_steps_per_second"
+KEY_STATUS_UPDATES_PER_S = "status/updates_per_second"
+KEY_STATUS_ETA_S = "status/eta_seconds"
+KEY_STATUS_RETURN = "status/episodic_return"
+STATUS_KEY_PREFIX = "status/"  # and the loss the script names: status/world_model_loss, status/td_loss
+
+
+def duration_text(seconds: float) -> str:
+    """A duration as a person says it: '45 s', '12 min', '2.4 h', '3.1 days'."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 36 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+class StatusLine:
+    """One line every `every_s` seconds of wall time (however long an env step or an update takes), printed and
+    written to TensorBoard under `status/*` at the step it was said: the step, env steps/s, updates/s, the ETA of
+    the run's end, the last episode's return and the script's loss. Both training scripts say it alike.
+
+    `tick(step, updates)` is cheap (one clock read): call it every loop iteration; when it returns True, `emit`
+    the line, and only then read what costs a host transfer (a loss summed on the device). Rates are taken over
+    the last `window` lines within the current phase (a phase starts at each of `phase_starts`, such as the end of
+    a random prefill, whose fast steps say nothing of the training rate), and the ETA from them; during the first
+    phase of a run that has phases there is no training rate yet, and the ETA says so. A line due just as a phase
+    begins gives the rates since the previous line, and no ETA. A line comes at the first tick `every_s` after the
+    last; while one loop iteration outlasts that (an update on a slow machine), `keep_alive`'s thread says how long
+    the loop has been busy instead. `clock` (a class attribute, seconds) is what a test replaces with a fake one.
+    """
+
+    clock = staticmethod(time.monotonic)
+
+    def __init__(
+        self,
+        writer=None,
+        loss_name: str = "loss",
+        every_s: float = STATUS_EVERY_S,
+        phase_starts: Iterable[int] = (),
+        window: int = 4,
+        say: Callable[[str], None] = print,
+    ):
+        _require(every_s > 0, f"every_s must be positive, got {every_s!r}")
+        _require(window >= 1, f"window must be at least 1, got {window!r}")
+        self.writer, self.loss_name, self.every_s, self.say = writer, loss_name, every_s, say
+        self.phase_starts = sorted(set(phase_starts))
+        # (time, step, updates) of the window's points, oldest first
+        self.points: deque[tuple[float, int, int]] = deque(maxlen=window)
+        self.phase = -1
+        self.now = 0.0
+        self.started: float | None = None  # the first tick's time
+        # (time, step, updates) of the last line (or the first tick), and of the last tick
+        self.last_line: tuple[float, int, int] | None = None
+        self.last_tick: tuple[float, int, int] | None = None
+        self.last_busy = -math.inf  # when `busy_line` last said something
+
+    def tick(self, step: int, updates: int) -> bool:
+        """Whether a line is due now; a new phase starts its rates from here."""
+        self.now = self.clock()
+        self.last_tick = (self.now, step, updates)
+        if self.started is None:
+            self.started, self.last_line = self.now, self.last_tick
+        phase = sum(step >= start for start in self.phase_starts)
+        if phase != self.phase:
+            self.phase = phase
+            self.points.clear()
+            self.points.append((self.now, step, updates))
+        return self.now - self.last_line[0] >= self.every_s
+
+    def busy_line(self) -> str | None:
+        """The line to say when one loop iteration has run for `every_s` / 6 or more (an update on a slow machine, a
+        checkpoint) and nothing was said for `every_s`: where the loop is and how long it has been busy, from the last
+        tick alone (no device read), so that another thread can say it (`keep_alive`). None when nothing is due."""
+        if self.last_tick is None:
+            return None
+        now = self.clock()
+        then, step, updates = self.last_tick
+        if now - then < self.every_s / 6 or now - max(self.last_line[0], self.last_busy) < self.every_s:
+            return None
+        self.last_busy = now
+        return (
+            f"status: step {step:,}  busy for {duration_text(now - then)} in one loop iteration (an update, a "
+            f"checkpoint); updates so far: {updates:,}"
+        )
+
+    @contextlib.contextmanager
+    def keep_alive(self, poll_s: float = 1.0):
+        """While inside, a thread says `busy_line` when one is due (polled every `poll_s`), so that a line comes at
+        least every `every_s` + `poll_s` also while one iteration outlasts the interval; it stops on the way out."""
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(poll_s):
+                try:
+                    if (line := self.busy_line()) is not None:
+                        self.say(line)
+                except Exception:  # noqa: BLE001 - memory: diagnostics never break training
+                    return
+
+        thread = threading.Thread(target=watch, name="status-line", daemon=True)
+        thread.start()
+        try:
+            yield thread
+        finally:
+            stop.set()
+            thread.join()
+
+    def elapsed_s(self) -> float:
+        """Seconds since the first tick, at the last tick."""
+        return 0.0 if self.started is None else self.now - self.started
+
+    def rates(self, step: int, updates: int, since: tuple[float, int, int]) -> tuple[float, float] | None:
+        """(env steps/s, updates/s) from `since` (time, step, updates) to the last tick; None if no time passed."""
+        then, first_step, first_updates = since
+        seconds = self.now - then
+        if seconds <= 0:
+            return None
+        return (step - first_step) / seconds, (updates - first_updates) / seconds
+
+    def emit(
+        self,
+        step: int,
+        updates: int,
+        remaining_steps: float | None,
+        last_return: float | None = None,
+        loss: float | None = None,
+        progress: str | None = None,
+        time_left_s: float | None = None,
+    ) -> str:
+        """Say the line and write its scalars (those that are known) at `step`; returns the line. `remaining_steps`:
+        env steps to the run's end (None: not known yet); `time_left_s`: seconds to a time limit, which caps the ETA;
+        `progress`: how far the run is, in its own words (default: the step)."""
+        window = self.rates(step, updates, self.points[0])  # within the phase
+        rates = window or self.rates(
+            step, updates, self.last_line
+        )  # a phase that begins now: since the last line
+        sps, ups = rates if rates is not None else (None, None)
+        in_prefill = bool(self.phase_starts) and self.phase == 0
+        eta_s = None
+        if not in_prefill and window and window[0] > 0 and remaining_steps is not None:
+            eta_s = max(0.0, remaining_steps) / window[0]
+        if time_left_s is not None:
+            eta_s = max(0.0, time_left_s) if eta_s is None else min(eta_s, max(0.0, time_left_s))
+        eta = duration_text(eta_s) if eta_s is not None else ("-- (prefill)" if in_prefill else "--")
+        parts = [
+            progress if progress is not None else f"step {step:,}",
+            "-- env steps/s" if sps is None else f"{sps:.3g} env steps/s",
+            "-- updates/s" if ups is None else f"{ups:.3g} updates/s",
+            f"ETA {eta}",
+            f"return {'--' if last_return is None else f'{last_return:g}'}",
+            f"{self.loss_name} {'--' if loss is None else f'{loss:.4g}'}",
+        ]
+        line = "status: " + "  ".join(parts)
+        self.say(line)
+        scalars = {
+            KEY_STATUS_SPS: sps,
+            KEY_STATUS_UPDATES_PER_S: ups,
+            KEY_STATUS_ETA_S: eta_s,
+            KEY_STATUS_RETURN: last_return,
+            STATUS_KEY_PREFIX + self.loss_name: loss,
+        }
+        if self.writer is not None:
+            for key, value in scalars.items():
+                if value is not None:
+                    self.writer.add_scalar(key, float(value), step)
+        self.points.append((self.now, step, updates))
+        self.last_line = (self.now, step, updates)
+        return line
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Forensics: stage probes
 # ---------------------------------------------------------------------------------------------------------
 class StageProbes:
@@ -2259,3 +2437,12 @@ class ChunkedColumns:
             exact[name][:] = saved[name]
             array.chunks, array.start, array.end, array.compacted = [exact[name]], 0, len(saved[name]), True
         self.maps.waiting.clear()
+
+
+if __name__ == "__main__":
+    print(
+        "memory_utils.py is the library a run imports and has no command line: the command line (report, allocator, "
+        "wait, analyze) is memory_analysis.py (python memory_analysis.py --help).",
+        file=sys.stderr,
+    )
+    raise SystemExit(2)

@@ -28,6 +28,7 @@ TARGET_SOAK_MB_PER_10K = 1.0
 TARGET_SOAK_ANON_MB_PER_10K = 0.1
 TARGET_SOAK_TO_PEER = 3.0
 TARGET_UPDATE_SPEEDUP = 1.5
+TARGET_SIZE_S_SPEEDUP = 1.0  # issue 64: our default (DreamerV3 size S) not slower than SheepRL's dreamer_v3_S
 TARGET_GPU_PEAK_MB = 2_048  # the seed config with AMP fits a 6 GB laptop card with room to spare
 TARGET_GPU_SLOPE_MB_PER_10K = 1.0
 TARGET_PONG_RETURN = 18.0  # Atari100k Pong: mean return of the last 10 episodes at 100k env steps
@@ -60,7 +61,8 @@ class Args:
     """--gpu-only: just continue the Pong run (no other figures)"""
     matched_only: bool = False
     """with --peer sheeprl: only the matched-size comparison (SheepRL's DreamerV3 at our model's size against
-    ours at 64 and 84 pixels, taking turns update by update), written to <date>-<machine>-matched.md and .json"""
+    ours at 64 and 84 pixels, and its dreamer_v3_S against our default, taking turns update by update), written to
+    <date>-<machine>-matched.md and .json"""
     pong_resumable: bool = True
     """checkpoints every 5k env steps hold the replay, so a later invocation continues the run; --no-pong-resumable
     (a machine whose disk goes back): one weights-only checkpoint at the end, for the evaluation"""
@@ -72,7 +74,7 @@ class Args:
     pong_eval_minutes: float = 1.5
     """time cap of that evaluation; episodes unfinished by then are reported as unfinished"""
     pong_args: str = ""
-    """more dreamer_atari.py flags for the Pong run, as one value: --pong-args="--amp bf16" (kept in the results)"""
+    """more dreamer_atari.py flags for the Pong run, as one value: --pong-args="--precision bf16" (kept in the results)"""
 
 
 def fail(message: str) -> None:

@@ -56,7 +56,6 @@ PROOF_ARGS = dict(
     hidden_dim=64,
     sequence_length=16,
     imagination_horizon=10,
-    amp="off",
     log_interval=500,
     video_every=0,
     leak_warmup_steps=0,
@@ -107,6 +106,8 @@ class Args:
     optimal return"""
     reach_window: int = 50
     """`reached_at`: over this many of the latest training episodes (about 500 env steps on Catch)"""
+    precision: str = "float32"
+    """dreamer_atari.py's --precision: float32 (the script's default) or bf16 (autocast, the observe scan float32)"""
 
 
 def play(train_args: da.Args, episodes: int, seed: int, policy) -> list[float]:
@@ -174,9 +175,10 @@ def training_curve(returns: dict[int, float], bin_steps: int) -> list[dict]:
     ]
 
 
-def prove(args: Args) -> dict:
-    torch.set_num_threads(args.threads)
-    train_args = da.Args(
+def training_args(args: Args) -> da.Args:
+    """The dreamer_atari.py run the proof trains (`dreamer_atari.CATCH_ON_CPU`, which the script's preflight names
+    on a CPU, is this run's learning configuration)."""
+    return da.Args(
         **PROOF_ARGS,
         seed=args.seed,
         total_timesteps=args.total_timesteps,
@@ -190,9 +192,15 @@ def prove(args: Args) -> dict:
         image_size=args.image_size,
         learning_starts=args.learning_starts,
         batch_size=args.batch_size,
+        precision=args.precision,
         save_model=True,
         exp_name="learning_proof",
     )
+
+
+def prove(args: Args) -> dict:
+    torch.set_num_threads(args.threads)
+    train_args = training_args(args)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ Each command runs in its own process (run.py starts them) and writes one JSON ob
     python benchmark/ours_dreamer.py trials --out PATH              # defaults without channels_last / inverse-CDF, compile, bf16
     python benchmark/ours_dreamer.py soak --out PATH [--capacity N] [--warmup N] [--turnovers N]  # tiny-model main
     python benchmark/ours_dreamer.py soak --out PATH --no-updates    # the same loop, never training
-    python benchmark/ours_dreamer.py gpu --out PATH [--quick]       # CUDA: updates/s and peak memory per --amp
+    python benchmark/ours_dreamer.py gpu --out PATH [--quick]       # CUDA: updates/s and peak memory per --precision
 
 The seed configuration is `seed_args()`: Pong, the seed's model, 2 envs, capacity 50k steps, batch 16 x 50.
 """
@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import itertools
 import json
 import math
 import os
@@ -146,6 +147,19 @@ def agent_params(agent) -> dict:
     }
 
 
+def biases_before_norms(*modules: torch.nn.Module) -> int:
+    """Parameters in the biases of linear layers that a LayerNorm follows directly (in a Sequential): the norm's
+    own shift makes them redundant, and SheepRL's layers leave them out."""
+    total = 0
+    for module in modules:
+        for block in module.modules():
+            if isinstance(block, torch.nn.Sequential):
+                for layer, after in itertools.pairwise(block.children()):
+                    if isinstance(layer, torch.nn.Linear) and isinstance(after, torch.nn.LayerNorm):
+                        total += 0 if layer.bias is None else layer.bias.numel()
+    return total
+
+
 def sampling_evenness(replay: da.EpisodeReplay, batch_size: int, sequence_length: int, batches: int) -> dict:
     """How evenly the replay draws its stored steps, by position within an episode (the p-th stored step of an
     episode): draws counted from `draw_windows` over `batches` batches, averaged over the episodes that have that
@@ -235,7 +249,7 @@ def cmd_measure(quick: bool) -> dict:
     # the ratio compares sampling and updating at the same batch shape
     out["sample_to_update_ratio"] = update_sample["median_ms"] / updating["median_ms"]
     out.update(agent_params(agent))
-    out["model"] = {k: getattr(args, k) for k in (*da.MODEL_FLAGS, "imagination_horizon", "amp")}
+    out["model"] = {k: getattr(args, k) for k in (*da.MODEL_FLAGS, "imagination_horizon", "precision")}
     out["model"]["amp_resolved"] = agent.amp.mode
     optimizer = agent.world_model_optimizer
     out["model"]["optimizer"] = (
@@ -286,9 +300,9 @@ TRIALS = {
     "baseline": (None, {}),
     "without_channels_last": (None, {"channels_last": False}),
     "without_inverse_cdf_sampling": (_slow_categorical_sample, {}),
-    "bf16_autocast": (None, {"amp": "bf16"}),
+    "bf16_autocast": (None, {"precision": "bf16"}),
     "compile": (_compile, {}),
-    "bf16+compile": (_compile, {"amp": "bf16"}),
+    "bf16+compile": (_compile, {"precision": "bf16"}),
 }
 
 
@@ -330,20 +344,31 @@ def cmd_trials(names: list[str], reps: int) -> dict:
     return {"trials": results, "trial_batch": f"B{args.batch_size} x T{args.sequence_length}"}
 
 
-def cmd_serve(image_size: int, decoder_mid_channels: int | None = None) -> None:
-    """The seed model at `--image-size` (and `--decoder-mid-channels` where given), one update per `update` line
-    on stdin (see bench_utils.alternate_updates)."""
-    model = {} if decoder_mid_channels is None else {"decoder_mid_channels": decoder_mid_channels}
-    args = seed_args(buffer_capacity=3_000, image_size=image_size, **model)
+def serve_args(model: str, image_size: int, decoder_mid_channels: int | None = None) -> da.Args:
+    """What `serve` updates: the seed model at `image_size` (and `decoder_mid_channels` where given), or, for
+    `dreamerv3`, the script's defaults (DreamerV3 size S on 64x64 colour frames, batch 16 x 64) as they are."""
+    if model == "dreamerv3":
+        return dataclasses.replace(da.Args(), cuda=torch.cuda.is_available(), buffer_capacity=3_000)
+    sizes = {} if decoder_mid_channels is None else {"decoder_mid_channels": decoder_mid_channels}
+    return seed_args(buffer_capacity=3_000, image_size=image_size, **sizes)
+
+
+def cmd_serve(model: str, image_size: int, decoder_mid_channels: int | None = None) -> None:
+    """`serve_args`' model, one update per `update` line on stdin (see bench_utils.alternate_updates)."""
+    args = serve_args(model, image_size, decoder_mid_channels)
     replay, obs_shape, num_actions = fill_replay(args, 3_000)
     batch = replay.sample(args.batch_size, args.sequence_length)
     torch.manual_seed(args.seed)
     agent = fast_agent(args, obs_shape, num_actions, "cpu")
     info = {
         **agent_params(agent),
-        "image_size": image_size,
+        "params_biases_before_norms": biases_before_norms(agent.world_model, agent.actor, agent.critic),
+        "image_size": args.image_size,
         "obs": f"{tuple(batch['obs'].shape)} uint8",
         "decoder_mid_channels": args.decoder_mid_channels,
+        "model": {k: getattr(args, k) for k in da.MODEL_FLAGS},
+        "precision": args.precision,
+        "fused_adam": bool(agent.world_model_optimizer.defaults.get("fused")),
         "update_includes": "world model (batch to float on the device included), actor and critic updates, "
         "slow-critic EMA, on one sampled batch",
     }
@@ -496,7 +521,7 @@ def cmd_soak(
 # without the CUDA memory figures, to check it on a machine without a GPU.
 # ---------------------------------------------------------------------------------------------------------
 def cmd_gpu(quick: bool, device_name: str, parts: tuple[str, ...] = ("amp", "loop")) -> dict:
-    """`amp`: one eager update per --amp mode, its time and peak memory; `loop`: the training loop past replay
+    """`amp`: one eager update per --precision (float32 is "off" there), its time and peak memory; `loop`: the training loop past replay
     capacity (captured updates on CUDA), its env steps/s and the slope of GPU-allocated memory once full."""
     device = torch.device(device_name)
     on_cuda = device.type == "cuda"
@@ -513,7 +538,7 @@ def cmd_gpu(quick: bool, device_name: str, parts: tuple[str, ...] = ("amp", "loo
     }
     for mode in ("off", "bf16", "fp16") if "amp" in parts else ():
         amp_args = dataclasses.replace(
-            args, amp=mode, cudagraph=False
+            args, precision={"off": "float32"}.get(mode, mode), cudagraph=False
         )  # the eager update (Adam not capturable)
         try:
             mu.amp(mode, device)
@@ -573,7 +598,7 @@ def cmd_gpu(quick: bool, device_name: str, parts: tuple[str, ...] = ("amp", "loo
     out["loop"] = {
         "capacity_steps": capacity,
         "cudagraph": loop_args.cudagraph,
-        "amp": loop_args.amp,
+        "precision": loop_args.precision,
         "env_steps": loop_args.total_timesteps,
         "batch": f"B{loop_args.batch_size} x T{loop_args.sequence_length}",
         "updates": result["updates"],
@@ -594,6 +619,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="gpu: the device (cpu checks the code path)")
     parser.add_argument(
         "--parts", nargs="+", default=["amp", "loop"], choices=["amp", "loop"], help="gpu: which parts"
+    )
+    parser.add_argument(
+        "--model",
+        choices=["nature", "dreamerv3"],
+        default="nature",
+        help="serve: the seed model (nature) or the script's defaults as they are (dreamerv3, size S)",
     )
     parser.add_argument("--image-size", type=int, default=84, help="serve: frame side of the seed model")
     parser.add_argument(
@@ -627,7 +658,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.command == "serve":
-        return cmd_serve(args.image_size, args.decoder_mid_channels)
+        return cmd_serve(args.model, args.image_size, args.decoder_mid_channels)
     if args.out is None:
         parser.error("--out is required")
     if args.command == "measure":

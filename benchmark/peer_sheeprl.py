@@ -137,14 +137,29 @@ MATCHED_V3_OVERRIDES = [
 ]
 
 
-def setup_update(version: str, rb, model_overrides: list[str] = ()) -> tuple:
+# SheepRL's own size S, named (its `dreamer_v3_S` preset, which `exp=dreamer_v3` also selects), at its own and our
+# default's batch of 16 sequences of 64 steps; the frames stay its Atari default, 64x64 RGB, as ours.
+SIZE_S_OVERRIDES = [
+    "env.id=PongNoFrameskip-v4",
+    "env.num_envs=2",
+    "algo=dreamer_v3_S",
+    "algo.per_rank_batch_size=16",
+    "algo.per_rank_sequence_length=64",
+]
+
+
+def setup_update(
+    version: str, rb, model_overrides: list[str] = (), batch_overrides: list[str] = SEED_OVERRIDES
+) -> tuple:
     """SheepRL's agent and optimizers for `version`, built as its training entry point builds them; returns
     (sample, update, info): one batch sampled from `rb`, one full update (world model + actor + critic) on a
-    fixed batch, and the model's sizes."""
+    fixed batch, and the model's sizes. `batch_overrides` set the environment and the batch (the seed's by
+    default)."""
     from sheeprl.algos.dreamer_v2.utils import sample_batches
     from sheeprl.utils.env import make_env
 
-    cfg = compose_cfg([f"exp=dreamer_{version}", *SEED_OVERRIDES, *RUN_OVERRIDES, *model_overrides])
+    overrides = [f"exp=dreamer_{version}", *batch_overrides, *RUN_OVERRIDES, *model_overrides]
+    cfg = compose_cfg(overrides)
     cfg.env.frame_stack = -1 if version == "v3" else 1
     fabric = hydra.utils.instantiate(cfg.fabric, strategy="auto", callbacks=[], _convert_="all")
     fabric.seed_everything(cfg.seed)
@@ -206,7 +221,7 @@ def setup_update(version: str, rb, model_overrides: list[str] = ()) -> tuple:
 
     info = {
         "update_includes": "world model, actor and critic updates and the slow-critic EMA, on one sampled batch",
-        "overrides": [f"exp=dreamer_{version}", *SEED_OVERRIDES, *RUN_OVERRIDES, *model_overrides],
+        "overrides": overrides,
         "params_world_model": bench_utils.param_count(world_model),
         "params_actor": bench_utils.param_count(actor),
         "params_critic": bench_utils.param_count(critic),
@@ -217,6 +232,7 @@ def setup_update(version: str, rb, model_overrides: list[str] = ()) -> tuple:
             "stoch": cfg.algo.world_model.stochastic_size,
             "discrete": cfg.algo.world_model.get("discrete_size"),
             "cnn_channels_multiplier": cfg.algo.world_model.encoder.cnn_channels_multiplier,
+            "hidden": cfg.algo.world_model.transition_model.hidden_size,
             "dense_units": cfg.algo.dense_units,
             "mlp_layers": cfg.algo.mlp_layers,
             "horizon": cfg.algo.horizon,
@@ -247,8 +263,11 @@ def cmd_serve(args) -> None:
     with ours, so that a change in the machine's load hits both alike."""
     with tempfile.TemporaryDirectory(prefix="peer-", dir=args.work_dir) as log_root:
         rb = fill_buffer(args.fill_steps, log_root)
-        _, update, info = setup_update("v3", rb, MATCHED_V3_OVERRIDES if args.matched else [])
-        bench_utils.serve_updates(update, {**info, "size": "matched" if args.matched else "S"})
+        if args.size == "matched":
+            _, update, info = setup_update("v3", rb, MATCHED_V3_OVERRIDES)
+        else:
+            _, update, info = setup_update("v3", rb, batch_overrides=SIZE_S_OVERRIDES)
+        bench_utils.serve_updates(update, {**info, "size": args.size})
 
 
 def cmd_measure(args) -> dict:
@@ -336,7 +355,12 @@ def main() -> None:
     soak.add_argument("--bytes-per-step", type=float, required=True)
     serve = sub.add_parser("serve")
     serve.add_argument("--fill-steps", type=int, default=2_000)
-    serve.add_argument("--matched", action="store_true", help="DreamerV3 at our seed model's size")
+    serve.add_argument(
+        "--size",
+        choices=["matched", "S"],
+        required=True,
+        help="DreamerV3 at our seed model's size (batch 16 x 50), or its own dreamer_v3_S at 16 x 64",
+    )
     for p in (measure, soak, serve):
         p.add_argument("--threads", type=int, default=os.cpu_count())
         p.add_argument("--work-dir", default=None)

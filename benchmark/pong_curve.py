@@ -159,17 +159,23 @@ STRIP_FRAMES = (0, 4, 5, 8, 12, 20, 30, 49)  # context ends after frame 4: 5 onw
 
 
 def open_loop_strip(gif_path: Path, png_path: Path) -> dict:
-    """Frames of an open-loop GIF side by side (each frame: 4 sequences x truth | model | error)."""
-    from PIL import Image
+    """Frames of an open-loop GIF side by side (each frame: 4 sequences x truth | model | error), in colour when the
+    GIF has colour."""
+    from PIL import Image, ImageChops
 
     gif = Image.open(gif_path)
     frames = []
     for index in STRIP_FRAMES:
         if index < gif.n_frames:
             gif.seek(index)
-            frames.append(gif.convert("L"))
+            frames.append(gif.convert("RGB"))
+    grey = all(
+        ImageChops.difference(frame, frame.convert("L").convert("RGB")).getbbox() is None for frame in frames
+    )
+    mode = "L" if grey else "RGB"
+    frames = [frame.convert(mode) for frame in frames]
     width, height = frames[0].size
-    strip = Image.new("L", (len(frames) * (width + 4), height), 255)
+    strip = Image.new(mode, (len(frames) * (width + 4), height), "white")
     for i, frame in enumerate(frames):
         strip.paste(frame, (i * (width + 4), 0))
     strip.save(png_path, optimize=True)

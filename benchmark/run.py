@@ -41,6 +41,7 @@ from benchmark.common import (
     TARGET_PONG_RETURN,
     TARGET_PONG_WALL_MIN,
     TARGET_SAMPLE_TO_UPDATE,
+    TARGET_SIZE_S_SPEEDUP,
     TARGET_SOAK_ANON_MB_PER_10K,
     TARGET_SOAK_MB_PER_10K,
     TARGET_SOAK_TO_PEER,
@@ -374,24 +375,23 @@ MATCHED_TARGETED = (
     "",
     "_84",
 )  # the rows held to the 1.5x target; `_64_seed` is context (not matched in size)
+# Size S, each side's own, in the same rounds: our default (`dreamer_atari.Args()`: DreamerV3 size S on 64x64
+# colour frames, batch 16 x 64) against SheepRL's `dreamer_v3_S` preset at the same frames and batch. Issue 64: ours
+# must not be slower (TARGET_SIZE_S_SPEEDUP).
+SIZE_S_PEER, SIZE_S_OURS = "peer_S", "ours_S"
 
 
 def measure_matched(args: Args, work: Path) -> dict:
-    """SheepRL's DreamerV3 at our seed model's size against our contenders (`MATCHED_OURS`), one update at a time
-    in turn (11 rounds after 2 warm-ups), so that the machine's load changes hit all of them alike."""
+    """SheepRL's DreamerV3 at our seed model's size against our contenders (`MATCHED_OURS`), and its size S against
+    our default (`SIZE_S_PEER`, `SIZE_S_OURS`), one update at a time in turn (11 rounds after 2 warm-ups), so that
+    the machine's load changes hit all of them alike."""
     from benchmark import peer_venv
 
     threads = ["--threads", str(args.threads)]
+    peer_serve = [str(peer_venv.python()), str(BENCH_DIR / "peer_sheeprl.py"), "serve"]
     commands = {
-        "peer": [
-            str(peer_venv.python()),
-            str(BENCH_DIR / "peer_sheeprl.py"),
-            "serve",
-            "--matched",
-            *threads,
-            "--work-dir",
-            str(work),
-        ]
+        "peer": [*peer_serve, "--size", "matched", *threads, "--work-dir", str(work)],
+        SIZE_S_PEER: [*peer_serve, "--size", "S", *threads, "--work-dir", str(work)],
     }
     for suffix, (options, _) in MATCHED_OURS.items():
         commands[f"ours{suffix}"] = [
@@ -401,7 +401,18 @@ def measure_matched(args: Args, work: Path) -> dict:
             *options,
             *threads,
         ]
-    log("matched size: SheepRL DreamerV3 vs ours at 64 and 84 pixels, alternating single updates")
+    commands[SIZE_S_OURS] = [
+        sys.executable,
+        str(BENCH_DIR / "ours_dreamer.py"),
+        "serve",
+        "--model",
+        "dreamerv3",
+        *threads,
+    ]
+    log(
+        "matched size: SheepRL DreamerV3 vs ours at 64 and 84 pixels, and each side's size S, alternating single "
+        "updates"
+    )
     from benchmark import bench_utils
 
     duel = bench_utils.alternate_updates(
@@ -415,6 +426,9 @@ def measure_matched(args: Args, work: Path) -> dict:
     for suffix in MATCHED_OURS:
         out[f"matched_update_ms{suffix}"] = duel[f"ours{suffix}"]["update_ms"]
         out[f"matched_params_total{suffix}"] = duel[f"ours{suffix}"]["info"]["params_total"]
+    for key, name in (("size_s_peer", SIZE_S_PEER), ("size_s", SIZE_S_OURS)):
+        out[f"{key}_update_ms"] = duel[name]["update_ms"]
+        out[f"{key}_params_total"] = duel[name]["info"]["params_total"]
     return out
 
 
@@ -434,11 +448,15 @@ def add_ratios(result: dict) -> None:
 
 def add_matched_ratios(result: dict) -> None:
     """peer / ours for each of our matched-size contenders (`ratio_update_ms_matched` is the like-for-like one:
-    the same pixels and parameter counts within 10 %), overall and round by round."""
+    the same pixels and parameter counts within 10 %) and for each side's size S (`ratio_update_ms_size_s`), overall
+    and round by round."""
     for suffix in MATCHED_OURS:
         result[f"ratio_update_ms_matched{suffix}"] = ratio(
             result.get("matched_peer_update_ms"), result.get(f"matched_update_ms{suffix}")
         )
+    result["ratio_update_ms_size_s"] = ratio(
+        result.get("size_s_peer_update_ms"), result.get("size_s_update_ms")
+    )
     if result.get("matched"):
         # the round-by-round ratios: each round's peer update against the ours updates next to it
         peer = result["matched"]["peer"]["samples_ms"]
@@ -448,6 +466,10 @@ def add_matched_ratios(result: dict) -> None:
             ours["params_to_peer"] = round(
                 ours["info"]["params_total"] / result["matched_peer_params_total"], 4
             )
+    if result.get("matched", {}).get(SIZE_S_OURS):  # results from before issue 64 have no size S
+        peer, ours = result["matched"][SIZE_S_PEER], result["matched"][SIZE_S_OURS]
+        ours["ratio_by_round"] = [round(p / o, 3) for p, o in zip(peer["samples_ms"], ours["samples_ms"])]
+        ours["params_to_peer"] = round(ours["info"]["params_total"] / peer["info"]["params_total"], 4)
 
 
 def verdicts(result: dict) -> dict:
@@ -482,8 +504,9 @@ def verdicts(result: dict) -> dict:
 
 
 def matched_verdicts(result: dict) -> dict:
-    """The speed target at matched model size, where it was measured: each targeted row must be within 10 % of the
-    peer's parameters and 1.5x faster."""
+    """The speed targets at matched model size, where they were measured: each targeted row must be within 10 % of
+    the peer's parameters and 1.5x faster; at size S, our default within 10 % of SheepRL dreamer_v3_S's parameters
+    and not slower."""
     if result.get("ratio_update_ms_matched") is None:
         return {}
     out = {}
@@ -493,6 +516,12 @@ def matched_verdicts(result: dict) -> dict:
         out[f"{label}: parameters within 10 % of SheepRL DreamerV3's"] = size_ok
         out[f"{label}: update >= 1.5x SheepRL DreamerV3's (its 64x64x3)"] = (
             size_ok and result[f"ratio_update_ms_matched{suffix}"] >= TARGET_UPDATE_SPEEDUP
+        )
+    if result.get("ratio_update_ms_size_s") is not None:
+        size_ok = abs(result["matched"][SIZE_S_OURS]["params_to_peer"] - 1) <= MATCHED_PARAMS_TOLERANCE
+        out["ours at size S (the defaults): parameters within 10 % of SheepRL dreamer_v3_S's"] = size_ok
+        out["ours at size S: update not slower than SheepRL dreamer_v3_S's (both 64x64x3, 16 x 64)"] = (
+            size_ok and result["ratio_update_ms_size_s"] >= TARGET_SIZE_S_SPEEDUP
         )
     return out
 
@@ -516,6 +545,14 @@ def matched_rows(result: dict, bold: bool = True) -> list[str]:
             f"parameters) | {fmt(result[f'matched_update_ms{suffix}'])} | "
             f"{fmt(result['matched_peer_update_ms'])} | {star}{fmt(result[f'ratio_update_ms_matched{suffix}'])}"
             f"{star} | {'≥ 1.5' if suffix in MATCHED_TARGETED else 'context'} |"
+        )
+    if result.get("size_s_update_ms") is not None:
+        rows.append(
+            f"| {star}one update at size S, each side's own, ms{star} (ours: the defaults; SheepRL: its "
+            f"`dreamer_v3_S`; both 64x64x3 frames, batch 16 x 64; {fmt(result['size_s_params_total'])} vs "
+            f"{fmt(result['size_s_peer_params_total'])} parameters) | {fmt(result['size_s_update_ms'])} | "
+            f"{fmt(result['size_s_peer_update_ms'])} | {star}{fmt(result['ratio_update_ms_size_s'])}{star} | "
+            f"≥ {fmt(TARGET_SIZE_S_SPEEDUP)} |"
         )
     return rows
 
@@ -701,6 +738,49 @@ def matched_markdown(result: dict) -> list[str]:
                 if result.get("peer_v3")
                 else ""
             )
+        ),
+        *size_s_markdown(result),
+    ]
+
+
+def size_s_markdown(result: dict) -> list[str]:
+    """What the size-S row compares: each side's own DreamerV3 size S, and how close their parameter counts are."""
+    if not result.get("matched", {}).get(SIZE_S_OURS):
+        return []
+    peer, ours = result["matched"][SIZE_S_PEER], result["matched"][SIZE_S_OURS]
+    p, o = peer["info"], ours["info"]
+    gap = o["params_total"] - p["params_total"]
+    by_part = ", ".join(
+        f"{part.replace('_', ' ')} {o[f'params_{part}']:,} vs {p[f'params_{part}']:,}"
+        for part in ("world_model", "actor", "critic")
+    )
+    biases = o.get("params_biases_before_norms")
+    why = (
+        f" {biases:,} of ours are the biases of dense layers that a LayerNorm follows: ours keeps them, SheepRL's "
+        "layers leave them out (the LayerNorm's own shift makes them redundant)"
+        + (
+            ", which is the whole difference."
+            if biases == gap
+            else f"; the other {gap - biases:,} differ elsewhere."
+        )
+        if biases is not None
+        else ""
+    )
+    return [
+        (
+            f"- Size S (the last row), each side's own: ours is `dreamer_atari.Args()` as it is, model "
+            f"{json.dumps(o['model'])}, batch obs {o['obs']}, {o['params_total']:,} parameters; SheepRL is "
+            f"`{' '.join(p['overrides'])}` (its `dreamer_v3_S` preset), model {json.dumps(p['model'])}, batch "
+            f"{json.dumps(p['batch'])}, {p['params_total']:,} parameters. Ours has {gap:+,} parameters "
+            f"({ours['params_to_peer']:.4f} of SheepRL's; by part: {by_part}).{why} Medians: ours "
+            f"{fmt(ours['update_ms'])} ms (min-max {fmt(ours['min_ms'])}-{fmt(ours['max_ms'])}), SheepRL "
+            f"{fmt(peer['update_ms'])} ms (min-max {fmt(peer['min_ms'])}-{fmt(peer['max_ms'])}), peer / ours "
+            f"{fmt(result['ratio_update_ms_size_s'])}, round by round {min(ours['ratio_by_round'])}-"
+            f"{max(ours['ratio_by_round'])}, over {len(ours['samples_ms'])} samples each, taken in the same rounds "
+            f"as the rows above. Both read the same frames (64x64 RGB, no stack) and batch. Precision: ours "
+            f"{o.get('precision')}, SheepRL {p['model']['precision']}; fused Adam: ours {fmt(o.get('fused_adam'))}, "
+            f"SheepRL {fmt(p['model']['fused_adam'])}. The difference left in the work: SheepRL's imagination "
+            "records an autograd graph through its RSSM, ours rolls the dynamics without gradients."
         ),
     ]
 

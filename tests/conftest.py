@@ -41,6 +41,19 @@ def _pin_malloc_mmap_threshold() -> None:
 _pin_malloc_mmap_threshold()
 
 
+def _triton_interprets_without_cuda() -> None:
+    """Without CUDA, Triton's interpreter runs the fused scan's kernels on CPU tensors
+    (tests/test_dreamer_fused_scan.py). Triton reads TRITON_INTERPRET when it is imported, so it is set here, before
+    any test can import it; with CUDA the kernels compile as a run's do."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_triton_interprets_without_cuda()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _garbage_collector_skips_what_earlier_modules_left():
     """Move every object alive when a test module starts (libraries, compiled graphs, earlier modules' state) out
@@ -104,3 +117,10 @@ def flip_200_bytes_inside_a_tensor(path) -> str:
     data[start : start + 200] = bytes(b ^ 0xFF for b in data[start : start + 200])
     Path(path).write_bytes(bytes(data))
     return info.filename
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """What `_garbage_collector_skips_what_earlier_modules_left` froze goes back to the garbage collector at the end,
+    so that an extension that counts its objects still alive at exit (Triton's) sees them freed instead of printing
+    a leak report."""
+    gc.unfreeze()

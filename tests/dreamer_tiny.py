@@ -41,7 +41,7 @@ def obs_shape(args: da.Args) -> tuple[int, ...]:
 
 def tiny_args(**overrides) -> da.Args:
     """Args with the tiny sizes, 2 sync envs and AMP off; keyword arguments override any field."""
-    return da.Args(**{**TINY, "num_envs": 2, "vector_mode": "sync", "amp": "off", **overrides})
+    return da.Args(**{**TINY, "num_envs": 2, "vector_mode": "sync", "precision": "float32", **overrides})
 
 
 def dreamerv3_initial_state(rssm: da.RSSM) -> tuple[torch.Tensor, torch.Tensor]:

@@ -448,6 +448,27 @@ def matched_duel(samples: dict, params: dict) -> dict:
         "ours": {"params_total": params["ours"], "obs": "(16, 50, 4, 64, 64) uint8"},
         "ours_84": {"params_total": params["ours_84"], "obs": "(16, 50, 4, 84, 84) uint8"},
         "ours_64_seed": {"params_total": params["ours_64_seed"], "obs": "(16, 50, 4, 64, 64) uint8"},
+        # size S, each side's own (the figures of the real models, by part)
+        "peer_S": {
+            "params_total": params["peer_S"],
+            "params_world_model": params["peer_S"] - 2_235_141,
+            "params_actor": 1_053_702,
+            "params_critic": 1_181_439,
+            "overrides": ["exp=dreamer_v3", "algo=dreamer_v3_S", "algo.per_rank_sequence_length=64"],
+            "batch": {"rgb": "(64, 16, 3, 64, 64) torch.float32"},
+            "model": {"deter": 512, "precision": "32-true", "fused_adam": True},
+        },
+        "ours_S": {
+            "params_total": params["ours_S"],
+            "params_world_model": params["ours_S"] - 2_237_189,
+            "params_actor": 1_054_726,
+            "params_critic": 1_182_463,
+            "params_biases_before_norms": 5_632,
+            "obs": "(16, 64, 3, 64, 64) uint8",
+            "model": {"deterministic_dim": 512},
+            "precision": "float32",
+            "fused_adam": True,
+        },
     }
     duel = {
         name: {
@@ -467,6 +488,9 @@ def matched_duel(samples: dict, params: dict) -> dict:
     for suffix in ("", "_84", "_64_seed"):
         out[f"matched_update_ms{suffix}"] = duel[f"ours{suffix}"]["update_ms"]
         out[f"matched_params_total{suffix}"] = params[f"ours{suffix}"]
+    for key, name in (("size_s_peer", "peer_S"), ("size_s", "ours_S")):
+        out[f"{key}_update_ms"] = duel[name]["update_ms"]
+        out[f"{key}_params_total"] = params[name]
     return out
 
 
@@ -475,8 +499,17 @@ SAMPLES = {
     "ours": [2500.0, 2600.0, 2400.0],
     "ours_84": [2800.0, 2900.0, 2600.0],
     "ours_64_seed": [2000.0, 2100.0, 1900.0],
+    "peer_S": [9000.0, 9900.0, 8800.0],
+    "ours_S": [8000.0, 9000.0, 8000.0],
 }
-PARAMS = {"peer": 5_451_272, "ours": 5_517_337, "ours_84": 4_985_769, "ours_64_seed": 3_257_625}
+PARAMS = {
+    "peer": 5_451_272,
+    "ours": 5_517_337,
+    "ours_84": 4_985_769,
+    "ours_64_seed": 3_257_625,
+    "peer_S": 17_922_952,
+    "ours_S": 17_928_584,
+}
 
 
 def test_matched_size_ratios_render_and_are_judged():
@@ -518,10 +551,118 @@ def test_matched_size_ratios_render_and_are_judged():
         )
         return [v for k, v in verdicts.items() if "SheepRL" in k]
 
-    # 64 pixels: size matched and 1.6x; 84 pixels: size matched, 1.43x
-    assert judged(PARAMS) == [True, True, True, False]
+    # 64 pixels: size matched and 1.6x; 84 pixels: size matched, 1.43x; size S: matched, 1.1x
+    assert judged(PARAMS) == [True, True, True, False, True, True]
     # the 64-pixel contender 20 % bigger than the peer: not matched, so not judged fast whatever its time
-    assert judged({**PARAMS, "ours": 6_600_000}) == [False, False, True, False]
+    assert judged({**PARAMS, "ours": 6_600_000}) == [False, False, True, False, True, True]
+
+
+def test_size_s_ratio_renders_and_is_judged_not_slower():
+    """Our default against SheepRL's dreamer_v3_S: peer / ours overall and round by round, the parameter counts
+    side by side with what makes them differ, and the verdict: not slower (ratio >= 1) at a parameter count within
+    10 % of the peer's."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmark import run as bench_run
+    finally:
+        sys.path.remove(str(ROOT))
+
+    def judged(samples: dict, params: dict = PARAMS) -> tuple[dict, dict]:
+        result = {"peer": "sheeprl", **matched_duel(samples, params)}
+        bench_run.add_matched_ratios(result)
+        return result, bench_run.matched_verdicts(result)
+
+    result, verdicts = judged(SAMPLES)
+    assert result["ratio_update_ms_size_s"] == pytest.approx(9000 / 8000)
+    assert result["matched"]["ours_S"]["ratio_by_round"] == [1.125, 1.1, 1.1]
+    assert result["matched"]["ours_S"]["params_to_peer"] == pytest.approx(1.0003, abs=1e-4)
+    slower = "ours at size S: update not slower than SheepRL dreamer_v3_S's (both 64x64x3, 16 x 64)"
+    within = "ours at size S (the defaults): parameters within 10 % of SheepRL dreamer_v3_S's"
+    assert verdicts[within] is True and verdicts[slower] is True
+    (row,) = [r for r in bench_run.matched_rows(result) if "size S" in r]
+    assert "| 8,000 | 9,000 | **1.12** | ≥ 1 |" in row and "17,928,584 vs 17,922,952 parameters" in row
+    text = "\n".join(bench_run.matched_markdown(result))
+    assert "Ours has +5,632 parameters (1.0003 of SheepRL's" in text
+    assert "5,632 of ours are the biases of dense layers that a LayerNorm follows" in text
+    assert "which is the whole difference" in text and "round by round 1.1-1.125" in text
+
+    # ours slower by a hair: the verdict says so, whatever the other rows say
+    _, verdicts = judged({**SAMPLES, "ours_S": [9100.0, 9200.0, 9000.0]})
+    assert verdicts[slower] is False
+    # as fast exactly: not slower
+    _, verdicts = judged({**SAMPLES, "ours_S": [9000.0, 9900.0, 8800.0]})
+    assert verdicts[slower] is True
+    # a default grown past 10 % of the peer's parameters is not judged at size S
+    _, verdicts = judged(SAMPLES, {**PARAMS, "ours_S": 20_000_000})
+    assert verdicts[within] is False and verdicts[slower] is False
+
+
+def test_size_s_contenders_are_each_sides_size_s_at_the_same_frames_and_batch(tmp_path, monkeypatch):
+    """The matched stage starts our default (DreamerV3 size S: 64x64 colour frames, encoder 32-64-128-256, GRU 512,
+    hidden 512, 32 x 32 latents, batch 16 x 64) and SheepRL's `--size S` beside the matched-size contenders, in one
+    set of alternating rounds, each at the run's threads."""
+    import dataclasses
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        import dreamer_atari as da
+        from benchmark import bench_utils, ours_dreamer
+        from benchmark import run as bench_run
+    finally:
+        sys.path.remove(str(ROOT))
+    seen = {}
+
+    def alternate(commands, rounds, warmup, cwd=None):
+        seen.update(commands=commands, rounds=rounds, warmup=warmup)
+        return matched_duel(SAMPLES, PARAMS)["matched"]
+
+    monkeypatch.setattr(bench_utils, "alternate_updates", alternate)
+    out = bench_run.measure_matched(bench_run.Args(peer="sheeprl", threads=1), tmp_path)
+    commands = seen["commands"]
+    assert set(commands) == {"peer", "ours", "ours_84", "ours_64_seed", "peer_S", "ours_S"}
+    assert seen["rounds"] == bench_run.MATCHED_ROUNDS and seen["warmup"] == bench_run.MATCHED_WARMUP
+    assert commands["peer_S"][1:5] == [str(ROOT / "benchmark" / "peer_sheeprl.py"), "serve", "--size", "S"]
+    assert commands["peer"][3:5] == ["--size", "matched"]
+    assert commands["ours_S"][2:5] == ["serve", "--model", "dreamerv3"]
+    assert all(c[c.index("--threads") + 1] == "1" for c in commands.values())
+    assert out["size_s_update_ms"] == 8000.0 and out["size_s_peer_params_total"] == 17_922_952
+
+    served = ours_dreamer.serve_args("dreamerv3", image_size=84)
+    size_s = {
+        "model": "dreamerv3",
+        "image_size": 64,
+        "rgb": True,
+        "frame_stack": 1,
+        "encoder_channels": (32, 64, 128, 256),
+        "deterministic_dim": 512,
+        "hidden_dim": 512,
+        "stochastic_dim": 32,
+        "stochastic_classes": 32,
+        "batch_size": 16,
+        "sequence_length": 64,
+        "precision": "float32",
+    }
+    assert {k: getattr(served, k) for k in size_s} == size_s
+    default = da.Args()
+    assert {k: getattr(served, k) for k in da.MODEL_FLAGS} == {k: getattr(default, k) for k in da.MODEL_FLAGS}
+    assert dataclasses.replace(served, buffer_capacity=None, cuda=default.cuda) == default
+
+
+def test_biases_before_norms_counts_the_linear_biases_a_layernorm_follows():
+    """What makes our size S differ from SheepRL's in parameters: a dense layer's bias right before a LayerNorm."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmark import ours_dreamer
+    finally:
+        sys.path.remove(str(ROOT))
+    nn = torch.nn
+    head = nn.Sequential(
+        nn.Linear(6, 5), nn.LayerNorm(5), nn.SiLU(), nn.Linear(5, 4), nn.LayerNorm(4), nn.Linear(4, 3)
+    )
+    no_bias = nn.Sequential(nn.Linear(6, 5, bias=False), nn.LayerNorm(5), nn.Linear(5, 2))
+    assert ours_dreamer.biases_before_norms(head) == 5 + 4
+    assert ours_dreamer.biases_before_norms(head, no_bias) == 9
+    assert ours_dreamer.biases_before_norms(nn.Sequential(nn.Linear(3, 3), nn.SiLU(), nn.LayerNorm(3))) == 0
 
 
 def test_matched_only_writes_its_own_results_file(tmp_path, monkeypatch):
@@ -538,16 +679,20 @@ def test_matched_only_writes_its_own_results_file(tmp_path, monkeypatch):
         "ours": [2800.0, 2900.0, 2700.0],
         "ours_84": [3000.0, 3100.0, 2900.0],
         "ours_64_seed": [2200.0, 2300.0, 2100.0],
+        "peer_S": [9000.0, 9900.0, 8800.0],
+        "ours_S": [8000.0, 9000.0, 8000.0],
     }
     monkeypatch.setattr(peer_venv, "ensure", lambda log: {"sheeprl": "0.8.4"})
     monkeypatch.setattr(bench_run, "measure_matched", lambda args, work: matched_duel(samples, PARAMS))
     result = bench_run.main(bench_run.Args(peer="sheeprl", matched_only=True, results_dir=str(tmp_path)))
     assert result["ratio_update_ms_matched"] == pytest.approx(4500 / 2800)
     assert result["ratio_update_ms_matched_84"] == pytest.approx(1.5)
-    assert list(result["targets_met"].values()) == [True, True, True, True]
+    assert list(result["targets_met"].values()) == [True] * 6
     assert list(result["stage_s"]) == [bench_run.PEER_ENV_STAGE, bench_run.MATCHED_STAGE]
     (md,) = tmp_path.glob("*-matched.md")
     assert "| 1.61 |" in md.read_text() and "SheepRL DreamerV3 with `exp=dreamer_v3`" in md.read_text()
+    assert "one update at size S, each side's own" in md.read_text()
+    assert "ours at size S: update not slower than SheepRL dreamer_v3_S's" in md.read_text()
     assert json.loads(md.with_suffix(".json").read_text())["matched"]["ours_84"]["ratio_by_round"] == [
         1.5,
         1.484,

@@ -77,7 +77,32 @@ def test_cuda_a_change_to_acting_or_sampling_takes_effect_on_the_captured_path(t
         ),
     )
     module = changed_copy(tmp_path, monkeypatch, *counted)
-    args = tiny_catch(module, total_timesteps=60)
+    args = tiny_catch(module, total_timesteps=60, preallocate=False)  # the preflight times acting too
     counters = module.main(args)
     assert module.CALLS.count("act") == args.total_timesteps - args.learning_starts
     assert module.CALLS.count("sample") >= counters["updates"] > 0
+
+
+def test_cuda_preflight_times_a_second_pass_that_leaves_weights_gradients_and_random_numbers_as_they_were(
+    capsys,
+):
+    """On CUDA the preflight times a second, warm pass (the first pays CUDA's one-time costs): it must leave every
+    weight and optimizer moment as they were, no gradient behind, and the random numbers the run draws next."""
+    args = tiny_args(total_timesteps=1_000)
+    agent = da.build_agent(args, obs_shape(args), 6, torch.device("cuda"))
+    weights = [p.detach().clone() for module in agent.modules().values() for p in module.parameters()]
+    torch.manual_seed(3)
+    expected = torch.rand(4, device="cuda")
+    torch.manual_seed(3)
+    da.preflight(agent, args, obs_shape(args))
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
+    params = [p for module in agent.modules().values() for p in module.parameters()]
+    assert all(torch.equal(p, w) for p, w in zip(params, weights)) and all(p.grad is None for p in params)
+    assert all(
+        torch.count_nonzero(value) == 0
+        for optimizer in agent.optimizers
+        for state in optimizer.state.values()
+        for key, value in state.items()
+        if key in ("exp_avg", "exp_avg_sq")
+    )
+    assert "this run, 1,000 env steps with" in capsys.readouterr().out

@@ -312,7 +312,7 @@ def test_a_compiled_update_stays_within_its_kernel_budget(monkeypatch):
     monkeypatch.setattr(
         torch._inductor.config.cpp, "enable_kernel_profile", False
     )  # restored after the count
-    sizes = {**update_regions.TINY, "model": "dreamerv3", "amp": "off", "num_envs": 1}
+    sizes = {**update_regions.TINY, "model": "dreamerv3", "precision": "float32", "num_envs": 1}
     try:
         count = update_regions.count_compiled_update(da.Args(**sizes))
     finally:
@@ -454,7 +454,7 @@ def test_the_hand_written_observe_backward_passes_gradcheck(monkeypatch, layer_n
 
 def test_gaussian_latents_autocast_and_no_grad_take_the_per_step_loop():
     """The hand-written backward covers categorical latents with gradients in float32 and float64. Gaussian latents
-    (classes 0) and autocast (--amp) fall back to autograd's backward of the same per-step loop (`observe_loop`);
+    (classes 0) and autocast fall back to autograd's backward of the same per-step loop (`observe_loop`);
     without gradients (open-loop videos) the fast observe is that loop and nothing else."""
     args = tiny_args()
     B, T = 2, 5

@@ -217,3 +217,57 @@ def test_eta_follows_the_recent_rate_not_the_prefill():
     truth = (total - step) / 2.0
     assert eta is not None and truth / 2 <= eta <= 2 * truth, (eta, truth)
     assert math.isclose(eta, truth, rel_tol=1e-9)
+
+
+def test_open_loop_frames_stay_in_colour_when_the_model_reads_colour():
+    """A colour model's open-loop predictions and strip are in colour (truth | model as they are, channels last); the
+    error column stays grey (from the frames in grey), and the ball is scored on the frames in grey."""
+    args = dreamer_tiny.tiny_args(rgb=True)
+    shape = dreamer_tiny.obs_shape(args)  # (1, 3, S, S)
+    n, T, side = 3, 8, args.image_size
+    rng = np.random.default_rng(0)
+    batch = {
+        "obs": rng.integers(0, 256, (n, T, *shape), dtype=np.uint8),
+        "action": rng.integers(0, 6, (n, T)).astype(np.uint8),
+        "reward": np.zeros((n, T), np.float32),
+        "is_first": np.arange(T)[None].repeat(n, 0) == 0,
+        "is_terminal": np.zeros((n, T), bool),
+    }
+    torch.manual_seed(0)
+    truth, model = da.open_loop_predictions(da.build_agent(args, shape, 6, "cpu"), batch)
+    assert truth.shape == model.shape == (n, T, 3, side, side) and model.dtype == np.uint8
+    np.testing.assert_array_equal(truth, batch["obs"][:, :, -1])
+    assert (model[:, :, 0] != model[:, :, 1]).any()  # the model's own colours, not a grey copy
+    strip = da.open_loop_strip(truth, model)
+    assert strip.shape == (T, n * side, 3 * side, 3)
+    error = (da.grey(model).astype(int) - da.grey(truth) + 256) // 2  # (n, T, S, S)
+    for i in range(n):
+        rows = strip[:, i * side : (i + 1) * side]  # (T, S, 3S, 3)
+        np.testing.assert_array_equal(rows[:, :, :side], truth[i].transpose(0, 2, 3, 1))
+        np.testing.assert_array_equal(rows[:, :, side : 2 * side], model[i].transpose(0, 2, 3, 1))
+        np.testing.assert_array_equal(rows[:, :, 2 * side :], np.repeat(error[i][..., None], 3, -1))
+    scores = da.open_loop_ball_scores(truth, model)
+    assert scores and scores == da.open_loop_ball_scores(da.grey(truth), da.grey(model))
+
+
+@pytest.mark.parametrize("colour", [True, False], ids=["colour", "grey"])
+def test_the_open_loop_pngs_of_the_gpu_reports_keep_the_gifs_colour(tmp_path, colour):
+    """benchmark/pong_curve.py lays a GIF's frames side by side in a PNG (the GPU reports): in colour when the GIF has
+    colour, in grey otherwise."""
+    from benchmark import pong_curve
+
+    rng = np.random.default_rng(0)
+    truth = rng.integers(
+        0, 256, (4, 10, *((3,) if colour else ()), 16, 16), dtype=np.uint8
+    )  # (n, T, [3,] S, S)
+    frames = da.open_loop_strip(truth, truth[::-1].copy())  # (T, 64, 48[, 3])
+    images = [Image.fromarray(frame) for frame in frames]
+    images[0].save(tmp_path / "step_1.gif", save_all=True, append_images=images[1:])
+    out = pong_curve.open_loop_strip(tmp_path / "step_1.gif", tmp_path / "strip.png")
+    png = Image.open(tmp_path / "strip.png")
+    assert out["frames"] == [0, 4, 5, 8] and png.mode == ("RGB" if colour else "L")
+    if colour:
+        first = np.asarray(png)[:16, :16].astype(
+            int
+        )  # the first frame's first truth, through the GIF's palette
+        assert np.abs(first - truth[0, 0].transpose(1, 2, 0)).mean() < 20

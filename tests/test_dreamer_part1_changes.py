@@ -93,7 +93,7 @@ def test_a_change_to_acting_takes_effect(tmp_path, monkeypatch):
         return action.cpu().numpy()""",
     )
     module = changed_copy(tmp_path, monkeypatch, counted)
-    args = tiny_catch(module)
+    args = tiny_catch(module, preallocate=False)  # the preflight times acting too
     module.main(args)
     assert module.CALLS.count("act") == args.total_timesteps - args.learning_starts
 

@@ -32,6 +32,9 @@ def float64_agent(args) -> da.Agent:
 def test_the_plain_command_runs_dreamerv3s_atari100k_schedule_on_colour_frames():
     args = da.Args(buffer_capacity=50_000)  # python dreamer_atari.py --buffer-capacity 50000
     da.check_args(args)
+    # it stops where Atari100k stops, and its replay is capped below that, so it evicts (the incident's setting)
+    assert args.total_timesteps == 100_000 and da.replay_capacity(args) == 50_000
+    assert da.replay_capacity(da.Args()) == 100_000  # uncapped: every step of the run
     assert args.rgb and args.initial_state == "learned"
     assert (args.num_envs, args.batch_size, args.sequence_length) == (1, 16, 64)
     assert (

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import dreamer_atari as da
@@ -244,7 +245,8 @@ BAD_ARGS = {
     "capacity below sequence": dict(buffer_capacity=4, sequence_length=8),
     "batch below one": dict(batch_size=0),
     "unknown env": dict(env_id="ALE/NoSuchGame-v5"),
-    "fp16 without CUDA": dict(amp="fp16", cuda=False),
+    "fp16 without CUDA": dict(precision="fp16", cuda=False),
+    "an unknown precision": dict(precision="float16"),
     "missing resume file": dict(resume="nowhere.pt"),
     "bad gamma": dict(gamma=1.5),
     "image too small for the encoder": dict(image_size=32),
@@ -606,8 +608,9 @@ def test_two_runs_started_in_the_same_second_with_the_same_seed_get_a_folder_eac
 
 
 def test_colour_frames_train_log_ball_f1_and_resume_only_in_colour(in_tmp, capsys):
-    """Colour (the default): frames stored as (3, S, S) uint8, the model reads stack x 3 channels, the open-loop images
-    and ball F1 in grey; a grey run (--no-rgb) cannot resume a colour checkpoint."""
+    """Colour (the default): frames stored as (3, S, S) uint8, the model reads stack x 3 channels, the open-loop GIF in
+    colour with its error column grey, ball F1 on the frames in grey; a grey run (--no-rgb) cannot resume a colour
+    checkpoint."""
     first = da.main(
         tiny_args(rgb=True, total_timesteps=300, save_model=True, vector_mode="sync", video_every=200)
     )
@@ -617,7 +620,11 @@ def test_colour_frames_train_log_ball_f1_and_resume_only_in_colour(in_tmp, capsy
     assert "world_model/ball_f1_observed" in scalars and "losses/image" in scalars
     state = load_checkpoint(run_dir / "checkpoint.pt")
     assert state["models"]["world_model"]["encoder.net.0.weight"].shape[1] == 3  # (out, 3 channels, k, k)
-    assert (run_dir / "open_loop" / "step_200.gif").exists()
+    gif, side = Image.open(run_dir / "open_loop" / "step_200.gif"), tiny_args().image_size
+    frame = np.asarray(gif.convert("RGB")).astype(int)  # (4 S, 3 S, 3): truth | model | error per sequence
+    truth, error = frame[:side, :side], frame[:side, 2 * side :]
+    assert (truth[..., 0] - truth[..., 2] > 50).mean() > 0.5  # Pong's brown field, as the model reads it
+    assert np.abs(error - error[..., :1]).mean() < 1  # grey, but for the GIF's palette of 256 colours a frame
     resumed = da.main(
         tiny_args(rgb=True, total_timesteps=400, vector_mode="sync", resume=str(run_dir / "checkpoint.pt"))
     )

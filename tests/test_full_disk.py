@@ -195,7 +195,7 @@ def test_tensorboard_events_resume_whole_when_the_disk_has_room_again(small_disk
 
 DREAMER_RUN = """
     import dreamer_atari as da
-    args = da.Args(**{tiny}, num_envs=1, vector_mode="sync", amp="off", total_timesteps=300, learning_starts=60,
+    args = da.Args(**{tiny}, num_envs=1, vector_mode="sync", precision="float32", total_timesteps=300, learning_starts=60,
                    warmup_steps=0, train_ratio=2.0, log_interval=50, max_episode_steps=60, buffer_capacity=400,
                    checkpoint_every=100, save_model=True, video_every=150)
     da.main(args)
@@ -233,7 +233,7 @@ def test_dreamer_with_room_for_one_checkpoint_keeps_it_and_stops_at_the_final_on
     """The issue's case: a file system with room for one checkpoint but not two."""
     import dreamer_tiny
 
-    args = da.Args(**{**dreamer_tiny.TINY, "num_envs": 1, "vector_mode": "sync", "amp": "off"})
+    args = da.Args(**{**dreamer_tiny.TINY, "num_envs": 1, "vector_mode": "sync", "precision": "float32"})
     agent = da.build_agent(args, dreamer_tiny.obs_shape(args), 6, "cpu")
     da.preflight(agent, args, dreamer_tiny.obs_shape(args))  # Adam's moments, as the run has them
     size = mu.estimate_nbytes(

@@ -250,13 +250,13 @@ def test_a_variant_that_names_a_field_this_version_lacks_is_skipped_and_the_rest
     assert (
         args is None and why == "not available in this version (dreamer_atari.Args has no no_such_fast_path)"
     )
-    args, why = update_variants.variant_args(base, {"amp": "bf16"}, on_cuda=True)
-    assert why == "" and args.amp == "bf16" and args.cudagraph is False and args.compile is False
+    args, why = update_variants.variant_args(base, {"precision": "bf16"}, on_cuda=True)
+    assert why == "" and args.precision == "bf16" and args.cudagraph is False and args.compile is False
     # `training` is the script's defaults plus the fast path the Pong run adds on CUDA, and nothing off
     args, _ = update_variants.variant_args(
-        dataclasses.replace(base, amp="bf16"), {}, on_cuda=True, training=True
+        dataclasses.replace(base, precision="bf16"), {}, on_cuda=True, training=True
     )
-    assert args.amp == "bf16" and all(
+    assert args.precision == "bf16" and all(
         getattr(args, k) == v
         for k, v in common.CUDA_FAST_PATH.items()
         if k in {f.name for f in dataclasses.fields(da.Args)}
@@ -575,7 +575,9 @@ def test_kernel_times_split_an_updates_gpu_time_by_kind_and_name():
 # The update region by region (dev/gpu/update_regions.py, update_variants.py), at the tiny sizes
 # ---------------------------------------------------------------------------------------------------------
 def _tiny_region_args(**overrides) -> da.Args:
-    return da.Args(**{**update_regions.TINY, "model": "dreamerv3", "amp": "off", "num_envs": 1, **overrides})
+    return da.Args(
+        **{**update_regions.TINY, "model": "dreamerv3", "precision": "float32", "num_envs": 1, **overrides}
+    )
 
 
 def test_flops_by_region_are_affine_in_the_batch_and_add_up_to_the_flop_counters_count():

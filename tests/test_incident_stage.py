@@ -70,10 +70,10 @@ def test_the_first_optimizer_step_is_seen_to_make_no_state_only_when_it_was_prea
         agent = dqn.build_agent(args, seed=0, device="cpu")
         if preallocated:
             dqn.preallocate(agent.q_network, agent.target_network, agent.optimizer, amp, args, 4, "cpu")
-        recorder = incident_stage.UpdateRecorder(amp)
-        update = recorder.wrap(dqn.update)
+        recorder = incident_stage.UpdateRecorder(agent.amp)
+        networks = (agent.q_network, agent.target_network, agent.optimizer)
         for _ in range(2):
-            update(agent.q_network, agent.target_network, agent.optimizer, batch, args)
+            recorder.record(dqn.update, *networks, batch, args, agent.amp)
         before, after = recorder.figures()["first_step_optimizer_state_bytes"]
         assert (before == after) is preallocated and after > 0
         assert recorder.figures()["updates"] == 2 and recorder.figures()["losses_finite"] is True

@@ -7,8 +7,13 @@ reward from pixels (both losses far below where they started, the sign of some r
 latents carry information about the frames (KL above the free-nats floor, not collapsed onto the prior), and
 the actor and critic trained alongside. Whether the policy learns is the full proof's question, not this test's."""
 
-import pytest
+import dataclasses
+import shlex
 
+import pytest
+import tyro
+
+import dreamer_atari as da
 from benchmark import bench_utils
 from benchmark import learning_proof as lp
 
@@ -78,3 +83,23 @@ def test_the_results_table_has_every_seed_and_when_it_reached_the_target():
     assert "every seed reached 0.8 of optimal by env step 1,400 (70% of the budget)" in table
     runs[0]["reached_at"] = None
     assert "| 2 | 0.90 | 1.00 | -0.60 | never |" in lp.summary_markdown(runs)
+
+
+def test_the_catch_run_the_preflight_names_is_the_proofs():
+    """On a CPU the preflight names a Catch-v0 command as the way to see learning in minutes: it is the run this proof
+    trains (which every seed of 1-10 learned), but for settings that do not change what is learned."""
+    named = tyro.cli(da.Args, args=shlex.split(da.catch_command())[2:])
+    assert named == da.Args(**da.CATCH_ON_CPU)
+    assert da.catch_command().startswith("python dreamer_atari.py --env-id Catch-v0 ")
+    proof = lp.training_args(lp.Args(json="proof.json"))
+    differs = {
+        f.name for f in dataclasses.fields(da.Args) if getattr(proof, f.name) != getattr(named, f.name)
+    }
+    assert differs <= {
+        "log_interval",
+        "video_every",
+        "leak_warmup_steps",
+        "save_model",
+        "exp_name",
+        "vector_mode",
+    }

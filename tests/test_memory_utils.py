@@ -615,6 +615,26 @@ def test_cli_bad_arguments_exit_2_with_one_line(args, needle):
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in result.stderr
 
 
+def test_memory_utils_run_as_a_command_names_the_command_line(tmp_path):
+    """The command line moved to memory_analysis.py: `python memory_utils.py wait ... -- cmd` runs nothing and says
+    where it is, with exit 2."""
+    command = [
+        sys.executable,
+        str(ROOT / "memory_utils.py"),
+        "wait",
+        "--min-free",
+        "2048",
+        "--",
+        "touch",
+        "ran",
+    ]
+    for argv in (command, command[:2]):
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and not (tmp_path / "ran").exists()
+        assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "memory_analysis.py" in done.stderr and "Traceback" not in done.stderr
+
+
 @pytest.mark.skipif(CUDA, reason="checks the no-driver behaviour")
 def test_cli_wait_without_a_driver_says_so():
     result = _cli("wait", "--min-free", "10", "--", "true")

@@ -137,3 +137,21 @@ def test_with_every_speed_option_off_the_readable_functions_train(tmp_path, monk
         )
         assert counters["updates"] > 0 and counters["behavior_updates"] > 0
     assert calls["observe"] > 0 and calls["imagine"] > 0 and calls["behavior_losses"] > 0
+
+
+def test_no_part_defines_again_a_name_another_defines():
+    """A later part's function of the same name would replace the earlier part's at import, for every caller (a Part 2
+    helper named like a Part 1 layer builder once would have); only Part 3's freezing of `Args` rebinds it."""
+    part_1, part_2, part_3 = (defined_names(part) for part in parts("dreamer_atari.py"))
+    again = sorted(((part_1 & part_2) | (part_1 & part_3) | (part_2 & part_3)) - {"Args"})
+    assert not again, f"dreamer_atari.py defines {', '.join(again)} in two parts"
+
+
+def test_the_speed_part_reaches_the_algorithms_layers_by_name_not_by_position():
+    """`rssm.img_in.linear`, not `rssm.img_in[0]`: a layer added to a Sequential in Part 1 moves every later position,
+    and a fast path that indexes by position would silently read another layer."""
+    _, part_2, _ = parts("dreamer_atari.py")
+    indexed = re.findall(
+        r"\.(?:img_in|prior_net|posterior_net|net|encoder|decoder|reward_head|continue_head)\[", part_2
+    )
+    assert not indexed, f"Part 2 indexes Part 1's layers by position: {indexed}"

@@ -35,8 +35,8 @@ DREAMER_TINY = [
     "2",
     "--vector-mode",
     "sync",
-    "--amp",
-    "off",
+    "--precision",
+    "float32",
     "--buffer-capacity",
     "2000",
 ]

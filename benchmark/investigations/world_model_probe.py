@@ -232,7 +232,8 @@ def evaluate(agent: da.Agent, eval_batch: dict[str, np.ndarray]) -> dict:
     devices = [agent.device] if agent.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(0)
-        truth, model = da.open_loop_predictions(agent, eval_batch)  # (n, T, S, S) uint8
+        # (n, T, S, S) uint8, in grey also from a colour model: the error below is a grey frame's, as it always was
+        truth, model = (da.grey_frames(frames) for frames in da.open_loop_predictions(agent, eval_batch))
     context = da.OPEN_LOOP_CONTEXT
     error = (model[:, :context].astype(np.float32) - truth[:, :context]) / 255.0
     scores = da.open_loop_ball_scores(truth, model)

@@ -91,7 +91,7 @@ class StageArgs(Args):
 # and `training` whose start-up checks pass runs the Pong stage that follows (`faster_path`); each of
 # UPDATE_VARIANTS changes the fields it names from every fast path off (FAST_PATHS_OFF). A variant naming a field
 # this version of the script lacks is reported "not available in this version" and skipped.
-FAST_PATHS_OFF = {"tf32": False, "amp": "off", "compile": False, "cudagraph": False}
+FAST_PATHS_OFF = {"tf32": False, "precision": "float32", "compile": False, "cudagraph": False}
 TRAINING_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is one more line. Compile last: its
     # first calls compile for a minute or more, and a stage cut short by its time cap still measured the others
     ("training+bf16", {"precision": "bf16"}),
@@ -103,9 +103,9 @@ TRAINING_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is o
 UPDATE_VARIANTS = (  # (name, Args field overrides on every fast path off)
     ("fp32", {}),
     ("tf32", {"tf32": True}),
-    ("bf16", {"amp": "bf16"}),
+    ("bf16", {"precision": "bf16"}),
     ("cudagraph", {"cudagraph": True}),
-    ("bf16+cudagraph", {"amp": "bf16", "cudagraph": True}),
+    ("bf16+cudagraph", {"precision": "bf16", "cudagraph": True}),
     ("compile", {"compile": True}),
     (
         "tf32+cudagraph, autograd observe backward",

@@ -3,7 +3,7 @@
     python dev/gpu/gpu_update_profile.py --out DIR                       # CUDA, the seed model (B16 x T50)
     python dev/gpu/gpu_update_profile.py --out DIR --device cpu --quick  # the code path, without a GPU
 
-On one real replayed Pong batch, for each precision (`--amp`), it times (median of `--reps`, a device
+On one real replayed Pong batch, for each precision (`--amp` here: off is --precision float32), it times (median of `--reps`, a device
 synchronisation after each update) the script's own update as the training loop runs it: eagerly (world model,
 behaviour, whole update) and captured in CUDA graphs (`--cudagraph`: the same functions, `CudaGraphed`). Then one
 eager update under torch.profiler: how many kernels it launches and how long the GPU is busy (summed kernel time)
@@ -200,7 +200,7 @@ def main() -> None:
 
     for mode in cli.amp:
         amp_args = dataclasses.replace(
-            args, amp=mode, cudagraph=False
+            args, precision={"off": "float32"}.get(mode, mode), cudagraph=False
         )  # eager; the graph figures below capture
         figures: dict = {}
         torch.manual_seed(args.seed)

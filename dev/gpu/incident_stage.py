@@ -27,7 +27,6 @@ PATH (JSON) is rewritten as each part ends, so a stage stopped early keeps what 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -502,36 +501,34 @@ def dreamer_6gb(work: Path, quick: bool, device: str) -> dict:
 
 
 class UpdateRecorder:
-    """Wraps the update a DQN run calls (Part 1's or its mixed-precision wrapper) and records, without a host sync
-    inside the update, each update's loss and the loss scaler's scale, the time of each (synchronised), and the
+    """Records the training updates of a DQN run (Part 1's `update`, called with the agent's `amp`) without a host
+    sync inside the update: each update's loss and the loss scaler's scale, the time of each (synchronised), and the
     allocated memory just before and just after the first optimizer step that runs."""
 
     def __init__(self, amp):
         self.amp, self.losses, self.scales, self.ms, self.first_step = amp, [], [], [], None
 
-    def wrap(self, update):
+    def record(self, update, q_network, target_network, optimizer, batch, args, amp):
+        """`update(...)` as the loop calls it, recorded."""
         import torch
 
-        def recorded(q_network, target_network, optimizer, batch, args):
-            if self.first_step is None and not hasattr(optimizer, "_recorder_hooks"):
-                optimizer._recorder_hooks = (
-                    optimizer.register_step_pre_hook(lambda opt, *_: self.step_memory("before", opt)),
-                    optimizer.register_step_post_hook(lambda opt, *_: self.step_memory("after", opt)),
-                )
-            cuda = q_network.parameters().__next__().device.type == "cuda"
-            if cuda:
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            metrics = update(q_network, target_network, optimizer, batch, args)
-            if cuda:
-                torch.cuda.synchronize()
-            self.ms.append((time.perf_counter() - started) * 1e3)
-            self.losses.append(metrics["losses/td_loss"].detach().float())
-            if self.amp.scaler.is_enabled():
-                self.scales.append(self.amp.scaler._scale.detach().clone())
-            return metrics
-
-        return recorded
+        if self.first_step is None and not hasattr(optimizer, "_recorder_hooks"):
+            optimizer._recorder_hooks = (
+                optimizer.register_step_pre_hook(lambda opt, *_: self.step_memory("before", opt)),
+                optimizer.register_step_post_hook(lambda opt, *_: self.step_memory("after", opt)),
+            )
+        cuda = q_network.parameters().__next__().device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        metrics = update(q_network, target_network, optimizer, batch, args, amp)
+        if cuda:
+            torch.cuda.synchronize()
+        self.ms.append((time.perf_counter() - started) * 1e3)
+        self.losses.append(metrics["losses/td_loss"].detach().float())
+        if self.amp.scaler.is_enabled():
+            self.scales.append(self.amp.scaler._scale.detach().clone())
+        return metrics
 
     def step_memory(self, when: str, optimizer) -> None:
         """Allocated memory (CUDA) and the optimizer state's bytes just before or after the first step that runs."""
@@ -578,14 +575,21 @@ def dqn_precision(amp: str, out: Path, quick: bool, device: str) -> None:
     import dqn_starcraft_split as dqn
 
     recorders = []
-    speed_up = dqn.speed_up
+    build_agent, update = dqn.build_agent, dqn.update
 
-    def recorded_speed_up(args, device):
-        executables = speed_up(args, device)
-        recorders.append(UpdateRecorder(executables.amp))
-        return dataclasses.replace(executables, update=recorders[-1].wrap(executables.update))
+    def recorded_build_agent(*args, **kwargs):
+        agent = build_agent(*args, **kwargs)
+        recorders.append(UpdateRecorder(agent.amp))
+        return agent
 
-    dqn.speed_up = recorded_speed_up
+    def recorded_update(q_network, target_network, optimizer, batch, args, amp):
+        if (
+            recorders and amp is recorders[-1].amp
+        ):  # a training update (the preallocation's has its own scaler)
+            return recorders[-1].record(update, q_network, target_network, optimizer, batch, args, amp)
+        return update(q_network, target_network, optimizer, batch, args, amp)
+
+    dqn.build_agent, dqn.update = recorded_build_agent, recorded_update
     work = out.with_suffix("")
     flags = [*(DQN_QUICK_FLAGS if quick else DQN_PRECISION_FLAGS), "--amp", amp, "--eval-every-episodes", "0"]
     flags += ["--no-cuda"] if device == "cpu" else []

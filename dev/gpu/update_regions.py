@@ -428,7 +428,7 @@ def count_compiled_update(args: da.Args) -> int:
 
 def measure_compiled(model: str, size: str) -> dict:
     """Compiled kernel calls at (T, H), (T - 1, H) and (T, H - 1), and the per-step differences."""
-    sizes = {**SIZES[size], "model": model, "amp": "off", "num_envs": 1}
+    sizes = {**SIZES[size], "model": model, "precision": "float32", "num_envs": 1}
     T, H = sizes["sequence_length"], sizes["imagination_horizon"]
     base = count_compiled_update(da.Args(**sizes))
     short_t = count_compiled_update(da.Args(**{**sizes, "sequence_length": T - 1}))
@@ -471,7 +471,7 @@ def measure(model: str, size: str, observe_backward: str = "hand-written", count
     """Counts at (T, H), (T - 1, H) and (T, H - 1), and the per-step differences; FLOPs by region at (T, H). At
     `--size atari100k` everything is counted at batch `count_batch` (and `count_batch` + 1, for the FLOPs at the
     size's batch: `flops_at`)."""
-    sizes = {**SIZES[size], "model": model, "amp": "off", "num_envs": 1}
+    sizes = {**SIZES[size], "model": model, "precision": "float32", "num_envs": 1}
     sizes["observe_backward"] = observe_backward
     batch_size = sizes["batch_size"]
     if size == "atari100k":

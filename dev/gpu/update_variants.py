@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import re
@@ -100,7 +101,7 @@ def variant_args(
     if missing:
         return None, f"not available in this version (dreamer_atari.Args has no {', '.join(missing)})"
     if not on_cuda and (
-        overrides.get("cudagraph") or overrides.get("amp") == "fp16" or overrides.get("fused_scan")
+        overrides.get("cudagraph") or overrides.get("precision") == "fp16" or overrides.get("fused_scan")
     ):
         return None, "needs CUDA"
     if not on_cuda and quick and overrides.get("compile"):
@@ -479,9 +480,10 @@ def time_outside_update(base: da.Args, device: torch.device, steps: int, warmup:
     its loop does them (the player's `act`, the run's `sample_batch`, `step_envs`, with `install_speed`'s
     equivalents in place), on one real Pong env (the Atari100k
     recipe: one update per env step), the replay's frames on the device (`--replay-frames device`), acting
-    captured on CUDA: the policy step, one batch sampled and gathered, the env step and storing it. Each iteration
-    ends with a device synchronisation, so a figure holds all of its GPU work. The weights are untrained: the cost
-    does not depend on them."""
+    captured on CUDA: one batch sampled and gathered (before acting, as the loop samples it), the policy step, the
+    env step and storing it, each part timed (`outside_update_parts_ms`: in training the sampling and the env step
+    run while the GPU updates, acting waits for it). A device synchronisation ends each part, so a figure holds all of
+    its GPU work. The weights are untrained: the cost does not depend on them."""
     on_cuda = device.type == "cuda"
     args = dataclasses.replace(
         base, num_envs=1, vector_mode="sync", learning_starts=0, replay_frames="device", cudagraph=on_cuda
@@ -511,22 +513,30 @@ def time_outside_update(base: da.Args, device: torch.device, steps: int, warmup:
             is_first = np.ones(1, np.bool_)
             while not replay.can_sample(args.sequence_length):  # random steps until a batch can be drawn
                 obs, is_first = da.step_envs(run, envs, run.rng.integers(num_actions, size=1))
-            samples = []
+            samples, parts = [], {"act": [], "sample": [], "env_step": []}
             for i in range(warmup + steps):
                 sync(device)
-                begin = time.perf_counter()
+                times = [time.perf_counter()]
+                run.sample_batch(run)  # as the loop does: before acting, while the last updates run on a GPU
+                sync(device)
+                times.append(time.perf_counter())
                 actions = run.player.act(obs, is_first)
-                run.sample_batch(run)
+                times.append(time.perf_counter())
                 obs, is_first = da.step_envs(run, envs, actions)
                 sync(device)
+                times.append(time.perf_counter())
                 if i >= warmup:
-                    samples.append(1e3 * (time.perf_counter() - begin))
+                    samples.append(1e3 * (times[-1] - times[0]))
+                    for name, (start, end) in zip(("sample", "act", "env_step"), itertools.pairwise(times)):
+                        parts[name].append(1e3 * (end - start))
         finally:
             run.writer.close()
             envs.close()
     return {
         "outside_update_ms_per_env_step": statistics.median(samples),
         "outside_update_samples_ms": samples,
+        # each part's median: the sampling and the env step run while a GPU updates; acting waits for the updates
+        "outside_update_parts_ms": {name: statistics.median(times) for name, times in parts.items()},
         "outside_update_setup": "1 Pong env, frames on the device, acting captured on CUDA, untrained weights",
     }
 
@@ -537,7 +547,7 @@ def count_flops(base: da.Args, count_batch: int) -> dict:
     extended to the run's batch, for the training update without compiling and in float32: every variant does the
     same products (compiled, captured, in bf16 or fused)."""
     on_cpu = {key: False for key in ("compile", "fused_scan") if key in ARGS_FIELDS}
-    args = dataclasses.replace(base, batch_size=count_batch, cuda=False, amp="off", **on_cpu)
+    args = dataclasses.replace(base, batch_size=count_batch, cuda=False, precision="float32", **on_cpu)
     started = time.perf_counter()
     flops = update_regions.flops_at(args, base.batch_size, warmup=0)
     return {
@@ -615,11 +625,8 @@ def main() -> None:
         dataclasses.replace(base, buffer_capacity=fill_steps, num_envs=2), fill_steps
     )
     batch = replay.sample(base.batch_size, base.sequence_length)
-    scratch = {
-        key: array.copy() for key, array in batch.items()
-    }  # sampled into, as training samples into its buffers
-    sampling = bench_utils.time_ms(
-        lambda: replay.sample(base.batch_size, base.sequence_length, out=scratch), reps=reps, warmup=1
+    sampling = bench_utils.time_ms(  # as training samples a batch (a fresh copy of its windows)
+        lambda: replay.sample(base.batch_size, base.sequence_length), reps=reps, warmup=1
     )
     result: dict = {
         "machine": bench_utils.machine(),

@@ -1,0 +1,136 @@
+"""--precision bf16: Part 1 runs under the autocast the fast paths run under, with the observe scan in float32, and
+each fast path is held to Part 1 under it within the tolerances stated beside each test (bf16 keeps 8 bits of
+mantissa: two orders of the same sums differ by about 1e-2 relative in a bf16 result).
+
+The tests use the CPU's bf16 autocast (the same operation lists as CUDA's for these layers)."""
+
+import pytest
+import torch
+from test_dreamer_fast_path import NUM_ACTIONS, observe_backward, random_batch
+
+import dreamer_atari as da
+import dreamer_tiny
+from dreamer_tiny import obs_shape
+
+
+def agents(**overrides) -> tuple[da.Args, da.Agent, da.Agent]:
+    """Two agents from the same seed: Part 1's functions (`build_agent`) and the run's (`speed_up_agent` after it)."""
+    args = dreamer_tiny.tiny_args(
+        **{"batch_size": 3, "sequence_length": 6, "imagination_horizon": 4, "free_nats": 0.0, **overrides}
+    )
+    pair = []
+    for fast in (False, True):
+        torch.manual_seed(0)
+        agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+        if fast:
+            da.speed_up_agent(agent, args)
+        pair.append(agent)
+    return args, *pair
+
+
+def world_model_results(agent: da.Agent, args: da.Args) -> tuple[dict, dict]:
+    """The world-model losses and gradients of one batch under the agent's autocast, from fixed random numbers."""
+    data = da.prepare_batch(da.batch_tensors(random_batch(args), "cpu"), NUM_ACTIONS, args.channels_last)
+    torch.manual_seed(1)
+    with agent.amp.autocast():
+        loss, parts, _ = da.world_model_loss(agent, data, args)
+    loss.backward()
+    grads = {name: p.grad for name, p in agent.world_model.named_parameters() if p.grad is not None}
+    return {key: value.detach() for key, value in parts.items()}, grads
+
+
+def test_bf16_autocasts_the_networks_and_keeps_the_observe_scan_weights_state_and_losses_float32():
+    args, part_1, _ = agents(precision="bf16")
+    seen = {}
+    wm = part_1.world_model
+    wm.encoder.register_forward_hook(lambda m, i, out: seen.setdefault("encoder", out.dtype) and None)
+    wm.decoder.register_forward_hook(lambda m, i, out: seen.setdefault("decoder", out.dtype) and None)
+    parts, _ = world_model_results(part_1, args)
+    data = da.prepare_batch(da.batch_tensors(random_batch(args), "cpu"), NUM_ACTIONS)
+    with part_1.amp.autocast():
+        _, _, (deter, stoch) = da.world_model_loss(part_1, data, args)
+    assert seen == {"encoder": torch.bfloat16, "decoder": torch.bfloat16}
+    assert deter.dtype == stoch.dtype == torch.float32  # the observe scan ran in float32
+    assert parts["losses/world_model"].dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in wm.parameters())
+    da.train_world_model(part_1, da.batch_tensors(random_batch(args), "cpu"), args)
+    state = part_1.world_model_optimizer.state
+    assert all(v.dtype == torch.float32 for s in state.values() for k, v in s.items() if k != "step")
+
+
+def test_under_bf16_the_fast_observe_trains_what_part_1_trains():
+    """The observe scan runs in float32 under bf16 too, so the fast observe and its hand-written backward apply, and
+    equal Part 1's loop to float32 rounding: losses within 1e-5 relative, every gradient within 1e-4 of its largest
+    element (the same bf16 encoder and decoder feed and read both; channels-last off in both)."""
+    args, part_1, fast = agents(precision="bf16", fast_imagine=False, channels_last=False)
+    assert isinstance(fast.observe, da.FastObserve) and not isinstance(part_1.observe, da.FastObserve)
+    data = da.prepare_batch(da.batch_tensors(random_batch(args), "cpu"), NUM_ACTIONS)
+    with fast.amp.autocast():
+        deter = da.world_model_loss(fast, data, args)[2][0]
+    assert (
+        observe_backward(deter) == "hand-written"
+    )  # the observe scan outside autocast: its own backward runs
+    (expected, expected_grads), (ours, our_grads) = (
+        world_model_results(part_1, args),
+        world_model_results(fast, args),
+    )
+    for key, value in expected.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert expected_grads.keys() == our_grads.keys()
+    for name, grad in expected_grads.items():
+        scale = grad.abs().max().clamp(min=1e-12)
+        assert (our_grads[name] - grad).abs().max() <= 1e-4 * scale, name
+
+
+def test_under_bf16_channels_last_convolutions_train_what_part_1_trains_to_bf16_rounding():
+    """Channels-last convolutions add up the same products in another order, which bf16 shows: the losses within
+    1e-4 relative, the whole world-model gradient within 2e-2 in relative L2 norm (a LayerNorm's bias gradient, a sum
+    of thousands of bf16 terms that nearly cancel, can move by half its size on its own)."""
+    args, part_1, fast = agents(precision="bf16", fast_imagine=False)
+    (expected, expected_grads), (ours, our_grads) = (
+        world_model_results(part_1, args),
+        world_model_results(fast, args),
+    )
+    for key, value in expected.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    flat = [
+        torch.cat([grads[name].flatten() for name in expected_grads]) for grads in (expected_grads, our_grads)
+    ]
+    assert (flat[1] - flat[0]).norm() <= 2e-2 * flat[0].norm()
+
+
+def test_under_bf16_the_fast_imagination_and_heads_train_what_part_1_trains():
+    """The same rollout from the same random numbers: the imagined features exactly (the same bf16 steps draw the same
+    classes), the actor's log-probabilities and entropies within 2e-2 relative (one bf16 product over all states in
+    place of one per step: another blocking of the same sums), the behaviour losses within 3e-2."""
+    args, part_1, fast = agents(precision="bf16")
+    assert isinstance(fast.imagine, da.FastImagine)
+    torch.manual_seed(3)
+    deter = torch.randn(5, args.deterministic_dim)
+    stoch = part_1.world_model.rssm.sample(part_1.world_model.rssm.prior(deter)).detach()
+    start = (deter, stoch, torch.ones(5))
+    results = []
+    for agent in (part_1, fast):
+        torch.manual_seed(4)
+        with agent.amp.autocast():
+            feat, log_prob, entropy = agent.imagine(agent, start, args.imagination_horizon)
+            torch.manual_seed(5)
+            actor_loss, critic_loss, _ = da.behavior_losses(agent, start, args, update_norm=False)
+        results.append((feat, log_prob, entropy, actor_loss.detach(), critic_loss.detach()))
+    (feat, log_prob, entropy, actor_loss, critic_loss), expected = results[1], results[0]
+    assert torch.equal(feat, expected[0])
+    torch.testing.assert_close(log_prob, expected[1], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(entropy, expected[2], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(actor_loss, expected[3], rtol=3e-2, atol=3e-3)
+    torch.testing.assert_close(critic_loss, expected[4], rtol=3e-2, atol=3e-3)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+def test_a_tiny_run_trains_in_either_precision(tmp_path, monkeypatch, precision):
+    monkeypatch.chdir(tmp_path)
+    counters = da.main(
+        dreamer_tiny.tiny_args(
+            precision=precision, num_envs=1, total_timesteps=40, learning_starts=20, train_ratio=16.0
+        )
+    )
+    assert counters["updates"] > 0 and counters["nonfinite_updates"] == 0
