@@ -3815,56 +3815,15 @@ def heads_on_features(agent: "Agent", feat: torch.Tensor, stoch_index: torch.Ten
     return outputs
 
 
-class Answered:
-    """A head's net whose outputs on the imagined features' leading states are computed already: called on feat's
-    first states (feat itself, or feat[:-1]) that `output` holds, it returns them; on anything else it runs the net."""
-
-    def __init__(self, net: nn.Module, feat: torch.Tensor, output: torch.Tensor):
-        self.net, self.feat, self.output = net, feat, output
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        feat = self.feat
-        leading_rows = (x.device, x.dtype, x.data_ptr(), x.shape[1:], x.stride()) == (
-            feat.device,
-            feat.dtype,
-            feat.data_ptr(),
-            feat.shape[1:],
-            feat.stride(),
-        )
-        if not leading_rows or x.shape[0] > len(self.output):
-            return self.net(x)
-        return self.output if x.shape[0] == len(self.output) else self.output[: x.shape[0]]
-
-
-class Twin:
-    """`target` (a module, or the agent) with the attributes given in place of its own: its class's methods run with
-    the twin as self (so `Critic.value` calls the twin's `net`), calling the twin runs its class's `forward`, and any
-    other attribute is the target's."""
-
-    def __init__(self, target, **replaced):
-        self.__dict__.update(replaced, _target=target)
-
-    def __getattr__(self, name: str):
-        target = self.__dict__["_target"]
-        method = getattr(type(target), name, None)
-        if isinstance(method, types.FunctionType):
-            return types.MethodType(method, self)
-        return getattr(target, name)
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
-
 class FastHeads:
     """`behavior_losses` with the five heads on the imagined states (actor, critic, slow critic, reward, continue)
     sharing one first-layer product: the same arguments and results (`check_fast_heads`; --no-fast-heads leaves
     `behavior_losses`).
 
-    The fast imagination's rollout (`FastImagine.rollout`), then every head on all states at once
-    (`heads_on_features`), the actor's log-probabilities and entropies from them as `FastImagine` takes them; then
-    `behavior_losses` and `imagined_targets` as Part 1 writes them, on a twin of the agent (`Twin`) whose imagination
-    returns these and whose heads answer from these outputs (`Answered`). So the losses' formulas are Part 1's own;
-    what is replaced is how the heads' first layers are computed, and where.
+    The fast imagination's rollout (`FastImagine.rollout`), then every head on all the states it reads at once
+    (`heads_on_features`), then the formulas of `Actor.forward`, `imagine`'s log-probabilities, `imagined_targets`
+    and `behavior_losses` on those outputs (`losses_from_heads`): a copy of Part 1's, which the check holds to
+    Part 1's own in float64 on the run's weights; a change to one that is not carried into the other stops the run.
     """
 
     def __init__(self, imagine: "FastImagine"):
@@ -3873,19 +3832,47 @@ class FastHeads:
 
     def __call__(self, agent: "Agent", start_states, args: Args, update_norm: bool = True):
         feat, stoch_index, action_index = self.rollout(agent, start_states, args.imagination_horizon)
-        outputs = heads_on_features(agent, feat, stoch_index)
-        answered = {name: Answered(net, feat, outputs[name]) for name, net in behaviour_heads(agent).items()}
-        probs = Twin(agent.actor, net=answered["actor"])(feat[:-1])  # (H, N, A): `Actor.forward`
-        log_prob, entropy = policy_terms(probs, action_index)
-        wm = Twin(agent.world_model, reward_head=answered["reward"], continue_head=answered["continue"])
-        twin = Twin(
-            agent,
-            imagine=lambda *_: (feat, log_prob, entropy),
-            critic=Twin(agent.critic, net=answered["critic"]),
-            slow_critic=Twin(agent.slow_critic, net=answered["slow critic"]),
-            world_model=wm,
-        )
-        return behavior_losses(twin, start_states, args, update_norm)
+        heads = heads_on_features(agent, feat, stoch_index)
+        return losses_from_heads(agent, heads, action_index, start_states[2], args, update_norm)
+
+
+def losses_from_heads(
+    agent: "Agent", heads: dict, action_index, start_continue, args: Args, update_norm: bool
+):
+    """`behavior_losses` (with `imagined_targets` and `Actor.forward`) from the heads' outputs on the imagined states
+    (`heads_on_features`: actor and slow critic (H, N, ...), the others (H+1, N, ...)) and the actions drawn (H, N, 1):
+    (actor_loss, critic_loss, parts). Each line is Part 1's, a head's call replaced by its output."""
+    wm, settings, actor = agent.world_model, agent.settings, agent.actor
+    # `Actor.forward`, then `imagine`'s log-probabilities and entropies
+    probs = F.softmax(upcast(heads["actor"]), -1)  # (H, N, A)
+    log_prob, entropy = policy_terms(
+        (1 - actor.unimix) * probs + actor.unimix / probs.shape[-1], action_index
+    )
+    critic_logits = heads["critic"]  # (H+1, N, K)
+    with torch.no_grad():  # `imagined_targets`
+        reward = twohot_mean(heads["reward"], wm.bins)  # (H+1, N)
+        continues = torch.sigmoid(upcast(heads["continue"].squeeze(-1)))  # (H+1, N)
+        if args.continue_mode:
+            continues = (continues > 0.5).to(continues.dtype)
+        continues[0] = start_continue
+        discount = settings["gamma"] * continues
+        value = twohot_mean(critic_logits.detach(), agent.critic.bins)  # (H+1, N)
+        slow_value = twohot_mean(heads["slow critic"], agent.slow_critic.bins)  # (H, N)
+        lambda_, one_minus_lambda = settings["return_lambda"], settings["1 - return_lambda"]
+        returns = lambda_returns(reward, value, discount, lambda_, one_minus_lambda)  # (H, N)
+        weight = torch.cumprod(discount[:-1], 0) / settings["gamma"]  # (H, N)
+        if update_norm:
+            agent.return_norm.update(returns, settings["1 - return_norm_decay"])
+        advantage = (returns - value[:-1]) / agent.return_norm.scale()
+    # `behavior_losses`
+    actor_loss = -(weight * (log_prob * advantage + settings["entropy_coef"] * entropy)).mean()
+    bins, logits = agent.critic.bins, critic_logits[:-1]
+    critic_loss = (
+        weight * (twohot_loss(logits, returns, bins) + twohot_loss(logits, slow_value, bins))
+    ).mean()
+    parts = {"losses/actor": actor_loss, "losses/critic": critic_loss, "losses/entropy": entropy.mean()}
+    parts |= {"debug/imagined_return": returns.mean(), "debug/return_scale": agent.return_norm.scale()}
+    return actor_loss, critic_loss, parts
 
 
 # --- The fast imagination, compile and CUDA graphs --------------------------------------------------------------------
@@ -4584,9 +4571,10 @@ def check_fast_heads(agent: "Agent", args: Args, tolerance: float = 1e-9) -> Non
         error = (ours[name] - expected).abs().max().item() / max(expected.abs().max().item(), 1e-3)
         if not error <= tolerance:
             raise FastPathMismatch(
-                f"the behaviour losses with the shared heads (FastHeads, heads_on_features) give another {name} "
-                f"than behavior_losses and imagined_targets (relative error {error:.1e}): carry the change into "
-                f"both, or run with --no-fast-heads."
+                f"the behaviour losses with the shared heads (FastHeads) give another {name} than behavior_losses "
+                f"(relative error {error:.1e}): carry the change into losses_from_heads and heads_on_features "
+                f"(behavior_losses, imagined_targets, Actor.forward and the heads hold the formulas), or run with "
+                f"--no-fast-heads."
             )
 
 
