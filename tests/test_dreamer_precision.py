@@ -101,10 +101,13 @@ def test_under_bf16_channels_last_convolutions_train_what_part_1_trains_to_bf16_
 
 def test_under_bf16_the_fast_imagination_and_heads_train_what_part_1_trains():
     """The same rollout from the same random numbers: the imagined features exactly (the same bf16 steps draw the same
-    classes), the actor's log-probabilities and entropies within 2e-2 relative (one bf16 product over all states in
-    place of one per step: another blocking of the same sums), the behaviour losses within 3e-2."""
+    classes; the gathers of weight rows add the same terms in float32 before the one bf16 rounding), the actor's
+    log-probabilities and entropies within 2e-2 relative (one bf16 product over all states in place of one per step:
+    another blocking of the same sums), the behaviour losses with the shared heads (`FastHeads`) within 3e-2, and
+    the actor's and critic's whole gradients within 3e-2 in relative L2 norm."""
     args, part_1, fast = agents(precision="bf16")
-    assert isinstance(fast.imagine, da.FastImagine)
+    assert isinstance(fast.imagine, da.FastImagine) and fast.imagine.gathers
+    assert isinstance(fast.behavior_losses, da.FastHeads)
     torch.manual_seed(3)
     deter = torch.randn(5, args.deterministic_dim)
     stoch = part_1.world_model.rssm.sample(part_1.world_model.rssm.prior(deter)).detach()
@@ -115,14 +118,17 @@ def test_under_bf16_the_fast_imagination_and_heads_train_what_part_1_trains():
         with agent.amp.autocast():
             feat, log_prob, entropy = agent.imagine(agent, start, args.imagination_horizon)
             torch.manual_seed(5)
-            actor_loss, critic_loss, _ = da.behavior_losses(agent, start, args, update_norm=False)
-        results.append((feat, log_prob, entropy, actor_loss.detach(), critic_loss.detach()))
-    (feat, log_prob, entropy, actor_loss, critic_loss), expected = results[1], results[0]
+            actor_loss, critic_loss, _ = agent.behavior_losses(agent, start, args, update_norm=False)
+        (actor_loss + critic_loss).backward()
+        grads = torch.cat([p.grad.flatten() for m in (agent.actor, agent.critic) for p in m.parameters()])
+        results.append((feat, log_prob, entropy, actor_loss.detach(), critic_loss.detach(), grads))
+    (feat, log_prob, entropy, actor_loss, critic_loss, grads), expected = results[1], results[0]
     assert torch.equal(feat, expected[0])
     torch.testing.assert_close(log_prob, expected[1], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(entropy, expected[2], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(actor_loss, expected[3], rtol=3e-2, atol=3e-3)
     torch.testing.assert_close(critic_loss, expected[4], rtol=3e-2, atol=3e-3)
+    assert (grads - expected[5]).norm() <= 3e-2 * expected[5].norm()
 
 
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
