@@ -4539,43 +4539,63 @@ def float64_twin(agent: "Agent") -> "Agent":
     )
 
 
+def moved_heads(twin: "Agent") -> None:
+    """The heads on the imagined states of a float64 twin moved by seeded noise, and its return normaliser's range
+    set to [-1, 2]: the critic, slow critic and reward heads start at zero (`mlp`'s zero_output), and a term
+    multiplied by one of them shows no change to its formula on fresh weights."""
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for net in behaviour_heads(twin).values():
+            for parameter in net.parameters():
+                parameter.add_(0.3 * torch.randn_like(parameter))
+        twin.return_norm.low.fill_(-1.0), twin.return_norm.high.fill_(2.0)
+
+
 def check_fast_heads(agent: "Agent", args: Args, tolerance: float = 1e-9) -> None:
     """The behaviour losses with the shared heads (`FastHeads` on `FastImagine`'s rollout) against `behavior_losses`
     on `imagine` as Part 1 writes them, on float64 copies of the run's weights, return normaliser and settings
-    (`float64_twin`), with the same random numbers: the losses and logged values, the return normaliser's update, and
-    every gradient of the actor and the critic. A change to one that is not carried into the other raises
-    FastPathMismatch. Each is compared relative to its size, or to 1e-3 below that: a mean of returns near 0 (from
-    heads that start at zero) keeps only the rounding of its terms, which the sums' order moves."""
+    (`float64_twin`), and again with the heads moved (`moved_heads`), with the same random numbers: the losses and
+    logged values, the return normaliser's update, and every gradient of the actor and the critic. A change to one
+    that is not carried into the other raises FastPathMismatch. Each is compared relative to its size, or to 1e-3
+    below that: a mean of returns near 0 (from heads that start at zero) keeps only the rounding of its terms, which
+    the sums' order moves."""
     short = dataclasses.replace(args, imagination_horizon=4)
-    results = []
-    with torch.random.fork_rng(devices=[]):
-        for fast in (True, False):
-            twin = float64_twin(agent)
-            if fast:
-                twin.imagine = FastImagine(agent.behavior_losses.imagine.gathers)
-                twin.behavior_losses = FastHeads(twin.imagine)
-            rssm = twin.world_model.rssm
-            torch.manual_seed(2)
-            deter = torch.randn(3, rssm.deter_dim, dtype=torch.float64)
-            start = (deter, rssm.sample(rssm.prior(deter)).detach(), torch.tensor([1.0, 0.0, 1.0]).double())
-            torch.manual_seed(4)  # the same random numbers for both
-            actor_loss, critic_loss, parts = twin.behavior_losses(twin, start, short)
-            learning = {f"actor.{name}": p for name, p in twin.actor.named_parameters()}
-            learning |= {f"critic.{name}": p for name, p in twin.critic.named_parameters()}
-            grads = torch.autograd.grad(actor_loss + critic_loss, list(learning.values()))
-            values = {name: value.detach() for name, value in parts.items()}
-            values |= {"the return normaliser's low": twin.return_norm.low, "high": twin.return_norm.high}
-            results.append(values | {f"gradient of {name}": g for name, g in zip(learning, grads)})
-    ours, reference = results
-    for name, expected in reference.items():
-        error = (ours[name] - expected).abs().max().item() / max(expected.abs().max().item(), 1e-3)
-        if not error <= tolerance:
-            raise FastPathMismatch(
-                f"the behaviour losses with the shared heads (FastHeads) give another {name} than behavior_losses "
-                f"(relative error {error:.1e}): carry the change into losses_from_heads and heads_on_features "
-                f"(behavior_losses, imagined_targets, Actor.forward and the heads hold the formulas), or run with "
-                f"--no-fast-heads."
-            )
+    for weights in ("the run's weights", "the run's weights with the heads moved"):
+        results = []
+        with torch.random.fork_rng(devices=[]):
+            for fast in (True, False):
+                twin = float64_twin(agent)
+                if weights != "the run's weights":
+                    moved_heads(twin)
+                if fast:
+                    twin.imagine = FastImagine(agent.behavior_losses.imagine.gathers)
+                    twin.behavior_losses = FastHeads(twin.imagine)
+                rssm = twin.world_model.rssm
+                torch.manual_seed(2)
+                deter = torch.randn(3, rssm.deter_dim, dtype=torch.float64)
+                start = (
+                    deter,
+                    rssm.sample(rssm.prior(deter)).detach(),
+                    torch.tensor([1.0, 0.0, 1.0]).double(),
+                )
+                torch.manual_seed(4)  # the same random numbers for both
+                actor_loss, critic_loss, parts = twin.behavior_losses(twin, start, short)
+                learning = {f"actor.{name}": p for name, p in twin.actor.named_parameters()}
+                learning |= {f"critic.{name}": p for name, p in twin.critic.named_parameters()}
+                grads = torch.autograd.grad(actor_loss + critic_loss, list(learning.values()))
+                values = {name: value.detach() for name, value in parts.items()}
+                values |= {"the return normaliser's low": twin.return_norm.low, "high": twin.return_norm.high}
+                results.append(values | {f"gradient of {name}": g for name, g in zip(learning, grads)})
+        ours, reference = results
+        for name, expected in reference.items():
+            error = (ours[name] - expected).abs().max().item() / max(expected.abs().max().item(), 1e-3)
+            if not error <= tolerance:
+                raise FastPathMismatch(
+                    f"the behaviour losses with the shared heads (FastHeads) give another {name} than "
+                    f"behavior_losses on {weights} (relative error {error:.1e}): carry the change into "
+                    f"losses_from_heads and heads_on_features (behavior_losses, imagined_targets, Actor.forward and "
+                    f"the heads hold the formulas), or run with --no-fast-heads."
+                )
 
 
 def check_subpixel_decoder(layer: nn.ConvTranspose2d, tolerance: float = 1e-9) -> None:
