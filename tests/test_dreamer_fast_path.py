@@ -591,6 +591,120 @@ def test_a_head_of_another_shape_takes_the_readable_path_with_one_line(monkeypat
     assert bool(healthy) and bool(behavior_healthy) and torch.isfinite(metrics["losses/critic"])
 
 
+def checked_agent(**overrides) -> tuple[da.Args, da.Agent]:
+    """A tiny agent with the run's fast paths in place (checked once by `speed_up_agent`)."""
+    args = tiny_args(**overrides)
+    torch.manual_seed(0)
+    agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+    da.speed_up_agent(agent, args)
+    return args, agent
+
+
+def test_a_change_to_the_gathered_imagination_step_is_caught(monkeypatch):
+    """`gather_imagine_step` is a copy of `imagine_step`'s formulas with its one-hot products as gathers: a slip in it
+    (here its first-layer table a little off) is refused by the check, naming where the formulas live and the flag."""
+    _, agent = checked_agent()
+    assert agent.imagine.gathers
+    real_tables = da.imagine_tables
+
+    def changed_tables(actor, rssm):
+        stoch_table, action_table, deter_weight = real_tables(actor, rssm)
+        return stoch_table, 1.001 * action_table, deter_weight
+
+    monkeypatch.setattr(da, "imagine_tables", changed_tables)
+    with pytest.raises(da.FastPathMismatch, match="gather_imagine_step") as refused:
+        da.check_fast_imagine(agent)
+    assert "--no-fast-imagine" in str(refused.value)
+
+
+def test_a_change_to_the_mixed_draw_is_caught(monkeypatch):
+    """The gathered imagination draws an index from the mixed CDF (`mixed_draw`): drawing one class later is refused
+    by `check_draw`, naming `mixed_draw`."""
+    real_draw = da.mixed_draw
+    monkeypatch.setattr(da, "mixed_draw", lambda *inputs: (real_draw(*inputs) + 1).clamp(max=31))
+    with pytest.raises(da.FastPathMismatch, match="into mixed_draw"):
+        da.check_draw(torch.device("cpu"), compiled=False)
+
+
+@pytest.mark.parametrize("change", ["the copy of the losses", "Part 1's losses", "the shared product"])
+def test_a_change_to_the_losses_not_carried_into_the_shared_heads_is_caught(monkeypatch, change):
+    """`losses_from_heads` is a copy of `behavior_losses`' and `imagined_targets`' formulas on the heads' outputs: a
+    change to Part 1's not carried into it, a slip in it, or in the shared first-layer product, is refused by the
+    check on the run's weights, naming both functions and --no-fast-heads."""
+    args, agent = checked_agent()
+    assert isinstance(agent.behavior_losses, da.FastHeads)
+    if change == "the copy of the losses":
+        real = da.losses_from_heads
+
+        def changed(*inputs):
+            actor_loss, critic_loss, parts = real(*inputs)
+            return actor_loss, 1.01 * critic_loss, parts
+
+        monkeypatch.setattr(da, "losses_from_heads", changed)
+    elif change == "Part 1's losses":
+        real_targets = da.imagined_targets
+
+        def changed_targets(*inputs):
+            returns, weight, advantage, slow_value = real_targets(*inputs)
+            return (
+                returns,
+                weight,
+                advantage,
+                0.5 * slow_value,
+            )  # a researcher's new pull toward the slow critic
+
+        monkeypatch.setattr(da, "imagined_targets", changed_targets)
+    else:
+        real_tables = da.head_tables
+
+        def changed_tables(firsts, rssm, gathers):
+            weight, stoch_table, bias = real_tables(firsts, rssm, gathers)
+            return weight, stoch_table * 1.001, bias
+
+        monkeypatch.setattr(da, "head_tables", changed_tables)
+    with pytest.raises(da.FastPathMismatch, match="losses_from_heads") as refused:
+        da.check_fast_heads(agent, args)
+    assert "behavior_losses" in str(refused.value) and "--no-fast-heads" in str(refused.value)
+
+
+def test_gaussian_latents_imagine_by_products_and_keep_the_shared_heads_with_one_line(capsys):
+    """Gaussian latents (classes 0) are not one-hot: imagination keeps its products (`imagine_step`), said in one line,
+    and the heads still share one first-layer product (of the whole features)."""
+    _, agent = checked_agent(stochastic_classes=0)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("speed:")]
+    imagination = [line for line in said if "imagination" in line or "heads" in line]
+    assert imagination == [
+        "speed: imagination's products with one-hot latents stay products (the latents are Gaussian, not one-hot)"
+    ]
+    assert not agent.imagine.gathers and agent.imagine.step is da.imagine_step
+    assert isinstance(agent.behavior_losses, da.FastHeads)
+
+
+def test_the_off_flags_leave_part_1s_functions_and_compile_leaves_the_shared_heads_with_one_line(capsys):
+    """--no-fast-heads leaves `behavior_losses` (imagination still gathers); --no-fast-imagine leaves `imagine` and
+    therefore `behavior_losses` too (the shared heads read the fast rollout), each said in one line where the flag
+    does not say it all; --compile compiles Part 1's heads and targets, and the shared heads step aside, in one
+    line."""
+    _, agent = checked_agent(fast_heads=False)
+    assert agent.behavior_losses is da.behavior_losses and agent.imagine.gathers
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("speed:")]
+    _, agent = checked_agent(fast_imagine=False)
+    assert agent.behavior_losses is da.behavior_losses and agent.imagine is da.imagine
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("speed:")]
+    assert said == [
+        "speed: the heads on imagined states keep their own first layers (they read the fast imagination's states, "
+        "and --no-fast-imagine is set); behavior_losses runs"
+    ]
+    args = tiny_args(compile=True)
+    agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+    assert da.fast_heads_problem(agent, args) is not None  # before any fast path: no fast imagination yet
+    agent.imagine = da.FastImagine(gathers=True)
+    assert (
+        da.fast_heads_problem(agent, args)
+        == "--compile compiles the heads and the targets as Part 1 writes them"
+    )
+
+
 @pytest.mark.parametrize("model", ["dreamerv3", "nature"])
 def test_the_two_misses_of_the_old_check_are_caught(monkeypatch, model):
     """A residual added to `img_step` and not to `FastObserve.observe_step` (acting, imagination and video then differ from
