@@ -98,6 +98,10 @@ TRAINING_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is o
     # the fused observe scan; imagination's fast path (--fast-imagine) is the default's
     ("training+bf16+fused-scan", {"precision": "bf16", "fused_scan": True}),
     ("training+cudnn-benchmark", {"torch_deterministic": False}),  # cuDNN's benchmark is on only without it
+    # the default without the shared first layer of the heads on imagined states, then without the fast imagination
+    # (its gathers of weight rows and the heads' shared product both go): what each saves
+    ("training-no-fast-heads", {"fast_heads": False}),
+    ("training-no-fast-imagine", {"fast_imagine": False}),
     ("training+compile", {"compile": True}),
 )
 UPDATE_VARIANTS = (  # (name, Args field overrides on every fast path off)
