@@ -99,36 +99,69 @@ def test_under_bf16_channels_last_convolutions_train_what_part_1_trains_to_bf16_
     assert (flat[1] - flat[0]).norm() <= 2e-2 * flat[0].norm()
 
 
-def test_under_bf16_the_fast_imagination_and_heads_train_what_part_1_trains():
-    """The same rollout from the same random numbers: the imagined features exactly (the same bf16 steps draw the same
-    classes; the gathers of weight rows add the same terms in float32 before the one bf16 rounding), the actor's
-    log-probabilities and entropies within 2e-2 relative (one bf16 product over all states in place of one per step:
-    another blocking of the same sums), the behaviour losses with the shared heads (`FastHeads`) within 3e-2, and
-    the actor's and critic's whole gradients within 3e-2 in relative L2 norm."""
+def test_under_bf16_the_gathered_imagination_follows_part_1_to_bf16_rounding():
+    """Imagination's gathers of weight rows add the terms of its one-hot products in float32 and round once, where
+    Part 1's products round their inputs to bf16 first: the two deters differ by bf16 rounding (about 3e-3 of the
+    largest), and now and then a uniform lies within that of a CDF step and the two draw other classes, after which
+    the rollouts part (2 to 6 rows in 64 over seeds 3-7). So, from the same random numbers on 64 start states: at
+    least 90 % of the rollouts follow Part 1's (the same latents, deter within 1e-2 of the largest), and in them the
+    actor's log-probabilities and entropies are within 2e-2."""
     args, part_1, fast = agents(precision="bf16")
     assert isinstance(fast.imagine, da.FastImagine) and fast.imagine.gathers
-    assert isinstance(fast.behavior_losses, da.FastHeads)
+    D = args.deterministic_dim
     torch.manual_seed(3)
-    deter = torch.randn(5, args.deterministic_dim)
+    deter = torch.randn(64, D)
     stoch = part_1.world_model.rssm.sample(part_1.world_model.rssm.prior(deter)).detach()
-    start = (deter, stoch, torch.ones(5))
+    start = (deter, stoch, torch.ones(64))
     results = []
     for agent in (part_1, fast):
         torch.manual_seed(4)
         with agent.amp.autocast():
-            feat, log_prob, entropy = agent.imagine(agent, start, args.imagination_horizon)
-            torch.manual_seed(5)
+            results.append(agent.imagine(agent, start, args.imagination_horizon))
+    (expected, expected_log_prob, expected_entropy), (feat, log_prob, entropy) = results
+    scale = expected[..., :D].abs().amax((0, 2), keepdim=True)  # (1, N, 1)
+    deter_error = ((feat[..., :D] - expected[..., :D]).abs() / scale).amax((0, 2))  # (N,)
+    follows = (feat[..., D:] == expected[..., D:]).all(-1).all(0) & (deter_error < 1e-2)  # (N,)
+    assert follows.float().mean() >= 0.9, f"{int(follows.sum())} of 64 rollouts follow Part 1's"
+    torch.testing.assert_close(log_prob[:, follows], expected_log_prob[:, follows], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(entropy[:, follows], expected_entropy[:, follows], rtol=2e-2, atol=2e-2)
+
+
+def test_under_bf16_the_shared_heads_train_what_part_1_trains():
+    """On the same gathered rollout (both agents imagine by `FastImagine` with the gathers, from the same random
+    numbers): Part 1's `behavior_losses` and the shared heads (`FastHeads`: one first-layer product for the five heads,
+    its latent part a gather in float32) give the same features, the losses within 3e-2, and the actor's and critic's
+    whole gradients within 3e-2 in relative L2 norm (a bf16 product over all heads in place of one per head: the
+    same sums, other roundings)."""
+    args, part_1, fast = agents(precision="bf16")
+    assert isinstance(fast.behavior_losses, da.FastHeads) and part_1.behavior_losses is da.behavior_losses
+    part_1.imagine = da.FastImagine(gathers=True)
+    torch.manual_seed(3)
+    deter = torch.randn(5, args.deterministic_dim)
+    stoch = part_1.world_model.rssm.sample(part_1.world_model.rssm.prior(deter)).detach()
+    start = (deter, stoch, torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0]))
+    results = []
+    for agent in (part_1, fast):
+        for net in behaviour_nets(agent):  # heads that start at zero would hide a slip in their products
+            with torch.no_grad():
+                torch.manual_seed(6)
+                for parameter in net.parameters():
+                    parameter.add_(0.3 * torch.randn_like(parameter))
+        torch.manual_seed(5)
+        with agent.amp.autocast():
             actor_loss, critic_loss, _ = agent.behavior_losses(agent, start, args, update_norm=False)
         (actor_loss + critic_loss).backward()
         grads = torch.cat([p.grad.flatten() for m in (agent.actor, agent.critic) for p in m.parameters()])
-        results.append((feat, log_prob, entropy, actor_loss.detach(), critic_loss.detach(), grads))
-    (feat, log_prob, entropy, actor_loss, critic_loss, grads), expected = results[1], results[0]
-    assert torch.equal(feat, expected[0])
-    torch.testing.assert_close(log_prob, expected[1], rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(entropy, expected[2], rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(actor_loss, expected[3], rtol=3e-2, atol=3e-3)
-    torch.testing.assert_close(critic_loss, expected[4], rtol=3e-2, atol=3e-3)
-    assert (grads - expected[5]).norm() <= 3e-2 * expected[5].norm()
+        results.append((actor_loss.detach(), critic_loss.detach(), grads))
+    (actor_loss, critic_loss, grads), expected = results[1], results[0]
+    torch.testing.assert_close(actor_loss, expected[0], rtol=3e-2, atol=3e-3)
+    torch.testing.assert_close(critic_loss, expected[1], rtol=3e-2, atol=3e-3)
+    assert (grads - expected[2]).norm() <= 3e-2 * expected[2].norm()
+
+
+def behaviour_nets(agent: da.Agent) -> list[torch.nn.Module]:
+    wm = agent.world_model
+    return [agent.actor, agent.critic, agent.slow_critic, wm.reward_head, wm.continue_head]
 
 
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
