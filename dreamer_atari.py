@@ -3562,8 +3562,9 @@ def check_fused_scan(
 # are the actions: the product of a one-hot (N, S x C) with a weight is the sum of the S weight rows its ones pick,
 # one gather-and-sum (`F.embedding_bag`) in place of a product S x C long. Each imagination step gathers so
 # (`gather_imagine_step`, in `FastImagine`); the five heads that read the imagined states (`FastHeads`) share one
-# first-layer product, whose latent part is such a gather. The same terms summed in another order: equal to float64
-# rounding (`check_fast_imagine`, `check_fast_heads`), not bit for bit in float32. Part 1's layers are found by name
+# first-layer product, whose latent part is such a gather, and the losses are computed from their outputs by a copy
+# of Part 1's formulas (`losses_from_heads`). The same terms summed in another order: equal to float64 rounding
+# (`check_fast_imagine`, `check_fast_heads`), not bit for bit in float32. Part 1's layers are found by name
 # (`img_in.linear`) or by type (a head is an nn.Sequential that starts with an nn.Linear on the features); the cell and
 # every other layer run as Part 1 writes them.
 
@@ -4670,9 +4671,9 @@ def check_fast_paths(agent: "Agent", args: Args) -> None:
     """Each fast path in use against the Part 1 function it replaces, on the weights the run is using: the fast
     observe against `RSSM.observe` and its hand-written backward against autograd (float64 copies, also with the GRU
     saturated), with --fused-scan its kernels against both on the device (`check_fused_scan`), the fast imagination
-    against `imagine`, the pixel-shuffle decoder layer against the transposed convolution, and the draw they use
-    (`check_draw`, compiled with --compile). Run at start-up, after --resume on the
-    loaded weights, and at each periodic and final checkpoint on the live ones; FastPathMismatch names the path and
+    against `imagine`, the shared heads against `behavior_losses` (`check_fast_heads`), the pixel-shuffle decoder
+    layer against the transposed convolution, and the draws they use (`check_draw`, compiled with --compile). Run at
+    start-up, after --resume on the loaded weights, and at each periodic and final checkpoint on the live ones; FastPathMismatch names the path and
     the flag that switches it off. About a second on a CPU for the default model, in float64 whatever the device (the
     compiled draw's first check compiles it: seconds more)."""
     if isinstance(agent.observe, FastObserve):
