@@ -3,6 +3,10 @@
 The sizes suit both models: the default (dreamerv3: single 64x64 frames, three convolutions down to 8x8) and
 `model="nature"` (4 stacked 84x84 frames), which the tests about frame stacks use."""
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import torch
 
 import dreamer_atari as da
@@ -79,3 +83,16 @@ def float64_agent(args: da.Args, num_actions: int = 6, head_noise: float = 0.05)
             for p in module.parameters():
                 p.add_(head_noise * torch.randn_like(p))
     return agent
+
+
+def import_copy(source: str, path: Path, monkeypatch):
+    """A changed dreamer_atari.py (`source`) written to `path` and imported under its stem, as a researcher's copy
+    beside memory_utils.py runs; the working folder is `path`'s from then on."""
+    path.write_text(source)
+    monkeypatch.syspath_prepend(str(Path(da.__file__).parent))  # memory_utils.py, which a copy takes along
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, path.stem, module)
+    spec.loader.exec_module(module)
+    monkeypatch.chdir(path.parent)
+    return module

@@ -4,13 +4,11 @@ with exit 7 and one sentence naming the function that holds the formula and the 
 leaving nothing in runs/. A cell or layer the fast paths do not know falls back to the readable code, said in one
 line. (The CUDA-only paths: tests/test_dreamer_cuda.py.)"""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-from dreamer_tiny import TINY
+from dreamer_tiny import TINY, import_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,15 +22,7 @@ def changed_copy(tmp_path: Path, monkeypatch, *replacements: tuple[str, str]):
     for old, new in replacements:
         assert source.count(old) == 1, old
         source = source.replace(old, new)
-    copy = tmp_path / "dreamer_copy.py"
-    copy.write_text(source)
-    monkeypatch.syspath_prepend(str(ROOT))  # memory_utils.py, which a copy takes along
-    spec = importlib.util.spec_from_file_location(copy.stem, copy)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, copy.stem, module)
-    spec.loader.exec_module(module)
-    monkeypatch.chdir(tmp_path)
-    return module
+    return import_copy(source, tmp_path / "dreamer_copy.py", monkeypatch)
 
 
 def tiny_catch(module, **overrides):

@@ -3,9 +3,7 @@ dreamer_atari.py, each in at most three places, and trained for a few updates on
 page's code is the code that runs, each change does what it claims, and Part 1 stays within the length that
 tests/test_script_parts.py allows."""
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +11,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dreamer_tiny import TINY
+from dreamer_tiny import TINY, import_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "dreamer_atari.md"
@@ -69,16 +67,7 @@ def changed_source(name: str) -> str:
 
 def changed_script(name: str, tmp_path: Path, monkeypatch):
     """dreamer_atari.py with the change `name` made as the page says, imported from a copy in `tmp_path`."""
-    source = changed_source(name)
-    copy = tmp_path / f"dreamer_{name}.py"
-    copy.write_text(source)
-    monkeypatch.syspath_prepend(str(ROOT))  # memory_utils.py, which a copy takes along
-    spec = importlib.util.spec_from_file_location(copy.stem, copy)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, copy.stem, module)
-    spec.loader.exec_module(module)
-    monkeypatch.chdir(tmp_path)
-    return module
+    return import_copy(changed_source(name), tmp_path / f"dreamer_{name}.py", monkeypatch)
 
 
 def tiny_catch(module, **overrides):
