@@ -309,8 +309,11 @@ def count_update(args: da.Args, warmup: int = 2) -> dict:
 
 
 def count_updates(args: da.Args, batch_sizes: tuple[int, ...], warmup: int = 2) -> list[dict]:
-    """`count_update` at each of `batch_sizes`, in turn, with one agent (built and checked once)."""
+    """`count_update` at each of `batch_sizes`, in turn, with one agent (built and checked once). Each size after the
+    first gets one uncounted update of its own first: the fast paths make their index constants once per size
+    (`da.constant`), as training makes them in its warm-up calls, so a count never depends on what ran before it."""
     torch.manual_seed(0)
+    da._CONSTANTS.clear()  # made again in the first update, whatever ran before in this process
     obs_shape = model_obs_shape(args)
     agent = da.build_agent(args, obs_shape, NUM_ACTIONS, "cpu")
     da.speed_up_agent(agent, args)  # the fast paths a run trains with
@@ -321,7 +324,7 @@ def count_updates(args: da.Args, batch_sizes: tuple[int, ...], warmup: int = 2) 
         for index, batch_size in enumerate(batch_sizes):
             batch_args = dataclasses.replace(args, batch_size=batch_size)
             raw = da.batch_tensors(random_batch(batch_args, obs_shape), "cpu")
-            for _ in range(warmup if index == 0 else 0):
+            for _ in range(warmup if index == 0 else 1):
                 _, _, start = world_model_step(raw)
                 behavior_step(start)
             world, behavior = RegionCounter(regions), RegionCounter(regions)
