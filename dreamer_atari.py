@@ -3695,7 +3695,8 @@ def gather_imagine_step(actor: Actor, rssm: RSSM, tables, deter, stoch_index, ac
     (`tables`: those, then the gathers' `bag_offsets`): from deter (N, D) and stoch_index (N, S) (`latent_index`),
     the action drawn from `action_uniform` (N, 1) as its index (N, 1), the next deter and the next stoch_index (from
     `latent_noise`). The cell (`RSSM.gru`) and the prior's layers run as they are; each draw's mixing is in its CDF's
-    product (`mixed_draw`). 32 operations per step where `imagine_step` takes 42. `--compile` compiles it once."""
+    product (`mixed_draw`). A step of 33 operations where one with `imagine_step` takes 42 (update_regions.py).
+    `--compile` compiles it once."""
     stoch_table, action_table, deter_weight, offsets = tables
     actor_width = deter_weight.shape[0]
     stoch_part = gather_sum(stoch_index, stoch_table, offsets)  # (N, H_actor + H_img)
