@@ -3482,8 +3482,9 @@ def scan_results(observe: FastObserve, inputs: tuple) -> dict[str, torch.Tensor]
     return {name: x.detach().cpu().double() for name, x in (results | grads).items()}
 
 
-def relative_error(ours: torch.Tensor, expected: torch.Tensor) -> float:
-    return (ours - expected).abs().max().item() / max(expected.abs().max().item(), 1e-12)
+def relative_error(ours: torch.Tensor, expected: torch.Tensor, floor: float = 1e-12) -> float:
+    """The largest difference between `ours` and `expected`, relative to `expected`'s largest size (or `floor`)."""
+    return (ours - expected).abs().max().item() / max(expected.abs().max().item(), floor)
 
 
 # float32 against float32: the same sums in another order, and a GPU's approximate exp, division and square root
@@ -4403,7 +4404,7 @@ def check_observe_forward(rssm: RSSM, tolerance: float = 1e-9) -> None:
             fast = FastObserve(reference)(*inputs)
             readable = reference.observe(*inputs)
         for name, ours, expected in zip(("deter", "stoch", "posterior", "prior"), fast, readable):
-            error = (ours - expected).abs().max().item() / max(expected.abs().max().item(), 1e-12)
+            error = relative_error(ours, expected)
             if not error <= tolerance:
                 raise FastPathMismatch(
                     f"the fast observe (FastObserve.observe_step) gives another {name} than the readable cell "
@@ -4442,7 +4443,7 @@ def check_observe_backward(rssm: RSSM, tolerance: float = 1e-8) -> None:
         reference = float64_copy(rssm, scale)
         ours, autograd = observe_gradients(reference, True), observe_gradients(reference, False)
         for name, expected in autograd.items():
-            error = (ours[name] - expected).abs().max().item() / max(expected.abs().max().item(), 1e-12)
+            error = relative_error(ours[name], expected)
             if not error <= tolerance:
                 raise ObserveBackwardMismatch(
                     f"the fast observe's hand-written backward gives another gradient of {name} than autograd's "
@@ -4511,7 +4512,7 @@ def check_fast_imagine(agent: "Agent", tolerance: float = 1e-9) -> None:
         f"gradient of actor.{name}" for name, _ in actor.named_parameters()
     ]
     for name, ours, expected in zip(names, *results):
-        error = (ours - expected).abs().max().item() / max(expected.abs().max().item(), 1e-12)
+        error = relative_error(ours, expected)
         if not error <= tolerance:
             raise FastPathMismatch(
                 f"the fast imagination (FastImagine) gives another {name} than imagine (relative error {error:.1e}): "
@@ -4590,7 +4591,7 @@ def check_fast_heads(agent: "Agent", args: Args, tolerance: float = 1e-9) -> Non
                 results.append(values | {f"gradient of {name}": g for name, g in zip(learning, grads)})
         ours, reference = results
         for name, expected in reference.items():
-            error = (ours[name] - expected).abs().max().item() / max(expected.abs().max().item(), 1e-3)
+            error = relative_error(ours[name], expected, floor=1e-3)
             if not error <= tolerance:
                 raise FastPathMismatch(
                     f"the behaviour losses with the shared heads (FastHeads) give another {name} than "
@@ -4611,7 +4612,7 @@ def check_subpixel_decoder(layer: nn.ConvTranspose2d, tolerance: float = 1e-9) -
     expected = F.conv_transpose2d(
         x, reference.weight, reference.bias, reference.stride, reference.padding, reference.output_padding
     )
-    error = (ours - expected).abs().max().item() / max(expected.abs().max().item(), 1e-12)
+    error = relative_error(ours, expected)
     if not error <= tolerance:
         raise FastPathMismatch(
             f"the decoder's last layer as a pixel shuffle (transposed_conv_as_subpixel) gives other values than the "
