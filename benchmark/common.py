@@ -88,6 +88,24 @@ def log(message: str) -> None:
     print(f"[benchmark] {message}", file=sys.stderr, flush=True)
 
 
+def run_with_cap(cmd: list[str], log_path: Path, cap_s: float, poll_s: float, on_poll, env=None) -> tuple:
+    """`cmd` in its own process from the repository root, its output into `log_path`, killed once it has run `cap_s`
+    seconds; `on_poll()` every `poll_s` seconds while it runs (to read back what it has written). Returns (its exit
+    status, whether the cap stopped it, the time it started)."""
+    started, stopped = time.time(), False
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        while True:
+            try:
+                return process.wait(timeout=poll_s), stopped, started
+            except subprocess.TimeoutExpired:
+                pass
+            if not stopped and time.time() - started >= cap_s:
+                process.kill()
+                stopped = True
+            on_poll()
+
+
 def check_gpu_only_device(args: Args, who: str = "--gpu-only") -> None:
     """The checks of --peer and --device of `who` (run.py --gpu-only, or dev/gpu's stages): one sentence and exit
     status 2."""

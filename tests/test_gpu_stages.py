@@ -823,3 +823,18 @@ def test_cudnn_benchmarks_its_algorithms_only_where_runs_need_not_repeat_bit_for
     finally:
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[:2]
         torch.set_float32_matmul_precision(saved[2])
+
+
+def test_a_stage_process_is_killed_at_its_cap_and_read_back_while_it_runs(tmp_path):
+    """`common.run_with_cap`, which runs the update and incidents stages: a process past its cap is killed and said
+    to be stopped; one that ends in time gives its exit status; both are read back while they run."""
+    polls = []
+    sleeper = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"]
+    returncode, stopped, started = common.run_with_cap(
+        sleeper, tmp_path / "a.log", 0.5, 0.1, lambda: polls.append("a")
+    )
+    assert stopped and returncode == -signal.SIGKILL and time.time() - started < 30
+    assert polls and (tmp_path / "a.log").read_text() == "started\n"
+    quick = [sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(3)"]
+    returncode, stopped, _ = common.run_with_cap(quick, tmp_path / "b.log", 30, 0.1, lambda: polls.append("b"))
+    assert (returncode, stopped) == (3, False) and "b" in polls

@@ -20,7 +20,6 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ from benchmark.common import (
     fmt_load,
     log,
     new_results_stem,
+    run_with_cap,
     slug,
 )
 from benchmark.pong_run import PONG_TARGET_STEPS, check_pong_args, run_pong
@@ -314,23 +314,19 @@ def run_update_stage(
         ]
     )
     result["update_cap_s"] = cap_s
-    started, seen, stopped = time.time(), None, False
-    with open(log_path, "w") as log_file:
-        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-        while True:
-            try:
-                returncode = process.wait(timeout=1.0 if args.quick else 3.0)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if not stopped and time.time() - started >= cap_s:
-                process.kill()  # nothing to save on its side: it rewrites its JSON after every variant
-                stopped = True
-            stamp = out.stat().st_mtime_ns if out.exists() else None
-            if stamp != seen:
-                seen = stamp
-                merge_update_figures(result, out, final=False)
-                save()
+    seen = [None]  # the JSON's last modification read back
+
+    def read_back():
+        stamp = out.stat().st_mtime_ns if out.exists() else None
+        if stamp != seen[0]:
+            seen[0] = stamp
+            merge_update_figures(result, out, final=False)
+            save()
+
+    # killed at its cap with nothing lost: it rewrites its JSON after every variant
+    returncode, stopped, started = run_with_cap(
+        cmd, log_path, cap_s, 1.0 if args.quick else 3.0, read_back, env
+    )
     result["update_returncode"] = returncode
     result["update_stopped_by_cap"] = stopped
     result["update_wall_s"] = time.time() - started

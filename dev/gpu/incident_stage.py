@@ -693,6 +693,8 @@ def main_stage(out: Path, quick: bool, device: str, work: Path) -> dict:
 def run_incident_stage(args, work: Path, result: dict, save, deadline: float | None) -> None:
     """This file in its own process (`gpu_stages.py --stage incidents`), killed at --incidents-minutes (or what the
     budget leaves); what it has written is read back every few seconds into `result["incidents"]` and saved."""
+    from benchmark.common import run_with_cap
+
     out, log_path = work / "incidents.json", work / "incidents.log"
     cap_s = args.incidents_minutes * 60
     if deadline is not None:
@@ -712,20 +714,12 @@ def run_incident_stage(args, work: Path, result: dict, save, deadline: float | N
         ["python", "dev/gpu/incident_stage.py", *cmd[2:3], "--device", args.device]
     )
     result["incidents_cap_s"] = cap_s
-    started, stopped = time.time(), False
-    with open(log_path, "w") as log_file:
-        process = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT)
-        while True:
-            try:
-                returncode = process.wait(timeout=1.0 if args.quick else 3.0)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if not stopped and time.time() - started >= cap_s:
-                process.kill()
-                stopped = True
-            result["incidents"] = read_json(out)
-            save()
+
+    def read_back():
+        result["incidents"] = read_json(out)
+        save()
+
+    returncode, stopped, started = run_with_cap(cmd, log_path, cap_s, 1.0 if args.quick else 3.0, read_back)
     result["incidents"] = read_json(out)
     result["incidents_returncode"] = returncode
     result["incidents_stopped_by_cap"] = stopped
