@@ -836,5 +836,7 @@ def test_a_stage_process_is_killed_at_its_cap_and_read_back_while_it_runs(tmp_pa
     assert stopped and returncode == -signal.SIGKILL and time.time() - started < 30
     assert polls and (tmp_path / "a.log").read_text() == "started\n"
     quick = [sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(3)"]
-    returncode, stopped, _ = common.run_with_cap(quick, tmp_path / "b.log", 30, 0.1, lambda: polls.append("b"))
+    returncode, stopped, _ = common.run_with_cap(
+        quick, tmp_path / "b.log", 30, 0.1, lambda: polls.append("b")
+    )
     assert (returncode, stopped) == (3, False) and "b" in polls
