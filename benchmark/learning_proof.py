@@ -15,6 +15,7 @@ configuration, the command and the machine.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import ClassVar
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
@@ -31,6 +33,8 @@ if str(ROOT) not in sys.path:
 import numpy as np
 import torch
 import tyro
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dreamer_atari as da
 from benchmark import bench_utils
@@ -108,6 +112,56 @@ class Args:
     """`reached_at`: over this many of the latest training episodes (about 500 env steps on Catch)"""
     precision: str = "float32"
     """dreamer_atari.py's --precision: float32 (the script's default) or bf16 (autocast, the observe scan float32)"""
+    bf16_products: str = "native"
+    """with --precision bf16: `native` runs the products (matrix products and convolutions) on torch's bf16 kernels;
+    `emulated` runs them in float32 on the bf16 operands and rounds each result to bf16 (`EmulatedBF16Products`),
+    for a CPU without bf16 arithmetic, where the native kernels are 10-20x slower than float32"""
+
+
+class EmulatedBF16Products(TorchDispatchMode):
+    """bf16 products computed in float32: a matrix product or convolution (forward or backward) whose floating
+    operands are all bf16 (autocast made them so) runs on their float32 copies, exact, and each floating result is
+    rounded to bf16, the dtype the bf16 kernel returns. That is what a GPU's bf16 tensor cores do (bf16 operands,
+    float32 sums, a bf16 result), up to the order of the sums. Everything else, autocast's choices included, runs
+    unchanged, so a run under it is the bf16 run with different product kernels."""
+
+    OPS: ClassVar[frozenset] = frozenset(
+        {
+            torch.ops.aten.mm.default,
+            torch.ops.aten.addmm.default,
+            torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default,
+            torch.ops.aten.convolution.default,
+            torch.ops.aten.convolution_backward.default,
+        }
+    )
+
+    def __init__(self):
+        super().__init__()
+        self.products = 0  # products run in float32 so far
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.OPS:
+            floats = [
+                a
+                for a in pytree.tree_leaves((args, kwargs))
+                if isinstance(a, torch.Tensor) and a.is_floating_point()
+            ]
+            if floats and all(a.dtype == torch.bfloat16 for a in floats):
+                self.products += 1
+
+                def widen(a):
+                    return a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a
+
+                out = func(*pytree.tree_map(widen, args), **pytree.tree_map(widen, kwargs))
+                return pytree.tree_map(
+                    lambda o: (
+                        o.to(torch.bfloat16) if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+                    ),
+                    out,
+                )
+        return func(*args, **kwargs)
 
 
 def play(train_args: da.Args, episodes: int, seed: int, policy) -> list[float]:
@@ -333,7 +387,10 @@ def summary_markdown(results: list[dict]) -> str:
 
 
 def main(args: Args) -> dict:
-    out = prove(args)
+    if args.bf16_products not in ("native", "emulated"):
+        raise SystemExit(f"--bf16-products must be native or emulated, got {args.bf16_products!r}.")
+    with EmulatedBF16Products() if args.bf16_products == "emulated" else contextlib.nullcontext():
+        out = prove(args)  # training and evaluation
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     out["code"] = code_version()  # the commit it ran, and whether the tree differed
     Path(args.json).write_text(json.dumps(out, indent=1))

@@ -7,10 +7,12 @@ reward from pixels (both losses far below where they started, the sign of some r
 latents carry information about the frames (KL above the free-nats floor, not collapsed onto the prior), and
 the actor and critic trained alongside. Whether the policy learns is the full proof's question, not this test's."""
 
+import contextlib
 import dataclasses
 import shlex
 
 import pytest
+import torch
 import tyro
 
 import dreamer_atari as da
@@ -103,3 +105,37 @@ def test_the_catch_run_the_preflight_names_is_the_proofs():
         "exp_name",
         "vector_mode",
     }
+
+
+def test_emulated_bf16_products_round_as_the_bf16_kernels_do_forward_and_backward():
+    """The proof's bf16 on a CPU without bf16 arithmetic: products in float32 on bf16 operands, rounded to bf16.
+    They must give what torch's bf16 kernels give (to the order of their sums), and not float32's answer."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 4, 2), torch.nn.SiLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 7 * 7, 16)
+    )
+    x = torch.randn(4, 3, 16, 16)
+
+    mode = lp.EmulatedBF16Products()
+
+    def run(precision, emulated=False):
+        net.zero_grad()
+        bf16 = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+        with bf16, mode if emulated else contextlib.nullcontext():
+            y = net(x)
+            assert y.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+            y.float().square().mean().backward()
+        return [y.float()] + [p.grad.clone() for p in net.parameters()]
+
+    native, emulated, full = run("bf16"), run("bf16", emulated=True), run("float32")
+    # both products forward, and the convolution's and the linear layer's backward (weights and input)
+    assert mode.products >= 4, mode.products
+    a, w = torch.randn(5, 64).bfloat16(), torch.randn(64, 7).bfloat16()
+    with mode:
+        assert torch.equal(a @ w, (a.float() @ w.float()).bfloat16())  # exact float32 sums, one rounding
+    for n, e, f in zip(native, emulated, full):
+        scale = f.abs().max()
+        # within a few bf16 roundings (2^-8 relative) of the native kernel, as far from float32 as it is
+        assert (e - n).abs().max() <= 4 * 2**-8 * scale, ((e - n).abs().max(), scale)
+        assert (e - f).abs().max() > 2**-16 * scale  # bf16 rounding shows: not a float32 product
+        assert (n - f).abs().max() > 2**-16 * scale
