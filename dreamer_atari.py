@@ -218,6 +218,9 @@ class Args:
     with categorical latents, else the fast observe runs (said in one line)"""
     fast_imagine: bool = True
     """imagine without a graph, then the actor once with gradients on all states; off: `imagine` as written"""
+    fused_epilogues: bool = True
+    """CUDA, on the fast imagination's gathers: an imagined step's work after each product (LayerNorm and SiLU, the
+    GRU's gates, the draws) as one Triton kernel each"""
     fast_heads: bool = True
     """the five heads on imagined states share one first-layer product; off: `behavior_losses` as written"""
     fast_decoder: bool = True
@@ -2704,8 +2707,9 @@ def triton_interprets() -> bool:
 
 
 def scan_kernels() -> types.SimpleNamespace:
-    """The fused scan's kernels by name, made by `triton.jit` at first use (compiled for the GPU, or interpreted:
-    `triton_interprets`). Imports Triton, and registers the operations that launch the kernels (`SCAN_OPS`)."""
+    """The fused scan's and the fused epilogues' kernels by name, made by `triton.jit` at first use (compiled for the
+    GPU, or interpreted: `triton_interprets`). Imports Triton, and registers the operations that launch the kernels
+    (`SCAN_OPS`, `EPILOGUE_OPS`)."""
     global tl
     if not _JITTED_SCAN_KERNELS:
         import triton
@@ -2713,7 +2717,7 @@ def scan_kernels() -> types.SimpleNamespace:
 
         tl = triton.language  # what the kernels' source reads
         kernels = {}
-        for kernel in SCAN_KERNELS:
+        for kernel in SCAN_KERNELS + EPILOGUE_KERNELS:
             # not specialised on the batch size and the strides that follow T: the check's calls and the run's
             # share one compiled kernel
             arguments = kernel.__code__.co_varnames[: kernel.__code__.co_argcount]
@@ -3243,9 +3247,9 @@ _SCAN_OPS_REGISTERED: list[bool] = []
 
 
 def register_scan_ops() -> None:
-    """Each of `SCAN_OPS` as torch.ops.dreamer_scan.<name> (once a process)."""
+    """Each of `SCAN_OPS` and `EPILOGUE_OPS` as torch.ops.dreamer_scan.<name> (once a process)."""
     if not _SCAN_OPS_REGISTERED:
-        for op in SCAN_OPS:
+        for op in SCAN_OPS + EPILOGUE_OPS:
             torch.library.triton_op(f"dreamer_scan::{op.__name__}", op, mutates_args=())
         _SCAN_OPS_REGISTERED.append(True)
 
@@ -3714,6 +3718,288 @@ def gather_imagine_step(actor: Actor, rssm: RSSM, tables, deter, stoch_index, ac
     return action_index, deter, mixed_draw(probs, rssm.unimix, latent_noise).squeeze(-1) + offsets
 
 
+# --- Fused epilogues (Triton): an imagined step's work after each product in one kernel -------------------------------
+#
+# --fused-epilogues (CUDA, on `gather_imagine_step`): the work that follows each product of an imagined step, which
+# torch runs as a kernel per operation, runs as one Triton kernel: a LayerNorm and the SiLU after it (`norm_silu`;
+# img_in's with the action's weight row added first, in place of the gather and the add), the LayerNorm GRU's norm,
+# gates and mix (`gru_gates`), and a categorical draw from logits: the softmax, the unimix, the CDF and the class it
+# picks (`logits_draw`, `mixed_draw`'s draw). The products stay torch's: at N = B x T rows they are large.
+# Imagination runs without gradients, so the kernels have no backward. Each program takes BLOCK_R whole rows. The
+# kernels compute in float32 (float64 on float64 inputs, for the check), as the LayerNorms do under autocast. Part 1's
+# layers are found by type (an nn.LayerNorm followed by an nn.SiLU; a cell of type LayerNormGRUCell); any other layer
+# runs as it is. Held to `gather_imagine_step` on the device in float64 by `check_fast_imagine`.
+
+
+def norm_silu_kernel(
+    x_ptr,
+    x_stride,
+    table_ptr,
+    table_strides_0,
+    table_strides_1,
+    index_ptr,
+    weight_ptr,
+    bias_ptr,
+    out_ptr,
+    N,
+    W,
+    eps,
+    GATHER: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """out = silu(LayerNorm(x)) (N, W) for this program's rows (x's rows `x_stride` apart), with the LayerNorm's
+    weight and bias; with GATHER, x plus the row of table (A, W) (of any strides) that index (N,) names, added
+    first."""
+    dtype = out_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_W)
+    row_ok = rows < N
+    col_ok = cols < W
+    ok = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=ok, other=0.0).to(dtype)
+    if GATHER:
+        index = tl.load(index_ptr + rows, mask=row_ok, other=0)
+        at = table_ptr + index[:, None] * table_strides_0 + cols[None, :] * table_strides_1
+        x += tl.load(at, mask=ok, other=0.0).to(dtype)
+    mean = tl.sum(x, 1) / W
+    deviation = tl.where(ok, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(deviation * deviation, 1) / W + eps)
+    weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(dtype)
+    bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(dtype)
+    y = deviation * rstd[:, None] * weight[None, :] + bias[None, :]
+    tl.store(out_ptr + rows[:, None] * W + cols[None, :], y / (1.0 + tl.exp(-y)), mask=ok)
+
+
+def gru_gates_kernel(
+    pre_ptr,
+    weight_ptr,
+    bias_ptr,
+    deter_ptr,
+    out_ptr,
+    N,
+    D,
+    eps,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """`LayerNormGRUCell.forward` after its product, for this program's rows: from pre (N, 3D) and deter (N, D), the
+    next deter = lerp(deter, tanh(sigmoid(reset) candidate), sigmoid(update - 1)), where reset, candidate and update
+    are LayerNorm(pre)'s thirds (the LayerNorm over all 3D columns)."""
+    dtype = out_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < N
+    col_ok = cols < D
+    ok = row_ok[:, None] & col_ok[None, :]
+    at = pre_ptr + rows[:, None] * 3 * D + cols[None, :]
+    reset = tl.load(at, mask=ok, other=0.0).to(dtype)
+    candidate = tl.load(at + D, mask=ok, other=0.0).to(dtype)
+    update = tl.load(at + 2 * D, mask=ok, other=0.0).to(dtype)
+    mean = (tl.sum(reset, 1) + tl.sum(candidate, 1) + tl.sum(update, 1)) / (3 * D)
+    reset = tl.where(ok, reset - mean[:, None], 0.0)
+    candidate = tl.where(ok, candidate - mean[:, None], 0.0)
+    update = tl.where(ok, update - mean[:, None], 0.0)
+    m2 = tl.sum(reset * reset, 1) + tl.sum(candidate * candidate, 1) + tl.sum(update * update, 1)
+    rstd = (1.0 / tl.sqrt(m2 / (3 * D) + eps))[:, None]
+    weight, bias = weight_ptr + cols, bias_ptr + cols
+    reset = reset * rstd * tl.load(weight, mask=col_ok, other=0.0).to(dtype)[None, :]
+    reset += tl.load(bias, mask=col_ok, other=0.0).to(dtype)[None, :]
+    candidate = candidate * rstd * tl.load(weight + D, mask=col_ok, other=0.0).to(dtype)[None, :]
+    candidate += tl.load(bias + D, mask=col_ok, other=0.0).to(dtype)[None, :]
+    update = update * rstd * tl.load(weight + 2 * D, mask=col_ok, other=0.0).to(dtype)[None, :]
+    update += tl.load(bias + 2 * D, mask=col_ok, other=0.0).to(dtype)[None, :]
+    candidate = candidate / (1.0 + tl.exp(-reset))  # sigmoid(reset) candidate
+    decay = tl.exp(-2.0 * tl.abs(candidate))
+    candidate = tl.where(candidate >= 0, 1.0, -1.0) * (1.0 - decay) / (1.0 + decay)  # tanh
+    update = 1.0 / (1.0 + tl.exp(1.0 - update))  # sigmoid(update - 1)
+    deter = tl.load(deter_ptr + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(dtype)
+    # torch.lerp(deter, candidate, update), as torch computes it
+    low, high = deter + update * (candidate - deter), candidate - (candidate - deter) * (1.0 - update)
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], tl.where(update < 0.5, low, high), mask=ok)
+
+
+def logits_draw_kernel(
+    logits_ptr,
+    uniform_ptr,
+    out_ptr,
+    N,
+    G,
+    C,
+    keep,
+    share,
+    DOUBLE: tl.constexpr,
+    OFFSETS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """For this program's rows of logits (N, C): the class `mixed_draw` draws from their softmax with the unimix
+    mixed in (keep p + share, the CDF's step k adding share), from the row's uniform (N,): how many of the CDF's first
+    C - 1 steps lie below it. The softmax in float32 (float64 with DOUBLE), the CDF in float32 as `mixed_draw`'s; with
+    OFFSETS, the row's latent (row mod G) times C added (`latent_index`'s rows)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    row_ok = rows < N
+    ok = row_ok[:, None] & (cols < C)[None, :]
+    logits = tl.load(logits_ptr + rows[:, None] * C + cols[None, :], mask=ok, other=0.0)
+    if DOUBLE:
+        logits = logits.to(tl.float64)
+    else:
+        logits = logits.to(tl.float32)
+    top = tl.where(row_ok, tl.max(tl.where(ok, logits, float("-inf")), 1), 0.0)
+    exps = tl.where(ok, tl.exp(logits - top[:, None]), 0.0)
+    probs = (exps / tl.where(row_ok, tl.sum(exps, 1), 1.0)[:, None]).to(tl.float32)
+    cdf = keep * tl.cumsum(probs, 1) + share * (cols + 1).to(tl.float32)[None, :]
+    uniform = tl.load(uniform_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    below = ok & (cols < C - 1)[None, :] & (cdf < uniform[:, None])
+    index = tl.sum(below.to(tl.int64), 1)
+    if OFFSETS:
+        index += (rows % G).to(tl.int64) * C
+    tl.store(out_ptr + rows, index, mask=row_ok)
+
+
+EPILOGUE_KERNELS = (norm_silu_kernel, gru_gates_kernel, logits_draw_kernel)
+
+
+def epilogue_blocks(width: int, parts: int = 1) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_W) of an epilogue kernel on rows of `parts` blocks `width` long: whole rows, at most 4,096
+    elements a program (powers of two, as Triton's ranges are)."""
+    block_w = power_of_two_at_least(width)
+    rows = max(1, 4096 // (parts * block_w))
+    return 1 << (rows.bit_length() - 1), block_w
+
+
+def epilogue_dtype(x: torch.Tensor) -> torch.dtype:
+    """What an epilogue kernel computes and returns: float64 for float64 inputs (the check), else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def launch_epilogue(kernel: str, rows: int, block_r: int, *args, **constants) -> None:
+    programs = -(-rows // block_r)
+    torch.library.wrap_triton(getattr(scan_kernels(), kernel))[(programs,)](
+        *args, BLOCK_R=block_r, **constants
+    )
+
+
+# The launches as torch operations, one each (`torch.library.triton_op`, registered with the scan's, as
+# torch.ops.dreamer_scan.<name>). Each returns a new tensor.
+
+
+def norm_silu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    table: torch.Tensor | None,
+    index: torch.Tensor | None,
+) -> torch.Tensor:
+    """`norm_silu_kernel`: silu(layer_norm(x, (W,), weight, bias, eps)) of x (N, W), with table (A, W)'s rows that
+    index (N,) names added to x first where both are given."""
+    (N, W), gather = x.shape, table is not None
+    contiguous_only(weight, bias, *((index,) if gather else ()))
+    out = x.new_empty(N, W, dtype=epilogue_dtype(x))
+    block_r, block_w = epilogue_blocks(W)
+    extra = (table, *table.stride(), index) if gather else (x, 0, 0, x)  # unread without GATHER
+    arguments = (x, row_stride(x), *extra, weight, bias, out, N, W, eps)
+    launch_epilogue("norm_silu_kernel", N, block_r, *arguments, GATHER=gather, BLOCK_W=block_w)
+    return out
+
+
+def gru_gates(
+    pre: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, deter: torch.Tensor
+) -> torch.Tensor:
+    """`gru_gates_kernel`: the next deter (N, D) from the LayerNorm GRU's product pre (N, 3D) and deter (N, D)."""
+    (N, D) = deter.shape
+    contiguous_only(pre, weight, bias, deter)
+    out = deter.new_empty(N, D, dtype=torch.promote_types(deter.dtype, epilogue_dtype(pre)))
+    block_r, block_d = epilogue_blocks(D, parts=3)  # a row's three thirds, each in a block this wide
+    launch_epilogue("gru_gates_kernel", N, block_r, pre, weight, bias, deter, out, N, D, eps, BLOCK_D=block_d)
+    return out
+
+
+def logits_draw(logits: torch.Tensor, uniform: torch.Tensor, unimix: float, offsets: bool) -> torch.Tensor:
+    """`logits_draw_kernel`: from logits (N, G, C) and a uniform per row (N, G, 1), each row's class (N, G) int64,
+    as `mixed_draw(softmax(logits), unimix, uniform)`; with `offsets`, as the flattened one-hot's row (g C + class)."""
+    N, G, C = logits.shape
+    contiguous_only(logits, uniform)
+    out = torch.empty(N, G, dtype=torch.int64, device=logits.device)
+    block_r, block_c = epilogue_blocks(C)
+    launch_epilogue(
+        "logits_draw_kernel",
+        N * G,
+        block_r,
+        logits,
+        uniform,
+        out,
+        N * G,
+        G,
+        C,
+        1.0 - unimix,
+        unimix / C,
+        DOUBLE=logits.dtype == torch.float64,
+        OFFSETS=offsets,
+        BLOCK_C=block_c,
+    )
+    return out
+
+
+EPILOGUE_OPS = (norm_silu, gru_gates, logits_draw)
+
+
+def fusable_norm(layer: nn.Module) -> bool:
+    """Whether `norm_silu` computes this LayerNorm: an nn.LayerNorm over the last dimension, with weight and bias."""
+    return (
+        type(layer) is nn.LayerNorm
+        and len(layer.normalized_shape) == 1
+        and layer.weight is not None
+        and layer.bias is not None
+    )
+
+
+def run_layers(layers: list[nn.Module], x: torch.Tensor, action=None) -> torch.Tensor:
+    """The layers on x in turn, each LayerNorm followed by a SiLU (`fusable_norm`) as one `norm_silu`; `action`
+    (table, index): a row of table to add to x first (fused into the first LayerNorm, if the layers start with one)."""
+    ops, i = torch.ops.dreamer_scan, 0
+    if action is not None and not (
+        len(layers) > 1 and fusable_norm(layers[0]) and type(layers[1]) is nn.SiLU
+    ):
+        x, action = x + F.embedding(action[1], action[0]), None
+    while i < len(layers):
+        layer = layers[i]
+        if i + 1 < len(layers) and fusable_norm(layer) and type(layers[i + 1]) is nn.SiLU:
+            table, index = action if action is not None else (None, None)
+            x, action, i = ops.norm_silu(x, layer.weight, layer.bias, layer.eps, table, index), None, i + 2
+        else:
+            x, i = layer(x), i + 1
+    return x
+
+
+def fused_imagine_step(actor: Actor, rssm: RSSM, tables, deter, stoch_index, action_uniform, latent_noise):
+    """`gather_imagine_step` with the work after each product in one kernel (--fused-epilogues): the same arguments
+    and results. The products and any layer the kernels do not compute run as they are."""
+    ops = torch.ops.dreamer_scan
+    stoch_table, action_table, deter_weight, offsets = tables
+    actor_width = deter_weight.shape[0]
+    stoch_part = gather_sum(stoch_index, stoch_table, offsets)  # (N, H_actor + H_img)
+    layers = list(actor.net.children())[1:]
+    logits = run_layers(layers, torch.addmm(stoch_part[:, :actor_width], deter, deter_weight.t()))
+    action_index = ops.logits_draw(
+        logits.unsqueeze(1), action_uniform.unsqueeze(1), actor.unimix, False
+    )  # (N, 1)
+    img_in = [layer for name, layer in rssm.img_in.named_children() if name != "linear"]
+    hidden = run_layers(img_in, stoch_part[:, actor_width:], (action_table, action_index.squeeze(-1)))
+    gru = rssm.gru
+    if type(gru) is LayerNormGRUCell and fusable_norm(gru.norm):
+        pre = gru.linear(torch.cat([upcast(hidden), deter], -1))
+        deter = ops.gru_gates(pre, gru.norm.weight, gru.norm.bias, gru.norm.eps, deter)
+    else:
+        deter = gru(upcast(hidden), deter)
+    prior = rssm.prior_net
+    logits = run_layers(list(prior.children()), deter) if type(prior) is nn.Sequential else prior(deter)
+    logits = logits.unflatten(-1, (rssm.stoch_dim, rssm.classes))
+    return action_index, deter, ops.logits_draw(logits, latent_noise, rssm.unimix, True)
+
+
 # the heads `behavior_losses` runs on the imagined states; the learning ones (the losses' gradients reach them) first
 LEARNING_HEADS = ("actor", "critic")
 
@@ -3890,13 +4176,17 @@ class FastImagine:
     gradients, on all imagined states at once: one forward and one backward pass for the whole rollout instead of
     one per step (the same values). The random numbers of the whole rollout are drawn in two calls. With `gathers`
     (where `gather_imagine_problem` finds none) each step is `gather_imagine_step`: its products with one-hot
-    latents and actions are gathers of weight rows. Returns feat (H+1, N, F) detached, log_prob (H, N), entropy (H, N).
+    latents and actions are gathers of weight rows; with `fused` too (--fused-epilogues), `fused_imagine_step`: the
+    work after each product in one kernel. Returns feat (H+1, N, F) detached, log_prob (H, N), entropy (H, N).
     """
 
-    def __init__(self, gathers: bool = False):
-        self.gathers = gathers
+    def __init__(self, gathers: bool = False, fused: bool = False):
+        self.gathers, self.fused = gathers, gathers and fused
         # one imagined step, and the gathers' tables (`compile_agent` puts compiled ones here)
-        self.step, self.tables = (gather_imagine_step if gathers else imagine_step), imagine_tables
+        self.step = fused_imagine_step if self.fused else (gather_imagine_step if gathers else imagine_step)
+        self.tables = imagine_tables
+        if self.fused:
+            scan_kernels()  # Triton imported, the operations registered
 
     def __call__(self, agent: "Agent", start_states, horizon: int):
         feat, _, action_index = self.rollout(agent, start_states, horizon)
@@ -4521,6 +4811,48 @@ def check_fast_imagine(agent: "Agent", tolerance: float = 1e-9) -> None:
             )
 
 
+def fused_epilogues_problem(args: Args) -> str | None:
+    """Why --fused-epilogues cannot run on a device that runs Triton (a clause to say), or None."""
+    if args.compile:
+        return "--compile compiles the imagination step, and Inductor fuses its epilogues"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    return None
+
+
+def check_fused_epilogues(agent: "Agent", tolerance: float = 1e-9) -> None:
+    """The fused epilogues (`fused_imagine_step`, its kernels compiled for the run's device, or interpreted on the
+    CPU) against `gather_imagine_step`, which `check_fast_imagine` holds to `imagine`: rollouts of float64 copies of
+    the run's actor and RSSM on the device, also with the GRU saturated (x 8), from the same states with the same
+    random numbers; the imagined features within `tolerance` and the same actions. A change to a layer the kernels
+    compute (a LayerNorm, a SiLU, the GRU's gates, a draw) that is not carried into them raises FastPathMismatch."""
+    device = agent.device
+    actor = copy.deepcopy(agent.actor).to(device, torch.float64)
+    for scale, weights in ((1.0, "the run's weights"), (8.0, "the run's weights with the GRU's x 8")):
+        rssm = float64_copy(agent.world_model.rssm, scale).to(device)
+        twin = types.SimpleNamespace(world_model=types.SimpleNamespace(rssm=rssm), actor=actor)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(2)
+            deter = torch.randn(3, rssm.deter_dim, dtype=torch.float64, device=device)
+            start = (deter, rssm.sample(rssm.prior(deter)).detach(), None)
+            results = []
+            for fused in (True, False):
+                torch.manual_seed(4)  # the same random numbers for both
+                feat, _, actions = FastImagine(gathers=True, fused=fused).rollout(twin, start, 4)
+                results.append((feat, actions))
+        (feat, actions), (expected_feat, expected_actions) = results
+        error = relative_error(feat.cpu(), expected_feat.cpu())
+        if not (error <= tolerance and torch.equal(actions.cpu(), expected_actions.cpu())):
+            what = f"features (relative error {error:.1e})" if error > tolerance else "actions"
+            raise FastPathMismatch(
+                f"the fused epilogues (norm_silu_kernel, gru_gates_kernel and logits_draw_kernel, which "
+                f"fused_imagine_step launches) imagine other {what} than gather_imagine_step on {weights}, in float64 "
+                f"on {device}: carry the change into the kernels, or run with --no-fused-epilogues."
+            )
+
+
 def float64_twin(agent: "Agent") -> "Agent":
     """A copy of `agent` for the checks, in float64 on the CPU, with Part 1's functions in its slots: its world model
     (without the encoder and decoder, which imagination never runs), actor, critics, return normaliser and settings
@@ -4686,6 +5018,8 @@ def check_fast_paths(agent: "Agent", args: Args) -> None:
         check_fused_scan(agent.world_model.rssm, agent.device)
     if isinstance(agent.imagine, FastImagine):
         check_fast_imagine(agent)
+        if agent.imagine.fused:
+            check_fused_epilogues(agent)
     if isinstance(agent.behavior_losses, FastHeads):
         check_fast_heads(agent, args)
     for layer in agent.world_model.decoder.modules():
@@ -4768,7 +5102,10 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
     if args.fast_imagine:
         if problem := gather_imagine_problem(agent):
             print(f"speed: imagination's products with one-hot latents stay products ({problem})")
-        agent.imagine = FastImagine(gathers=problem is None)
+        fused = problem is None and args.fused_epilogues and device.type in FUSED_SCAN_DEVICES
+        if why := fused_epilogues_problem(args) if fused else None:
+            print(f"speed: --fused-epilogues does not apply ({why}); gather_imagine_step runs as written")
+        agent.imagine = FastImagine(gathers=problem is None, fused=fused and why is None)
     if args.fast_heads and (problem := fast_heads_problem(agent, args)):
         print(
             f"speed: the heads on imagined states keep their own first layers ({problem}); behavior_losses runs"

@@ -99,15 +99,22 @@ def test_under_bf16_channels_last_convolutions_train_what_part_1_trains_to_bf16_
     assert (flat[1] - flat[0]).norm() <= 2e-2 * flat[0].norm()
 
 
-def test_under_bf16_the_gathered_imagination_follows_part_1_to_bf16_rounding():
+@pytest.mark.parametrize("fused", [False, True])
+def test_under_bf16_the_gathered_imagination_follows_part_1_to_bf16_rounding(fused):
     """Imagination's gathers of weight rows add the terms of its one-hot products in float32 and round once, where
     Part 1's products round their inputs to bf16 first: the two deters differ by bf16 rounding (about 3e-3 of the
     largest), and now and then a uniform lies within that of a CDF step and the two draw other classes, after which
     the rollouts part (2 to 6 rows in 64 over seeds 3-7). So, from the same random numbers on 64 start states: at
     least 90 % of the rollouts follow Part 1's (the same latents, deter within 1e-2 of the largest), and in them the
-    actor's log-probabilities and entropies are within 2e-2."""
+    actor's log-probabilities and entropies are within 2e-2. The same with the fused epilogues (their kernels in
+    Triton's interpreter), which compute in float32 after each bf16 product."""
     args, part_1, fast = agents(precision="bf16")
     assert isinstance(fast.imagine, da.FastImagine) and fast.imagine.gathers
+    if fused:
+        pytest.importorskip("triton")
+        if not da.triton_interprets() and not torch.cuda.is_available():
+            pytest.skip("the fused epilogues' kernels run on CUDA or in Triton's interpreter")
+        fast.imagine = da.FastImagine(gathers=True, fused=True)
     D = args.deterministic_dim
     torch.manual_seed(3)
     deter = torch.randn(64, D)

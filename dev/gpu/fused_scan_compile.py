@@ -1,5 +1,6 @@
-"""Compile the fused observe scan's Triton kernels (dreamer_atari.py, `FusedObserve`) for an NVIDIA GPU on a machine
-without one, with the blocks a run would launch them with, and report each kernel's registers and spills.
+"""Compile the fused observe scan's Triton kernels (dreamer_atari.py, `FusedObserve`) and the fused epilogues'
+(`fused_imagine_step`) for an NVIDIA GPU on a machine without one, with the blocks a run would launch them with, and
+report each kernel's registers and spills.
 
     python dev/gpu/fused_scan_compile.py                       # float32, an H100 (sm_90, 132 SMs), the default model
     python dev/gpu/fused_scan_compile.py --dtype fp64 --json /tmp/compiled.json
@@ -74,21 +75,40 @@ def constexprs(sizes: dict, blocks) -> dict[str, dict[str, int]]:
         "scan_img_backward_kernel": dict(
             BLOCK_B=rows, BLOCK_K=k(blocks.stoch, H), BLOCK_N=blocks.stoch, BLOCK_P=parts(H + D, blocks.state)
         ),
+        # the fused epilogues, as `norm_silu`, `gru_gates` and `logits_draw` launch them: img_in's LayerNorm (with
+        # the action's row gathered), the GRU's gates, the prior's draw of each latent's class
+        "norm_silu_kernel": dict(GATHER=True, **dict(zip(("BLOCK_R", "BLOCK_W"), da.epilogue_blocks(H)))),
+        "gru_gates_kernel": dict(zip(("BLOCK_R", "BLOCK_D"), da.epilogue_blocks(D, parts=3))),
+        "logits_draw_kernel": dict(
+            DOUBLE=False, OFFSETS=True, **dict(zip(("BLOCK_R", "BLOCK_C"), da.epilogue_blocks(C)))
+        ),
     }
 
 
+# the arguments of other types than a pointer of the kernels' float type or a 32-bit integer
+OTHER_TYPES = {
+    "first_ptr": "*u8",
+    "noise_ptr": "*fp32",
+    "index_ptr": "*i64",
+    "uniform_ptr": "*fp32",
+    "eps": "fp32",
+    "keep": "fp32",
+    "share": "fp32",
+}
+
+
 def signature(kernel, compile_time: dict, dtype: str) -> dict[str, str]:
-    """Triton's types of a kernel's arguments: pointers of `dtype` (the episode starts bytes, the uniforms float32),
-    32-bit integers, and the compile-time ones."""
+    """Triton's types of a kernel's arguments: pointers of `dtype` (the episode starts bytes, the uniforms float32,
+    the actions' and the classes' indices int64), 32-bit integers, float32 scalars, and the compile-time ones."""
     code = kernel.__code__
     types = {}
     for name in code.co_varnames[: code.co_argcount]:
         if name in compile_time:
             types[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            types[name] = {"first_ptr": "*u8", "noise_ptr": "*fp32"}.get(name, f"*{dtype}")
+        elif kernel.__name__ == "logits_draw_kernel" and name == "out_ptr":
+            types[name] = "*i64"  # the classes drawn
         else:
-            types[name] = "i32"
+            types[name] = OTHER_TYPES.get(name, f"*{dtype}" if name.endswith("_ptr") else "i32")
     return types
 
 
@@ -112,7 +132,7 @@ def resource_use(cubin: bytes) -> dict[str, int | None]:
 def compile_kernels(
     dtype: str = "fp32", capability: int = 90, sms: int = 132, sizes: dict = SIZES
 ) -> list[dict]:
-    """Each of the fused scan's kernels compiled for compute capability `capability`: its name, compile-time
+    """Each of the fused scan's and the fused epilogues' kernels compiled for compute capability `capability`: its name, compile-time
     arguments, seconds to compile, warps and resource use. Raises where Triton refuses a kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -130,6 +150,8 @@ def compile_kernels(
         sizes["H"], sizes["D"], sizes["latents"] * sizes["classes"], sizes["latents"], sms
     )
     for name, compile_time in constexprs(sizes, blocks).items():
+        if "DOUBLE" in compile_time:  # the draw's softmax in the kernels' float type
+            compile_time = {**compile_time, "DOUBLE": dtype == "fp64"}
         kernel = getattr(kernels, name)
         start = time.perf_counter()
         source = ASTSource(

@@ -130,10 +130,11 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
 fi
 minutes() { "$py" -c "print(round($1 / 60, 2))"; }
 # the update stage's variants: the default's update (captured) and the same in bf16, in bf16 with the fused scan,
-# without the heads' shared first layer (what it saves), and with --compile (last: a compile cut short by the stage's
-# cap leaves the others measured); the fastest runs Pong. A variant whose flag this version lacks is skipped. (The CPU
-# check: the default's alone unless named, since compiling takes minutes on a CPU.)
-default_variants="training training+bf16 training+bf16+fused-scan training-no-fast-heads training+compile"
+# without the heads' shared first layer and without the fused epilogues (what each saves), and with --compile (last: a
+# compile cut short by the stage's cap leaves the others measured); the fastest runs Pong. A variant whose flag this
+# version lacks is skipped. (The CPU check: the default's alone unless named, since compiling takes minutes on a CPU.)
+default_variants="training training+bf16 training+bf16+fused-scan training-no-fast-heads"
+default_variants+=" training-no-fused-epilogues training+compile"
 [ "$cpu_check" = 1 ] && default_variants=training
 read -r -a variants <<<"${GPU_LEASE_UPDATE_VARIANTS:-$default_variants}"
 # issue 66's stage between the update stage and Pong (dev/gpu/incident_stage.py, at most GPU_LEASE_INCIDENTS_MINUTES,

@@ -101,6 +101,10 @@ TRAINING_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is o
     # the default without the shared first layer of the heads on imagined states, then without the fast imagination
     # (its gathers of weight rows and the heads' shared product both go): what each saves
     ("training-no-fast-heads", {"fast_heads": False}),
+    (
+        "training-no-fused-epilogues",
+        {"fused_epilogues": False},
+    ),  # the imagined steps' epilogues one kernel each
     ("training-no-fast-imagine", {"fast_imagine": False}),
     ("training+compile", {"compile": True}),
 )

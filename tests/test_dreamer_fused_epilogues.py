@@ -1,0 +1,229 @@
+"""The fused epilogues (--fused-epilogues, `fused_imagine_step` in Part 2 of dreamer_atari.py): the work after each
+product of an imagined step in one Triton kernel (a LayerNorm and its SiLU, the LayerNorm GRU's gates, a draw).
+
+Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without CUDA) runs the kernels on CPU tensors,
+float64 included: each kernel is held to the torch code it replaces at sizes that are no powers of two and split
+rows over several programs, the fused rollout to `gather_imagine_step`'s and Part 1's `imagine`, and the run's wiring
+(its start-up check, exit 7, the off flag). Skipped where Triton is not installed (requirements-dev.txt pins it).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_dreamer_fused_scan import OpCounter, interpreted, short_run
+
+import dreamer_atari as da
+import dreamer_tiny
+from dreamer_tiny import obs_shape
+
+pytest.importorskip(
+    "triton", reason="the fused epilogues are Triton kernels (pinned in requirements-dev.txt)"
+)
+
+NUM_ACTIONS = 6
+
+
+@pytest.fixture(autouse=True)
+def kernels():
+    da.scan_kernels()  # Triton imported, the operations registered (compiled on CUDA, else interpreted)
+
+
+@interpreted
+def test_norm_silu_is_layer_norm_then_silu_with_the_gathered_row_added_first():
+    torch.manual_seed(0)
+    N, W = 1100, 37  # rows over several programs (128 rows each at this width), the last one partly filled
+    wide = torch.randn(N, 50, dtype=torch.float64)
+    x = wide[:, 5 : 5 + W]  # rows 50 apart, as a slice of the gathers' output
+    weight, bias = torch.randn(W, dtype=torch.float64), torch.randn(W, dtype=torch.float64)
+    table = torch.randn(W, NUM_ACTIONS, dtype=torch.float64).t()  # (A, W), columns contiguous: a transpose
+    index = torch.randint(NUM_ACTIONS, (N,))
+    ops = torch.ops.dreamer_scan
+    for ours, x_in in (
+        (ops.norm_silu(x, weight, bias, 1e-3, None, None), x),
+        (ops.norm_silu(x, weight, bias, 1e-3, table, index), x + table[index]),
+    ):
+        expected = F.silu(F.layer_norm(x_in, (W,), weight, bias, 1e-3))
+        assert ours.dtype == torch.float64 and da.relative_error(ours, expected) < 1e-13
+
+
+@interpreted
+def test_gru_gates_are_the_layer_norm_grus_after_its_product():
+    torch.manual_seed(1)
+    cell = da.LayerNormGRUCell(5, 13).double()
+    with torch.no_grad():
+        for p in cell.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    x, deter = torch.randn(300, 5, dtype=torch.float64), torch.randn(300, 13, dtype=torch.float64)
+    with torch.no_grad():
+        pre = cell.linear(torch.cat([x, deter], -1))
+        for scale in (1.0, 8.0):  # the gates saturated at x 8
+            ours = torch.ops.dreamer_scan.gru_gates(
+                scale * pre, cell.norm.weight, cell.norm.bias, 1e-3, deter
+            )
+            reference = da.LayerNormGRUCell(5, 13).double()
+            reference.load_state_dict(cell.state_dict())
+            reference.linear.weight.mul_(scale)
+            assert da.relative_error(ours, reference(x, deter)) < 1e-13
+
+
+@interpreted
+def test_logits_draw_draws_the_class_mixed_draw_draws_and_offsets_latents():
+    torch.manual_seed(2)
+    N, G, C = 700, 3, 5
+    logits = 2 * torch.randn(N, G, C, dtype=torch.float64)
+    uniform = torch.rand(N, G, 1, dtype=torch.float64)
+    uniform[0, 0] = 1.0 - 1e-12  # past the CDF's rounded end: the last class
+    expected = da.mixed_draw(F.softmax(logits, -1), 0.01, uniform).squeeze(-1)  # (N, G)
+    ours = torch.ops.dreamer_scan.logits_draw(logits, uniform, 0.01, False)
+    assert ours.dtype == torch.int64 and torch.equal(ours, expected) and ours[0, 0] == C - 1
+    with_offsets = torch.ops.dreamer_scan.logits_draw(logits, uniform, 0.01, True)
+    assert torch.equal(with_offsets, expected + C * torch.arange(G))
+    # float32 logits: the softmax in float32, as `gather_imagine_step`'s upcast
+    flipped = torch.ops.dreamer_scan.logits_draw(logits.float(), uniform.float(), 0.01, False) != expected
+    assert flipped.float().mean() < 0.01  # only where a uniform lies within float32 rounding of a CDF step
+
+
+def rollouts(agent, fused_values=(True, False), horizon=5, N=4):
+    """FastImagine rollouts (features, actions) from the same seeded start with the same random numbers, for each
+    of `fused_values`, and Part 1's `imagine` features."""
+    rssm = agent.world_model.rssm
+    torch.manual_seed(3)
+    deter = torch.randn(N, rssm.deter_dim, dtype=torch.float64)
+    start = (deter, rssm.sample(rssm.prior(deter)).detach(), None)
+    results = []
+    for fused in fused_values:
+        torch.manual_seed(4)
+        feat, _, actions = da.FastImagine(gathers=True, fused=fused).rollout(agent, start, horizon)
+        results.append((feat, actions))
+    torch.manual_seed(4)
+    return results, da.imagine(agent, start, horizon)[0]
+
+
+@interpreted
+def test_the_fused_rollout_is_the_gathered_one_and_part_1s_imagine_in_float64():
+    agent = dreamer_tiny.float64_agent(dreamer_tiny.tiny_args())
+    ((fused_feat, fused_actions), (feat, actions)), part_1 = rollouts(agent)
+    assert torch.equal(fused_actions, actions)
+    assert da.relative_error(fused_feat, feat) < 1e-13
+    assert da.relative_error(fused_feat, part_1) < 1e-12
+
+
+@interpreted
+def test_an_imagined_step_is_half_the_operations_with_the_epilogues_fused():
+    args = dreamer_tiny.tiny_args()
+    torch.manual_seed(0)
+    agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+    rssm, N = agent.world_model.rssm, 8
+    tables = (*da.imagine_tables(agent.actor, rssm), da.bag_offsets(N, rssm.stoch_dim, "cpu"))
+    deter, index = torch.randn(N, rssm.deter_dim), torch.randint(rssm.classes, (N, rssm.stoch_dim))
+    index = index + da.latent_offsets(rssm, "cpu")
+    inputs = (agent.actor, rssm, tables, deter, index, torch.rand(N, 1), rssm.noise((N,), "cpu"))
+    counts = {}
+    for step in (da.gather_imagine_step, da.fused_imagine_step):
+        with torch.no_grad():
+            step(*inputs)  # the draws' constants made (once a process)
+            with OpCounter() as counter:
+                step(*inputs)
+        counts[step.__name__] = sum(counter.ops.values())
+    # 32 operations gathered (the default model's 33, its actor one layer more); fused: the gather, 6 products and
+    # the concatenation before the GRU's, 4 LayerNorms with their SiLUs (img_in's with the action's row), the gates,
+    # 2 draws
+    assert counts == {"gather_imagine_step": 32, "fused_imagine_step": 15}, counts
+
+
+@interpreted
+def test_the_check_catches_a_formula_the_kernels_do_not_compute(monkeypatch):
+    """`check_fused_epilogues` holds the kernels to `gather_imagine_step`, which runs Part 1's layers: a GRU whose
+    gates change in `LayerNormGRUCell.forward`, or a drawn class moved in `mixed_draw`, and not in the kernels, raise
+    FastPathMismatch naming the kernels and --no-fused-epilogues."""
+    args = dreamer_tiny.tiny_args()
+    torch.manual_seed(0)
+    agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+    da.check_fused_epilogues(agent)  # as written: no difference
+    real_forward, real_draw = da.LayerNormGRUCell.forward, da.mixed_draw
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            da.LayerNormGRUCell, "forward", lambda self, x, state: 0.99 * real_forward(self, x, state)
+        )
+        with pytest.raises(da.FastPathMismatch, match="other features") as e:
+            da.check_fused_epilogues(agent)
+        assert "gru_gates_kernel" in str(e.value) and "--no-fused-epilogues" in str(e.value)
+    monkeypatch.setattr(
+        da, "mixed_draw", lambda probs, unimix, uniform: real_draw(probs, unimix, 1 - uniform)
+    )
+    with pytest.raises(da.FastPathMismatch, match="other (actions|features)"):
+        da.check_fused_epilogues(agent)
+
+
+def imagine_of(capsys, **overrides):
+    """The imagination `speed_up_agent` installs for tiny `overrides` (after its start-up checks), and what it
+    printed."""
+    args = dreamer_tiny.tiny_args(**overrides)
+    torch.manual_seed(0)
+    agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+    capsys.readouterr()
+    da.speed_up_agent(agent, args)
+    return agent.imagine, capsys.readouterr().out
+
+
+@interpreted
+def test_the_run_installs_the_fused_epilogues_where_triton_runs_them(capsys, monkeypatch):
+    """On the CPU the gathers run unfused without a word (Triton has only its interpreter there); where the kernels
+    run (CUDA, here the CPU interpreted) the default model gets them, checked; --no-fused-epilogues and
+    --no-fast-imagine leave them out, and Gaussian latents (no gathers) too."""
+    imagine, said = imagine_of(capsys)
+    assert imagine.gathers and not imagine.fused and "--fused-epilogues" not in said
+    monkeypatch.setattr(da, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
+    imagine, said = imagine_of(capsys)
+    assert imagine.fused and imagine.step is da.fused_imagine_step and "--fused-epilogues" not in said
+    assert not imagine_of(capsys, fused_epilogues=False)[0].fused
+    assert imagine_of(capsys, fast_imagine=False)[0] is da.imagine
+    assert not imagine_of(capsys, stochastic_classes=0)[0].fused
+
+
+@interpreted
+def test_a_fused_epilogue_that_differs_stops_the_run_before_training(monkeypatch, tmp_path, capsys):
+    """The start-up check stops a run whose kernels compute another GRU than Part 1's with exit 7 and one sentence
+    naming the kernels and --no-fused-epilogues, which then trains (the observe scan as written, whose own checks
+    would see the change first)."""
+    monkeypatch.setattr(da, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
+    monkeypatch.chdir(tmp_path)
+    real_forward = da.LayerNormGRUCell.forward
+    monkeypatch.setattr(
+        da.LayerNormGRUCell, "forward", lambda self, x, h: real_forward(self, x, h).clamp(-0.5, 0.5)
+    )
+    with pytest.raises(SystemExit) as stopped:
+        da.main(short_run(fast_observe=False))
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stopped.value.code == da.EXIT_FAST_PATH
+    assert "fused_imagine_step" in said and "--no-fused-epilogues" in said, said
+    run = short_run(fast_observe=False, fused_epilogues=False, total_timesteps=20)
+    assert da.main(run)["global_step"] == 20
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_the_compiled_kernels_pass_the_check_and_follow_the_gathers_at_16_x_64(monkeypatch):
+    """On a GPU, the default model: the start-up check of the compiled kernels, then rollouts from 16 x 64 start
+    states in float32 (full-float32 products) from the same random numbers: where no uniform lies within float32
+    rounding of a CDF step the two draw alike, so at least 99 % of the rollouts keep the same actions and latents,
+    and their deters agree within 1e-4 of the largest."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    args = da.Args()
+    torch.manual_seed(0)
+    agent = da.build_agent(args, (1, 3, 64, 64), NUM_ACTIONS, "cuda")
+    agent.imagine = da.FastImagine(gathers=True, fused=True)
+    da.check_fused_epilogues(agent)
+    rssm, D = agent.world_model.rssm, args.deterministic_dim
+    deter = torch.randn(16 * 64, D, device="cuda")
+    start = (deter, rssm.sample(rssm.prior(deter)).detach(), None)
+    results = []
+    for fused in (True, False):
+        torch.manual_seed(4)
+        with torch.no_grad():
+            feat, _, actions = da.FastImagine(gathers=True, fused=fused).rollout(agent, start, 15)
+        results.append((feat, actions))
+    (feat, actions), (expected, expected_actions) = results
+    same = (feat[..., D:] == expected[..., D:]).all(-1).all(0) & (actions == expected_actions).all(-1).all(0)
+    assert same.float().mean() >= 0.99, int(same.sum())
+    scale = expected[..., :D].abs().max()
+    assert (feat[:, same, :D] - expected[:, same, :D]).abs().max() <= 1e-4 * scale
