@@ -5,6 +5,7 @@ operations dispatched and FLOPs on the CPU, and (for update_variants.py) in kern
     python dev/gpu/update_regions.py --model dreamerv3 --size tiny --out /tmp/regions_dreamerv3_tiny.json
     python dev/gpu/update_regions.py --model nature --size modest --out /tmp/regions_nature_modest.json
     python dev/gpu/update_regions.py --size atari100k          # DreamerV3's batch, 16 x 64: FLOPs by region
+    TRITON_INTERPRET=1 python dev/gpu/update_regions.py --size atari100k --triton   # with CUDA's Triton kernels
 
 On the CPU, a `TorchDispatchMode` counts the aten operations (views left out: they launch no kernel) of one
 world-model update and one behaviour update of dreamer_atari.py, after two warm-up updates, as
@@ -596,9 +597,41 @@ def readme(folder: Path) -> str:
                 else f"| {model} | {size} | {regions(auto)} | {regions(hand)} | — | — | — | — | — | — | — | — |"
             )
     for name, run in runs.items():
-        if "flops" in run and run["size"] == "atari100k":
+        if "flops" in run and run["size"] == "atari100k" and not run.get("triton"):
             lines += flops_table(name, run)
+    for name, run in runs.items():
+        plain = runs.get(name.replace("_triton", "_hand-written"))
+        if run.get("triton") and plain:
+            lines += triton_table(name, run, plain)
     return "\n".join(lines) + "\n"
+
+
+def triton_table(name: str, run: dict, plain: dict) -> list[str]:
+    """A `--triton` count (CUDA's paths: the fused scan and the fused epilogues, one operation a launch) beside the
+    same update without them, region by region."""
+    sizes = run["sizes"]
+    lines = [
+        "",
+        f"## {run['model']} at {sizes['batch_size']} x {sizes['sequence_length']} with CUDA's Triton kernels "
+        f"(`{name}.json`)",
+        "",
+        f"`TRITON_INTERPRET=1 {run['command']}`: the same update with the paths a CUDA run installs, the fused observe "
+        "scan and the fused epilogues, their kernels run by Triton's interpreter on the CPU, each launch one "
+        "operation (on a GPU one kernel). The rest is the same operations as on the CPU; on a GPU the convolutions "
+        "and products are a kernel or two each, and the CUDA graph adds none.",
+        "",
+        "| region | operations, CPU paths | with the Triton kernels |",
+        "|---|---:|---:|",
+    ]
+    for region in REGIONS:
+        lines.append(f"| {region} | {plain['total'][region]:,} | {run['total'][region]:,} |")
+    lines.append(f"| update | {plain['update_total']:,} | {run['update_total']:,} |")
+    per_step = [
+        (what, sum(plain[key].values()), sum(run[key].values()))
+        for what, key in (("observe step", "per_observe_step"), ("imagination step", "per_imagination_step"))
+    ]
+    lines += ["", "; ".join(f"per {what}: {a} and {b}" for what, a, b in per_step) + "."]
+    return lines
 
 
 def flops_table(name: str, run: dict) -> list[str]:
@@ -647,12 +680,25 @@ def main() -> None:
         action="store_true",
         help="also count the kernel calls of the --compile path (Inductor on the CPU), whole update and per step",
     )
+    parser.add_argument(
+        "--triton",
+        action="store_true",
+        help="count with CUDA's Triton paths in place (the fused scan, the fused epilogues), their kernels run by "
+        "Triton's interpreter on the CPU (TRITON_INTERPRET=1): each launch one operation, as on a GPU one kernel "
+        "(their FLOPs uncounted)",
+    )
     parser.add_argument("--readme", metavar="FOLDER", help="only write FOLDER/README.md from its JSON files")
     options = parser.parse_args()
     if options.readme:
         (Path(options.readme) / "README.md").write_text(readme(Path(options.readme)))
         return
     torch.set_num_threads(1)
+    if options.triton:
+        if not da.triton_interprets():  # Triton reads it when it is first imported
+            raise SystemExit(
+                "error: --triton runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1."
+            )
+        da.FUSED_SCAN_DEVICES = {"cuda", "cpu"}  # the paths a CUDA run installs, installed here
     result = measure(options.model, options.size, options.observe_backward, options.count_batch)
     if options.compiled:
         result["compiled"] = measure_compiled(options.model, options.size)
@@ -662,6 +708,7 @@ def main() -> None:
             f"{compiled['per_observe_step']} per observe step, {compiled['per_imagination_step']} per imagination step"
         )
     result["observe_backward"] = options.observe_backward
+    result["triton"] = options.triton
     result["machine"] = bench_utils.machine()
     result["command"] = " ".join(["python", "dev/gpu/update_regions.py", *sys.argv[1:]])
     print(table(result))
