@@ -6,7 +6,7 @@
 #
 # One device command (ends within GPU_LEASE_BUDGET_S seconds, default 575, under the tool's 600 s per command):
 #   all     (default) `gpu_stages.py --stage update pong`: the default's update against its variants in bf16, bf16
-#           with the fused scan, without the heads' shared first layer, and --compile, region by region (at most 2 minutes), then the Atari100k Pong run on
+#           with the fused scan, without the heads' shared first layer, without the fused epilogues, and --compile, region by region (at most 2 minutes), then the Atari100k Pong run on
 #           the fastest with the time left (about 4.5 minutes of it training), its evaluation, the results
 #   update  the update variants alone (at most 4 minutes)
 #   pong    the Pong run alone (about 6.5 minutes of it training), its evaluation, the results
@@ -133,8 +133,7 @@ minutes() { "$py" -c "print(round($1 / 60, 2))"; }
 # without the heads' shared first layer and without the fused epilogues (what each saves), and with --compile (last: a
 # compile cut short by the stage's cap leaves the others measured); the fastest runs Pong. A variant whose flag this
 # version lacks is skipped. (The CPU check: the default's alone unless named, since compiling takes minutes on a CPU.)
-default_variants="training training+bf16 training+bf16+fused-scan training-no-fast-heads"
-default_variants+=" training-no-fused-epilogues training+compile"
+default_variants="training training+bf16 training+bf16+fused-scan training-no-fast-heads training-no-fused-epilogues training+compile"
 [ "$cpu_check" = 1 ] && default_variants=training
 read -r -a variants <<<"${GPU_LEASE_UPDATE_VARIANTS:-$default_variants}"
 # issue 66's stage between the update stage and Pong (dev/gpu/incident_stage.py, at most GPU_LEASE_INCIDENTS_MINUTES,
@@ -222,9 +221,11 @@ if [ "$mode" = start ] || [ "$mode" = start-pong ]; then
     # the tests that need CUDA, first and alone on the GPU (pytest travels among the wheels), into lease.log: the
     # lease's last minutes then all go to the run
     if "$py" -c "import pytest" 2>/dev/null; then
-        say "the tests that need CUDA (tests/test_dreamer_cuda.py, the CUDA test of tests/test_dreamer_frame_store.py)"
-        timeout 60 "$py" -m pytest -q -o addopts= -p no:cacheprovider tests/test_dreamer_cuda.py \
-            tests/test_dreamer_frame_store.py tests/test_gpu_memory_cap_cuda.py -k cuda
+        say "the tests that need CUDA (tests/test_dreamer_cuda.py, tests/test_dqn_cuda.py, and the CUDA tests of the frame"
+        say "store, the memory cap, the fused scan and the fused epilogues)"
+        timeout 60 "$py" -m pytest -q -o addopts= -p no:cacheprovider tests/test_dreamer_cuda.py tests/test_dqn_cuda.py \
+            tests/test_dreamer_frame_store.py tests/test_gpu_memory_cap_cuda.py tests/test_dreamer_fused_scan.py \
+            tests/test_dreamer_fused_epilogues.py -k cuda
         say "CUDA tests: exit $?"
     fi
     span_s=${GPU_LEASE_SPAN_S:-740}
