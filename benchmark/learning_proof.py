@@ -320,8 +320,15 @@ def summary_markdown(results: list[dict]) -> str:
         if key not in ("json", "seed", "work_dir")
     }
     fraction, window = settings.get("reach_fraction", 0.8), settings.get("reach_window", 50)
+    precision = settings.get("precision", "float32")
+    if precision == "bf16":
+        precision += ", its products " + (
+            "emulated in float32 (bf16 operands, float32 sums, each result rounded to bf16)"
+            if settings.get("bf16_products") == "emulated"
+            else "on torch's bf16 kernels"
+        )
     lines = [
-        "# Learning proof: dreamer_atari.py on Catch-v0, on a CPU",
+        f"# Learning proof: dreamer_atari.py on Catch-v0, on a CPU, in {precision}",
         "",
         (
             "Each row is one `benchmark/learning_proof.py` run (its JSON file beside this one holds the "
