@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
@@ -112,7 +112,7 @@ class Args:
     """`reached_at`: over this many of the latest training episodes (about 500 env steps on Catch)"""
     precision: str = "float32"
     """dreamer_atari.py's --precision: float32 (the script's default) or bf16 (autocast, the observe scan float32)"""
-    bf16_products: str = "native"
+    bf16_products: Literal["native", "emulated"] = "native"
     """with --precision bf16: `native` runs the products (matrix products and convolutions) on torch's bf16 kernels;
     `emulated` runs them in float32 on the bf16 operands and rounds each result to bf16 (`EmulatedBF16Products`),
     for a CPU without bf16 arithmetic, where the native kernels are 10-20x slower than float32"""
@@ -394,8 +394,6 @@ def summary_markdown(results: list[dict]) -> str:
 
 
 def main(args: Args) -> dict:
-    if args.bf16_products not in ("native", "emulated"):
-        raise SystemExit(f"--bf16-products must be native or emulated, got {args.bf16_products!r}.")
     with EmulatedBF16Products() if args.bf16_products == "emulated" else contextlib.nullcontext():
         out = prove(args)  # training and evaluation
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ rows over several programs, the fused rollout to `gather_imagine_step`'s and Par
 import pytest
 import torch
 import torch.nn.functional as F
-from test_dreamer_fused_scan import OpCounter, interpreted, short_run
+from test_dreamer_fused_scan import OpCounter, interpreted, short_run, sped_up
 
 import dreamer_atari as da
 import dreamer_tiny
@@ -156,14 +156,9 @@ def test_the_check_catches_a_formula_the_kernels_do_not_compute(monkeypatch):
 
 
 def imagine_of(capsys, **overrides):
-    """The imagination `speed_up_agent` installs for tiny `overrides` (after its start-up checks), and what it
-    printed."""
-    args = dreamer_tiny.tiny_args(**overrides)
-    torch.manual_seed(0)
-    agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
-    capsys.readouterr()
-    da.speed_up_agent(agent, args)
-    return agent.imagine, capsys.readouterr().out
+    """The imagination `speed_up_agent` installs for tiny `overrides`, and what it printed."""
+    agent, said = sped_up(capsys, **overrides)
+    return agent.imagine, said
 
 
 @interpreted

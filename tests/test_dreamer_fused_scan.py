@@ -269,14 +269,21 @@ def test_a_fused_scan_that_differs_stops_the_run_before_training(
     assert da.main(short_run(fused_scan=False, total_timesteps=20))["global_step"] == 20
 
 
-def observe_of(capsys, **overrides) -> tuple[da.FastObserve, str]:
-    """The observe `speed_up_agent` installs for tiny `overrides` (after its start-up check), and what it printed."""
+def sped_up(capsys, **overrides) -> tuple[da.Agent, str]:
+    """A tiny agent for `overrides` with the fast paths `speed_up_agent` installs (after its start-up checks), and
+    what it printed."""
     args = dreamer_tiny.tiny_args(**overrides)
     torch.manual_seed(0)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
     capsys.readouterr()
     da.speed_up_agent(agent, args)
-    return agent.observe, capsys.readouterr().out
+    return agent, capsys.readouterr().out
+
+
+def observe_of(capsys, **overrides) -> tuple[da.FastObserve, str]:
+    """The observe `speed_up_agent` installs for tiny `overrides`, and what it printed."""
+    agent, said = sped_up(capsys, **overrides)
+    return agent.observe, said
 
 
 @interpreted

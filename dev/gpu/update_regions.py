@@ -695,9 +695,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if options.triton:
         if not da.triton_interprets():  # Triton reads it when it is first imported
-            raise SystemExit(
-                "error: --triton runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1."
-            )
+            parser.error("--triton runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
         da.FUSED_SCAN_DEVICES = {"cuda", "cpu"}  # the paths a CUDA run installs, installed here
     result = measure(options.model, options.size, options.observe_backward, options.count_batch)
     if options.compiled:
