@@ -220,7 +220,7 @@ class Args:
     """imagine without a graph, then the actor once with gradients on all states; off: `imagine` as written"""
     fused_epilogues: bool = True
     """CUDA, on the fast imagination's gathers: an imagined step's work after each product (LayerNorm and SiLU, the
-    GRU's gates, the draws) as one Triton kernel each"""
+    GRU's gates, the draws), and the behaviour heads' LayerNorms and SiLUs, as one Triton kernel each"""
     fast_heads: bool = True
     """the five heads on imagined states share one first-layer product; off: `behavior_losses` as written"""
     fast_decoder: bool = True
@@ -3247,10 +3247,14 @@ _SCAN_OPS_REGISTERED: list[bool] = []
 
 
 def register_scan_ops() -> None:
-    """Each of `SCAN_OPS` and `EPILOGUE_OPS` as torch.ops.dreamer_scan.<name> (once a process)."""
+    """Each of `SCAN_OPS` and `EPILOGUE_OPS` as torch.ops.dreamer_scan.<name>, norm_silu with its backward (once a
+    process)."""
     if not _SCAN_OPS_REGISTERED:
         for op in SCAN_OPS + EPILOGUE_OPS:
             torch.library.triton_op(f"dreamer_scan::{op.__name__}", op, mutates_args=())
+        torch.library.register_autograd(
+            "dreamer_scan::norm_silu", norm_silu_backward, setup_context=keep_norm_silu_inputs
+        )
         _SCAN_OPS_REGISTERED.append(True)
 
 
@@ -3725,10 +3729,12 @@ def gather_imagine_step(actor: Actor, rssm: RSSM, tables, deter, stoch_index, ac
 # img_in's with the action's weight row added first, in place of the gather and the add), the LayerNorm GRU's norm,
 # gates and mix (`gru_gates`), and a categorical draw from logits: the softmax, the unimix, the CDF and the class it
 # picks (`logits_draw`, `mixed_draw`'s draw). The products stay torch's: at N = B x T rows they are large.
-# Imagination runs without gradients, so the kernels have no backward. Each program takes BLOCK_R whole rows. The
-# kernels compute in float32 (float64 on float64 inputs, for the check), as the LayerNorms do under autocast. Part 1's
-# layers are found by type (an nn.LayerNorm followed by an nn.SiLU; a cell of type LayerNormGRUCell); any other layer
-# runs as it is. Held to `gather_imagine_step` on the device in float64 by `check_fast_imagine`.
+# Imagination runs without gradients. The heads on the imagined states (`heads_on_features`) run their LayerNorms and
+# SiLUs as `norm_silu` too, and the actor's and the critic's learn through them: `norm_silu`'s backward is one more
+# kernel (`norm_silu_backward_kernel`) and a sum. Each program takes BLOCK_R whole rows. The kernels compute in float32
+# (float64 on float64 inputs, for the checks), as the LayerNorms do under autocast. Part 1's layers are found by type
+# (an nn.LayerNorm followed by an nn.SiLU; a cell of type LayerNormGRUCell); any other layer runs as it is. Held to
+# `gather_imagine_step` and to the heads' own layers on the device in float64 by `check_fused_epilogues`.
 
 
 def norm_silu_kernel(
@@ -3858,7 +3864,51 @@ def logits_draw_kernel(
     tl.store(out_ptr + rows, index, mask=row_ok)
 
 
-EPILOGUE_KERNELS = (norm_silu_kernel, gru_gates_kernel, logits_draw_kernel)
+def norm_silu_backward_kernel(
+    grad_ptr,
+    x_ptr,
+    x_stride,
+    weight_ptr,
+    bias_ptr,
+    grad_x_ptr,
+    partial_ptr,
+    N,
+    W,
+    eps,
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """`norm_silu_kernel`'s gradients (without GATHER) for this program's rows, from its output's gradient grad
+    (N, W): x's (N, W), and what the LayerNorm's weight and bias get from these rows, summed, in the program's row
+    pair of partial (programs, 2, W). The LayerNorm's statistics are computed again from x (rows `x_stride` apart)."""
+    dtype = partial_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_W)
+    row_ok = rows < N
+    col_ok = cols < W
+    ok = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=ok, other=0.0).to(dtype)
+    mean = tl.sum(x, 1) / W
+    deviation = tl.where(ok, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(deviation * deviation, 1) / W + eps)
+    normed = deviation * rstd[:, None]
+    weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(dtype)
+    bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(dtype)
+    y = normed * weight[None, :] + bias[None, :]
+    sigmoid = 1.0 / (1.0 + tl.exp(-y))
+    grad = tl.load(grad_ptr + rows[:, None] * W + cols[None, :], mask=ok, other=0.0).to(dtype)
+    grad_y = tl.where(ok, grad * sigmoid * (1.0 + y * (1.0 - sigmoid)), 0.0)  # silu'(y) = s + y s (1 - s)
+    grad_normed = grad_y * weight[None, :]
+    # LayerNorm's input gradient: rstd (g - mean(g) - normed mean(g normed)), g the normalised values' gradient
+    along = tl.sum(grad_normed * normed, 1) / W
+    grad_x = rstd[:, None] * (grad_normed - tl.sum(grad_normed, 1)[:, None] / W - normed * along[:, None])
+    tl.store(grad_x_ptr + rows[:, None] * W + cols[None, :], grad_x, mask=ok)
+    partial = partial_ptr + tl.program_id(0) * 2 * W + cols
+    tl.store(partial, tl.sum(grad_y * normed, 0), mask=col_ok)
+    tl.store(partial + W, tl.sum(grad_y, 0), mask=col_ok)
+
+
+EPILOGUE_KERNELS = (norm_silu_kernel, gru_gates_kernel, logits_draw_kernel, norm_silu_backward_kernel)
 
 
 def epilogue_blocks(width: int, parts: int = 1) -> tuple[int, int]:
@@ -3944,7 +3994,43 @@ def logits_draw(logits: torch.Tensor, uniform: torch.Tensor, unimix: float, offs
     return out
 
 
-EPILOGUE_OPS = (norm_silu, gru_gates, logits_draw)
+def norm_silu_grads(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_silu_backward_kernel`: from the gradient grad (N, W) of `norm_silu(x, weight, bias, eps)` (no gathered
+    row), x's gradient (N, W, in x's dtype) and the programs' partial sums (programs, 2, W) of the weight's and the
+    bias's, whose sum over programs is theirs."""
+    (N, W) = x.shape
+    contiguous_only(grad, weight, bias)
+    block_r, block_w = epilogue_blocks(W)
+    grad_x = torch.empty(N, W, dtype=x.dtype, device=x.device)
+    partials = torch.empty(-(-N // block_r), 2, W, dtype=epilogue_dtype(x), device=x.device)
+    arguments = (grad, x, row_stride(x), weight, bias, grad_x, partials, N, W, eps)
+    launch_epilogue("norm_silu_backward_kernel", N, block_r, *arguments, BLOCK_W=block_w)
+    return grad_x, partials
+
+
+EPILOGUE_OPS = (norm_silu, gru_gates, logits_draw, norm_silu_grads)
+
+
+def keep_norm_silu_inputs(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    """`norm_silu`'s autograd: what its backward reads."""
+    x, weight, bias, eps, table, _ = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.eps, ctx.gathered = eps, table is not None
+
+
+def norm_silu_backward(ctx, grad: torch.Tensor) -> tuple:
+    """`norm_silu`'s gradients for x, weight and bias: `norm_silu_grads`, then one sum of its partial sums. A
+    gathered row has none: the imagination that adds one runs without gradients."""
+    if ctx.gathered:
+        raise RuntimeError(
+            "norm_silu has no backward with a gathered row (imagination runs without gradients)"
+        )
+    x, weight, bias = ctx.saved_tensors
+    grad_x, partials = torch.ops.dreamer_scan.norm_silu_grads(grad.contiguous(), x, weight, bias, ctx.eps)
+    grad_weight, grad_bias = partials.sum(0).to(weight.dtype).unbind(0)
+    return grad_x, grad_weight, grad_bias, None, None, None
 
 
 def fusable_norm(layer: nn.Module) -> bool:
@@ -4084,10 +4170,13 @@ class SharedFirstLayer(torch.autograd.Function):
 ALL_BUT_THE_LAST_STATE = ("actor", "slow critic")
 
 
-def heads_on_features(agent: "Agent", feat: torch.Tensor, stoch_index: torch.Tensor | None) -> dict:
+def heads_on_features(
+    agent: "Agent", feat: torch.Tensor, stoch_index: torch.Tensor | None, fused: bool = False
+) -> dict:
     """Each behaviour head's output on the imagined states it reads, from feat (H+1, N, F): (H+1 or H, N, its out).
     The first layers in one `SharedFirstLayer`, then each head's others as they are, with gradients for the learning
-    heads alone."""
+    heads alone; with `fused` (--fused-epilogues), each LayerNorm and the SiLU after it as one `norm_silu`
+    (`run_layers`), whose backward is a kernel and a sum."""
     heads = behaviour_heads(agent)
     firsts = [first_linear(net, feat.shape[-1]) for net in heads.values()]
     with torch.no_grad():
@@ -4102,14 +4191,15 @@ def heads_on_features(agent: "Agent", feat: torch.Tensor, stoch_index: torch.Ten
     outputs = {}
     for name, net, part, n in zip(heads, heads.values(), hidden, states):
         with torch.set_grad_enabled(torch.is_grad_enabled() and name in LEARNING_HEADS):
-            outputs[name] = after_first(net, part).unflatten(0, (n, feat.shape[1]))
+            out = run_layers(list(net.children())[1:], part) if fused else after_first(net, part)
+            outputs[name] = out.unflatten(0, (n, feat.shape[1]))
     return outputs
 
 
 class FastHeads:
     """`behavior_losses` with the five heads on the imagined states (actor, critic, slow critic, reward, continue)
     sharing one first-layer product: the same arguments and results (`check_fast_heads`; --no-fast-heads leaves
-    `behavior_losses`).
+    `behavior_losses`). Where the imagination's epilogues are fused, the heads' are too (`heads_on_features`).
 
     The fast imagination's rollout (`FastImagine.rollout`), then every head on all the states it reads at once
     (`heads_on_features`), then the formulas of `Actor.forward`, `imagine`'s log-probabilities, `imagined_targets`
@@ -4118,12 +4208,12 @@ class FastHeads:
     """
 
     def __init__(self, imagine: "FastImagine"):
-        self.imagine = imagine
+        self.imagine, self.fused = imagine, imagine.fused
         self.rollout = imagine.rollout  # what imagines (dev/gpu/update_regions.py labels it)
 
     def __call__(self, agent: "Agent", start_states, args: Args, update_norm: bool = True):
         feat, stoch_index, action_index = self.rollout(agent, start_states, args.imagination_horizon)
-        heads = heads_on_features(agent, feat, stoch_index)
+        heads = heads_on_features(agent, feat, stoch_index, self.fused)
         return losses_from_heads(agent, heads, action_index, start_states[2], args, update_norm)
 
 
@@ -4855,6 +4945,63 @@ def check_fused_epilogues(agent: "Agent", tolerance: float = 1e-9) -> None:
             )
 
 
+def check_fused_heads(agent: "Agent", tolerance: float = 1e-9) -> None:
+    """The heads on the imagined states with their LayerNorms and SiLUs fused (`heads_on_features` with `fused`:
+    `norm_silu` and its backward, compiled for the run's device or interpreted on the CPU) against the heads' own
+    layers: float64 copies of the heads on the device, as the run has them and moved by seeded noise (the zero
+    output layers of fresh critic and reward heads pass no gradient back), from the same imagined features. Each
+    head's output and every gradient of the learning heads' parameters within `tolerance`; a change to a LayerNorm or
+    a SiLU that is not carried into the kernels raises FastPathMismatch."""
+    device = agent.device
+    rssm = float64_copy(agent.world_model.rssm).to(device)
+    names = ("actor", "critic", "slow critic", "reward", "continue")
+    for weights in ("the run's weights", "the run's weights moved by noise"):
+        nets = [copy.deepcopy(net).to(device, torch.float64) for net in behaviour_heads(agent).values()]
+        if weights != "the run's weights":
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(3)
+                for parameter in itertools.chain(*(net.parameters() for net in nets)):
+                    parameter.add_(0.3 * torch.randn(parameter.shape, dtype=torch.float64).to(device))
+        heads = dict(zip(names, nets))
+        twin = types.SimpleNamespace(
+            world_model=types.SimpleNamespace(
+                rssm=rssm, reward_head=heads["reward"], continue_head=heads["continue"]
+            ),
+            actor=types.SimpleNamespace(net=heads["actor"]),
+            critic=types.SimpleNamespace(net=heads["critic"]),
+            slow_critic=types.SimpleNamespace(net=heads["slow critic"]),
+        )
+        generator = torch.Generator().manual_seed(2)
+        deter = torch.randn(5, 3, rssm.deter_dim, dtype=torch.float64, generator=generator)  # (H+1, N, D)
+        classes = torch.randint(rssm.classes, (5, 3, rssm.stoch_dim), generator=generator)
+        stoch = F.one_hot(classes, rssm.classes).flatten(-2).double()
+        feat = torch.cat([deter, stoch], -1).to(device)
+        stoch_index = classes.to(device) + latent_offsets(rssm, device)  # (H+1, N, S), as `latent_index`'s
+        learning = [p for name in LEARNING_HEADS for p in heads[name].parameters()]
+        results = []
+        for fused in (True, False):
+            outputs = heads_on_features(twin, feat, stoch_index, fused)
+            probe = torch.Generator().manual_seed(4)
+            loss = sum(
+                (out * torch.randn(out.shape, dtype=torch.float64, generator=probe).to(device)).sum()
+                for name, out in outputs.items()
+                if name in LEARNING_HEADS
+            )
+            grads = torch.autograd.grad(loss, learning)
+            results.append({f"output of the {name} head": out.detach() for name, out in outputs.items()})
+            results[-1] |= {f"gradient {i} of the learning heads": g for i, g in enumerate(grads)}
+        ours, expected = results
+        for what, value in expected.items():
+            error = relative_error(ours[what].cpu(), value.cpu())
+            if not error <= tolerance:
+                raise FastPathMismatch(
+                    f"the fused heads (norm_silu_kernel and norm_silu_backward_kernel, which heads_on_features "
+                    f"launches) give another {what} than the heads' own layers on {weights} (relative error "
+                    f"{error:.1e}), in float64 on {device}: carry the change into the kernels, or run with "
+                    f"--no-fused-epilogues."
+                )
+
+
 def float64_twin(agent: "Agent") -> "Agent":
     """A copy of `agent` for the checks, in float64 on the CPU, with Part 1's functions in its slots: its world model
     (without the encoder and decoder, which imagination never runs), actor, critics, return normaliser and settings
@@ -5007,11 +5154,13 @@ def check_fast_paths(agent: "Agent", args: Args) -> None:
     """Each fast path in use against the Part 1 function it replaces, on the weights the run is using: the fast
     observe against `RSSM.observe` and its hand-written backward against autograd (float64 copies, also with the GRU
     saturated), with --fused-scan its kernels against both on the device (`check_fused_scan`), the fast imagination
-    against `imagine`, the shared heads against `behavior_losses` (`check_fast_heads`), the pixel-shuffle decoder
-    layer against the transposed convolution, and the draws they use (`check_draw`, compiled with --compile). Run at
-    start-up, after --resume on the loaded weights, and at each periodic and final checkpoint on the live ones; FastPathMismatch names the path and
-    the flag that switches it off. About a second on a CPU for the default model, in float64 whatever the device (the
-    compiled draw's first check compiles it: seconds more)."""
+    against `imagine` (its fused epilogues on the device: `check_fused_epilogues`), the shared heads against
+    `behavior_losses` (`check_fast_heads`; fused, against their own layers on the device: `check_fused_heads`), the
+    pixel-shuffle decoder layer against the transposed convolution, and the draws they use (`check_draw`, compiled
+    with --compile). Run at start-up, after --resume on the loaded weights, and at each periodic and final
+    checkpoint on the live ones; FastPathMismatch names the path and the flag that switches it off. About a second
+    on a CPU for the default model, in float64 whatever the device (the compiled draw's first check compiles it:
+    seconds more)."""
     if isinstance(agent.observe, FastObserve):
         check_observe_forward(agent.world_model.rssm)
         if agent.observe.hand_written_backward:
@@ -5024,6 +5173,8 @@ def check_fast_paths(agent: "Agent", args: Args) -> None:
             check_fused_epilogues(agent)
     if isinstance(agent.behavior_losses, FastHeads):
         check_fast_heads(agent, args)
+        if agent.behavior_losses.fused:
+            check_fused_heads(agent)
     for layer in agent.world_model.decoder.modules():
         if isinstance(layer, SubpixelTransposedConv):
             check_subpixel_decoder(layer)

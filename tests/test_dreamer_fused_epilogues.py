@@ -1,10 +1,12 @@
 """The fused epilogues (--fused-epilogues, `fused_imagine_step` in Part 2 of dreamer_atari.py): the work after each
-product of an imagined step in one Triton kernel (a LayerNorm and its SiLU, the LayerNorm GRU's gates, a draw).
+product of an imagined step in one Triton kernel (a LayerNorm and its SiLU, the LayerNorm GRU's gates, a draw), and
+the behaviour heads' LayerNorms and SiLUs as that kernel, learning through its backward kernel.
 
 Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py without CUDA) runs the kernels on CPU tensors,
 float64 included: each kernel is held to the torch code it replaces at sizes that are no powers of two and split
-rows over several programs, the fused rollout to `gather_imagine_step`'s and Part 1's `imagine`, and the run's wiring
-(its start-up check, exit 7, the off flag). Skipped where Triton is not installed (requirements-dev.txt pins it).
+rows over several programs, the fused rollout to `gather_imagine_step`'s and Part 1's `imagine`, the fused heads to
+their own layers (outputs and gradients), and the run's wiring (its start-up checks, exit 7, the off flag). Skipped
+where Triton is not installed (requirements-dev.txt pins it).
 """
 
 import pytest
@@ -81,6 +83,111 @@ def test_logits_draw_draws_the_class_mixed_draw_draws_and_offsets_latents():
     # float32 logits: the softmax in float32, as `gather_imagine_step`'s upcast
     flipped = torch.ops.dreamer_scan.logits_draw(logits.float(), uniform.float(), 0.01, False) != expected
     assert flipped.float().mean() < 0.01  # only where a uniform lies within float32 rounding of a CDF step
+
+
+@interpreted
+def test_norm_silu_backward_is_autograds_through_the_layer_norm_and_the_silu():
+    """`norm_silu`'s backward (`norm_silu_backward_kernel`, then one sum of the programs' partial sums) gives x, the
+    weight and the bias autograd's gradients through F.layer_norm and F.silu, for rows that are a slice of a wider
+    tensor split over several programs, in two operations; with a gathered row it has none."""
+    torch.manual_seed(5)
+    N, W = 1100, 37
+    wide = torch.randn(N, 50, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(W, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(W, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(N, W, dtype=torch.float64)
+    ours = torch.ops.dreamer_scan.norm_silu(wide[:, 5 : 5 + W], weight, bias, 1e-3, None, None)
+    with OpCounter() as counter:
+        grads = torch.autograd.grad(ours, (wide, weight, bias), grad)
+    expected = F.silu(F.layer_norm(wide[:, 5 : 5 + W], (W,), weight, bias, 1e-3))
+    for ours_grad, expected_grad in zip(grads, torch.autograd.grad(expected, (wide, weight, bias), grad)):
+        assert da.relative_error(ours_grad, expected_grad) < 1e-13
+    assert counter.ops["dreamer_scan.norm_silu_grads"] == 1 and counter.ops["aten.sum"] == 1, counter.ops
+    table, index = torch.randn(NUM_ACTIONS, W, dtype=torch.float64), torch.randint(NUM_ACTIONS, (N,))
+    gathered = torch.ops.dreamer_scan.norm_silu(wide[:, :W], weight, bias, 1e-3, table, index)
+    with pytest.raises(RuntimeError, match="gathered row"):
+        gathered.sum().backward()
+
+
+def moved_twin():
+    """A float64 tiny agent with its behaviour heads moved off their initial values (the critic's and the reward's
+    output layers start at zero and would pass no gradient back), and imagined features to run them on."""
+    agent = dreamer_tiny.float64_agent(dreamer_tiny.tiny_args())
+    torch.manual_seed(6)
+    with torch.no_grad():
+        for net in da.behaviour_heads(agent).values():
+            for parameter in net.parameters():
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    rssm = agent.world_model.rssm
+    deter = torch.randn(5, 3, rssm.deter_dim, dtype=torch.float64)
+    classes = torch.randint(rssm.classes, (5, 3, rssm.stoch_dim))
+    feat = torch.cat([deter, F.one_hot(classes, rssm.classes).flatten(-2).double()], -1)  # (H+1, N, F)
+    return agent, feat, classes + da.latent_offsets(rssm, "cpu")
+
+
+def heads_results(agent, feat, stoch_index, fused):
+    """The heads' outputs on feat, the learning heads' parameter gradients of a seeded sum of theirs, and the
+    operations the forward and backward passes dispatched."""
+    learning = [p for name in da.LEARNING_HEADS for p in da.behaviour_heads(agent)[name].parameters()]
+    with OpCounter() as counter:
+        outputs = da.heads_on_features(agent, feat, stoch_index, fused)
+        torch.manual_seed(7)
+        loss = sum((outputs[name] * torch.randn_like(outputs[name])).sum() for name in da.LEARNING_HEADS)
+        grads = torch.autograd.grad(loss, learning)
+    return outputs, grads, counter.ops
+
+
+@interpreted
+def test_the_fused_heads_are_the_heads_own_layers_in_fewer_operations():
+    """With --fused-epilogues the heads on the imagined states run each LayerNorm and its SiLU as `norm_silu` (the
+    actor's and the critic's learning through its backward): the same outputs and gradients as the heads' own layers
+    in float64. Forward, 10 LayerNorms and 10 SiLUs become 10 operations; backward, each of the 4 pairs of the
+    SiLU's and the LayerNorm's backward becomes the kernel and a sum, from x alone kept for it."""
+    agent, feat, stoch_index = moved_twin()
+    heads_results(agent, feat, stoch_index, True)  # the gathers' constants made (once a process)
+    (outputs, grads, ops), (expected, expected_grads, part_1_ops) = (
+        heads_results(agent, feat, stoch_index, fused) for fused in (True, False)
+    )
+    for name, value in expected.items():
+        assert da.relative_error(outputs[name], value) < 1e-13, name
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        assert da.relative_error(grad, expected_grad) < 1e-13
+    assert ops["dreamer_scan.norm_silu"] == 10 and ops["dreamer_scan.norm_silu_grads"] == 4, ops
+    assert "aten.native_layer_norm" not in ops and "aten.silu" not in ops
+    assert part_1_ops["aten.native_layer_norm"] == part_1_ops["aten.silu"] == 10
+    assert part_1_ops["aten.native_layer_norm_backward"] == part_1_ops["aten.silu_backward"] == 4
+    assert sum(ops.values()) == sum(part_1_ops.values()) - 10, (sum(ops.values()), sum(part_1_ops.values()))
+
+
+def steeper(real_forward):
+    """A layer's forward with the values of `real_forward` and a gradient 1 % larger."""
+
+    def forward(self, x):
+        y = real_forward(self, x)
+        return y.detach() + 1.01 * (y - y.detach())
+
+    return forward
+
+
+@interpreted
+def test_the_check_catches_a_head_whose_layers_the_kernels_do_not_compute(monkeypatch):
+    """`check_fused_heads` holds the fused heads to the heads' own layers: a SiLU changed in its forward, or a
+    LayerNorm whose gradient changes and whose values do not, and not in the kernels, raise FastPathMismatch naming
+    the kernels and --no-fused-epilogues."""
+    args = dreamer_tiny.tiny_args()
+    torch.manual_seed(0)
+    agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+    da.check_fused_heads(agent)  # as written: no difference
+    steeper_norm = steeper(torch.nn.LayerNorm.forward)
+    for layer, forward, what in (
+        (torch.nn.SiLU, lambda self, x: F.silu(0.99 * x), "output"),
+        (torch.nn.LayerNorm, steeper_norm, "gradient"),
+    ):
+        with monkeypatch.context() as patch:
+            patch.setattr(layer, "forward", forward)
+            with pytest.raises(da.FastPathMismatch, match=f"another {what}") as e:
+                da.check_fused_heads(agent)
+        assert "norm_silu_backward_kernel" in str(e.value) and "--no-fused-epilogues" in str(e.value)
 
 
 def rollouts(agent, fused_values=(True, False), horizon=5, N=4):
@@ -171,6 +278,8 @@ def test_the_run_installs_the_fused_epilogues_where_triton_runs_them(capsys, mon
     monkeypatch.setattr(da, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
     imagine, said = imagine_of(capsys)
     assert imagine.fused and imagine.step is da.fused_imagine_step and "--fused-epilogues" not in said
+    assert sped_up(capsys)[0].behavior_losses.fused  # the heads' epilogues with them
+    assert not sped_up(capsys, fused_epilogues=False)[0].behavior_losses.fused
     assert not imagine_of(capsys, fused_epilogues=False)[0].fused
     assert imagine_of(capsys, fast_imagine=False)[0] is da.imagine
     assert not imagine_of(capsys, stochastic_classes=0)[0].fused
@@ -194,6 +303,22 @@ def test_a_fused_epilogue_that_differs_stops_the_run_before_training(monkeypatch
     assert "fused_imagine_step" in said and "--no-fused-epilogues" in said, said
     run = short_run(fast_observe=False, fused_epilogues=False, total_timesteps=20)
     assert da.main(run)["global_step"] == 20
+
+
+@interpreted
+def test_a_fused_head_whose_gradient_differs_stops_the_run_before_training(monkeypatch, tmp_path, capsys):
+    """A LayerNorm whose gradient changes (its values do not) and not in `norm_silu`'s backward: the start-up check
+    stops the run with exit 7 and one sentence naming the heads' kernels and --no-fused-epilogues (the observe scan as
+    written, whose own check would see the change first)."""
+    monkeypatch.setattr(da, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
+    monkeypatch.chdir(tmp_path)
+    steeper_norm = steeper(torch.nn.LayerNorm.forward)
+    monkeypatch.setattr(torch.nn.LayerNorm, "forward", steeper_norm)
+    with pytest.raises(SystemExit) as stopped:
+        da.main(short_run(fast_observe=False))
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stopped.value.code == da.EXIT_FAST_PATH
+    assert "norm_silu_backward_kernel" in said and "--no-fused-epilogues" in said, said
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -222,3 +347,32 @@ def test_cuda_the_compiled_kernels_pass_the_check_and_follow_the_gathers_at_16_x
     assert same.float().mean() >= 0.99, int(same.sum())
     scale = expected[..., :D].abs().max()
     assert (feat[:, same, :D] - expected[:, same, :D]).abs().max() <= 1e-4 * scale
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_the_compiled_heads_pass_the_check_and_follow_the_heads_own_layers_at_16_x_64(monkeypatch):
+    """On a GPU, the default model's heads moved off their initial values: the start-up check of the compiled
+    `norm_silu` and its backward, then the heads on the features of a 16 x 64 batch's imagination (16 x 1,024 states)
+    in float32 (full-float32 products): outputs and the learning heads' gradients within 1e-4 of the heads' own
+    layers'."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    args = da.Args()
+    torch.manual_seed(0)
+    agent = da.build_agent(args, (1, 3, 64, 64), NUM_ACTIONS, "cuda")
+    with torch.no_grad():
+        for net in da.behaviour_heads(agent).values():
+            for parameter in net.parameters():
+                parameter.add_(0.1 * torch.randn_like(parameter))
+    da.check_fused_heads(agent)
+    rssm = agent.world_model.rssm
+    deter = torch.randn(16, 16 * 64, rssm.deter_dim, device="cuda")
+    classes = torch.randint(rssm.classes, (16, 16 * 64, rssm.stoch_dim), device="cuda")
+    feat = torch.cat([deter, F.one_hot(classes, rssm.classes).flatten(-2).float()], -1)
+    stoch_index = classes + da.latent_offsets(rssm, "cuda")
+    (outputs, grads, _), (expected, expected_grads, _) = (
+        heads_results(agent, feat, stoch_index, fused) for fused in (True, False)
+    )
+    for name, value in expected.items():
+        assert da.relative_error(outputs[name], value) < 1e-4, name
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        assert da.relative_error(grad, expected_grad) < 1e-4

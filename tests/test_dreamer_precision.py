@@ -99,6 +99,12 @@ def test_under_bf16_channels_last_convolutions_train_what_part_1_trains_to_bf16_
     assert (flat[1] - flat[0]).norm() <= 2e-2 * flat[0].norm()
 
 
+def skip_without_kernels() -> None:
+    pytest.importorskip("triton")
+    if not da.triton_interprets() and not torch.cuda.is_available():
+        pytest.skip("the fused epilogues' kernels run on CUDA or in Triton's interpreter")
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_under_bf16_the_gathered_imagination_follows_part_1_to_bf16_rounding(fused):
     """Imagination's gathers of weight rows add the terms of its one-hot products in float32 and round once, where
@@ -111,9 +117,7 @@ def test_under_bf16_the_gathered_imagination_follows_part_1_to_bf16_rounding(fus
     args, part_1, fast = agents(precision="bf16")
     assert isinstance(fast.imagine, da.FastImagine) and fast.imagine.gathers
     if fused:
-        pytest.importorskip("triton")
-        if not da.triton_interprets() and not torch.cuda.is_available():
-            pytest.skip("the fused epilogues' kernels run on CUDA or in Triton's interpreter")
+        skip_without_kernels()
         fast.imagine = da.FastImagine(gathers=True, fused=True)
     D = args.deterministic_dim
     torch.manual_seed(3)
@@ -134,15 +138,20 @@ def test_under_bf16_the_gathered_imagination_follows_part_1_to_bf16_rounding(fus
     torch.testing.assert_close(entropy[:, follows], expected_entropy[:, follows], rtol=2e-2, atol=2e-2)
 
 
-def test_under_bf16_the_shared_heads_train_what_part_1_trains():
+@pytest.mark.parametrize("fused", [False, True])
+def test_under_bf16_the_shared_heads_train_what_part_1_trains(fused):
     """On the same gathered rollout (both agents imagine by `FastImagine` with the gathers, from the same random
     numbers): Part 1's `behavior_losses` and the shared heads (`FastHeads`: one first-layer product for the five heads,
     its latent part a gather in float32) give the same features, the losses within 3e-2, and the actor's and critic's
     whole gradients within 3e-2 in relative L2 norm (a bf16 product over all heads in place of one per head: the
-    same sums, other roundings)."""
+    same sums, other roundings). The same with the fused epilogues (the heads' LayerNorms and SiLUs, and their
+    backward, as kernels in Triton's interpreter, in float32 as autocast's LayerNorm)."""
     args, part_1, fast = agents(precision="bf16")
     assert isinstance(fast.behavior_losses, da.FastHeads) and part_1.behavior_losses is da.behavior_losses
-    part_1.imagine = da.FastImagine(gathers=True)
+    if fused:
+        skip_without_kernels()
+        fast.behavior_losses = da.FastHeads(da.FastImagine(gathers=True, fused=True))
+    part_1.imagine = da.FastImagine(gathers=True, fused=fused)
     torch.manual_seed(3)
     deter = torch.randn(5, args.deterministic_dim)
     stoch = part_1.world_model.rssm.sample(part_1.world_model.rssm.prior(deter)).detach()

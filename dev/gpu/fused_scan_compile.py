@@ -1,5 +1,5 @@
 """Compile the fused observe scan's Triton kernels (dreamer_atari.py, `FusedObserve`) and the fused epilogues'
-(`fused_imagine_step`) for an NVIDIA GPU on a machine without one, with the blocks a run would launch them with, and
+(`fused_imagine_step`, the heads' `norm_silu` backward) for an NVIDIA GPU on a machine without one, with the blocks a run would launch them with, and
 report each kernel's registers and spills.
 
     python dev/gpu/fused_scan_compile.py                       # float32, an H100 (sm_90, 132 SMs), the default model
@@ -76,12 +76,14 @@ def constexprs(sizes: dict, blocks) -> dict[str, dict[str, int]]:
             BLOCK_B=rows, BLOCK_K=k(blocks.stoch, H), BLOCK_N=blocks.stoch, BLOCK_P=parts(H + D, blocks.state)
         ),
         # the fused epilogues, as `norm_silu`, `gru_gates` and `logits_draw` launch them: img_in's LayerNorm (with
-        # the action's row gathered), the GRU's gates, the prior's draw of each latent's class
+        # the action's row gathered), the GRU's gates, the prior's draw of each latent's class; `norm_silu_grads`
         "norm_silu_kernel": dict(GATHER=True, **dict(zip(("BLOCK_R", "BLOCK_W"), da.epilogue_blocks(H)))),
         "gru_gates_kernel": dict(zip(("BLOCK_R", "BLOCK_D"), da.epilogue_blocks(D, parts=3))),
         "logits_draw_kernel": dict(
             DOUBLE=False, OFFSETS=True, **dict(zip(("BLOCK_R", "BLOCK_C"), da.epilogue_blocks(C)))
         ),
+        # the heads' LayerNorms' backward (their hidden layers as wide as the RSSM's)
+        "norm_silu_backward_kernel": dict(zip(("BLOCK_R", "BLOCK_W"), da.epilogue_blocks(H))),
     }
 
 
