@@ -3734,7 +3734,8 @@ def gather_imagine_step(actor: Actor, rssm: RSSM, tables, deter, stoch_index, ac
 # kernel (`norm_silu_backward_kernel`) and a sum. Each program takes BLOCK_R whole rows. The kernels compute in float32
 # (float64 on float64 inputs, for the checks), as the LayerNorms do under autocast. Part 1's layers are found by type
 # (an nn.LayerNorm followed by an nn.SiLU; a cell of type LayerNormGRUCell); any other layer runs as it is. Held to
-# `gather_imagine_step` and to the heads' own layers on the device in float64 by `check_fused_epilogues`.
+# `gather_imagine_step` and to the heads' own layers on the device in float64 (`check_fused_epilogues`,
+# `check_fused_heads`).
 
 
 def norm_silu_kernel(
@@ -4954,7 +4955,6 @@ def check_fused_heads(agent: "Agent", tolerance: float = 1e-9) -> None:
     a SiLU that is not carried into the kernels raises FastPathMismatch."""
     device = agent.device
     rssm = float64_copy(agent.world_model.rssm).to(device)
-    names = ("actor", "critic", "slow critic", "reward", "continue")
     for weights in ("the run's weights", "the run's weights moved by noise"):
         nets = [copy.deepcopy(net).to(device, torch.float64) for net in behaviour_heads(agent).values()]
         if weights != "the run's weights":
@@ -4962,7 +4962,7 @@ def check_fused_heads(agent: "Agent", tolerance: float = 1e-9) -> None:
                 torch.manual_seed(3)
                 for parameter in itertools.chain(*(net.parameters() for net in nets)):
                     parameter.add_(0.3 * torch.randn(parameter.shape, dtype=torch.float64).to(device))
-        heads = dict(zip(names, nets))
+        heads = dict(zip(behaviour_heads(agent), nets))
         twin = types.SimpleNamespace(
             world_model=types.SimpleNamespace(
                 rssm=rssm, reward_head=heads["reward"], continue_head=heads["continue"]

@@ -137,6 +137,19 @@ def heads_results(agent, feat, stoch_index, fused):
     return outputs, grads, counter.ops
 
 
+def assert_same_heads(agent, feat, stoch_index, tolerance: float) -> tuple:
+    """The fused heads' outputs and gradients (`heads_results`) within `tolerance` of the heads' own layers'; the
+    operations each dispatched, fused first."""
+    (outputs, grads, ops), (expected, expected_grads, part_1_ops) = (
+        heads_results(agent, feat, stoch_index, fused) for fused in (True, False)
+    )
+    for name, value in expected.items():
+        assert da.relative_error(outputs[name], value) < tolerance, name
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        assert da.relative_error(grad, expected_grad) < tolerance
+    return ops, part_1_ops
+
+
 @interpreted
 def test_the_fused_heads_are_the_heads_own_layers_in_fewer_operations():
     """With --fused-epilogues the heads on the imagined states run each LayerNorm and its SiLU as `norm_silu` (the
@@ -145,13 +158,7 @@ def test_the_fused_heads_are_the_heads_own_layers_in_fewer_operations():
     SiLU's and the LayerNorm's backward becomes the kernel and a sum, from x alone kept for it."""
     agent, feat, stoch_index = moved_twin()
     heads_results(agent, feat, stoch_index, True)  # the gathers' constants made (once a process)
-    (outputs, grads, ops), (expected, expected_grads, part_1_ops) = (
-        heads_results(agent, feat, stoch_index, fused) for fused in (True, False)
-    )
-    for name, value in expected.items():
-        assert da.relative_error(outputs[name], value) < 1e-13, name
-    for grad, expected_grad in zip(grads, expected_grads, strict=True):
-        assert da.relative_error(grad, expected_grad) < 1e-13
+    ops, part_1_ops = assert_same_heads(agent, feat, stoch_index, tolerance=1e-13)
     assert ops["dreamer_scan.norm_silu"] == 10 and ops["dreamer_scan.norm_silu_grads"] == 4, ops
     assert "aten.native_layer_norm" not in ops and "aten.silu" not in ops
     assert part_1_ops["aten.native_layer_norm"] == part_1_ops["aten.silu"] == 10
@@ -369,10 +376,4 @@ def test_cuda_the_compiled_heads_pass_the_check_and_follow_the_heads_own_layers_
     classes = torch.randint(rssm.classes, (16, 16 * 64, rssm.stoch_dim), device="cuda")
     feat = torch.cat([deter, F.one_hot(classes, rssm.classes).flatten(-2).float()], -1)
     stoch_index = classes + da.latent_offsets(rssm, "cuda")
-    (outputs, grads, _), (expected, expected_grads, _) = (
-        heads_results(agent, feat, stoch_index, fused) for fused in (True, False)
-    )
-    for name, value in expected.items():
-        assert da.relative_error(outputs[name], value) < 1e-4, name
-    for grad, expected_grad in zip(grads, expected_grads, strict=True):
-        assert da.relative_error(grad, expected_grad) < 1e-4
+    assert_same_heads(agent, feat, stoch_index, tolerance=1e-4)
