@@ -19,6 +19,7 @@ import torch._dynamo
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dreamer_atari as da
+import dreamer_kernels as dk
 import dreamer_tiny
 from dreamer_tiny import obs_shape
 
@@ -60,7 +61,7 @@ def gradients(module) -> dict[str, torch.Tensor]:
 def observe_backward(deter: torch.Tensor) -> str:
     """Which backward pass the observed deter (B, T, D) takes: "hand-written" (`ObserveBackwardThroughTime`)
     or "autograd" (the graph of the per-step loop)."""
-    hand_written = isinstance(deter.grad_fn, da.ObserveBackwardThroughTime._backward_cls)
+    hand_written = isinstance(deter.grad_fn, dk.ObserveBackwardThroughTime._backward_cls)
     return "hand-written" if hand_written else "autograd"
 
 
@@ -149,7 +150,7 @@ def test_behavior_losses_and_gradients_equal_the_reference_in_float64(model, cla
 
     reference = run()
     da.speed_up_agent(agent, args)
-    assert isinstance(agent.behavior_losses, da.FastHeads) and agent.imagine.gathers == (classes > 0)
+    assert isinstance(agent.behavior_losses, dk.FastHeads) and agent.imagine.gathers == (classes > 0)
     fast = run()
     torch.testing.assert_close(fast[0], reference[0], rtol=1e-12, atol=1e-12)
     assert len(reference[1]) == len(list(agent.actor.parameters())) + len(list(agent.critic.parameters()))
@@ -167,7 +168,7 @@ def test_the_fast_imagination_equals_imagine_in_float64(model, classes):
     agent = float64_agent(args)
     states = start_states(args, agent)
     results = []
-    for rollout in (da.imagine, da.FastImagine(gathers=classes > 0)):
+    for rollout in (da.imagine, dk.FastImagine(gathers=classes > 0)):
         torch.manual_seed(7)
         feat, log_prob, entropy = rollout(agent, states, args.imagination_horizon)
         agent.actor.zero_grad(set_to_none=True)
@@ -196,7 +197,7 @@ def test_the_reference_is_what_the_equality_tests_compare_against():
         args.batch_size, args.sequence_length, agent.world_model.embed_dim, dtype=torch.float64
     )
     counts = {}
-    for name, observe in (("fast", da.FastObserve(rssm)), ("reference", rssm.observe)):
+    for name, observe in (("fast", dk.FastObserve(rssm)), ("reference", rssm.observe)):
         with OpCounter() as counter:
             observe(embed, data["action"], data["is_first"])
         counts[name] = counter.total
@@ -397,7 +398,7 @@ def test_observe_equals_the_reference_for_both_latent_kinds(classes):
     is_first[:, 0] = is_first[1, 4] = True
     noise = rssm.noise((T, B), "cpu")
     for got, expected in zip(
-        da.FastObserve(rssm)(embed, action, is_first, noise), rssm.observe(embed, action, is_first, noise)
+        dk.FastObserve(rssm)(embed, action, is_first, noise), rssm.observe(embed, action, is_first, noise)
     ):
         torch.testing.assert_close(got, expected)
 
@@ -422,7 +423,7 @@ def test_the_hand_written_observe_backward_passes_gradcheck(monkeypatch, layer_n
     probabilities; its gradient is theirs by decree), so here the sample is the mixed probabilities themselves (the
     expected one-hot): then the straight-through gradient is the true derivative, and finite differences check it,
     the paths through stoch from one step to the next included."""
-    monkeypatch.setattr(da, "fast_one_hot_draw", lambda probs, uniform: probs)  # the fast observe's draw
+    monkeypatch.setattr(dk, "fast_one_hot_draw", lambda probs, uniform: probs)  # the fast observe's draw
     rssm = tiny_rssm(layer_norm_gru)
     B, T, H = 2, 4, 4
 
@@ -447,10 +448,10 @@ def test_the_hand_written_observe_backward_passes_gradcheck(monkeypatch, layer_n
     def scan(initial_deter, action_in, embed_in, stoch_weight, deter_weight, *parameters):
         """deter (B, T, D), stoch (B, T, S*C) and posterior (B, T, S, C) of the tiny RSSM."""
         inputs = (first, initial_deter, initial_stoch, action_in, embed_in, noise, stoch_weight, deter_weight)
-        return da.ObserveBackwardThroughTime.apply(fast, *inputs, *parameters)
+        return dk.ObserveBackwardThroughTime.apply(fast, *inputs, *parameters)
 
     # gradcheck perturbs each input in place: the parameters are the RSSM's own, which `observe_step` reads
-    fast = da.FastObserve(rssm)
+    fast = dk.FastObserve(rssm)
     assert torch.autograd.gradcheck(scan, (*inputs, *fast.scan_parameters()))
 
 
@@ -470,7 +471,7 @@ def test_gaussian_latents_autocast_and_no_grad_take_the_per_step_loop():
         world_model = da.WorldModel(tiny_args(stochastic_classes=classes), obs_shape(args), NUM_ACTIONS)
         embed = torch.randn(B, T, world_model.embed_dim)
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast), torch.set_grad_enabled(grad):
-            deter = da.FastObserve(world_model.rssm)(embed, action, is_first)[0]
+            deter = dk.FastObserve(world_model.rssm)(embed, action, is_first)[0]
         return "none" if deter.grad_fn is None else observe_backward(deter)
 
     assert backward(4) == "hand-written"
@@ -505,28 +506,28 @@ def test_a_change_to_the_observe_step_not_carried_into_the_readable_cell_stops_t
     """`FastObserve.observe_step` is the fast copy of the readable cell (`img_step`, `posterior`, `sample`): a change
     to one that is not carried into the other would train one thing and act and imagine another. The start-up check
     refuses in one sentence naming the way out, and --no-fast-observe trains through the readable cell."""
-    real_step = da.FastObserve.observe_step
+    real_step = dk.FastObserve.observe_step
 
     def changed_step(self, *inputs):
         deter, stoch, posterior = real_step(self, *inputs)
         return 1.01 * deter, stoch, posterior  # a researcher's change to the step
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(da.FastObserve, "observe_step", changed_step)
+    monkeypatch.setattr(dk.FastObserve, "observe_step", changed_step)
     status, said = run_exit(short_run(), capsys)
     assert status == da.EXIT_FAST_PATH and "--no-fast-observe" in said and "observe_step" in said
     assert da.main(short_run(fast_observe=False))["global_step"] == 50
 
 
 def test_a_change_to_the_hand_written_backward_stops_the_run_before_training(monkeypatch, tmp_path, capsys):
-    real_step = da.ObserveBackwardThroughTime.reverse_step
+    real_step = dk.ObserveBackwardThroughTime.reverse_step
 
     def changed_step(*inputs):
         deter_carry, stoch_carry, layer_grads = real_step(*inputs)
         return 0.9 * deter_carry, stoch_carry, layer_grads  # a slip in the backward pass
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(da.ObserveBackwardThroughTime, "reverse_step", staticmethod(changed_step))
+    monkeypatch.setattr(dk.ObserveBackwardThroughTime, "reverse_step", staticmethod(changed_step))
     status, said = run_exit(short_run(), capsys)
     assert status == da.EXIT_FAST_PATH and "--observe-backward autograd" in said
     assert da.main(short_run(observe_backward="autograd"))["global_step"] == 50
@@ -537,7 +538,7 @@ def test_a_head_changed_where_its_weights_do_not_show_stops_the_run_before_train
 ):
     """The shared heads read each head's first layer as its weight and bias (`head_tables`); a head whose first layer
     computes something else (here a forward hook, the way `torch.nn.utils.spectral_norm` and activation clipping
-    change a layer) is refused at start-up in one sentence naming the way out, and --no-fast-heads trains through
+    change a layer) is refused at start-up in one sentence naming the way out, and --fast-heads off trains through
     `behavior_losses` as written."""
     real_init = da.Critic.__init__
 
@@ -549,9 +550,9 @@ def test_a_head_changed_where_its_weights_do_not_show_stops_the_run_before_train
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(da.Critic, "__init__", critic_with_a_hook)
     status, said = run_exit(short_run(), capsys)
-    assert status == da.EXIT_FAST_PATH and "--no-fast-heads" in said and "behavior_losses" in said
+    assert status == da.EXIT_FAST_PATH and "--fast-heads off" in said and "behavior_losses" in said
     assert not list(tmp_path.glob("runs/*"))
-    assert da.main(short_run(fast_heads=False))["behavior_updates"] > 0
+    assert da.main(short_run(fast_heads="off"))["behavior_updates"] > 0
 
 
 @pytest.mark.parametrize("part", ["critic", "actor"])
@@ -579,7 +580,7 @@ def test_a_head_of_another_shape_takes_the_readable_path_with_one_line(monkeypat
     )
     assert said[-1] == heads_line
     if part == "actor":
-        assert not agent.imagine.gathers and agent.imagine.step is da.imagine_step
+        assert not agent.imagine.gathers and agent.imagine.step is dk.imagine_step
         assert said == [
             "speed: imagination's products with one-hot latents stay products (the actor's net is not an "
             "nn.Sequential that starts with an nn.Linear on the features)",
@@ -607,42 +608,42 @@ def test_a_change_to_the_gathered_imagination_step_is_caught(monkeypatch):
     (here its first-layer table a little off) is refused by the check, naming where the formulas live and the flag."""
     _, agent = checked_agent()
     assert agent.imagine.gathers
-    real_tables = da.imagine_tables
+    real_tables = dk.imagine_tables
 
     def changed_tables(actor, rssm):
         stoch_table, action_table, deter_weight = real_tables(actor, rssm)
         return stoch_table, 1.001 * action_table, deter_weight
 
-    monkeypatch.setattr(da, "imagine_tables", changed_tables)
+    monkeypatch.setattr(dk, "imagine_tables", changed_tables)
     with pytest.raises(da.FastPathMismatch, match="gather_imagine_step") as refused:
-        da.check_fast_imagine(agent)
+        dk.check_fast_imagine(agent)
     assert "--no-fast-imagine" in str(refused.value)
 
 
 def test_a_change_to_the_mixed_draw_is_caught(monkeypatch):
     """The gathered imagination draws an index from the mixed CDF (`mixed_draw`): drawing one class later is refused
     by `check_draw`, naming `mixed_draw`."""
-    real_draw = da.mixed_draw
-    monkeypatch.setattr(da, "mixed_draw", lambda *inputs: (real_draw(*inputs) + 1).clamp(max=31))
+    real_draw = dk.mixed_draw
+    monkeypatch.setattr(dk, "mixed_draw", lambda *inputs: (real_draw(*inputs) + 1).clamp(max=31))
     with pytest.raises(da.FastPathMismatch, match="into mixed_draw"):
-        da.check_draw(torch.device("cpu"), compiled=False)
+        dk.check_draw(torch.device("cpu"), compiled=False)
 
 
 @pytest.mark.parametrize("change", ["the copy of the losses", "Part 1's losses", "the shared product"])
 def test_a_change_to_the_losses_not_carried_into_the_shared_heads_is_caught(monkeypatch, change):
     """`losses_from_heads` is a copy of `behavior_losses`' and `imagined_targets`' formulas on the heads' outputs: a
     change to Part 1's not carried into it, a slip in it, or in the shared first-layer product, is refused by the
-    check on the run's weights, naming both functions and --no-fast-heads."""
+    check on the run's weights, naming both functions and --fast-heads off."""
     args, agent = checked_agent()
-    assert isinstance(agent.behavior_losses, da.FastHeads)
+    assert isinstance(agent.behavior_losses, dk.FastHeads)
     if change == "the copy of the losses":
-        real = da.losses_from_heads
+        real = dk.losses_from_heads
 
         def changed(*inputs):
             actor_loss, critic_loss, parts = real(*inputs)
             return actor_loss, 1.01 * critic_loss, parts
 
-        monkeypatch.setattr(da, "losses_from_heads", changed)
+        monkeypatch.setattr(dk, "losses_from_heads", changed)
     elif change == "Part 1's losses":
         real_targets = da.imagined_targets
 
@@ -657,16 +658,16 @@ def test_a_change_to_the_losses_not_carried_into_the_shared_heads_is_caught(monk
 
         monkeypatch.setattr(da, "imagined_targets", changed_targets)
     else:
-        real_tables = da.head_tables
+        real_tables = dk.head_tables
 
         def changed_tables(firsts, rssm, gathers):
             weight, stoch_table, bias = real_tables(firsts, rssm, gathers)
             return weight, stoch_table * 1.001, bias
 
-        monkeypatch.setattr(da, "head_tables", changed_tables)
+        monkeypatch.setattr(dk, "head_tables", changed_tables)
     with pytest.raises(da.FastPathMismatch, match="losses_from_heads") as refused:
-        da.check_fast_heads(agent, args)
-    assert "behavior_losses" in str(refused.value) and "--no-fast-heads" in str(refused.value)
+        dk.check_fast_heads(agent, args)
+    assert "behavior_losses" in str(refused.value) and "--fast-heads off" in str(refused.value)
 
 
 def test_gaussian_latents_imagine_by_products_and_keep_the_shared_heads_with_one_line(capsys):
@@ -678,16 +679,16 @@ def test_gaussian_latents_imagine_by_products_and_keep_the_shared_heads_with_one
     assert imagination == [
         "speed: imagination's products with one-hot latents stay products (the latents are Gaussian, not one-hot)"
     ]
-    assert not agent.imagine.gathers and agent.imagine.step is da.imagine_step
-    assert isinstance(agent.behavior_losses, da.FastHeads)
+    assert not agent.imagine.gathers and agent.imagine.step is dk.imagine_step
+    assert isinstance(agent.behavior_losses, dk.FastHeads)
 
 
 def test_the_off_flags_leave_part_1s_functions_and_compile_leaves_the_shared_heads_with_one_line(capsys):
-    """--no-fast-heads leaves `behavior_losses` (imagination still gathers); --no-fast-imagine leaves `imagine` and
+    """--fast-heads off leaves `behavior_losses` (imagination still gathers); --no-fast-imagine leaves `imagine` and
     therefore `behavior_losses` too (the shared heads read the fast rollout), each said in one line where the flag
     does not say it all; --compile compiles Part 1's heads and targets, and the shared heads step aside, in one
     line."""
-    _, agent = checked_agent(fast_heads=False)
+    _, agent = checked_agent(fast_heads="off")
     assert agent.behavior_losses is da.behavior_losses and agent.imagine.gathers
     assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("speed:")]
     _, agent = checked_agent(fast_imagine=False)
@@ -699,10 +700,10 @@ def test_the_off_flags_leave_part_1s_functions_and_compile_leaves_the_shared_hea
     ]
     args = tiny_args(compile=True)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
-    assert da.fast_heads_problem(agent, args) is not None  # before any fast path: no fast imagination yet
-    agent.imagine = da.FastImagine(gathers=True)
+    assert dk.fast_heads_problem(agent, args) is not None  # before any fast path: no fast imagination yet
+    agent.imagine = dk.FastImagine(gathers=True)
     assert (
-        da.fast_heads_problem(agent, args)
+        dk.fast_heads_problem(agent, args)
         == "--compile compiles the heads and the targets as Part 1 writes them"
     )
 
@@ -717,27 +718,27 @@ def test_the_two_misses_of_the_old_check_are_caught(monkeypatch, model):
     torch.manual_seed(0)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
     da.speed_up_agent(agent, args)  # checks the fast paths: as built they compute what the readable ones do
-    real_img_step, real_observe_step = da.RSSM.img_step, da.FastObserve.observe_step
+    real_img_step, real_observe_step = da.RSSM.img_step, dk.FastObserve.observe_step
     with monkeypatch.context() as patch:
         patch.setattr(
             da.RSSM, "img_step", lambda self, deter, *rest: real_img_step(self, deter, *rest) + deter
         )
         with pytest.raises(da.FastPathMismatch, match="--no-fast-observe"):
-            da.check_fast_paths(agent, args)
-        with pytest.raises(da.ObserveBackwardMismatch, match="through RSSM.observe"):
-            da.check_observe_backward(agent.world_model.rssm)
+            dk.check_fast_paths(agent, args)
+        with pytest.raises(da.FastPathMismatch, match="through RSSM.observe"):
+            dk.check_observe_backward(agent.world_model.rssm)
 
     def clamped(self, *inputs):
         deter, stoch, posterior = real_observe_step(self, *inputs)
         return deter.clamp(-0.9, 0.9), stoch, posterior
 
     with monkeypatch.context() as patch:
-        patch.setattr(da.FastObserve, "observe_step", clamped)
+        patch.setattr(dk.FastObserve, "observe_step", clamped)
         with torch.no_grad():  # on the run's own weights the state stays inside the clamp
-            reference = da.float64_copy(agent.world_model.rssm)
-            assert da.FastObserve(reference)(*da.check_inputs(reference))[0].abs().max() < 0.9
+            reference = dk.float64_copy(agent.world_model.rssm)
+            assert dk.FastObserve(reference)(*dk.check_inputs(reference))[0].abs().max() < 0.9
         with pytest.raises(da.FastPathMismatch, match="GRU's x 8"):
-            da.check_fast_paths(agent, args)
+            dk.check_fast_paths(agent, args)
 
 
 def test_a_changed_draw_is_caught(monkeypatch):
@@ -747,20 +748,20 @@ def test_a_changed_draw_is_caught(monkeypatch):
     refused naming the flags that switch them off."""
     args = tiny_args(compile=True)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
-    agent.observe = da.FastObserve(agent.world_model.rssm)
+    agent.observe = dk.FastObserve(agent.world_model.rssm)
     torch._dynamo.reset()
     real_draw = da.one_hot_draw
     try:
-        monkeypatch.setattr(da, "_COMPILED_DRAW", [torch.compile(da.fast_one_hot_draw, backend="aot_eager")])
-        da.check_fast_paths(agent, args)
+        monkeypatch.setattr(dk, "_COMPILED_DRAW", [torch.compile(dk.fast_one_hot_draw, backend="aot_eager")])
+        dk.check_fast_paths(agent, args)
         torch._dynamo.reset()
         # Part 1's draw changed (every class one later), and the compiled form follows it: the products do not
         monkeypatch.setattr(da, "one_hot_draw", lambda probs, uniform: real_draw(probs, uniform).roll(1, -1))
-        monkeypatch.setattr(da, "_COMPILED_DRAW", [torch.compile(da.fast_one_hot_draw, backend="aot_eager")])
+        monkeypatch.setattr(dk, "_COMPILED_DRAW", [torch.compile(dk.fast_one_hot_draw, backend="aot_eager")])
         with pytest.raises(da.FastPathMismatch, match="deter"):  # the observe's check sees it first
-            da.check_fast_paths(agent, args)
+            dk.check_fast_paths(agent, args)
         with pytest.raises(da.FastPathMismatch, match="fast_one_hot_draw") as refused:
-            da.check_draw(torch.device("cpu"), compiled=True)
+            dk.check_draw(torch.device("cpu"), compiled=True)
         assert "--no-fast-observe --no-fast-imagine" in str(refused.value)
     finally:
         torch._dynamo.reset()
@@ -778,7 +779,7 @@ def test_the_fast_paths_are_checked_at_start_up_on_the_resumed_weights_and_at_ea
     def spy(agent, args):
         seen.append(agent.world_model.rssm.img_in.linear.weight.detach().clone())
 
-    monkeypatch.setattr(da, "check_fast_paths", spy)
+    monkeypatch.setattr(dk, "check_fast_paths", spy)
     schedule = dict(total_timesteps=80, checkpoint_every=40, save_model=True)
     first = da.main(short_run(**schedule))
     assert len(seen) == 1 + 2 + 1  # start-up, two periodic checkpoints, the final one
@@ -796,7 +797,7 @@ def test_the_fast_paths_are_checked_at_start_up_on_the_resumed_weights_and_at_ea
             raise da.FastPathMismatch("the observe fast path differs (a test)")
 
     seen.clear()
-    monkeypatch.setattr(da, "check_fast_paths", mismatch_at_the_second)
+    monkeypatch.setattr(dk, "check_fast_paths", mismatch_at_the_second)
     status, said = run_exit(short_run(**schedule), capsys)
     assert status == da.EXIT_FAST_PATH and said.startswith("stopping at step 40, its checkpoint written:")
     assert len(list(tmp_path.glob("runs/*/checkpoint.pt"))) == 2
@@ -821,13 +822,13 @@ def test_the_compiled_draw_picks_the_classes_the_eager_draw_picks():
     probs[0, 5] = 1.0  # one class certain
     uniform = torch.rand(4096, 1)
     uniform[1] = 1.0 - 1e-7  # beyond any CDF that rounding left short of 1
-    compiled = torch.compile(da.fast_one_hot_draw, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(dk.fast_one_hot_draw, backend="aot_eager", fullgraph=True)
     torch._dynamo.reset()
     try:
         drawn = compiled(probs, uniform)
     finally:
         torch._dynamo.reset()
-    expected = da.fast_one_hot_draw(probs, uniform)
+    expected = dk.fast_one_hot_draw(probs, uniform)
     assert torch.equal(drawn, expected) and torch.equal(da.one_hot_draw(probs, uniform), expected)
     assert torch.equal(drawn.sum(-1), torch.ones(4096)) and drawn[0, 5] == 1
 
@@ -851,7 +852,7 @@ def test_the_eager_draw_takes_its_cdf_in_full_float32_under_tf32():
     torch.set_float32_matmul_precision("high")
     try:
         with Precision():
-            da.fast_one_hot_draw(probs, uniform)
+            dk.fast_one_hot_draw(probs, uniform)
         assert seen == ["highest", "highest"] and torch.get_float32_matmul_precision() == "high"
     finally:
         torch.set_float32_matmul_precision(before)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from test_dreamer_fused_scan import OpCounter, interpreted, short_run, sped_up
 
 import dreamer_atari as da
+import dreamer_kernels as dk
 import dreamer_tiny
 from dreamer_tiny import obs_shape
 
@@ -27,7 +28,7 @@ NUM_ACTIONS = 6
 
 @pytest.fixture(autouse=True)
 def kernels():
-    da.scan_kernels()  # Triton imported, the operations registered (compiled on CUDA, else interpreted)
+    dk.scan_kernels()  # Triton imported, the operations registered (compiled on CUDA, else interpreted)
 
 
 @interpreted
@@ -45,7 +46,7 @@ def test_norm_silu_is_layer_norm_then_silu_with_the_gathered_row_added_first():
         (ops.norm_silu(x, weight, bias, 1e-3, table, index), x + table[index]),
     ):
         expected = F.silu(F.layer_norm(x_in, (W,), weight, bias, 1e-3))
-        assert ours.dtype == torch.float64 and da.relative_error(ours, expected) < 1e-13
+        assert ours.dtype == torch.float64 and dk.relative_error(ours, expected) < 1e-13
 
 
 @interpreted
@@ -65,7 +66,7 @@ def test_gru_gates_are_the_layer_norm_grus_after_its_product():
             reference = da.LayerNormGRUCell(5, 13).double()
             reference.load_state_dict(cell.state_dict())
             reference.linear.weight.mul_(scale)
-            assert da.relative_error(ours, reference(x, deter)) < 1e-13
+            assert dk.relative_error(ours, reference(x, deter)) < 1e-13
 
 
 @interpreted
@@ -75,7 +76,7 @@ def test_logits_draw_draws_the_class_mixed_draw_draws_and_offsets_latents():
     logits = 2 * torch.randn(N, G, C, dtype=torch.float64)
     uniform = torch.rand(N, G, 1, dtype=torch.float64)
     uniform[0, 0] = 1.0 - 1e-12  # past the CDF's rounded end: the last class
-    expected = da.mixed_draw(F.softmax(logits, -1), 0.01, uniform).squeeze(-1)  # (N, G)
+    expected = dk.mixed_draw(F.softmax(logits, -1), 0.01, uniform).squeeze(-1)  # (N, G)
     ours = torch.ops.dreamer_scan.logits_draw(logits, uniform, 0.01, False)
     assert ours.dtype == torch.int64 and torch.equal(ours, expected) and ours[0, 0] == C - 1
     with_offsets = torch.ops.dreamer_scan.logits_draw(logits, uniform, 0.01, True)
@@ -101,7 +102,7 @@ def test_norm_silu_backward_is_autograds_through_the_layer_norm_and_the_silu():
         grads = torch.autograd.grad(ours, (wide, weight, bias), grad)
     expected = F.silu(F.layer_norm(wide[:, 5 : 5 + W], (W,), weight, bias, 1e-3))
     for ours_grad, expected_grad in zip(grads, torch.autograd.grad(expected, (wide, weight, bias), grad)):
-        assert da.relative_error(ours_grad, expected_grad) < 1e-13
+        assert dk.relative_error(ours_grad, expected_grad) < 1e-13
     assert counter.ops["dreamer_scan.norm_silu_grads"] == 1 and counter.ops["aten.sum"] == 1, counter.ops
     table, index = torch.randn(NUM_ACTIONS, W, dtype=torch.float64), torch.randint(NUM_ACTIONS, (N,))
     gathered = torch.ops.dreamer_scan.norm_silu(wide[:, :W], weight, bias, 1e-3, table, index)
@@ -115,24 +116,24 @@ def moved_twin():
     agent = dreamer_tiny.float64_agent(dreamer_tiny.tiny_args())
     torch.manual_seed(6)
     with torch.no_grad():
-        for net in da.behaviour_heads(agent).values():
+        for net in dk.behaviour_heads(agent).values():
             for parameter in net.parameters():
                 parameter.add_(0.3 * torch.randn_like(parameter))
     rssm = agent.world_model.rssm
     deter = torch.randn(5, 3, rssm.deter_dim, dtype=torch.float64)
     classes = torch.randint(rssm.classes, (5, 3, rssm.stoch_dim))
     feat = torch.cat([deter, F.one_hot(classes, rssm.classes).flatten(-2).double()], -1)  # (H+1, N, F)
-    return agent, feat, classes + da.latent_offsets(rssm, "cpu")
+    return agent, feat, classes + dk.latent_offsets(rssm, "cpu")
 
 
 def heads_results(agent, feat, stoch_index, fused):
     """The heads' outputs on feat, the learning heads' parameter gradients of a seeded sum of theirs, and the
     operations the forward and backward passes dispatched."""
-    learning = [p for name in da.LEARNING_HEADS for p in da.behaviour_heads(agent)[name].parameters()]
+    learning = [p for name in dk.LEARNING_HEADS for p in dk.behaviour_heads(agent)[name].parameters()]
     with OpCounter() as counter:
-        outputs = da.heads_on_features(agent, feat, stoch_index, fused)
+        outputs = dk.heads_on_features(agent, feat, stoch_index, fused)
         torch.manual_seed(7)
-        loss = sum((outputs[name] * torch.randn_like(outputs[name])).sum() for name in da.LEARNING_HEADS)
+        loss = sum((outputs[name] * torch.randn_like(outputs[name])).sum() for name in dk.LEARNING_HEADS)
         grads = torch.autograd.grad(loss, learning)
     return outputs, grads, counter.ops
 
@@ -144,9 +145,9 @@ def assert_same_heads(agent, feat, stoch_index, tolerance: float) -> tuple:
         heads_results(agent, feat, stoch_index, fused) for fused in (True, False)
     )
     for name, value in expected.items():
-        assert da.relative_error(outputs[name], value) < tolerance, name
+        assert dk.relative_error(outputs[name], value) < tolerance, name
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
-        assert da.relative_error(grad, expected_grad) < tolerance
+        assert dk.relative_error(grad, expected_grad) < tolerance
     return ops, part_1_ops
 
 
@@ -180,11 +181,11 @@ def steeper(real_forward):
 def test_the_check_catches_a_head_whose_layers_the_kernels_do_not_compute(monkeypatch):
     """`check_fused_heads` holds the fused heads to the heads' own layers: a SiLU changed in its forward, or a
     LayerNorm whose gradient changes and whose values do not, and not in the kernels, raise FastPathMismatch naming
-    the kernels and --no-fused-epilogues."""
+    the kernels and --fused-epilogues off."""
     args = dreamer_tiny.tiny_args()
     torch.manual_seed(0)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
-    da.check_fused_heads(agent)  # as written: no difference
+    dk.check_fused_heads(agent)  # as written: no difference
     steeper_norm = steeper(torch.nn.LayerNorm.forward)
     for layer, forward, what in (
         (torch.nn.SiLU, lambda self, x: F.silu(0.99 * x), "output"),
@@ -193,8 +194,8 @@ def test_the_check_catches_a_head_whose_layers_the_kernels_do_not_compute(monkey
         with monkeypatch.context() as patch:
             patch.setattr(layer, "forward", forward)
             with pytest.raises(da.FastPathMismatch, match=f"another {what}") as e:
-                da.check_fused_heads(agent)
-        assert "norm_silu_backward_kernel" in str(e.value) and "--no-fused-epilogues" in str(e.value)
+                dk.check_fused_heads(agent)
+        assert "norm_silu_backward_kernel" in str(e.value) and "--fused-epilogues off" in str(e.value)
 
 
 def rollouts(agent, fused_values=(True, False), horizon=5, N=4):
@@ -207,7 +208,7 @@ def rollouts(agent, fused_values=(True, False), horizon=5, N=4):
     results = []
     for fused in fused_values:
         torch.manual_seed(4)
-        feat, _, actions = da.FastImagine(gathers=True, fused=fused).rollout(agent, start, horizon)
+        feat, _, actions = dk.FastImagine(gathers=True, fused=fused).rollout(agent, start, horizon)
         results.append((feat, actions))
     torch.manual_seed(4)
     return results, da.imagine(agent, start, horizon)[0]
@@ -218,8 +219,8 @@ def test_the_fused_rollout_is_the_gathered_one_and_part_1s_imagine_in_float64():
     agent = dreamer_tiny.float64_agent(dreamer_tiny.tiny_args())
     ((fused_feat, fused_actions), (feat, actions)), part_1 = rollouts(agent)
     assert torch.equal(fused_actions, actions)
-    assert da.relative_error(fused_feat, feat) < 1e-13
-    assert da.relative_error(fused_feat, part_1) < 1e-12
+    assert dk.relative_error(fused_feat, feat) < 1e-13
+    assert dk.relative_error(fused_feat, part_1) < 1e-12
 
 
 @interpreted
@@ -228,12 +229,12 @@ def test_an_imagined_step_is_half_the_operations_with_the_epilogues_fused():
     torch.manual_seed(0)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
     rssm, N = agent.world_model.rssm, 8
-    tables = (*da.imagine_tables(agent.actor, rssm), da.bag_offsets(N, rssm.stoch_dim, "cpu"))
+    tables = (*dk.imagine_tables(agent.actor, rssm), dk.bag_offsets(N, rssm.stoch_dim, "cpu"))
     deter, index = torch.randn(N, rssm.deter_dim), torch.randint(rssm.classes, (N, rssm.stoch_dim))
-    index = index + da.latent_offsets(rssm, "cpu")
+    index = index + dk.latent_offsets(rssm, "cpu")
     inputs = (agent.actor, rssm, tables, deter, index, torch.rand(N, 1), rssm.noise((N,), "cpu"))
     counts = {}
-    for step in (da.gather_imagine_step, da.fused_imagine_step):
+    for step in (dk.gather_imagine_step, dk.fused_imagine_step):
         with torch.no_grad():
             step(*inputs)  # the draws' constants made (once a process)
             with OpCounter() as counter:
@@ -249,24 +250,24 @@ def test_an_imagined_step_is_half_the_operations_with_the_epilogues_fused():
 def test_the_check_catches_a_formula_the_kernels_do_not_compute(monkeypatch):
     """`check_fused_epilogues` holds the kernels to `gather_imagine_step`, which runs Part 1's layers: a GRU whose
     gates change in `LayerNormGRUCell.forward`, or a drawn class moved in `mixed_draw`, and not in the kernels, raise
-    FastPathMismatch naming the kernels and --no-fused-epilogues."""
+    FastPathMismatch naming the kernels and --fused-epilogues off."""
     args = dreamer_tiny.tiny_args()
     torch.manual_seed(0)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
-    da.check_fused_epilogues(agent)  # as written: no difference
-    real_forward, real_draw = da.LayerNormGRUCell.forward, da.mixed_draw
+    dk.check_fused_epilogues(agent)  # as written: no difference
+    real_forward, real_draw = da.LayerNormGRUCell.forward, dk.mixed_draw
     with monkeypatch.context() as patch:
         patch.setattr(
             da.LayerNormGRUCell, "forward", lambda self, x, state: 0.99 * real_forward(self, x, state)
         )
         with pytest.raises(da.FastPathMismatch, match="other features") as e:
-            da.check_fused_epilogues(agent)
-        assert "gru_gates_kernel" in str(e.value) and "--no-fused-epilogues" in str(e.value)
+            dk.check_fused_epilogues(agent)
+        assert "gru_gates_kernel" in str(e.value) and "--fused-epilogues off" in str(e.value)
     monkeypatch.setattr(
         da, "mixed_draw", lambda probs, unimix, uniform: real_draw(probs, unimix, 1 - uniform)
     )
     with pytest.raises(da.FastPathMismatch, match="other (actions|features)"):
-        da.check_fused_epilogues(agent)
+        dk.check_fused_epilogues(agent)
 
 
 def imagine_of(capsys, **overrides):
@@ -278,16 +279,16 @@ def imagine_of(capsys, **overrides):
 @interpreted
 def test_the_run_installs_the_fused_epilogues_where_triton_runs_them(capsys, monkeypatch):
     """On the CPU the gathers run unfused without a word (Triton has only its interpreter there); where the kernels
-    run (CUDA, here the CPU interpreted) the default model gets them, checked; --no-fused-epilogues and
+    run (CUDA, here the CPU interpreted) the default model gets them, checked; --fused-epilogues off and
     --no-fast-imagine leave them out, and Gaussian latents (no gathers) too."""
     imagine, said = imagine_of(capsys)
     assert imagine.gathers and not imagine.fused and "--fused-epilogues" not in said
-    monkeypatch.setattr(da, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(dk, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
     imagine, said = imagine_of(capsys)
-    assert imagine.fused and imagine.step is da.fused_imagine_step and "--fused-epilogues" not in said
+    assert imagine.fused and imagine.step is dk.fused_imagine_step and "--fused-epilogues" not in said
     assert sped_up(capsys)[0].behavior_losses.fused  # the heads' epilogues with them
-    assert not sped_up(capsys, fused_epilogues=False)[0].behavior_losses.fused
-    assert not imagine_of(capsys, fused_epilogues=False)[0].fused
+    assert not sped_up(capsys, fused_epilogues="off")[0].behavior_losses.fused
+    assert not imagine_of(capsys, fused_epilogues="off")[0].fused
     assert imagine_of(capsys, fast_imagine=False)[0] is da.imagine
     assert not imagine_of(capsys, stochastic_classes=0)[0].fused
 
@@ -295,9 +296,9 @@ def test_the_run_installs_the_fused_epilogues_where_triton_runs_them(capsys, mon
 @interpreted
 def test_a_fused_epilogue_that_differs_stops_the_run_before_training(monkeypatch, tmp_path, capsys):
     """The start-up check stops a run whose kernels compute another GRU than Part 1's with exit 7 and one sentence
-    naming the kernels and --no-fused-epilogues, which then trains (the observe scan as written, whose own checks
+    naming the kernels and --fused-epilogues off, which then trains (the observe scan as written, whose own checks
     would see the change first)."""
-    monkeypatch.setattr(da, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(dk, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
     monkeypatch.chdir(tmp_path)
     real_forward = da.LayerNormGRUCell.forward
     monkeypatch.setattr(
@@ -307,17 +308,17 @@ def test_a_fused_epilogue_that_differs_stops_the_run_before_training(monkeypatch
         da.main(short_run(fast_observe=False))
     said = capsys.readouterr().err.strip().splitlines()[-1]
     assert stopped.value.code == da.EXIT_FAST_PATH
-    assert "fused_imagine_step" in said and "--no-fused-epilogues" in said, said
-    run = short_run(fast_observe=False, fused_epilogues=False, total_timesteps=20)
+    assert "fused_imagine_step" in said and "--fused-epilogues off" in said, said
+    run = short_run(fast_observe=False, fused_epilogues="off", total_timesteps=20)
     assert da.main(run)["global_step"] == 20
 
 
 @interpreted
 def test_a_fused_head_whose_gradient_differs_stops_the_run_before_training(monkeypatch, tmp_path, capsys):
     """A LayerNorm whose gradient changes (its values do not) and not in `norm_silu`'s backward: the start-up check
-    stops the run with exit 7 and one sentence naming the heads' kernels and --no-fused-epilogues (the observe scan as
+    stops the run with exit 7 and one sentence naming the heads' kernels and --fused-epilogues off (the observe scan as
     written, whose own check would see the change first)."""
-    monkeypatch.setattr(da, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(dk, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
     monkeypatch.chdir(tmp_path)
     steeper_norm = steeper(torch.nn.LayerNorm.forward)
     monkeypatch.setattr(torch.nn.LayerNorm, "forward", steeper_norm)
@@ -325,7 +326,7 @@ def test_a_fused_head_whose_gradient_differs_stops_the_run_before_training(monke
         da.main(short_run(fast_observe=False))
     said = capsys.readouterr().err.strip().splitlines()[-1]
     assert stopped.value.code == da.EXIT_FAST_PATH
-    assert "norm_silu_backward_kernel" in said and "--no-fused-epilogues" in said, said
+    assert "norm_silu_backward_kernel" in said and "--fused-epilogues off" in said, said
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -338,8 +339,8 @@ def test_cuda_the_compiled_kernels_pass_the_check_and_follow_the_gathers_at_16_x
     args = da.Args()
     torch.manual_seed(0)
     agent = da.build_agent(args, (1, 3, 64, 64), NUM_ACTIONS, "cuda")
-    agent.imagine = da.FastImagine(gathers=True, fused=True)
-    da.check_fused_epilogues(agent)
+    agent.imagine = dk.FastImagine(gathers=True, fused=True)
+    dk.check_fused_epilogues(agent)
     rssm, D = agent.world_model.rssm, args.deterministic_dim
     deter = torch.randn(16 * 64, D, device="cuda")
     start = (deter, rssm.sample(rssm.prior(deter)).detach(), None)
@@ -347,7 +348,7 @@ def test_cuda_the_compiled_kernels_pass_the_check_and_follow_the_gathers_at_16_x
     for fused in (True, False):
         torch.manual_seed(4)
         with torch.no_grad():
-            feat, _, actions = da.FastImagine(gathers=True, fused=fused).rollout(agent, start, 15)
+            feat, _, actions = dk.FastImagine(gathers=True, fused=fused).rollout(agent, start, 15)
         results.append((feat, actions))
     (feat, actions), (expected, expected_actions) = results
     same = (feat[..., D:] == expected[..., D:]).all(-1).all(0) & (actions == expected_actions).all(-1).all(0)
@@ -367,13 +368,13 @@ def test_cuda_the_compiled_heads_pass_the_check_and_follow_the_heads_own_layers_
     torch.manual_seed(0)
     agent = da.build_agent(args, (1, 3, 64, 64), NUM_ACTIONS, "cuda")
     with torch.no_grad():
-        for net in da.behaviour_heads(agent).values():
+        for net in dk.behaviour_heads(agent).values():
             for parameter in net.parameters():
                 parameter.add_(0.1 * torch.randn_like(parameter))
-    da.check_fused_heads(agent)
+    dk.check_fused_heads(agent)
     rssm = agent.world_model.rssm
     deter = torch.randn(16, 16 * 64, rssm.deter_dim, device="cuda")
     classes = torch.randint(rssm.classes, (16, 16 * 64, rssm.stoch_dim), device="cuda")
     feat = torch.cat([deter, F.one_hot(classes, rssm.classes).flatten(-2).float()], -1)
-    stoch_index = classes + da.latent_offsets(rssm, "cuda")
+    stoch_index = classes + dk.latent_offsets(rssm, "cuda")
     assert_same_heads(agent, feat, stoch_index, tolerance=1e-4)

@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dreamer_atari as da
+import dreamer_kernels as dk
 import dreamer_tiny
 from dreamer_tiny import obs_shape
 
@@ -27,19 +28,19 @@ pytest.importorskip("triton", reason="the fused scan's kernels are Triton's (pin
 NUM_ACTIONS = 6
 # at the tiny sizes below (H 5, D 6, 3 latents of 5 classes): two programs per kernel, and products in chunks, more
 # chunks than programs in some: where programs share a LayerNorm's statistics and store what they made in turn
-SPLIT = da.ScanBlocks(batch=1, tile=64, img=4, gru=4, post=4, latents=2, logits=4, deter=4, state=8, stoch=8)
+SPLIT = dk.ScanBlocks(batch=1, tile=64, img=4, gru=4, post=4, latents=2, logits=4, deter=4, state=8, stoch=8)
 
 
 # the kernels in Triton's interpreter: TRITON_INTERPRET=1 before Triton is imported (tests/conftest.py, without CUDA)
 interpreted = pytest.mark.skipif(
-    not da.triton_interprets(), reason="Triton was not started in its interpreter (TRITON_INTERPRET=1)"
+    not dk.triton_interprets(), reason="Triton was not started in its interpreter (TRITON_INTERPRET=1)"
 )
 
 
 @pytest.fixture
 def fused_scan_on_the_cpu(monkeypatch):
     """A run on the CPU installs the fused scan as one on CUDA does (its kernels interpreted)."""
-    monkeypatch.setattr(da, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(dk, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
 
 
 class OpCounter(TorchDispatchMode):
@@ -80,7 +81,7 @@ def sequences(rssm: da.RSSM, embed_dim: int, num_actions: int, B: int, T: int) -
     if T > 2:
         is_first[1, 2] = True
     noise = torch.rand(T, B, rssm.stoch_dim, 1, generator=generator)
-    return da.clear_draws(rssm, (embed, action.double(), is_first, noise))
+    return dk.clear_draws(rssm, (embed, action.double(), is_first, noise))
 
 
 def readable(rssm: da.RSSM, inputs: tuple) -> dict[str, torch.Tensor]:
@@ -88,7 +89,7 @@ def readable(rssm: da.RSSM, inputs: tuple) -> dict[str, torch.Tensor]:
     names."""
     with torch.no_grad():
         results = dict(zip(("deter", "stoch", "posterior", "prior"), rssm.observe(*inputs)))
-    gradients = da.scan_results(da.FastObserve(rssm, hand_written_backward=False), inputs)
+    gradients = dk.scan_results(dk.FastObserve(rssm, hand_written_backward=False), inputs)
     return results | {name: x for name, x in gradients.items() if name.startswith("gradient")}
 
 
@@ -99,10 +100,10 @@ def split_scan():
     rssm, runs = odd_rssm(), {}
     for T, grad in ((3, True), (2, True), (2, False), (1, False)):
         inputs = sequences(rssm, 7, 3, 3, T)
-        fused = da.FusedObserve(rssm, SPLIT)
+        fused = dk.FusedObserve(rssm, SPLIT)
         with OpCounter() as counter:
             if grad:
-                results = da.scan_results(fused, inputs)
+                results = dk.scan_results(fused, inputs)
             else:
                 with torch.no_grad():
                     results = dict(zip(("deter", "stoch", "posterior", "prior"), fused(*inputs)))
@@ -134,7 +135,7 @@ def test_the_fused_backward_is_autograds_and_the_hand_written_ones_in_float64(sp
     ours, _ = runs[3, True]
     inputs = sequences(rssm, 7, 3, 3, 3)
     expected = readable(rssm, inputs)
-    hand_written = da.scan_results(da.FastObserve(rssm), inputs)
+    hand_written = dk.scan_results(dk.FastObserve(rssm), inputs)
     gradients = [name for name in expected if name.startswith("gradient")]
     assert len(gradients) == 1 + len(list(rssm.parameters()))
     for name in gradients:
@@ -144,7 +145,7 @@ def test_the_fused_backward_is_autograds_and_the_hand_written_ones_in_float64(sp
 
 
 def step_operations(
-    observe: da.FastObserve, rssm: da.RSSM, grad: bool, steps: tuple[int, int]
+    observe: dk.FastObserve, rssm: da.RSSM, grad: bool, steps: tuple[int, int]
 ) -> collections.Counter:
     """The operations that (steps[1] - steps[0]) more steps add to `observe` of a batch of 3, with gradients (the
     forward and backward passes) or without."""
@@ -152,7 +153,7 @@ def step_operations(
     for T in steps:
         inputs = sequences(rssm, 7, 3, 3, T)
         with OpCounter() as counter, torch.set_grad_enabled(grad):
-            da.scan_results(observe, inputs) if grad else observe(*inputs)
+            dk.scan_results(observe, inputs) if grad else observe(*inputs)
         counts.append(counter.ops)
     return counts[1] - counts[0]
 
@@ -173,7 +174,7 @@ def test_each_step_is_four_kernel_launches_each_way(split_scan):
     assert one_step == {f"dreamer_scan.{op}": 1 for op in forward_ops}
     one_step = runs[3, True][1] - runs[2, True][1]
     assert one_step == {f"dreamer_scan.{op}": 1 for op in forward_ops + backward_ops}
-    fast = da.FastObserve(rssm)
+    fast = dk.FastObserve(rssm)
     fast_forward = step_operations(fast, rssm, False, (2, 3))
     fast_backward = step_operations(fast, rssm, True, (2, 3)) - fast_forward
     # the fast observe's step: 28 operations forward and 15 backward when this was written
@@ -192,51 +193,51 @@ def test_the_default_widths_in_float64_and_float32():
     torch.manual_seed(0)
     rssm = da.RSSM(4096, NUM_ACTIONS, 512, 32, 32, 512, args.unimix, da.LayerNormGRUCell, True)
     da.dreamerv3_init_(rssm)
-    reference = da.float64_copy(rssm)
+    reference = dk.float64_copy(rssm)
     with torch.no_grad():
         reference.initial_deter.normal_()  # a learned initial state that is not tanh(0) = 0
     inputs = sequences(reference, 4096, NUM_ACTIONS, 2, 2)
-    ours, expected = da.scan_results(da.FusedObserve(reference), inputs), readable(reference, inputs)
+    ours, expected = dk.scan_results(dk.FusedObserve(reference), inputs), readable(reference, inputs)
     for name, x in expected.items():
         tolerance = 1e-10 if name.startswith("gradient") else 1e-12
-        assert da.relative_error(ours[name], x) <= tolerance, name
+        assert dk.relative_error(ours[name], x) <= tolerance, name
     model = copy.deepcopy(reference).float()
     inputs = tuple(x.float() if x.is_floating_point() else x for x in inputs)
     ours, expected = (
-        da.scan_results(da.FusedObserve(model), inputs),
-        da.scan_results(da.FastObserve(model), inputs),
+        dk.scan_results(dk.FusedObserve(model), inputs),
+        dk.scan_results(dk.FastObserve(model), inputs),
     )
-    errors = {name: da.relative_error(ours[name], x) for name, x in expected.items()}
-    assert max(errors.values()) <= da.FUSED_SCAN_FLOAT32_TOLERANCE, errors
+    errors = {name: dk.relative_error(ours[name], x) for name, x in expected.items()}
+    assert max(errors.values()) <= dk.FLOAT32_TOLERANCE, errors
 
 
 @interpreted
 def test_the_check_catches_a_draw_or_a_backward_the_kernels_do_not_compute(monkeypatch):
     """`check_fused_scan` holds the kernels to the readable code: a change to the categorical draw (Part 1's
     `one_hot_draw`, which `RSSM.observe` and the fast observe both call) that the kernels do not make, or a slip in the
-    backward steps, raises FastPathMismatch naming the function that launches the kernels and --no-fused-scan."""
+    backward steps, raises FastPathMismatch naming the function that launches the kernels and --fused-scan off."""
     args = dreamer_tiny.tiny_args()
     torch.manual_seed(0)
     rssm = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu").world_model.rssm
-    real_draw, real_reverse_step = da.one_hot_draw, da.FusedObserve.fused_reverse_step
+    real_draw, real_reverse_step = da.one_hot_draw, dk.FusedObserve.fused_reverse_step
     with monkeypatch.context() as patch:
         patch.setattr(da, "one_hot_draw", lambda probs, uniform: real_draw(probs, 1 - uniform))
         with pytest.raises(
             da.FastPathMismatch, match=r"FusedObserve.fused_step launches\) gives another"
         ) as e:
-            da.check_fused_scan(rssm, "cpu")
-        assert "--no-fused-scan" in str(e.value)
+            dk.check_fused_scan(rssm, "cpu")
+        assert "--fused-scan off" in str(e.value)
 
     def slipped(self, *inputs):
         deter_carry, stoch_carry, layer_grads = real_reverse_step(self, *inputs)
         return 0.9 * deter_carry, stoch_carry, layer_grads
 
-    monkeypatch.setattr(da.FusedObserve, "fused_reverse_step", slipped)
+    monkeypatch.setattr(dk.FusedObserve, "fused_reverse_step", slipped)
     with pytest.raises(
         da.FastPathMismatch, match=r"fused_reverse_step launches\) gives another gradient"
     ) as e:
-        da.check_fused_scan(rssm, "cpu")
-    assert "--no-fused-scan" in str(e.value)
+        dk.check_fused_scan(rssm, "cpu")
+    assert "--fused-scan off" in str(e.value)
 
 
 def short_run(**overrides) -> da.Args:
@@ -252,21 +253,21 @@ def test_a_fused_scan_that_differs_stops_the_run_before_training(
 ):
     """The start-up check (`check_fast_paths`) holds the fused scan the run installs (here on the CPU, interpreted)
     to the readable code: a step that computes something else stops the run with exit 7 and one sentence naming the
-    function holding the formula and --no-fused-scan, which then trains."""
-    real_step = da.FusedObserve.fused_step
+    function holding the formula and --fused-scan off, which then trains."""
+    real_step = dk.FusedObserve.fused_step
 
     def changed_step(self, *inputs):
         deter, stoch, posterior = real_step(self, *inputs)
         return 1.01 * deter, stoch, posterior
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(da.FusedObserve, "fused_step", changed_step)
+    monkeypatch.setattr(dk.FusedObserve, "fused_step", changed_step)
     with pytest.raises(SystemExit) as stopped:
         da.main(short_run())
     said = capsys.readouterr().err.strip().splitlines()[-1]
     assert stopped.value.code == da.EXIT_FAST_PATH
-    assert "FusedObserve.fused_step" in said and "--no-fused-scan" in said
-    assert da.main(short_run(fused_scan=False, total_timesteps=20))["global_step"] == 20
+    assert "FusedObserve.fused_step" in said and "--fused-scan off" in said
+    assert da.main(short_run(fused_scan="off", total_timesteps=20))["global_step"] == 20
 
 
 def sped_up(capsys, **overrides) -> tuple[da.Agent, str]:
@@ -280,7 +281,7 @@ def sped_up(capsys, **overrides) -> tuple[da.Agent, str]:
     return agent, capsys.readouterr().out
 
 
-def observe_of(capsys, **overrides) -> tuple[da.FastObserve, str]:
+def observe_of(capsys, **overrides) -> tuple[dk.FastObserve, str]:
     """The observe `speed_up_agent` installs for tiny `overrides`, and what it printed."""
     agent, said = sped_up(capsys, **overrides)
     return agent.observe, said
@@ -299,7 +300,7 @@ def test_where_the_fused_scan_does_not_apply_the_fast_observe_runs_and_one_line_
     fused_scan_on_the_cpu, capsys, overrides, reason
 ):
     observe, said = observe_of(capsys, **overrides)
-    assert type(observe) is da.FastObserve
+    assert type(observe) is dk.FastObserve
     lines = [line for line in said.splitlines() if "--fused-scan" in line]
     assert len(lines) == 1 and reason in lines[0] and "FastObserve" in lines[0], said
 
@@ -308,14 +309,14 @@ def test_where_the_fused_scan_does_not_apply_the_fast_observe_runs_and_one_line_
 def test_the_run_installs_the_fused_scan_where_triton_runs_it_and_checks_it(capsys, monkeypatch):
     """A run on the CPU keeps the fast observe without a word (Triton has only its interpreter there); where the
     fused scan runs (CUDA, here the CPU interpreted) the default model gets it and its start-up check passes, and
-    --no-fused-scan keeps the fast observe."""
+    --fused-scan off keeps the fast observe."""
     observe, said = observe_of(capsys)
-    assert type(observe) is da.FastObserve and "--fused-scan" not in said
-    monkeypatch.setattr(da, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
+    assert type(observe) is dk.FastObserve and "--fused-scan" not in said
+    monkeypatch.setattr(dk, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
     observe, said = observe_of(capsys)
-    assert type(observe) is da.FusedObserve and "--fused-scan" not in said
-    observe, said = observe_of(capsys, fused_scan=False)
-    assert type(observe) is da.FastObserve and "--fused-scan" not in said
+    assert type(observe) is dk.FusedObserve and "--fused-scan" not in said
+    observe, said = observe_of(capsys, fused_scan="off")
+    assert type(observe) is dk.FastObserve and "--fused-scan" not in said
 
 
 @interpreted
@@ -324,7 +325,7 @@ def test_compile_leaves_the_fused_steps_as_they_are():
     functions never call them, so a triton_op, which Inductor on the CPU cannot compile, meets no compiler)."""
     args = dreamer_tiny.tiny_args(compile=True)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
-    agent.observe = da.FusedObserve(agent.world_model.rssm)
+    agent.observe = dk.FusedObserve(agent.world_model.rssm)
     da.compile_agent(agent, backend="eager")
     assert agent.observe.step == agent.observe.fused_step
     assert agent.observe.reverse_step == agent.observe.fused_reverse_step
@@ -339,13 +340,13 @@ def test_cuda_the_compiled_kernels_pass_the_check_and_match_the_fast_observe_at_
     rssm = da.RSSM(4096, NUM_ACTIONS, 512, 32, 32, 512, 0.01, da.LayerNormGRUCell, True)
     da.dreamerv3_init_(rssm)
     rssm = rssm.cuda()
-    da.check_fused_scan(rssm, "cuda")
-    inputs = sequences(da.float64_copy(rssm), 4096, NUM_ACTIONS, 16, 64)
+    dk.check_fused_scan(rssm, "cuda")
+    inputs = sequences(dk.float64_copy(rssm), 4096, NUM_ACTIONS, 16, 64)
     inputs = tuple(x.cuda().float() if x.is_floating_point() else x.cuda() for x in inputs)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     ours, expected = (
-        da.scan_results(da.FusedObserve(rssm), inputs),
-        da.scan_results(da.FastObserve(rssm), inputs),
+        dk.scan_results(dk.FusedObserve(rssm), inputs),
+        dk.scan_results(dk.FastObserve(rssm), inputs),
     )
-    errors = {name: da.relative_error(ours[name], x) for name, x in expected.items()}
-    assert max(errors.values()) <= da.FUSED_SCAN_FLOAT32_TOLERANCE, errors
+    errors = {name: dk.relative_error(ours[name], x) for name, x in expected.items()}
+    assert max(errors.values()) <= dk.FLOAT32_TOLERANCE, errors

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dreamer_atari as da
+import dreamer_kernels as dk
 import dreamer_tiny
 from dreamer_tiny import fast_agent, obs_shape
 
@@ -234,7 +235,7 @@ def test_the_decoders_last_layer_on_cpu_is_its_transposed_convolution(size, chan
     decoder = da.AtariConvDecoder(10, channels, 4, 4, size).double()
     layer = decoder.net[-1]
     hidden = torch.randn(3, 4, *([da.nature_cnn_sizes(size)[0]] * 2), dtype=torch.float64, requires_grad=True)
-    reference, subpixel = layer(hidden), da.transposed_conv_as_subpixel(hidden, layer)
+    reference, subpixel = layer(hidden), dk.transposed_conv_as_subpixel(hidden, layer)
     assert subpixel.shape == reference.shape == (3, channels, size, size)
     torch.testing.assert_close(subpixel, reference, rtol=0, atol=1e-12)
     upstream = torch.randn_like(reference)
@@ -244,7 +245,7 @@ def test_the_decoders_last_layer_on_cpu_is_its_transposed_convolution(size, chan
     ):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
     # --fast-decoder puts that layer in the decoder, holding the same parameters
-    decoder.net[-1] = da.SubpixelTransposedConv.sharing(layer)
+    decoder.net[-1] = dk.SubpixelTransposedConv.sharing(layer)
     assert decoder.net[-1].weight is layer.weight and decoder.net[-1].bias is layer.bias
     assert list(decoder.state_dict()) == list(da.AtariConvDecoder(10, channels, 4, 4, size).state_dict())
     feat = torch.randn(3, 10, dtype=torch.float64)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import dreamer_atari as da
+import dreamer_kernels as dk
 from benchmark import common, pong_run
 from dev.gpu import gpu_stages, update_regions, update_variants
 
@@ -656,7 +657,7 @@ def test_a_profile_puts_each_operation_in_the_same_region_as_the_operation_count
     assert set(profiled) == {"encoder forward", "encoder backward", "decoder forward", "decoder backward"}
     # every region that runs shows in the profile; and the labels are gone again afterwards
     assert {region for *_, region in items} >= {"observe forward", "observe backward", "optimizers"}
-    assert isinstance(agent.observe, da.FastObserve) and not isinstance(
+    assert isinstance(agent.observe, dk.FastObserve) and not isinstance(
         agent.world_model.encoder, update_regions.LabelledModule
     )
 

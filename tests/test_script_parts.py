@@ -94,10 +94,11 @@ def test_speed_is_installed_by_one_call_from_the_run():
 
 
 def test_with_every_speed_option_off_the_readable_functions_train(tmp_path, monkeypatch):
-    """--no-fast-observe, --no-fast-imagine, --no-fast-heads, --no-fast-decoder and --no-channels-last (the CPU runs
+    """--no-fast-observe, --no-fast-imagine, --fast-heads off, --no-fast-decoder and --no-channels-last (the CPU runs
     eagerly, and --compile is off by default): a run trains through Part 1's `RSSM.observe`, `imagine` and
     `behavior_losses`, and Part 2's equivalents never run."""
     import dreamer_atari as da
+    import dreamer_kernels as dk
     from dreamer_tiny import tiny_args
 
     def refuse(*args, **kwargs):
@@ -118,16 +119,16 @@ def test_with_every_speed_option_off_the_readable_functions_train(tmp_path, monk
         calls["behavior_losses"] += 1
         return real_behavior_losses(*args, **kwargs)
 
-    monkeypatch.setattr(da.FastObserve, "__call__", refuse)
-    monkeypatch.setattr(da.FastImagine, "__call__", refuse)
-    monkeypatch.setattr(da.FastHeads, "__call__", refuse)
-    monkeypatch.setattr(da, "transposed_conv_as_subpixel", refuse)
+    monkeypatch.setattr(dk.FastObserve, "__call__", refuse)
+    monkeypatch.setattr(dk.FastImagine, "__call__", refuse)
+    monkeypatch.setattr(dk.FastHeads, "__call__", refuse)
+    monkeypatch.setattr(dk, "transposed_conv_as_subpixel", refuse)
     monkeypatch.setattr(da.RSSM, "observe", observe)
     monkeypatch.setattr(da, "imagine", imagine)
     monkeypatch.setattr(da, "behavior_losses", behavior_losses)
     monkeypatch.chdir(tmp_path)
     speed_off = dict(
-        fast_observe=False, fast_imagine=False, fast_heads=False, fast_decoder=False, channels_last=False
+        fast_observe=False, fast_imagine=False, fast_heads="off", fast_decoder=False, channels_last=False
     )
     for model in ("dreamerv3", "nature"):
         counters = da.main(

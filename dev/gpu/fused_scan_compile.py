@@ -34,16 +34,16 @@ SIZES = {"B": 16, "H": 512, "D": 512, "latents": 32, "classes": 32}
 
 def constexprs(sizes: dict, blocks) -> dict[str, dict[str, int]]:
     """Each kernel's compile-time arguments, as the operations around them (`scan_img_in` ...) compute them."""
-    import dreamer_atari as da
+    import dreamer_kernels as dk
 
     B, H, D, L, C = sizes["B"], sizes["H"], sizes["D"], sizes["latents"], sizes["classes"]
-    S, rows, classes = L * C, da.rows_block(B, blocks), da.power_of_two_at_least(C)
+    S, rows, classes = L * C, dk.rows_block(B, blocks), dk.power_of_two_at_least(C)
 
     def k(columns: int, reduced: int) -> int:
-        return da.reduction_block(blocks, rows, columns, reduced)
+        return dk.reduction_block(blocks, rows, columns, reduced)
 
     def parts(n: int, block: int) -> int:
-        return da.power_of_two_at_least(-(-n // block))
+        return dk.power_of_two_at_least(-(-n // block))
 
     return {
         "scan_img_in_kernel": dict(BLOCK_B=rows, BLOCK_K=k(blocks.img, S), BLOCK_N=blocks.img),
@@ -62,7 +62,7 @@ def constexprs(sizes: dict, blocks) -> dict[str, dict[str, int]]:
         ),
         "scan_posterior_backward_kernel": dict(
             BLOCK_B=rows,
-            BLOCK_L=da.reduction_block(blocks, rows * classes, blocks.logits, L),
+            BLOCK_L=dk.reduction_block(blocks, rows * classes, blocks.logits, L),
             BLOCK_C=classes,
             BLOCK_N=blocks.logits,
         ),
@@ -77,13 +77,13 @@ def constexprs(sizes: dict, blocks) -> dict[str, dict[str, int]]:
         ),
         # the fused epilogues, as `norm_silu`, `gru_gates` and `logits_draw` launch them: img_in's LayerNorm (with
         # the action's row gathered), the GRU's gates, the prior's draw of each latent's class; `norm_silu_grads`
-        "norm_silu_kernel": dict(GATHER=True, **dict(zip(("BLOCK_R", "BLOCK_W"), da.epilogue_blocks(H)))),
-        "gru_gates_kernel": dict(zip(("BLOCK_R", "BLOCK_D"), da.epilogue_blocks(D, parts=3))),
+        "norm_silu_kernel": dict(GATHER=True, **dict(zip(("BLOCK_R", "BLOCK_W"), dk.epilogue_blocks(H)))),
+        "gru_gates_kernel": dict(zip(("BLOCK_R", "BLOCK_D"), dk.epilogue_blocks(D, parts=3))),
         "logits_draw_kernel": dict(
-            DOUBLE=False, OFFSETS=True, **dict(zip(("BLOCK_R", "BLOCK_C"), da.epilogue_blocks(C)))
+            DOUBLE=False, OFFSETS=True, **dict(zip(("BLOCK_R", "BLOCK_C"), dk.epilogue_blocks(C)))
         ),
         # the heads' LayerNorms' backward (their hidden layers as wide as the RSSM's)
-        "norm_silu_backward_kernel": dict(zip(("BLOCK_R", "BLOCK_W"), da.epilogue_blocks(H))),
+        "norm_silu_backward_kernel": dict(zip(("BLOCK_R", "BLOCK_W"), dk.epilogue_blocks(H))),
     }
 
 
@@ -140,15 +140,15 @@ def compile_kernels(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import dreamer_atari as da
+    import dreamer_kernels as dk
 
-    if da.triton_interprets():
+    if dk.triton_interprets():
         raise SystemExit(
             "error: TRITON_INTERPRET is set; unset it to compile (the interpreter's Triton cannot)."
         )
-    kernels = da.scan_kernels()
+    kernels = dk.scan_kernels()
     rows = []
-    blocks = da.scan_blocks(
+    blocks = dk.scan_blocks(
         sizes["H"], sizes["D"], sizes["latents"] * sizes["classes"], sizes["latents"], sms
     )
     for name, compile_time in constexprs(sizes, blocks).items():

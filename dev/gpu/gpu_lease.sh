@@ -133,7 +133,7 @@ minutes() { "$py" -c "print(round($1 / 60, 2))"; }
 # without the heads' shared first layer and without the fused epilogues (what each saves), and with --compile (last: a
 # compile cut short by the stage's cap leaves the others measured); the fastest runs Pong. A variant whose flag this
 # version lacks is skipped. (The CPU check: the default's alone unless named, since compiling takes minutes on a CPU.)
-default_variants="training training+bf16 training+bf16+fused-scan training-no-fast-heads training-no-fused-epilogues training+compile"
+default_variants="training training+fused-scan training+gathers training+gathers+fast-heads training+all-opt-in training+all-opt-in+bf16 training+bf16 training+compile"
 [ "$cpu_check" = 1 ] && default_variants=training
 read -r -a variants <<<"${GPU_LEASE_UPDATE_VARIANTS:-$default_variants}"
 # issue 66's stage between the update stage and Pong (dev/gpu/incident_stage.py, at most GPU_LEASE_INCIDENTS_MINUTES,

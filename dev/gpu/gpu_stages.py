@@ -95,16 +95,26 @@ FAST_PATHS_OFF = {"tf32": False, "precision": "float32", "compile": False, "cuda
 TRAINING_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is one more line. Compile last: its
     # first calls compile for a minute or more, and a stage cut short by its time cap still measured the others
     ("training+bf16", {"precision": "bf16"}),
-    # the fused observe scan; imagination's fast path (--fast-imagine) is the default's
-    ("training+bf16+fused-scan", {"precision": "bf16", "fused_scan": True}),
-    ("training+cudnn-benchmark", {"torch_deterministic": False}),  # cuDNN's benchmark is on only without it
-    # the default without the shared first layer of the heads on imagined states, then without the fast imagination
-    # (its gathers of weight rows and the heads' shared product both go): what each saves
-    ("training-no-fast-heads", {"fast_heads": False}),
+    # each opt-in path alone on top of the CUDA default (shown on the 2026-11-27 H200), then all of them together:
+    # what each saves, and whether its checks pass on this card (`auto` turns on what a committed result shows)
+    ("training+fused-scan", {"fused_scan": "on"}),
+    ("training+gathers", {"imagine_gathers": "on"}),
+    ("training+gathers+fast-heads", {"imagine_gathers": "on", "fast_heads": "on"}),
     (
-        "training-no-fused-epilogues",
-        {"fused_epilogues": False},
-    ),  # the imagined steps' epilogues one kernel each
+        "training+all-opt-in",
+        {"imagine_gathers": "on", "fast_heads": "on", "fused_epilogues": "on", "fused_scan": "on"},
+    ),
+    (
+        "training+all-opt-in+bf16",
+        {
+            "imagine_gathers": "on",
+            "fast_heads": "on",
+            "fused_epilogues": "on",
+            "fused_scan": "on",
+            "precision": "bf16",
+        },
+    ),
+    ("training+cudnn-benchmark", {"torch_deterministic": False}),  # cuDNN's benchmark is on only without it
     ("training-no-fast-imagine", {"fast_imagine": False}),
     ("training+compile", {"compile": True}),
 )

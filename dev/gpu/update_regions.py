@@ -63,6 +63,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import dreamer_atari as da
+import dreamer_kernels as dk
 from benchmark import bench_utils
 from benchmark.common import code_version
 
@@ -200,7 +201,7 @@ def labelled(agent: da.Agent, regions: Regions):
         da.clip_and_step,
     )
     # the shared heads imagine through the fast imagination's rollout, which they hold
-    fast_heads = agent.behavior_losses if isinstance(agent.behavior_losses, da.FastHeads) else None
+    fast_heads = agent.behavior_losses if isinstance(agent.behavior_losses, dk.FastHeads) else None
     if fast_heads is not None:
         rollout = fast_heads.rollout
         fast_heads.rollout = regions.wrap(rollout, "imagination")
@@ -312,9 +313,9 @@ def count_update(args: da.Args, warmup: int = 2) -> dict:
 def count_updates(args: da.Args, batch_sizes: tuple[int, ...], warmup: int = 2) -> list[dict]:
     """`count_update` at each of `batch_sizes`, in turn, with one agent (built and checked once). Each size after the
     first gets one uncounted update of its own first: the fast paths make their index constants once per size
-    (`da.constant`), as training makes them in its warm-up calls, so a count never depends on what ran before it."""
+    (`dk.constant`), as training makes them in its warm-up calls, so a count never depends on what ran before it."""
     torch.manual_seed(0)
-    da._CONSTANTS.clear()  # made again in the first update, whatever ran before in this process
+    dk._CONSTANTS.clear()  # made again in the first update, whatever ran before in this process
     obs_shape = model_obs_shape(args)
     agent = da.build_agent(args, obs_shape, NUM_ACTIONS, "cpu")
     da.speed_up_agent(agent, args)  # the fast paths a run trains with
@@ -694,9 +695,9 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     if options.triton:
-        if not da.triton_interprets():  # Triton reads it when it is first imported
+        if not dk.triton_interprets():  # Triton reads it when it is first imported
             parser.error("--triton runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
-        da.FUSED_SCAN_DEVICES = {"cuda", "cpu"}  # the paths a CUDA run installs, installed here
+        dk.FUSED_SCAN_DEVICES = {"cuda", "cpu"}  # the paths a CUDA run installs, installed here
     result = measure(options.model, options.size, options.observe_backward, options.count_batch)
     if options.compiled:
         result["compiled"] = measure_compiled(options.model, options.size)

@@ -101,7 +101,7 @@ def variant_args(
     if missing:
         return None, f"not available in this version (dreamer_atari.Args has no {', '.join(missing)})"
     if not on_cuda and (
-        overrides.get("cudagraph") or overrides.get("precision") == "fp16" or overrides.get("fused_scan")
+        overrides.get("cudagraph") or overrides.get("precision") == "fp16" or overrides.get("fused_scan") == "on"
     ):
         return None, "needs CUDA"
     if not on_cuda and quick and overrides.get("compile"):
@@ -546,7 +546,7 @@ def count_flops(base: da.Args, count_batch: int) -> dict:
     count of the whole update beside them), counted on the CPU at batches `count_batch` and `count_batch` + 1 and
     extended to the run's batch, for the training update without compiling and in float32: every variant does the
     same products (compiled, captured, in bf16 or fused)."""
-    on_cpu = {key: False for key in ("compile", "fused_scan") if key in ARGS_FIELDS}
+    on_cpu = {key: value for key, value in (("compile", False), ("fused_scan", "off")) if key in ARGS_FIELDS}
     args = dataclasses.replace(base, batch_size=count_batch, cuda=False, precision="float32", **on_cpu)
     started = time.perf_counter()
     flops = update_regions.flops_at(args, base.batch_size, warmup=0)
