@@ -1422,7 +1422,7 @@ class FastPathMismatch(RuntimeError):
         self.off = off or {}
 
 
-def kernels():
+def kernels_module():
     """The kernels module with this script's Part 1 handed over (`dreamer_kernels.bind`: a copy of this script hands
     its own), or None where it is not beside this file."""
     if dreamer_kernels is not None:
@@ -1448,7 +1448,7 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
     def compile_(fn):
         return torch.compile(fn, dynamic=False, fullgraph=True, backend=backend, **options)
 
-    if kernels() is not None:
+    if kernels_module() is not None:
         dreamer_kernels.compile_paths(
             agent, compile_
         )  # their steps; the heads and targets as Part 1 writes them
@@ -1775,6 +1775,9 @@ class FrameStoreReplay(EpisodeReplay):
         super().__init__(capacity, num_envs, seed, chunk_size)
         self.frames_device = torch.device(frames_device)
         self.store: FrameStore | None = None  # made with the first episode, which gives the frames' shape
+        self.gathered = (
+            True  # False once a check dropped the gather: Part 1's fill, the frames read back per batch
+        )
 
     def new_episode(self, env_idx: int, first_obs: np.ndarray) -> Episode:
         if self.store is None:
@@ -1790,6 +1793,8 @@ class FrameStoreReplay(EpisodeReplay):
     def fill(self, windows: list, sequence_length: int) -> dict[str, np.ndarray]:
         """`EpisodeReplay.fill` with `rows` (B, T, k) int64, each stack's rows in the store, in place of obs."""
         self.store.flush()  # queued before the gather that reads them
+        if not self.gathered:
+            return super().fill(windows, sequence_length)
         T, B, stack = sequence_length, len(windows), windows[0][0][0].stack
         batch = {"rows": np.empty((B, T, stack), np.int64)}
         batch |= {"action": np.empty((B, T), np.uint8), "reward": np.empty((B, T), np.float32)}
@@ -1889,7 +1894,8 @@ def check_device_frames(run: "Run") -> None:
         raise FastPathMismatch(
             f"sampling with the frames on the device (FrameStoreReplay.fill, then gathered there) {problem} than "
             f"EpisodeReplay.sample with the frames in host memory: carry the change into FrameStoreReplay.fill, or "
-            f"run with --replay-frames host."
+            f"run with --replay-frames host.",
+            off={"replay_frames": "host"},
         )
 
 
@@ -1904,16 +1910,16 @@ def check_run_fast_paths(run: "Run") -> None:
     weights (`dreamer_kernels.check_fast_paths`), and the frames on the device (`check_device_frames`). Nothing about
     speed ends a run after start-up: a path that disagrees is dropped, with one warning line naming it and its flag
     (`debug/speed/dropped_paths` counts them), and Part 1's function (or the path beneath) goes on from this step,
-    its updates captured again. Only a disagreement no flag here can take away mid-run (the frames on the device)
-    raises FastPathMismatch."""
+    its updates captured again (frames on the device stay there, read back by Part 1's sampling). A disagreement no
+    flag can take away raises FastPathMismatch."""
     reinstall = False
     for _ in range(len(dataclasses.fields(Args))):  # each pass drops one more flag's path
         try:
             if reinstall:
                 reinstall_speed(run)
-            elif kernels() is not None:
+            elif kernels_module() is not None:
                 dreamer_kernels.check_fast_paths(run.agent, speed_args(run))
-            if isinstance(run.replay, FrameStoreReplay):
+            if isinstance(run.replay, FrameStoreReplay) and run.replay.gathered:
                 check_device_frames(run)
             return
         except FastPathMismatch as exc:
@@ -1933,6 +1939,9 @@ def reinstall_speed(run: "Run") -> None:
     use_part1(run.agent)
     speed_up_agent(run.agent, speed_args(run))
     run.world_model_step, run.behavior_step = make_update_steps(run.agent, speed_args(run))
+    if speed_args(run).replay_frames == "host" and isinstance(run.replay, FrameStoreReplay):
+        # the frames stay where they are; Part 1's sampling reads them back for each batch
+        run.replay.gathered, run.sample_batch = False, sample_batch
 
 
 def use_part1(agent: Agent) -> None:
@@ -1993,7 +2002,7 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
     function it replaces: a float64 disagreement raises FastPathMismatch, a path that cannot run here steps aside
     with one line), channels-last convolutions, then --compile. Without the module, or where it cannot run at all,
     Part 1's functions, said in one line."""
-    if kernels() is None:
+    if kernels_module() is None:
         print(
             f"speed: Part 1's functions run (the kernels module, dreamer_kernels.py, is not here: {KERNELS_MISSING})"
         )

@@ -22,6 +22,7 @@ import os
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -405,6 +406,34 @@ def hand_written_backward_problem(rssm: RSSM) -> str | None:
     return None
 
 
+class ObserveInputs(NamedTuple):
+    """What the fast observe's steps read besides the state they carry: the whole sequence's in `FastObserve.__call__`
+    (first (B, T, 1), action_in and embed_in (B, T, H), noise (T, B, ...)), one step's in `observe_step` ((B, ...)
+    each: the step's slices, `step_of`)."""
+
+    first: (
+        torch.Tensor
+    )  # bool: True where an episode starts (the initial state replaces the previous one there)
+    initial_deter: torch.Tensor  # (1, D)
+    initial_stoch: torch.Tensor  # (1, S)
+    action_in: torch.Tensor  # the action's share of img_in's first layer, its bias included
+    embed_in: torch.Tensor  # the embedding's share of the posterior's first layer, its bias included
+    noise: torch.Tensor  # the sampling noise (`RSSM.noise`)
+    stoch_weight: torch.Tensor  # (H, S): the share of img_in's first layer on stoch
+    deter_weight: torch.Tensor  # (H, D): the share of the posterior's first layer on deter
+
+    def steps(self) -> list[ObserveInputs]:
+        """Each step's inputs, in order: views of the sequence's (unbind: one view per step, and one stack in the
+        backward pass, where indexing [:, t] would zero-fill and add a whole (B, T, H) gradient at every step)."""
+        slices = zip(
+            self.first.unbind(1), self.action_in.unbind(1), self.embed_in.unbind(1), self.noise.unbind(0)
+        )
+        return [
+            self._replace(first=first, action_in=action_in, embed_in=embed_in, noise=noise)
+            for first, action_in, embed_in, noise in slices
+        ]
+
+
 class FastObserve:
     """`RSSM.observe` in fewer kernels, with a hand-written backward pass (`ObserveBackwardThroughTime`) where it
     applies: the same arguments and results (`check_observe_forward`, `check_observe_backward`). The first layers of
@@ -423,33 +452,18 @@ class FastObserve:
         # the functions each step runs; `compile_agent` puts compiled ones in their place
         self.step, self.reverse_step = self.observe_step, ObserveBackwardThroughTime.reverse_step
 
-    def observe_step(
-        self,
-        deter,
-        stoch,
-        first,
-        initial_deter,
-        initial_stoch,
-        action_in,
-        embed_in,
-        noise,
-        stoch_weight,
-        deter_weight,
-    ):
-        """One posterior step, `img_step` then `posterior` then `sample`, with the parts that do not depend on the
-        previous step computed for the whole sequence beforehand (see `__call__`): deter (B, D), stoch (B, S), first
-        (B, 1) bool (True where an episode starts: the initial state (1, D), (1, S) replaces the previous one),
-        action_in (B, H) and embed_in (B, H) the action's share of `img_in`'s first layer and the embedding's share
-        of the posterior's first layer (biases included), noise this step's (see `RSSM.noise`), stoch_weight and
-        deter_weight the other shares' weights. Returns deter, stoch, posterior."""
+    def observe_step(self, deter, stoch, step: ObserveInputs):
+        """One posterior step, `img_step` then `posterior` then `sample`, from deter (B, D) and stoch (B, S), with the
+        parts that do not depend on the previous step computed for the whole sequence beforehand (`__call__`): the
+        step's `ObserveInputs`. Returns deter, stoch, posterior."""
         rssm = self.rssm
-        deter, stoch = rssm.episode_start(first, deter, stoch, (initial_deter, initial_stoch))
+        deter, stoch = rssm.episode_start(step.first, deter, stoch, (step.initial_deter, step.initial_stoch))
         # one fused product-and-sum each: = img_in.linear(cat[stoch, action]), = posterior_net.linear(cat[deter, embed])
-        hidden = torch.addmm(action_in, stoch, stoch_weight.t())
+        hidden = torch.addmm(step.action_in, stoch, step.stoch_weight.t())
         deter = rssm.gru(upcast(self.img_rest(hidden)), deter)
-        hidden = torch.addmm(embed_in, deter, deter_weight.t())
+        hidden = torch.addmm(step.embed_in, deter, step.deter_weight.t())
         posterior = rssm._stats(self.post_rest(hidden))
-        return deter, fast_sample(rssm, posterior, noise), posterior
+        return deter, fast_sample(rssm, posterior, step.noise), posterior
 
     def __call__(self, embed: torch.Tensor, action: torch.Tensor, is_first: torch.Tensor, noise=None):
         """`RSSM.observe(embed, action, is_first, noise)`, see there."""
@@ -473,41 +487,27 @@ class FastObserve:
             post_first.weight[:, : rssm.deter_dim],
         )
         initial_deter, initial_stoch = rssm.initial(1)  # (1, D), (1, S)
-        inputs = (first, initial_deter, initial_stoch, action_in, embed_in, noise, stoch_weight, deter_weight)
+        inputs = ObserveInputs(
+            first, initial_deter, initial_stoch, action_in, embed_in, noise, stoch_weight, deter_weight
+        )
         if self.backward_through_time_applies(embed):
             deter, stoch, posterior = ObserveBackwardThroughTime.apply(self, *inputs, *self.scan_parameters())
         else:
-            deter, stoch, posterior = self.observe_loop(*inputs)
+            deter, stoch, posterior = self.observe_loop(inputs)
         # the prior depends on deter alone: all steps at once, after the loop
         return deter, stoch, posterior, rssm.prior(deter)
 
-    def observe_loop(
-        self, first, initial_deter, initial_stoch, action_in, embed_in, noise, stoch_weight, deter_weight
-    ):
-        """`observe_step` at each step of a sequence (`__call__`'s inputs, see there): deter (B, T, D), stoch (B, T,
+    def observe_loop(self, inputs: ObserveInputs):
+        """`observe_step` at each step of a sequence (`__call__`'s `ObserveInputs`): deter (B, T, D), stoch (B, T,
         S), posterior (B, T, ...). Autograd records every step, unless `ObserveBackwardThroughTime` runs it. Before
         the first step the state is the initial one."""
-        B = first.shape[0]
+        B = inputs.first.shape[0]
         # (B, D), (B, S); the first step's inputs shaped as the later steps' (a compiled step compiles once)
-        deter, stoch = initial_deter.expand(B, -1).contiguous(), initial_stoch.expand(B, -1).contiguous()
+        deter = inputs.initial_deter.expand(B, -1).contiguous()
+        stoch = inputs.initial_stoch.expand(B, -1).contiguous()
         deters, stochs, posteriors = [], [], []
-        # unbind: one view per step, and one stack in the backward pass (indexing [:, t] would zero-fill and add a
-        # whole (B, T, H) gradient at every step)
-        for first_t, action_t, embed_t, noise_t in zip(
-            first.unbind(1), action_in.unbind(1), embed_in.unbind(1), noise.unbind(0)
-        ):
-            deter, stoch, posterior = self.step(
-                deter,
-                stoch,
-                first_t,
-                initial_deter,
-                initial_stoch,
-                action_t,
-                embed_t,
-                noise_t,
-                stoch_weight,
-                deter_weight,
-            )
+        for step in inputs.steps():
+            deter, stoch, posterior = self.step(deter, stoch, step)
             deters.append(deter), stochs.append(stoch), posteriors.append(posterior)
         return torch.stack(deters, 1), torch.stack(stochs, 1), torch.stack(posteriors, 1)
 
@@ -539,6 +539,35 @@ class FastObserve:
         ]
 
 
+class ReverseStepInputs(NamedTuple):
+    """What a step of the hand-written backward (`ObserveBackwardThroughTime.reverse_step`) reads besides the
+    gradients it carries: the sequence's, time-major (T, B, ...), in `reverse_steps`; one step's (B, ...) each in
+    `reverse_step` (`steps`). The share of the step's own output gradients, the factor of the carried stoch gradient,
+    the step's activations (`ObserveActivations`), the previous step's output gradient of deter, `keep`, and what the
+    cell's backward step reads (`gru`: its `step_inputs`)."""
+
+    own_grad: torch.Tensor
+    carried_factor: torch.Tensor
+    probs: torch.Tensor
+    post_silu_grad: torch.Tensor
+    post_pre: torch.Tensor
+    post_mean: torch.Tensor
+    post_rstd: torch.Tensor
+    img_silu_grad: torch.Tensor
+    img_pre: torch.Tensor
+    img_mean: torch.Tensor
+    img_rstd: torch.Tensor
+    deter_grad_prev: torch.Tensor
+    keep: torch.Tensor
+    gru: tuple
+
+    def steps(self) -> list[ReverseStepInputs]:
+        """Each step's inputs, in order: views of the sequence's."""
+        fields = [tensor.unbind(0) for tensor in self[:-1]]
+        cell = [tensor.unbind(0) for tensor in self.gru]
+        return [ReverseStepInputs(*step, gru=tuple(gru)) for step, gru in zip(zip(*fields), zip(*cell))]
+
+
 class ObserveBackwardThroughTime(torch.autograd.Function):
     """`RSSM.observe`'s loop with a hand-written backward pass through time (categorical latents, no autocast).
 
@@ -561,10 +590,9 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fast: FastObserve, *inputs):
-        """`fast.observe_loop(*inputs[:8])` (first, initial_deter, initial_stoch, action_in, embed_in, noise,
-        stoch_weight, deter_weight; no graph: autograd.Function runs this without one); `inputs[8:]` are
-        `fast.scan_parameters()`, passed so that autograd knows the outputs depend on them."""
-        deter, stoch, posterior = fast.observe_loop(*inputs[:8])
+        """`fast.observe_loop` of `inputs[:8]` (`ObserveInputs`, as tensors: autograd.Function runs this without a
+        graph); `inputs[8:]` are `fast.scan_parameters()`, passed so that autograd knows the outputs depend on them."""
+        deter, stoch, posterior = fast.observe_loop(ObserveInputs(*inputs[:8]))
         ctx.fast = fast
         ctx.save_for_backward(*inputs, deter, stoch)
         return deter, stoch, posterior
@@ -618,7 +646,7 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
         carried_factor = probs_share * keep_next  # (T, B, S, C)
         # (T, B, D): at step t, step t - 1's output gradient of deter
         deter_grad_prev = torch.cat([torch.zeros_like(deter_grad[:1]), deter_grad[:-1]])
-        step_inputs = [
+        sequence = ReverseStepInputs(
             own_grad,
             carried_factor,
             acts.probs,
@@ -632,48 +660,32 @@ class ObserveBackwardThroughTime(torch.autograd.Function):
             acts.img_rstd,
             deter_grad_prev,
             keep,
-            *acts.gru.step_inputs(),
-        ]
-        steps = list(zip(*(tensor.unbind(0) for tensor in step_inputs)))  # views, step by step
+            tuple(acts.gru.step_inputs()),
+        )
+        steps = sequence.steps()
         deter_carry = deter_grad[T - 1].contiguous()  # (B, D): d deter_t from the outputs and the later steps
         # (B, S*C): d (stoch_t * keep_{t+1}), from step t + 1 (none after the last step)
         stoch_carry = torch.zeros_like(acts.stoch_prev[0])
         saved = []
         for t in reversed(range(T)):
             deter_carry, stoch_carry, layer_grads = reverse_step(
-                rssm, acts.gru.step, acts.deter_weight, acts.stoch_weight, deter_carry, stoch_carry, *steps[t]
+                rssm, acts.gru.step, acts.deter_weight, acts.stoch_weight, deter_carry, stoch_carry, steps[t]
             )
             saved.append(layer_grads)
         return tuple(torch.stack(grads[::-1]) for grads in zip(*saved))  # (T, B, ...) each
 
     @staticmethod
     def reverse_step(
-        rssm,
-        gru_step,
-        deter_weight,
-        stoch_weight,
-        deter_carry,
-        stoch_carry,
-        own_grad,
-        carried_factor,
-        probs,
-        post_silu_grad,
-        post_pre,
-        post_mean,
-        post_rstd,
-        img_silu_grad,
-        img_pre,
-        img_mean,
-        img_rstd,
-        deter_grad_prev,
-        keep,
-        *gru_inputs,
+        rssm, gru_step, deter_weight, stoch_weight, deter_carry, stoch_carry, step: ReverseStepInputs
     ) -> tuple:
-        """One step of `reverse_steps`, step t's tensors in (B, ...): d deter_t and d stoch_t carried from the
-        later steps in, those of step t - 1 out (masked where step t starts an episode), with the gradients of each
-        layer's output at step t. --compile compiles it once for every step (`FastObserve.reverse_step`)."""
+        """One step of `reverse_steps`, step t's tensors in (`ReverseStepInputs`, (B, ...) each): d deter_t and
+        d stoch_t carried from the later steps in, those of step t - 1 out (masked where step t starts an episode),
+        with the gradients of each layer's output at step t. --compile compiles it once for every step
+        (`FastObserve.reverse_step`)."""
         S, C = rssm.stoch_dim, rssm.classes
         post_norm, post_out = rssm.posterior_net.norm, rssm.posterior_net.out
+        own_grad, carried_factor, probs, post_silu_grad, post_pre, post_mean, post_rstd = step[:7]
+        img_silu_grad, img_pre, img_mean, img_rstd, deter_grad_prev, keep, gru_inputs = step[7:]
         # posterior head: probs * d probs -> d logits (softmax) -> d post_pre (silu, LayerNorm)
         probs_grad = torch.addcmul(own_grad, carried_factor, stoch_carry.unflatten(-1, (S, C)))  # (B, S, C)
         logits_grad = torch.addcmul(probs_grad, probs, probs_grad.sum(-1, keepdim=True), value=-1)
@@ -891,6 +903,33 @@ def check_observe_backward(rssm: RSSM, tolerance: float = 1e-8) -> None:
 tl = types.SimpleNamespace(constexpr="constexpr")
 
 
+def merged_layer_norm_stats(
+    stats_ptr, rows, row_ok, B, width, block, repeats: tl.constexpr, eps, BLOCK_P: tl.constexpr
+):
+    """A LayerNorm's mean and 1 / std for `rows` (BLOCK_B,), merged by Chan's formula from the mean and M2 that each
+    of the cdiv(width, block) programs of the kernel before wrote for its columns (stats (2, B, programs)); each of a
+    program's columns counts `repeats` times (the GRU's three parts). Called from the scan's kernels."""
+    dtype = stats_ptr.dtype.element_ty
+    producers = tl.cdiv(width, block)
+    parts = tl.arange(0, BLOCK_P)
+    part_ok = row_ok[:, None] & (parts < producers)[None, :]
+    counts = repeats * tl.where(parts < producers, tl.minimum(width - parts * block, block), 0).to(dtype)
+    means = tl.load(stats_ptr + rows[:, None] * producers + parts[None, :], mask=part_ok, other=0.0)
+    m2s = tl.load(stats_ptr + (B + rows[:, None]) * producers + parts[None, :], mask=part_ok, other=0.0)
+    mean = tl.sum(counts[None, :] * means, 1) / (repeats * width)
+    spread = tl.where(part_ok, means - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(m2s + counts[None, :] * spread * spread, 1) / (repeats * width) + eps)
+    return mean, rstd
+
+
+def row_layer_norm_stats(x, ok, W, eps):
+    """A LayerNorm's statistics over whole rows of x (BLOCK_R, BLOCK_W), the columns past W masked out by `ok`: x less
+    each row's mean (zero where masked) and each row's 1 / std. Called from the epilogues' kernels."""
+    mean = tl.sum(x, 1) / W
+    deviation = tl.where(ok, x - mean[:, None], 0.0)
+    return deviation, 1.0 / tl.sqrt(tl.sum(deviation * deviation, 1) / W + eps)
+
+
 def scan_img_in_kernel(
     stoch_ptr,
     first_ptr,
@@ -975,16 +1014,10 @@ def scan_gru_in_kernel(
     row_ok = rows < B
     unit_ok = units < D
     ok = row_ok[:, None] & unit_ok[None, :]
-    # img_in's LayerNorm statistics from kernel 1's (Chan's formula)
-    producers = tl.cdiv(H, IMG_BLOCK)
-    parts = tl.arange(0, BLOCK_P)
-    part_ok = row_ok[:, None] & (parts < producers)[None, :]
-    counts = tl.where(parts < producers, tl.minimum(H - parts * IMG_BLOCK, IMG_BLOCK), 0).to(dtype)
-    means = tl.load(img_stats_ptr + rows[:, None] * producers + parts[None, :], mask=part_ok, other=0.0)
-    m2s = tl.load(img_stats_ptr + (B + rows[:, None]) * producers + parts[None, :], mask=part_ok, other=0.0)
-    mean = tl.sum(counts[None, :] * means, 1) / H
-    spread = tl.where(part_ok, means - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(m2s + counts[None, :] * spread * spread, 1) / H + tl.load(constants_ptr))
+    # img_in's LayerNorm statistics from kernel 1's
+    mean, rstd = merged_layer_norm_stats(
+        img_stats_ptr, rows, row_ok, B, H, IMG_BLOCK, 1, tl.load(constants_ptr), BLOCK_P
+    )
     first = tl.load(first_ptr + rows * first_stride, mask=row_ok, other=0) != 0
     reset_acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=dtype)
     candidate_acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=dtype)
@@ -1070,17 +1103,10 @@ def scan_gru_out_kernel(
     row_ok = rows < B
     col_ok = cols < H
     ok = row_ok[:, None] & col_ok[None, :]
-    # the GRU's LayerNorm statistics over its 3D columns, from kernel 2's (Chan's formula)
-    producers = tl.cdiv(D, GRU_BLOCK)
-    parts = tl.arange(0, BLOCK_P)
-    part_ok = row_ok[:, None] & (parts < producers)[None, :]
-    counts = 3 * tl.where(parts < producers, tl.minimum(D - parts * GRU_BLOCK, GRU_BLOCK), 0).to(dtype)
-    means = tl.load(gru_stats_ptr + rows[:, None] * producers + parts[None, :], mask=part_ok, other=0.0)
-    m2s = tl.load(gru_stats_ptr + (B + rows[:, None]) * producers + parts[None, :], mask=part_ok, other=0.0)
-    mean = tl.sum(counts[None, :] * means, 1) / (3 * D)
-    spread = tl.where(part_ok, means - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(
-        tl.sum(m2s + counts[None, :] * spread * spread, 1) / (3 * D) + tl.load(constants_ptr)
+    # the GRU's LayerNorm statistics over its 3D columns (each program's D / programs units, 3 columns each), from
+    # kernel 2's
+    mean, rstd = merged_layer_norm_stats(
+        gru_stats_ptr, rows, row_ok, B, D, GRU_BLOCK, 3, tl.load(constants_ptr), BLOCK_P
     )
     first = tl.load(first_ptr + rows * first_stride, mask=row_ok, other=0) != 0
     acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_N], dtype=dtype)
@@ -1164,16 +1190,10 @@ def scan_posterior_kernel(
     row_ok = rows < B
     col_ok = (latents < LATENTS)[:, None] & (classes < C)[None, :]
     ok = row_ok[:, None, None] & col_ok[None, :, :]
-    # the posterior's LayerNorm statistics from kernel 3's (Chan's formula)
-    producers = tl.cdiv(H, POST_BLOCK)
-    parts = tl.arange(0, BLOCK_P)
-    part_ok = row_ok[:, None] & (parts < producers)[None, :]
-    counts = tl.where(parts < producers, tl.minimum(H - parts * POST_BLOCK, POST_BLOCK), 0).to(dtype)
-    means = tl.load(post_stats_ptr + rows[:, None] * producers + parts[None, :], mask=part_ok, other=0.0)
-    m2s = tl.load(post_stats_ptr + (B + rows[:, None]) * producers + parts[None, :], mask=part_ok, other=0.0)
-    mean = tl.sum(counts[None, :] * means, 1) / H
-    spread = tl.where(part_ok, means - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(m2s + counts[None, :] * spread * spread, 1) / H + tl.load(constants_ptr))
+    # the posterior's LayerNorm statistics from kernel 3's
+    mean, rstd = merged_layer_norm_stats(
+        post_stats_ptr, rows, row_ok, B, H, POST_BLOCK, 1, tl.load(constants_ptr), BLOCK_P
+    )
     flat_cols = tl.reshape(cols, [BLOCK_L * BLOCK_C])
     flat_ok = tl.reshape(col_ok, [BLOCK_L * BLOCK_C])
     acc = tl.zeros([BLOCK_B, BLOCK_K, BLOCK_L * BLOCK_C], dtype=dtype)
@@ -1513,6 +1533,7 @@ def scan_img_backward_kernel(
     )
 
 
+KERNEL_HELPERS = (merged_layer_norm_stats, row_layer_norm_stats)
 SCAN_KERNELS = (
     scan_img_in_kernel,
     scan_gru_in_kernel,
@@ -1544,6 +1565,8 @@ def scan_kernels() -> types.SimpleNamespace:
         import triton.language
 
         tl = triton.language  # what the kernels' source reads
+        for helper in KERNEL_HELPERS:  # what the kernels call, by name: jitted first, in their place
+            globals()[helper.__name__] = triton.jit(helper)
         kernels = {}
         for kernel in SCAN_KERNELS + EPILOGUE_KERNELS:
             # not specialised on the batch size and the strides that follow T: the check's calls and the run's
@@ -2123,75 +2146,33 @@ class FusedObserve(FastObserve):
         weights = [stoch_weight, deter_weight, *self.scan_parameters()]
         return weights, list(dataclasses.astuple(self.blocks)), self.constants[key]
 
-    def fused_step(
-        self,
-        deter,
-        stoch,
-        first,
-        initial_deter,
-        initial_stoch,
-        action_in,
-        embed_in,
-        noise,
-        stoch_weight,
-        deter_weight,
-    ):
+    def fused_step(self, deter, stoch, step: ObserveInputs):
         """`observe_step` (the same arguments and results, see there) in four kernel launches, without a graph."""
         if torch.is_grad_enabled() or torch.is_autocast_enabled(deter.device.type):
-            return self.observe_step(
-                deter,
-                stoch,
-                first,
-                initial_deter,
-                initial_stoch,
-                action_in,
-                embed_in,
-                noise,
-                stoch_weight,
-                deter_weight,
-            )
-        weights, blocks, constants = self.launch_settings(stoch_weight, deter_weight)
+            return self.observe_step(deter, stoch, step)
+        weights, blocks, constants = self.launch_settings(step.stoch_weight, step.deter_weight)
         scan = torch.ops.dreamer_scan
-        first = first.view(torch.uint8)  # (B, 1) as bytes (a view: no kernel)
-        img_pre, img_stats = scan.scan_img_in(stoch, first, initial_stoch, action_in, weights, blocks)
+        first = step.first.view(torch.uint8)  # (B, 1) as bytes (a view: no kernel)
+        img_pre, img_stats = scan.scan_img_in(
+            stoch, first, step.initial_stoch, step.action_in, weights, blocks
+        )
         pre, gru_stats = scan.scan_gru_in(
-            img_pre, img_stats, deter, first, initial_deter, weights, constants, blocks
+            img_pre, img_stats, deter, first, step.initial_deter, weights, constants, blocks
         )
         deter, post_pre, post_stats = scan.scan_gru_out(
-            pre, gru_stats, deter, first, initial_deter, embed_in, weights, constants, blocks
+            pre, gru_stats, deter, first, step.initial_deter, step.embed_in, weights, constants, blocks
         )
-        posterior, stoch = scan.scan_posterior(post_pre, post_stats, noise, weights, constants, blocks)
+        posterior, stoch = scan.scan_posterior(post_pre, post_stats, step.noise, weights, constants, blocks)
         return deter, stoch, posterior
 
     def fused_reverse_step(
-        self,
-        rssm,
-        gru_step,
-        deter_weight,
-        stoch_weight,
-        deter_carry,
-        stoch_carry,
-        own_grad,
-        carried_factor,
-        probs,
-        post_silu_grad,
-        post_pre,
-        post_mean,
-        post_rstd,
-        img_silu_grad,
-        img_pre,
-        img_mean,
-        img_rstd,
-        deter_grad_prev,
-        keep,
-        gate_grads,
-        pre_norm,
-        gru_mean,
-        gru_rstd,
-        state_grad,
+        self, rssm, gru_step, deter_weight, stoch_weight, deter_carry, stoch_carry, step: ReverseStepInputs
     ) -> tuple:
         """`ObserveBackwardThroughTime.reverse_step` (the same arguments and results, see there; the kernels hold the
         formula of `gru_step`, `LayerNormGRUBackward.step`) in four kernel launches."""
+        own_grad, carried_factor, probs, post_silu_grad, post_pre, post_mean, post_rstd = step[:7]
+        img_silu_grad, img_pre, img_mean, img_rstd, deter_grad_prev, keep = step[7:13]
+        gate_grads, pre_norm, gru_mean, gru_rstd, state_grad = step.gru  # `LayerNormGRUBackward.step_inputs`
         weights, blocks, _ = self.launch_settings(stoch_weight, deter_weight)
         scan = torch.ops.dreamer_scan
         logits_grad, post_norm_grad, post_sums = scan.scan_posterior_backward(
@@ -2701,9 +2682,7 @@ def norm_silu_kernel(
         index = tl.load(index_ptr + rows, mask=row_ok, other=0)
         at = table_ptr + index[:, None] * table_strides_0 + cols[None, :] * table_strides_1
         x += tl.load(at, mask=ok, other=0.0).to(dtype)
-    mean = tl.sum(x, 1) / W
-    deviation = tl.where(ok, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(deviation * deviation, 1) / W + eps)
+    deviation, rstd = row_layer_norm_stats(x, ok, W, eps)
     weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(dtype)
     bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(dtype)
     y = deviation * rstd[:, None] * weight[None, :] + bias[None, :]
@@ -2821,9 +2800,7 @@ def norm_silu_backward_kernel(
     col_ok = cols < W
     ok = row_ok[:, None] & col_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=ok, other=0.0).to(dtype)
-    mean = tl.sum(x, 1) / W
-    deviation = tl.where(ok, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(deviation * deviation, 1) / W + eps)
+    deviation, rstd = row_layer_norm_stats(x, ok, W, eps)
     normed = deviation * rstd[:, None]
     weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(dtype)
     bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(dtype)
@@ -3417,7 +3394,7 @@ def check_fused_heads(agent: Agent, tolerance: float = 1e-9) -> None:
 # --- Every check, on the weights the run is using ---------------------------------------------------------------------
 
 
-def check_fast_paths(agent: Agent, args: Args) -> None:
+def check_fast_paths(agent: Agent, args: Args, kernels: bool = True) -> None:
     """Each fast path in use against the Part 1 function it replaces, on the weights the run is using: the fast
     observe against `RSSM.observe` and its hand-written backward against autograd (float64 copies, also with the GRU
     saturated), with --fused-scan its kernels against both on the device (`check_fused_scan`), the fast imagination
@@ -3427,20 +3404,20 @@ def check_fast_paths(agent: Agent, args: Args) -> None:
     with --compile). Run at start-up, after --resume on the loaded weights, and at each periodic and final
     checkpoint on the live ones; FastPathMismatch names the path and the flag that switches it off. About a second
     on a CPU for the default model, in float64 whatever the device (the compiled draw's first check compiles it:
-    seconds more)."""
+    seconds more). Without `kernels`, the Triton paths' checks are left to `check_kernels_run` (at start-up)."""
     if isinstance(agent.observe, FastObserve):
         check_observe_forward(agent.world_model.rssm)
         if agent.observe.hand_written_backward:
             check_observe_backward(agent.world_model.rssm)
-    if isinstance(agent.observe, FusedObserve):
+    if kernels and isinstance(agent.observe, FusedObserve):
         check_fused_scan(agent.world_model.rssm, agent.device)
     if isinstance(agent.imagine, FastImagine):
         check_fast_imagine(agent)
-        if agent.imagine.fused:
+        if kernels and agent.imagine.fused:
             check_fused_epilogues(agent)
     if isinstance(agent.behavior_losses, FastHeads):
         check_fast_heads(agent, args)
-        if agent.behavior_losses.fused:
+        if kernels and agent.behavior_losses.fused:
             check_fused_heads(agent)
     for layer in agent.world_model.decoder.modules():
         if isinstance(layer, SubpixelTransposedConv):
@@ -3543,6 +3520,9 @@ def triton_problem(device: torch.device) -> str | None:
     interpreter on the CPU, as the tests run it)."""
     if device.type == "cuda" and torch.version.hip is not None:
         return "this is ROCm's torch, and the kernels are written for NVIDIA's CUDA"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (7, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"Triton compiles for compute capability 7.0 or newer, and this card is {major}.{minor}"
     try:
         import triton  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any failure to import is the same case
@@ -3567,16 +3547,26 @@ def install(agent, args) -> list[str]:
             )
             hand_written = False
         agent.observe = FastObserve(wm.rssm, hand_written_backward=hand_written)
-        if wanted(args, "fused_scan", device) and device.type in FUSED_SCAN_DEVICES:
+        if wanted(args, "fused_scan", device) and device.type not in FUSED_SCAN_DEVICES:
+            said.append(f"speed: --fused-scan runs on CUDA, not on {device.type}; the fast observe runs")
+        elif wanted(args, "fused_scan", device):
             agent.observe, line = fused_observe(wm.rssm, args, agent.observe)
             said += [line] if line else []
     if args.fast_imagine:
-        gathers = wanted(args, "imagine_gathers", device)
+        # the fused epilogues run on the gathers: asking for them asks for the gathers, unless those are off
+        epilogues = wanted(args, "fused_epilogues", device)
+        gathers = wanted(args, "imagine_gathers", device) or (epilogues and args.imagine_gathers == "auto")
         problem = gather_imagine_problem(agent) if gathers else None
         if problem:
             said.append(f"speed: imagination's products with one-hot latents stay products ({problem})")
-        fused = gathers and not problem and wanted(args, "fused_epilogues", device)
-        fused = fused and device.type in FUSED_SCAN_DEVICES
+        if epilogues and not gathers:
+            said.append("speed: --fused-epilogues runs on the gathers, and --imagine-gathers is off")
+        fused = gathers and not problem and epilogues
+        if fused and device.type not in FUSED_SCAN_DEVICES:
+            said.append(
+                f"speed: --fused-epilogues runs on CUDA, not on {device.type}; gather_imagine_step runs"
+            )
+            fused = False
         if fused and (why := fused_epilogues_problem(args, device)):
             said.append(
                 f"speed: --fused-epilogues does not apply ({why}); gather_imagine_step runs as written"
@@ -3591,9 +3581,8 @@ def install(agent, args) -> list[str]:
         agent.behavior_losses = FastHeads(agent.imagine)
     if args.fast_decoder and device.type == "cpu" and (last := last_transposed_conv(wm.decoder)):
         setattr(wm.decoder.net, last, SubpixelTransposedConv.sharing(getattr(wm.decoder.net, last)))
-    said += check_kernels_run(agent, args)
-    check_fast_paths(agent, args)
-    return said
+    check_fast_paths(agent, args, kernels=False)
+    return said + check_kernels_run(agent, args)
 
 
 def uninstall(agent) -> None:
@@ -3607,20 +3596,29 @@ def uninstall(agent) -> None:
 
 
 def check_kernels_run(agent, args) -> list[str]:
-    """Each Triton path installed on `agent`, run once in float32 at the run's own shapes against the path beneath
-    it: one that cannot compile or launch here, or disagrees (KernelUnavailable), is left out with one line naming
-    it, why, and its flag. Its float64 check (`check_fast_paths`) runs after."""
+    """At start-up, each Triton path installed on `agent`: its float64 check against the readable code (a
+    disagreement raises FastPathMismatch: the run stops before training), then its float32 kernels, the run's own, at
+    the run's own shapes against the path beneath it. One that cannot compile or launch here, or whose float32
+    results disagree (KernelUnavailable), is left out with one line naming it, why, and its flag."""
     said = []
     if isinstance(agent.observe, FusedObserve):
         try:
+            check_fused_scan(agent.world_model.rssm, agent.device)
             check_fused_scan_float32(agent.world_model.rssm, agent.device, args.batch_size)
+        except FastPathMismatch:
+            raise
         except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here steps aside
             agent.observe = FastObserve(agent.world_model.rssm, hand_written_backward=True)
             said.append(step_aside("the fused observe scan", "--fused-scan off", "the fast observe", exc))
     fused_imagine = isinstance(agent.imagine, FastImagine) and agent.imagine.fused
     if fused_imagine:
         try:
+            check_fused_epilogues(agent)
+            if isinstance(agent.behavior_losses, FastHeads) and agent.behavior_losses.fused:
+                check_fused_heads(agent)
             check_fused_epilogues_float32(agent, args.batch_size * args.sequence_length)
+        except FastPathMismatch:
+            raise
         except Exception as exc:  # noqa: BLE001 - as above
             agent.imagine = FastImagine(gathers=True, fused=False)
             if isinstance(agent.behavior_losses, FastHeads):

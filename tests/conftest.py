@@ -54,12 +54,23 @@ def _triton_interprets_without_cuda() -> None:
 _triton_interprets_without_cuda()
 
 
-@pytest.fixture(autouse=True)
-def _kernels_bound_to_the_script():
-    """dreamer_kernels.py computes and checks against the Part 1 that a script hands it (`bind`); a test that imported
-    a changed copy of the script left the copy's there, so each test starts with dreamer_atari.py's own."""
+def _bind_the_script() -> None:
     if "dreamer_atari" in sys.modules:
-        sys.modules["dreamer_atari"].kernels()
+        sys.modules["dreamer_atari"].kernels_module()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_bound_to_the_script_for_the_module():
+    """dreamer_kernels.py computes and checks against the Part 1 that a script hands it (`bind`); a test that imported
+    a changed copy of the script left the copy's there, so each test module, and each test, starts with
+    dreamer_atari.py's own (a module's own fixtures may build with it first)."""
+    _bind_the_script()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _kernels_bound_to_the_script(_kernels_bound_to_the_script_for_the_module):
+    _bind_the_script()
     yield
 
 

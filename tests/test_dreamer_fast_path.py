@@ -364,10 +364,13 @@ def test_compiled_steps_are_whole_graphs_and_do_not_recompile(monkeypatch):
         def compiled(*inputs: str) -> int:
             return sum(all(f"L_{name}_ :" in signature for name in inputs) for signature in signatures)
 
+        def compiled_step(*fields: str) -> int:  # a step's `ObserveInputs`, a named tuple: L_step_<field>
+            return sum(all(f"L_step_{name} :" in signature for name in fields) for signature in signatures)
+
         # each function that --compile compiles ran as a graph of its own (the modules the losses call are inlined
         # into the losses' graphs)
         assert (
-            compiled("first", "initial_deter", "action_in", "embed_in", "noise") >= 1
+            compiled_step("first", "initial_deter", "action_in", "embed_in", "noise") >= 1
         )  # FastObserve.observe_step
         assert compiled("action_uniform", "latent_noise") >= 1  # imagine_step
         assert compiled("data_image", "posterior", "prior") == 1  # world_model_losses
@@ -657,6 +660,7 @@ def test_a_change_to_the_losses_not_carried_into_the_shared_heads_is_caught(monk
             )  # a researcher's new pull toward the slow critic
 
         monkeypatch.setattr(da, "imagined_targets", changed_targets)
+        da.kernels_module()  # Part 1 as patched, handed to the kernels module again
     else:
         real_tables = dk.head_tables
 
@@ -757,6 +761,7 @@ def test_a_changed_draw_is_caught(monkeypatch):
         torch._dynamo.reset()
         # Part 1's draw changed (every class one later), and the compiled form follows it: the products do not
         monkeypatch.setattr(da, "one_hot_draw", lambda probs, uniform: real_draw(probs, uniform).roll(1, -1))
+        da.kernels_module()  # Part 1 as patched, handed to the kernels module again
         monkeypatch.setattr(dk, "_COMPILED_DRAW", [torch.compile(dk.fast_one_hot_draw, backend="aot_eager")])
         with pytest.raises(da.FastPathMismatch, match="deter"):  # the observe's check sees it first
             dk.check_fast_paths(agent, args)

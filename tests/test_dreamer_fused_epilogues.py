@@ -264,7 +264,7 @@ def test_the_check_catches_a_formula_the_kernels_do_not_compute(monkeypatch):
             dk.check_fused_epilogues(agent)
         assert "gru_gates_kernel" in str(e.value) and "--fused-epilogues off" in str(e.value)
     monkeypatch.setattr(
-        da, "mixed_draw", lambda probs, unimix, uniform: real_draw(probs, unimix, 1 - uniform)
+        dk, "mixed_draw", lambda probs, unimix, uniform: real_draw(probs, unimix, 1 - uniform)
     )
     with pytest.raises(da.FastPathMismatch, match="other (actions|features)"):
         dk.check_fused_epilogues(agent)
@@ -278,14 +278,18 @@ def imagine_of(capsys, **overrides):
 
 @interpreted
 def test_the_run_installs_the_fused_epilogues_where_triton_runs_them(capsys, monkeypatch):
-    """On the CPU the gathers run unfused without a word (Triton has only its interpreter there); where the kernels
-    run (CUDA, here the CPU interpreted) the default model gets them, checked; --fused-epilogues off and
-    --no-fast-imagine leave them out, and Gaussian latents (no gathers) too."""
+    """On the CPU (Triton has only its interpreter there) the gathers run unfused: said in one line with
+    --fused-epilogues on, without a word with `auto`; where the kernels run (CUDA, here the CPU interpreted)
+    --fused-epilogues on installs them, checked, and `auto` leaves them out until a GPU result shows them;
+    --fused-epilogues off and --no-fast-imagine leave them out, and Gaussian latents (no gathers) too."""
     imagine, said = imagine_of(capsys)
+    assert imagine.gathers and not imagine.fused and "--fused-epilogues runs on CUDA" in said, said
+    imagine, said = imagine_of(capsys, fused_epilogues="auto")
     assert imagine.gathers and not imagine.fused and "--fused-epilogues" not in said
     monkeypatch.setattr(dk, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
     imagine, said = imagine_of(capsys)
     assert imagine.fused and imagine.step is dk.fused_imagine_step and "--fused-epilogues" not in said
+    assert not imagine_of(capsys, fused_epilogues="auto")[0].fused
     assert sped_up(capsys)[0].behavior_losses.fused  # the heads' epilogues with them
     assert not sped_up(capsys, fused_epilogues="off")[0].behavior_losses.fused
     assert not imagine_of(capsys, fused_epilogues="off")[0].fused

@@ -222,6 +222,7 @@ def test_the_check_catches_a_draw_or_a_backward_the_kernels_do_not_compute(monke
     real_draw, real_reverse_step = da.one_hot_draw, dk.FusedObserve.fused_reverse_step
     with monkeypatch.context() as patch:
         patch.setattr(da, "one_hot_draw", lambda probs, uniform: real_draw(probs, 1 - uniform))
+        da.kernels_module()  # Part 1 as patched, handed to the kernels module again
         with pytest.raises(
             da.FastPathMismatch, match=r"FusedObserve.fused_step launches\) gives another"
         ) as e:
@@ -240,10 +241,14 @@ def test_the_check_catches_a_draw_or_a_backward_the_kernels_do_not_compute(monke
     assert "--fused-scan off" in str(e.value)
 
 
+# the Triton paths asked for (on CUDA `auto` leaves them off until a GPU result shows them)
+TRITON_PATHS = dict(fused_scan="on", fused_epilogues="on")
+
+
 def short_run(**overrides) -> da.Args:
     schedule = dict(total_timesteps=50, learning_starts=10, train_ratio=18.0, num_envs=1)
     return dreamer_tiny.tiny_args(
-        **{"batch_size": 3, "sequence_length": 6, "free_nats": 0.0, **schedule, **overrides}
+        **{"batch_size": 3, "sequence_length": 6, "free_nats": 0.0, **TRITON_PATHS, **schedule, **overrides}
     )
 
 
@@ -273,7 +278,7 @@ def test_a_fused_scan_that_differs_stops_the_run_before_training(
 def sped_up(capsys, **overrides) -> tuple[da.Agent, str]:
     """A tiny agent for `overrides` with the fast paths `speed_up_agent` installs (after its start-up checks), and
     what it printed."""
-    args = dreamer_tiny.tiny_args(**overrides)
+    args = dreamer_tiny.tiny_args(**{**TRITON_PATHS, **overrides})
     torch.manual_seed(0)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
     capsys.readouterr()
@@ -307,14 +312,19 @@ def test_where_the_fused_scan_does_not_apply_the_fast_observe_runs_and_one_line_
 
 @interpreted
 def test_the_run_installs_the_fused_scan_where_triton_runs_it_and_checks_it(capsys, monkeypatch):
-    """A run on the CPU keeps the fast observe without a word (Triton has only its interpreter there); where the
-    fused scan runs (CUDA, here the CPU interpreted) the default model gets it and its start-up check passes, and
+    """On the CPU (Triton has only its interpreter there) --fused-scan on keeps the fast observe, said in one line,
+    and `auto` keeps it without a word; where the fused scan runs (CUDA, here the CPU interpreted) --fused-scan on
+    installs it and its start-up check passes, `auto` leaves it out until a GPU result shows it (`SHOWN_ON`), and
     --fused-scan off keeps the fast observe."""
     observe, said = observe_of(capsys)
+    assert type(observe) is dk.FastObserve and "--fused-scan runs on CUDA" in said, said
+    observe, said = observe_of(capsys, fused_scan="auto")
     assert type(observe) is dk.FastObserve and "--fused-scan" not in said
     monkeypatch.setattr(dk, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
     observe, said = observe_of(capsys)
     assert type(observe) is dk.FusedObserve and "--fused-scan" not in said
+    observe, said = observe_of(capsys, fused_scan="auto")
+    assert type(observe) is dk.FastObserve and "--fused-scan" not in said
     observe, said = observe_of(capsys, fused_scan="off")
     assert type(observe) is dk.FastObserve and "--fused-scan" not in said
 

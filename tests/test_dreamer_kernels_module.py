@@ -218,3 +218,70 @@ def test_a_check_that_disagrees_at_a_checkpoint_drops_its_path_and_a_resume_keep
         == 1
     )
     assert imagined and not [line for line in said.splitlines() if line.startswith("warning:")], said
+
+
+def test_the_docs_table_of_fast_paths_is_the_modules_and_cites_real_gpu_results():
+    """docs/dreamer_kernels.md's table is `fast_paths_table()`'s, never typed: each GPU result it cites is a
+    committed results file of the card it names, and every path `auto` turns on on CUDA rests on one."""
+    page = (ROOT / "docs" / "dreamer_kernels.md").read_text()
+    start, end = (
+        "<!-- fast paths: made by dreamer_kernels.fast_paths_table() -->",
+        "<!-- end of fast paths -->",
+    )
+    assert page[page.index(start) + len(start) : page.index(end)].strip() == dk.fast_paths_table()
+    import json
+
+    for path in dk.FAST_PATHS:
+        for card, commit, results in path.shown:
+            data = json.loads((ROOT / results).read_text())
+            assert data["gpu_name"] in card and len(commit) >= 7, (path.flag, results)
+    for name, capabilities in dk.SHOWN_ON.items():
+        path = next(path for path in dk.FAST_PATHS if path.flag == "--" + name.replace("_", "-"))
+        assert not capabilities or path.shown, f"{path.flag} is on by default on CUDA without a GPU result"
+
+
+@pytest.mark.slow
+def test_frames_on_the_device_that_disagree_at_a_checkpoint_give_way_to_part_1s_sampling(
+    tmp_path, monkeypatch, capsys
+):
+    """The frames on the device (`--replay-frames device`, here the CPU's memory) agree at start-up; at the first
+    periodic checkpoint their check disagrees (a stand-in). The run goes on: one warning line names --replay-frames
+    host, the frames stay where they are and Part 1's `sample_batch` and `EpisodeReplay.fill` make every later batch
+    from them."""
+    monkeypatch.chdir(tmp_path)
+    checks, fills = [], []
+    real_check, real_fill = da.check_device_frames, da.EpisodeReplay.fill
+
+    def check_device_frames(run):
+        checks.append(run.step)
+        if len(checks) > 1:
+            raise da.FastPathMismatch(
+                "sampling with the frames on the device gives another obs (a stand-in): run with --replay-frames host.",
+                off={"replay_frames": "host"},
+            )
+        return real_check(run)
+
+    def fill(self, windows, sequence_length):
+        fills.append(type(self).__name__)
+        return real_fill(self, windows, sequence_length)
+
+    monkeypatch.setattr(da, "check_device_frames", check_device_frames)
+    monkeypatch.setattr(da.EpisodeReplay, "fill", fill)
+    schedule = dict(total_timesteps=50, learning_starts=20, train_ratio=16.0, log_interval=10, video_every=0)
+    args = da.Args(
+        **TINY,
+        env_id="Catch-v0",
+        num_envs=1,
+        vector_mode="sync",
+        replay_frames="device",
+        checkpoint_every=30,
+        **schedule,
+    )
+    counters = da.main(args)
+    said = capsys.readouterr().out
+    assert counters["global_step"] == 50 and counters["dropped_fast_paths"] == {"replay_frames": "host"}
+    warnings = [
+        line for line in said.splitlines() if line.startswith("warning:") and "--replay-frames host" in line
+    ]
+    assert len(warnings) == 1 and "Dropped at step 30" in warnings[0], said
+    assert fills.count("FrameStoreReplay") >= 20 - 1, fills  # every batch after the drop, by Part 1's fill

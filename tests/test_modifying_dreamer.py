@@ -216,3 +216,88 @@ def test_recent_windows_are_drawn_more_often_on_both_samplers(tmp_path, monkeypa
     assert 0.5 < newest < 0.6  # half the windows, and the uniform draws that land there: 0.55
     args = tiny_catch(module)
     assert trained(module, args)[0]["updates"] > 0
+
+
+# CUDA's fast paths, installed here on the CPU with their kernels in Triton's interpreter
+CUDA_PATHS = dict(fused_scan="on", fused_epilogues="on", imagine_gathers="on", fast_heads="on")
+# what each walked change meets on each of them: the path trains the change ("trains"), or steps aside with one line
+# for the readable code ("steps aside"), or the run stops at start-up with exit 7 naming its flag ("stops")
+ON_CUDAS_PATHS = {
+    "kl_schedule": dict(
+        fused_scan="trains", gathers="trains", fused_epilogues="trains", shared_heads="trains"
+    ),
+    "resnet": dict(fused_scan="trains", gathers="trains", fused_epilogues="trains", shared_heads="trains"),
+    "next_reward": dict(
+        fused_scan="trains", gathers="trains", fused_epilogues="trains", shared_heads="trains"
+    ),
+    # the scan's kernels compute the LayerNorm GRU: the new cell takes the fast observe's autograd backward; the
+    # gathers and the fused epilogues run the cell as it is written
+    "mingru": dict(
+        fused_scan="steps aside", gathers="trains", fused_epilogues="trains", shared_heads="trains"
+    ),
+    "recent_windows": dict(
+        fused_scan="trains", gathers="trains", fused_epilogues="trains", shared_heads="trains"
+    ),
+}
+CHANGE_FLAGS = {
+    "kl_schedule": dict(kl_warmup_steps=4),
+    "resnet": dict(model="resnet"),
+    "mingru": dict(model="mingru"),
+}
+
+
+def what_each_path_did(module, agent, said: str) -> dict[str, str]:
+    """Which of CUDA's paths the run installed on `agent` (and trained with), and which stepped aside in one line."""
+    import dreamer_kernels as dk
+
+    def outcome(installed: bool, flag: str) -> str:
+        lines = [
+            line for line in said.splitlines() if flag in line or (not installed and "does not apply" in line)
+        ]
+        return "trains" if installed else ("steps aside" if lines else "silently off")
+
+    imagine, heads = agent.imagine, agent.behavior_losses
+    return {
+        "fused_scan": outcome(isinstance(agent.observe, dk.FusedObserve), "--fused-scan"),
+        "gathers": outcome(isinstance(imagine, dk.FastImagine) and imagine.gathers, "one-hot latents"),
+        "fused_epilogues": outcome(
+            isinstance(imagine, dk.FastImagine) and imagine.fused, "--fused-epilogues"
+        ),
+        "shared_heads": outcome(isinstance(heads, dk.FastHeads) and heads.fused, "first layers"),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CHANGES))
+def test_each_change_holds_on_cudas_paths_with_their_kernels_interpreted(name, tmp_path, monkeypatch, capsys):
+    """Each walked change, made as the page says, trained with CUDA's paths installed (the fused scan, the gathers,
+    the fused epilogues and the shared heads, their Triton kernels interpreted on the CPU): each path trains the
+    change, or steps aside with one line, as ON_CUDAS_PATHS states; none trains the old formula without a word (the
+    checks at start-up would stop the run with exit 7 first), and the change's own result shows after training."""
+    import dreamer_kernels as dk
+
+    if dk.triton_problem(torch.device("cpu")) or not dk.triton_interprets():
+        pytest.skip("the kernels run in Triton's interpreter on the CPU")
+    module = changed_script(name, tmp_path, monkeypatch)
+    monkeypatch.setattr(dk, "FUSED_SCAN_DEVICES", {"cuda", "cpu"})
+    agents = []
+    real_speed_up = module.speed_up_agent
+
+    def speed_up(agent, args):
+        real_speed_up(agent, args)
+        agents.append(agent)
+
+    monkeypatch.setattr(module, "speed_up_agent", speed_up)
+    schedule = dict(total_timesteps=22, learning_starts=20, log_interval=2, save_model=False)
+    args = tiny_catch(module, **CUDA_PATHS, **schedule, **CHANGE_FLAGS.get(name, {}))
+    counters = module.main(args)  # exit 7 would raise SystemExit here
+    said = capsys.readouterr().out
+    assert counters["updates"] > 0 and counters["behavior_updates"] > 0
+    assert what_each_path_did(module, agents[-1], said) == ON_CUDAS_PATHS[name], said
+    events = EventAccumulator(str(tmp_path / counters["run_dir"])).Reload()
+    if name == "next_reward":
+        assert [event.value for event in events.Scalars("losses/next_reward")]
+    if name == "mingru":
+        assert type(agents[-1].world_model.rssm.gru).__name__ == "MinGRUCell"
+    if name == "resnet":
+        assert any("ResidualBlock" in type(m).__name__ for m in agents[-1].world_model.encoder.modules())
