@@ -1767,6 +1767,14 @@ def check_sc2_installed() -> None:
 EXIT_OOM = 3
 
 
+# the last line of an OOM diagnosis: this script's own flags that lower the peak (tests/test_oom_advice.py checks
+# that each one exists); on CUDA --amp auto is already fp16
+OOM_ADVICE = (
+    "Flags that lower the peak: --amp fp16 or bf16 (if it was off), a smaller --batch-size, and "
+    "PYTORCH_ALLOC_CONF=expandable_segments:True (set by default)."
+)
+
+
 # a file the run cannot go on without (config, final or interrupted checkpoint, results) could not be written
 EXIT_WRITE_FAILED = 6
 
@@ -2146,7 +2154,7 @@ def start_cuda(args: Args, device, run_dir: str, logger) -> None:
     except RuntimeError as exc:  # the driver's "CUDA error: out of memory" is not torch's OutOfMemoryError
         if "out of memory" not in str(exc).lower():
             raise
-        oom = mu.out_of_memory(exc, __file__, run_dir, device=device)
+        oom = mu.out_of_memory(exc, __file__, run_dir, advice=OOM_ADVICE, device=device)
         logger.info(
             f"out of memory at start-up ({oom.where}): the GPU has no room for this process's CUDA context (about "
             f"{mu.CUDA_CONTEXT_GIB:g} GiB), so nothing was built or trained; --wait-for-gpu-mb MB waits for room."
@@ -2230,6 +2238,7 @@ def preallocate_or_fall_back(run: "Run", sources: dict) -> float:
                 exc,
                 __file__,
                 None if fallback_left else run.run_dir,  # the report, once no fallback is left
+                advice=OOM_ADVICE,
                 release=lambda: drop_optimizer_state(agent.optimizer),
                 device=run.device,
             )
@@ -2333,6 +2342,7 @@ def out_of_memory_ends_the_run(run: Run, global_step: int):
             exc,
             __file__,
             run.run_dir,
+            advice=OOM_ADVICE,
             last_report=run.last_report,
             verdict=run.last_verdict,
             device=run.device,

@@ -1924,23 +1924,18 @@ _ALLOWED_RE = re.compile(r"([\d.]+) (B|KiB|MiB|GiB|TiB) allowed;")  # present wh
 _UNITS = {"B": 1 / MB, "KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0, "TiB": 1024.0 * 1024.0}
 
 
-DEFAULT_OOM_ADVICE = (
-    "Flags that lower the peak: --amp bf16 (or fp16 on CUDA), a smaller --batch-size, and the "
-    "allocator defaults of configure_allocator() (expandable_segments:True)."
-)
-
-
 def diagnose_oom(
     message: str,
     allocated_mb: float | None,
     reserved_mb: float | None,
     free_mb: float | None,
     total_mb: float | None,
-    advice: str = DEFAULT_OOM_ADVICE,
+    advice: str,
 ) -> str:
     """A short explanation of a CUDA OOM from its message and the allocator's figures (all MB).
 
-    `advice` is the calling script's own sentence about which of its flags lower the peak.
+    `advice` is the calling script's own sentence naming its flags that lower the peak (its `OOM_ADVICE`): the
+    scripts' flags differ, so no default here could name the right ones (tests/test_oom_advice.py checks each).
     """
     lines = ["CUDA out of memory."]
     match = _REQUEST_RE.search(message or "")
@@ -1989,7 +1984,8 @@ def write_oom_report(
     last_report: dict | None,
     verdict=None,
     device=None,
-    advice: str = DEFAULT_OOM_ADVICE,
+    *,
+    advice: str,
 ) -> str:
     """Write {run_dir}/oom/ (snapshot, memory_summary.txt, report.json) and return a short diagnosis.
 
@@ -2123,17 +2119,18 @@ def out_of_memory(
     script: str,
     run_dir: str | None = None,
     *,
+    advice: str,
     release: Callable[[], None] | None = None,
     last_report: dict | None = None,
     verdict=None,
     device=None,
-    advice: str = DEFAULT_OOM_ADVICE,
 ) -> OutOfMemory:
     """The out-of-memory sequence of a training script, in one call from its `except torch.OutOfMemoryError`:
     1. where it happened: the innermost frame of `script` (pass `__file__`) on the traceback;
     2. the failed step's tensors dropped: its frames cleared and the traceback detached from the error;
     3. `release()` (optimizer state made by the failed step, say), then garbage collected;
-    4. the report written to `{run_dir}/oom/` (`write_oom_report`), unless `run_dir` is None;
+    4. the report written to `{run_dir}/oom/` (`write_oom_report`, ending with `advice`, the script's own
+       sentence on which of its flags lower the peak), unless `run_dir` is None;
     5. the CUDA cache emptied, after the report so that it still shows any fragmentation.
     Never raises (the report's own failures are warnings)."""
     import traceback

@@ -224,7 +224,9 @@ def test_out_of_memory_writes_a_report_and_a_checkpoint_and_no_row(tmp_path, mon
     run = tmp_path / "results" / "oom"
     assert torch.load(run / "checkpoint.pt", weights_only=False)["interrupted"] is True
     assert (run / "oom").is_dir() and any((run / "oom").iterdir())
-    assert "out of memory at step 12" in (run / "train.log").read_text()
+    log = (run / "train.log").read_text()
+    assert "out of memory at step 12" in log
+    assert dqn.OOM_ADVICE in log and "--precision" not in log  # this script's own flags, not Dreamer's
     assert not (tmp_path / "results" / "results.csv").exists()
 
 

@@ -324,6 +324,7 @@ def test_out_of_memory_frees_the_step_writes_a_report_and_a_checkpoint(in_tmp, m
     assert step > 100  # the first update comes after learning starts
     err = capsys.readouterr().err
     assert f"out of memory at step {step}" in err and "--sequence-length" in err  # this script's own flags
+    assert da.OOM_ADVICE in err and "--amp" not in err  # not the DQN's
 
 
 def test_a_run_of_non_finite_updates_stops_with_the_last_finite_weights(in_tmp, monkeypatch, capsys):

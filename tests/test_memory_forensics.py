@@ -311,16 +311,19 @@ def test_oom_observer_is_not_attached_without_cuda(tmp_path):
     assert mu.install_oom_observer(str(tmp_path)) is False
 
 
+ADVICE = "Flags that lower the peak: a smaller --batch-size."  # each script passes its own OOM_ADVICE
+
+
 def test_oom_report_is_written_up_to_the_cuda_calls(tmp_path):
     exc = torch.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity ..."
     )
     verdict = mu.LeakVerdict(True, "graph_retention", "memory leak suspected: graphs", {})
-    diagnosis = mu.write_oom_report(str(tmp_path), exc, {mu.KEY_RSS_MB: 1234.0}, verdict)
+    diagnosis = mu.write_oom_report(str(tmp_path), exc, {mu.KEY_RSS_MB: 1234.0}, verdict, advice=ADVICE)
     report = json.loads((tmp_path / "oom" / "report.json").read_text())
     assert report["last_memory_report"] == {mu.KEY_RSS_MB: 1234.0}
     assert report["leak_verdict"]["cause"] == "graph_retention"
-    assert "20 MiB" in diagnosis and "--batch-size" in diagnosis
+    assert "20 MiB" in diagnosis and diagnosis.endswith(ADVICE) and report["diagnosis"] == diagnosis
     assert (tmp_path / "oom" / "memory_summary.txt").exists()
 
 
@@ -332,11 +335,17 @@ def test_oom_diagnosis_explains_wsl_spill_and_contention():
         reserved_mb=12.5 * 1024,
         free_mb=0.0,
         total_mb=6 * 1024,
+        advice=ADVICE,
     )
     assert "2048 MiB" in wsl and "spilling into shared host memory" in wsl and "WSL2" in wsl
     # the A30 case: another process holds most of the card
     contended = mu.diagnose_oom(
-        "Tried to allocate 512.00 MiB", allocated_mb=900, reserved_mb=1000, free_mb=300, total_mb=24 * 1024
+        "Tried to allocate 512.00 MiB",
+        allocated_mb=900,
+        reserved_mb=1000,
+        free_mb=300,
+        total_mb=24 * 1024,
+        advice=ADVICE,
     )
     assert "Another process holds a large share" in contended and "spilling" not in contended
     assert "cap" not in wsl and "cap" not in contended
@@ -351,7 +360,12 @@ def test_oom_diagnosis_names_a_per_process_cap():
         "reserved by PyTorch but unallocated."
     )
     capped = mu.diagnose_oom(
-        message, allocated_mb=1126, reserved_mb=1146, free_mb=77.9 * 1024, total_mb=79.19 * 1024
+        message,
+        allocated_mb=1126,
+        reserved_mb=1146,
+        free_mb=77.9 * 1024,
+        total_mb=79.19 * 1024,
+        advice=ADVICE,
     )
     assert "100 MiB" in capped and "at most 1229 MiB" in capped and "per-process cap" in capped
     assert "Another process" not in capped and "spilling" not in capped

@@ -77,12 +77,19 @@ def test_out_of_memory_names_the_line_frees_the_step_then_reports(tmp_path, monk
         failing_step(alive)
     except torch.OutOfMemoryError as exc:
         held_elsewhere = exc.__traceback__  # as a logger or a debugger may hold it: the frames must still go
-        oom = mu.out_of_memory(exc, __file__, str(tmp_path), release=lambda: order.append(("release", None)))
+        oom = mu.out_of_memory(
+            exc,
+            __file__,
+            str(tmp_path),
+            advice="Lower --batch-size.",
+            release=lambda: order.append(("release", None)),
+        )
         del held_elsewhere
     assert oom.where.startswith("in failing_step, line ")
     assert order == [("release", None), ("report", True)], "the step's tensors were alive at the report"
     assert oom.error.__traceback__ is None and "Tried to allocate" in str(oom.error)
     assert (tmp_path / "oom" / "report.json").exists() and "asked for 20 MiB more" in oom.diagnosis
+    assert oom.diagnosis.endswith("Lower --batch-size.")  # the calling script's own advice
 
 
 def test_out_of_memory_without_a_folder_writes_no_report(tmp_path, monkeypatch):
@@ -90,7 +97,7 @@ def test_out_of_memory_without_a_folder_writes_no_report(tmp_path, monkeypatch):
     try:
         failing_step({})
     except torch.OutOfMemoryError as exc:
-        oom = mu.out_of_memory(exc, "another_script.py")
+        oom = mu.out_of_memory(exc, "another_script.py", advice="Lower --batch-size.")
     assert oom.where == "outside this script" and oom.diagnosis is None
     assert list(tmp_path.iterdir()) == []
 
