@@ -282,9 +282,9 @@ def write_code_version(root: Path = ROOT) -> dict:
 
 def read_results(path: str | Path) -> dict:
     """A results JSON file of any age, in today's meaning of its keys: `pong_final_return` is the evaluation's mean
-    return everywhere. dev/gpu/gpu_report.py files written before that (the 2026-11-22 H100 session's) hold the
-    mean of the last 10 training episodes under `pong.pong_final_return`: read as `pong.pong_train_return_last_10`,
-    with `pong.pong_final_return` None (nothing was evaluated)."""
+    return everywhere. GPU results files written before that (the 2026-11-22 H100 session's) hold the mean of the
+    last 10 training episodes under `pong.pong_final_return`: read as `pong.pong_train_return_last_10`, with
+    `pong.pong_final_return` None (nothing was evaluated)."""
     result = json.loads(Path(path).read_text())
     pong = result.get("pong")
     if isinstance(pong, dict) and "pong_final_return" in pong and "pong_train_return_last_10" not in pong:
