@@ -101,7 +101,9 @@ def variant_args(
     if missing:
         return None, f"not available in this version (dreamer_atari.Args has no {', '.join(missing)})"
     if not on_cuda and (
-        overrides.get("cudagraph") or overrides.get("precision") == "fp16" or overrides.get("fused_scan") == "on"
+        overrides.get("cudagraph")
+        or overrides.get("precision") == "fp16"
+        or overrides.get("fused_scan") == "on"
     ):
         return None, "needs CUDA"
     if not on_cuda and quick and overrides.get("compile"):
