@@ -449,7 +449,7 @@ class FastObserve:
         )
         # False: autograd's backward of the per-step loop (the same gradients, more operations)
         self.hand_written_backward = hand_written_backward
-        # the functions each step runs; `compile_agent` puts compiled ones in their place
+        # the functions each step runs; `compile_paths` (--compile) puts compiled ones in their place
         self.step, self.reverse_step = self.observe_step, ObserveBackwardThroughTime.reverse_step
 
     def observe_step(self, deter, stoch, step: ObserveInputs):
@@ -854,7 +854,7 @@ def observe_gradients(reference: RSSM, hand_written: bool) -> dict[str, torch.Te
 def check_observe_backward(rssm: RSSM, tolerance: float = 1e-8) -> None:
     """The hand-written backward against autograd's, on a float64 copy of `rssm` (its weights, and with its GRU
     saturated). `ObserveBackwardThroughTime` recomputes the step with its own code, so a change to `observe_step`
-    that is not carried into it would train on wrong gradients without a word; this raises ObserveBackwardMismatch
+    that is not carried into it would train on wrong gradients without a word; this raises FastPathMismatch
     instead. The global random state is left as it was."""
     if rssm.classes == 0:  # Gaussian latents take autograd's backward
         return
@@ -2541,7 +2541,7 @@ class FastImagine:
 
     def __init__(self, gathers: bool = False, fused: bool = False):
         self.gathers, self.fused = gathers, gathers and fused
-        # one imagined step, and the gathers' tables (`compile_agent` puts compiled ones here)
+        # one imagined step, and the gathers' tables (`compile_paths` puts compiled ones here)
         self.step = fused_imagine_step if self.fused else (gather_imagine_step if gathers else imagine_step)
         self.tables = imagine_tables
         if self.fused:
@@ -3197,7 +3197,7 @@ def heads_on_features(
 
 class FastHeads:
     """`behavior_losses` with the five heads on the imagined states (actor, critic, slow critic, reward, continue)
-    sharing one first-layer product: the same arguments and results (`check_fast_heads`; --no-fast-heads leaves
+    sharing one first-layer product: the same arguments and results (`check_fast_heads`; --fast-heads off leaves
     `behavior_losses`). Where the imagination's epilogues are fused, the heads' are too (`heads_on_features`).
 
     The fast imagination's rollout (`FastImagine.rollout`), then every head on all the states it reads at once

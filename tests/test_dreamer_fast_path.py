@@ -1,4 +1,4 @@
-"""The update's fast paths (Part 2 of dreamer_atari.py) against Part 1's readable functions, and the budget of
+"""The update's fast paths (dreamer_kernels.py) against Part 1's readable functions, and the budget of
 operations an update dispatches.
 
 `FastObserve` and `FastImagine` compute what does not depend on the previous step for the whole sequence at once and
@@ -776,12 +776,12 @@ def test_the_fast_paths_are_checked_at_start_up_on_the_resumed_weights_and_at_ea
     monkeypatch, tmp_path, capsys
 ):
     """Where the run's weights change the check must see them: after --resume it runs on the loaded weights, and at
-    each periodic and final checkpoint on the live ones; a mismatch there stops the run with the checkpoint
-    written."""
+    each periodic and final checkpoint on the live ones; a mismatch there that names no flag to drop stops the run
+    with the checkpoint written (one that does is dropped: tests/test_dreamer_kernels_module.py)."""
     monkeypatch.chdir(tmp_path)
     seen = []  # the weights each check saw: a parameter of the RSSM
 
-    def spy(agent, args):
+    def spy(agent, args, kernels=True):
         seen.append(agent.world_model.rssm.img_in.linear.weight.detach().clone())
 
     monkeypatch.setattr(dk, "check_fast_paths", spy)
@@ -796,7 +796,7 @@ def test_the_fast_paths_are_checked_at_start_up_on_the_resumed_weights_and_at_ea
     da.main(short_run(total_timesteps=100, resume=str(checkpoint)))
     assert len(seen) == 2 and torch.equal(seen[1], saved)  # start-up (fresh weights), then the loaded ones
 
-    def mismatch_at_the_second(agent, args):
+    def mismatch_at_the_second(agent, args, kernels=True):
         seen.append(None)
         if len(seen) == 2:
             raise da.FastPathMismatch("the observe fast path differs (a test)")

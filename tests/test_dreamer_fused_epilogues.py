@@ -1,4 +1,4 @@
-"""The fused epilogues (--fused-epilogues, `fused_imagine_step` in Part 2 of dreamer_atari.py): the work after each
+"""The fused epilogues (--fused-epilogues, `fused_imagine_step` in dreamer_kernels.py): the work after each
 product of an imagined step in one Triton kernel (a LayerNorm and its SiLU, the LayerNorm GRU's gates, a draw), and
 the behaviour heads' LayerNorms and SiLUs as that kernel, learning through its backward kernel.
 

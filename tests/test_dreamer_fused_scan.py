@@ -1,4 +1,4 @@
-"""The fused observe scan (--fused-scan, `FusedObserve` in Part 2 of dreamer_atari.py): each observe step in four
+"""The fused observe scan (--fused-scan, `FusedObserve` in dreamer_kernels.py): each observe step in four
 Triton kernels and each step of its hand-written backward in four.
 
 Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors, float64 included, one program after

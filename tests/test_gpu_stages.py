@@ -150,7 +150,7 @@ def test_the_update_stage_times_each_region_and_counts_its_flops(staged):
         # the actor's gradient pass (about 20 operations at these sizes): the shared heads' (the default), else the
         # fast imagination's or `imagine`'s; with the shared heads, imagination's backward holds at most the
         # backward of autocast's weight casts (4 under bf16), labelled where they were made
-        shared_heads = name not in ("training-no-fast-heads", "training-no-fast-imagine")
+        shared_heads = name != "training-no-fast-imagine"
         assert (regions["imagination backward"]["kernels"] < 10) == shared_heads, name
         assert regions["optimizers"]["kernels"] > 0
         assert sum(r["wall_ms"] for r in regions.values()) == pytest.approx(entry["regions_span_ms"])
