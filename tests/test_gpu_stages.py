@@ -112,6 +112,11 @@ def test_every_update_variant_is_measured_or_says_why_not(staged):
             assert entry["update_ms"] > 0 and len(entry["samples_ms"]) == result["update"]["reps"], name
             assert entry["kernels_per_update"] > 100, name  # aten ops of one whole update
             assert entry["kernels_counted_as"].startswith("aten ops"), name
+            # what it trained with, not only what it asked for (a path that cannot run here steps aside)
+            installed = entry["installed"]
+            assert installed["fast_imagine"] == (name != "training-no-fast-imagine"), name
+            assert installed["fast_heads"] == installed["imagine_gathers"] == installed["fast_imagine"], name
+            assert not installed["fused_scan"] and isinstance(entry["speed_said"], list), name
     assert result["update_ms_b16_t64"] == variants["training"]["update_ms"]
     assert result["kernels_per_update"] == variants["training"]["kernels_per_update"]
     assert result["update_batch"] == "B4 x T10"  # --quick's tiny batch, named beside the figure

@@ -36,8 +36,10 @@ the times of those a profile sees called from Python or the autograd engine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
+import io
 import itertools
 import json
 import os
@@ -328,12 +330,34 @@ def measure_variant(
     torch.manual_seed(args.seed)
     agent = da.build_agent(args, obs_shape, num_actions, device)
     apply_precision(args, device)
-    da.speed_up_agent(agent, args)  # the fast paths a run trains with (and --compile with `compile`)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        da.speed_up_agent(agent, args)  # the fast paths a run trains with (and --compile with `compile`)
+    print(said.getvalue(), end="", flush=True)
     regions = update_regions.Regions()
     with update_regions.labelled(
         agent, regions
     ):  # before the first update: compiled code traces the labels once
-        return timed_variant(agent, args, batch, device, reps, warmup, regions)
+        figures = timed_variant(agent, args, batch, device, reps, warmup, regions)
+    return figures | {"installed": installed_paths(agent), "speed_said": said.getvalue().splitlines()}
+
+
+def installed_paths(agent: da.Agent) -> dict:
+    """What the variant trained with, whatever it asked for: each fast path of dreamer_kernels.py installed (and so
+    through its start-up checks on this device) or not; a path that stepped aside says why in `speed_said`."""
+    imagine, heads = agent.imagine, agent.behavior_losses
+    return {
+        "observe": getattr(
+            agent.observe, "__qualname__", type(agent.observe).__name__
+        ),  # RSSM.observe, FastObserve
+        "hand_written_backward": bool(getattr(agent.observe, "hand_written_backward", False)),
+        "fused_scan": type(agent.observe).__name__ == "FusedObserve",
+        "fast_imagine": type(imagine).__name__ == "FastImagine",
+        "imagine_gathers": bool(getattr(imagine, "gathers", False)),
+        "fused_epilogues": bool(getattr(imagine, "fused", False)),
+        "fast_heads": type(heads).__name__ == "FastHeads",
+        "fused_heads": bool(getattr(heads, "fused", False)),
+    }
 
 
 def timed_variant(
