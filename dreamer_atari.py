@@ -1400,9 +1400,10 @@ def learn(run, envs) -> None:
 
 # =====================================================================================================================
 # PART 2: SPEED
-# Faster equivalents of Part 1's functions, installed by one call (`install_speed`, from the run's set-up) as
-# wrappers and replacements, never inside Part 1; each flag turns one off, and the checks at the end hold each to
-# the Part 1 function it replaces on the weights the run is using.
+# One call from the run's set-up (`install_speed`) puts the faster equivalents of Part 1's functions in place, never
+# inside Part 1: the kernels module's (dreamer_kernels.py beside this file, each checked against the Part 1 function
+# it replaces), then the wrappers of this part (compile, CUDA graphs, frames on the device). Each flag turns one off;
+# nothing here ends a run after start-up (`check_run_fast_paths`).
 # =====================================================================================================================
 
 
@@ -1448,10 +1449,8 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
     def compile_(fn):
         return torch.compile(fn, dynamic=False, fullgraph=True, backend=backend, **options)
 
-    if kernels_module() is not None:
-        dreamer_kernels.compile_paths(
-            agent, compile_
-        )  # their steps; the heads and targets as Part 1 writes them
+    if kernels_module() is not None:  # their steps; the heads and the targets as Part 1 writes them
+        dreamer_kernels.compile_paths(agent, compile_)
     agent.world_model_losses = compile_(world_model_losses)
     agent.imagined_targets = compile_(imagined_targets)
     for module in (
@@ -1539,6 +1538,8 @@ class CudaGraphed:
             return self.run_eagerly(inputs)
         try:
             outputs = self.capture(inputs)
+        except torch.OutOfMemoryError:
+            raise  # the run's OOM report and exit 3, as for any update
         except Exception as exc:  # noqa: BLE001 - nothing about speed ends a run: this update runs eagerly
             self.eager, self.graph = True, None
             why = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -1922,6 +1923,8 @@ def check_run_fast_paths(run: "Run") -> None:
             if isinstance(run.replay, FrameStoreReplay) and run.replay.gathered:
                 check_device_frames(run)
             return
+        except torch.OutOfMemoryError:
+            raise
         except FastPathMismatch as exc:
             dropped = run.counters.setdefault("dropped_fast_paths", {})
             if not exc.off or exc.off.items() <= dropped.items():
@@ -1930,6 +1933,11 @@ def check_run_fast_paths(run: "Run") -> None:
             say = run.progress.say if run.progress is not None else print
             say(f"warning: {exc} Dropped at step {run.step}: Part 1's function runs from here on.")
             reinstall = True
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run ends nothing: the paths agreed at start-up
+            say = run.progress.say if run.progress is not None else print
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            say(f"warning: the fast paths' check could not run at step {run.step} ({why}); the run goes on")
+            return
     raise RuntimeError("the fast paths' checks kept failing after every flag was dropped")
 
 
@@ -2009,7 +2017,7 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
     else:
         try:
             said = dreamer_kernels.install(agent, args)
-        except FastPathMismatch:
+        except (FastPathMismatch, torch.OutOfMemoryError):  # exit 7; the OOM report and exit 3
             raise
         except Exception as exc:  # noqa: BLE001 - nothing about speed stops a run: Part 1's functions run
             use_part1(agent)

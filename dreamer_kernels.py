@@ -3605,7 +3605,7 @@ def check_kernels_run(agent, args) -> list[str]:
         try:
             check_fused_scan(agent.world_model.rssm, agent.device)
             check_fused_scan_float32(agent.world_model.rssm, agent.device, args.batch_size)
-        except FastPathMismatch:
+        except (FastPathMismatch, torch.OutOfMemoryError):
             raise
         except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here steps aside
             agent.observe = FastObserve(agent.world_model.rssm, hand_written_backward=True)
@@ -3617,7 +3617,7 @@ def check_kernels_run(agent, args) -> list[str]:
             if isinstance(agent.behavior_losses, FastHeads) and agent.behavior_losses.fused:
                 check_fused_heads(agent)
             check_fused_epilogues_float32(agent, args.batch_size * args.sequence_length)
-        except FastPathMismatch:
+        except (FastPathMismatch, torch.OutOfMemoryError):
             raise
         except Exception as exc:  # noqa: BLE001 - as above
             agent.imagine = FastImagine(gathers=True, fused=False)

@@ -285,3 +285,27 @@ def test_frames_on_the_device_that_disagree_at_a_checkpoint_give_way_to_part_1s_
     ]
     assert len(warnings) == 1 and "Dropped at step 30" in warnings[0], said
     assert fills.count("FrameStoreReplay") >= 20 - 1, fills  # every batch after the drop, by Part 1's fill
+
+
+def test_a_check_that_cannot_run_at_a_checkpoint_ends_nothing(tmp_path, monkeypatch, capsys):
+    """A check that raises something else than a disagreement at a checkpoint (a stand-in for a kernel a later
+    compile refuses) is one warning line; the run goes on with the paths that agreed at start-up."""
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    real_check = dk.check_fast_paths
+
+    def check_fast_paths(agent, args, kernels=True):
+        calls.append(kernels)
+        if len(calls) > 1:
+            raise RuntimeError("OutOfResources: out of resource: shared memory (a stand-in)")
+        return real_check(agent, args, kernels)
+
+    monkeypatch.setattr(dk, "check_fast_paths", check_fast_paths)
+    schedule = dict(total_timesteps=40, learning_starts=20, train_ratio=16.0, log_interval=20, video_every=0)
+    counters = da.main(
+        da.Args(**TINY, env_id="Catch-v0", num_envs=1, vector_mode="sync", checkpoint_every=30, **schedule)
+    )
+    said = capsys.readouterr().out
+    assert counters["global_step"] == 40 and "dropped_fast_paths" not in counters
+    warnings = [line for line in said.splitlines() if "check could not run at step 30" in line]
+    assert len(warnings) == 1 and "OutOfResources" in warnings[0], said
