@@ -1776,9 +1776,8 @@ class FrameStoreReplay(EpisodeReplay):
         super().__init__(capacity, num_envs, seed, chunk_size)
         self.frames_device = torch.device(frames_device)
         self.store: FrameStore | None = None  # made with the first episode, which gives the frames' shape
-        self.gathered = (
-            True  # False once a check dropped the gather: Part 1's fill, the frames read back per batch
-        )
+        # False once a check dropped the gather: Part 1's fill, the frames read back for each batch
+        self.gathered = True
 
     def new_episode(self, env_idx: int, first_obs: np.ndarray) -> Episode:
         if self.store is None:
@@ -1913,8 +1912,9 @@ def check_run_fast_paths(run: "Run") -> None:
     (`debug/speed/dropped_paths` counts them), and Part 1's function (or the path beneath) goes on from this step,
     its updates captured again (frames on the device stay there, read back by Part 1's sampling). A disagreement no
     flag can take away raises FastPathMismatch."""
+    say = run.progress.say if run.progress is not None else print
     reinstall = False
-    for _ in range(len(dataclasses.fields(Args))):  # each pass drops one more flag's path
+    while True:  # each pass drops one more flag's path, or returns, or raises
         try:
             if reinstall:
                 reinstall_speed(run)
@@ -1930,15 +1930,12 @@ def check_run_fast_paths(run: "Run") -> None:
             if not exc.off or exc.off.items() <= dropped.items():
                 raise
             dropped.update(exc.off)
-            say = run.progress.say if run.progress is not None else print
             say(f"warning: {exc} Dropped at step {run.step}: Part 1's function runs from here on.")
             reinstall = True
         except Exception as exc:  # noqa: BLE001 - a check that cannot run ends nothing: the paths agreed at start-up
-            say = run.progress.say if run.progress is not None else print
             why = f"{type(exc).__name__}: {exc}".splitlines()[0]
             say(f"warning: the fast paths' check could not run at step {run.step} ({why}); the run goes on")
             return
-    raise RuntimeError("the fast paths' checks kept failing after every flag was dropped")
 
 
 def reinstall_speed(run: "Run") -> None:

@@ -371,10 +371,9 @@ class TorchGRUBackward:
         ]
 
 
-# each cell whose backward is written here: the class that holds its formulas
-GRU_BACKWARDS: dict[
-    type, type
-] = {}  # {LayerNormGRUCell: LayerNormGRUBackward, nn.GRUCell: TorchGRUBackward}, by `bind`
+# each cell whose backward is written here: the class that holds its formulas ({LayerNormGRUCell:
+# LayerNormGRUBackward, nn.GRUCell: TorchGRUBackward}, filled by `bind`, which hands over Part 1's cell)
+GRU_BACKWARDS: dict[type, type] = {}
 
 
 def fast_observe_problem(rssm: RSSM) -> str | None:
@@ -409,11 +408,10 @@ def hand_written_backward_problem(rssm: RSSM) -> str | None:
 class ObserveInputs(NamedTuple):
     """What the fast observe's steps read besides the state they carry: the whole sequence's in `FastObserve.__call__`
     (first (B, T, 1), action_in and embed_in (B, T, H), noise (T, B, ...)), one step's in `observe_step` ((B, ...)
-    each: the step's slices, `step_of`)."""
+    each: the step's slices, `steps`)."""
 
-    first: (
-        torch.Tensor
-    )  # bool: True where an episode starts (the initial state replaces the previous one there)
+    # bool: True where an episode starts (the initial state replaces the previous one there)
+    first: torch.Tensor
     initial_deter: torch.Tensor  # (1, D)
     initial_stoch: torch.Tensor  # (1, S)
     action_in: torch.Tensor  # the action's share of img_in's first layer, its bias included
@@ -3448,9 +3446,8 @@ class FastPath:
     flag: str
     replaces: str
     default: str  # where it is on by default, in words
-    shown: tuple[
-        tuple[str, str, str], ...
-    ] = ()  # (card, commit, results file) of each GPU result that ran it
+    # (card, commit, results file) of each GPU result that ran it
+    shown: tuple[tuple[str, str, str], ...] = ()
     saved_ms: str = "not measured alone"
 
 

@@ -5,6 +5,8 @@ that fails leaves that update eager; a check that disagrees at a checkpoint drop
 a resumed run keeps it dropped. Where a CPU cannot produce the failure, a stand-in raises in its place."""
 
 import ast
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -42,7 +44,7 @@ def run_copy(folder: Path, *flags: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=600,
-        env={key: value for key, value in __import__("os").environ.items() if key != "PYTHONPATH"},
+        env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
     )
 
 
@@ -229,8 +231,6 @@ def test_the_docs_table_of_fast_paths_is_the_modules_and_cites_real_gpu_results(
         "<!-- end of fast paths -->",
     )
     assert page[page.index(start) + len(start) : page.index(end)].strip() == dk.fast_paths_table()
-    import json
-
     for path in dk.FAST_PATHS:
         for card, commit, results in path.shown:
             data = json.loads((ROOT / results).read_text())
