@@ -18,10 +18,13 @@ memory_utils); and one row per finished run in `{save_path}/results.csv`. Each r
 starts: a default run id that another run took already (same map, seed and second) gets a suffix (`-2`).
 
 Exit status: 0 done; 2 a bad value (one sentence on stderr, nothing written); 130/143 stopped by
-SIGINT/SIGTERM at the next agent step (checkpoint saved, no results row); 3 CUDA out of memory (report in
-`{run_id}/oom/`, checkpoint saved, no results row). `--resume {save_path}/{run_id}/checkpoint.pt` continues a
-stopped run in its folder (networks, optimizer, scheduler, loss scaler, counters, RNG states; the replay with
-`--checkpoint-buffer`), once the checkpoint matches its checksum.
+SIGINT/SIGTERM at the next agent step (checkpoint saved, no results row; before the first step nothing is left);
+3 CUDA out of memory (report in `{run_id}/oom/`, checkpoint saved, no results row); 5 too many non-finite updates
+or game steps in a row (neither reaches the weights or the replay; checkpoint of the last finite weights); 6 a file
+the run needs could not be written; 8 an error in a run (checkpoint saved, traceback in `{run_id}/crash.log`).
+`--resume {save_path}/{run_id}/checkpoint.pt` continues a stopped run in its folder (networks, optimizer,
+scheduler, loss scaler, counters, RNG states; the replay with `--checkpoint-buffer`), once the checkpoint matches
+its checksum.
 
 The file reads top to bottom in three parts, each opened by a banner: Part 1, the algorithm (the settings, the
 environment, the replay buffer, the networks, the TD target and the update in the precision of --amp, acting, the
@@ -29,6 +32,13 @@ training loop; after them what each setting allows and, in a section of their ow
 (the thread count); Part 3, the run (input checks, logging, video, memory wiring, checkpoints, results rows, run
 folders, signals, `main`).
 """
+
+import signal
+import sys
+
+if __name__ == "__main__":  # a stop signal while the libraries below load: exit 128 + N, nothing written yet
+    for _signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_signal, lambda signum, frame: sys.exit(128 + signum))
 
 import contextlib
 import csv
@@ -42,7 +52,6 @@ import os
 import platform
 import random
 import shutil
-import sys
 import time
 import types
 import typing
@@ -202,6 +211,9 @@ class Args:
     """greedy episodes per periodic evaluation"""
     log_every_steps: int = 200
     """agent steps between `losses/*` scalars"""
+    max_nonfinite: int = 10
+    """stop (exit 5, a checkpoint of the last finite weights) after this many updates, or game steps, in a row with a
+    non-finite value (each update is skipped, each game step left out of the replay)"""
 
     # memory
     wait_for_gpu_mb: float = 0.0
@@ -233,9 +245,18 @@ class Args:
     """CPU threads for torch (one is fastest at these sizes and leaves the other cores free)"""
 
     def problems(self) -> list[tuple[str, str]]:
-        """Every invalid value as (field, one sentence); empty when all is well. The rules: RULES, after the loop."""
+        """Every invalid value as (field, one sentence); empty when all is well. The rules: RULES, after the loop;
+        before them, every number must be finite (inf or nan is no setting), and names stay names (`name_problem`)."""
         values = dataclasses.asdict(self)
-        return [
+        infinite = [
+            (field, f"{field} must be a finite number, got {value!r}")
+            for field, value in values.items()
+            if isinstance(value, float) and not math.isfinite(value)
+        ]
+        if infinite:
+            return infinite
+        names = [(field, problem) for field, problem in name_problems(self) if problem]
+        return names + [
             (field, f"{field} must be {allowed.format(**values)}, got {values[field]!r}")
             for field, ok, allowed in RULES
             if not ok(self)
@@ -442,7 +463,9 @@ class SplitReplayBuffer:
 
     # memory: each state is stored once (the next state of slot i is slot i+1, never a second copy), and each
     # feature layer in the smallest integer type its pysc2 value range allows (uint8; int16 for hit points).
-    When done[i] the next state is never read (the map's timer is a true terminal: pysc2 gives discount 0).
+    When done[i] the next state is never read (the map's timer is a true terminal: pysc2 gives discount 0). An
+    episode cut short (`cut`: the game gave a non-finite value) ends with a slot of its last state alone, truncated[i]:
+    no transition starts there, and the transitions before it bootstrap from that state.
     """
 
     def __init__(self, capacity: int, res: int):
@@ -454,9 +477,10 @@ class SplitReplayBuffer:
         self.actions = np.zeros(capacity, np.int32)
         self.rewards = np.zeros(capacity, np.float32)
         self.dones = np.zeros(capacity, bool)
+        self.truncated = np.zeros(capacity, bool)
         self.pos, self.size = 0, 0
 
-    def add(self, obs: dict, action: int, reward: float, done: bool) -> None:
+    def add(self, obs: dict, action: int, reward: float, done: bool, truncated: bool = False) -> None:
         """Store one transition at the ring's position (the state, its action, reward and done)."""
         i = self.pos
         for k, layer in enumerate(SCREEN_LAYERS):
@@ -465,16 +489,21 @@ class SplitReplayBuffer:
             self.minimap[layer.name][i] = obs["feature_minimap"][k]
         self.player[i] = player_input(obs)
         self.mask[i] = action_mask(obs["available_actions"])
-        self.actions[i], self.rewards[i], self.dones[i] = action, reward, done
+        self.actions[i], self.rewards[i], self.dones[i], self.truncated[i] = action, reward, done, truncated
         self.pos = (i + 1) % self.capacity
         self.size = min(self.size + 1, self.capacity)
+
+    def cut(self, obs: dict) -> None:
+        """End the episode at state `obs` without a terminal (truncated): the slot holds that state alone, so that the
+        transition before it has its next state, and no transition starts there."""
+        self.add(obs, 0, 0.0, False, truncated=True)
 
     def num_transitions(self) -> int:
         """Slots whose next state is known: all but the newest, unless the newest ended its episode."""
         if self.size == 0:
             return 0
         newest = (self.pos - 1) % self.capacity
-        return self.size if self.dones[newest] else self.size - 1
+        return self.size if self.dones[newest] or self.truncated[newest] else self.size - 1
 
     def _states(self, idx: np.ndarray) -> dict:
         """The states of slots `idx`, copied out of the ring."""
@@ -487,20 +516,30 @@ class SplitReplayBuffer:
         }
 
     def sample(self, batch_size: int, rng: np.random.Generator, n_step: int = 1) -> dict:
-        """n-step transitions: state i, action i, the n rewards and dones i .. i+n-1, and state i+n (read by
-        `td_target` only if no episode ended in between). Only slots whose n following transitions are all known
-        are drawn."""
+        """n-step transitions: state i, action i, the n rewards, dones and truncated flags i .. i+n-1, and the state
+        `td_target` bootstraps from, `steps` later: i+n, or an episode's last state where it was cut short within the
+        n (read only if no terminal came first). Only slots whose n following transitions are all known, and that
+        are no cut episode's last state, are drawn."""
         oldest = self.pos if self.size == self.capacity else 0
-        idx = (
-            oldest + rng.integers(0, max(self.num_transitions() - n_step + 1, 1), batch_size)
-        ) % self.capacity
+        high = max(self.num_transitions() - n_step + 1, 1)
+        idx = (oldest + rng.integers(0, high, batch_size)) % self.capacity
+        for _ in range(1000):  # no transition starts at a cut episode's last state: draw those again
+            if not (last_states := self.truncated[idx]).any():
+                break
+            idx[last_states] = (oldest + rng.integers(0, high, int(last_states.sum()))) % self.capacity
+        else:
+            raise RuntimeError("the replay holds no transition to sample, only cut episodes' ends")
         slots = (idx[:, None] + np.arange(n_step)) % self.capacity  # (B, n)
+        truncated = self.truncated[slots]  # (B, n)
+        steps = np.where(truncated.any(1), truncated.argmax(1), n_step)  # (B,): to the next state read
         return {
             "obs": self._states(idx),
-            "next_obs": self._states((idx + n_step) % self.capacity),
+            "next_obs": self._states((idx + steps) % self.capacity),
             "actions": self.actions[idx].astype(np.int64),
             "rewards": self.rewards[slots],  # (B, n) float32, a fresh array
             "dones": self.dones[slots].astype(np.float32),  # (B, n)
+            "truncated": truncated.astype(np.float32),  # (B, n)
+            "steps": steps.astype(np.int64),  # (B,)
         }
 
     def state_dict(self) -> dict:
@@ -511,6 +550,7 @@ class SplitReplayBuffer:
             "actions": self.actions,
             "rewards": self.rewards,
             "dones": self.dones,
+            "truncated": self.truncated,
         }
         return {
             "screen": {k: torch.from_numpy(v) for k, v in self.screen.items()},
@@ -527,6 +567,8 @@ class SplitReplayBuffer:
                 getattr(self, group)[name][...] = value.numpy()
         for name in ("player", "mask", "actions", "rewards", "dones"):
             getattr(self, name)[...] = state[name].numpy()
+        if "truncated" in state:  # a checkpoint from before cut episodes has none
+            self.truncated[...] = state["truncated"].numpy()
         self.pos, self.size = int(state["pos"]), int(state["size"])
         if self.size:
             # the interrupted episode's last transition has no next state in the buffer: it ends there
@@ -534,14 +576,14 @@ class SplitReplayBuffer:
 
     def bytes_per_step(self) -> tuple[int, int]:
         """(observation bytes, other bytes) one stored agent step takes."""
-        obs = sum(a.itemsize * self.res * self.res for a in [*self.screen.values(), *self.minimap.values()])
-        aux = (
-            self.player.itemsize * PLAYER_INPUT_SIZE
-            + self.mask.shape[1]
-            + self.actions.itemsize
-            + self.rewards.itemsize
-            + self.dones.itemsize
-        )
+        return self.step_nbytes(self.res)
+
+    @staticmethod
+    def step_nbytes(res: int) -> tuple[int, int]:
+        """(observation bytes, other bytes) of one stored agent step at `res`, as `__init__` allocates them."""
+        obs = sum(storage_dtype(layer).itemsize * res * res for layer in (*SCREEN_LAYERS, *MINIMAP_LAYERS))
+        # player float32, mask bool, action int32, reward float32, done and truncated bool
+        aux = 4 * PLAYER_INPUT_SIZE + len(FUNCTIONS) + 4 + 4 + 1 + 1
         return obs, aux
 
     def stats(self) -> dict:
@@ -549,7 +591,7 @@ class SplitReplayBuffer:
         obs, aux = self.bytes_per_step()
         return {
             "total_steps": self.size,
-            "num_episodes": int(self.dones[: self.size].sum()),
+            "num_episodes": int(self.dones[: self.size].sum() + self.truncated[: self.size].sum()),
             "obs_bytes": obs * self.size,
             "aux_bytes": aux * self.size,
         }
@@ -905,21 +947,24 @@ def td_target(q_network, target_network, batch: dict, args: Args) -> torch.Tenso
                 spatial function's value at its best point,
 
     where V is 0 if the episode ended within the n steps (the map's timer is a true terminal: pysc2 gives
-    discount 0). Double DQN: the online network selects (a non-spatial head's function; per spatial function, its
+    discount 0); an episode cut short within them (truncated) bootstraps from its last state instead, gamma^k
+    V(s_{i+k}) after its k rewards (`steps`). Double DQN: the online network selects (a non-spatial head's function; per spatial function, its
     point) and the target network evaluates what was selected; plain DQN: the target network does both. An
     unavailable function in s' is never selected and never counts, nor is a point outside `point_masks`.
     """
     # ALGO LOGIC: the learning target, all of it in this function
-    rewards, dones = batch["rewards"], batch["dones"]  # (B, n) each
-    next_obs = batch["next_obs"]
+    rewards, dones, truncated = batch["rewards"], batch["dones"], batch["truncated"]  # (B, n) each
+    next_obs = batch["next_obs"]  # `steps` (B,) after state i: i+n, or where the episode was cut short
     next_inputs = (next_obs["screen"], next_obs["minimap"], next_obs["player"], next_obs["mask"])
     with torch.no_grad():
         # the n-step return, cut at the end of the episode (later rewards belong to the next one)
         returns = torch.zeros_like(rewards[:, 0])  # (B,)
         ended = torch.zeros_like(dones[:, 0], dtype=torch.bool)  # (B,)
+        terminal = torch.zeros_like(ended)  # (B,): it ended in a terminal state: nothing to bootstrap
         for j in range(rewards.shape[1]):
             returns = returns + torch.where(ended, 0.0, args.gamma**j * rewards[:, j])
-            ended = ended | (dones[:, j] > 0)
+            terminal = terminal | (~ended & (dones[:, j] > 0))
+            ended = ended | (dones[:, j] > 0) | (truncated[:, j] > 0)
         # V(s'): selection by the online network, evaluation by the target network
         target_qs = [q.float() for q in target_network(*next_inputs)]  # per head (B, F, P)
         online_qs = [q.float() for q in q_network(*next_inputs)] if args.use_double_dqn else target_qs
@@ -934,8 +979,10 @@ def td_target(q_network, target_network, batch: dict, args: Args) -> torch.Tenso
             value = target.gather(2, best).squeeze(2)  # (B, G)
             picks.append(value.masked_fill(~ok.any(2), neg_inf))  # nothing available there: it never counts
         next_value = torch.cat(picks, 1).max(1).values  # (B,): the best selection over all heads
-        next_value = torch.where(ended, torch.zeros_like(next_value), next_value)  # -inf never leaks through
-        return returns + args.gamma ** rewards.shape[1] * next_value
+        next_value = torch.where(terminal, torch.zeros_like(next_value), next_value)  # -inf never leaks
+        # gamma^steps in double, as Python's own power, then float32
+        discount = torch.full_like(next_value, args.gamma, dtype=torch.float64).pow(batch["steps"]).float()
+        return returns + discount * next_value
 
 
 def td_loss(q_network, target_network, batch: dict, args: Args):
@@ -961,6 +1008,8 @@ def batch_to_device(sample: dict, device) -> dict:
         "actions": torch.as_tensor(sample["actions"], device=device),
         "rewards": torch.as_tensor(sample["rewards"], device=device),
         "dones": torch.as_tensor(sample["dones"], device=device),
+        "truncated": torch.as_tensor(sample["truncated"], device=device),
+        "steps": torch.as_tensor(sample["steps"], device=device),
     }
 
 
@@ -980,13 +1029,18 @@ def update(q_network, target_network, optimizer, batch: dict, args: Args, amp: m
     amp.scaler.scale(loss).backward()
     amp.scaler.unscale_(optimizer)  # the clip sees the true gradients
     grad_norm = nn.utils.clip_grad_norm_(q_network.parameters(), args.max_grad_norm)
-    amp.scaler.step(optimizer)  # skipped when a gradient overflowed (fp16)
+    # nothing non-finite reaches the weights: a non-finite loss or gradient skips the step (fp16's scaler skips its
+    # own overflows, and lowers its scale)
+    finite = bool(torch.isfinite(loss.detach()) and (amp.scaler.is_enabled() or torch.isfinite(grad_norm)))
+    if finite:
+        amp.scaler.step(optimizer)  # skipped when a gradient overflowed (fp16)
     amp.scaler.update()
-    return logged_values(loss, q_taken, grad_norm)
+    return logged_values(loss, q_taken, grad_norm) | {"finite": finite}
 
 
 def logged_values(loss: torch.Tensor, q_taken: torch.Tensor, grad_norm: torch.Tensor) -> dict:
-    """What an update logs, as 0-d tensors: turned into floats only when logged, once per log interval."""
+    """What an update logs, as 0-d tensors: turned into floats only when logged, once per log interval (`update`
+    adds whether its step was taken, "finite")."""
     # memory: detached, so nothing logged keeps the graph alive
     return {
         "losses/td_loss": loss.detach(),
@@ -1122,6 +1176,11 @@ def train_one_seed(run) -> str:
 
             # TRY NOT TO MODIFY: play it in the game (a Move carried on by --move-through), store the transition
             next_obs, reward, done = env.step(*game_call(action, obs, args.res, run.through_pixels))
+            if (fault := mu.nonfinite(reward, next_obs)) is not None:
+                # nothing non-finite reaches the replay: the episode ends at `obs`, cut short (stored as truncated)
+                rb.cut(obs)
+                run.game_fault(fault, global_step)  # said, counted; too many in a row stop the run
+                break
             rb.add(obs, action, reward, done)
             run.probes("after_collect")
             obs = next_obs
@@ -1137,6 +1196,7 @@ def train_one_seed(run) -> str:
                 with run.out_of_memory_ends_the_run(global_step):
                     metrics = update(q_network, target_network, optimizer, batch, args, agent.amp)
                 run.probes("after_optimizer_step")
+                run.count_update(metrics, global_step)  # a skipped one is said; too many stop the run
                 if global_step % args.log_every_steps < args.train_frequency:
                     run.log_update(metrics, global_step)
 
@@ -1190,7 +1250,10 @@ RULES = (
      "0 or more (or left out: the map's default)"),
     ("move_through", lambda a: a.move_through is None or 0 <= a.move_through <= a.screen_world_units,
      "between 0 and screen_world_units ({screen_world_units}) (or left out: the map's default)"),
-    ("learning_rate", lambda a: a.learning_rate > 0, "positive"),
+    ("seed", lambda a: 0 <= a.seed < 2**32, "between 0 and 2**32 - 1 (numpy's seeds)"),
+    ("seeds", lambda a: all(0 <= seed < 2**32 for seed in a.seeds), "each between 0 and 2**32 - 1 (numpy's seeds)"),
+    ("learning_rate", lambda a: 0 < a.learning_rate <= 1,
+     "positive and at most 1 (Adam moves each weight by about the learning rate per step)"),
     ("batch_size", lambda a: a.batch_size >= 1, "at least 1"),
     ("gamma", lambda a: 0 < a.gamma <= 1, "in (0, 1]"),
     ("n_step", lambda a: 1 <= a.n_step <= 100, "between 1 and 100"),
@@ -1200,6 +1263,9 @@ RULES = (
      "at least 1 (or left out: the map's default)"),
     ("learning_starts", lambda a: a.learning_starts > a.n_step,
      "larger than n_step ({n_step}): the first updates would bootstrap from transitions not yet stored"),
+    ("learning_starts", lambda a: a.backend != "builtin" or a.learning_starts < a.num_episodes * episode_steps(a.step_mul),
+     "below the run's agent steps on a built-in map (num_episodes x the steps of an episode at step_mul "
+     "{step_mul}): no update would ever run"),
     ("train_frequency", lambda a: a.train_frequency >= 1, "at least 1"),
     ("target_network_frequency", lambda a: a.target_network_frequency >= 1, "at least 1"),
     ("max_grad_norm", lambda a: a.max_grad_norm > 0, "positive"),
@@ -1216,8 +1282,6 @@ RULES = (
     ("log_every_steps", lambda a: a.log_every_steps >= 1, "at least 1"),
     ("torch_num_threads", lambda a: a.torch_num_threads >= 1, "at least 1"),
     ("time_limit_min", lambda a: a.time_limit_min >= 0, "0 (no limit) or more"),
-    ("run_id", lambda a: a.run_id is None or (a.run_id.strip() != "" and os.sep not in a.run_id),
-     "a non-empty folder name without '" + os.sep + "'"),
     ("seeds", lambda a: len(set(a.seeds)) == len(a.seeds), "distinct"),
     ("wait_for_gpu_mb", lambda a: a.wait_for_gpu_mb >= 0, "0 (don't wait) or more"),
     ("wait_poll_s", lambda a: a.wait_poll_s > 0, "positive"),
@@ -1226,12 +1290,35 @@ RULES = (
      "between 1 and batch_size ({batch_size}): it is the smaller batch to fall back to"),
     ("memory_log_every", lambda a: a.memory_log_every >= 1, "at least 1"),
     ("leak_warmup_steps", lambda a: a.leak_warmup_steps >= 0, "0 or more"),
+    ("max_nonfinite", lambda a: a.max_nonfinite >= 1, "at least 1"),
     ("memory_snapshot_every", lambda a: a.memory_snapshot_every >= 0, "0 (off) or more"),
     ("snapshot_max_entries", lambda a: a.snapshot_max_entries >= 1, "at least 1"),
     ("gpu_memory_gb", lambda a: a.gpu_memory_gb is None or a.gpu_memory_gb > mu.CUDA_CONTEXT_GIB,
      f"more than {mu.CUDA_CONTEXT_GIB:g} GiB (the CUDA context alone takes about that much) or left out"),
 )
 # fmt: on
+
+
+# the longest suffix a run id may get: `-seed4294967295` (several --seeds) or `-99` (a taken default id)
+RUN_ID_SUFFIX_BYTES = len("-seed4294967295")
+
+
+def name_problems(args: Args) -> list[tuple[str, str | None]]:
+    """(field, why it cannot name a folder or None) for --run-id and --exp-name, which name the run's folders inside
+    --save-path and --log-dir (`mu.name_problem`: no path, no `.` or `..`, short enough for the file system). The
+    default run id, `{map_name}__{exp_name}__{seed}__{unix time}`, is checked whole."""
+    default_id = f"{args.map_name}__{args.exp_name}__{2**32 - 1}__{2**31}"
+    checks = [
+        ("exp_name", args.exp_name, "exp_name"),
+        ("exp_name", default_id, "the run id made from exp_name"),
+    ]
+    if args.run_id is not None:
+        checks = [("run_id", args.run_id, "run_id"), checks[0]]
+    return [
+        (field, mu.name_problem(name, what, folder, reserve=RUN_ID_SUFFIX_BYTES))
+        for field, name, what in checks
+        for folder in (args.save_path, args.log_dir)
+    ]
 
 
 # =========================================================================================================
@@ -1764,7 +1851,7 @@ def check_sc2_installed() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-EXIT_OOM = 3
+EXIT_OOM = mu.EXIT_OOM
 
 
 # the last line of an OOM diagnosis: this script's own flags that lower the peak (tests/test_oom_advice.py checks
@@ -1775,25 +1862,47 @@ OOM_ADVICE = (
 )
 
 
+# too many updates, or game steps, in a row with a non-finite value: a checkpoint of the last finite weights
+EXIT_NONFINITE = mu.EXIT_NONFINITE
+
+
 # a file the run cannot go on without (config, final or interrupted checkpoint, results) could not be written
-EXIT_WRITE_FAILED = 6
+EXIT_WRITE_FAILED = mu.EXIT_WRITE_FAILED
+
+
+# an error in the loop (a crashed game, a bug): a checkpoint first, the traceback in {run_id}/crash.log
+EXIT_CRASHED = mu.EXIT_CRASHED
 
 
 class RunInterrupted(BaseException):
-    """A run stopped early (a stop signal, seen at the top of an agent step, or CUDA out of memory): it checkpoints
-    and writes no results row. A BaseException, as KeyboardInterrupt is, so that no `except Exception` between the
-    loop and the checkpoint code takes it for an ordinary error."""
+    """A run stopped early (a stop signal, seen at the top of an agent step; CUDA out of memory; too many non-finite
+    values in a row): it checkpoints, unless `checkpoint` is False, and writes no results row. `sentence`: what is
+    said on stderr (default: the reason). A BaseException, as KeyboardInterrupt is, so that no `except Exception`
+    between the loop and the checkpoint code takes it for an ordinary error."""
 
-    def __init__(self, reason: str, exit_code: int):
+    def __init__(
+        self,
+        reason: str,
+        exit_code: int,
+        sentence: str | None = None,
+        checkpoint: bool = True,
+        signal_: bool = False,
+    ):
         super().__init__(reason)
-        self.exit_code = exit_code
+        self.exit_code, self.checkpoint, self.signal = exit_code, checkpoint, signal_
+        self.sentence = sentence or f"stopped by {reason}"
+
+
+class RunCrashed(Exception):
+    """An error in a run (a game that crashed, a bug), said in one paragraph: what raised and where, the checkpoint
+    written first and the traceback in the run's crash.log."""
 
 
 def check_stop(stop: mu.StopSignals) -> None:
     """At the top of every agent step (training, evaluation and test episodes): a SIGINT or SIGTERM received since
     the last step stops the run here, where nothing is half done (RunInterrupted: checkpoint, exit 128 + N)."""
     if stop.received:
-        raise RunInterrupted(stop.name, stop.exit_code)
+        raise RunInterrupted(stop.name, stop.exit_code, signal_=True)
 
 
 def sleep_unless_stopped(stop: mu.StopSignals):
@@ -1849,6 +1958,8 @@ class Run:
     last_length: int | None = None
     last_return: float | None = None
     last_td_loss: float | None = None
+    # non-finite values kept out of the weights and the replay (`count_update`, `game_fault`), said by `say_faults`
+    faults: dict = dataclasses.field(default_factory=lambda: {kind: Faults() for kind in FAULT_KINDS})
 
     @property
     def checkpoint_path(self) -> str:
@@ -1889,13 +2000,45 @@ class Run:
         """`evaluate` for this run."""
         evaluate(self, episode, global_step, epsilon, lr, recent_train_scores, self.start_time)
 
+    def count_update(self, metrics: dict, global_step: int) -> None:
+        """`count_update` for this run."""
+        count_update(self, metrics, global_step)
+
+    def game_fault(self, fault: str, global_step: int) -> None:
+        """`game_fault` for this run."""
+        game_fault(self, fault, global_step)
+
+
+@dataclass
+class Faults:
+    """Non-finite values of one kind (skipped updates, game steps left out): how many, in a row now, the last one
+    and how many were said."""
+
+    count: int = 0
+    in_a_row: int = 0
+    last: str = ""
+    last_step: int = -1
+    said: int = 0
+
+
+FAULT_KINDS = ("updates", "game_steps")
+
 
 def set_up(
-    args: Args, sources: dict, seed: int, run_id: str, resume_step: int | None, stop: mu.StopSignals
+    args: Args,
+    sources: dict,
+    seed: int,
+    run_id: str,
+    resume_step: int | None,
+    stop: mu.StopSignals,
+    made: "mu.StartUp | None" = None,
 ) -> Run:
-    """A run ready to train: its folder's files, logs and speed options (`open_run`), its environments, the agent and
-    its replay (`build_agent`) with the optimizer state preallocated, then the memory instruments (`instrument`)."""
-    run = open_run(args, sources, seed, run_id, resume_step, stop)
+    """A run ready to train: its folder's files, logs and speed options (`open_run`, which says in `made` what it
+    made), its environments, the agent and its replay (`build_agent`) with the optimizer state preallocated, then the
+    memory instruments (`instrument`)."""
+    run = open_run(
+        args, sources, seed, run_id, resume_step, stop, made or mu.StartUp(new=resume_step is None)
+    )
     args = run.args
     run.env = make_env(args, seed)
     run.eval_env = make_env(args, seed + 10_000) if args.backend == "builtin" else run.env
@@ -1920,10 +2063,17 @@ def set_up(
 
 
 def open_run(
-    args: Args, sources: dict, seed: int, run_id: str, resume_step: int | None, stop: mu.StopSignals
+    args: Args,
+    sources: dict,
+    seed: int,
+    run_id: str,
+    resume_step: int | None,
+    stop: mu.StopSignals,
+    made: "mu.StartUp",
 ) -> Run:
     """The run's folder, claimed for a new run (`claim_run_folder`: the run id may get a suffix), with config.json,
-    train.log and eval/curve.csv; wandb and TensorBoard; after waiting for GPU memory when asked to."""
+    train.log and eval/curve.csv; wandb and TensorBoard; after waiting for GPU memory when asked to. `made` records
+    what it made, as it makes it."""
     allocator = mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
     mu.one_malloc_arena()  # memory: before TensorBoard's and wandb's threads, whose own heaps are never trimmed
     device = resolve_device(args)
@@ -1931,7 +2081,7 @@ def open_run(
     check_fits_under_cap(args, device)  # by arithmetic, before anything is written (DoesNotFit: exit 3)
     if resume_step is None:  # a resumed run goes on in its own folder
         run_id = claim_run_folder(args.save_path, run_id, chosen=args.run_id is not None)
-    run_dir = os.path.join(args.save_path, run_id)
+    run_dir = made.run_dir = os.path.join(args.save_path, run_id)
     os.makedirs(os.path.join(run_dir, "eval"), exist_ok=True)
     logger = make_logger(run_dir, run_id)
     if wait_line:
@@ -1960,9 +2110,13 @@ def open_run(
         atomic_write_bytes(
             curve_path, b"episode,global_step,wall_time_s,epsilon,train_score_mean,test_score_mean\n"
         )
-    if args.track and not start_wandb(args, run_id, run_dir, logger):
+    if args.track and start_wandb(args, run_id, run_dir, logger):
+        made.closers.append(lambda: sys.modules["wandb"].finish())
+    elif args.track:
         args = dataclasses.replace(args, track=False)
+    made.event_dirs.append(os.path.abspath(os.path.join(args.log_dir, run_id)))
     writer = open_tensorboard(args, sources, run_id, resume_step, logger)
+    made.closers.append(writer.close)
     return Run(
         args,
         seed,
@@ -1984,19 +2138,43 @@ def resolve_device(args: Args) -> torch.device:
 
 
 def claim_run_folder(save_path: str, run_id: str, chosen: bool) -> str:
-    """Create a new run's folder so that no two runs ever share one; returns the run id it got. A default run id
-    (`{map}__{exp_name}__{seed}__{unix time}`) that another run took already gets a suffix (`-2`, said in one line);
-    a `--run-id` the user chose is refused (ConfigError) when its folder holds a run (a config.json)."""
+    """Create a new run's folder, marked as this script's (`mu.make_run_dir`), so that no two runs ever share one;
+    returns the run id it got. A default run id (`{map}__{exp_name}__{seed}__{unix time}`) that another run took
+    already gets a suffix (`-2`, said in one line); a `--run-id` the user chose is refused (ConfigError) when its
+    folder exists: creating a folder is atomic, so of two runs given one --run-id at once, one gets it."""
     if not chosen:
-        return mu.claim_run_dir(save_path, run_id)[1]  # creating a folder is atomic: one run gets each name
+        return mu.claim_run_dir(save_path, run_id, script=__file__)[1]
     folder = os.path.join(save_path, run_id)
-    os.makedirs(folder, exist_ok=True)
-    try:  # creating config.json is atomic too: of two runs given the same --run-id at once, one gets it
-        with open(os.path.join(folder, "config.json"), "x"):
-            pass  # set_up writes its content
+    try:
+        mu.make_run_dir(save_path, run_id, script=__file__)
     except FileExistsError:
-        raise ConfigError(run_id_taken(run_id, folder)) from None
+        raise ConfigError(folder_taken(run_id, folder)) from None
     return run_id
+
+
+# what a run writes into its folder: a folder of these alone is a run's, also without the mark of RUN_MARK
+RUN_FILES = (
+    "config.json",
+    "train.log",
+    "checkpoint.pt",
+    "checkpoint.pt.sha256",
+    "crash.log",
+    "eval",
+    "videos",
+)
+RUN_FILES += ("oom", "memory_snapshots", "wandb")
+
+
+def folder_taken(run_id: str, folder: str) -> str:
+    """The sentence that refuses a --run-id whose folder exists: a run's (--overwrite replaces it) or not."""
+    if os.path.isfile(os.path.join(folder, "config.json")) or os.path.isfile(
+        os.path.join(folder, mu.RUN_MARK)
+    ):
+        return run_id_taken(run_id, folder)
+    return (
+        f"run id {run_id!r} names {folder}, which exists and holds no run of this script; choose another --run-id "
+        f"(its files are left as they are)."
+    )
 
 
 def run_id_taken(run_id: str, folder: str) -> str:
@@ -2014,23 +2192,18 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 
 def start_wandb(args: Args, run_id: str, run_dir: str, logger) -> bool:
-    """Track the run in Weights and Biases (offline with WANDB_MODE=offline); False, after one line, if it fails."""
-    try:
-        import wandb
-
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            sync_tensorboard=True,
-            config=dataclasses.asdict(args),
-            name=run_id,
-            dir=run_dir,
-            save_code=True,
-        )
-        return True
-    except Exception as exc:  # noqa: BLE001 - tracking must never stop training
-        logger.info(f"wandb: tracking disabled ({type(exc).__name__}: {exc})")
-        return False
+    """Track the run in Weights and Biases (offline with WANDB_MODE=offline); False, after one line saying that
+    tracking is off and why (no API key, a folder it cannot write), if it cannot start: the run trains on."""
+    return mu.start_wandb(
+        logger.info,
+        project=args.wandb_project_name,
+        entity=args.wandb_entity,
+        sync_tensorboard=True,
+        config=dataclasses.asdict(args),
+        name=run_id,
+        dir=run_dir,
+        save_code=True,
+    )
 
 
 def open_tensorboard(args: Args, sources: dict, run_id: str, resume_step: int | None, logger):
@@ -2186,6 +2359,8 @@ def dummy_batch(batch_size: int, res: int, n_step: int, device) -> dict:
             "actions": np.zeros(batch_size, np.int64),
             "rewards": np.zeros((batch_size, n_step), np.float32),
             "dones": np.zeros((batch_size, n_step), np.float32),
+            "truncated": np.zeros((batch_size, n_step), np.float32),
+            "steps": np.full(batch_size, n_step, np.int64),
         },
         device,
     )
@@ -2357,13 +2532,111 @@ def out_of_memory_ends_the_run(run: Run, global_step: int):
 
 
 def log_update(run: Run, metrics: dict, global_step: int, start_time: float) -> None:
-    """`losses/*` of the latest update, and `charts/SPS`."""
+    """`losses/*` of the latest update, `charts/SPS`, and what non-finite values were kept out since the last time."""
     for key, value in metrics.items():  # memory: floats, once per log interval
+        if key == "finite":
+            continue
         value = value.item()
         run.writer.add_scalar(key, value, global_step)
         if key == "losses/td_loss":
             run.last_td_loss = value  # for the status line
     run.writer.add_scalar("charts/SPS", global_step / (time.time() - start_time), global_step)
+    say_faults(run, global_step)
+
+
+def count_update(run: Run, metrics: dict, global_step: int) -> None:
+    """After each update: one whose step was skipped (`update`: a non-finite loss or gradient) is counted and, the
+    first time, named in one line (the TD loss, or the Q network's gradient); later ones are counted at each log
+    point (`say_faults`). `--max-nonfinite` in a row stop the run (exit 5) with a checkpoint of the weights, which
+    no skipped step changed."""
+    faults = run.faults["updates"]
+    if metrics["finite"]:
+        faults.in_a_row = 0
+        return
+    loss, grad_norm = metrics["losses/td_loss"].item(), metrics["losses/grad_norm"].item()
+    source = (
+        f"the TD loss was {loss:g}"
+        if not math.isfinite(loss)
+        else f"the Q network's gradient norm was {grad_norm:g}"
+    )
+    faults.count, faults.in_a_row, faults.last = (
+        faults.count + 1,
+        faults.in_a_row + 1,
+        f"{source} at agent step {global_step}",
+    )
+    if faults.count == 1:
+        faults.said = 1
+        run.logger.info(
+            f"update skipped: {faults.last}; the weights stay as they were (later ones: a count per log point)"
+        )
+    if faults.in_a_row >= run.args.max_nonfinite:
+        weights_finite(run, global_step)  # weights no skipped step changed, unless something else did
+        raise RunInterrupted(
+            "non-finite updates",
+            EXIT_NONFINITE,
+            sentence=f"stopping: {faults.in_a_row} updates in a row had a non-finite loss or gradient (the last: "
+            f"{faults.last}) and were skipped, so the checkpoint holds the last finite weights; try a lower "
+            f"--learning-rate{' or --amp off' if run.agent.amp.enabled else ''}.",
+        )
+
+
+def game_fault(run: Run, fault: str, global_step: int) -> None:
+    """A game's step with a non-finite reward or observation (`mu.nonfinite`), which the loop left out of the replay,
+    ending its episode: counted and, the first time, named in one line; later ones at each log point. A step that
+    fails again before any finite one (at the same agent step) counts in a row: `--max-nonfinite` of them stop the
+    run (exit 5): nothing it could learn from comes out of the game."""
+    faults = run.faults["game_steps"]
+    faults.in_a_row = faults.in_a_row + 1 if global_step == faults.last_step else 1
+    faults.count, faults.last_step, faults.last = (
+        faults.count + 1,
+        global_step,
+        f"{fault} at agent step {global_step}",
+    )
+    if faults.count == 1:
+        faults.said = 1
+        run.logger.info(
+            f"the game gave a non-finite {faults.last}: that step is left out of the replay and its episode ends "
+            f"there, stored as truncated (later ones: a count per log point)"
+        )
+    if faults.in_a_row >= run.args.max_nonfinite:
+        raise RunInterrupted(
+            "non-finite game steps",
+            EXIT_NONFINITE,
+            sentence=f"stopping: the game (--backend {run.args.backend}) gave a non-finite value at {faults.in_a_row} "
+            f"steps in a row (the last: {faults.last}); none reached the replay, and the checkpoint holds the last "
+            f"finite weights.",
+        )
+
+
+def say_faults(run: Run, global_step: int) -> None:
+    """At each log point (an update's logged, an episode's end): the skipped updates and the game steps left out
+    since the last one said, if any, in a line and in TensorBoard (`debug/nonfinite_*`)."""
+    for kind, faults in run.faults.items():
+        if faults.count > faults.said:
+            new = faults.count - faults.said
+            what = ("update" if new == 1 else "updates") + " skipped"
+            if kind == "game_steps":
+                what = ("game step" if new == 1 else "game steps") + " left out of the replay"
+            run.logger.info(
+                f"{new} more {what} for a non-finite value ({faults.count} in all; the last: {faults.last})"
+            )
+            faults.said = faults.count
+        run.writer.add_scalar(f"debug/nonfinite_{kind}", faults.count, global_step)
+
+
+def weights_finite(run: Run, global_step: int) -> None:
+    """Before an evaluation, the final test or a checkpoint: the Q network's weights are finite, or the run stops
+    (exit 5) with no evaluation, results row or checkpoint from them (the last checkpoint stays)."""
+    bad = [name for name, p in run.agent.q_network.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise RunInterrupted(
+            "non-finite weights",
+            EXIT_NONFINITE,
+            sentence=f"stopping at agent step {global_step}: the Q network's weights are not finite ({bad[0]}"
+            f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}), so no evaluation, results row or checkpoint is "
+            f"written from them; the last checkpoint is kept.",
+            checkpoint=False,
+        )
 
 
 def log_episode(
@@ -2380,6 +2653,7 @@ def log_episode(
         f"episode={episode} global_step={global_step} score={score:g} epsilon={epsilon:.3f} lr={lr:.3g}",
         flush=True,
     )
+    say_faults(run, global_step)
 
 
 def updates_made(args: Args, global_step: int) -> int:
@@ -2426,6 +2700,7 @@ def evaluate(
 ) -> None:
     """Greedy test episodes during training: `charts/test_score` and a row of eval/curve.csv."""
     args = run.args
+    weights_finite(run, global_step)
     with out_of_memory_ends_the_run(run, global_step):
         test_scores = run_test_episodes(
             run.agent.q_network,
@@ -2437,6 +2712,7 @@ def evaluate(
             select_own_only=args.select_own_only,
             through_pixels=run.through_pixels,
             stop=run.stop,
+            say=run.logger.info,
         )
     test_mean = float(np.mean(test_scores))
     train_mean = float(np.mean(recent_train_scores))
@@ -2505,10 +2781,12 @@ def run_test_episodes(
     select_own_only: bool = False,
     through_pixels: float = 0.0,
     stop: mu.StopSignals | None = None,
+    say: typing.Callable[[str], None] | None = None,
 ) -> list[float]:
     """Test episodes (greedy at epsilon 0); returns each episode's score. With `video_dir`, each episode's
     screen is written to `{video_dir}/test-episode-{k}.mp4`. Moves are carried `through_pixels` on (game_call).
-    A stop signal ends them at the top of a step (RunInterrupted)."""
+    A stop signal ends them at the top of a step (RunInterrupted). A step with a non-finite reward or observation
+    (`mu.nonfinite`) ends its episode there, its score the finite rewards before it, said by `say`."""
     rng = np.random.default_rng(0)
     scores = []
     for k in range(num_episodes):
@@ -2518,8 +2796,14 @@ def run_test_episodes(
             if stop is not None:
                 check_stop(stop)
             action = select_action(q_network, obs, epsilon, rng, device, select_own_only)
-            obs, reward, done = env.step(*game_call(action, obs, res, through_pixels))
-            score += reward
+            next_obs, reward, done = env.step(*game_call(action, obs, res, through_pixels))
+            if (fault := mu.nonfinite(reward, next_obs)) is not None:
+                if say is not None:
+                    say(
+                        f"test episode {k + 1} ends early: the game gave a non-finite {fault} (its score: {score:g})"
+                    )
+                break
+            obs, score = next_obs, score + reward
             if frames is not None:
                 frames.append(render_screen(obs))
         scores.append(score)
@@ -2631,7 +2915,13 @@ def load_checkpoint(path: str, args: Args) -> dict:
 
 
 def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list, interrupted: bool) -> None:
-    """Checkpoint the run as it is now, with everything --resume needs."""
+    """Checkpoint the run as it is now, with everything --resume needs; never from non-finite weights (the last
+    checkpoint stays)."""
+    if not all(torch.isfinite(p).all() for p in run.agent.q_network.parameters()):
+        run.logger.info(
+            "checkpoint not written: the Q network's weights are not finite; the last one is kept"
+        )
+        return
     kind, keys, pos, has_gauss, gauss = np.random.get_state()  # keys as a tensor: weights_only loads it
     rngs = {
         "torch": torch.get_rng_state(),
@@ -2696,24 +2986,26 @@ def restore(run: Run, state: dict) -> None:
 
 def save_interrupted(
     run: Run,
-    reason: Exception,
+    reason: Exception | str,
     episode: int,
     global_step: int,
     recent_train_scores: list,
     replay_episode: bool,
 ):
-    """A stop signal or a CUDA OOM stopped the run: a checkpoint, a line in train.log, no results row. With
-    `replay_episode` the resumed run plays `episode` again from its start (`global_step` is the step it began at);
-    without it (the episode had ended and was logged) the resumed run goes on with the next one. Another stop
-    signal meanwhile is only recorded: the checkpoint is written whole."""
-    save_run(run, episode, global_step, recent_train_scores, interrupted=replay_episode)
+    """A stop signal, a CUDA OOM, non-finite values or a crash stopped the run: a checkpoint (unless the reason says
+    none: non-finite weights), a line in train.log, no results row. With `replay_episode` the resumed run plays
+    `episode` again from its start (`global_step` is the step it began at); without it (the episode had ended and was
+    logged) the resumed run goes on with the next one. Another stop signal meanwhile is only recorded: the checkpoint
+    is written whole."""
+    if getattr(reason, "checkpoint", True):
+        save_run(run, episode, global_step, recent_train_scores, interrupted=replay_episode)
+        saved = f"checkpoint saved to {run.checkpoint_path}"
+    else:
+        saved = "no checkpoint written"
     run.logger.info(
-        f"interrupted by {reason} at episode {episode}, step {global_step}: checkpoint saved to "
-        f"{run.checkpoint_path}; no results row written"
+        f"interrupted by {reason} at episode {episode}, step {global_step}: {saved}; no results row written"
     )
-    run.writer.close()
-    run.env.close()
-    run.snapshots.close()
+    close(run)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -2731,8 +3023,9 @@ def finish(
     wall_start: float,
 ) -> dict:
     """The final greedy test of the trained network (eval/test_results.json), the final checkpoint; returns the
-    run's results row."""
+    run's results row. None of them from non-finite weights (`weights_finite`: exit 5)."""
     args = run.args
+    weights_finite(run, global_step)
     with out_of_memory_ends_the_run(run, global_step):
         test_scores = run_test_episodes(
             run.agent.q_network,
@@ -2745,6 +3038,7 @@ def finish(
             select_own_only=args.select_own_only,
             through_pixels=run.through_pixels,
             stop=run.stop,
+            say=run.logger.info,
         )
     verdict = run.leak.check()
     results = {
@@ -2795,16 +3089,16 @@ def finish(
 
 
 def close(run: Run) -> None:
-    """The end of a finished run: TensorBoard, the environments, the snapshots and wandb closed."""
-    run.writer.close()
-    run.env.close()
-    run.snapshots.close()
+    """The end of a run: TensorBoard, the environments, the snapshots and wandb closed (one that fails to close,
+    a crashed game say, is passed over)."""
+    closers = [run.writer.close, run.env.close, run.snapshots.close]
     if run.eval_env is not run.env:
-        run.eval_env.close()
+        closers.append(run.eval_env.close)
     if run.args.track:
-        import wandb
-
-        wandb.finish()
+        closers.append(lambda: sys.modules["wandb"].finish())
+    for closer in closers:
+        with contextlib.suppress(Exception):
+            closer()
 
 
 RESULTS_COLUMNS = (
@@ -2880,67 +3174,91 @@ def run_one_seed(
     checkpoints the run where its training stands (`run.progress`) and raises RunInterrupted."""
     wall_start = time.time()
     resume_step = None if resume_state is None else resume_state["global_step"]
-    run = set_up(args, sources, seed, run_id, resume_step, stop)
-    if resume_state is not None:
-        restore(run, resume_state)
-        resume_state = None  # memory: the loaded tensors live in the networks now
+    made = mu.StartUp(new=resume_state is None, parents=(args.save_path, args.log_dir))
+    try:
+        with stop.at_once():  # memory: nothing trained yet, so a signal stops the start-up at once
+            run = set_up(args, sources, seed, run_id, resume_step, stop, made)
+            if resume_state is not None:
+                restore(run, resume_state)
+                resume_state = None  # memory: the loaded tensors live in the networks now
+    except mu.Stopped as exc:  # nothing trained: a new run's folder and events go, a resumed one's stay
+        raise RunInterrupted(
+            exc.name, exc.exit_code, sentence=made.discard(exc.name), checkpoint=False
+        ) from None
+    except Exception as exc:
+        if isinstance(exc, (ConfigError, DoesNotFit, mu.WriteFailed)):
+            raise
+        log = os.path.join(made.run_dir, "crash.log") if made.run_dir else None
+        raise RunCrashed(
+            f"crashed during start-up, nothing trained: {mu.crash_report(exc, __file__, log)}."
+        ) from None
     run.start_time = time.time()
     try:
         stopped_by = train_one_seed(run)
         episode, global_step, recent_train_scores, _ = run.progress
         row = finish(run, episode, global_step, recent_train_scores, stopped_by, run.start_time, wall_start)
     except RunInterrupted as exc:  # in training, in a periodic test or in the final one
+        if exc.signal and made.new and run.progress.global_step == 0:  # before any step: nothing to keep
+            close(run)
+            exc.sentence = made.discard(exc.args[0])
+            raise
         # an episode stopped part-way is played again on resume, from the step it began at: its steps count once
         save_interrupted(run, exc, *run.progress)
+        if exc.signal:
+            exc.sentence = (
+                f"stopped by {exc.args[0]} at agent step {run.progress.global_step}: its checkpoint is "
+                f"{run.checkpoint_path} (--resume it to go on)"
+            )
         raise
+    except mu.WriteFailed:  # a file the run cannot go on without: one sentence and exit 6 (`main`)
+        close(run)
+        raise
+    except Exception as exc:  # noqa: BLE001 - a crashed game, a bug: what was trained is kept, then said
+        raise crashed(run, exc) from None
     close(run)
     return row
 
 
+def crashed(run: Run, exc: Exception) -> RunCrashed:
+    """An error in the loop, the periodic tests or the final one: the checkpoint of where training stands (the
+    interrupted episode is played again on resume), the traceback in {run_id}/crash.log, and the paragraph to say."""
+    episode, global_step = run.progress.episode, run.progress.global_step
+    report = mu.crash_report(exc, __file__, os.path.join(run.run_dir, "crash.log"))
+    try:
+        save_interrupted(run, f"a crash ({type(exc).__name__})", *run.progress)
+        kept = f"the checkpoint {run.checkpoint_path} holds what was trained (--resume {run.checkpoint_path} goes on)"
+    except Exception as save_error:  # noqa: BLE001 - the crash is the one to report
+        kept = f"the checkpoint could not be written ({type(save_error).__name__}: {save_error})"
+        close(run)
+    run.logger.info(f"crashed at episode {episode}, step {global_step}: {report}")
+    return RunCrashed(f"crashed at episode {episode}, agent step {global_step}: {report}; {kept}.")
+
+
 def main(args: Args, sources: dict) -> int:
-    """Every seed's run, one after another; the exit status (0, or the first run's that did not finish)."""
-    args = with_map_defaults(args)
-    seeds = list(args.seeds) or [args.seed]
-    base_id = args.run_id or f"{args.map_name}__{args.exp_name}__{{seed}}__{int(time.time())}"
-    run_ids = {
-        seed: (args.run_id if len(seeds) == 1 else f"{args.run_id}-seed{seed}")
-        if args.run_id
-        else base_id.format(seed=seed)
-        for seed in seeds
-    }
-    resume_state = None
-    if args.resume is not None:
+    """Every seed's run, one after another; the exit status (0, or the first run's that did not finish). Bad input
+    is refused (exit 2) before anything is written; a stop signal at any moment ends with exit 128 + N."""
+    with mu.StopSignals() as stop:  # SIGINT and SIGTERM are recorded; the loop stops at its next step
         try:
-            resume_state = load_checkpoint(args.resume, args)
+            args, seeds, run_ids, resume_state = prepare(with_map_defaults(args), sources)
         except ConfigError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        if len(seeds) != 1:
-            print("error: --resume continues one run; give no --seeds with it.", file=sys.stderr)
-            return 2
-        # the run goes on in its own folder: {save_path}/{run_id}/checkpoint.pt
-        args = dataclasses.replace(
-            args,
-            save_path=os.path.dirname(os.path.dirname(os.path.abspath(args.resume))),
-            seed=int(resume_state["args"]["seed"]),
-        )
-        seeds = [args.seed]
-        run_ids = {args.seed: os.path.basename(os.path.dirname(os.path.abspath(args.resume)))}
-    elif args.run_id is not None and not take_chosen_run_ids(args, run_ids.values()):
-        return 2
-    os.makedirs(args.save_path, exist_ok=True)
-    with mu.StopSignals() as stop:  # SIGINT and SIGTERM are recorded; the loop stops at its next step
         for seed in seeds:
             try:
-                check_stop(
-                    stop
-                )  # a signal during the last seed's final checkpoint: the next one does not start
+                # a signal during the last seed's final checkpoint: the next one does not start
+                check_stop(stop)
                 row = run_one_seed(
                     dataclasses.replace(args, seed=seed), sources, seed, run_ids[seed], stop, resume_state
                 )
             except RunInterrupted as exc:
-                print(f"stopped by {exc}; remaining seeds not run", file=sys.stderr)
+                print(
+                    f"{exc.sentence}; remaining seeds not run" if len(seeds) > 1 else exc.sentence,
+                    file=sys.stderr,
+                )
                 return exc.exit_code
+            except RunCrashed as exc:
+                print(exc, file=sys.stderr)
+                return EXIT_CRASHED
             except ConfigError as error:  # another run took this --run-id since the check above
                 print(f"error: {error}", file=sys.stderr)
                 return 2
@@ -2956,30 +3274,100 @@ def main(args: Args, sources: dict) -> int:
             except mu.WriteFailed as exc:
                 print(f"stopped: {exc}; this run's results row is not saved.", file=sys.stderr)
                 return EXIT_WRITE_FAILED
+            resume_state = None
+    if stop.received:  # a signal during the last run's final checkpoint or results row: that run is complete
+        print(f"stopped by {stop.name} after the last run had finished", file=sys.stderr)
+        return stop.exit_code
     return 0
 
 
-def take_chosen_run_ids(args: Args, run_ids) -> bool:
+def prepare(args: Args, sources: dict) -> tuple[Args, list[int], dict[int, str], dict | None]:
+    """Everything checked before anything is written (ConfigError: one sentence): the values (`Args.problems`, also
+    when `args` did not come from `parse_args`), the checkpoint to resume from (its folder then holds the run), the
+    folders the run writes, the replay against this machine's memory, and the chosen run ids (removed with
+    --overwrite only where this script made them). Returns the args, the seeds, each seed's run id and the checkpoint."""
+    for _, sentence in args.problems():
+        raise ConfigError(sentence + ".")
+    seeds = list(args.seeds) or [args.seed]
+    base_id = args.run_id or f"{args.map_name}__{args.exp_name}__{{seed}}__{int(time.time())}"
+    run_ids = {
+        seed: (args.run_id if len(seeds) == 1 else f"{args.run_id}-seed{seed}")
+        if args.run_id
+        else base_id.format(seed=seed)
+        for seed in seeds
+    }
+    resume_state = None
+    if args.resume is not None:
+        resume_state = load_checkpoint(args.resume, args)
+        if len(seeds) != 1:
+            raise ConfigError("--resume continues one run; give no --seeds with it.")
+        # the run goes on in its own folder: {save_path}/{run_id}/checkpoint.pt
+        args = dataclasses.replace(
+            args,
+            save_path=os.path.dirname(os.path.dirname(os.path.abspath(args.resume))),
+            seed=int(resume_state["args"]["seed"]),
+        )
+        seeds = [args.seed]
+        run_ids = {args.seed: os.path.basename(os.path.dirname(os.path.abspath(args.resume)))}
+    for field in ("save_path", "log_dir"):
+        if problem := mu.folder_problem(getattr(args, field), field):
+            where = f" (from {sources[field]})" if sources.get(field, "").startswith("RL_") else ""
+            raise ConfigError(problem + where + ".")
+    check_replay_fits(args, sources)
+    if args.resume is None and args.run_id is not None:
+        take_chosen_run_ids(args, run_ids.values())
+    return args, seeds, run_ids, resume_state
+
+
+def check_replay_fits(args: Args, sources: dict) -> None:
+    """The replay's arrays (allocated when a run starts; pages taken as it fills) against the machine's memory, or
+    its cgroup's limit: more than either can hold is refused (ConfigError), more than is free now is a warning."""
+    per_step = sum(SplitReplayBuffer.step_nbytes(args.res))
+    where = f" from {sources['buffer_size']}" if sources.get("buffer_size", "").startswith("RL_") else ""
+    problem, warning = mu.replay_memory_problem(
+        args.buffer_size * per_step,
+        f"the replay (buffer_size {args.buffer_size:,}{where}, {per_step:,} bytes per agent step at res {args.res})",
+        lambda nbytes: f"--buffer-size {nbytes // per_step:,} would take about half of that",
+    )
+    if problem:
+        raise ConfigError(problem + ".")
+    if warning:
+        print(warning)
+
+
+def take_chosen_run_ids(args: Args, run_ids) -> None:
     """Before anything is written: the folders of the run ids the user chose (--run-id) hold no run, or, with
-    --overwrite, their runs are removed (folder, TensorBoard events, results row). False after one sentence on
-    stderr when one holds a run and --overwrite is not given: an earlier run is never overwritten by accident."""
-    for run_id in run_ids:
-        folder = os.path.join(args.save_path, run_id)
-        if not os.path.exists(os.path.join(folder, "config.json")):
-            continue
+    --overwrite, their runs are removed (folder, TensorBoard events, results row) where this script made them
+    (`mu.foreign_entries`: its mark, or only a run's files, no link). ConfigError, with nothing removed, when one holds
+    a run and --overwrite is not given, or holds anything this script did not write: a user's files are never
+    deleted, and an earlier run never overwritten by accident."""
+    folders = {run_id: os.path.join(args.save_path, run_id) for run_id in run_ids}
+    taken = {run_id: folder for run_id, folder in folders.items() if os.path.lexists(folder)}
+    for run_id, folder in taken.items():
         if not args.overwrite:
-            print(f"error: {run_id_taken(run_id, folder)}", file=sys.stderr)
-            return False
+            raise ConfigError(folder_taken(run_id, folder))
+        foreign = [folder] if os.path.islink(folder) else mu.foreign_entries(folder, RUN_FILES)
+        if foreign:
+            held = ", ".join(os.path.basename(entry) or entry for entry in foreign[:3])
+            raise ConfigError(
+                f"--overwrite removes only run folders this script made, and {folder} holds what it did not write "
+                f"({held}{', ...' if len(foreign) > 3 else ''}); nothing was removed: choose another --run-id."
+            )
+    for run_id, folder in taken.items():
         shutil.rmtree(folder)
-        shutil.rmtree(os.path.join(args.log_dir, run_id), ignore_errors=True)
+        mu.remove_event_files(os.path.join(args.log_dir, run_id))
         drop_results_rows(os.path.join(args.save_path, "results.csv"), run_id)
-    return True
+
+
+def cli(argv: list[str] | None = None, environ: dict | None = None) -> int:
+    """The command line: its values and the RL_* variables parsed (a bad one: one sentence, exit 2), then `main`."""
+    try:
+        args, sources = parse_args(argv, environ)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return main(args, sources)
 
 
 if __name__ == "__main__":
-    try:
-        cli_args, cli_sources = parse_args()
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(main(cli_args, cli_sources))
+    sys.exit(cli())

@@ -22,6 +22,7 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import time
 import types
@@ -29,6 +30,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal
+
+if __name__ == "__main__":  # a stop signal while the libraries below load: exit 128 + N, nothing written yet
+    for _signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_signal, lambda signum, frame: sys.exit(128 + signum))
 
 import ale_py
 import cv2
@@ -270,9 +275,10 @@ def env_kwargs(env_id: str, args: Args) -> dict:
     return dict(size=args.image_size)
 
 
-def make_env(env_id: str, idx: int, capture_video: bool, run_name: str, args: Args) -> Callable[[], gym.Env]:
+def make_env(env_id: str, idx: int, capture_video: bool, run_name: str, args: Args, guard=None) -> Callable:
     """Atari ids get the usual preprocessing (frame skip 4, `--image-size`, no-op starts); other ids are made
-    with `size=--image-size` and must give grey uint8 frames of that side (Catch-v0 does). Stacks of --frame-stack."""
+    with `size=--image-size` and must give grey uint8 frames of that side (Catch-v0 does). Stacks of --frame-stack.
+    `guard`: the run's wrapper of each step before the episode's statistics see it (one that is not finite)."""
 
     def thunk():
         kwargs = env_kwargs(env_id, args)
@@ -291,6 +297,7 @@ def make_env(env_id: str, idx: int, capture_video: bool, run_name: str, args: Ar
             )
             if args.rgb:  # (S, S, 3) -> (3, S, S): a frame's channels first, as the encoder reads them
                 env = channels_first(env)
+        env = guard(env) if guard is not None else env
         if args.max_episode_steps > 0:
             env = gym.wrappers.TimeLimit(env, args.max_episode_steps)
         env = gym.wrappers.RecordEpisodeStatistics(env)
@@ -308,9 +315,9 @@ def channels_first(env: gym.Env) -> gym.Env:
     )
 
 
-def make_vector_env(args: Args, run_name: str, seed: int) -> gym.vector.VectorEnv:
+def make_vector_env(args: Args, run_name: str, seed: int, guard=None) -> gym.vector.VectorEnv:
     """SAME_STEP autoreset: every stored transition is real (an ended episode's last obs is `final_obs`)."""
-    fns = [make_env(args.env_id, i, args.capture_video, run_name, args) for i in range(args.num_envs)]
+    fns = [make_env(args.env_id, i, args.capture_video, run_name, args, guard) for i in range(args.num_envs)]
     mode = args.vector_mode if args.vector_mode != "auto" else ("async" if args.num_envs > 1 else "sync")
     autoreset = gym.vector.AutoresetMode.SAME_STEP
     if mode == "async":
@@ -417,13 +424,18 @@ class EpisodeReplay:
         self._evict()
 
     def add(self, next_obs: np.ndarray, actions, rewards, terminations, truncations, infos: dict) -> None:
-        """Store one vector step (SAME_STEP autoreset): `next_obs` is (N, 1, 3, 64, 64) uint8."""
+        """Store one vector step (SAME_STEP autoreset): `next_obs` is (N, 1, 3, 64, 64) uint8. A step the run's guard
+        cut (info "nonfinite": a reward or frame that is not finite) is left out: its episode ends before it, truncated."""
+        cut = infos.get("final_info", {}).get("_nonfinite", np.zeros(len(actions), np.bool_))
         for i in range(len(actions)):
             over = bool(terminations[i] or truncations[i])
-            last_obs = infos["final_obs"][i] if over else next_obs[i]
-            self.add_step(i, last_obs[-1], int(actions[i]), float(rewards[i]), bool(terminations[i]), over)
+            if not cut[i]:
+                last_obs = infos["final_obs"][i] if over else next_obs[i]
+                self.add_step(
+                    i, last_obs[-1], int(actions[i]), float(rewards[i]), bool(terminations[i]), over
+                )
             if over:
-                self.start_episode(i, next_obs[i])
+                self.start_episode(i, next_obs[i])  # (a cut episode finishes here)
 
     def _evict(self) -> None:
         while self.total_steps > self.capacity:
@@ -1330,6 +1342,8 @@ def step_envs(run, envs, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             counters["episodes"] += 1
             run.writer.add_scalar("charts/episodic_return", run.last_return, counters["global_step"])
             run.writer.add_scalar("charts/episodic_length", float(episode["l"][i]), counters["global_step"])
+    for i in np.flatnonzero(infos.get("final_info", {}).get("_nonfinite", [])):  # a step the guard cut: said
+        run.env_fault(int(i), infos["final_info"]["nonfinite"][i])
     counters["global_step"] += args.num_envs
     return next_obs, np.logical_or(terminations, truncations)
 
@@ -2035,23 +2049,31 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
 # =====================================================================================================================
 
 
-# exit statuses: 2 = bad input (argument or file); the others say why a run stopped early
-EXIT_BAD_INPUT = 2
+# exit statuses (memory_utils', the same in both scripts): 2 = bad input (argument or file); the others say why a run
+# stopped early
+EXIT_BAD_INPUT = mu.EXIT_BAD_INPUT
 
 
-EXIT_OOM = 3
+EXIT_OOM = mu.EXIT_OOM
 
 
-EXIT_LEAK = 4
+EXIT_LEAK = mu.EXIT_LEAK
 
 
-EXIT_NONFINITE = 5
+EXIT_NONFINITE = mu.EXIT_NONFINITE  # too many non-finite updates, or env steps, in a row
 
 
-EXIT_WRITE_FAILED = 6  # a checkpoint the run cannot go on without (final, signal, OOM) could not be written
+EXIT_WRITE_FAILED = mu.EXIT_WRITE_FAILED  # a checkpoint the run cannot go on without could not be written
 
 
-EXIT_FAST_PATH = 7  # a fast path computes something other than the readable function it replaces
+EXIT_FAST_PATH = (
+    mu.EXIT_FAST_PATH
+)  # a fast path computes something other than the readable function it replaces
+
+
+EXIT_CRASHED = (
+    mu.EXIT_CRASHED
+)  # an error in the loop: a checkpoint first, the traceback in the run's crash.log
 
 
 CHECKPOINT_FORMAT = "dreamer_atari/1"
@@ -2093,10 +2115,77 @@ def check_args(args: Args) -> None:
             f"--observe-backward must be hand-written or autograd, got {args.observe_backward!r}."
         )
     check_ranges(args)
+    check_updates_happen(args)
     check_model_sizes(args)
+    check_replay_fits(args)
     check_env(args)
     if args.resume is not None and not os.path.isfile(args.resume):
         raise ArgsError(f"--resume {args.resume!r} does not exist or is not a file.")
+    check_folders(args)
+
+
+# the longest suffix `mu.claim_run_dir` adds to a run's name when it is taken (`-99`)
+RUN_NAME_SUFFIX_BYTES = 3
+
+
+def run_name_of(args: Args) -> str:
+    """A new run's name, `{env id}__{exp name}__{seed}__{unix time}` (the folder under runs/)."""
+    return f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
+
+
+def check_folders(args: Args) -> None:
+    """The names and folders the run writes, before anything is written: --exp-name is a name of its own (no path,
+    not . or ..) and the run's name short enough for the file system; runs/ (and videos/, ./wandb with --capture-video,
+    --track) can be made and written here."""
+    if problem := mu.name_problem(args.exp_name, "--exp-name", "runs"):
+        raise ArgsError(problem + ".")
+    made_of = "the run's name (from --env-id and --exp-name)"
+    if problem := mu.name_problem(run_name_of(args), made_of, "runs", RUN_NAME_SUFFIX_BYTES):
+        raise ArgsError(problem + ".")
+    folders = ["runs"] + ["videos"] * args.capture_video
+    for folder in folders:
+        if problem := mu.folder_problem(folder, f"the run's folder {folder}/"):
+            raise ArgsError(problem + ".")
+
+
+def check_replay_fits(args: Args) -> None:
+    """A full replay against this machine's memory, or its cgroup's limit, before any of it exists: more than either
+    can ever hold is refused (`say_replay_size` warns later when it is more than is free now). Frames count in host
+    memory unless --replay-frames device."""
+    obs_shape = (args.frame_stack, *((3,) if args.rgb else ()), args.image_size, args.image_size)
+    per_step = (0 if args.replay_frames == "device" else math.prod(obs_shape[1:])) + REPLAY_AUX_BYTES_PER_STEP
+    capacity = replay_capacity(args)
+    flag = (
+        "--buffer-capacity"
+        if args.buffer_capacity is not None
+        else "--total-timesteps (no --buffer-capacity)"
+    )
+    problem, _ = mu.replay_memory_problem(
+        capacity * per_step,
+        f"the replay ({flag} {capacity:,} steps, {per_step:,} bytes each)",
+        lambda nbytes: f"--buffer-capacity {nbytes // per_step:,} would take about half of that",
+    )
+    if problem:
+        raise ArgsError(problem + ".")
+
+
+def check_updates_happen(args: Args) -> None:
+    """Settings that would train nothing at all: learning that starts at or after the last env step, or a train
+    ratio so small that the env steps after learning starts owe less than one update."""
+    if args.learning_starts >= args.total_timesteps:
+        raise ArgsError(
+            f"--learning-starts ({args.learning_starts:,}) must be below --total-timesteps "
+            f"({args.total_timesteps:,}): no update would ever run."
+        )
+    steps = args.total_timesteps - args.learning_starts
+    updates = steps * args.train_ratio / (args.batch_size * args.sequence_length)
+    if updates < 1:
+        least = args.batch_size * args.sequence_length / steps
+        raise ArgsError(
+            f"--train-ratio {args.train_ratio:g} gives {updates:.2f} updates in the {steps:,} env steps after learning "
+            f"starts (updates per env step = train ratio / (--batch-size x --sequence-length)): no update would run; "
+            f"give at least {least:.3g}."
+        )
 
 
 def check_ranges(args: Args) -> None:
@@ -2154,12 +2243,21 @@ def check_ranges(args: Args) -> None:
         "--world-model-lr": args.world_model_lr,
         "--actor-lr": args.actor_lr,
         "--critic-lr": args.critic_lr,
+    }.items():
+        if not 0 < value <= 1:
+            raise ArgsError(
+                f"{flag} must be greater than 0 and at most 1 (Adam moves each weight by about the learning rate per "
+                f"step), got {value}."
+            )
+    for flag, value in {
         "--world-model-eps": args.world_model_eps,
         "--actor-eps": args.actor_eps,
         "--critic-eps": args.critic_eps,
     }.items():
-        if not value > 0:
-            raise ArgsError(f"{flag} must be greater than 0, got {value}.")
+        if not 0 < value < math.inf:
+            raise ArgsError(f"{flag} must be greater than 0 and finite, got {value}.")
+    if not args.seed < 2**32:
+        raise ArgsError(f"--seed must be between 0 and 2**32 - 1 (numpy's seeds), got {args.seed}.")
     # any other number, a flag added to Args too: finite and not negative (--gpu-memory-gb: its own check, later)
     for field in dataclasses.fields(args):
         value = None if field.name == "gpu_memory_gb" else getattr(args, field.name)
@@ -3219,14 +3317,14 @@ def reward_quality(means: dict[str, float]) -> dict[str, float]:
 class UpdateLog:
     """What the updates log, summed on the device between two log points and read with one host transfer per log
     interval, so that no update waits for the host. The values of an update whose step was skipped (a non-finite
-    loss or gradient) are left out of the means; such updates are counted, with the longest run of them in a row.
+    loss or gradient) are left out of the means; such updates are counted, with the longest run of them in a row,
+    and so is each value that was not finite (which names the source: a loss term, a network's gradient).
     """
 
     def __init__(self, device):
         self.device = torch.device(device)
-        self.sums: dict[
-            tuple[str, ...], torch.Tensor
-        ] = {}  # keys -> (len(keys) + 1,): value sums, then count
+        # keys -> (2 len(keys) + 1,): value sums, then the count of healthy updates, then each value's non-finite count
+        self.sums: dict[tuple[str, ...], torch.Tensor] = {}
         self.streak = torch.zeros((), device=self.device)  # non-finite updates in a row, now
         self.longest = torch.zeros((), device=self.device)  # the longest such run since the last `pop`
         self.skipped = torch.zeros((), device=self.device)  # non-finite updates since the last `pop`
@@ -3237,7 +3335,10 @@ class UpdateLog:
         keys = tuple(metrics)
         # memory: only detached values are summed, so no update's graph stays alive until the log point
         values = torch.stack([value.detach() for value in metrics.values()])
-        row = torch.cat([torch.where(healthy, values, 0.0), healthy.detach().float().reshape(1)])
+        healthy = healthy.detach()
+        row = torch.cat(
+            [torch.where(healthy, values, 0.0), healthy.float().reshape(1), (~values.isfinite()).float()]
+        )
         if keys in self.sums:
             self.sums[keys] += row
         else:
@@ -3250,23 +3351,26 @@ class UpdateLog:
         torch.maximum(self.longest, self.streak, out=self.longest)
         self.skipped.add_(faulty)
 
-    def pop(self) -> tuple[dict[str, float], int, int]:
-        """(means of each key over its healthy updates, updates skipped, longest run of skipped updates in a row),
-        since the last call; then starts again (a run still going on carries over)."""
+    def pop(self) -> tuple[dict[str, float], int, int, dict[str, int]]:
+        """(means of each key over its healthy updates, updates skipped, longest run of skipped updates in a row, how
+        often each key that was ever non-finite was), since the last call; then starts again (a run still going on
+        carries over)."""
         groups = list(self.sums.items())
         flat = torch.cat(
             [row for _, row in groups] + [self.skipped.reshape(1), self.longest.reshape(1)]
         ).tolist()
-        means, offset = {}, 0
+        means, nonfinite, offset = {}, {}, 0
         for keys, _ in groups:
             count = flat[offset + len(keys)]
             if count > 0:
                 means.update({key: flat[offset + i] / count for i, key in enumerate(keys)})
-            offset += len(keys) + 1
+            bad = flat[offset + len(keys) + 1 : offset + 2 * len(keys) + 1]
+            nonfinite.update({key: int(n) for key, n in zip(keys, bad) if n > 0})
+            offset += 2 * len(keys) + 1
         self.sums, self.seen = {}, {}
         self.skipped.zero_()
         self.longest.copy_(self.streak)
-        return means, int(flat[-2]), int(flat[-1])
+        return means, int(flat[-2]), int(flat[-1]), nonfinite
 
     def recent(self, key: str) -> float | None:
         """The mean of `key` over the healthy updates since the last call (or the last `pop`), for the status line:
@@ -3274,7 +3378,7 @@ class UpdateLog:
         update logged it since."""
         for keys, row in self.sums.items():
             if key in keys:
-                now = row[[keys.index(key), -1]]  # (2,): the sum and the count (a copy)
+                now = row[[keys.index(key), len(keys)]]  # (2,): the sum and the count (a copy)
                 since = now - self.seen[key] if key in self.seen else now
                 self.seen[key] = now
                 total, count = since.tolist()
@@ -3291,10 +3395,13 @@ class UpdateLog:
 
     def restore(self, state: dict) -> None:
         self.seen = {}
-        self.sums = {
-            tuple(keys.split("|")): torch.tensor(row, device=self.device)
-            for keys, row in state["sums"].items()
-        }
+        self.sums = {}
+        for keys, row in state["sums"].items():
+            keys = tuple(keys.split("|"))
+            padded = row + [0.0] * (
+                2 * len(keys) + 1 - len(row)
+            )  # a checkpoint from before the non-finite counts
+            self.sums[keys] = torch.tensor(padded, device=self.device)
         for name in ("streak", "longest", "skipped"):
             getattr(self, name).fill_(state[name])
 
@@ -3426,6 +3533,12 @@ class Run:
     last_verdict: "mu.LeakVerdict | None" = None
     said_replay_short: bool = False
     stop: mu.StopSignals = dataclasses.field(default_factory=mu.StopSignals)  # read at the loop's top
+    made: "mu.StartUp | None" = None  # what the start-up made: a stop before the first env step takes it away
+    # non-finite values kept out: updates skipped (`log_point`), env steps cut (`env_fault`), and what was said
+    said_nonfinite: dict = dataclasses.field(default_factory=lambda: {"updates": 0, "env": 0})
+    env_faults: dict = dataclasses.field(
+        default_factory=dict
+    )  # env index -> (in a row, the step of the last)
 
     @property
     def checkpoint_path(self) -> str:
@@ -3439,10 +3552,21 @@ class Run:
         return (self.step - self.start_step) / max(time.time() - self.start_time, 1e-9)
 
     def stop_if_signalled(self) -> None:
-        """SIGINT or SIGTERM since the last iteration: a checkpoint, then exit 128 + N."""
-        if self.stop.received:
-            checkpoint(self, self.stop.name)
-            raise SystemExit(self.stop.exit_code)
+        """SIGINT or SIGTERM since the last iteration: a checkpoint, then exit 128 + N; before the run's first env
+        step there is nothing to keep, and a new run's folder is removed (`mu.StartUp`)."""
+        if not self.stop.received:
+            return
+        if self.step == self.start_step:
+            exit_with((self.made or mu.StartUp(new=False)).discard(self.stop.name), self.stop.exit_code)
+        checkpoint(self, self.stop.name)
+        exit_with(
+            f"stopped by {self.stop.name} at step {self.step}: --resume {self.checkpoint_path} goes on",
+            self.stop.exit_code,
+        )
+
+    def env_fault(self, env_index: int, fault: str) -> None:
+        """`env_fault` for this run."""
+        env_fault(self, env_index, fault)
 
     def watch(self) -> None:
         """After each env step: the open-loop videos, probes, snapshots and progress line (`diagnose`), the status
@@ -3505,25 +3629,28 @@ NEW_COUNTERS = {
     "behavior_updates": 0,
     "updates_owed": 0.0,
     "nonfinite_updates": 0,
+    "nonfinite_env_steps": 0,
     "episodes": 0,
     "train_seconds": 0.0,  # wall time of this run, summed over its resumed parts
 }
 
 
-def set_up(args: Args) -> Run:
+def set_up(args: Args, stop: mu.StopSignals | None = None, made: "mu.StartUp | None" = None) -> Run:
     """The run, in the order it is made: the input checked (bad input exits 2 before anything is written), the
     learner with Part 2's equivalents checked (`build_learner`: a mismatch exits 7, before the run has a folder), its
     folder and logs, the optimizer state (`preflight`), a resumed run's state restored, then the instruments that
-    watch it. Out of memory before training (the worst-case update does not fit) is a report and exit 3."""
+    watch it. Out of memory before training (the worst-case update does not fit) is a report and exit 3. `stop`: the
+    run's stop signals; `made`: what the start-up made, filled in as it goes."""
     mu.configure_allocator(verbose=False)  # memory: before anything touches CUDA
     mu.one_malloc_arena()  # memory: before TensorBoard's and wandb's threads, whose own heaps are never trimmed
     device, resume_state = check_input(args)
     cap_gpu_memory(args, device)  # before anything is written or built; a run that cannot fit exits 3
     seed_everything(args, device)
-    run = None
+    run, made = None, made or mu.StartUp(new=resume_state is None)
     try:
         run = build_learner(args, device, resume_state)
-        run.run_name, run.run_dir, run.writer = open_run(args, resume_state)
+        run.stop, run.made = stop or run.stop, made
+        run.run_name, run.run_dir, run.writer = open_run(args, resume_state, made)
         if device.type == "cuda":
             mu.install_oom_observer(run.run_dir)
         if args.preallocate:
@@ -3531,7 +3658,7 @@ def set_up(args: Args) -> Run:
             if gpu_cap(args) is not None and device.type == "cuda":
                 check_fits_under_cap(run, peak_mb * 2**20)
     except torch.OutOfMemoryError as exc:
-        run_dir = run.run_dir if run is not None and run.run_dir else open_run(args, resume_state)[1]
+        run_dir = run.run_dir if run is not None and run.run_dir else open_run(args, resume_state, made)[1]
         run = None  # memory: the half-built learner goes before the report
         oom = mu.out_of_memory(exc, __file__, run_dir, device=device, advice=OOM_ADVICE)
         under = f" under --gpu-memory-gb {args.gpu_memory_gb:g}" if gpu_cap(args) is not None else ""
@@ -3566,35 +3693,39 @@ def set_up(args: Args) -> Run:
     return run
 
 
-def open_run(args: Args, resume_state: dict | None) -> tuple[str, str, SummaryWriter]:
-    """The run's folder (`runs/{run_name}`, claimed atomically: a name another run already holds gets a suffix;
-    a resumed run goes on in its own), TensorBoard and, with --track, wandb. Returns (run name, folder, writer)."""
+def open_run(args: Args, resume_state: dict | None, made: "mu.StartUp") -> tuple[str, str, SummaryWriter]:
+    """The run's folder (`runs/{run_name}`, claimed atomically and marked as this script's: a name another run already
+    holds gets a suffix; a resumed run goes on in its own), TensorBoard and, with --track, wandb (one that cannot
+    start is one line, and the run trains on). Returns (run name, folder, writer); `made` records what it made."""
     if resume_state is not None:
         run_name = resume_state["run_name"]
         run_dir = f"runs/{run_name}"
     else:
-        wanted = f"{args.env_id.replace('/', '_')}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        run_dir, run_name = mu.claim_run_dir("runs", wanted)
-    if args.track:
-        import wandb
-
-        wandb.init(
-            project=args.wandb_project_name,
-            entity=args.wandb_entity,
-            sync_tensorboard=True,
-            config=vars(args),
-            name=run_name,
-            id=run_name,
-            dir=os.getcwd(),  # ./wandb beside ./runs, also when an earlier run in this process set another place
-            resume="allow",
-            monitor_gym=True,
-            save_code=True,
-        )
+        run_dir, run_name = mu.claim_run_dir("runs", run_name_of(args), script=__file__)
+    made.run_dir = run_dir
+    if args.capture_video:
+        made.folders.append(f"videos/{run_name}")
+    tracking = args.track and mu.start_wandb(
+        print,
+        project=args.wandb_project_name,
+        entity=args.wandb_entity,
+        sync_tensorboard=True,
+        config=vars(args),
+        name=run_name,
+        id=run_name,
+        dir=os.getcwd(),  # ./wandb beside ./runs, also when an earlier run in this process set another place
+        resume="allow",
+        monitor_gym=True,
+        save_code=True,
+    )
+    if tracking:
+        made.closers.append(lambda: sys.modules["wandb"].finish())
     # absolute: wandb's service process resolves a relative path against its own folder, which is that of the
     # first tracked run of this Python process
     # a resumed run hides what the stopped one logged after its checkpoint (TensorBoard's purge): no step twice
     purge_step = resume_state["counters"]["global_step"] + 1 if resume_state is not None else None
     writer = SummaryWriter(os.path.abspath(run_dir), purge_step=purge_step)
+    made.closers.append(writer.close)
     mu.keep_events_on_write_errors(writer)  # a full disk: one warning line, events dropped, training goes on
     writer.add_text(
         "hyperparameters",
@@ -3748,7 +3879,9 @@ def log_point(run: Run) -> None:
     run.writer.flush()  # memory: no TensorBoard record still queued (a GIF's: 0.2-0.7 MB) is read as growth
     # memory: memory_report() collects garbage and trims the heap first, so this is live memory
     run.last_report = mu.memory_report(buffer_stats=replay_stats(run.replay), device=run.device)
-    interval_means, skipped, longest_skipped_run = run.update_log.pop()  # the interval's one host sync
+    interval_means, skipped, longest_skipped_run, nonfinite = (
+        run.update_log.pop()
+    )  # the interval's one host sync
     counters["nonfinite_updates"] += skipped
     scalars = {
         **run.last_report,
@@ -3760,6 +3893,7 @@ def log_point(run: Run) -> None:
         "charts/updates": float(counters["updates"]),
         "charts/train_seconds": run.seconds_before + elapsed,
         "debug/nonfinite_updates": float(counters["nonfinite_updates"]),
+        "debug/nonfinite_env_steps": float(counters["nonfinite_env_steps"]),
         "debug/speed/dropped_paths": float(len(counters.get("dropped_fast_paths", {}))),
     }
     for key, value in scalars.items():
@@ -3772,12 +3906,25 @@ def log_point(run: Run) -> None:
     run.last_verdict = verdict
     run.progress.mark(step)
     run.progress.line(step, sps, run.last_return, run.last_report)
+    say_nonfinite(run, skipped, nonfinite)
+    # no step with a finite loss and gradient moves a weight to inf, but an edit might: nothing is written from them
+    if bad := nonfinite_weights(run.agent):
+        exit_with(
+            f"stopping at step {step}: the weights of {', '.join(bad)} are not finite, so nothing more is trained "
+            f"or written from them; the last checkpoint is kept.",
+            EXIT_NONFINITE,
+        )
     if longest_skipped_run >= args.max_nonfinite:
         checkpoint(run, "non-finite losses")
+        advice = (
+            "lower learning rates"
+            if args.precision == "float32"
+            else "--precision float32 or lower learning rates"
+        )
+        sources = nonfinite_sources(nonfinite)
         exit_with(
-            f"stopping: {longest_skipped_run} updates in a row had a non-finite loss or gradient (each step was "
-            f"skipped, so the checkpoint holds the last finite weights); try --precision float32 or lower learning "
-            f"rates.",
+            f"stopping: {longest_skipped_run} updates in a row had a non-finite value ({sources}) and each step was "
+            f"skipped, so the checkpoint holds the last finite weights; try {advice}.",
             EXIT_NONFINITE,
         )
     if verdict.abort and args.abort_on_leak:
@@ -3785,12 +3932,117 @@ def log_point(run: Run) -> None:
         exit_with(f"stopping (--abort-on-leak): {verdict.diagnosis}", EXIT_LEAK)
 
 
-def checkpoint(run: Run, reason: str, required: bool = True, check: bool = False) -> None:
+# the value whose non-finite count names the network whose gradient it is
+GRADIENT_OF = {
+    "debug/world_model_grad_norm": "the world model's gradient",
+    "debug/actor_grad_norm": "the actor's gradient",
+    "debug/critic_grad_norm": "the critic's gradient",
+}
+
+
+def nonfinite_sources(nonfinite: dict[str, int]) -> str:
+    """What was not finite in skipped updates, from `UpdateLog.pop`'s counts: the loss terms (the world model's sum
+    only when no term of it was), then the networks whose gradient was."""
+    losses = [key for key in nonfinite if key.startswith("losses/")]
+    terms = [key for key in losses if key != "losses/world_model"]
+    named = (terms if terms or "losses/world_model" not in losses else losses) + [
+        GRADIENT_OF[key] for key in nonfinite if key in GRADIENT_OF
+    ]
+    others = [key for key in nonfinite if not key.startswith("losses/") and key not in GRADIENT_OF]
+    return ", ".join(named + others) or "a loss or a gradient"
+
+
+def say_nonfinite(run: Run, skipped: int, nonfinite: dict[str, int]) -> None:
+    """At a log point: the updates skipped since the last one (a non-finite loss term or gradient), named in full the
+    first time, as a count while it recurs; and the env steps cut since (`env_fault` names the first)."""
+    counters, said = run.counters, run.said_nonfinite
+    if skipped:
+        sources = nonfinite_sources(nonfinite)
+        if said["updates"] == 0:
+            run.progress.say(
+                f"updates skipped: {skipped} since the last log point had a non-finite value ({sources}); their steps "
+                f"were not taken, so the weights stay finite (later ones: a count per log point)"
+            )
+        else:
+            run.progress.say(
+                f"{skipped} more update{'s' * (skipped != 1)} skipped for a non-finite value ({sources}; "
+                f"{counters['nonfinite_updates']} in all)"
+            )
+        said["updates"] = counters["nonfinite_updates"]
+    if (cut := counters["nonfinite_env_steps"] - said["env"]) > 0:
+        run.progress.say(
+            f"{cut} more env step{'s' * (cut != 1)} cut for a non-finite value ({counters['nonfinite_env_steps']} "
+            f"in all)"
+        )
+        said["env"] = counters["nonfinite_env_steps"]
+
+
+class FiniteSteps(gym.Wrapper):
+    """The run's guard of each env step (`make_env`'s `guard`): a step whose reward or observation is not a finite
+    number (`mu.nonfinite`) ends its episode there, cut short: the last finite observation back with reward 0,
+    truncated, and what it was in info["nonfinite"] ("reward nan"). `EpisodeReplay.add` leaves that step out, and the
+    episode's statistics never see it."""
+
+    def reset(self, **kwargs):
+        self.last_obs, info = self.env.reset(**kwargs)
+        return self.last_obs, info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        if (fault := mu.nonfinite(reward, obs)) is None:
+            self.last_obs = obs
+            return obs, reward, terminated, truncated, info
+        return self.last_obs, 0.0, False, True, {**info, "nonfinite": fault}
+
+
+def env_fault(run: Run, env_index: int, fault: str) -> None:
+    """An env step whose reward or observation was not finite (`FiniteSteps`), left out of the replay, its episode
+    cut there: counted and, the first time, named in one line (later ones at each log point). `--max-nonfinite` such
+    steps of one env in a row stop the run (exit 5): nothing to learn from comes out of it."""
+    counters, step = run.counters, run.step
+    in_a_row, last = run.env_faults.get(env_index, (0, None))
+    in_a_row = in_a_row + 1 if last == step - run.args.num_envs else 1
+    run.env_faults[env_index] = (in_a_row, step)
+    counters["nonfinite_env_steps"] += 1
+    if run.said_nonfinite["env"] == 0:
+        run.said_nonfinite["env"] = counters["nonfinite_env_steps"]
+        run.progress.say(
+            f"env {env_index} gave a non-finite {fault} at env step {step}: that step is left out of the replay and "
+            f"its episode ends there, stored as truncated (later ones: a count per log point)"
+        )
+    if in_a_row >= run.args.max_nonfinite:
+        checkpoint(run, "non-finite env steps")
+        exit_with(
+            f"stopping: env {env_index} (--env-id {run.args.env_id}) gave a non-finite value at {in_a_row} steps in a "
+            f"row (the last: {fault} at env step {step}); none reached the replay, and the checkpoint holds the last "
+            f"finite weights.",
+            EXIT_NONFINITE,
+        )
+
+
+def nonfinite_weights(agent: Agent) -> list[str]:
+    """The names of the agent's modules with a weight (or a floating buffer: the return normaliser's) that is not
+    finite, with one host sync; [] when all are."""
+    modules = agent.modules()
+    finite = []
+    for module in modules.values():
+        tensors = [t for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point()]
+        finite.append(
+            torch.stack([t.isfinite().all() for t in tensors]).all() if tensors else torch.tensor(True)
+        )
+    return [name for name, ok in zip(modules, torch.stack([f.cpu() for f in finite]).tolist()) if not ok]
+
+
+def checkpoint(run: Run, reason: str, required: bool = True, check: bool = False) -> bool:
     """A checkpoint that fails to write (a full disk): `required` (the final one, a signal's, an OOM's) ends the run
-    with one sentence and EXIT_WRITE_FAILED; otherwise one warning line and the last good one stays. With `check` (the
-    periodic and final ones) the fast paths are then held to the readable functions on the live weights
-    (`check_run_fast_paths`): one that disagrees is dropped and the run goes on; a mismatch that no flag can take away
-    mid-run stops the run, the checkpoint written, with EXIT_FAST_PATH."""
+    with one sentence and EXIT_WRITE_FAILED; otherwise one warning line and the last good one stays. None is written
+    from weights that are not finite (one line: the last good one stays). With `check` (the periodic and final ones)
+    the fast paths are then held to the readable functions on the live weights (`check_run_fast_paths`): one that
+    disagrees is dropped and the run goes on; a mismatch that no flag can take away mid-run stops the run, the
+    checkpoint written, with EXIT_FAST_PATH. Returns whether it was written."""
+    if bad := nonfinite_weights(run.agent):
+        run.progress.say(f"checkpoint ({reason}) not written: the weights of {', '.join(bad)} are not finite")
+        return False
     mismatch = None
     if check:  # first, so that the checkpoint records a path dropped now
         try:
@@ -3805,13 +4057,14 @@ def checkpoint(run: Run, reason: str, required: bool = True, check: bool = False
     except mu.WriteFailed as exc:
         if not required:
             run.progress.say(f"warning: {exc}; checkpoint ({reason}) not written, the last good one is kept")
-            return
+            return False
         exit_with(
             f"stopping: {exc}; the run cannot go on without this checkpoint ({reason}).", EXIT_WRITE_FAILED
         )
     run.progress.say(f"checkpoint ({reason}): {run.checkpoint_path} at step {run.step}")
     if mismatch is not None:
         exit_with(f"stopping at step {run.step}, its checkpoint written: {mismatch}", EXIT_FAST_PATH)
+    return True
 
 
 def say_replay_short(run: Run) -> None:
@@ -3849,44 +4102,72 @@ def finish(run: Run) -> None:
 
 
 def main(args: Args) -> dict:
-    """Train (Part 1's `learn`); returns the final counters (global_step, updates, ...) and the run directory."""
-    run = set_up(
-        args
-    )  # the input checked, the run's folder and logs, the learner with Part 2 in place, instruments
-    envs = make_vector_env(args, run.run_name, args.seed)
-    with guarded(run, envs):  # a signal, an out-of-memory error or a crash leaves a checkpoint
-        run.progress.mark(run.step)
-        learn(run, envs)
-        finish(run)
+    """Train (Part 1's `learn`); returns the final counters (global_step, updates, ...) and the run directory. A stop
+    signal during the start-up stops it at once (`mu.Stopped`: what it made is removed), later at the loop's top."""
+    stop = mu.StopSignals()
+    made = mu.StartUp(new=args.resume is None, parents=("runs", "videos"))
+    with stop:  # SIGINT and SIGTERM: recorded, read at the top of the loop; in the start-up, raised at once
+        try:
+            with stop.at_once():
+                run = set_up(
+                    args, stop, made
+                )  # the input checked, the run's folder and logs, the learner, instruments
+                envs = make_vector_env(args, run.run_name, args.seed, guard=FiniteSteps)
+                made.closers.append(envs.close)
+        except mu.Stopped as exc:
+            exit_with(made.discard(exc.name), exc.exit_code)
+        except Exception as exc:  # noqa: BLE001 - a bug, an env that fails to start: one paragraph, exit 8
+            made.close()
+            log = os.path.join(made.run_dir, "crash.log") if made.run_dir else None
+            report = mu.crash_report(exc, __file__, log)
+            exit_with(f"crashed during start-up, nothing trained: {report}.", EXIT_CRASHED)
+        with guarded(run, envs):  # a signal, an out-of-memory error or a crash leaves a checkpoint
+            run.progress.mark(run.step)
+            learn(run, envs)
+            finish(run)
+    if stop.received:  # during the final checkpoint: the run is complete, the signal is still said
+        exit_with(
+            f"stopped by {stop.name} after the last step (the final checkpoint is written)", stop.exit_code
+        )
     return {**run.counters, "run_dir": run.run_dir, "run_name": run.run_name}
 
 
 @contextlib.contextmanager
 def guarded(run: Run, envs):
-    """The loop's guard: SIGINT and SIGTERM are recorded from here on (and read at the top of the loop); an
-    out-of-memory error gets a report, a checkpoint and exit 3; any other error a checkpoint, then its traceback; and
-    whatever happens the snapshots, envs, TensorBoard and wandb are closed. While it runs, a status line comes at
-    least every 30 s, also while an update outlasts that (`mu.StatusLine.keep_alive`)."""
-    with run.stop, run.status.keep_alive():
+    """The loop's guard: an out-of-memory error gets a report, a checkpoint and exit 3; any other error a checkpoint,
+    its traceback in the run's crash.log, one paragraph and exit 8; and whatever happens the snapshots, envs,
+    TensorBoard and wandb are closed. While it runs, a status line comes at least every 30 s, also while an update
+    outlasts that (`mu.StatusLine.keep_alive`). Stop signals are read at the loop's top (`Run.stop_if_signalled`)."""
+    with run.status.keep_alive():
         try:
             yield
         except torch.OutOfMemoryError as exc:
             out_of_memory(run, exc)
-        except Exception as exc:
-            # anything else (an env that crashed, a bug): keep what was trained, then show the traceback
-            try:
-                checkpoint(run, f"crashed with {type(exc).__name__}", required=False)
-            except Exception as save_error:  # noqa: BLE001 - the original error is the one to show
-                run.progress.say(f"could not write a checkpoint after the crash ({save_error})")
-            raise
+        except Exception as exc:  # noqa: BLE001 - an env that crashed, a bug: keep what was trained, then say it
+            crashed(run, exc)
         finally:
-            run.snapshots.close()
-            envs.close()
-            run.writer.close()
-            if run.args.track:
-                import wandb
+            closers = [run.snapshots.close, envs.close, run.writer.close]
+            if run.args.track and "wandb" in sys.modules:
+                closers.append(sys.modules["wandb"].finish)
+            for close in closers:
+                with contextlib.suppress(Exception):
+                    close()
 
-                wandb.finish()
+
+def crashed(run: Run, exc: Exception) -> None:
+    """An error in the loop: the checkpoint of where training stands, the traceback in {run_dir}/crash.log, one
+    paragraph on stderr saying what raised and where, exit 8 (EXIT_CRASHED)."""
+    report = mu.crash_report(exc, __file__, os.path.join(run.run_dir, "crash.log"))
+    try:
+        written = checkpoint(run, f"crashed with {type(exc).__name__}", required=False)
+        kept = (
+            f"--resume {run.checkpoint_path} goes on from step {run.step}"
+            if written
+            else "no checkpoint written"
+        )
+    except Exception as save_error:  # noqa: BLE001 - the crash is the one to report
+        kept = f"the checkpoint could not be written ({type(save_error).__name__}: {save_error})"
+    exit_with(f"crashed at step {run.step}: {report}; {kept}.", EXIT_CRASHED)
 
 
 def out_of_memory(run: Run, exc: torch.OutOfMemoryError) -> None:

@@ -2422,14 +2422,14 @@ def gather_sum(index: torch.Tensor, table: torch.Tensor, offsets: torch.Tensor) 
 
 
 def draw_matrices(classes: int, unimix: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CDF of probabilities (..., C) with `unimix` uniform mixed in, as one product (`mixed_draw`): the matrix
-    (1 - unimix) x a triangle of ones (C, C) and the bias unimix (k + 1) / C (C,); the last column 0 and 2, as
-    `one_hot_draw` sets the last CDF step to 2 (so rounding never leaves no class)."""
+    """The first C - 1 steps of the CDF of probabilities (..., C) with `unimix` uniform mixed in, as one product
+    (`mixed_draw`): the matrix (1 - unimix) x a triangle of ones (C, C - 1) and the bias unimix (k + 1) / C (C - 1,).
+    The last class is the one drawn where no step reaches the uniform, as `one_hot_draw` sets the last CDF step to 2
+    (so rounding never leaves no class, nor do probabilities that are not finite: every index drawn is a class)."""
 
     def make():
-        weight = (1 - unimix) * torch.ones(classes, classes, device=device).triu()
-        bias = unimix / classes * torch.arange(1, classes + 1, dtype=torch.float32, device=device)
-        weight[:, -1], bias[-1] = 0.0, 2.0
+        weight = (1 - unimix) * torch.ones(classes, classes - 1, device=device).triu()
+        bias = unimix / classes * torch.arange(1, classes, dtype=torch.float32, device=device)
         return weight, bias
 
     return constant(("draw matrices", classes, unimix, torch.device(device)), make)
@@ -2438,10 +2438,10 @@ def draw_matrices(classes: int, unimix: float, device) -> tuple[torch.Tensor, to
 def mixed_draw(probs: torch.Tensor, unimix: float, uniform: torch.Tensor) -> torch.Tensor:
     """The class `one_hot_draw` picks from `probs` (..., C) with `unimix` uniform mixed in ((1 - unimix) probs +
     unimix / C, as `RSSM._stats` and `Actor.forward` mix), from a uniform per row (..., 1), as its index (..., 1)
-    int64: the mixed CDF in one product with the mixing in its matrix and bias (`draw_matrices`), then the first class
-    whose CDF reaches the uniform (`searchsorted`). The product in full float32 outside autocast, as
-    `fast_one_hot_draw`'s. Compiled (--compile; a product there would take TF32), the mixed probabilities' cumulative
-    sum and a count of the CDF steps below the uniform, which Inductor fuses."""
+    int64: the mixed CDF's first C - 1 steps in one product with the mixing in its matrix and bias (`draw_matrices`),
+    then the first class whose CDF reaches the uniform, the last where none does (`searchsorted`). The product in full
+    float32 outside autocast, as `fast_one_hot_draw`'s. Compiled (--compile; a product there would take TF32), the
+    mixed probabilities' cumulative sum and a count of the CDF steps below the uniform, which Inductor fuses."""
     classes = probs.shape[-1]
     if torch.compiler.is_compiling():
         cdf = ((1 - unimix) * probs.float() + unimix / classes).cumsum(-1)
@@ -2451,8 +2451,8 @@ def mixed_draw(probs: torch.Tensor, unimix: float, uniform: torch.Tensor) -> tor
     torch.set_float32_matmul_precision("highest")
     try:
         with torch.autocast(probs.device.type, enabled=False):
-            cdf = torch.addmm(bias, probs.reshape(-1, classes).float(), weight).view(probs.shape)
-            return torch.searchsorted(cdf, uniform.float())
+            cdf = torch.addmm(bias, probs.reshape(-1, classes).float(), weight)
+            return torch.searchsorted(cdf.view(*probs.shape[:-1], classes - 1), uniform.float())
     finally:
         torch.set_float32_matmul_precision(precision)
 

@@ -2038,24 +2038,309 @@ def write_oom_report(
 # ---------------------------------------------------------------------------------------------------------
 # A run's life: its folder, stop signals, out of memory, verified checkpoints
 # ---------------------------------------------------------------------------------------------------------
-def claim_run_dir(
-    parent: str | os.PathLike, name: str, say: Callable[[str], None] = print
-) -> tuple[str, str]:
-    """Create `parent/name` for a new run and return (its path, its name). Creating a folder is atomic: of two runs
-    that want the same name (started in the same second with the same seed), one gets it and the other the first
-    free `name-2`, `name-3`, ..., said in one line, so that no two runs ever write into one folder."""
+# Exit statuses, the same in both scripts (each script's docs list what it uses)
+EXIT_BAD_INPUT = 2  # a bad value: one sentence, nothing written
+EXIT_OOM = 3  # out of memory (report and checkpoint), or a run that cannot fit, said before it trains
+EXIT_LEAK = 4  # the leak detector's abort (Dreamer's --abort-on-leak)
+EXIT_NONFINITE = 5  # too many non-finite updates or env steps in a row: checkpoint of the last finite weights
+EXIT_WRITE_FAILED = 6  # a file the run cannot go on without could not be written
+EXIT_FAST_PATH = 7  # Dreamer: a fast path differs from the readable function at start-up
+EXIT_CRASHED = 8  # an error in the loop: a checkpoint first, the traceback in the run's crash.log
+
+
+RUN_MARK = ".run.json"  # what a script writes into each run folder it makes: `--overwrite` removes only those
+
+
+def name_problem(name: str, what: str, parent: str | os.PathLike = ".", reserve: int = 0) -> str | None:
+    """Why `name` cannot be the name of one folder inside `parent` (a sentence naming the value and what is allowed,
+    without its full stop), or None: empty, `.` or `..`, a path separator or a NUL byte, or longer than the file system
+    of `parent` allows for one name, less `reserve` bytes the script may add (a `-2` suffix). A name that passes stays
+    inside `parent`: nothing a user passes as a name can reach another folder."""
+    shown = name if len(name) <= 60 else name[:40] + "..." + name[-8:]
+    plain = "give a plain folder name such as 'baseline'"
+    if not name.strip():
+        return f"{what} must not be empty; {plain}"
+    if name in (".", ".."):
+        return f"{what} {name!r} names a folder that exists already, not one of its own; {plain}"
+    if "\0" in name:
+        return f"{what} {shown!r} holds a NUL byte, which no file name can; {plain}"
+    separators = [s for s in (os.sep, os.altsep) if s and s in name]
+    if separators or os.path.isabs(name):
+        return f"{what} {shown!r} holds {(separators or [os.sep])[0]!r}, so it would name a path, not one folder; {plain}"
+    existing = os.path.abspath(os.fspath(parent))
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    try:
+        longest = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    size = len(os.fsencode(name))
+    if size + reserve > longest:
+        return (
+            f"{what} {shown!r} is {size} bytes long, and a folder name there can be at most {longest - reserve} bytes "
+            f"({longest} on this file system, less {reserve} for what the script adds); give a shorter name"
+        )
+    return None
+
+
+def folder_problem(path: str | os.PathLike, what: str) -> str | None:
+    """Why a run cannot make folder `path` and write files there (a sentence without its full stop), or None. The
+    nearest folder of `path` that exists is tried with a folder made and removed at once, so a read-only file
+    system, missing permissions or a file in the way are found before the run writes anything, and nothing is left
+    behind."""
+    shown = os.fspath(path)
+    existing = os.path.normpath(shown)  # spelled as the user spelled it, relative or not
+    while not os.path.lexists(existing) and os.path.dirname(existing) not in ("", existing):
+        existing = os.path.dirname(existing)
+    if not os.path.lexists(existing):
+        existing = "."
+    if not os.path.isdir(existing):
+        where = (
+            "is a file" if existing == os.path.normpath(shown) else f"is inside {existing}, which is a file"
+        )
+        return f"{what} {shown!r} {where}, not a folder; give a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".write_check_"))
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        nearest = os.path.abspath(existing)
+        where = (
+            ""
+            if existing == os.path.normpath(shown)
+            else f" (the nearest folder of it that exists, {nearest})"
+        )
+        return f"{what} {shown!r} cannot be written: {reason}{where}; give a folder this user can write"
+    return None
+
+
+def make_run_dir(parent: str | os.PathLike, name: str, script: str = "") -> str:
+    """Create `parent/name` for a new run, marked as made by `script` (RUN_MARK), and return its path; raises
+    FileExistsError when it exists. Creating a folder is atomic: of two runs that want one name, one gets it."""
+    path = os.path.join(os.fspath(parent), name)
     os.makedirs(parent, exist_ok=True)
+    os.mkdir(path)
+    mark = {"script": os.path.basename(script), "name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    with open(os.path.join(path, RUN_MARK), "w") as f:
+        json.dump(mark, f)
+    return path
+
+
+def claim_run_dir(
+    parent: str | os.PathLike, name: str, say: Callable[[str], None] = print, script: str = ""
+) -> tuple[str, str]:
+    """Create `parent/name` for a new run (`make_run_dir`) and return (its path, its name). Of two runs that want the
+    same name (started in the same second with the same seed), one gets it and the other the first free `name-2`,
+    `name-3`, ..., said in one line, so that no two runs ever write into one folder."""
     for attempt in itertools.count(1):
         candidate = name if attempt == 1 else f"{name}-{attempt}"
-        path = os.path.join(os.fspath(parent), candidate)
         try:
-            os.mkdir(path)
+            path = make_run_dir(parent, candidate, script)
         except FileExistsError:
             continue
         if attempt > 1:
             say(f"run folder {os.path.join(os.fspath(parent), name)} is taken; this run writes to {path}")
         return path, candidate
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def foreign_entries(
+    folder: str | os.PathLike, run_files: Iterable[str], config: str = "config.json"
+) -> list[str]:
+    """What in `folder` a script did not write there: nothing when it carries RUN_MARK (the script made it) or is
+    empty; else, for a run folder of an older version (no mark, its `config` and only `run_files` in it), nothing;
+    otherwise the entries that are not `run_files`, or the folder itself when its `config` is missing. `--overwrite`
+    removes a folder only when this is empty: a user's files are never deleted."""
+    folder = os.fspath(folder)
+    try:
+        entries = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        return [folder]
+    if RUN_MARK in entries or not entries:
+        return []
+    unknown = [entry for entry in entries if entry not in set(run_files)]
+    return unknown if unknown or config in entries else [folder]
+
+
+def remove_event_files(folder: str | os.PathLike) -> None:
+    """Remove the TensorBoard event files of a run from `folder`, and the folder once nothing else is in it: a user's
+    other files stay."""
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        return
+    for entry in os.listdir(folder):
+        if entry.startswith("events.out.tfevents."):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, entry))
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
+
+
+def host_memory_limit(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> tuple[int, str]:
+    """The most host memory this process can have, in bytes, and what sets it: the machine's, or its cgroup's limit
+    (cgroup v2 `memory.max` of its own group and those above it, v1 `memory.limit_in_bytes`) where that is lower.
+    `cgroups` and `root`: where this process's groups are listed and mounted."""
+    total = (
+        psutil.virtual_memory().total
+        if psutil is not None
+        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    )
+    limits = [(total, "this machine")]
+    with contextlib.suppress(OSError, ValueError):
+        with open(cgroups) as f:
+            lines = f.read().splitlines()
+        for line in lines:
+            _, controllers, relative = line.split(":", 2)
+            if controllers == "":  # v2: the group and each group above it may set a limit
+                group = Path(root) / relative.lstrip("/")
+                for folder in [group, *group.parents]:
+                    limit_file = folder / "memory.max"
+                    if limit_file.exists() and (text := limit_file.read_text().strip()) != "max":
+                        limits.append((int(text), f"this process's cgroup ({folder})"))
+                    if folder == Path(root):
+                        break
+            elif "memory" in controllers.split(","):
+                limit_file = Path(root) / "memory" / relative.lstrip("/") / "memory.limit_in_bytes"
+                if limit_file.exists():
+                    limits.append((int(limit_file.read_text().strip()), "this process's cgroup"))
+    return min(limits)
+
+
+def replay_memory_problem(
+    nbytes: int, what: str, smaller: Callable[[int], str]
+) -> tuple[str | None, str | None]:
+    """(a sentence refusing a replay of `nbytes` when full, or None; a warning line, or None), before any of it is
+    allocated. Refused when it is more than this process can ever have (`host_memory_limit`); a warning when it is
+    more than is available now (other processes may give memory back, and a replay grows as it fills).
+    `smaller(bytes per ...)`: the script's own clause saying which value would fit in the bytes it is given."""
+    limit, source = host_memory_limit()
+    if nbytes > limit:
+        return (
+            f"{what} would take {nbytes:,} bytes ({_size_text(nbytes)}) when full, more than the {limit:,} bytes "
+            f"({_size_text(limit)}) {source} has in all; {smaller(int(0.5 * limit))}",
+            None,
+        )
+    available = psutil.virtual_memory().available if psutil is not None else None
+    if available is not None and nbytes > available:
+        return None, (
+            f"warning: {what} would take {_size_text(nbytes)} when full, more than the {_size_text(available)} "
+            f"available now; {smaller(int(0.5 * available))}"
+        )
+    return None, None
+
+
+def nonfinite(reward: float, observation: Any = None) -> str | None:
+    """What of an environment's step is not a finite number, said as "reward nan" or "observation player inf", or
+    None: its reward and any floating array of its observation (an array, or a dict of them; integer frames and
+    feature layers are always finite). A run keeps such a step out of its replay."""
+    if not math.isfinite(float(reward)):
+        return f"reward {float(reward)}"
+    parts = observation.items() if isinstance(observation, dict) else [("", observation)]
+    for key, value in parts:
+        array = np.asarray(value)
+        if array.dtype.kind in "fc" and not np.isfinite(array).all():
+            return f"observation {f'{key} ' if key else ''}{array[~np.isfinite(array)].flat[0]}"
+    return None
+
+
+class Stopped(BaseException):
+    """A stop signal during a run's start-up (`StopSignals.at_once`), raised where it landed: nothing is worth a
+    checkpoint yet, so the run removes the folder it made and exits 128 + N. A BaseException, as KeyboardInterrupt
+    is, so that no `except Exception` on the way takes it for an error."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class StartUp:
+    """What a run's start-up has made so far, filled in as it makes it, so that a stop signal before the run's first
+    step (`Stopped`) can take it away again (`discard`): what it opened (`closers`: TensorBoard, wandb, envs), a new
+    run's folder (`run_dir`), folders named after it (`folders`: its videos), its TensorBoard events elsewhere
+    (`event_dirs`), and the folders above them it made (`parents` that did not exist: removed if left empty). A
+    resumed run's folder and events are never removed."""
+
+    def __init__(self, new: bool, parents: Iterable[str | os.PathLike] = ()):
+        self.new = new
+        self.run_dir: str | None = None
+        self.folders: list[str] = []
+        self.event_dirs: list[str] = []
+        self.closers: list[Callable[[], Any]] = []
+        self.parents = [os.path.abspath(p) for p in parents if not os.path.exists(p)]
+
+    def close(self) -> None:
+        """Close what was opened, last first (one that fails is passed over)."""
+        for closer in reversed(self.closers):
+            with contextlib.suppress(Exception):
+                closer()
+
+    def discard(self, signal_name: str) -> str:
+        """Close what was opened, remove what this start-up made; returns the sentence to say."""
+        self.close()
+        if not self.new or self.run_dir is None:
+            return f"stopped by {signal_name} during start-up, before the first step: nothing was trained"
+        for folder in (self.run_dir, *self.folders):
+            shutil.rmtree(folder, ignore_errors=True)
+        for folder in self.event_dirs:
+            remove_event_files(folder)
+        for folder in self.parents:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        return (
+            f"stopped by {signal_name} during start-up, before the first step: nothing was trained, and the run's "
+            f"folder {self.run_dir} was removed"
+        )
+
+
+def start_wandb(say: Callable[[str], None], **init) -> bool:
+    """`wandb.init(**init)`; False, after one line saying that tracking is off and why, when wandb cannot start (not
+    installed, no API key, a folder it cannot write): tracking never stops a run, which logs to TensorBoard anyway."""
+    try:
+        import wandb
+
+        wandb.init(**init)
+        return True
+    except Exception as exc:  # noqa: BLE001 - tracking must never stop training
+        first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+        say(f"tracking is off: wandb could not start ({type(exc).__name__}: {first_line}); the run trains on")
+        with contextlib.suppress(Exception):
+            sys.modules["wandb"].finish()
+        return False
+
+
+def crash_report(exc: BaseException, script: str, log_path: str | None) -> str:
+    """A crash of the loop in one paragraph: what raised and where (the innermost frame, and the script's own line
+    that led there), with the whole traceback written to `log_path` (None: not written). Never raises."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    here = os.path.abspath(script)
+    ours = [f for f in frames if os.path.abspath(f.filename) == here]
+    where = ""
+    if frames:
+        last = frames[-1]
+        where = f" in {last.name} ({os.path.basename(last.filename)}, line {last.lineno})"
+        if ours and ours[-1] is not last:
+            where += f", reached from {ours[-1].name} (line {ours[-1].lineno})"
+    message = (str(exc).strip().splitlines() or [""])[0][:300].rstrip(".")
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    logged = ""
+    if log_path is not None:
+        try:
+            atomic_write(log_path, "".join(traceback.format_exception(exc)).encode())
+            logged = f"; the traceback is in {log_path}"
+        except Exception as log_error:  # noqa: BLE001 - the crash is the one to report
+            logged = f"; its traceback could not be written ({log_error})"
+    return f"{text}, raised{where}{logged}"
 
 
 class StopSignals:
@@ -2069,12 +2354,31 @@ class StopSignals:
     def __init__(self):
         self.received: list[int] = []
         self._previous: dict = {}
+        self._raise = False
 
     def __enter__(self) -> Self:
         for name in self.SIGNALS:
             sig = getattr(signal, name)
-            self._previous[sig] = signal.signal(sig, lambda signum, frame: self.received.append(signum))
+            self._previous[sig] = signal.signal(sig, self._record)
         return self
+
+    def _record(self, signum: int, frame) -> None:
+        self.received.append(signum)
+        if self._raise:
+            raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def at_once(self):
+        """Inside the block (a run's start-up, where nothing is worth a checkpoint yet) a signal raises `Stopped`
+        where it lands, so that Ctrl-C stops a long start-up at once; one received before the block raises at its
+        start. Outside it signals are recorded, as ever."""
+        previous, self._raise = self._raise, True
+        try:
+            if self.received:
+                raise Stopped(self.received[0])
+            yield
+        finally:
+            self._raise = previous
 
     def __exit__(self, *exc_info) -> None:
         for sig, handler in self._previous.items():

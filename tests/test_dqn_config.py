@@ -258,8 +258,9 @@ BAD_VALUES = {
     "log_every_steps": 0,
     "torch_num_threads": 0,
     "time_limit_min": -1.0,
-    "run_id": "a/b",
+    "seed": -1,
     "seeds": (1, 1),
+    "max_nonfinite": 0,
     "wait_for_gpu_mb": -1.0,
     "wait_poll_s": 0.0,
     "wait_timeout_s": -1.0,
@@ -288,7 +289,7 @@ def test_each_rule_refuses_its_bad_value_in_one_sentence():
     )  # cross-field rules name the other
 
 
-def test_a_setting_assigned_after_the_run_started_is_refused_at_once(tmp_path, monkeypatch):
+def test_a_setting_assigned_after_the_run_started_is_refused_at_once(tmp_path, monkeypatch, capsys):
     """`args.learning_rate = x` once the run has started would change nothing the optimizer reads: every Args a
     run holds is frozen, and the line fails at once in one sentence naming the flag to start the run with."""
     monkeypatch.chdir(tmp_path)
@@ -299,10 +300,9 @@ def test_a_setting_assigned_after_the_run_started_is_refused_at_once(tmp_path, m
         run.args.learning_rate = 1e-3
 
     monkeypatch.setattr(dqn, "train_one_seed", changes_a_setting)
-    with pytest.raises(dqn.mu.SettingFixed) as refused:
-        dqn.main(*dqn.parse_args([*TINY_FLAGS, "--num-episodes", "1"], {}))
-    message = str(refused.value)
-    assert message.startswith("args.learning_rate cannot change") and len(message.splitlines()) == 1
+    assert dqn.main(*dqn.parse_args([*TINY_FLAGS, "--num-episodes", "1"], {})) == dqn.EXIT_CRASHED
+    message = capsys.readouterr().err.strip()  # the crash's one paragraph names the refusal
+    assert len(message.splitlines()) == 1 and "SettingFixed: args.learning_rate cannot change" in message
     assert "start the run with --learning-rate (or RL_LEARNING_RATE)" in message, message
     assert seen[0].learning_rate == 5e-5
 

@@ -155,7 +155,8 @@ def test_update_returns_detached_values():
     q, target = make_nets()
     optimizer = torch.optim.Adam(q.parameters(), lr=1e-3)
     metrics = dqn.update(q, target, optimizer, real_batch(), dqn.Args(res=8), mu.amp("off", "cpu"))
-    assert set(metrics) == {"losses/td_loss", "losses/q_values", "losses/grad_norm"}
+    assert set(metrics) == {"losses/td_loss", "losses/q_values", "losses/grad_norm", "finite"}
+    assert metrics.pop("finite") is True  # a plain bool: whether the step was taken
     assert all(v.grad_fn is None and not v.requires_grad for v in metrics.values())
 
 

@@ -46,13 +46,29 @@ def states(mask):
     return {"screen": torch.zeros(2), "minimap": torch.zeros(2), "player": torch.zeros(2), "mask": mask}
 
 
-def target_of(online, target, mask, rewards=None, dones=None, gamma=1.0, double=True):
-    """dqn.td_target of two next states; with the default zero rewards and gamma 1 it is V(s')."""
-    batch = {
-        "next_obs": states(mask),
-        "rewards": torch.zeros(2, 1) if rewards is None else torch.tensor(rewards),
-        "dones": torch.zeros(2, 1) if dones is None else torch.tensor(dones),
+def uncut(batch: dict) -> dict:
+    """A hand-made batch as the replay samples one where no episode was cut short: no truncated flags, and the next
+    state n steps on."""
+    rewards = batch["rewards"]
+    return batch | {
+        "truncated": torch.zeros_like(rewards),
+        "steps": torch.full((len(rewards),), rewards.shape[1]),
     }
+
+
+def target_of(
+    online, target, mask, rewards=None, dones=None, gamma=1.0, double=True, truncated=None, steps=None
+):
+    """dqn.td_target of two next states; with the default zero rewards and gamma 1 it is V(s')."""
+    batch = uncut(
+        {
+            "next_obs": states(mask),
+            "rewards": torch.zeros(2, 1) if rewards is None else torch.tensor(rewards),
+            "dones": torch.zeros(2, 1) if dones is None else torch.tensor(dones),
+        }
+    )
+    if truncated is not None:
+        batch |= {"truncated": torch.tensor(truncated), "steps": torch.tensor(steps)}
     return dqn.td_target(online, target, batch, dqn.Args(gamma=gamma, use_double_dqn=double))
 
 
@@ -132,18 +148,79 @@ def test_n_step_target_sums_discounted_rewards_and_stops_at_the_episode_end():
     assert target.tolist() == pytest.approx([1 + 0.5 * 2 + 0.25 * 4 + 0.125 * 3.0, 1 + 0.5 * 2])
 
 
+def test_an_episode_cut_short_bootstraps_from_its_last_state_after_its_own_rewards():
+    """State 0's episode was cut short (the game gave a non-finite value) two steps on: its window holds that
+    episode's last state alone (truncated, no reward of its own) and then the next episode's reward. The target is
+    its two rewards, then gamma^2 times the value of that last state, which the replay hands as the next state."""
+    rewards = [[1.0, 2.0, 0.0], [1.0, 2.0, 4.0]]
+    truncated = [[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]
+    target = target_of(
+        FixedQ(ONLINE_NS, ONLINE_SP),
+        FixedQ(TARGET_NS, TARGET_SP),
+        ALL_AVAILABLE,
+        rewards=rewards,
+        dones=[[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]],
+        gamma=0.5,
+        truncated=truncated,
+        steps=[2, 3],
+    )
+    assert target.tolist() == pytest.approx([1 + 0.5 * 2 + 0.25 * 3.0, 1 + 0.5 * 2 + 0.25 * 4 + 0.125 * 6.0])
+    # a terminal before the cut: nothing to bootstrap, the cut belongs to the next episode
+    terminal_first = target_of(
+        FixedQ(ONLINE_NS, ONLINE_SP),
+        FixedQ(TARGET_NS, TARGET_SP),
+        ALL_AVAILABLE,
+        rewards=rewards,
+        dones=[[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]],
+        gamma=0.5,
+        truncated=truncated,
+        steps=[2, 3],
+    )
+    assert terminal_first.tolist()[0] == pytest.approx(1.0)
+
+
+def test_the_replay_never_starts_a_transition_at_a_cut_episodes_end_and_bootstraps_there():
+    """An episode of 3 stored steps cut short at its 4th state, then a new one: no sampled transition starts at
+    the cut's slot, and each whose n steps reach it bootstraps from that state, after the steps before it."""
+    env = dqn.BuiltinMiniGame("MoveToBeacon", res=8, step_mul=16, seed=0)
+    rb = dqn.SplitReplayBuffer(50, 8)
+    obs = env.reset()
+    for step in range(3):
+        next_obs, _, _ = env.step(0)
+        rb.add(obs, 0, 1.0 + step, False)  # rewards 1, 2, 3 name slots 0, 1, 2
+        obs = next_obs
+    rb.cut(obs)  # the 4th state: the episode ends there
+    last_state = dqn.player_input(obs)
+    obs = env.reset()
+    for step in range(6):
+        next_obs, _, _ = env.step(0)
+        rb.add(obs, 0, 10.0 + step, False)
+        obs = next_obs
+    sample = rb.sample(2000, np.random.default_rng(0), n_step=3)
+    assert not np.any(sample["truncated"][:, 0]), "a transition started at the cut episode's last state"
+    starts = sample["rewards"][:, 0]
+    for reward, steps in ((1.0, 3), (2.0, 2), (3.0, 1)):
+        drawn = np.flatnonzero(starts == reward)
+        assert len(drawn) > 0 and set(sample["steps"][drawn].tolist()) == {steps}, reward
+        for b in drawn:
+            assert np.array_equal(sample["next_obs"]["player"][b], last_state)
+    assert set(sample["steps"][starts >= 10.0].tolist()) == {3}
+
+
 def test_td_loss_takes_each_transition_from_the_head_its_action_came_from():
     online = FixedQ(
         torch.tensor([[1.0, 5.0], [2.0, 0.0]]), torch.tensor([[0.0, 9.0, 1.0, 0.0], [3.0, 0.0, 0.0, 4.0]])
     )
     target = FixedQ(TARGET_NS, TARGET_SP)
-    batch = {
-        "obs": states(ALL_AVAILABLE),
-        "next_obs": states(ALL_AVAILABLE),
-        "actions": torch.tensor([1, 2 + 3]),  # select_army; point 3
-        "rewards": torch.tensor([[1.0], [0.0]]),
-        "dones": torch.tensor([[0.0], [0.0]]),
-    }
+    batch = uncut(
+        {
+            "obs": states(ALL_AVAILABLE),
+            "next_obs": states(ALL_AVAILABLE),
+            "actions": torch.tensor([1, 2 + 3]),  # select_army; point 3
+            "rewards": torch.tensor([[1.0], [0.0]]),
+            "dones": torch.tensor([[0.0], [0.0]]),
+        }
+    )
     loss, q_taken = dqn.td_loss(online, target, batch, dqn.Args(gamma=0.5))
     assert q_taken.tolist() == [5.0, 4.0]
     targets = [1.0 + 0.5 * 3.0, 0.0 + 0.5 * 6.0]  # V(s') as in the double-DQN example above
@@ -216,16 +293,18 @@ def test_select_own_only_keeps_select_point_off_pixels_without_our_units():
     online_ns, target_ns = torch.tensor([[0.0, 0.0], [0.0, 0.0]]), torch.tensor([[1.0, 1.0], [1.0, 1.0]])
     online_sp = torch.tensor([[0.0, 1.0, 2.0, 9.0], [0.0, 1.0, 0.0, 9.0]])
     target_sp = torch.tensor([[0.0, 3.0, 4.0, 50.0], [0.0, 2.0, 70.0, 60.0]])
-    batch = {
-        "next_obs": {
-            "screen": screen,
-            "minimap": torch.zeros(2),
-            "player": torch.zeros(2),
-            "mask": torch.ones(2, 4, dtype=torch.bool),
-        },
-        "rewards": torch.zeros(2, 1),
-        "dones": torch.zeros(2, 1),
-    }
+    batch = uncut(
+        {
+            "next_obs": {
+                "screen": screen,
+                "minimap": torch.zeros(2),
+                "player": torch.zeros(2),
+                "mask": torch.ones(2, 4, dtype=torch.bool),
+            },
+            "rewards": torch.zeros(2, 1),
+            "dones": torch.zeros(2, 1),
+        }
+    )
     online, target = FixedQ(online_ns, online_sp), FixedQ(target_ns, target_sp)
 
     def value(select_own_only):

@@ -113,12 +113,16 @@ def test_updates_return_detached_values_that_the_log_sums_on_the_device():
     ):
         log.add(update_values, update_healthy)
         log.end_update(update_healthy)
-    means, skipped, longest = log.pop()
+    means, skipped, longest, nonfinite = log.pop()
     expected = {key: 4 * value.item() / 3 for key, value in metrics.items()}  # the healthy updates' mean
     assert means == pytest.approx(expected) and skipped == 2 and longest == 2
+    assert nonfinite == dict.fromkeys(
+        metrics, 2
+    )  # each value that was not finite, counted: it names the source
     log.add(behavior, torch.tensor(False))
     log.end_update(torch.tensor(False))
-    assert log.pop() == ({}, 1, 1)  # nothing healthy to average; the run of skips restarted with the interval
+    # nothing healthy to average; the run of skips restarted with the interval; every value was finite
+    assert log.pop() == ({}, 1, 1, {})
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -174,3 +178,15 @@ def test_soak_host_memory_flat_over_buffer_turnovers(tmp_path):
     # a graph kept alive by acting costs ~110 MB per 1k env steps at these sizes; allocator noise is a few MB
     assert slope < 5.0, f"host memory beyond the buffer grows {slope:.1f} MB per 1k steps: {unexplained}"
     assert rise < 10.0, f"host memory beyond the buffer rose {rise:.1f} MB over the run: {unexplained}"
+
+
+def test_an_update_log_saved_before_the_non_finite_counts_restores_with_none():
+    """A checkpoint of an earlier version holds each group's sums and count alone: it restores, counting no
+    non-finite value, and the interval's means are the same."""
+    log = da.UpdateLog("cpu")
+    log.restore(
+        {"sums": {"losses/a|losses/b": [4.0, 40.0, 2.0]}, "streak": 0.0, "longest": 0.0, "skipped": 0.0}
+    )
+    log.add({"losses/a": torch.tensor(2.0), "losses/b": torch.tensor(20.0)}, torch.tensor(True))
+    log.end_update(torch.tensor(True))
+    assert log.pop() == ({"losses/a": 2.0, "losses/b": 20.0}, 0, 0, {})

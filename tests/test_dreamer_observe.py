@@ -96,7 +96,7 @@ def test_a_tiny_run_writes_open_loop_videos_and_reward_quality(in_tmp, monkeypat
     # and this run's TensorBoard files must still be the ones it syncs.
     (in_tmp / "earlier").mkdir()
     monkeypatch.chdir(in_tmp / "earlier")
-    da.main(catch_args(track=True, total_timesteps=20, log_interval=10))
+    da.main(catch_args(track=True, total_timesteps=20, learning_starts=10, log_interval=10))
     monkeypatch.chdir(in_tmp)
     args = catch_args(video_every=100, track=True, train_ratio=24.0)  # an update from step 100 on
     result = da.main(args)

@@ -262,7 +262,7 @@ def test_dreamer_says_at_start_up_when_two_checkpoints_do_not_fit(small_disk):
             "import dreamer_atari as da",
             f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import dreamer_atari as da",
         )
-        .replace("total_timesteps=300", "total_timesteps=60"),
+        .replace("total_timesteps=300", "total_timesteps=70"),
         limit=2**40,
         cwd=small_disk,
     )

@@ -237,7 +237,7 @@ def test_dqn_a_cap_too_small_for_its_networks_exits_3_before_anything_is_written
     # main turns it into one sentence and exit 3, the results folder left empty
     monkeypatch.setattr(dqn, "resolve_device", lambda a: torch.device("cuda"))
     code = dqn.main(dataclasses_replace(args, save_path=str(tmp_path / "results")), {})
-    assert code == dqn.EXIT_OOM and not any((tmp_path / "results").iterdir())
+    assert code == dqn.EXIT_OOM and not (tmp_path / "results").exists()
 
 
 def dataclasses_replace(args, **changes):

@@ -1,6 +1,7 @@
 """memory_utils' helpers for a run's life, shared by both scripts: its folder, stop signals, out of memory, and
 checkpoints verified by a checksum written beside them."""
 
+import json
 import multiprocessing
 import os
 import signal
@@ -174,3 +175,134 @@ def test_a_process_that_dies_while_writing_leaves_a_checkpoint_that_verifies(tmp
     expected = 1.0 if dies == "before the rename" else 2.0
     assert torch.load(path, weights_only=True)["w"][0].item() == expected
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp_")] == []
+
+
+@pytest.mark.parametrize(
+    "name, said",
+    [
+        ("", "must not be empty"),
+        (".", "names a folder that exists already"),
+        ("..", "names a folder that exists already"),
+        ("a/b", "holds '/', so it would name a path"),
+        ("/tmp/x", "holds '/', so it would name a path"),
+        ("../../x", "holds '/', so it would name a path"),
+        ("a\0b", "holds a NUL byte"),
+        ("x" * 250, "is 250 bytes long, and a folder name there can be at most 245 bytes"),
+        ("é" * 126, "is 252 bytes long"),  # bytes, not characters, are what the file system counts
+    ],
+)
+def test_a_name_that_would_leave_its_folder_or_not_fit_is_one_sentence(tmp_path, name, said):
+    problem = mu.name_problem(name, "--run-id", tmp_path, reserve=10)
+    assert problem is not None and said in problem and "\n" not in problem, problem
+    assert mu.name_problem("baseline-lr3e-4", "--run-id", tmp_path, reserve=10) is None
+
+
+def test_a_folder_a_run_cannot_write_is_found_without_leaving_anything(tmp_path):
+    (tmp_path / "notes.txt").write_text("a user's file")
+    assert mu.folder_problem(tmp_path / "new" / "deeper", "--save-path") is None
+    under_a_file = mu.folder_problem(tmp_path / "notes.txt" / "runs", "--log-dir")
+    assert (
+        under_a_file
+        == f"--log-dir '{tmp_path}/notes.txt/runs' is inside {tmp_path}/notes.txt, which is a file, not a folder; give a folder"
+    )
+    assert "is a file, not a folder" in mu.folder_problem(tmp_path / "notes.txt", "--log-dir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"], "the probe left something behind"
+
+
+def test_foreign_entries_tell_a_scripts_run_folder_from_a_users(tmp_path):
+    run_files = ("config.json", "train.log", "eval")
+    made = mu.make_run_dir(tmp_path, "made", script="dqn_starcraft_split.py")
+    assert json.loads((tmp_path / "made" / mu.RUN_MARK).read_text())["script"] == "dqn_starcraft_split.py"
+    (tmp_path / "made" / "notes.txt").write_text("x")
+    assert mu.foreign_entries(made, run_files) == []  # marked: made by the script
+    old = tmp_path / "old"
+    (old / "eval").mkdir(parents=True)
+    (old / "config.json").write_text("{}")
+    assert mu.foreign_entries(old, run_files) == []  # an older version's: its run files alone
+    (old / "notes.txt").write_text("x")
+    assert mu.foreign_entries(old, run_files) == ["notes.txt"]
+    (tmp_path / "users").mkdir()
+    (tmp_path / "users" / "eval").mkdir()
+    assert mu.foreign_entries(tmp_path / "users", run_files) == [str(tmp_path / "users")]  # no config.json
+    with pytest.raises(FileExistsError):
+        mu.make_run_dir(tmp_path, "made")
+
+
+def fake_cgroups(tmp_path, lines: str, limits: dict[str, str]) -> tuple[str, str]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    listing = tmp_path / "cgroup"
+    listing.write_text(lines)
+    for group, value in limits.items():
+        (tmp_path / "fs" / group).mkdir(parents=True, exist_ok=True)
+        (
+            tmp_path / "fs" / group / ("memory.max" if "memory" not in group else "memory.limit_in_bytes")
+        ).write_text(value)
+    return str(listing), str(tmp_path / "fs")
+
+
+def test_the_memory_limit_is_the_lowest_of_the_machine_and_each_cgroup_above(tmp_path):
+    total = mu.host_memory_limit(str(tmp_path / "none"))[0]
+    assert total == mu.psutil.virtual_memory().total
+    listing, root = fake_cgroups(tmp_path, "0::/jobs/job7\n", {"jobs": "4000000000", "jobs/job7": "max"})
+    assert mu.host_memory_limit(listing, root) == (4_000_000_000, f"this process's cgroup ({root}/jobs)")
+    listing, root = fake_cgroups(
+        tmp_path / "v1", "5:memory:/slurm/job\n", {"memory/slurm/job": "2000000000\n"}
+    )
+    assert mu.host_memory_limit(listing, root) == (2_000_000_000, "this process's cgroup")
+
+
+def test_a_replay_larger_than_the_machine_is_refused_in_bytes_and_one_larger_than_is_free_warned(monkeypatch):
+    limit = mu.host_memory_limit()[0]
+    problem, warning = mu.replay_memory_problem(2 * limit, "the replay", lambda n: f"{n} bytes would fit")
+    assert warning is None and problem.startswith(f"the replay would take {2 * limit:,} bytes (")
+    assert problem.endswith("bytes would fit") and "in all" in problem
+    monkeypatch.setattr(
+        mu.psutil, "virtual_memory", lambda: type("vm", (), {"total": limit, "available": 1000})()
+    )
+    problem, warning = mu.replay_memory_problem(5000, "the replay", lambda n: f"{n} bytes would take half")
+    assert (
+        problem is None
+        and warning
+        == "warning: the replay would take 5,000 bytes when full, more than the 1,000 bytes available now; 500 bytes would take half"
+    )
+
+
+def test_a_signal_in_the_start_up_raises_at_once_and_is_recorded_after_it():
+    with mu.StopSignals() as stop:
+        with pytest.raises(mu.Stopped) as stopped, stop.at_once():
+            os.kill(os.getpid(), signal.SIGINT)
+        assert stopped.value.name == "SIGINT" and stopped.value.exit_code == 130
+        os.kill(os.getpid(), signal.SIGTERM)  # outside the block: recorded only
+        assert stop.received == [signal.SIGINT, signal.SIGTERM]
+        with pytest.raises(mu.Stopped), stop.at_once():  # one received before the block raises at its start
+            pass
+
+
+def test_start_up_discards_what_a_new_run_made_and_keeps_a_resumed_runs(tmp_path):
+    closed = []
+    made = mu.StartUp(new=True, parents=[tmp_path / "runs"])
+    made.run_dir = mu.make_run_dir(tmp_path / "runs", "r")
+    made.closers.append(lambda: closed.append("writer"))
+    said = made.discard("SIGINT")
+    assert closed == ["writer"] and list(tmp_path.iterdir()) == []
+    assert said.endswith(f"and the run's folder {made.run_dir} was removed")
+    resumed = mu.StartUp(new=False)
+    resumed.run_dir = mu.make_run_dir(tmp_path / "runs", "r")
+    assert resumed.discard("SIGTERM").endswith("nothing was trained") and (tmp_path / "runs" / "r").is_dir()
+
+
+def raises_deep_inside():
+    raise ValueError("a bad value.\nsecond line")
+
+
+def test_a_crash_is_one_paragraph_with_its_traceback_in_the_log(tmp_path):
+    try:
+        raises_deep_inside()
+    except ValueError as exc:
+        said = mu.crash_report(exc, __file__, str(tmp_path / "crash.log"))
+    assert said == (
+        f"ValueError: a bad value, raised in raises_deep_inside (test_run_lifecycle.py, line "
+        f"{raises_deep_inside.__code__.co_firstlineno + 1}); the traceback is in {tmp_path / 'crash.log'}"
+    )
+    log = (tmp_path / "crash.log").read_text()
+    assert log.startswith("Traceback") and log.rstrip().endswith("second line")

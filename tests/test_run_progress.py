@@ -140,7 +140,7 @@ def test_update_log_reads_the_loss_since_the_last_status_line_and_leaves_the_log
     assert log.recent("losses/world_model") is None  # nothing since
     log.add({"losses/world_model": torch.tensor(6.0), "losses/kl": torch.tensor(0.5)}, healthy)
     assert log.recent("losses/world_model") == 6.0
-    means, skipped, _ = log.pop()
+    means, skipped, _, _ = log.pop()
     assert means == {"losses/world_model": 10.0 / 3, "losses/kl": 0.5} and skipped == 0
     log.add({"losses/world_model": torch.tensor(4.0), "losses/kl": torch.tensor(0.5)}, healthy)
     assert log.recent("losses/world_model") == 4.0  # a new interval starts from its own sums

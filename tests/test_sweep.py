@@ -77,7 +77,7 @@ def read_rows(path: Path) -> list[dict]:
         ),
         (
             ["dqn_starcraft_split.py", "--grid", "learning_rate=-1"],
-            "learning_rate must be positive, got -1.0",
+            "learning_rate must be positive and at most 1 (Adam moves each weight by about the learning rate per step), got -1.0",
         ),
         (["dreamer_atari.py", "--grid", "batch_size=0"], "batch_size"),
         (["dreamer_atari.py", "--", "--seed", "3"], "'seed' is set by the sweep itself"),
@@ -321,7 +321,7 @@ def test_dreamer_update_log_carried_by_a_checkpoint_gives_the_interval_an_uninte
     for row in rows[1:]:
         resumed.add(row, healthy)
         resumed.end_update(healthy)
-    assert resumed.pop() == uninterrupted.pop() == ({"losses/a": 4.0, "losses/b": 40.0}, 0, 0)
+    assert resumed.pop() == uninterrupted.pop() == ({"losses/a": 4.0, "losses/b": 40.0}, 0, 0, {})
 
 
 def _saved(state):
