@@ -30,6 +30,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
+import errno
 import functools
 import gc
 import hashlib
@@ -2117,7 +2118,10 @@ def make_run_dir(parent: str | os.PathLike, name: str, script: str = "") -> str:
     """Create `parent/name` for a new run, marked as made by `script` (RUN_MARK), and return its path; raises
     FileExistsError when it exists. Creating a folder is atomic: of two runs that want one name, one gets it."""
     path = os.path.join(os.fspath(parent), name)
-    os.makedirs(parent, exist_ok=True)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except FileExistsError:  # a file in the way: not a name that is taken
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", os.fspath(parent)) from None
     os.mkdir(path)
     mark = {"script": os.path.basename(script), "name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     with open(os.path.join(path, RUN_MARK), "w") as f:
@@ -2131,7 +2135,7 @@ def claim_run_dir(
     """Create `parent/name` for a new run (`make_run_dir`) and return (its path, its name). Of two runs that want the
     same name (started in the same second with the same seed), one gets it and the other the first free `name-2`,
     `name-3`, ..., said in one line, so that no two runs ever write into one folder."""
-    for attempt in itertools.count(1):
+    for attempt in range(1, 1000):
         candidate = name if attempt == 1 else f"{name}-{attempt}"
         try:
             path = make_run_dir(parent, candidate, script)
@@ -2140,7 +2144,7 @@ def claim_run_dir(
         if attempt > 1:
             say(f"run folder {os.path.join(os.fspath(parent), name)} is taken; this run writes to {path}")
         return path, candidate
-    raise AssertionError("unreachable")  # pragma: no cover
+    raise FileExistsError(errno.EEXIST, f"{name} and its 998 suffixes are all taken", os.fspath(parent))
 
 
 def foreign_entries(

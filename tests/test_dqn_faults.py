@@ -453,6 +453,11 @@ def signalled(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, at this moment of the start-up
     return real(*args, **kwargs)
 dqn.{target} = signalled
+real_later = dqn.instrument
+def later(*args, **kwargs):
+    print("a later stage of the start-up ran", flush=True)
+    return real_later(*args, **kwargs)
+dqn.instrument = later
 sys.exit(dqn.cli({argv!r}, {{}}))
 """
 
@@ -475,6 +480,8 @@ def test_ctrl_c_during_the_start_up_exits_130_and_leaves_no_half_made_run_folder
         "stopped by SIGINT during start-up, before the first step: nothing was trained, and the"
     )
     assert list(tmp_path.iterdir()) == []
+    # a signal in the set-up stops it where it lands: no later stage of the start-up runs
+    assert ("a later stage of the start-up ran" in done.stdout) == (target == "train_one_seed")
 
 
 def test_tracking_that_cannot_start_is_one_line_and_the_run_trains_on(tmp_path, monkeypatch, capsys):

@@ -386,6 +386,11 @@ def signalled(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, at this moment of the start-up
     return real(*args, **kwargs)
 da.{target} = signalled
+real_later = da.instrument
+def later(*args, **kwargs):
+    print("a later stage of the start-up ran", flush=True)
+    return real_later(*args, **kwargs)
+da.instrument = later
 da.main(t.tiny_args(vector_mode="async"))
 """
 
@@ -413,6 +418,8 @@ def test_ctrl_c_during_the_start_up_exits_130_and_leaves_no_half_made_run_folder
         )
     )
     assert list(tmp_path.iterdir()) == []
+    # a signal in the set-up stops it where it lands: no later stage of the start-up runs
+    assert ("a later stage of the start-up ran" in done.stdout) == (target == "learn")
 
 
 def test_tracking_that_cannot_start_is_one_line_and_the_run_trains_on(in_tmp, capsys):

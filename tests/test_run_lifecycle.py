@@ -306,3 +306,10 @@ def test_a_crash_is_one_paragraph_with_its_traceback_in_the_log(tmp_path):
     )
     log = (tmp_path / "crash.log").read_text()
     assert log.startswith("Traceback") and log.rstrip().endswith("second line")
+
+
+def test_a_file_where_the_runs_folder_goes_is_said_and_never_taken_for_a_name_in_use(tmp_path):
+    (tmp_path / "runs").write_text("a user's file")
+    with pytest.raises(NotADirectoryError):
+        mu.claim_run_dir(tmp_path / "runs", "run", say=lambda line: None)
+    assert (tmp_path / "runs").read_text() == "a user's file"
