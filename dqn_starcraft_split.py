@@ -23,7 +23,7 @@ SIGINT/SIGTERM at the next agent step (checkpoint saved, no results row; before 
 or game steps in a row (neither reaches the weights or the replay; checkpoint of the last finite weights); 6 a file
 the run needs could not be written; 8 an error in a run (checkpoint saved, traceback in `{run_id}/crash.log`).
 `--resume {save_path}/{run_id}/checkpoint.pt` continues a stopped run in its folder (networks, optimizer,
-scheduler, loss scaler, counters, RNG states; the replay with `--checkpoint-buffer`), once the checkpoint matches
+scheduler, loss scaler, counters, RNG states; the replay, kept on disk in `{run_id}/replay/`), once the checkpoint matches
 its checksum.
 
 The file reads top to bottom in three parts, each opened by a banner: Part 1, the algorithm (the settings, the
@@ -105,8 +105,10 @@ class Args:
     """the entity (team) of the wandb project"""
     save_model: bool = True
     """if toggled, the final model is saved to `{save_path}/{run_id}/checkpoint.pt`"""
-    checkpoint_buffer: bool = False
-    """whether checkpoints also hold the replay buffer (so that `--resume` continues with it)"""
+    checkpoint_minutes: float = 15.0
+    """also write a checkpoint at the first episode end after every this many minutes of wall time (0: not by time)"""
+    checkpoint_every: int = 0
+    """also write a checkpoint at the first episode end after every this many agent steps (0: not by steps)"""
     resume: str | None = None
     """path of a checkpoint to continue from, in the same run folder"""
     save_path: str = "results"
@@ -137,6 +139,11 @@ class Args:
     # replay
     buffer_size: int = 100_000
     """replay capacity in agent steps"""
+    replay_on_disk: bool = True
+    """keep each stored step on disk too (`{run_id}/replay/`): a resume restores the replay; off: a resumed run
+    starts with an empty replay"""
+    replay_chunk_steps: int = 1024
+    """agent steps per file of the replay on disk; the last, partial one goes in checkpoints"""
 
     # model (None: the map's default, MAP_DEFAULTS)
     tower_channels: int = 16
@@ -479,6 +486,7 @@ class SplitReplayBuffer:
         self.dones = np.zeros(capacity, bool)
         self.truncated = np.zeros(capacity, bool)
         self.pos, self.size = 0, 0
+        self.log = None  # the run's copy on disk of each transition stored, as it is stored (`mu.ReplayLog`), or None
 
     def add(self, obs: dict, action: int, reward: float, done: bool, truncated: bool = False) -> None:
         """Store one transition at the ring's position (the state, its action, reward and done)."""
@@ -492,6 +500,8 @@ class SplitReplayBuffer:
         self.actions[i], self.rewards[i], self.dones[i], self.truncated[i] = action, reward, done, truncated
         self.pos = (i + 1) % self.capacity
         self.size = min(self.size + 1, self.capacity)
+        if self.log is not None:
+            self.log.append({name: array[i] for name, array in self.slots().items()})
 
     def cut(self, obs: dict) -> None:
         """End the episode at state `obs` without a terminal (truncated): the slot holds that state alone, so that the
@@ -541,6 +551,31 @@ class SplitReplayBuffer:
             "truncated": truncated.astype(np.float32),  # (B, n)
             "steps": steps.astype(np.int64),  # (B,)
         }
+
+    def slots(self) -> dict[str, np.ndarray]:
+        """Every array of the ring, by name, one item per slot: a transition is one item of each."""
+        layers = {f"screen_{k}": v for k, v in self.screen.items()} | {
+            f"minimap_{k}": v for k, v in self.minimap.items()
+        }
+        aux = {"player": self.player, "mask": self.mask, "actions": self.actions, "rewards": self.rewards}
+        return layers | aux | {"dones": self.dones, "truncated": self.truncated}
+
+    def log_state(self) -> dict | None:
+        """The replay for a checkpoint when it is on disk (else None): the log's state, from the oldest transition
+        the ring holds."""
+        return None if self.log is None else self.log.state(keep_from=self.log.position - self.size)
+
+    def restore_log(self, state: dict) -> None:
+        """The ring as a checkpoint's log state holds it (`log_state`), oldest transition first from slot 0: the same
+        transitions in the same order, so the same ones are sampled; then the log goes on from there."""
+        self.pos, self.size, slots = 0, 0, self.slots()
+        for _, rows in self.log.rows(state):
+            count = len(rows["actions"])
+            for name, array in slots.items():
+                array[self.size : self.size + count] = rows[name]
+            self.size += count
+        self.pos = self.size % self.capacity
+        self.log.resume(state)
 
     def state_dict(self) -> dict:
         """Every array as a tensor (loads with weights_only=True), and the ring's position."""
@@ -1218,6 +1253,9 @@ def train_one_seed(run) -> str:
         over_time = args.time_limit_min > 0 and time.time() - run.start_time >= 60 * args.time_limit_min
         if args.eval_every_episodes and (episode % args.eval_every_episodes == 0 or over_time):
             run.evaluate(episode, global_step, epsilon, lr, recent_train_scores)
+        run.checkpoint_when_due(
+            global_step
+        )  # TRY NOT TO MODIFY: every --checkpoint-minutes, --checkpoint-every
         if over_time:
             run.logger.info(f"time limit of {args.time_limit_min:g} min reached after {episode} episodes")
             return "time_limit"
@@ -1263,7 +1301,7 @@ RULES = (
      "at least 1 (or left out: the map's default)"),
     ("learning_starts", lambda a: a.learning_starts > a.n_step,
      "larger than n_step ({n_step}): the first updates would bootstrap from transitions not yet stored"),
-    ("learning_starts", lambda a: a.backend != "builtin" or a.learning_starts < a.num_episodes * episode_steps(a.step_mul),
+    ("learning_starts", lambda a: a.backend != "builtin" or a.step_mul < 1 or a.learning_starts < a.num_episodes * episode_steps(a.step_mul),
      "below the run's agent steps on a built-in map (num_episodes x the steps of an episode at step_mul "
      "{step_mul}): no update would ever run"),
     ("train_frequency", lambda a: a.train_frequency >= 1, "at least 1"),
@@ -1291,6 +1329,9 @@ RULES = (
     ("memory_log_every", lambda a: a.memory_log_every >= 1, "at least 1"),
     ("leak_warmup_steps", lambda a: a.leak_warmup_steps >= 0, "0 or more"),
     ("max_nonfinite", lambda a: a.max_nonfinite >= 1, "at least 1"),
+    ("replay_chunk_steps", lambda a: a.replay_chunk_steps >= 1, "at least 1"),
+    ("checkpoint_minutes", lambda a: a.checkpoint_minutes >= 0, "0 (not by time) or more"),
+    ("checkpoint_every", lambda a: a.checkpoint_every >= 0, "0 (not by steps) or more"),
     ("memory_snapshot_every", lambda a: a.memory_snapshot_every >= 0, "0 (off) or more"),
     ("snapshot_max_entries", lambda a: a.snapshot_max_entries >= 1, "at least 1"),
     ("gpu_memory_gb", lambda a: a.gpu_memory_gb is None or a.gpu_memory_gb > mu.CUDA_CONTEXT_GIB,
@@ -1955,6 +1996,8 @@ class Run:
     status: mu.StatusLine | None = None
     episodes_done: int = 0
     episode_end_step: int = 0  # the agent step the last finished episode ended at
+    next_checkpoint_time: float = math.inf  # when a periodic checkpoint is due by wall time (time.time())
+    next_checkpoint_step: float = math.inf  # and by agent steps
     last_length: int | None = None
     last_return: float | None = None
     last_td_loss: float | None = None
@@ -2000,6 +2043,10 @@ class Run:
         """`evaluate` for this run."""
         evaluate(self, episode, global_step, epsilon, lr, recent_train_scores, self.start_time)
 
+    def checkpoint_when_due(self, global_step: int) -> None:
+        """`checkpoint_when_due` for this run."""
+        checkpoint_when_due(self, global_step)
+
     def count_update(self, metrics: dict, global_step: int) -> None:
         """`count_update` for this run."""
         count_update(self, metrics, global_step)
@@ -2044,6 +2091,12 @@ def set_up(
     run.eval_env = make_env(args, seed + 10_000) if args.backend == "builtin" else run.env
     run.through_pixels = args.move_through * args.res / args.screen_world_units
     run.agent = build_agent(args, seed, run.device)
+    if (
+        args.replay_on_disk
+    ):  # memory: one chunk of transitions in host memory; the rest written as the run goes
+        fields = {name: (array.shape[1:], array.dtype) for name, array in run.agent.rb.slots().items()}
+        folder = os.path.join(run.run_dir, "replay")
+        run.agent.rb.log = mu.ReplayLog(folder, fields, args.replay_chunk_steps, say=run.logger.info)
     prealloc_mb = preallocate_or_fall_back(run, sources)
     if run.config["batch_size_used"] != run.batch_size:  # the fallback batch, after an OOM at preallocation
         run.config.update(
@@ -2082,6 +2135,11 @@ def open_run(
     if resume_step is None:  # a resumed run goes on in its own folder
         run_id = claim_run_folder(args.save_path, run_id, chosen=args.run_id is not None)
     run_dir = made.run_dir = os.path.join(args.save_path, run_id)
+    try:  # held for this process alone: two resumes of one checkpoint never write into one folder
+        made.lock = mu.lock_run_dir(run_dir)
+    except mu.RunDirInUse as exc:
+        raise ConfigError(f"--resume: {exc}." if resume_step is not None else f"{exc}.") from None
+    events_dir = tensorboard_dir(args, run_dir, run_id, resumed=resume_step is not None)
     os.makedirs(os.path.join(run_dir, "eval"), exist_ok=True)
     logger = make_logger(run_dir, run_id)
     if wait_line:
@@ -2098,6 +2156,7 @@ def open_run(
         "amp": mu.amp(args.amp, device).mode,  # --amp resolved on this device, as `build_agent` does
         "allocator": allocator,
         "episode_steps": episode_steps(args.step_mul) if args.backend == "builtin" else None,
+        "tensorboard_dir": events_dir,
         "args": dataclasses.asdict(args),
         "sources": sources,
         "python": platform.python_version(),
@@ -2114,8 +2173,8 @@ def open_run(
         made.closers.append(lambda: sys.modules["wandb"].finish())
     elif args.track:
         args = dataclasses.replace(args, track=False)
-    made.event_dirs.append(os.path.abspath(os.path.join(args.log_dir, run_id)))
-    writer = open_tensorboard(args, sources, run_id, resume_step, logger)
+    made.event_dirs.append(events_dir)
+    writer = open_tensorboard(args, sources, events_dir, resume_step, logger)
     made.closers.append(writer.close)
     return Run(
         args,
@@ -2162,7 +2221,7 @@ RUN_FILES = (
     "eval",
     "videos",
 )
-RUN_FILES += ("oom", "memory_snapshots", "wandb")
+RUN_FILES += ("oom", "memory_snapshots", "wandb", "replay", mu.LOCK_FILE)
 
 
 def folder_taken(run_id: str, folder: str) -> str:
@@ -2206,8 +2265,20 @@ def start_wandb(args: Args, run_id: str, run_dir: str, logger) -> bool:
     )
 
 
-def open_tensorboard(args: Args, sources: dict, run_id: str, resume_step: int | None, logger):
-    """The SummaryWriter of `{log_dir}/{run_id}`, with the hyperparameters as its first text."""
+def tensorboard_dir(args: Args, run_dir: str, run_id: str, resumed: bool) -> str:
+    """Where the run's TensorBoard events go, as an absolute path: `{log_dir}/{run_id}`; a resumed run's where the
+    run's first part wrote them (its config.json says), wherever it was started."""
+    if resumed:
+        with (
+            contextlib.suppress(OSError, ValueError, KeyError, TypeError),
+            open(os.path.join(run_dir, "config.json")) as f,
+        ):
+            return json.load(f)["tensorboard_dir"]
+    return os.path.abspath(os.path.join(args.log_dir, run_id))
+
+
+def open_tensorboard(args: Args, sources: dict, events_dir: str, resume_step: int | None, logger):
+    """The SummaryWriter of `events_dir` (`tensorboard_dir`), with the hyperparameters as its first text."""
     # imported here: pysc2 must pick protobuf's runtime first
     from torch.utils.tensorboard import SummaryWriter
 
@@ -2215,7 +2286,7 @@ def open_tensorboard(args: Args, sources: dict, run_id: str, resume_step: int | 
     # first tracked run of this Python process
     # a resumed run hides what the stopped one logged after its checkpoint (TensorBoard's purge): no step twice
     purge_step = resume_step + 1 if resume_step is not None else None
-    writer = SummaryWriter(os.path.abspath(os.path.join(args.log_dir, run_id)), purge_step=purge_step)
+    writer = SummaryWriter(events_dir, purge_step=purge_step)
     mu.keep_events_on_write_errors(writer, logger.info)  # a full disk: one warning line, training goes on
     writer.add_text(
         "hyperparameters",
@@ -2457,8 +2528,10 @@ def instrument(run: Run) -> None:
     checkpoint_bytes = mu.estimate_nbytes(
         [agent.q_network.state_dict(), agent.target_network.state_dict(), agent.optimizer.state_dict()]
     )
-    checkpoint_bytes += (obs_bytes + aux_bytes) * args.buffer_size if args.checkpoint_buffer else 0
-    if warning := mu.disk_space_warning(run.run_dir, checkpoint_bytes):
+    log = agent.rb.log
+    checkpoint_bytes += 0 if log is None else log.chunk_rows * mu.ReplayLog.row_nbytes(log.fields)
+    replay_bytes = 0 if log is None else log.disk_nbytes(args.buffer_size)
+    if warning := mu.disk_space_warning(run.run_dir, checkpoint_bytes, replay_bytes=replay_bytes):
         run.logger.info(warning)
     run.probes = mu.StageProbes(enabled=args.memory_probes, device=run.device)
     run.snapshots = mu.MemorySnapshots(
@@ -2841,7 +2914,7 @@ RESUME_MUST_MATCH = (
 
 # what the saved scheduler state holds: loaded into another schedule it would not fit, or would silently override
 # the values this run records
-RESUME_SAME_SCHEDULE = ("lr_scheduler", "step_lr_step_size", "step_lr_gamma")
+RESUME_SAME_SCHEDULE = ("lr_scheduler", "scheduler_tmax", "step_lr_step_size", "step_lr_gamma")
 
 
 def save_checkpoint(
@@ -2857,7 +2930,7 @@ def save_checkpoint(
     extra: dict | None = None,
 ) -> None:
     """Tensors and plain containers only (loads with weights_only=True); `extra`: the scaler, RNG states,
-    recent scores and, with --checkpoint-buffer, the replay. Written all at once or not at all, with its checksum
+    recent scores and the replay's state on disk (with --replay-on-disk). Written all at once or not at all, with its checksum
     beside it (`checkpoint.pt.sha256`), which `load_checkpoint` checks before it reads a byte."""
     buffer = io.BytesIO()
     torch.save(
@@ -2909,6 +2982,13 @@ def load_checkpoint(path: str, args: Args) -> dict:
                 f"--resume checkpoint was trained with --{name.replace('_', '-')} {saved}, but this run "
                 f"asks for {wanted}."
             )
+    replay = state.get("replay") or {}
+    held = replay["position"] - replay["keep_from"] if "position" in replay else int(replay.get("size", 0))
+    if held > args.buffer_size:
+        raise ConfigError(
+            f"--resume checkpoint's replay holds {held:,} transitions, more than --buffer-size {args.buffer_size:,} "
+            f"can: give at least {held:,}."
+        )
     if note:
         print(note, file=sys.stderr)
     return state
@@ -2936,7 +3016,7 @@ def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list
         "rng": rngs,
         "scaler": run.agent.amp.scaler.state_dict(),
         "recent_train_scores": list(recent_train_scores),
-        "replay": run.agent.rb.state_dict() if run.args.checkpoint_buffer else None,
+        "replay": run.agent.rb.log_state(),  # with --replay-on-disk (else None)
     }
     save_checkpoint(
         run.checkpoint_path,
@@ -2950,6 +3030,8 @@ def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list
         interrupted=interrupted,
         extra=extra,
     )
+    if extra["replay"] is not None:  # written whole: the replay's files it no longer needs can go
+        run.agent.rb.log.commit(extra["replay"])
 
 
 def restore(run: Run, state: dict) -> None:
@@ -2963,6 +3045,7 @@ def restore(run: Run, state: dict) -> None:
     run.agent.optimizer.load_state_dict(state["optimizer"])
     if run.agent.scheduler is not None and state["scheduler"] is not None:
         run.agent.scheduler.load_state_dict(state["scheduler"])
+    honour_learning_rate(run, state["args"])
     if state.get("scaler"):
         run.agent.amp.scaler.load_state_dict(state["scaler"])
     rngs = state["rng"]
@@ -2974,14 +3057,79 @@ def restore(run: Run, state: dict) -> None:
     for name, game in (("env", run.env), ("eval_env", run.eval_env)):
         if name in rngs and hasattr(game, "rng"):
             game.rng.bit_generator.state = rngs[name]
-    if state.get("replay") is not None:
-        run.agent.rb.load_state_dict(state["replay"])
+    rb, saved_replay = run.agent.rb, state.get("replay")
+    if (
+        saved_replay is not None and "position" not in saved_replay
+    ):  # an older version's (--checkpoint-buffer)
+        rb.load_state_dict(saved_replay)
+    elif saved_replay is not None and rb.log is not None:
+        try:
+            rb.restore_log(saved_replay)
+        except mu.ReplayLogInvalid as exc:
+            raise ConfigError(f"--resume: {exc}.") from None
+        if state["interrupted"] and rb.size:  # the episode stopped part-way is played again: it ends here
+            rb.dones[(rb.pos - 1) % rb.capacity] = True
+    else:
+        saved_replay = None
     run.logger.info(
         f"resumed {run.run_id} at episode {first_episode}, step {state['global_step']}"
-        f"{' with its replay' if state.get('replay') is not None else ' (replay not saved)'}"
+        f"{f' with its replay of {rb.size:,} transitions' if saved_replay is not None else ' (replay not saved)'}"
     )
     scores, replay = list(state.get("recent_train_scores", [])), state["interrupted"]
     run.progress = Progress(state["episode"], state["global_step"], scores, replay_episode=replay)
+
+
+def honour_learning_rate(run: Run, saved_args: dict) -> None:
+    """This command's --learning-rate and --min-lr on a resumed run: the schedule's base rate is the new one, at the
+    position the checkpoint saved (the episode it had reached), said in one line. Every other setting is read from
+    this run's Args at each use, so it takes effect as it is."""
+    args, optimizer, scheduler = run.args, run.agent.optimizer, run.agent.scheduler
+    if saved_args.get("learning_rate") == args.learning_rate and saved_args.get("min_lr") == args.min_lr:
+        return
+    for group in optimizer.param_groups:
+        group["initial_lr"] = args.learning_rate
+    if scheduler is None:
+        rates = [args.learning_rate] * len(optimizer.param_groups)
+    else:
+        scheduler.base_lrs = [args.learning_rate] * len(optimizer.param_groups)
+        if hasattr(scheduler, "eta_min"):
+            scheduler.eta_min = args.min_lr
+        rates = scheduler._get_closed_form_lr()  # the schedule's rate at its position, from its base
+        scheduler._last_lr = list(rates)
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    run.logger.info(
+        f"resume: --learning-rate {saved_args.get('learning_rate')} -> {args.learning_rate} (min_lr "
+        f"{saved_args.get('min_lr')} -> {args.min_lr}): the rate is now {rates[0]:.3g}, at the schedule's position"
+    )
+
+
+def checkpoint_when_due(run: Run, global_step: int) -> None:
+    """At an episode's end: a checkpoint once --checkpoint-minutes of wall time, or --checkpoint-every agent steps,
+    have passed since the last (one line in train.log). It changes nothing that trains: it draws no random number.
+    One that cannot be written (a full disk) is one warning line, and the last good one stays."""
+    args, (episode, _, recent_train_scores, _) = run.args, run.progress
+    if time.time() < run.next_checkpoint_time and global_step < run.next_checkpoint_step:
+        return
+    schedule_checkpoints(run, global_step)
+    if episode >= args.num_episodes and args.save_model:
+        return  # the final checkpoint comes at once
+    try:
+        save_run(run, episode, global_step, recent_train_scores, interrupted=False)
+    except mu.WriteFailed as exc:
+        run.logger.info(f"warning: {exc}; this periodic checkpoint is not written, the last good one is kept")
+        return
+    run.logger.info(f"checkpoint (periodic) at episode {episode}, step {global_step}: {run.checkpoint_path}")
+
+
+def schedule_checkpoints(run: Run, global_step: int) -> None:
+    """When the next periodic checkpoint is due: --checkpoint-minutes from now, --checkpoint-every agent steps on."""
+    args = run.args
+    run.next_checkpoint_time = (
+        time.time() + 60 * args.checkpoint_minutes if args.checkpoint_minutes else math.inf
+    )
+    every = args.checkpoint_every
+    run.next_checkpoint_step = (global_step // every + 1) * every if every else math.inf
 
 
 def save_interrupted(
@@ -3171,10 +3319,25 @@ def run_one_seed(
 ) -> dict:
     """One seed's run, or the rest of one (from `resume_state`): set up (`set_up`, `restore`), trained by Part 1's
     `train_one_seed`, then tested and checkpointed (`finish`); returns its results row. A stop signal or a CUDA OOM
-    checkpoints the run where its training stands (`run.progress`) and raises RunInterrupted."""
+    checkpoints the run where its training stands (`run.progress`) and raises RunInterrupted. However it ends, what
+    it opened is closed and its folder's lock let go."""
+    made = mu.StartUp(new=resume_state is None, parents=(args.save_path, args.log_dir))
+    with contextlib.closing(made):
+        return run_seed(args, sources, seed, run_id, stop, resume_state, made)
+
+
+def run_seed(
+    args: Args,
+    sources: dict,
+    seed: int,
+    run_id: str,
+    stop: mu.StopSignals,
+    resume_state: dict | None,
+    made: mu.StartUp,
+) -> dict:
+    """`run_one_seed`, with what its start-up makes recorded in `made`."""
     wall_start = time.time()
     resume_step = None if resume_state is None else resume_state["global_step"]
-    made = mu.StartUp(new=resume_state is None, parents=(args.save_path, args.log_dir))
     try:
         with stop.at_once():  # memory: nothing trained yet, so a signal stops the start-up at once
             run = set_up(args, sources, seed, run_id, resume_step, stop, made)
@@ -3193,6 +3356,7 @@ def run_one_seed(
             f"crashed during start-up, nothing trained: {mu.crash_report(exc, __file__, log)}."
         ) from None
     run.start_time = time.time()
+    schedule_checkpoints(run, run.progress.global_step)
     try:
         stopped_by = train_one_seed(run)
         episode, global_step, recent_train_scores, _ = run.progress

@@ -72,12 +72,12 @@ class Args:
     """whether to record videos of env 0 to `videos/{run_name}`"""
     video_every: int = 10_000
     """log open-loop predictions (5 frames seen, the rest imagined) as a video every this many env steps (0 = off)"""
-    save_model: bool = False
+    save_model: bool = True
     """whether to write a checkpoint at the end of training"""
+    checkpoint_minutes: float = 15.0
+    """write a checkpoint every this many minutes of wall time (DreamerV3's 900 s; 0 = not by time)"""
     checkpoint_every: int = 0
-    """write a checkpoint every this many env steps (0 = only at the end, on signals and on errors)"""
-    checkpoint_buffer: bool = False
-    """whether checkpoints also hold the replay buffer (large: about 7 KB per stored step)"""
+    """write a checkpoint every this many env steps too (0 = not by steps); always at the end, on signals and errors"""
     resume: str | None = None
     """path of a checkpoint to continue from (models, optimizers, loss scalers, counters, RNG state)"""
     log_interval: int = 1000
@@ -110,6 +110,11 @@ class Args:
     """the number of sequences per world-model batch"""
     sequence_length: int = 64
     """the length of each replayed sequence (DreamerV3: 64); its first step starts from the initial state"""
+    replay_on_disk: bool = True
+    """keep each stored step on disk too (runs/{run_name}/replay/): a resume restores the replay; off: a resumed run
+    starts with an empty replay"""
+    replay_chunk_steps: int = 1024
+    """steps per file of the replay on disk (DreamerV3's chunks: 1,024); the last, partial one goes in checkpoints"""
 
     # model
     model: Literal["dreamerv3", "nature"] = "dreamerv3"
@@ -191,7 +196,7 @@ class Args:
     slow_critic_fraction: float = 0.02
     """EMA rate with which the slow critic follows the critic each update"""
     max_nonfinite: int = 10
-    """stop (with a checkpoint) when this many updates in a row had a non-finite loss or gradient (each is skipped)"""
+    """stop (exit 5) after this many updates, or steps of one env, in a row with a non-finite value (each left out)"""
     precision: Literal["float32", "bf16", "fp16"] = "float32"
     """float32 (DreamerV3's Atari100k); bf16 autocast with the observe scan in float32; fp16 (CUDA, loss scaling)"""
 
@@ -399,6 +404,10 @@ class EpisodeReplay:
         self.current: list[Episode | None] = [None] * num_envs
         self.total_steps = 0
         self.rng = np.random.default_rng(seed)
+        self.log = (
+            None  # the run's copy on disk of each step stored, as it is stored (`mu.ReplayLog`), or None
+        )
+        self.begun = 0  # the episodes begun: each one's id
 
     def new_episode(self, env_idx: int, first_obs: np.ndarray) -> Episode:
         # memory: in chunks (an episode being played wastes at most one) in memory maps of their own, out of the heap
@@ -409,6 +418,9 @@ class EpisodeReplay:
         if self.current[env_idx] is not None:
             self.current[env_idx].finish()
         episode = self.new_episode(env_idx, obs)
+        episode.id, episode.env, self.begun = self.begun, env_idx, self.begun + 1
+        for index, frame in enumerate(obs):  # its first frames, the last of them its first step
+            self.log_step(episode, index, frame, 0, 0.0, True, False)
         self.current[env_idx] = episode
         self.episodes.append(episode)
         self.total_steps += 1
@@ -417,11 +429,25 @@ class EpisodeReplay:
     def add_step(self, env_idx: int, frame, action: int, reward: float, terminated: bool, over: bool) -> None:
         episode = self.current[env_idx]
         episode.append(frame, action, reward, False, terminated)
+        self.log_step(
+            episode, episode.action.end + episode.stack - 2, frame, action, reward, False, terminated
+        )
         self.total_steps += 1
         if over:
             episode.finish()
             self.current[env_idx] = None
         self._evict()
+
+    def log_step(self, episode: Episode, index: int, *values) -> None:
+        """The frame `index` of `episode` just stored, and its step's values (Episode.FIELDS), to the log on disk."""
+        if self.log is not None:
+            episode.log_start = episode.log_start if index else self.log.position  # where its rows begin
+            row = dict(zip(Episode.FIELDS, values)) | {
+                "episode": episode.id,
+                "env": episode.env,
+                "index": index,
+            }
+            self.log.append(row)
 
     def add(self, next_obs: np.ndarray, actions, rewards, terminations, truncations, infos: dict) -> None:
         """Store one vector step (SAME_STEP autoreset): `next_obs` is (N, 1, 3, 64, 64) uint8. A step the run's guard
@@ -2206,6 +2232,7 @@ def check_ranges(args: Args) -> None:
         "--reward-bins": args.reward_bins,
         "--imagination-horizon": args.imagination_horizon,
         "--max-nonfinite": args.max_nonfinite,
+        "--replay-chunk-steps": args.replay_chunk_steps,
         "--snapshot-max-entries": args.snapshot_max_entries,
     }
     for flag, value in positive.items():
@@ -3110,19 +3137,85 @@ def replay_stats(replay: EpisodeReplay) -> dict[str, int]:
     }
 
 
-def replay_state(replay: EpisodeReplay) -> dict:
-    """The replay for a checkpoint (--checkpoint-buffer): tensors only (loads with weights_only=True). Episodes being
-    played are saved as ended: the emulators cannot be restored, so a resumed run starts fresh episodes."""
-    saved = []
-    for ep in replay.episodes:
-        arrays = {}
-        for name in ("frames", "action", "reward", "is_first", "is_terminal"):
-            array = getattr(ep, name)
-            exact = np.empty((len(array), *array.item_shape), array.dtype)
-            array.read_into(exact, array.start, array.end)
-            arrays[name] = torch.from_numpy(exact)
-        saved.append(arrays)
-    return {"episodes": saved, "rng": replay.rng.bit_generator.state}
+def replay_log_fields(obs_shape: tuple) -> dict[str, tuple[tuple, type]]:
+    """A row of the replay on disk (`mu.ReplayLog`): an episode's frame (obs_shape[1:]), its step's values (those of
+    `Episode.shapes`), which episode (its id, its env) and which of its frames it is."""
+    fields = Episode.shapes(np.zeros((1, *obs_shape[1:]), np.uint8))
+    return fields | {"episode": ((), np.int64), "env": ((), np.int16), "index": ((), np.int32)}
+
+
+def replay_state(replay: EpisodeReplay) -> dict | None:
+    """The replay for a checkpoint (with --replay-on-disk; None without): the log on disk's state (where it stands,
+    its files' CRC-32s, the rows of the chunk still filling) and the index of what the replay holds, oldest episode
+    first: each one's id and env, where its frames and steps start (an episode that outgrew the replay lost its
+    front), and whether it is done; the episodes in progress are those not done. Tensors and plain containers only."""
+    if replay.log is None:
+        return None
+    keep_from = min((episode.log_start for episode in replay.episodes), default=replay.log.position)
+    if (log := replay.log.state(keep_from)) is None:  # a file that could not be written: in memory only
+        return None
+    index = [
+        {"id": ep.id, "env": ep.env, "frames": ep.frames.start, "steps": ep.action.start, "done": ep.done}
+        for ep in replay.episodes
+    ]
+    return {
+        "log": log,
+        "episodes": index,
+        "total_steps": replay.total_steps,
+        "begun": replay.begun,
+        "rng": replay.rng.bit_generator.state,
+    }
+
+
+def restore_replay(replay: EpisodeReplay, state: dict, stack: int) -> None:
+    """The replay exactly as a checkpoint holds it (`replay_state`), from its rows on disk: each episode rebuilt from
+    its stored frames (the first `frame_stack` of them, then one step each), in the order the replay held them,
+    those in progress as each env's current one; the replay's counts and generator as they were. Raises
+    mu.ReplayLogInvalid when a file the checkpoint needs is missing or changed."""
+    wanted = {saved["id"]: saved for saved in state["episodes"]}
+    episodes, pending = (
+        {},
+        {},
+    )  # id -> the episode rebuilt; id -> its first frames, until it has a stack of them
+    for start, rows in replay.log.rows(state["log"]):
+        for offset, (episode_id, index) in enumerate(zip(rows["episode"].tolist(), rows["index"].tolist())):
+            saved = wanted.get(episode_id)
+            if saved is None or index < saved["frames"]:
+                continue  # an evicted episode's frame, or one its episode dropped from its front
+            if episode_id in episodes:
+                step = {name: rows[name][offset] for name in Episode.FIELDS}
+                episodes[episode_id].append(*(step[name] for name in Episode.FIELDS))
+                continue
+            frames = pending.setdefault(episode_id, [])
+            frames.append((rows["frames"][offset], {name: rows[name][offset] for name in Episode.FIELDS[1:]}))
+            if len(frames) == stack:
+                episode = replay.new_episode(saved["env"], np.stack([frame for frame, _ in frames]))
+                if saved["steps"]:  # it lost its front: its first step's own values, not an episode start's
+                    for name, value in frames[-1][1].items():
+                        getattr(episode, name).chunks[0][0] = value
+                episode.id, episode.env, episode.log_start = episode_id, saved["env"], start + offset
+                episodes[episode_id] = episode
+                del pending[episode_id]
+    replay.episodes.clear()
+    for saved in state["episodes"]:
+        episode = episodes.get(saved["id"])
+        if episode is None:
+            raise mu.ReplayLogInvalid(
+                f"the checkpoint's replay has no rows of its episode {saved['id']} on disk"
+            )
+        replay.episodes.append(episode)
+        if saved["done"]:
+            episode.finish()
+        else:
+            replay.current[saved["env"]] = episode
+    replay.total_steps, replay.begun = sum(episode.num_steps for episode in replay.episodes), state["begun"]
+    if replay.total_steps != state["total_steps"]:
+        raise mu.ReplayLogInvalid(
+            f"the replay rebuilt from disk holds {replay.total_steps} steps, and the checkpoint's held "
+            f"{state['total_steps']}"
+        )
+    replay.rng.bit_generator.state = state["rng"]
+    replay.log.resume(state["log"])
 
 
 def load_replay_state(replay: EpisodeReplay, state: dict) -> None:
@@ -3165,18 +3258,22 @@ def save_checkpoint(
         },
         "scalers": {name: scaler.state_dict() for name, scaler in agent.scalers.items()},
         "counters": dict(counters),
+        # each setting's value now (a schedule may have set it): a resumed run goes on with it
+        "settings": {name: float(agent.settings[name]) for name in Settings.NAMES},
         "rng": {
             "torch": torch.get_rng_state(),
             "python": random.getstate(),
             "numpy": None if rng is None else rng.bit_generator.state,
         },
-        "replay": replay_state(replay) if (replay is not None and args.checkpoint_buffer) else None,
+        "replay": replay_state(replay) if replay is not None else None,
     }
     if torch.cuda.is_available() and agent.device.type == "cuda":
         state["rng"]["cuda"] = torch.cuda.get_rng_state(agent.device)
     # a crash or a full disk while writing never leaves a half-written checkpoint behind (mu.WriteFailed); the
     # checksum beside it (checkpoint.pt.sha256) lets a resumed run refuse a file changed since
     mu.save_checked(path, lambda f: torch.save(state, f), needed_bytes=mu.estimate_nbytes(state))
+    if state["replay"] is not None:  # written whole: the replay's files it no longer needs can go
+        replay.log.commit(state["replay"]["log"])
     return path
 
 
@@ -3245,6 +3342,14 @@ def check_checkpoint_matches(state: dict, args: Args) -> None:
             raise ArgsError(
                 f"--resume checkpoint was trained with {flag} {saved}, but this run asks for {wanted}."
             )
+    replay, saved_args = state.get("replay") or {}, state["args"]
+    held = replay.get("total_steps", 0)
+    saved_capacity = saved_args.get("buffer_capacity") or saved_args.get("total_timesteps", 0)
+    if replay_capacity(args) < min(held, saved_capacity):
+        raise ArgsError(
+            f"--resume checkpoint's replay holds {held:,} steps, more than --buffer-capacity "
+            f"{replay_capacity(args):,} can: give at least {saved_capacity:,} (the run's own)."
+        )
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -3268,7 +3373,11 @@ def named_rssm_keys(weights: dict) -> dict:
     }
 
 
-def restore_checkpoint(state: dict, agent: Agent, replay: EpisodeReplay, rng: np.random.Generator) -> dict:
+def restore_checkpoint(
+    state: dict, agent: Agent, replay: EpisodeReplay, rng: np.random.Generator, frame_stack: int
+) -> dict:
+    """The checkpoint's modules, optimizers, loss scalers, RNG states and replay into the run's; returns its counters.
+    A replay the run keeps in memory only (--no-replay-on-disk) starts empty."""
     state["models"]["world_model"] = named_rssm_keys(state["models"]["world_model"])
     try:
         for name, module in agent.modules().items():
@@ -3290,8 +3399,11 @@ def restore_checkpoint(state: dict, agent: Agent, replay: EpisodeReplay, rng: np
         rng.bit_generator.state = state["rng"]["numpy"]
     if "cuda" in state["rng"] and agent.device.type == "cuda":
         torch.cuda.set_rng_state(state["rng"]["cuda"], agent.device)
-    if state.get("replay") is not None:
-        load_replay_state(replay, state["replay"])
+    saved_replay = state.get("replay")
+    if saved_replay is not None and "log" not in saved_replay:  # an older version's (--checkpoint-buffer)
+        load_replay_state(replay, saved_replay)
+    elif saved_replay is not None and replay.log is not None:
+        restore_replay(replay, saved_replay, frame_stack)
     return dict(state["counters"])
 
 
@@ -3522,6 +3634,7 @@ class Run:
     status: "mu.StatusLine | None" = None
     next_log: int = 0
     next_checkpoint: int | None = None
+    next_checkpoint_time: float = math.inf  # when the next checkpoint by wall time is due (time.time())
     next_video: int | None = None
     video_rng: np.random.Generator | None = None
     start_time: float = dataclasses.field(default_factory=time.time)
@@ -3571,16 +3684,22 @@ class Run:
     def watch(self) -> None:
         """After each env step: the open-loop videos, probes, snapshots and progress line (`diagnose`), the status
         line every 30 s (`say_status`), a log point every --log-interval env steps, a checkpoint every
-        --checkpoint-every."""
+        --checkpoint-minutes of wall time and every --checkpoint-every env steps. A checkpoint changes nothing that
+        trains (it draws no random number and checks nothing), so two runs train alike whenever theirs come."""
         args = self.args
         diagnose(self)
         say_status(self)
         if self.step >= self.next_log:
             log_point(self)
-        if self.next_checkpoint is not None and self.step >= self.next_checkpoint:
-            self.next_checkpoint = (self.step // args.checkpoint_every + 1) * args.checkpoint_every
+        by_steps = self.next_checkpoint is not None and self.step >= self.next_checkpoint
+        by_time = args.checkpoint_minutes > 0 and time.time() >= self.next_checkpoint_time
+        final_next = args.save_model and self.step >= args.total_timesteps  # the final one comes at once
+        if (by_steps or by_time) and not final_next:
+            if args.checkpoint_every:
+                self.next_checkpoint = (self.step // args.checkpoint_every + 1) * args.checkpoint_every
+            self.next_checkpoint_time = time.time() + 60 * args.checkpoint_minutes
             # a full disk: a warning, the next interval tries again
-            checkpoint(self, "periodic", required=False, check=True)
+            checkpoint(self, "periodic", required=False)
         if self.step >= args.learning_starts and not self.replay.can_sample(args.sequence_length):
             say_replay_short(self)
 
@@ -3651,6 +3770,10 @@ def set_up(args: Args, stop: mu.StopSignals | None = None, made: "mu.StartUp | N
         run = build_learner(args, device, resume_state)
         run.stop, run.made = stop or run.stop, made
         run.run_name, run.run_dir, run.writer = open_run(args, resume_state, made)
+        if args.replay_on_disk:  # memory: one chunk of steps in host memory; the rest written as the run goes
+            fields = replay_log_fields(run.obs_shape)
+            folder = os.path.join(run.run_dir, "replay")
+            run.replay.log = mu.ReplayLog(folder, fields, args.replay_chunk_steps)  # (a warning: one line)
         if device.type == "cuda":
             mu.install_oom_observer(run.run_dir)
         if args.preallocate:
@@ -3672,19 +3795,7 @@ def set_up(args: Args, stop: mu.StopSignals | None = None, made: "mu.StartUp | N
         run.replay.capacity, run.obs_shape, frames_on_device=isinstance(run.replay, FrameStoreReplay)
     )
     if resume_state is not None:
-        try:
-            run.counters.update(restore_checkpoint(resume_state, run.agent, run.replay, run.rng))
-        except ArgsError as exc:
-            run.writer.close()
-            exit_with(f"error: {exc}", EXIT_BAD_INPUT)
-        try:  # the fast paths on the weights and data the run goes on with (one that disagrees is dropped)
-            check_run_fast_paths(run)
-        except FastPathMismatch as exc:
-            run.writer.close()
-            exit_with(
-                f"error: {exc} (on the weights of --resume {args.resume!r}, left as it is)", EXIT_FAST_PATH
-            )
-        print(f"resumed {run.run_name} at step {run.step} ({run.counters['updates']} updates)")
+        resume(run, resume_state)
         resume_state = None  # memory: the loaded tensors are now inside the modules; drop the copies
     probes = mu.StageProbes(enabled=args.memory_probes, device=device)
     if args.memory_probes:  # before the first update (a captured one would record nothing)
@@ -3693,16 +3804,69 @@ def set_up(args: Args, stop: mu.StopSignals | None = None, made: "mu.StartUp | N
     return run
 
 
+def resume(run: Run, state: dict) -> None:
+    """A resumed run as its checkpoint left it: the modules, optimizers, scalers, RNG states, counters and the replay
+    (`restore_checkpoint`), this command's settings where they differ (`honour_settings`), and the fast paths held to
+    Part 1 on those weights (one that disagrees is dropped). A checkpoint that does not fit, or whose replay on disk
+    is missing or changed, is one sentence and exit 2."""
+    args = run.args
+    try:
+        run.counters.update(restore_checkpoint(state, run.agent, run.replay, run.rng, args.frame_stack))
+    except (ArgsError, mu.ReplayLogInvalid) as exc:
+        run.writer.close()
+        exit_with(f"error: --resume: {str(exc).rstrip('.')}.", EXIT_BAD_INPUT)
+    honour_settings(run, state)
+    try:  # the fast paths on the weights and data the run goes on with (one that disagrees is dropped)
+        check_run_fast_paths(run)
+    except FastPathMismatch as exc:
+        run.writer.close()
+        exit_with(f"error: {exc} (on the weights of --resume {args.resume!r}, left as it is)", EXIT_FAST_PATH)
+    replay = (
+        ""
+        if state.get("replay") is None or run.replay.log is None
+        else f", {run.replay.total_steps:,} in its replay"
+    )
+    print(f"resumed {run.run_name} at step {run.step} ({run.counters['updates']} updates{replay})")
+
+
+def honour_settings(run: Run, state: dict) -> None:
+    """This command's settings on a resumed run: each of `Settings` (the learning rates, clips, KL scales, entropy,
+    ...) and each Adam's eps takes this command's value where it differs from the checkpoint's, said in one line;
+    the others go on as the checkpoint left them (a value a schedule set with `settings.set` included)."""
+    saved_args, saved_values = state["args"], state.get("settings", {})
+    changed = []
+    for name in Settings.NAMES:
+        wanted = float(getattr(run.args, name))
+        if name in saved_args and float(saved_args[name]) != wanted:
+            run.agent.settings.set(name, wanted)
+            changed.append(f"--{name.replace('_', '-')} {saved_args[name]:g} -> {wanted:g}")
+        elif name in saved_values:
+            run.agent.settings.set(name, saved_values[name])
+    for name, optimizer in run.agent.named_optimizers().items():
+        wanted = getattr(run.args, f"{name}_eps")
+        if saved_args.get(f"{name}_eps", wanted) != wanted:
+            for group in optimizer.param_groups:
+                group["eps"] = wanted
+            changed.append(f"--{name.replace('_', '-')}-eps {saved_args[f'{name}_eps']:g} -> {wanted:g}")
+    if changed:
+        print(f"resume: this command's {', '.join(changed)}; the rest as the checkpoint left it")
+
+
 def open_run(args: Args, resume_state: dict | None, made: "mu.StartUp") -> tuple[str, str, SummaryWriter]:
     """The run's folder (`runs/{run_name}`, claimed atomically and marked as this script's: a name another run already
-    holds gets a suffix; a resumed run goes on in its own), TensorBoard and, with --track, wandb (one that cannot
-    start is one line, and the run trains on). Returns (run name, folder, writer); `made` records what it made."""
+    holds gets a suffix; a resumed run goes on in the checkpoint's folder, wherever it was started), held for this
+    process alone (`mu.lock_run_dir`: a second resume of one checkpoint is refused, exit 2, before anything is
+    written), TensorBoard and, with --track, wandb (one that cannot start is one line, and the run trains on).
+    Returns (run name, folder, writer); `made` records what it made."""
     if resume_state is not None:
-        run_name = resume_state["run_name"]
-        run_dir = f"runs/{run_name}"
+        run_name, run_dir = resume_state["run_name"], os.path.dirname(args.resume) or "."
     else:
         run_dir, run_name = mu.claim_run_dir("runs", run_name_of(args), script=__file__)
     made.run_dir = run_dir
+    try:
+        made.lock = mu.lock_run_dir(run_dir)
+    except mu.RunDirInUse as exc:
+        exit_with(f"error: --resume: {exc}.", EXIT_BAD_INPUT)
     if args.capture_video:
         made.folders.append(f"videos/{run_name}")
     tracking = args.track and mu.start_wandb(
@@ -3713,7 +3877,8 @@ def open_run(args: Args, resume_state: dict | None, made: "mu.StartUp") -> tuple
         config=vars(args),
         name=run_name,
         id=run_name,
-        dir=os.getcwd(),  # ./wandb beside ./runs, also when an earlier run in this process set another place
+        # ./wandb beside ./runs (a resumed run's: beside its folder's), also when an earlier run set another place
+        dir=os.path.dirname(os.path.dirname(os.path.abspath(run_dir))),
         resume="allow",
         monitor_gym=True,
         save_code=True,
@@ -3804,8 +3969,8 @@ def instrument(run: Run, probes: "mu.StageProbes") -> None:
     if "update_log" in counters:  # resumed: the updates the stopped run made since its last log point
         run.update_log.restore(counters.pop("update_log"))
     # a full disk: say so now, not at the first checkpoint
-    checkpoints = args.save_model or args.checkpoint_every
-    if checkpoints and (warning := mu.disk_space_warning(run.run_dir, checkpoint_nbytes(run))):
+    replay_bytes = 0 if run.replay.log is None else run.replay.log.disk_nbytes(run.replay.capacity)
+    if warning := mu.disk_space_warning(run.run_dir, checkpoint_nbytes(run), replay_bytes=replay_bytes):
         print(warning)
     run.probes = probes
     run.snapshots = mu.MemorySnapshots(
@@ -3827,6 +3992,8 @@ def instrument(run: Run, probes: "mu.StageProbes") -> None:
     run.next_log = (step // args.log_interval + 1) * args.log_interval
     if args.checkpoint_every:
         run.next_checkpoint = (step // args.checkpoint_every + 1) * args.checkpoint_every
+    if args.checkpoint_minutes > 0:
+        run.next_checkpoint_time = time.time() + 60 * args.checkpoint_minutes
     if args.video_every:
         run.next_video = (step // args.video_every + 1) * args.video_every
     run.video_rng = np.random.default_rng([args.seed, step])
@@ -3835,16 +4002,16 @@ def instrument(run: Run, probes: "mu.StageProbes") -> None:
 
 
 def checkpoint_nbytes(run: Run) -> int:
-    """About how large a checkpoint of this run is: the modules, the optimizer state and, with
-    --checkpoint-buffer, the replay at capacity."""
+    """About how large a checkpoint of this run is: the modules, the optimizer state and, with --replay-on-disk, the
+    replay's chunk still filling (at most --replay-chunk-steps rows)."""
     nbytes = mu.estimate_nbytes(
         [
             {n: m.state_dict() for n, m in run.agent.modules().items()},
             [o.state_dict() for o in run.agent.optimizers],
         ]
     )
-    if run.args.checkpoint_buffer:
-        nbytes += run.replay.capacity * (math.prod(run.obs_shape[1:]) + REPLAY_AUX_BYTES_PER_STEP)
+    if run.replay.log is not None:
+        nbytes += run.replay.log.chunk_rows * mu.ReplayLog.row_nbytes(run.replay.log.fields)
     return nbytes
 
 
@@ -4033,22 +4200,15 @@ def nonfinite_weights(agent: Agent) -> list[str]:
     return [name for name, ok in zip(modules, torch.stack([f.cpu() for f in finite]).tolist()) if not ok]
 
 
-def checkpoint(run: Run, reason: str, required: bool = True, check: bool = False) -> bool:
-    """A checkpoint that fails to write (a full disk): `required` (the final one, a signal's, an OOM's) ends the run
-    with one sentence and EXIT_WRITE_FAILED; otherwise one warning line and the last good one stays. None is written
-    from weights that are not finite (one line: the last good one stays). With `check` (the periodic and final ones)
-    the fast paths are then held to the readable functions on the live weights (`check_run_fast_paths`): one that
-    disagrees is dropped and the run goes on; a mismatch that no flag can take away mid-run stops the run, the
-    checkpoint written, with EXIT_FAST_PATH. Returns whether it was written."""
+def checkpoint(run: Run, reason: str, required: bool = True) -> bool:
+    """Everything the run needs to go on, written whole or not at all (the last good one stays until this one is
+    complete), with the replay's index and its last rows when the replay is on disk; one line says so. One that
+    fails to write (a full disk): `required` (the final one, a signal's, an OOM's) ends the run with one sentence and
+    EXIT_WRITE_FAILED; otherwise one warning line and the last good one stays. None is written from weights that are
+    not finite (one line: the last good one stays). It changes nothing that trains. Returns whether it was written."""
     if bad := nonfinite_weights(run.agent):
         run.progress.say(f"checkpoint ({reason}) not written: the weights of {', '.join(bad)} are not finite")
         return False
-    mismatch = None
-    if check:  # first, so that the checkpoint records a path dropped now
-        try:
-            check_run_fast_paths(run)
-        except FastPathMismatch as exc:
-            mismatch = exc
     run.counters["train_seconds"] = run.seconds_before + time.time() - run.start_time
     # the updates since the last log point, so that a resumed run logs their means with the next interval
     counters = {**run.counters, "update_log": run.update_log.state()}
@@ -4062,8 +4222,6 @@ def checkpoint(run: Run, reason: str, required: bool = True, check: bool = False
             f"stopping: {exc}; the run cannot go on without this checkpoint ({reason}).", EXIT_WRITE_FAILED
         )
     run.progress.say(f"checkpoint ({reason}): {run.checkpoint_path} at step {run.step}")
-    if mismatch is not None:
-        exit_with(f"stopping at step {run.step}, its checkpoint written: {mismatch}", EXIT_FAST_PATH)
     return True
 
 
@@ -4096,22 +4254,23 @@ def say_status(run: Run) -> None:
 def finish(run: Run) -> None:
     """The end of training: the final checkpoint (--save-model) and the memory probes' verdict."""
     if run.args.save_model:
-        checkpoint(run, "end of training", check=True)
+        checkpoint(run, "end of training")
     if run.args.memory_probes:
         run.progress.say(run.probes.verdict())
 
 
 def main(args: Args) -> dict:
     """Train (Part 1's `learn`); returns the final counters (global_step, updates, ...) and the run directory. A stop
-    signal during the start-up stops it at once (`mu.Stopped`: what it made is removed), later at the loop's top."""
+    signal during the start-up stops it at once (`mu.Stopped`: what it made is removed), later at the loop's top.
+    However the run ends, what it opened is closed and its folder's lock let go."""
     stop = mu.StopSignals()
     made = mu.StartUp(new=args.resume is None, parents=("runs", "videos"))
-    with stop:  # SIGINT and SIGTERM: recorded, read at the top of the loop; in the start-up, raised at once
+    with stop, contextlib.closing(made):  # signals: recorded, read at the loop's top; in the start-up, raised
         try:
             with stop.at_once():
                 run = set_up(
                     args, stop, made
-                )  # the input checked, the run's folder and logs, the learner, instruments
+                )  # the input checked, the run's folder and logs, the learner, ...
                 envs = make_vector_env(args, run.run_name, args.seed, guard=FiniteSteps)
                 made.closers.append(envs.close)
         except mu.Stopped as exc:

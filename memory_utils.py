@@ -293,15 +293,19 @@ def atomic_append(path: str | os.PathLike, text: str) -> int:
     return atomic_write(path, existing + text.encode())
 
 
-def disk_space_warning(folder: str | os.PathLike, bytes_per_checkpoint: int, copies: int = 2) -> str | None:
+def disk_space_warning(
+    folder: str | os.PathLike, bytes_per_checkpoint: int, copies: int = 2, replay_bytes: int = 0
+) -> str | None:
     """One warning line when the file system of `folder` cannot hold `copies` checkpoints of this size (the one
-    kept and the one being written beside it), else None."""
+    kept and the one being written beside it) and the replay's files on disk when full (`replay_bytes`), else
+    None."""
     free = free_bytes(folder)
-    if free is None or free >= copies * bytes_per_checkpoint:
+    if free is None or free >= copies * bytes_per_checkpoint + replay_bytes:
         return None
+    replay = f" and the replay's {_size_text(replay_bytes)} on disk when full" if replay_bytes else ""
     return (
         f"warning: {_size_text(free)} free where checkpoints go ({os.fspath(folder)}), less than {copies} "
-        f"checkpoints of about {_size_text(bytes_per_checkpoint)} each: a checkpoint may fail to write"
+        f"checkpoints of about {_size_text(bytes_per_checkpoint)} each{replay}: a checkpoint may fail to write"
     )
 
 
@@ -2147,6 +2151,36 @@ def claim_run_dir(
     raise FileExistsError(errno.EEXIST, f"{name} and its 998 suffixes are all taken", os.fspath(parent))
 
 
+class RunDirInUse(Exception):
+    """Another process runs in the run folder (one sentence)."""
+
+
+LOCK_FILE = ".lock"
+
+
+def lock_run_dir(run_dir: str | os.PathLike) -> int:
+    """Hold the run folder for this process: an exclusive lock (flock) on its `.lock`, which holds this process's id,
+    kept until the process ends, however it ends (SIGKILL included: the kernel lets it go). Returns the file
+    descriptor, to keep open. RunDirInUse when another process holds it: two runs (two resumes of one checkpoint)
+    never write into one folder."""
+    import fcntl
+
+    path = os.path.join(os.fspath(run_dir), LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise RunDirInUse(
+            f"{os.fspath(run_dir)} is in use by a run still going (process {holder}): two runs never write into one "
+            f"folder; wait for it to end, or copy the folder and resume the copy"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
 def foreign_entries(
     folder: str | os.PathLike, run_files: Iterable[str], config: str = "config.json"
 ) -> list[str]:
@@ -2280,12 +2314,17 @@ class StartUp:
         self.event_dirs: list[str] = []
         self.closers: list[Callable[[], Any]] = []
         self.parents = [os.path.abspath(p) for p in parents if not os.path.exists(p)]
+        self.lock: int | None = None  # the run folder's lock (`lock_run_dir`), held while the process runs
 
     def close(self) -> None:
-        """Close what was opened, last first (one that fails is passed over)."""
+        """Close what was opened, last first (one that fails is passed over), and let the folder's lock go."""
         for closer in reversed(self.closers):
             with contextlib.suppress(Exception):
                 closer()
+        if self.lock is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.lock)
+            self.lock = None
 
     def discard(self, signal_name: str) -> str:
         """Close what was opened, remove what this start-up made; returns the sentence to say."""
@@ -2742,6 +2781,196 @@ class ChunkedColumns:
             exact[name][:] = saved[name]
             array.chunks, array.start, array.end, array.compacted = [exact[name]], 0, len(saved[name]), True
         self.maps.waiting.clear()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The replay on disk: every stored step, in chunk files written once as the run goes
+# ---------------------------------------------------------------------------------------------------------
+class ReplayLogInvalid(ValueError):
+    """A replay's chunk file that a checkpoint needs is missing or is not the one written (one sentence)."""
+
+
+class ReplayLog:
+    """A replay's stored steps kept on disk as the run stores them, so that a run killed at any moment resumes with
+    its replay. Each step is a row of `fields` (name -> an item's (shape, dtype)), appended as it is stored
+    (`append`); every `chunk_rows` rows are written once to `folder/chunk_{index:08d}.rows` (the fields one after another), whole or not at all, and
+    their CRC-32 recorded. The rows of the chunk still filling go into the run's checkpoint (`state`), with where the
+    stream stands and the first row the replay still needs; `rows` reads back exactly a checkpoint's rows, each file
+    checked against its CRC-32, and `commit` (once that checkpoint is written whole) removes the files no checkpoint
+    needs any more. On disk: the replay's capacity, plus what was written since the last checkpoint.
+
+    memory: one chunk of rows in host memory (1,024 Pong steps: 12.6 MB); the files are written, never mapped, so
+    they take no memory of this process (the kernel's page cache holds them while it has room, outside RSS)."""
+
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        fields: dict[str, tuple[tuple, Any]],
+        chunk_rows: int = 1024,
+        say: Callable[[str], None] = print,
+    ):
+        self.folder, self.chunk_rows, self.say = os.fspath(folder), int(chunk_rows), say
+        self.failed: str | None = None  # why a file could not be written (in memory only from then)
+        self.fields = {name: (tuple(shape), np.dtype(dtype)) for name, (shape, dtype) in fields.items()}
+        self.buffer = {
+            name: np.zeros((chunk_rows, *shape), dtype) for name, (shape, dtype) in self.fields.items()
+        }
+        self.position = 0  # rows appended since the run began
+        self.crcs: dict[int, int] = {}  # chunk index -> CRC-32 of its file
+        self.unsynced: list[str] = []  # files written since the last `sync`
+        os.makedirs(self.folder, exist_ok=True)
+
+    @staticmethod
+    def row_nbytes(fields: dict[str, tuple[tuple, Any]]) -> int:
+        """The bytes of one row of `fields`."""
+        return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in fields.values())
+
+    def path(self, index: int) -> str:
+        return os.path.join(self.folder, f"chunk_{index:08d}.rows")
+
+    def append(self, row: dict[str, Any]) -> None:
+        """One stored step (every field, by name); the chunk's file is written when it is full."""
+        if self.failed is not None:
+            return
+        offset = self.position % self.chunk_rows
+        for name, array in self.buffer.items():
+            array[offset] = row[name]
+        self.position += 1
+        if offset == self.chunk_rows - 1:
+            self._write(self.position // self.chunk_rows - 1)
+
+    def _write(self, index: int) -> None:
+        """The full buffer as chunk `index`'s file: written to a temporary file and renamed (a killed process leaves
+        the old file or none); `sync` makes it durable before a checkpoint relies on it."""
+        parts = [memoryview(np.ascontiguousarray(array)).cast("B") for array in self.buffer.values()]
+        crc = 0
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        self.crcs[index] = crc
+        data = sum(len(part) for part in parts)
+        path, tmp = self.path(index), None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp_", suffix=".rows")
+            with os.fdopen(fd, "wb") as f:
+                for part in parts:  # the fields' bytes one after another, in the order of `fields`
+                    f.write(part)
+            os.replace(tmp, path)
+            tmp = None
+        except OSError as exc:  # a full disk, a quota: the run goes on, its replay in memory only
+            self.failed = exc.strerror or str(exc)
+            free = free_bytes(self.folder)
+            self.say(
+                f"warning: could not write {path} (needs {_size_text(data)}, "
+                f"{'unknown' if free is None else _size_text(free)} free there): {self.failed}; the replay is kept "
+                f"in memory only from here on, and checkpoints no longer hold it (a resumed run starts with an "
+                f"empty replay)"
+            )
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+        if self.failed is None:
+            self.unsynced.append(path)
+
+    def sync(self) -> None:
+        """The chunk files written since the last call flushed to disk (fsync), as a checkpoint needs them."""
+        for path in self.unsynced:
+            with contextlib.suppress(FileNotFoundError):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        if self.unsynced:
+            with contextlib.suppress(OSError):
+                fd = os.open(self.folder, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        self.unsynced = []
+
+    def state(self, keep_from: int) -> dict | None:
+        """What a checkpoint holds of the log: where the stream stands, the first row the replay needs (`keep_from`),
+        the CRC-32 of each chunk file from there on, and the rows of the chunk still filling (tensors: loads with
+        weights_only=True); None once a file could not be written. Calls `sync` first."""
+        if self.failed is not None:
+            return None
+        self.sync()
+        filled = self.position % self.chunk_rows
+        first, last = keep_from // self.chunk_rows, self.position // self.chunk_rows
+        return {
+            "position": self.position,
+            "keep_from": int(keep_from),
+            "chunk_rows": self.chunk_rows,
+            "crcs": {str(i): self.crcs[i] for i in range(first, last)},
+            "partial": {name: torch.from_numpy(array[:filled].copy()) for name, array in self.buffer.items()},
+        }
+
+    def commit(self, state: dict) -> None:
+        """Once the checkpoint holding `state` is written whole: remove the chunk files it does not need, those
+        whose rows all come before its `keep_from` (the replay dropped them) and any written beyond its position by a
+        run that was killed (the stream goes on from the checkpoint, and writes them again)."""
+        first = state["keep_from"] // self.chunk_rows
+        last = (
+            state["position"] // self.chunk_rows
+        )  # the chunk still filling, and later ones: not the checkpoint's
+        for entry in os.listdir(self.folder):
+            if entry.startswith("chunk_") and entry.endswith(".rows"):
+                index = int(entry[len("chunk_") : -len(".rows")])
+                if index < first or (index >= last and index not in self.crcs):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(os.path.join(self.folder, entry))
+        self.crcs = {i: crc for i, crc in self.crcs.items() if i >= first}
+
+    def rows(self, state: dict):
+        """A checkpoint's rows from its `keep_from` to its position, chunk by chunk: (the first row's position, a
+        dict of arrays). Each file is checked against its CRC-32 (ReplayLogInvalid otherwise); the last rows come
+        from the checkpoint itself."""
+        chunk_rows, keep_from, position = state["chunk_rows"], state["keep_from"], state["position"]
+        for index in range(keep_from // chunk_rows, position // chunk_rows):
+            path = self.path(index)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                raise ReplayLogInvalid(f"{path} is missing, and the checkpoint's replay needs it") from None
+            if zlib.crc32(data) != state["crcs"][str(index)]:
+                raise ReplayLogInvalid(
+                    f"{path} does not match the CRC-32 the checkpoint recorded for it (changed since it was written)"
+                )
+            chunk, offset = {}, 0
+            for name, (shape, dtype) in self.fields.items():
+                count = chunk_rows * math.prod(shape)
+                chunk[name] = np.frombuffer(data, dtype, count, offset).reshape(chunk_rows, *shape)
+                offset += count * dtype.itemsize
+            first = index * chunk_rows
+            skip = max(keep_from - first, 0)
+            yield first + skip, {name: array[skip:] for name, array in chunk.items()}
+        start = position - position % chunk_rows
+        partial = {name: value.numpy() for name, value in state["partial"].items()}
+        skip = max(keep_from - start, 0)
+        if position > start + skip:
+            yield start + skip, {name: array[skip:] for name, array in partial.items()}
+
+    def resume(self, state: dict) -> None:
+        """Go on from a checkpoint's `state`: the stream's position, the CRC-32s of the files it keeps, and the
+        chunk still filling back in the buffer; files the killed run wrote after it are removed (`commit`)."""
+        if state["chunk_rows"] != self.chunk_rows:
+            raise ReplayLogInvalid(
+                f"the checkpoint's replay has chunks of {state['chunk_rows']} rows, not {self.chunk_rows}"
+            )
+        self.position = int(state["position"])
+        self.crcs = {int(i): crc for i, crc in state["crcs"].items()}
+        filled = self.position % self.chunk_rows
+        for name, array in self.buffer.items():
+            array[:filled] = state["partial"][name].numpy()
+        self.commit(state)
+
+    def disk_nbytes(self, capacity_rows: int) -> int:
+        """About the most disk the log takes: `capacity_rows` rows, the chunk on each side of them, and the rows one
+        checkpoint interval writes are not counted (the caller adds them)."""
+        return (capacity_rows + 2 * self.chunk_rows) * self.row_nbytes(self.fields)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,9 @@ class Args:
     """at most this many runs of the array at once"""
     wait: bool = False
     """with `slurm`: stay until the array has left the queue, then print the summary"""
+    max_restarts: int = 3
+    """a run killed without a signal (SIGKILL, exit 137: a dead node, the OOM killer) resumes from its last
+    checkpoint at most this many times"""
 
     # waiting for GPU memory, per task
     min_free_mb: float = 2000.0
@@ -111,15 +114,14 @@ class Script:
     owned: tuple[str, ...]
     """fields the sweep sets itself (a run's seed, folders, resume), refused in --grid and after --"""
     fixed_flags: tuple[str, ...]
-    """flags every run gets: where it writes, a final checkpoint that holds its counters, and checkpoints that hold
-    the replay, so that a requeued run goes on with the data it had (without it, a resumed Dreamer run waits for a
-    sequence's worth of new steps before it trains again, and ends with fewer updates than an uninterrupted one)"""
+    """flags every run gets: where it writes, and a final checkpoint that holds its counters (the scripts keep their
+    replay on disk by default, so a requeued run goes on with the data it had)"""
 
     def checkpoint(self, run_dir: Path) -> Path | None:
-        if self.file == "dreamer_atari.py":
-            found = sorted(run_dir.glob("runs/*/checkpoint.pt"))
-        else:
-            found = sorted(run_dir.glob("results/run/checkpoint.pt"))
+        """The checkpoint a run of this folder resumes from: its own (the DQN's fixed `results/run`; Dreamer's one
+        run folder under runs/, the most recently written where an earlier attempt left more than one)."""
+        pattern = "runs/*/checkpoint.pt" if self.file == "dreamer_atari.py" else "results/run/checkpoint.pt"
+        found = sorted(run_dir.glob(pattern), key=lambda path: path.stat().st_mtime)
         return found[-1] if found else None
 
     def events_dir(self, run_dir: Path) -> Path | None:
@@ -153,7 +155,7 @@ SCRIPTS = {
     "dreamer_atari.py": Script(
         "dreamer_atari.py",
         owned=("seed", "resume", "save_model"),
-        fixed_flags=("--save-model", "--checkpoint-buffer"),
+        fixed_flags=("--save-model",),
     ),
     "dqn_starcraft_split.py": Script(
         "dqn_starcraft_split.py",
@@ -166,7 +168,6 @@ SCRIPTS = {
             "--log-dir",
             "runs",
             "--save-model",
-            "--checkpoint-buffer",
         ),
     ),
 }
@@ -207,6 +208,7 @@ class Plan:
     wait_timeout_s: float
     wait_poll_s: float
     bool_fields: frozenset
+    max_restarts: int = 3
 
     def command(self, run: Run, resume: Path | None) -> list[str]:
         flags = [self.python, self.script_path, *self.script.fixed_flags, "--seed", str(run.seed)]
@@ -372,6 +374,7 @@ def plan_sweep(args: Args, extra: list[str]) -> Plan:
         wait_timeout_s=args.wait_timeout_s,
         wait_poll_s=args.wait_poll_s,
         bool_fields=frozenset(field for field in fields if hints[field] is bool),
+        max_restarts=args.max_restarts,
     )
 
 
@@ -400,6 +403,9 @@ def check_slurm() -> None:
 # ---------------------------------------------------------------------------------------------------------
 class RunStopped(RuntimeError):
     """The script was stopped by a signal after writing its checkpoint: the run continues when requeued."""
+
+
+KILLED = 128 + signal.SIGKILL  # what a run killed without a chance to checkpoint ends with (137)
 
 
 class RunFailed(RuntimeError):
@@ -513,6 +519,37 @@ def run_one(plan: Plan, index: int) -> dict:
         print(line, flush=True)
 
     wait_for_free_gpu(plan, log)
+    while attempt_run(plan, run, run_dir, log) == KILLED:
+        restarts = sum(a["exit_code"] == KILLED for a in attempts(run_dir))
+        if restarts > plan.max_restarts:
+            raise RunFailed(
+                f"run {run.name} was killed (exit {KILLED}, SIGKILL: a dead node or the OOM killer) {restarts} "
+                f"time{'s' * (restarts != 1)}, more than --max-restarts {plan.max_restarts}; see {log_path}"
+            )
+        log(
+            f"sweep: run {run.name} was killed (exit {KILLED}, SIGKILL: a dead node or the OOM killer); it goes on "
+            f"from its last checkpoint (restart {restarts} of at most {plan.max_restarts})"
+        )
+    row = {
+        "run": run.name,
+        "seed": run.seed,
+        "overrides": run.setting,
+        **plan.script.final(run_dir),
+        "wall_time_s": round(sum(a["seconds"] for a in attempts(run_dir)), 1),
+        "attempts": len(attempts(run_dir)),
+        "restarts": sum(a["exit_code"] == KILLED for a in attempts(run_dir)),
+        **peak_memory(plan.script.events_dir(run_dir)),
+    }
+    atomic_write(result_path, json.dumps(row, indent=2))
+    write_summary(plan)
+    return row
+
+
+def attempt_run(plan: Plan, run: Run, run_dir: Path, log) -> int:
+    """One attempt at a run: resumed from its checkpoint when it has one (once that matches its checksum), started
+    afresh otherwise; returns its exit status when it finished (0) or was killed (137); RunStopped when a signal
+    stopped it after its checkpoint, RunFailed when it failed."""
+    log_path = run_dir / "output.log"
     resume = plan.script.checkpoint(run_dir)
     if resume is not None:
         try:
@@ -552,23 +589,12 @@ def run_one(plan: Plan, index: int) -> dict:
             f"run {run.name} was stopped by {signal.Signals(returncode - 128).name} after writing its "
             f"checkpoint; it continues from it when the task is requeued or the sweep is run again"
         )
-    if returncode != 0:
+    if returncode not in (0, KILLED):
         tail = log_path.read_text().strip().splitlines()[-1:] or [""]
         raise RunFailed(
             f"run {run.name} failed with exit status {returncode} ({tail[0][:200]}); see {log_path}"
         )
-    row = {
-        "run": run.name,
-        "seed": run.seed,
-        "overrides": run.setting,
-        **plan.script.final(run_dir),
-        "wall_time_s": round(sum(a["seconds"] for a in attempts(run_dir)), 1),
-        "attempts": len(attempts(run_dir)),
-        **peak_memory(plan.script.events_dir(run_dir)),
-    }
-    atomic_write(result_path, json.dumps(row, indent=2))
-    write_summary(plan)
-    return row
+    return returncode
 
 
 def attempts(run_dir: Path) -> list[dict]:
@@ -606,6 +632,7 @@ COLUMNS = (
     "peak_rss_mb",
     "peak_gpu_reserved_mb",
     "attempts",
+    "restarts",
 )
 
 
@@ -685,6 +712,13 @@ def summary_markdown(plan: Plan, rows: list[dict]) -> str:
             f"| {setting} | {seeds} | {mean:.3f} | {spread:.3f} | {min(scores):.3f} | {max(scores):.3f} "
             f"| {steps} |"
         )
+    killed = [f"{row['run']} ({row['restarts']}x)" for row in rows if row.get("restarts")]
+    if killed:
+        lines += [
+            "",
+            f"Killed without a signal (SIGKILL: a dead node, the OOM killer) and resumed from their last checkpoint: "
+            f"{', '.join(killed)}.",
+        ]
     if plan.extra:
         lines += ["", f"Every run also had: `{' '.join(plan.extra)}`"]
     return "\n".join(lines) + "\n"

@@ -145,8 +145,8 @@ PONG_RECIPE = {
     "video_every": 2500,
     "save_model": True,
 }
-# checkpoints that hold the replay, so that a later invocation continues the run (--pong-resumable)
-PONG_RESUMABLE = {"checkpoint_every": 5000, "checkpoint_buffer": True}
+# checkpoints (and the replay, on disk by default), so that a later invocation continues the run (--pong-resumable)
+PONG_RESUMABLE = {"checkpoint_every": 5000}
 # what training on CUDA adds to the script's defaults (TF32 matmuls and CUDA-graph capture are already its
 # defaults on CUDA); the update stage's `training` variant uses the same dict.
 CUDA_FAST_PATH: dict = {}

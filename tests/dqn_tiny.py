@@ -92,3 +92,18 @@ def run_with_a_changed_update(tmp_path, amp: str, script=None) -> types.SimpleNa
         changed_updates=done.stdout.splitlines().count(CHANGE_MARK),
         td_losses=td_losses,
     )
+
+
+def replay_of(run_dir, capacity: int = 200, res: int = 8):
+    """The replay a checkpoint in `run_dir` holds, rebuilt from its files on disk as a resumed run does."""
+    import torch
+
+    import dqn_starcraft_split as dqn
+    import memory_utils as mu
+
+    state = torch.load(Path(run_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["replay"]
+    rb = dqn.SplitReplayBuffer(capacity, res)
+    fields = {name: (array.shape[1:], array.dtype) for name, array in rb.slots().items()}
+    rb.log = mu.ReplayLog(Path(run_dir) / "replay", fields, state["chunk_rows"])
+    rb.restore_log(state)
+    return rb

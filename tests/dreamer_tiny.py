@@ -96,3 +96,13 @@ def import_copy(source: str, path: Path, monkeypatch):
     spec.loader.exec_module(module)
     monkeypatch.chdir(path.parent)
     return module
+
+
+def replay_of(run_dir, args: da.Args, capacity: int = 500, num_envs: int = 2) -> da.EpisodeReplay:
+    """The replay a checkpoint in `run_dir` holds, rebuilt from its files on disk as a resumed run does."""
+    state = torch.load(Path(run_dir) / "checkpoint.pt", map_location="cpu", weights_only=True)["replay"]
+    replay = da.EpisodeReplay(capacity, num_envs, seed=0)
+    fields = da.replay_log_fields(obs_shape(args))
+    replay.log = da.mu.ReplayLog(Path(run_dir) / "replay", fields, state["log"]["chunk_rows"])
+    da.restore_replay(replay, state, args.frame_stack)
+    return replay

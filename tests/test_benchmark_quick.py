@@ -184,8 +184,7 @@ def test_gpu_only_pong_run_continues_across_invocations(tmp_path):
         first["pong_returncode"] == second["pong_returncode"] == 143
     )  # stopped by SIGTERM after a checkpoint
     assert (
-        "--resume PONG_DIR/runs/" in second["pong_command"]
-        and "--checkpoint-buffer" in second["pong_command"]
+        "--resume PONG_DIR/runs/" in second["pong_command"] and "--checkpoint-every" in second["pong_command"]
     )
     (_run_dir,) = (pong_dir / "runs").iterdir()  # one run, continued
     assert second["pong_env_steps"] > first["pong_env_steps"] >= 100

@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import dqn_starcraft_split as dqn
 import memory_utils as mu
-from dqn_tiny import TINY_FLAGS
+from dqn_tiny import TINY_FLAGS, replay_of
 
 SCRIPT = Path(dqn.__file__)
 # 15 agent steps an episode (step_mul 128), an update every 2 agent steps after the first 10
@@ -93,7 +93,7 @@ def test_non_finite_game_values_never_reach_the_replay_or_the_weights(tmp_path, 
     the first named in one line, the others counted; the replay, the weights and the results all finite; the
     checkpoint resumes with its replay."""
     with_faults(monkeypatch, {20: "nan", 40: "inf", 62: "obs"})
-    code, _, err = run(tmp_path, monkeypatch, capsys, "--num-episodes", "6", "--checkpoint-buffer")
+    code, _, err = run(tmp_path, monkeypatch, capsys, "--num-episodes", "6")
     assert code == 0, err
     log = log_of(tmp_path)
     assert log.count("non-finite") == 3, log  # the first one named, then a count at each log point after one
@@ -105,14 +105,11 @@ def test_non_finite_game_values_never_reach_the_replay_or_the_weights(tmp_path, 
         in log
     )
     assert "(3 in all; the last: observation player nan at agent step 59)" in log
-    state = saved(tmp_path)
-    replay = state["replay"]
-    assert (
-        weights_finite(state)
-        and torch.isfinite(replay["rewards"]).all()
-        and torch.isfinite(replay["player"]).all()
-    )
-    assert int(replay["truncated"].sum()) == 3  # one cut episode's last state each
+    rb = replay_of(tmp_path / "results" / "r")  # as the resumed run has it
+    # every agent step's transition, and each cut episode's last state: its non-finite step left out
+    assert weights_finite(saved(tmp_path)) and rb.size == saved(tmp_path)["global_step"] + 3
+    assert np.isfinite(rb.rewards[: rb.size]).all() and np.isfinite(rb.player[: rb.size]).all()
+    assert int(rb.truncated[: rb.size].sum()) == 3  # one cut episode's last state each
     assert scalars(tmp_path, "debug/nonfinite_game_steps")[-1] == 3.0
     with open(tmp_path / "results" / "results.csv") as f:
         (row,) = list(csv.DictReader(f))
@@ -124,7 +121,6 @@ def test_non_finite_game_values_never_reach_the_replay_or_the_weights(tmp_path, 
         capsys,
         "--num-episodes",
         "7",
-        "--checkpoint-buffer",
         "--resume",
         "results/r/checkpoint.pt",
     )
@@ -307,6 +303,11 @@ BAD_INPUTS = {
     ),
     "a save folder under a file": ([], {"RL_SAVE_PATH": "notes.txt/results"}, "(from RL_SAVE_PATH)"),
     "no non-finite update allowed": (["--max-nonfinite", "0"], {}, "max_nonfinite must be at least 1"),
+    "learning that starts after the run": (
+        ["--learning-starts", "20", "--num-episodes", "1"],  # one episode of 15 agent steps at --step-mul 128
+        {},
+        "no update would ever run",
+    ),
 }
 
 

@@ -48,9 +48,7 @@ def test_cuda_captured_acting_reads_fresh_inputs_and_moves_its_state_as_the_eage
 def test_cuda_tiny_run_with_frames_on_the_gpu_and_captured_updates_trains_and_resumes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     schedule = dict(learning_starts=100, train_ratio=8.0, max_episode_steps=60, buffer_capacity=300)
-    first = da.main(
-        tiny_args(total_timesteps=300, save_model=True, checkpoint_buffer=True, model="nature", **schedule)
-    )
+    first = da.main(tiny_args(total_timesteps=300, save_model=True, model="nature", **schedule))
     assert first["updates"] > 10  # well past the warm-up updates and the capture
     state = torch.load(f"{first['run_dir']}/checkpoint.pt", map_location="cpu", weights_only=True)
     assert state["counters"]["nonfinite_updates"] == 0

@@ -111,7 +111,7 @@ def test_non_finite_env_values_never_reach_the_replay_or_the_weights(in_tmp, mon
     truncated), the first named in one line and the others counted at log points; the replay and the weights stay
     finite, and the checkpoint resumes with its replay."""
     env_0_with_faults(monkeypatch, {30: "nan", 60: "inf", 75: "obs"})
-    result = da.main(tiny_args(save_model=True, checkpoint_buffer=True))
+    result = da.main(tiny_args(save_model=True))
     out = capsys.readouterr().out
     assert result["nonfinite_env_steps"] == 3 and result["nonfinite_updates"] == 0
     (first,) = [line for line in out.splitlines() if "gave a non-finite" in line]
@@ -122,13 +122,13 @@ def test_non_finite_env_values_never_reach_the_replay_or_the_weights(in_tmp, mon
     assert "2 more env steps cut for a non-finite value (3 in all)" in out  # both in the next log interval
     state = load(in_tmp / result["run_dir"] / "checkpoint.pt")
     assert finite_models(state)
-    episodes = state["replay"]["episodes"]
-    assert all(torch.isfinite(episode["reward"]).all() for episode in episodes)
-    assert all(episode["frames"].dtype == torch.uint8 for episode in episodes)
-    cut = [ep for ep in episodes if not bool(ep["is_terminal"][-1]) and len(ep["action"]) < 61]
+    replay = dreamer_tiny.replay_of(in_tmp / result["run_dir"], tiny_args())  # as the resumed run has it
+    arrays = [replay.fill([[(ep, ep.first_step, ep.num_steps)]], ep.num_steps) for ep in replay.episodes]
+    assert all(np.isfinite(a["reward"]).all() and a["obs"].dtype == np.uint8 for a in arrays)
+    cut = [a for a in arrays if not a["is_terminal"][0, -1] and a["reward"].shape[1] < 61]
     assert len(cut) >= 3, "each fault cuts its episode short"
     # each episode's first frame, then one step per env step: all 200 but the 3 left out
-    assert sum(len(episode["action"]) for episode in episodes) == len(episodes) + 200 - 3
+    assert replay.total_steps == len(replay.episodes) + 200 - 3
     resumed = da.main(
         tiny_args(total_timesteps=220, resume=str(in_tmp / result["run_dir"] / "checkpoint.pt"))
     )

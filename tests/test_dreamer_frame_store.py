@@ -84,22 +84,48 @@ def test_device_batches_equal_the_host_sampler_through_boundaries_trimming_and_e
     assert crossings > 50 and trimmed, "the windows crossed no episode boundary, or no front was trimmed"
 
 
-def test_a_resumed_replay_gives_the_same_batches_whichever_side_saved_it():
-    host, device = replays(capacity=150)
-    drive([host, device], 120, seed=1)
+def logged(replay: da.EpisodeReplay, folder) -> da.EpisodeReplay:
+    """`replay` with its log on disk in `folder` (chunks of 16 rows), as a run with --replay-on-disk has it."""
+    replay.log = mu.ReplayLog(folder, da.replay_log_fields((4, *FRAME)), chunk_rows=16)
+    return replay
+
+
+def test_a_resumed_replay_gives_the_same_batches_whichever_side_saved_it(tmp_path):
+    """Saved with its log on disk by a replay of either kind (trimmed fronts and episodes in progress included),
+    rebuilt by either kind: the same batches as the replay that saved it, its own generator's included, and the same
+    ones again after both go on alike (the same evictions)."""
+    host, device = (
+        logged(replays(capacity=150)[0], tmp_path / "host"),
+        logged(replays(capacity=150)[1], tmp_path / "device"),
+    )
+    drive([host, device], 120, seed=1, max_length=90)
+    assert any(ep.first_step > 0 for ep in host.episodes), "no front was trimmed"
     saved_by_host, saved_by_device = da.replay_state(host), da.replay_state(device)
-    for ours, theirs in zip(saved_by_host["episodes"], saved_by_device["episodes"]):
-        for name in da.Episode.FIELDS:
-            torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0)
+    assert saved_by_host["episodes"] == saved_by_device["episodes"]
     resumed_host, resumed_device = replays(capacity=150)
-    da.load_replay_state(resumed_host, saved_by_device)
-    da.load_replay_state(resumed_device, saved_by_host)
+    da.restore_replay(logged(resumed_host, tmp_path / "device"), saved_by_device, 4)
+    da.restore_replay(logged(resumed_device, tmp_path / "host"), saved_by_host, 4)
     for seed in range(4):
-        assert_same_batches(resumed_host, resumed_device, seed)
-    # and both go on alike: the resumed episodes are evicted first, the envs' new ones after them
-    drive([resumed_host, resumed_device], 200, seed=2)
+        assert_same_batches(host, resumed_device, seed)
+        assert_same_batches(resumed_host, device, seed)
+
+    def own_batch(replay):  # a batch drawn by the replay's own generator (gathered on the device replay)
+        batch = replay.sample(5, 13)
+        return (
+            replay.gather(da.batch_tensors(batch, "cpu"))
+            if "rows" in batch
+            else da.batch_tensors(batch, "cpu")
+        )
+
+    for ours, theirs in ((host, resumed_host), (device, resumed_device)):
+        batch, again = own_batch(ours), own_batch(theirs)  # each one's generator as it was
+        for key, value in batch.items():
+            assert torch.equal(again[key], value), key
+    # and all go on alike: the same episodes in progress, the same evictions
+    drive([host, device, resumed_host, resumed_device], 200, seed=2, max_length=90)
     for seed in range(4):
-        assert_same_batches(resumed_host, resumed_device, seed)
+        assert_same_batches(host, resumed_device, seed)
+        assert_same_batches(resumed_host, device, seed)
 
 
 def in_use(store: da.FrameStore) -> int:
@@ -179,7 +205,6 @@ def run_weights(**overrides) -> tuple[dict, dict]:
         tiny_args(
             total_timesteps=240,
             save_model=True,
-            checkpoint_buffer=True,
             model="nature",
             **schedule,
             **overrides,
@@ -210,9 +235,11 @@ def test_a_run_with_frames_on_the_device_trains_exactly_as_one_with_frames_in_ho
     for module, weights in on_host["models"].items():
         for name, tensor in weights.items():
             assert torch.equal(on_device["models"][module][name], tensor), f"{module}.{name}"
-    for ours, theirs in zip(on_host["replay"]["episodes"], on_device["replay"]["episodes"], strict=True):
-        for name in da.Episode.FIELDS:
-            assert torch.equal(ours[name], theirs[name]), name
+    assert (
+        on_host["replay"]["episodes"] == on_device["replay"]["episodes"]
+    )  # the same index of the same steps
+    for name, rows in on_host["replay"]["log"]["partial"].items():  # the same last rows, the frames' too
+        assert torch.equal(rows, on_device["replay"]["log"]["partial"][name]), name
     from dreamer_tiny import tiny_args
 
     resumed = da.main(

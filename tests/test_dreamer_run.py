@@ -106,7 +106,12 @@ def test_resume_continues_the_same_run(in_tmp):
     saved = load_checkpoint(path)
     wm_steps = [float(s["step"]) for s in saved["optimizers"]["world_model"]["state"].values()]
     assert set(wm_steps) == {float(first["updates"])}
-    assert saved["replay"] is None  # the buffer is saved only with --checkpoint-buffer
+    replay = dreamer_tiny.replay_of(
+        path.parent, tiny_args()
+    )  # on disk: the index in the checkpoint, rows in files
+    assert (
+        0 < replay.total_steps == saved["replay"]["total_steps"] <= 500 + 2 * 16
+    )  # at most a chunk per env more
 
     second = da.main(tiny_args(total_timesteps=500, save_model=True, vector_mode="sync", resume=str(path)))
     assert second["run_dir"] == first["run_dir"]
@@ -120,17 +125,17 @@ def test_resume_continues_the_same_run(in_tmp):
     assert [e.step for e in scalars[mu.KEY_RSS_MB]] == [100, 200, 300, 400, 500]
 
 
-def test_resume_with_buffer(in_tmp):
-    first = da.main(
-        tiny_args(total_timesteps=200, save_model=True, checkpoint_buffer=True, vector_mode="sync")
-    )
-    path = in_tmp / first["run_dir"] / "checkpoint.pt"
-    saved = load_checkpoint(path)
-    stored = sum(len(ep["action"]) for ep in saved["replay"]["episodes"])
-    assert stored == 200 + 2 * 2  # 100 vector steps, plus the first obs of the 2 + 2 episodes begun
-    replay = da.EpisodeReplay(500, 2, seed=0)
-    da.load_replay_state(replay, saved["replay"])
-    assert replay.total_steps == stored and all(ep.done for ep in replay.episodes)
+def test_the_replay_kept_on_disk_comes_back_as_the_checkpoint_held_it(in_tmp):
+    first = da.main(tiny_args(total_timesteps=200, vector_mode="sync", replay_chunk_steps=32))
+    saved = load_checkpoint(in_tmp / first["run_dir"] / "checkpoint.pt")["replay"]
+    assert (
+        saved["total_steps"] == 200 + 2 * 2
+    )  # 100 vector steps, plus the first obs of the 2 + 2 episodes begun
+    replay = dreamer_tiny.replay_of(in_tmp / first["run_dir"], tiny_args())
+    assert replay.total_steps == 204 and [ep.done for ep in replay.episodes] == [True, True, False, False]
+    assert all(
+        replay.current[ep.env] is ep for ep in replay.episodes if not ep.done
+    )  # in progress, as they were
     assert replay.sample(2, 8)["obs"].shape == (2, 8, *obs_shape(tiny_args()))
 
 
@@ -436,7 +441,6 @@ def test_one_frame_stacks_train_resume_with_their_replay_and_resuming_with_four_
             total_timesteps=120,
             learning_starts=60,
             save_model=True,
-            checkpoint_buffer=True,
         )
     )
     assert first["updates"] > 0
@@ -444,13 +448,16 @@ def test_one_frame_stacks_train_resume_with_their_replay_and_resuming_with_four_
     saved = load_checkpoint(path)
     assert saved["models"]["world_model"]["encoder.net.0.weight"].shape[1] == 1
     assert saved["models"]["world_model"]["decoder.net.4.weight"].shape[1] == 1
-    episodes = saved["replay"]["episodes"]
-    assert all(len(ep["frames"]) == len(ep["action"]) for ep in episodes)  # no older frames before the first
-    replay = da.EpisodeReplay(500, 2, seed=0)
-    da.load_replay_state(replay, saved["replay"])
+    replay = dreamer_tiny.replay_of(path.parent, tiny_args(model="nature", frame_stack=1))
+    assert all(len(ep.frames) == len(ep.action) for ep in replay.episodes)  # no older frames before the first
     batch = replay.sample(2, 8)
     assert batch["obs"].shape == (2, 8, 1, 84, 84)
-    stored = np.concatenate([ep["frames"].numpy() for ep in episodes])
+    stored = []
+    for ep in replay.episodes:
+        frames = np.empty((len(ep.frames), 84, 84), np.uint8)
+        ep.frames.read_into(frames, ep.frames.start, ep.frames.end)
+        stored.append(frames)
+    stored = np.concatenate(stored)
     for frame in batch["obs"][:, :, 0].reshape(-1, 84, 84):  # every sampled frame is a stored one
         assert (stored == frame).all((1, 2)).any()
     second = da.main(

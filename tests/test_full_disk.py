@@ -197,7 +197,7 @@ DREAMER_RUN = """
     import dreamer_atari as da
     args = da.Args(**{tiny}, num_envs=1, vector_mode="sync", precision="float32", total_timesteps=300, learning_starts=60,
                    warmup_steps=0, train_ratio=2.0, log_interval=50, max_episode_steps=60, buffer_capacity=400,
-                   checkpoint_every=100, save_model=True, video_every=150)
+                   checkpoint_every=100, save_model=True, video_every=150, replay_on_disk=False)
     da.main(args)
 """
 
@@ -216,7 +216,7 @@ def test_dreamer_periodic_checkpoints_that_fail_are_warnings_and_the_final_one_i
     assert result.returncode == da.EXIT_WRITE_FAILED, output[-3000:]
     assert "Traceback" not in output and "enforce fail" not in output, output[-3000:]
     periodic = [line for line in output.splitlines() if "checkpoint (periodic) not written" in line]
-    assert len(periodic) == 3 and all(
+    assert len(periodic) == 2 and all(  # at steps 100 and 200; at 300 the final one comes instead
         "File too large" in line and "checkpoint.pt (needs" in line for line in periodic
     )
     assert "step 300/300" in result.stdout  # training went on to its end
@@ -272,11 +272,37 @@ def test_dreamer_says_at_start_up_when_two_checkpoints_do_not_fit(small_disk):
     assert len(lines) == 1 and "less than 2 checkpoints of about" in lines[0], result.stdout[-2000:]
 
 
+def test_a_replay_file_that_cannot_be_written_is_one_warning_and_the_run_goes_on_in_memory(small_disk):
+    """The replay on disk on a 3 MB file system: a chunk that does not fit is one warning line (the file, the
+    bytes it needed, the free space), no partial file stays, and the run trains on to its end; its checkpoints hold
+    no replay from then on (a resume starts with an empty one)."""
+    code = DREAMER_RUN.replace("{tiny}", "__import__('dreamer_tiny').TINY").replace(
+        "import dreamer_atari as da",
+        f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import dreamer_atari as da",
+    )
+    # a chunk of 300 steps (3.7 MB) fills the disk: the first that comes cannot be written
+    code = code.replace("replay_on_disk=False)", "replay_chunk_steps=300, checkpoint_minutes=0.0)")
+    code = code.replace("checkpoint_every=100", "checkpoint_every=0").replace(
+        "video_every=150", "video_every=0"
+    )
+    result = run_limited(code, limit=2**40, cwd=small_disk)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    (line,) = [line for line in result.stdout.splitlines() if "the replay is kept in memory only" in line]
+    assert (
+        line.startswith("warning: could not write runs/") and "free there): No space left on device" in line
+    )
+    (run_dir,) = (small_disk / "runs").iterdir()
+    assert (
+        not leftovers(small_disk)
+        and torch.load(run_dir / "checkpoint.pt", weights_only=True)["replay"] is None
+    )
+
+
 def test_dqn_final_checkpoint_that_cannot_be_written_is_one_sentence_and_exit_6(tmp_path):
     code = f"""
         import sys
         sys.argv = ["dqn_starcraft_split.py", *{DQN_TINY!r}, "--num-episodes", "2", "--run-id", "full",
-                    "--save-model", "--checkpoint-buffer"]
+                    "--save-model", "--no-replay-on-disk"]
         import dqn_starcraft_split as dqn
         args, sources = dqn.parse_args()
         sys.exit(dqn.main(args, sources))

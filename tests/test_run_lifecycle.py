@@ -7,6 +7,7 @@ import os
 import signal
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -313,3 +314,72 @@ def test_a_file_where_the_runs_folder_goes_is_said_and_never_taken_for_a_name_in
     with pytest.raises(NotADirectoryError):
         mu.claim_run_dir(tmp_path / "runs", "run", say=lambda line: None)
     assert (tmp_path / "runs").read_text() == "a user's file"
+
+
+LOG_FIELDS = {"frame": ((3, 4), np.uint8), "reward": ((), np.float32)}
+
+
+def log_rows(log: "mu.ReplayLog", first: int, count: int) -> None:
+    for i in range(first, first + count):
+        log.append({"frame": np.full((3, 4), i % 256, np.uint8), "reward": float(i)})
+
+
+def read_back(log: "mu.ReplayLog", state: dict) -> tuple[list[int], np.ndarray]:
+    starts, rewards = [], []
+    for start, chunk in log.rows(state):
+        starts.append(start)
+        rewards.append(chunk["reward"])
+        assert np.array_equal(chunk["frame"][:, 0, 0], (start + np.arange(len(chunk["reward"]))) % 256)
+    return starts, np.concatenate(rewards)
+
+
+def test_the_replay_log_gives_back_exactly_the_rows_a_checkpoint_needs_and_keeps_no_others(tmp_path):
+    """27 rows in chunks of 8: three files written once, three rows in the checkpoint; the replay still needs rows
+    from 10 on, so a committed checkpoint leaves the files of rows 8-23 and reads back rows 10-26 exactly."""
+    log = mu.ReplayLog(tmp_path / "replay", LOG_FIELDS, chunk_rows=8)
+    log_rows(log, 0, 27)
+    assert sorted(p.name for p in (tmp_path / "replay").iterdir()) == [
+        f"chunk_{i:08d}.rows" for i in range(3)
+    ]
+    state = torch.load(
+        _saved_state(tmp_path, log.state(keep_from=10)), weights_only=True
+    )  # as a checkpoint holds it
+    log.commit(state)
+    assert sorted(p.name for p in (tmp_path / "replay").iterdir()) == [f"chunk_{i:08d}.rows" for i in (1, 2)]
+    starts, rewards = read_back(log, state)
+    assert starts == [10, 16, 24] and rewards.tolist() == [float(i) for i in range(10, 27)]
+
+
+def _saved_state(tmp_path, state: dict):
+    path = tmp_path / "state.pt"
+    torch.save(state, path)
+    return path
+
+
+def test_a_resumed_log_goes_on_from_the_checkpoint_and_drops_what_a_killed_run_wrote_after_it(tmp_path):
+    """A run checkpoints at row 20 and goes on to row 40 before it is killed: the resumed log reads rows 0-19 back,
+    removes the files written after the checkpoint, and its next rows land where the killed run's had."""
+    log = mu.ReplayLog(tmp_path / "replay", LOG_FIELDS, chunk_rows=8)
+    log_rows(log, 0, 20)
+    state = log.state(keep_from=0)
+    log_rows(log, 20, 20)  # chunks 2-4 written after the checkpoint
+    resumed = mu.ReplayLog(tmp_path / "replay", LOG_FIELDS, chunk_rows=8)
+    resumed.resume(state)
+    assert sorted(p.name for p in (tmp_path / "replay").iterdir()) == [f"chunk_{i:08d}.rows" for i in (0, 1)]
+    assert read_back(resumed, state)[1].tolist() == [float(i) for i in range(20)]
+    log_rows(resumed, 20, 20)
+    assert read_back(resumed, resumed.state(keep_from=0))[1].tolist() == [float(i) for i in range(40)]
+
+
+def test_a_chunk_file_changed_or_missing_is_one_sentence(tmp_path):
+    log = mu.ReplayLog(tmp_path / "replay", LOG_FIELDS, chunk_rows=8)
+    log_rows(log, 0, 20)
+    state = log.state(keep_from=0)
+    data = bytearray((tmp_path / "replay" / "chunk_00000001.rows").read_bytes())
+    data[-100] ^= 1
+    (tmp_path / "replay" / "chunk_00000001.rows").write_bytes(bytes(data))
+    with pytest.raises(mu.ReplayLogInvalid, match="chunk_00000001.rows does not match the CRC-32"):
+        read_back(log, state)
+    (tmp_path / "replay" / "chunk_00000000.rows").unlink()
+    with pytest.raises(mu.ReplayLogInvalid, match="chunk_00000000.rows is missing"):
+        read_back(log, state)
