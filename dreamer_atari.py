@@ -3173,10 +3173,8 @@ def restore_replay(replay: EpisodeReplay, state: dict, stack: int) -> None:
     those in progress as each env's current one; the replay's counts and generator as they were. Raises
     mu.ReplayLogInvalid when a file the checkpoint needs is missing or changed."""
     wanted = {saved["id"]: saved for saved in state["episodes"]}
-    episodes, pending = (
-        {},
-        {},
-    )  # id -> the episode rebuilt; id -> its first frames, until it has a stack of them
+    # id -> the episode rebuilt; id -> its first frames, until it has a stack of them
+    episodes, pending = {}, {}
     for start, rows in replay.log.rows(state["log"]):
         for offset, (episode_id, index) in enumerate(zip(rows["episode"].tolist(), rows["index"].tolist())):
             saved = wanted.get(episode_id)
@@ -3795,7 +3793,7 @@ def set_up(args: Args, stop: mu.StopSignals | None = None, made: "mu.StartUp | N
         run.replay.capacity, run.obs_shape, frames_on_device=isinstance(run.replay, FrameStoreReplay)
     )
     if resume_state is not None:
-        resume(run, resume_state)
+        restore_run(run, resume_state)
         resume_state = None  # memory: the loaded tensors are now inside the modules; drop the copies
     probes = mu.StageProbes(enabled=args.memory_probes, device=device)
     if args.memory_probes:  # before the first update (a captured one would record nothing)
@@ -3804,7 +3802,7 @@ def set_up(args: Args, stop: mu.StopSignals | None = None, made: "mu.StartUp | N
     return run
 
 
-def resume(run: Run, state: dict) -> None:
+def restore_run(run: Run, state: dict) -> None:
     """A resumed run as its checkpoint left it: the modules, optimizers, scalers, RNG states, counters and the replay
     (`restore_checkpoint`), this command's settings where they differ (`honour_settings`), and the fast paths held to
     Part 1 on those weights (one that disagrees is dropped). A checkpoint that does not fit, or whose replay on disk

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import dreamer_atari as da
 import memory_utils as mu
 from benchmark import bench_utils
+from benchmark.common import code_markdown, code_version
 
 
 @dataclasses.dataclass
@@ -90,9 +91,8 @@ def checkpoint_write(args: Args, folder: Path) -> dict:
     replay = da.EpisodeReplay(args.chunk_steps * 2, 1, seed=0)
     replay.log = mu.ReplayLog(folder / "replay", da.replay_log_fields((1, 3, 64, 64)), args.chunk_steps)
     frames = np.random.default_rng(1).integers(0, 256, (64, 3, 64, 64), dtype=np.uint8)
-    store_steps(
-        replay, frames, 2 * args.chunk_steps - 1
-    )  # one file written, the next chunk one row short of full
+    # one file written, the next chunk one row short of full
+    store_steps(replay, frames, 2 * args.chunk_steps - 1)
     path = folder / "checkpoint.pt"
     samples = []
     for _ in range(3):
@@ -121,6 +121,8 @@ def markdown(result: dict) -> str:
             f"- One checkpoint of the default model with the chunk still filling ({write['bytes'] / 2**20:.0f} MB): "
             f"{write['median_s']:.2f} s (samples {write['seconds']}).",
             "",
+            code_markdown(result["code"]),
+            "",
             "Every sample is in the JSON beside this file.",
             "",
         ]
@@ -136,6 +138,7 @@ def main(args: Args) -> dict:
             "machine": bench_utils.machine(),
             "command": "python benchmark/replay_disk.py " + " ".join(sys.argv[1:]),
             "args": dataclasses.asdict(args),
+            "code": code_version(),  # the commit it ran, and whether the tree differed
             "per_step": per_step_us(args, base / "rounds"),
             "checkpoint": checkpoint_write(args, base / "checkpoint"),
         }

@@ -270,6 +270,9 @@ BAD_VALUES = {
     "memory_snapshot_every": -1,
     "snapshot_max_entries": 0,
     "gpu_memory_gb": 0.5,
+    "replay_chunk_steps": 0,
+    "checkpoint_minutes": -1.0,
+    "checkpoint_every": -1,
 }
 
 

@@ -125,11 +125,14 @@ def memory_map_of(array: np.ndarray):
     return array.obj if isinstance(array, memoryview) else array
 
 
-def test_replay_storage_lives_in_memory_maps_of_its_own_one_per_chunk(pong_envs):
+def test_replay_storage_lives_in_memory_maps_of_its_own_one_per_chunk(pong_envs, tmp_path):
+    fields = da.replay_log_fields(pong_envs.single_observation_space.shape)
     replay = da.EpisodeReplay(capacity=10_000, num_envs=2, seed=0, chunk_size=16)
+    replay.log = mu.ReplayLog(tmp_path / "replay", fields, chunk_rows=16)
     collect(pong_envs, replay, 150)  # finished (compacted) episodes and two in progress
     restored = da.EpisodeReplay(capacity=10_000, num_envs=2, seed=0, chunk_size=16)
-    da.load_replay_state(restored, da.replay_state(replay))
+    restored.log = mu.ReplayLog(tmp_path / "replay", fields, chunk_rows=16)
+    da.restore_replay(restored, da.replay_state(replay), pong_envs.single_observation_space.shape[0])
     for episode in [*replay.episodes, *restored.episodes]:
         arrays = {name: getattr(episode, name) for name in da.Episode.FIELDS}
         for index in range(len(episode.action.chunks)):

@@ -213,7 +213,7 @@ def test_a_learning_rate_set_before_a_checkpoint_comes_back_into_the_optimizers_
     held = fresh.settings["actor_lr"]
     state = da.load_checkpoint(path)
     replay = da.EpisodeReplay(100, 1, seed=0)
-    da.restore_checkpoint(state, fresh, replay, np.random.default_rng(0))
+    da.restore_checkpoint(state, fresh, replay, np.random.default_rng(0), args.frame_stack)
     assert fresh.actor_optimizer.param_groups[0]["lr"] is held, (
         "the optimizer no longer reads the settings tensor"
     )
