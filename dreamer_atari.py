@@ -245,6 +245,9 @@ class Args:
     """the encoder's and decoder's convolutions channels-last (NHWC): faster convolutions"""
     replay_frames: Literal["auto", "device", "host"] = "auto"
     """the replay's frames on the `device` (batches gathered there), the `host`, or `auto` (said at start)"""
+    check_every: int | None = None
+    """updates between checks of the fast paths against the functions above on the live weights (0: at start-up
+    only); default per device, so that the checks cost at most 1 % of update time (docs/dreamer_kernels.md)"""
 
     def __post_init__(self):
         # the size flags left unset take the chosen model's values (an unknown --model is refused later)
@@ -1396,9 +1399,8 @@ def owed_updates(run) -> int:
 def train(run, owed: int, batch) -> None:
     """`owed` updates, the first on `batch`, later ones on batches sampled then: world model, then actor and critic."""
     args, counters = run.args, run.counters
-    behavior = (
-        run.step + args.num_envs >= args.learning_starts + args.warmup_steps
-    )  # the env step they go with
+    # actor and critic learn once the env step these updates go with is past the warm-up
+    behavior = run.step + args.num_envs >= args.learning_starts + args.warmup_steps
     for update in range(owed):
         raw = batch if update == 0 else run.sample_batch(run)
         run.probes("after_sample")
@@ -1945,20 +1947,47 @@ def speed_args(run: "Run") -> Args:
     return dataclasses.replace(run.args, **run.counters.get("dropped_fast_paths", {}))
 
 
+# Updates between checks on the live weights (`check_cadence`), so that they cost at most 1 % of update time: a check
+# takes about 1 s on a CPU (float64 copies, whatever the device), the default Pong recipe's update 2-4 s on 2 CPU
+# cores and about 33 ms on an H200 (benchmark/results/cpu_fast_paths/, benchmark/results/2026-11-27-nvidia-h200.json)
+CHECK_EVERY = {"cpu": 100, "cuda": 5_000}
+
+
+def check_cadence(args: Args, device: torch.device) -> int:
+    """--check-every, or its default on `device` (`CHECK_EVERY`); 0: the fast paths are checked at start-up only."""
+    return CHECK_EVERY.get(device.type, CHECK_EVERY["cuda"]) if args.check_every is None else args.check_every
+
+
+# Every fast path off: what a disagreement that names no flag of its own drops (Part 1 alone has nothing to check)
+EVERY_PATH_OFF = dict(
+    fast_observe=False,
+    fast_imagine=False,
+    imagine_gathers="off",
+    fused_scan="off",
+    fused_epilogues="off",
+    fast_heads="off",
+    fast_decoder=False,
+    replay_frames="host",
+)
+
+
 def check_run_fast_paths(run: "Run") -> None:
-    """After --resume and at each periodic and final checkpoint: the fast paths held to Part 1's functions on the live
-    weights (`dreamer_kernels.check_fast_paths`), and the frames on the device (`check_device_frames`). Nothing about
-    speed ends a run after start-up: a path that disagrees is dropped, with one warning line naming it and its flag
-    (`debug/speed/dropped_paths` counts them), and Part 1's function (or the path beneath) goes on from this step,
-    its updates captured again (frames on the device stay there, read back by Part 1's sampling). A disagreement no
-    flag can take away raises FastPathMismatch."""
+    """After --resume, and every `check_cadence` updates: the fast paths held to Part 1's functions on the live
+    weights (`dreamer_kernels.check_fast_paths`), and the frames on the device (`check_device_frames`); the checks
+    draw no number from the run's generators. Nothing about speed ends a run after start-up: a path that disagrees is
+    dropped, with one warning line naming it and its flag (`debug/speed/dropped_paths` counts them), and Part 1's
+    function (or the path beneath) goes on from this update, its updates captured again (frames on the device stay
+    there, read back by Part 1's sampling). A disagreement that names no flag of its own drops every path."""
     say = run.progress.say if run.progress is not None else print
     reinstall = False
-    while True:  # each pass drops one more flag's path, or returns, or raises
+    while True:  # each pass drops a path not dropped before (or all of them), or returns
+        dropped = run.counters.get("dropped_fast_paths", {})
         try:
             if reinstall:
                 reinstall_speed(run)
-            elif kernels_module() is not None:
+            if EVERY_PATH_OFF.items() <= dropped.items():
+                return  # Part 1 alone: nothing to check
+            if kernels_module() is not None and not reinstall:  # a reinstall has just checked them
                 dreamer_kernels.check_fast_paths(run.agent, speed_args(run))
             if isinstance(run.replay, FrameStoreReplay) and run.replay.gathered:
                 check_device_frames(run)
@@ -1966,15 +1995,20 @@ def check_run_fast_paths(run: "Run") -> None:
         except torch.OutOfMemoryError:
             raise
         except FastPathMismatch as exc:
-            dropped = run.counters.setdefault("dropped_fast_paths", {})
-            if not exc.off or exc.off.items() <= dropped.items():
-                raise
-            dropped.update(exc.off)
-            say(f"warning: {exc} Dropped at step {run.step}: Part 1's function runs from here on.")
+            fresh = exc.off and not exc.off.items() <= dropped.items()
+            run.counters["dropped_fast_paths"] = {**dropped, **(exc.off if fresh else EVERY_PATH_OFF)}
+            say(
+                f"warning: {exc} Dropped at step {run.step} (update {run.counters['updates']}): "
+                + ("Part 1's function runs" if fresh else "Part 1 trains, every fast path off,")
+                + " from here on."
+            )
             reinstall = True
         except Exception as exc:  # noqa: BLE001 - a check that cannot run ends nothing: the paths agreed at start-up
             why = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            say(f"warning: the fast paths' check could not run at step {run.step} ({why}); the run goes on")
+            say(
+                f"warning: the fast paths' check could not run at step {run.step} (update {run.counters['updates']}, "
+                f"{why}); the run goes on"
+            )
             return
 
 
@@ -2242,6 +2276,7 @@ def check_ranges(args: Args) -> None:
         "--learning-starts": args.learning_starts,
         "--warmup-steps": args.warmup_steps,
         "--checkpoint-every": args.checkpoint_every,
+        "--check-every": 0 if args.check_every is None else args.check_every,
         "--memory-snapshot-every": args.memory_snapshot_every,
         "--max-episode-steps": args.max_episode_steps,
         "--noop-max": args.noop_max,
@@ -3632,6 +3667,7 @@ class Run:
     status: "mu.StatusLine | None" = None
     next_log: int = 0
     next_checkpoint: int | None = None
+    next_check: int | None = None  # the update at which the fast paths are next checked (`check_cadence`)
     next_checkpoint_time: float = math.inf  # when the next checkpoint by wall time is due (time.time())
     next_video: int | None = None
     video_rng: np.random.Generator | None = None
@@ -3681,7 +3717,8 @@ class Run:
 
     def watch(self) -> None:
         """After each env step: the open-loop videos, probes, snapshots and progress line (`diagnose`), the status
-        line every 30 s (`say_status`), a log point every --log-interval env steps, a checkpoint every
+        line every 30 s (`say_status`), a log point every --log-interval env steps, the fast paths' check every
+        --check-every updates (counted in updates, so two runs check at the same ones), a checkpoint every
         --checkpoint-minutes of wall time and every --checkpoint-every env steps. A checkpoint changes nothing that
         trains (it draws no random number and checks nothing), so two runs train alike whenever theirs come."""
         args = self.args
@@ -3689,6 +3726,10 @@ class Run:
         say_status(self)
         if self.step >= self.next_log:
             log_point(self)
+        if self.next_check is not None and self.counters["updates"] >= self.next_check:
+            every = check_cadence(args, self.device)
+            self.next_check = (self.counters["updates"] // every + 1) * every
+            check_run_fast_paths(self)
         by_steps = self.next_checkpoint is not None and self.step >= self.next_checkpoint
         by_time = args.checkpoint_minutes > 0 and time.time() >= self.next_checkpoint_time
         final_next = args.save_model and self.step >= args.total_timesteps  # the final one comes at once
@@ -3814,11 +3855,7 @@ def restore_run(run: Run, state: dict) -> None:
         run.writer.close()
         exit_with(f"error: --resume: {str(exc).rstrip('.')}.", EXIT_BAD_INPUT)
     honour_settings(run, state)
-    try:  # the fast paths on the weights and data the run goes on with (one that disagrees is dropped)
-        check_run_fast_paths(run)
-    except FastPathMismatch as exc:
-        run.writer.close()
-        exit_with(f"error: {exc} (on the weights of --resume {args.resume!r}, left as it is)", EXIT_FAST_PATH)
+    check_run_fast_paths(run)  # on the weights and data the run goes on with (one that disagrees is dropped)
     replay = (
         ""
         if state.get("replay") is None or run.replay.log is None
@@ -3992,6 +4029,8 @@ def instrument(run: Run, probes: "mu.StageProbes") -> None:
         run.next_checkpoint = (step // args.checkpoint_every + 1) * args.checkpoint_every
     if args.checkpoint_minutes > 0:
         run.next_checkpoint_time = time.time() + 60 * args.checkpoint_minutes
+    if every := check_cadence(args, run.device):
+        run.next_check = (counters["updates"] // every + 1) * every
     if args.video_every:
         run.next_video = (step // args.video_every + 1) * args.video_every
     run.video_rng = np.random.default_rng([args.seed, step])

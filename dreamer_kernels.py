@@ -4,7 +4,7 @@ it installs it (`install`), handing over its own Part 1 (`bind`: this module nev
 
 One section per operation, each holding its torch version, its Triton version where it has one, when it applies (a
 `*_problem` function says why not, in a clause) and its check against the Part 1 function it replaces (`check_*`,
-in float64, on the weights the run is using: at start-up, after --resume and at each checkpoint). The interface,
+in float64, on the weights the run is using: at start-up, after --resume and every --check-every updates). The interface,
 at the end: `bind`, `install`, `check_fast_paths`, `compile_paths`, `FAST_PATHS` (each path's flag, where it is on
 by default and the GPU result that showed it).
 
@@ -3399,8 +3399,8 @@ def check_fast_paths(agent: Agent, args: Args, kernels: bool = True) -> None:
     against `imagine` (its fused epilogues on the device: `check_fused_epilogues`), the shared heads against
     `behavior_losses` (`check_fast_heads`; fused, against their own layers on the device: `check_fused_heads`), the
     pixel-shuffle decoder layer against the transposed convolution, and the draws they use (`check_draw`, compiled
-    with --compile). Run at start-up, after --resume on the loaded weights, and at each periodic and final
-    checkpoint on the live ones; FastPathMismatch names the path and the flag that switches it off. About a second
+    with --compile). Run at start-up, after --resume on the loaded weights, and every --check-every
+    updates on the live ones; FastPathMismatch names the path and the flag that switches it off. About a second
     on a CPU for the default model, in float64 whatever the device (the compiled draw's first check compiles it:
     seconds more). Without `kernels`, the Triton paths' checks are left to `check_kernels_run` (at start-up)."""
     if isinstance(agent.observe, FastObserve):

@@ -772,39 +772,47 @@ def test_a_changed_draw_is_caught(monkeypatch):
         torch._dynamo.reset()
 
 
-def test_the_fast_paths_are_checked_at_start_up_on_the_resumed_weights_and_at_each_checkpoint(
+def test_the_fast_paths_are_checked_at_start_up_on_the_resumed_weights_and_every_check_every_updates(
     monkeypatch, tmp_path, capsys
 ):
-    """Where the run's weights change the check must see them: after --resume it runs on the loaded weights, and at
-    each periodic and final checkpoint on the live ones; a mismatch there that names no flag to drop stops the run
-    with the checkpoint written (one that does is dropped: tests/test_dreamer_kernels_module.py)."""
+    """Where the run's weights change the check must see them: at start-up, every --check-every updates on the live
+    weights (counted in updates, never at a checkpoint), and after --resume on the loaded ones; a mismatch mid-run
+    that names no flag of its own drops every path and the run goes on (one that does drops its own:
+    tests/test_dreamer_kernels_module.py)."""
     monkeypatch.chdir(tmp_path)
-    seen = []  # the weights each check saw: a parameter of the RSSM
+    seen = []  # (updates so far, a parameter of the RSSM) at each check
 
     def spy(agent, args, kernels=True):
         seen.append(agent.world_model.rssm.img_in.linear.weight.detach().clone())
 
     monkeypatch.setattr(dk, "check_fast_paths", spy)
-    schedule = dict(total_timesteps=80, checkpoint_every=40, save_model=True)
+    schedule = dict(total_timesteps=80, checkpoint_every=40, save_model=True, check_every=7)
     first = da.main(short_run(**schedule))
-    assert len(seen) == 1 + 2 + 1  # start-up, two periodic checkpoints, the final one
-    assert not torch.equal(seen[0], seen[-1])  # the last check saw trained weights
+    assert first["updates"] >= 14
+    assert len(seen) == 1 + first["updates"] // 7  # start-up, then every 7 updates; none at the checkpoints
+    assert not torch.equal(seen[0], seen[-1])  # the later checks saw trained weights
     checkpoint = tmp_path / first["run_dir"] / "checkpoint.pt"
     saved = torch.load(checkpoint, weights_only=True)["models"]["world_model"]["rssm.img_in.linear.weight"]
-    torch.testing.assert_close(seen[-1], saved, rtol=0, atol=0)
     seen.clear()
-    da.main(short_run(total_timesteps=100, resume=str(checkpoint)))
-    assert len(seen) == 2 and torch.equal(seen[1], saved)  # start-up (fresh weights), then the loaded ones
+    resumed = da.main(short_run(total_timesteps=100, resume=str(checkpoint), check_every=0))
+    assert resumed["updates"] > first["updates"]
+    # start-up (fresh weights), then the loaded ones; --check-every 0: no more
+    assert len(seen) == 2 and torch.equal(seen[1], saved)
+    assert not torch.equal(seen[0], saved)
 
     def mismatch_at_the_second(agent, args, kernels=True):
-        seen.append(None)
+        seen.append(dict(fast_observe=args.fast_observe, fast_imagine=args.fast_imagine))
         if len(seen) == 2:
             raise da.FastPathMismatch("the observe fast path differs (a test)")
 
     seen.clear()
     monkeypatch.setattr(dk, "check_fast_paths", mismatch_at_the_second)
-    status, said = run_exit(short_run(**schedule), capsys)
-    assert status == da.EXIT_FAST_PATH and said.startswith("stopping at step 40, its checkpoint written:")
+    done = da.main(short_run(**schedule))
+    said = capsys.readouterr().out
+    assert done["dropped_fast_paths"] == da.EVERY_PATH_OFF and done["global_step"] == 80
+    assert "the observe fast path differs (a test) Dropped at step" in said and "every fast path off" in said
+    # the reinstall's own check, every path off; then nothing is left to check
+    assert seen[2:] == [dict(fast_observe=False, fast_imagine=False)]
     assert len(list(tmp_path.glob("runs/*/checkpoint.pt"))) == 2
 
 

@@ -161,13 +161,14 @@ def scalars(run_dir: str, key: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_a_check_that_disagrees_at_a_checkpoint_drops_its_path_and_a_resume_keeps_it_dropped(
+def test_a_check_that_disagrees_mid_run_drops_its_path_and_a_resume_keeps_it_dropped(
     tmp_path, monkeypatch, capsys
 ):
-    """At start-up the fast imagination agrees; at the first periodic checkpoint its check disagrees (a stand-in for
-    weights that a later step moved where the two part: the CPU's are the same code). The run does not stop: one
-    warning line names --no-fast-imagine, Part 1's `imagine` trains from there on, the checkpoint records the dropped
-    path and TensorBoard counts it. Resumed, the run keeps it dropped, said in one line."""
+    """At start-up the fast imagination agrees; at the first check on live weights (update 10 of --check-every 10)
+    it disagrees (a stand-in for weights that a later step moved where the two part: the CPU's are the same code).
+    The run does not stop: one warning line names --no-fast-imagine and the update, Part 1's `imagine` trains from
+    there on, the checkpoint records the dropped path and TensorBoard counts it. Resumed, the run keeps it dropped,
+    said in one line."""
     monkeypatch.chdir(tmp_path)
     checks, imagined = [], []
     real_check, real_imagine = dk.check_fast_imagine, da.imagine
@@ -188,14 +189,14 @@ def test_a_check_that_disagrees_at_a_checkpoint_drops_its_path_and_a_resume_keep
     monkeypatch.setattr(dk, "check_fast_imagine", check_fast_imagine)
     monkeypatch.setattr(da, "imagine", imagine)
     schedule = dict(total_timesteps=60, learning_starts=20, train_ratio=16.0, log_interval=20, video_every=0)
-    args = da.Args(**TINY, env_id="Catch-v0", num_envs=1, vector_mode="sync", checkpoint_every=30, **schedule)
+    args = da.Args(**TINY, env_id="Catch-v0", num_envs=1, vector_mode="sync", check_every=10, **schedule)
     counters = da.main(args)
     said = capsys.readouterr().out
     assert counters["global_step"] == 60 and counters["dropped_fast_paths"] == {"fast_imagine": False}
     warnings = [
         line for line in said.splitlines() if line.startswith("warning:") and "--no-fast-imagine" in line
     ]
-    assert len(warnings) == 1 and "Dropped at step 30" in warnings[0], said
+    assert len(warnings) == 1 and "(update 10)" in warnings[0], said
     assert imagined, "Part 1's imagine did not train after the drop"
     assert scalars(counters["run_dir"], "debug/speed/dropped_paths")[-1] == 1.0
     saved = torch.load(Path(counters["run_dir"]) / "checkpoint.pt", weights_only=False)
@@ -241,13 +242,13 @@ def test_the_docs_table_of_fast_paths_is_the_modules_and_cites_real_gpu_results(
 
 
 @pytest.mark.slow
-def test_frames_on_the_device_that_disagree_at_a_checkpoint_give_way_to_part_1s_sampling(
+def test_frames_on_the_device_that_disagree_mid_run_give_way_to_part_1s_sampling(
     tmp_path, monkeypatch, capsys
 ):
     """The frames on the device (`--replay-frames device`, here the CPU's memory) agree at start-up; at the first
-    periodic checkpoint their check disagrees (a stand-in). The run goes on: one warning line names --replay-frames
-    host, the frames stay where they are and Part 1's `sample_batch` and `EpisodeReplay.fill` make every later batch
-    from them."""
+    check on live weights (update 10) their check disagrees (a stand-in). The run goes on: one warning line names
+    --replay-frames host, the frames stay where they are and Part 1's `sample_batch` and `EpisodeReplay.fill` make
+    every later batch from them."""
     monkeypatch.chdir(tmp_path)
     checks, fills = [], []
     real_check, real_fill = da.check_device_frames, da.EpisodeReplay.fill
@@ -274,7 +275,7 @@ def test_frames_on_the_device_that_disagree_at_a_checkpoint_give_way_to_part_1s_
         num_envs=1,
         vector_mode="sync",
         replay_frames="device",
-        checkpoint_every=30,
+        check_every=10,
         **schedule,
     )
     counters = da.main(args)
@@ -283,12 +284,12 @@ def test_frames_on_the_device_that_disagree_at_a_checkpoint_give_way_to_part_1s_
     warnings = [
         line for line in said.splitlines() if line.startswith("warning:") and "--replay-frames host" in line
     ]
-    assert len(warnings) == 1 and "Dropped at step 30" in warnings[0], said
+    assert len(warnings) == 1 and "(update 10)" in warnings[0], said
     assert fills.count("FrameStoreReplay") >= 20 - 1, fills  # every batch after the drop, by Part 1's fill
 
 
-def test_a_check_that_cannot_run_at_a_checkpoint_ends_nothing(tmp_path, monkeypatch, capsys):
-    """A check that raises something else than a disagreement at a checkpoint (a stand-in for a kernel a later
+def test_a_check_that_cannot_run_mid_run_ends_nothing(tmp_path, monkeypatch, capsys):
+    """A check on live weights that raises something else than a disagreement (a stand-in for a kernel a later
     compile refuses) is one warning line; the run goes on with the paths that agreed at start-up."""
     monkeypatch.chdir(tmp_path)
     calls = []
@@ -303,9 +304,11 @@ def test_a_check_that_cannot_run_at_a_checkpoint_ends_nothing(tmp_path, monkeypa
     monkeypatch.setattr(dk, "check_fast_paths", check_fast_paths)
     schedule = dict(total_timesteps=40, learning_starts=20, train_ratio=16.0, log_interval=20, video_every=0)
     counters = da.main(
-        da.Args(**TINY, env_id="Catch-v0", num_envs=1, vector_mode="sync", checkpoint_every=30, **schedule)
+        da.Args(**TINY, env_id="Catch-v0", num_envs=1, vector_mode="sync", check_every=10, **schedule)
     )
     said = capsys.readouterr().out
     assert counters["global_step"] == 40 and "dropped_fast_paths" not in counters
-    warnings = [line for line in said.splitlines() if "check could not run at step 30" in line]
+    warnings = [
+        line for line in said.splitlines() if "check could not run at step" in line and "(update 10," in line
+    ]
     assert len(warnings) == 1 and "OutOfResources" in warnings[0], said
