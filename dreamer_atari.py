@@ -2,8 +2,8 @@
 imagination, memory-safe and observable. `python dreamer_atari.py --buffer-capacity 50000`
 
 Part 1 is the algorithm in the order it runs (arguments, environment, replay, networks, the RSSM, losses, the loop);
-with every speed option off it is exactly what trains. Part 2 puts faster equivalents in place, each checked against
-the Part 1 function it replaces. Part 3 runs it: input checks, logging, videos, memory, checkpoints. Shape comments
+with every speed option off it alone trains. Part 2 puts faster equivalents in place, each checked against the
+Part 1 code it replaces and pinned to it: where that code changed, the path steps aside and Part 1 trains. Part 3 runs it: input checks, logging, videos, memory, checkpoints. Shape comments
 give the default model's shapes: B x T = 16 x 64 replayed steps, each one 3 x 64 x 64 frame.
 
 Logs go to TensorBoard in `runs/{run_name}` (wandb with `--track`): `charts/*`, `losses/*`, memory figures and, on
@@ -11,7 +11,7 @@ Pong, `world_model/ball_f1_*`; checkpoints to `runs/{run_name}/checkpoint.pt` (`
 """
 
 # =====================================================================================================================
-# PART 1: THE ALGORITHM, in the order it runs. With every speed option off this is exactly what trains.
+# PART 1: THE ALGORITHM, in the order it runs. A fast path stands in for its code only where pinned to it.
 # =====================================================================================================================
 
 import contextlib
@@ -217,8 +217,9 @@ class Args:
     """CUDA: use at most this many GiB of the GPU, its CUDA context's 0.5 GiB included (a share of a shared card, or
     a rehearsal of a smaller one: 6 is a 6 GB card); a run that cannot fit says what does not before it trains"""
 
-    # speed: each flag turns off one faster equivalent of a function above (dreamer_kernels.py), checked against it;
-    # `auto` is on where a committed GPU result showed the path (docs/dreamer_kernels.md), and on the CPU
+    # speed: each flag turns off one faster equivalent of a function above, checked against it: the kernels module's
+    # (dreamer_kernels.py, docs/dreamer_kernels.md) and Part 2's (compile, CUDA graphs, TF32, channels-last, frames
+    # on the device); `auto` is on where a committed result showed that the path pays
     fast_observe: bool = True
     """the observe scan in fewer kernels, with the backward of --observe-backward; off: `RSSM.observe` as written"""
     observe_backward: Literal["hand-written", "autograd"] = "hand-written"
@@ -246,8 +247,7 @@ class Args:
     replay_frames: Literal["auto", "device", "host"] = "auto"
     """the replay's frames on the `device` (batches gathered there), the `host`, or `auto` (said at start)"""
     check_every: int | None = None
-    """updates between checks of the fast paths against the functions above on the live weights (0: at start-up
-    only); default per device, so that the checks cost at most 1 % of update time (docs/dreamer_kernels.md)"""
+    """updates between checks of the fast paths on the live weights (0: at start-up only; default: per device)"""
 
     def __post_init__(self):
         # the size flags left unset take the chosen model's values (an unknown --model is refused later)
@@ -256,9 +256,8 @@ class Args:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)  # frozen from here on
         # colour where the frames have it and the model reads it
-        object.__setattr__(
-            self, "rgb", self.rgb and model is not None and model.colour and env_has_colour(self.env_id)
-        )
+        rgb = self.rgb and model is not None and model.colour and env_has_colour(self.env_id)
+        object.__setattr__(self, "rgb", rgb)
 
 
 # --- Environment ------------------------------------------------------------------------------------------------------
@@ -407,9 +406,8 @@ class EpisodeReplay:
         self.current: list[Episode | None] = [None] * num_envs
         self.total_steps = 0
         self.rng = np.random.default_rng(seed)
-        self.log = (
-            None  # the run's copy on disk of each step stored, as it is stored (`mu.ReplayLog`), or None
-        )
+        # the run's copy on disk of each step stored, as it is stored (`mu.ReplayLog`), or None
+        self.log = None
         self.begun = 0  # the episodes begun: each one's id
 
     def new_episode(self, env_idx: int, first_obs: np.ndarray) -> Episode:
@@ -748,9 +746,7 @@ def dreamerv3_init_(module: nn.Module) -> None:
             # 0.8796...: the std of a unit normal truncated at two standard deviations
             std = math.sqrt(2.0 / ((weight.shape[0] + weight.shape[1]) * taps)) / 0.87962566103423978
             nn.init.trunc_normal_(layer.weight, 0.0, std, -2 * std, 2 * std)
-            if getattr(
-                layer, "zero_init", False
-            ):  # drawn all the same: the layers after it get the same draws
+            if getattr(layer, "zero_init", False):  # drawn all the same: the layers after get the same draws
                 nn.init.zeros_(layer.weight)
             if layer.bias is not None:
                 nn.init.zeros_(layer.bias)
@@ -1281,22 +1277,18 @@ def imagine(agent: Agent, start_states, horizon: int):
 
 def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = True):
     """Actor and critic losses on an imagined rollout. Returns (actor_loss, critic_loss, parts)."""
-    feat, log_prob, entropy = agent.imagine(
-        agent, start_states, args.imagination_horizon
-    )  # (H+1, N, F), (H, N)
+    # feat (H+1, N, F), log_prob and entropy (H, N)
+    feat, log_prob, entropy = agent.imagine(agent, start_states, args.imagination_horizon)
     # one critic pass gives both the values the targets bootstrap from (detached) and the logits its loss trains
     critic_logits = agent.critic(feat)  # (H+1, N, K)
     with torch.no_grad():
         targets = agent.imagined_targets(agent, feat, critic_logits, start_states[2], args, update_norm)
         returns, weight, advantage, slow_value = targets
-    settings = agent.settings
     # ALGO LOGIC: REINFORCE on normalised advantages + entropy; the critic is pulled toward the slow critic
-    actor_loss = -(weight * (log_prob * advantage + settings["entropy_coef"] * entropy)).mean()
-    bins = agent.critic.bins
-    logits = critic_logits[:-1]
-    critic_loss = (
-        weight * (twohot_loss(logits, returns, bins) + twohot_loss(logits, slow_value, bins))
-    ).mean()
+    actor_loss = -(weight * (log_prob * advantage + agent.settings["entropy_coef"] * entropy)).mean()
+    bins, logits = agent.critic.bins, critic_logits[:-1]
+    critic_loss = twohot_loss(logits, returns, bins) + twohot_loss(logits, slow_value, bins)
+    critic_loss = (weight * critic_loss).mean()
     parts = {"losses/actor": actor_loss, "losses/critic": critic_loss, "losses/entropy": entropy.mean()}
     parts |= {"debug/imagined_return": returns.mean(), "debug/return_scale": agent.return_norm.scale()}
     return actor_loss, critic_loss, parts
@@ -1335,15 +1327,11 @@ def train_behavior(agent: Agent, start: dict[str, torch.Tensor], args: Args):
     # one backward pass for both: they share no parameters and no graph, so each gets its own loss's gradient
     (scalers["actor"].scale(actor_loss) + scalers["critic"].scale(critic_loss)).backward()
     metrics = {key: value.detach().float() for key, value in parts.items()}
-    clip = agent.settings["actor_critic_grad_clip"]
-    actor, critic = list(agent.actor.parameters()), list(agent.critic.parameters())
-    actor_finite, critic_finite = torch.isfinite(actor_loss.detach()), torch.isfinite(critic_loss.detach())
-    actor_norm, actor_healthy = clip_and_step(
-        agent.actor_optimizer, scalers["actor"], actor, clip, actor_finite
-    )
-    critic_norm, critic_healthy = clip_and_step(
-        agent.critic_optimizer, scalers["critic"], critic, clip, critic_finite
-    )
+    clip, steps = agent.settings["actor_critic_grad_clip"], {}
+    for name, loss in (("actor", actor_loss), ("critic", critic_loss)):
+        optimizer, parameters = getattr(agent, f"{name}_optimizer"), list(getattr(agent, name).parameters())
+        steps[name] = clip_and_step(optimizer, scalers[name], parameters, clip, torch.isfinite(loss.detach()))
+    (actor_norm, actor_healthy), (critic_norm, critic_healthy) = steps["actor"], steps["critic"]
     for optimizer in (agent.actor_optimizer, agent.critic_optimizer):
         optimizer.zero_grad(set_to_none=True)  # memory: gradients are not kept between updates
     # one fused kernel for all the slow critic's tensors; it stays put when the critic did
@@ -2045,7 +2033,8 @@ def install_speed(run: "Run") -> None:
     """Part 2 in one call from the run's set-up (LeanRL's executables block), before the run has a folder: the
     agent's faster equivalents (`speed_up_agent`), then the run's: CUDA graphs of the update steps and the policy
     step (wrapping them), the frames on the device. Each is checked against the function it replaces before anything
-    trains (FastPathMismatch). Nothing in Part 1 changes."""
+    trains (FastPathMismatch: exit 7 where Part 1 is unchanged, else the path steps aside in one line). Nothing in
+    Part 1 changes."""
     args, device = speed_args(run), run.device
     speed_up_agent(run.agent, args)
     run.world_model_step, run.behavior_step = make_update_steps(run.agent, args)
@@ -2053,11 +2042,17 @@ def install_speed(run: "Run") -> None:
         run.player.policy = CudaGraphed(run.player.policy_step)
     frames_device = replay_frames_device(args, device, run.obs_shape)
     if frames_device is not None:
+        host, run.sample_batch = run.replay, sample_gathered
         run.replay = FrameStoreReplay(
-            run.replay.capacity, args.num_envs, seed=args.seed, frames_device=frames_device
+            host.capacity, args.num_envs, seed=args.seed, frames_device=frames_device
         )
-        run.sample_batch = sample_gathered
-        check_device_frames(run)
+        try:
+            check_device_frames(run)
+        except FastPathMismatch as exc:  # exit 7 only where Part 1 is as the paths were pinned to it
+            if kernels_module() is not None and dreamer_kernels.part_1_unchanged():
+                raise
+            run.replay, run.sample_batch = host, sample_batch
+            print(f"speed: {str(exc).splitlines()[0]} Part 1 changed, so the frames stay in host memory.")
 
 
 def make_update_steps(agent: "Agent", args: Args) -> tuple[Callable, Callable]:

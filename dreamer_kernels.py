@@ -15,13 +15,22 @@ script's `FastPathMismatch`, naming the function that holds the formula and the 
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import copy
 import dataclasses
+import hashlib
+import inspect
+import io
 import itertools
 import os
+import sys
+import textwrap
+import tokenize
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -3424,6 +3433,260 @@ def check_fast_paths(agent: Agent, args: Args, kernels: bool = True) -> None:
         check_draw(agent.device, compiled=args.compile)
 
 
+# --- Pinned to Part 1: each path steps aside where the code it stands for changed -----------------------------------
+
+
+def code_tokens(source: str) -> list[str]:
+    """The tokens of `source` that make its code: comments, docstrings, line breaks inside brackets, a trailing comma
+    before a closing bracket and the quotes of a plain string left out, so that reformatting or rewording changes
+    nothing. The same list on Python 3.11 and 3.12 (whose tokenizer splits an f-string: joined back here)."""
+    source = textwrap.dedent(source)
+    tree = ast.parse(source)
+    docstrings = {
+        (node.body[0].lineno, node.body[0].col_offset)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+        and isinstance(node.body[0].value.value, str)
+    }
+    starts = [0]
+    for line in source.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    out, fstring_at, depth, skip_newline = [], None, 0, False
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        kind = tokenize.tok_name[token.type]
+        if kind == "FSTRING_START":  # Python 3.12: an f-string's parts, joined into its text as 3.11 gives it
+            depth += 1
+            fstring_at = token.start if depth == 1 else fstring_at
+            continue
+        if depth:
+            if kind == "FSTRING_END" and (depth := depth - 1) == 0:
+                (row, col), (end_row, end_col) = fstring_at, token.end
+                out.append(source[starts[row - 1] + col : starts[end_row - 1] + end_col])
+            continue
+        if kind in ("COMMENT", "NL", "ENCODING", "ENDMARKER") or (kind == "NEWLINE" and skip_newline):
+            skip_newline = False
+            continue
+        if kind == "STRING" and token.start in docstrings:
+            skip_newline = True
+            continue
+        if token.string in (")", "]", "}") and out and out[-1] == ",":
+            out.pop()
+        text = token.string
+        if kind == "STRING" and not text.lstrip("rRbBuU").startswith(("f", "F")):
+            with contextlib.suppress(Exception):
+                text = repr(ast.literal_eval(text))
+        out.append({"NEWLINE": "<newline>", "INDENT": "<indent>", "DEDENT": "<dedent>"}.get(kind, text))
+    return out
+
+
+def code_digest(source: str) -> str:
+    """16 hex digits of the digest of `source`'s code tokens (`code_tokens`)."""
+    return hashlib.sha256("\x00".join(code_tokens(source)).encode()).hexdigest()[:16]
+
+
+def part_1_source(script) -> str | None:
+    """The script's Part 1 as its file holds it (banner to banner), or None where it has no file to read."""
+    try:
+        text = Path(script.__file__).read_text()
+        return text[text.index("# PART 1: THE ALGORITHM") : text.index("# PART 2: SPEED")]
+    except (AttributeError, OSError, TypeError, ValueError):
+        return None
+
+
+def name_digest(script, name: str) -> str | None:
+    """The digest of Part 1's `name` in `script` (a function, a class, or `Class.method` with its class's own
+    `__init__`; decorators included), or None where its source cannot be read: a copy without a file counts as
+    changed."""
+    try:
+        owner, _, method = name.partition(".")
+        found = getattr(script, owner)
+        sources = [inspect.getsource(getattr(found, method) if method else found)]
+        if method and method != "__init__" and "__init__" in vars(found):
+            sources.append(inspect.getsource(found.__init__))
+        return code_digest("\n".join(textwrap.dedent(source) for source in sources))
+    except (AttributeError, OSError, TypeError, SyntaxError, tokenize.TokenError):
+        return None
+
+
+# Each path's pinned Part 1 code: the names whose formulas it holds a copy of, written out (functions reached through
+# `agent.imagine`, `agent.actor` or `rssm.gru` cannot be found by reading calls), each with the digest of its code
+# when the path's copy last matched it. The layers a path reads by name or type (`dense`'s, `mlp`'s) are not pinned:
+# one it does not know makes it step aside by its `*_problem` function, in a line of its own. Written by
+# `python dreamer_kernels.py pin [PATH ...]` once a path's copy carries a change to Part 1; tests/test_dreamer_pins.py
+# holds them to today's script.
+# pinned: start
+PINNED = {
+    "fast_observe": {
+        "RSSM.observe": "413a9c64c7ddeb0c",
+        "RSSM.img_step": "4d7c2b4de5eaf615",
+        "RSSM.posterior": "b93810392a5fcd37",
+        "RSSM.sample": "bc17f67777bc90f8",
+    },
+    "observe_backward": {
+        "RSSM.observe": "413a9c64c7ddeb0c",
+        "RSSM.img_step": "4d7c2b4de5eaf615",
+        "RSSM.posterior": "b93810392a5fcd37",
+        "RSSM.sample": "bc17f67777bc90f8",
+        "RSSM._stats": "dac660fe8fafdb42",
+        "RSSM.episode_start": "ef47eab3cb30bf73",
+        "LayerNormGRUCell.forward": "e3df90fdd2c3c767",
+        "one_hot_draw": "7b5a02f5f87cf401",
+        "upcast": "a4af19516ae1bd40",
+    },
+    "fused_scan": {
+        "RSSM.observe": "413a9c64c7ddeb0c",
+        "RSSM.img_step": "4d7c2b4de5eaf615",
+        "RSSM.posterior": "b93810392a5fcd37",
+        "RSSM.sample": "bc17f67777bc90f8",
+        "RSSM._stats": "dac660fe8fafdb42",
+        "RSSM.episode_start": "ef47eab3cb30bf73",
+        "LayerNormGRUCell.forward": "e3df90fdd2c3c767",
+        "one_hot_draw": "7b5a02f5f87cf401",
+        "upcast": "a4af19516ae1bd40",
+    },
+    "fast_imagine": {
+        "imagine": "e723d8210b4ac219",
+        "RSSM.img_step": "4d7c2b4de5eaf615",
+        "RSSM.prior": "0b078350f4e63381",
+        "RSSM._stats": "dac660fe8fafdb42",
+        "RSSM.sample": "bc17f67777bc90f8",
+        "RSSM.noise": "a721f47bd62a5ed1",
+        "Actor.forward": "cc01a96d2f42ab0a",
+        "one_hot_draw": "7b5a02f5f87cf401",
+    },
+    "imagine_gathers": {
+        "imagine": "e723d8210b4ac219",
+        "RSSM.img_step": "4d7c2b4de5eaf615",
+        "RSSM.prior": "0b078350f4e63381",
+        "RSSM._stats": "dac660fe8fafdb42",
+        "RSSM.sample": "bc17f67777bc90f8",
+        "RSSM.noise": "a721f47bd62a5ed1",
+        "Actor.forward": "cc01a96d2f42ab0a",
+        "one_hot_draw": "7b5a02f5f87cf401",
+        "one_hot": "b1c1b46ac80b3cb1",
+    },
+    "fused_epilogues": {
+        "imagine": "e723d8210b4ac219",
+        "RSSM.img_step": "4d7c2b4de5eaf615",
+        "RSSM.prior": "0b078350f4e63381",
+        "RSSM._stats": "dac660fe8fafdb42",
+        "RSSM.sample": "bc17f67777bc90f8",
+        "RSSM.noise": "a721f47bd62a5ed1",
+        "Actor.forward": "cc01a96d2f42ab0a",
+        "one_hot_draw": "7b5a02f5f87cf401",
+        "one_hot": "b1c1b46ac80b3cb1",
+        "LayerNormGRUCell.forward": "e3df90fdd2c3c767",
+        "upcast": "a4af19516ae1bd40",
+    },
+    "fast_heads": {
+        "behavior_losses": "67861b58cc1cbf78",
+        "imagined_targets": "e53cd05d6d3c1555",
+        "imagine": "e723d8210b4ac219",
+        "Actor.forward": "cc01a96d2f42ab0a",
+        "Critic.forward": "e4c59f6ff1082350",
+        "Critic.value": "f17a68f3f2ccd136",
+        "twohot_loss": "825f6838399366b2",
+        "twohot_mean": "7de9adb5fa60e161",
+        "lambda_returns": "ed629345e6d04de2",
+        "ReturnNormalizer.update": "3c56f6af13c7f540",
+        "ReturnNormalizer.scale": "bdff5ffa7ef180ee",
+        "upcast": "a4af19516ae1bd40",
+    },
+    "fast_decoder": {
+        "ConvDecoder": "3a2e976175d4a379",
+        "AtariConvDecoder": "2101001c9e47c53f",
+    },
+}
+PART_1_DIGEST = "76a9fcd3b4b176f0"
+# pinned: end
+
+SCRIPT = None  # the script `bind` was handed, whose Part 1 the digests are taken of
+# what stepping a path aside sets
+OFF = dict(
+    fast_observe=False,
+    observe_backward="autograd",
+    fused_scan="off",
+    fast_imagine=False,
+    imagine_gathers="off",
+    fused_epilogues="off",
+    fast_heads="off",
+    fast_decoder=False,
+)
+
+
+def changed_names(script=None) -> dict[str, list[str]]:
+    """Each path whose pinned Part 1 code differs in `script` (default: the bound one): the names that changed."""
+    script = SCRIPT if script is None else script
+    changed = {}
+    for path, digests in PINNED.items():
+        names = [name for name, digest in digests.items() if name_digest(script, name) != digest]
+        if names:
+            changed[path] = names
+    return changed
+
+
+def part_1_unchanged(script=None) -> bool:
+    """Whether the script's Part 1 is the one the paths were pinned to, as a whole: its file's Part 1 and every
+    pinned name (one replaced in memory included)."""
+    script = SCRIPT if script is None else script
+    source = part_1_source(script)
+    return source is not None and code_digest(source) == PART_1_DIGEST and not changed_names(script)
+
+
+def asks_for(args, path: str, device: torch.device) -> bool:
+    """Whether the run's flags ask for `path` (the way `install` reads them)."""
+    value = getattr(args, path)
+    if path == "observe_backward":
+        return args.fast_observe and value == "hand-written"
+    return value is True or (isinstance(value, str) and value != "off" and wanted(args, path, device))
+
+
+def step_aside_changed(args, device: torch.device) -> tuple:
+    """(`args` with each path whose Part 1 code changed since it was pinned off, and one line naming those the run
+    asks for, each with the names that changed, or no line)."""
+    changed = changed_names()
+    asked = [
+        f"--{path.replace('_', '-')} ({', '.join(names)})"
+        for path, names in changed.items()
+        if asks_for(args, path, device)
+    ]
+    said = [
+        f"speed: Part 1 changed where these paths are pinned to it, so Part 1 runs in their place: {'; '.join(asked)} "
+        f"(once a path's copy carries the change: python dreamer_kernels.py pin PATH)"
+    ]
+    return dataclasses.replace(args, **{path: OFF[path] for path in changed}), said if asked else []
+
+
+def pin(paths: list[str], kernels_file: str = __file__) -> list[str]:
+    """Re-pin `paths` (all where empty) to the script beside this file, and Part 1 as a whole: the digests written
+    into this file. Returns a line per path."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(kernels_file)))
+    import dreamer_atari as script
+
+    unknown = sorted(set(paths) - set(PINNED))
+    if unknown:
+        raise SystemExit(f"error: no path {', '.join(unknown)}; the paths are {', '.join(PINNED)}.")
+    pinned = {
+        path: {
+            name: name_digest(script, name) if path in paths or not paths else digest
+            for name, digest in names.items()
+        }
+        for path, names in PINNED.items()
+    }
+    lines = ["# pinned: start", "PINNED = {"]
+    for path, names in pinned.items():
+        lines += [f'    "{path}": {{'] + [f'        "{name}": "{digest}",' for name, digest in names.items()]
+        lines.append("    },")
+    lines += ["}", f'PART_1_DIGEST = "{code_digest(part_1_source(script))}"', "# pinned: end"]
+    text = Path(kernels_file).read_text()
+    start, end = text.index("# pinned: start"), text.index("# pinned: end") + len("# pinned: end")
+    Path(kernels_file).write_text(text[:start] + "\n".join(lines) + text[end:])
+    return [f"pinned {path}: {', '.join(pinned[path])}" for path in (paths or pinned)]
+
+
 # --- The interface: what the script hands over, which paths it wants, installing and compiling them -------------------
 
 
@@ -3433,7 +3696,7 @@ def bind(script) -> None:
     missing = [name for name in PART1 if not hasattr(script, name)]
     if missing:
         raise KernelUnavailable(f"the script has no {', '.join(missing)}, which the kernels module computes")
-    globals().update({name: getattr(script, name) for name in PART1})
+    globals().update({name: getattr(script, name) for name in PART1}, SCRIPT=script)
     GRU_BACKWARDS.clear()
     GRU_BACKWARDS.update({LayerNormGRUCell: LayerNormGRUBackward, nn.GRUCell: TorchGRUBackward})
 
@@ -3530,9 +3793,37 @@ def triton_problem(device: torch.device) -> str | None:
 def install(agent, args) -> list[str]:
     """The faster equivalents the flags ask for, put in place of Part 1's functions on `agent` (its `observe`,
     `imagine`, `behavior_losses`, the decoder's last layer), each checked before it trains (`check_fast_paths`).
-    Returns the lines to say: each path that does not apply here, and each that cannot run on this device
+    Returns the lines to say: each path that steps aside because the Part 1 code it is pinned to changed
+    (`step_aside_changed`), each that does not apply here, and each that cannot run on this device
     (KernelUnavailable: it is left out, and Part 1's function, or the path beneath it, runs). A float64
-    disagreement raises FastPathMismatch."""
+    disagreement raises FastPathMismatch where Part 1 is unchanged as a whole (a copy edited by hand); where Part 1
+    changed, the path that disagrees steps aside too, in one line, and Part 1 runs in its place."""
+    args, said = step_aside_changed(args, agent.device)
+    while True:  # each pass turns off a path that was on, or returns, or raises
+        try:
+            return said + install_paths(agent, args)
+        except FastPathMismatch as exc:
+            off = exc.off or OFF
+            if part_1_unchanged() or off.items() <= vars(args).items():
+                raise
+            reset(agent)
+            args = dataclasses.replace(args, **off)
+            flags = ", ".join(
+                f"--no-{flag}" if value is False else f"--{flag} {value}"
+                for flag, value in ((flag.replace("_", "-"), value) for flag, value in off.items())
+            )
+            said.append(f"speed: {exc} Part 1 changed since the paths were pinned, so Part 1 runs ({flags}).")
+
+
+def reset(agent) -> None:
+    """Part 1's functions back in the places `install_paths` fills."""
+    agent.observe, agent.imagine = agent.world_model.rssm.observe, imagine
+    agent.behavior_losses = behavior_losses
+    uninstall(agent)
+
+
+def install_paths(agent, args) -> list[str]:
+    """`install`'s paths, as the flags ask for them."""
     wm, device, said = agent.world_model, agent.device, []
     if args.fast_observe and (problem := fast_observe_problem(wm.rssm)):
         said.append(f"speed: the fast observe does not apply here ({problem}); RSSM.observe runs as written")
@@ -3645,3 +3936,11 @@ def compile_paths(agent, compile_: Callable) -> None:
         agent.imagine.step, agent.imagine.tables = compile_(agent.imagine.step), compile_(imagine_tables)
     if isinstance(agent.behavior_losses, FastHeads):
         agent.behavior_losses = behavior_losses
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["pin"]:
+        raise SystemExit(
+            "usage: python dreamer_kernels.py pin [PATH ...]  (re-pins the paths to the script's Part 1)"
+        )
+    print("\n".join(pin(sys.argv[2:])))

@@ -1,8 +1,7 @@
 """A change a researcher makes to Part 1 of a copy of dreamer_atari.py is never silently dropped: on every path the
-copy can run on this CPU (the default flags, frames on the device) it takes effect, or the run stops before training
-with exit 7 and one sentence naming the function that holds the formula and the flag that switches the path off,
-leaving nothing in runs/. A cell or layer the fast paths do not know falls back to the readable code, said in one
-line. (The CUDA-only paths: tests/test_dreamer_cuda.py.)"""
+copy can run on this CPU (the default flags, frames on the device) it takes effect, or the path that cannot carry
+it steps aside in one line and Part 1 trains (an edit of the GRU cell: tests/test_modifying_dreamer.py). A cell or
+layer the fast paths do not know falls back to the readable code, said in one line. (The CUDA-only paths: tests/test_dreamer_cuda.py.)"""
 
 from pathlib import Path
 
@@ -33,17 +32,6 @@ def tiny_catch(module, **overrides):
     )
 
 
-def refused(module, args, capsys) -> str:
-    """The one sentence a run refused with exit 7 says; nothing is left in runs/."""
-    with pytest.raises(SystemExit) as stopped:
-        module.main(args)
-    assert stopped.value.code == module.EXIT_FAST_PATH
-    said = capsys.readouterr().err.strip()
-    assert len(said.splitlines()) == 1 and "Traceback" not in said, said
-    assert not list(Path("runs").glob("*")), "a refused start left a folder in runs/"
-    return said
-
-
 COUNTED_SAMPLE = (
     """        return self.fill(self.draw_windows(batch_size, sequence_length, rng), sequence_length)""",
     """        CALLS.append("sample")
@@ -58,10 +46,11 @@ def test_a_change_to_sampling_takes_effect_with_the_frames_anywhere(tmp_path, mo
     assert counters["updates"] > 0 and module.CALLS.count("sample") >= counters["updates"]
 
 
-def test_an_augmentation_of_the_frames_trains_on_the_host_and_is_refused_with_them_on_the_device(
+def test_an_augmentation_of_the_frames_trains_on_the_host_and_keeps_the_frames_there_when_asked_for_the_device(
     tmp_path, monkeypatch, capsys
 ):
-    """A change `sample` makes to the frames cannot reach frames gathered on the device: refused in one sentence."""
+    """A change `sample` makes to the frames cannot reach frames gathered on the device: Part 1 changed, so the frames
+    stay in host memory, said in one line (no exit 7)."""
     shifted = (
         COUNTED_SAMPLE[0],
         """        batch = self.fill(self.draw_windows(batch_size, sequence_length, rng), sequence_length)
@@ -69,8 +58,9 @@ def test_an_augmentation_of_the_frames_trains_on_the_host_and_is_refused_with_th
         return batch""",
     )
     module = changed_copy(tmp_path, monkeypatch, shifted)
-    said = refused(module, tiny_catch(module, replay_frames="device"), capsys)
-    assert "FrameStoreReplay.fill" in said and "--replay-frames host" in said, said
+    assert module.main(tiny_catch(module, replay_frames="device"))["updates"] > 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "FrameStoreReplay.fill" in line]
+    assert len(said) == 1 and "Part 1 changed, so the frames stay in host memory" in said[0], said
     assert module.main(tiny_catch(module, replay_frames="host"))["updates"] > 0
 
 
@@ -86,17 +76,6 @@ def test_a_change_to_acting_takes_effect(tmp_path, monkeypatch):
     args = tiny_catch(module, preallocate=False)  # the preflight times acting too
     module.main(args)
     assert module.CALLS.count("act") == args.total_timesteps - args.learning_starts
-
-
-def test_a_changed_gru_stops_the_run_naming_where_its_backward_is_written(tmp_path, monkeypatch, capsys):
-    """The update gate's bias moved from -1 to -2 in Part 1's cell: the fast observe runs the cell as written, but the
-    hand-written backward has its own formula, and the run says where."""
-    gate = "        update = torch.sigmoid(update - {})\n        # update * candidate"
-    bias = (gate.format("1.0"), gate.format("2.0"))
-    module = changed_copy(tmp_path, monkeypatch, bias)
-    said = refused(module, tiny_catch(module), capsys)
-    assert "LayerNormGRUBackward" in said and "--observe-backward autograd" in said, said
-    assert module.main(tiny_catch(module, observe_backward="autograd"))["updates"] > 0
 
 
 def test_a_layer_the_hand_written_backward_does_not_know_falls_back_to_autograds(

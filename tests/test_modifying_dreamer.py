@@ -21,6 +21,8 @@ CHANGES = {
     "next_reward": "### An auxiliary head: the next reward from `deter`",
     "mingru": "### A new transition: minGRU",
     "recent_windows": "### Recent windows more often",
+    "slow_critic_pull": "### A slow-critic pull that fades",
+    "gru_gate": "### A slower GRU state",
 }
 
 
@@ -58,7 +60,7 @@ def apply(source: str, where: str, anchor: str, lines: list[str]) -> str:
 def changed_source(name: str) -> str:
     """dreamer_atari.py's text with the change `name` made as the page says."""
     blocks = places(CHANGES[name])
-    assert 1 <= len(blocks) <= 3, f"{name}: {len(blocks)} places"
+    assert 1 <= len(blocks) <= 4, f"{name}: {len(blocks)} places"
     source = (ROOT / "dreamer_atari.py").read_text()
     for block in blocks:
         source = apply(source, *block)
@@ -164,8 +166,8 @@ def test_the_next_reward_loss_leaves_out_pairs_that_cross_an_episode_boundary(tm
 
 
 @pytest.mark.parametrize("name", list(CHANGES))
-def test_each_change_touches_at_most_three_places(name):
-    assert 1 <= len(places(CHANGES[name])) <= 3
+def test_each_change_touches_at_most_four_places(name):
+    assert 1 <= len(places(CHANGES[name])) <= 4
 
 
 @pytest.mark.parametrize("name", list(CHANGES))
@@ -196,6 +198,60 @@ def test_a_new_transition_is_one_row_and_its_class_and_trains_with_the_default_f
     assert weights["rssm.gru.linear.weight"].shape[0] == 2 * args.deterministic_dim  # the new cell trained
     said = capsys.readouterr().out
     assert "the observe scan's hand-written backward does not apply (its cell is MinGRUCell" in said
+
+
+def all_weights(run_dir) -> dict:
+    """Every model's weights in the checkpoint of `run_dir`."""
+    models = torch.load(Path(run_dir) / "checkpoint.pt", weights_only=True)["models"]
+    return {f"{model}.{name}": value for model, weights in models.items() for name, value in weights.items()}
+
+
+def pinned_line(said: str) -> str:
+    """The one line that names the paths stepping aside for a change to the code they are pinned to."""
+    lines = [line for line in said.splitlines() if "Part 1 changed where these paths are pinned" in line]
+    assert len(lines) == 1, said
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "name, stepped_aside, same_as",
+    [
+        ("slow_critic_pull", "--fast-heads (behavior_losses)", dict(fast_heads="off")),
+        ("gru_gate", "--observe-backward (LayerNormGRUCell.forward)", dict(observe_backward="autograd")),
+    ],
+)
+def test_an_edit_in_place_steps_its_paths_aside_in_one_line_and_trains_exactly(
+    name, stepped_aside, same_as, tmp_path, monkeypatch, capsys
+):
+    """An edit of pinned Part 1 code, with the default flags on the CPU: one line at start names the paths that step
+    aside (no exit 7, no flag to find), and the run trains the edit: the same weights, to the bit, as the copy trained
+    with those paths switched off by their flags, and other weights than the unedited script's."""
+    module = changed_script(name, tmp_path, monkeypatch)
+    set_values = []
+    real_set = vars(module.Settings)["set"]
+
+    def spy(self, setting, value):
+        set_values.append((setting, value))
+        real_set(self, setting, value)
+
+    monkeypatch.setattr(module.Settings, "set", spy)
+    counters, _ = trained(module, tiny_catch(module))
+    line = pinned_line(capsys.readouterr().out)
+    assert stepped_aside in line and "python dreamer_kernels.py pin PATH" in line, line
+    edited, pulls = (
+        all_weights(counters["run_dir"]),
+        [value for setting, value in set_values if setting == "slow_critic_pull"],
+    )
+    counters, _ = trained(module, tiny_catch(module, **same_as))
+    assert "Part 1 changed where these paths are pinned" not in capsys.readouterr().out
+    assert all(torch.equal(value, all_weights(counters["run_dir"])[key]) for key, value in edited.items())
+    import dreamer_atari as original
+
+    counters, _ = trained(original, tiny_catch(original, **same_as))
+    unedited = all_weights(counters["run_dir"])
+    assert not all(torch.equal(value, unedited[key]) for key, value in edited.items())
+    if name == "slow_critic_pull":  # the factor fell during the edited run
+        assert pulls[0] == 1.0 > pulls[-1] > 0 and pulls == sorted(pulls, reverse=True)
 
 
 def test_recent_windows_are_drawn_more_often_on_both_samplers(tmp_path, monkeypatch):
@@ -238,6 +294,13 @@ ON_CUDAS_PATHS = {
     "recent_windows": dict(
         fused_scan="trains", gathers="trains", fused_epilogues="trains", shared_heads="trains"
     ),
+    # in-place edits of pinned code: the paths that hold their own copy of it step aside (tests/test_dreamer_pins.py)
+    "slow_critic_pull": dict(
+        fused_scan="trains", gathers="trains", fused_epilogues="trains", shared_heads="steps aside"
+    ),
+    "gru_gate": dict(
+        fused_scan="steps aside", gathers="trains", fused_epilogues="steps aside", shared_heads="steps aside"
+    ),
 }
 CHANGE_FLAGS = {
     "kl_schedule": dict(kl_warmup_steps=4),
@@ -250,8 +313,8 @@ def what_each_path_did(agent, said: str) -> dict[str, str]:
     """Which of CUDA's paths the run installed on `agent` (and trained with), and which stepped aside in one line."""
     import dreamer_kernels as dk
 
-    def outcome(installed: bool, named_by: str) -> str:
-        stepped_aside = any(named_by in line for line in said.splitlines())
+    def outcome(installed: bool, *named_by: str) -> str:
+        stepped_aside = any(name in line for line in said.splitlines() for name in named_by)
         return "trains" if installed else ("steps aside" if stepped_aside else "silently off")
 
     imagine, heads = agent.imagine, agent.behavior_losses
@@ -261,7 +324,12 @@ def what_each_path_did(agent, said: str) -> dict[str, str]:
         "fused_epilogues": outcome(
             isinstance(imagine, dk.FastImagine) and imagine.fused, "--fused-epilogues"
         ),
-        "shared_heads": outcome(isinstance(heads, dk.FastHeads) and heads.fused, "first layers"),
+        "shared_heads": outcome(
+            isinstance(heads, dk.FastHeads) and heads.fused,
+            "first layers",
+            "--fast-heads (",
+            "--fused-epilogues (",
+        ),
     }
 
 
