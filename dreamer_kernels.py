@@ -20,6 +20,7 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
+import importlib.util
 import inspect
 import io
 import itertools
@@ -3660,15 +3661,22 @@ def step_aside_changed(args, device: torch.device) -> tuple:
     return dataclasses.replace(args, **{path: OFF[path] for path in changed}), said if asked else []
 
 
-def pin(paths: list[str], kernels_file: str = __file__) -> list[str]:
-    """Re-pin `paths` (all where empty) to the script beside this file, and Part 1 as a whole: the digests written
-    into this file. Returns a line per path."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(kernels_file)))
-    import dreamer_atari as script
-
+def pin(paths: list[str], kernels_file: str = __file__, script_file: str | None = None) -> list[str]:
+    """Re-pin `paths` (all where empty) to the script in `script_file` (dreamer_atari.py beside this file where None),
+    and Part 1 as a whole: the digests written into this file. Returns a line per path."""
+    script_file = script_file or os.path.join(
+        os.path.dirname(os.path.abspath(kernels_file)), "dreamer_atari.py"
+    )
     unknown = sorted(set(paths) - set(PINNED))
     if unknown:
-        raise SystemExit(f"error: no path {', '.join(unknown)}; the paths are {', '.join(PINNED)}.")
+        raise ValueError(f"no path {', '.join(unknown)}; the paths are {', '.join(PINNED)}")
+    if not os.path.isfile(script_file):
+        raise ValueError(f"no script {script_file} to pin the paths to")
+    spec = importlib.util.spec_from_file_location(Path(script_file).stem, script_file)
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # its dataclasses look themselves up there
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script_file)))  # its memory_utils.py
+    spec.loader.exec_module(script)
     pinned = {
         path: {
             name: name_digest(script, name) if path in paths or not paths else digest
@@ -3939,8 +3947,18 @@ def compile_paths(agent, compile_: Callable) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["pin"]:
-        raise SystemExit(
-            "usage: python dreamer_kernels.py pin [PATH ...]  (re-pins the paths to the script's Part 1)"
+    words = sys.argv[1:]
+    script_file = words[words.index("--script") + 1] if "--script" in words[:-1] else None
+    if words[:1] != ["pin"] or ("--script" in words and script_file is None):
+        print(
+            "usage: python dreamer_kernels.py pin [--script FILE] [PATH ...]  (re-pins the paths to the Part 1 of "
+            "FILE, dreamer_atari.py beside this file by default)",
+            file=sys.stderr,
         )
-    print("\n".join(pin(sys.argv[2:])))
+        sys.exit(2)
+    named = [word for word in words[1:] if word not in ("--script", script_file)]
+    try:
+        print("\n".join(pin(named, script_file=script_file)))
+    except ValueError as exc:
+        print(f"error: {exc}.", file=sys.stderr)
+        sys.exit(2)

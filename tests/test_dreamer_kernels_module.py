@@ -5,6 +5,7 @@ that fails leaves that update eager; a check that disagrees at a checkpoint drop
 a resumed run keeps it dropped. Where a CPU cannot produce the failure, a stand-in raises in its place."""
 
 import ast
+import functools
 import json
 import os
 import shutil
@@ -182,6 +183,7 @@ def test_a_check_that_disagrees_mid_run_drops_its_path_and_a_resume_keeps_it_dro
             )
         return real_check(agent, *args, **kwargs)
 
+    @functools.wraps(real_imagine)  # stands for Part 1's imagine: the paths pinned to it stay pinned
     def imagine(*args, **kwargs):
         imagined.append(1)
         return real_imagine(*args, **kwargs)

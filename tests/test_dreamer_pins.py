@@ -6,6 +6,7 @@ source cannot be read counts as changed; exit 7 stays only where Part 1 is uncha
 import ast
 import linecache
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,52 @@ def test_a_disagreement_where_part_1_changed_steps_the_path_aside_and_where_it_d
         and "Part 1 changed since the paths were pinned" in lines[0]
         and "--no-fast-imagine" in lines[0]
     )
+
+
+def test_pin_re_pins_the_paths_named_to_the_script_named_and_refuses_a_path_it_has_not(tmp_path):
+    """A researcher's copy under another name, its `imagine` changed: `pin --script FILE fast_imagine` records that
+    path's digests of the copy and Part 1's as a whole, and leaves every other path's as they were (still pinned to
+    the old `imagine`); a path or script it has not is one sentence and exit 2, the kernels file untouched."""
+    import shutil
+
+    for name in ("dreamer_kernels.py", "memory_utils.py"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    (tmp_path / "my_dreamer.py").write_text(mutated(SCRIPT, "imagine"))
+
+    def pin(*words):
+        return subprocess.run(
+            [sys.executable, "dreamer_kernels.py", "pin", *words],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    before = (tmp_path / "dreamer_kernels.py").read_text()
+    for words, why in (
+        (("--script", "my_dreamer.py", "fast_nothing"), "no path fast_nothing"),
+        (("--script", "gone.py"), "no script gone.py"),
+    ):
+        done = pin(*words)
+        assert done.returncode == 2 and why in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert (tmp_path / "dreamer_kernels.py").read_text() == before
+    done = pin("--script", "my_dreamer.py", "fast_imagine")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("pinned fast_imagine: ")
+    after = (tmp_path / "dreamer_kernels.py").read_text()
+    block = ast.parse(after[after.index("# pinned: start") : after.index("# pinned: end")])
+    space = {node.targets[0].id: ast.literal_eval(node.value) for node in block.body}
+    changed = {
+        (path, name)
+        for path, digests in dk.PINNED.items()
+        for name, digest in digests.items()
+        if space["PINNED"][path][name] != digest
+    }
+    assert changed == {("fast_imagine", "imagine")}
+    assert "imagine" in {
+        name for path, digests in dk.PINNED.items() if path != "fast_imagine" for name in digests
+    }
+    assert space["PART_1_DIGEST"] != dk.PART_1_DIGEST
+    assert after.replace(
+        after[after.index("# pinned: start") : after.index("# pinned: end")], ""
+    ) == before.replace(before[before.index("# pinned: start") : before.index("# pinned: end")], "")
