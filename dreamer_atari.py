@@ -2,8 +2,9 @@
 imagination, memory-safe and observable. `python dreamer_atari.py --buffer-capacity 50000`
 
 Part 1 is the algorithm in the order it runs (arguments, environment, replay, networks, the RSSM, losses, the loop);
-with every speed option off it alone trains. Part 2 puts faster equivalents in place, each checked against the
-Part 1 code it replaces and pinned to it: where that code changed, the path steps aside and Part 1 trains. Part 3 runs it: input checks, logging, videos, memory, checkpoints. Shape comments
+with every speed option off (a CPU's default) it alone trains. Part 2 puts faster equivalents in place, each checked
+against the Part 1 code it replaces and pinned to it: where that code changed, the path steps aside and Part 1
+trains. Part 3 runs it: input checks, logging, videos, memory, checkpoints. Shape comments
 give the default model's shapes: B x T = 16 x 64 replayed steps, each one 3 x 64 x 64 frame.
 
 Logs go to TensorBoard in `runs/{run_name}` (wandb with `--track`): `charts/*`, `losses/*`, memory figures and, on
@@ -217,33 +218,30 @@ class Args:
     """CUDA: use at most this many GiB of the GPU, its CUDA context's 0.5 GiB included (a share of a shared card, or
     a rehearsal of a smaller one: 6 is a 6 GB card); a run that cannot fit says what does not before it trains"""
 
-    # speed: each flag turns off one faster equivalent of a function above, checked against it: the kernels module's
-    # (dreamer_kernels.py, docs/dreamer_kernels.md) and Part 2's (compile, CUDA graphs, TF32, channels-last, frames
-    # on the device); `auto` is on where a committed result showed that the path pays
-    fast_observe: bool = True
-    """the observe scan in fewer kernels, with the backward of --observe-backward; off: `RSSM.observe` as written"""
+    # speed: each flag turns off one faster equivalent of a function above, checked against it (dreamer_kernels.py's,
+    # and Part 2's); `auto` is on where a committed result showed that the path pays (docs/dreamer_kernels.md)
+    fast_observe: Literal["auto", "on", "off"] = "auto"
+    """the observe scan in fewer kernels, its backward --observe-backward's (auto: on CUDA); off: `RSSM.observe`"""
     observe_backward: Literal["hand-written", "autograd"] = "hand-written"
     """the fast observe's backward: hand-written (47 operations per step instead of 80) or autograd's"""
     fused_scan: Literal["auto", "on", "off"] = "auto"
     """CUDA: each step of the fast observe, and of its hand-written backward, as 4 Triton kernels (auto: where shown)"""
-    fast_imagine: bool = True
-    """imagine without a graph, then the actor once with gradients on all states; off: `imagine` as written"""
+    fast_imagine: Literal["auto", "on", "off"] = "auto"
+    """imagine without a graph, then the actor once with gradients on all states (auto: on CUDA); off: `imagine`"""
     imagine_gathers: Literal["auto", "on", "off"] = "auto"
     """the fast imagination's products with one-hot latents and actions as gathers of weight rows"""
     fused_epilogues: Literal["auto", "on", "off"] = "auto"
     """CUDA, on the gathers: an imagined step's and the heads' work after each product as one Triton kernel each"""
     fast_heads: Literal["auto", "on", "off"] = "auto"
-    """the five heads on imagined states share one first-layer product; off: `behavior_losses` as written"""
-    fast_decoder: bool = True
-    """CPU, --model nature: the decoder's last transposed convolution as a convolution and a pixel shuffle"""
+    """the five heads on imagined states share one first-layer product; off: `imagined_heads` as written"""
     compile: bool = False
     """torch.compile the update's steps, losses, targets and networks (the first updates take longer)"""
     cudagraph: bool = True
     """CUDA: capture the updates and the policy step in CUDA graphs after 3 eager calls (--precision float32, bf16)"""
     tf32: bool = True
     """CUDA: float32 matrix products on TensorFloat-32 tensor cores"""
-    channels_last: bool = True
-    """the encoder's and decoder's convolutions channels-last (NHWC): faster convolutions"""
+    channels_last: Literal["auto", "on", "off"] = "auto"
+    """the encoder's and decoder's convolutions, and the batch's frames, channels-last (NHWC) (auto: on CUDA)"""
     replay_frames: Literal["auto", "device", "host"] = "auto"
     """the replay's frames on the `device` (batches gathered there), the `host`, or `auto` (said at start)"""
     check_every: int | None = None
@@ -367,14 +365,6 @@ class Episode:
             self.columns[name].append(value)
 
     @property
-    def aux(self) -> tuple:
-        return (self.action, self.reward, self.is_first, self.is_terminal)
-
-    @property
-    def first_step(self) -> int:
-        return self.action.start
-
-    @property
     def num_steps(self) -> int:
         return len(self.action)
 
@@ -406,9 +396,10 @@ class EpisodeReplay:
         self.current: list[Episode | None] = [None] * num_envs
         self.total_steps = 0
         self.rng = np.random.default_rng(seed)
-        # the run's copy on disk of each step stored, as it is stored (`mu.ReplayLog`), or None
-        self.log = None
-        self.begun = 0  # the episodes begun: each one's id
+        self.log, self.begun = (
+            None,
+            0,
+        )  # the steps' copy on disk (`mu.ReplayLog`) or None; episodes begun (ids)
 
     def new_episode(self, env_idx: int, first_obs: np.ndarray) -> Episode:
         # memory: in chunks (an episode being played wastes at most one) in memory maps of their own, out of the heap
@@ -443,12 +434,9 @@ class EpisodeReplay:
         """The frame `index` of `episode` just stored, and its step's values (Episode.FIELDS), to the log on disk."""
         if self.log is not None:
             episode.log_start = episode.log_start if index else self.log.position  # where its rows begin
-            row = dict(zip(Episode.FIELDS, values)) | {
-                "episode": episode.id,
-                "env": episode.env,
-                "index": index,
-            }
-            self.log.append(row)
+            self.log.append(
+                dict(zip(Episode.FIELDS, values), episode=episode.id, env=episode.env, index=index)
+            )
 
     def add(self, next_obs: np.ndarray, actions, rewards, terminations, truncations, infos: dict) -> None:
         """Store one vector step (SAME_STEP autoreset): `next_obs` is (N, 1, 3, 64, 64) uint8. A step the run's guard
@@ -457,10 +445,8 @@ class EpisodeReplay:
         for i in range(len(actions)):
             over = bool(terminations[i] or truncations[i])
             if not cut[i]:
-                last_obs = infos["final_obs"][i] if over else next_obs[i]
-                self.add_step(
-                    i, last_obs[-1], int(actions[i]), float(rewards[i]), bool(terminations[i]), over
-                )
+                last = infos["final_obs"][i] if over else next_obs[i]
+                self.add_step(i, last[-1], int(actions[i]), float(rewards[i]), bool(terminations[i]), over)
             if over:
                 self.start_episode(i, next_obs[i])  # (a cut episode finishes here)
 
@@ -503,7 +489,7 @@ class EpisodeReplay:
             while left > 0:
                 episode = episodes[index]
                 take = min(left, episode.num_steps - offset)
-                pieces.append((episode, episode.first_step + offset, take))
+                pieces.append((episode, episode.action.start + offset, take))
                 left -= take
                 index, offset = (index + 1) % len(episodes), 0
             windows.append(pieces)
@@ -578,6 +564,11 @@ def twohot_mean(logits: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
     return symexp((F.softmax(upcast(logits), -1) * bins).sum(-1))
 
 
+def mix_uniform(probs: torch.Tensor, unimix: float) -> torch.Tensor:
+    """`probs` (..., C) with `unimix` of the uniform mixed in (DreamerV3's unimix: no class below unimix / C)."""
+    return (1 - unimix) * probs + unimix / probs.shape[-1]
+
+
 def one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One-hot draws (..., C) float32 from `probs` (..., C), a uniform in [0, 1) per row (..., 1): class k where
     CDF(k - 1) < u <= CDF(k), as `Categorical(probs).sample()`; the last CDF step is 2, so rounding never leaves none."""
@@ -585,12 +576,6 @@ def one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     cdf[..., -1] = 2.0
     above = (cdf >= uniform).float()  # (..., C): 0 up to the drawn class, 1 from it
     return above - F.pad(above[..., :-1], (1, 0))
-
-
-def categorical_draw(probs: torch.Tensor) -> torch.Tensor:
-    """One class index per row of `probs` (..., C), `one_hot_draw` with fresh uniforms: the actions to the envs."""
-    uniform = torch.rand(probs.shape[:-1] + (1,), device=probs.device)
-    return one_hot_draw(probs, uniform).argmax(-1)
 
 
 def one_hot(index: torch.Tensor, classes: int) -> torch.Tensor:
@@ -836,9 +821,9 @@ class RSSM(nn.Module):
     def _stats(self, raw: torch.Tensor) -> torch.Tensor:
         raw = upcast(raw)
         if self.classes:
-            probs = F.softmax(raw.unflatten(-1, (self.stoch_dim, self.classes)), -1)
-            probs = (1 - self.unimix) * probs + self.unimix / self.classes
-            return probs.log()
+            return mix_uniform(
+                F.softmax(raw.unflatten(-1, (self.stoch_dim, self.classes)), -1), self.unimix
+            ).log()
         mean, std = raw.chunk(2, -1)
         return torch.cat([mean, F.softplus(std) + 0.1], -1)
 
@@ -858,12 +843,13 @@ class RSSM(nn.Module):
             return torch.rand(*shape, self.stoch_dim, 1, device=device)
         return torch.randn(*shape, self.stoch_dim, device=device)
 
-    def sample(self, stats: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
-        """A flat latent (..., stoch_flat) with gradients (straight-through or reparameterised) from `noise`."""
+    def sample(self, stats: torch.Tensor, noise: torch.Tensor | None = None, draw=None) -> torch.Tensor:
+        """A flat latent (..., stoch_flat) with gradients (straight-through or reparameterised) from `noise`; `draw`
+        picks each categorical latent's class (`one_hot_draw`, or a faster form of it)."""
         if self.classes:
             probs = stats.exp()
             noise = torch.rand(stats.shape[:-1] + (1,), device=stats.device) if noise is None else noise
-            one_hot = one_hot_draw(probs, noise).to(probs.dtype)
+            one_hot = (draw or one_hot_draw)(probs, noise).to(probs.dtype)
             if torch.is_grad_enabled():  # straight-through: the one-hot's value, the probabilities' gradient
                 one_hot = one_hot + probs - probs.detach()
             return one_hot.flatten(-2)
@@ -935,8 +921,17 @@ class Actor(nn.Module):
 
     def forward(self, feat: torch.Tensor) -> torch.Tensor:
         """The policy's action probabilities (..., A), with `unimix` uniform mixed in."""
-        probs = F.softmax(upcast(self.net(feat)), -1)
-        return (1 - self.unimix) * probs + self.unimix / probs.shape[-1]
+        return self.probs(self.net(feat))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """`forward` from the net's output, logits (..., A)."""
+        return mix_uniform(F.softmax(upcast(logits), -1), self.unimix)
+
+
+def policy_terms(probs: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probability of each one-hot `action` (..., A) under the policy's `probs` (..., A), and its entropy."""
+    log_probs = probs.log()
+    return (log_probs * action).sum(-1), -(probs * log_probs).sum(-1)
 
 
 class Critic(nn.Module):
@@ -949,9 +944,6 @@ class Critic(nn.Module):
 
     def forward(self, feat: torch.Tensor) -> torch.Tensor:
         return self.net(feat)
-
-    def value(self, feat: torch.Tensor) -> torch.Tensor:
-        return twohot_mean(self(feat), self.bins)
 
 
 class ReturnNormalizer(nn.Module):
@@ -1028,9 +1020,11 @@ class Agent:
     # ALGO LOGIC: the functions an update calls (`build_agent`'s; Part 2 may put checked faster equivalents here)
     observe: Callable  # `RSSM.observe` of the world model's RSSM
     imagine: Callable  # `imagine`
+    imagined_heads: Callable  # `imagined_heads`
     world_model_losses: Callable  # `world_model_losses`
     imagined_targets: Callable  # `imagined_targets`
     behavior_losses: Callable  # `behavior_losses`
+    channels_last: bool = False  # the batch's frames channels-last, as Part 2 lays out the convolutions
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -1076,6 +1070,7 @@ def build_agent(args: Args, obs_shape: tuple, num_actions: int, device) -> Agent
         settings=Settings(args, optimizers, device),
         observe=world_model.rssm.observe,
         imagine=imagine,
+        imagined_heads=imagined_heads,
         world_model_losses=world_model_losses,
         imagined_targets=imagined_targets,
         behavior_losses=behavior_losses,
@@ -1104,19 +1099,16 @@ class Player:
             deter, stoch = wm.rssm.episode_start(first, self.deter, self.stoch, wm.rssm.initial(1))
             deter = wm.rssm.img_step(deter, stoch, self.prev_action * (~first).float())
             stoch = wm.rssm.sample(wm.rssm.posterior(deter, wm.encoder(image)))
-            action = categorical_draw(self.agent.actor(torch.cat([deter, stoch], -1)))  # (N,)
+            probs = self.agent.actor(torch.cat([deter, stoch], -1))  # (N, A)
+            action = one_hot_draw(probs, torch.rand(len(probs), 1, device=probs.device)).argmax(-1)  # (N,)
         self.deter.copy_(deter), self.stoch.copy_(stoch)
         self.prev_action.copy_(one_hot(action, self.agent.num_actions))
         return (action,)
 
     def act(self, obs: np.ndarray, is_first: np.ndarray) -> np.ndarray:
         """obs (N, 1, 3, 64, 64) uint8, is_first (N,) bool -> actions (N,) int64."""
-        device = self.agent.device
-        inputs = {
-            "obs": torch.as_tensor(obs, device=device),
-            "is_first": torch.as_tensor(is_first, device=device),
-        }
-        (action,) = self.policy(inputs)
+        as_tensor = functools.partial(torch.as_tensor, device=self.agent.device)
+        (action,) = self.policy({"obs": as_tensor(obs), "is_first": as_tensor(is_first)})
         return action.cpu().numpy()
 
 
@@ -1237,7 +1229,7 @@ def train_world_model(agent: Agent, raw: dict[str, torch.Tensor], args: Args):
     """One world-model update on a raw batch on the device, without host synchronisation. Returns the logged values
     (detached 0-d float32 tensors), healthy (0-d bool: False when a non-finite loss or gradient skipped the step) and
     the posterior states to imagine from, detached: {"deter": (B*T, D), "stoch": (B*T, S), "continue": (B*T,)}."""
-    data = prepare_batch(raw, agent.num_actions, args.channels_last)
+    data = prepare_batch(raw, agent.num_actions, agent.channels_last)
     with agent.amp.autocast():
         loss, parts, (deter, stoch) = world_model_loss(agent, data, args)
     optimizer, scaler = agent.world_model_optimizer, agent.scalers["world_model"]
@@ -1265,9 +1257,8 @@ def imagine(agent: Agent, start_states, horizon: int):
         feat = torch.cat([deter, stoch], -1)
         probs = agent.actor(feat)
         action = one_hot_draw(probs.detach(), action_uniforms[t]).to(probs.dtype)
-        log_probs.append((probs.log() * action).sum(-1))
-        entropies.append(-(probs * probs.log()).sum(-1))
-        feats.append(feat)
+        log_prob, entropy = policy_terms(probs, action)
+        log_probs.append(log_prob), entropies.append(entropy), feats.append(feat)
         with torch.no_grad():
             deter = rssm.img_step(deter, stoch, action)
             stoch = rssm.sample(rssm.prior(deter), latent_noise[t])
@@ -1275,18 +1266,29 @@ def imagine(agent: Agent, start_states, horizon: int):
     return torch.stack(feats).detach(), torch.stack(log_probs), torch.stack(entropies)
 
 
-def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = True):
-    """Actor and critic losses on an imagined rollout. Returns (actor_loss, critic_loss, parts)."""
-    # feat (H+1, N, F), log_prob and entropy (H, N)
-    feat, log_prob, entropy = agent.imagine(agent, start_states, args.imagination_horizon)
+def imagined_heads(agent: Agent, start_states, args: Args) -> dict:
+    """An imagined rollout and the heads on its states: the actor's log_prob and entropy (H, N) and the critic's logits
+    (H+1, N, K) with gradients; without, the slow critic's (H, N, K), the reward's and continue's (H+1, N, ...)."""
+    feat, log_prob, entropy = agent.imagine(agent, start_states, args.imagination_horizon)  # feat (H+1, N, F)
     # one critic pass gives both the values the targets bootstrap from (detached) and the logits its loss trains
-    critic_logits = agent.critic(feat)  # (H+1, N, K)
+    heads = {"log_prob": log_prob, "entropy": entropy, "critic": agent.critic(feat)}
     with torch.no_grad():
-        targets = agent.imagined_targets(agent, feat, critic_logits, start_states[2], args, update_norm)
-        returns, weight, advantage, slow_value = targets
+        heads["slow critic"] = agent.slow_critic(feat[:-1])  # s_0..s_{H-1}: what the critic regresses
+        wm = agent.world_model
+        return heads | {"reward": wm.reward_head(feat), "continue": wm.continue_head(feat)}
+
+
+def behavior_losses(agent: Agent, heads: dict, start_continue, args: Args, update_norm: bool = True):
+    """Actor and critic losses from the heads on an imagined rollout (`imagined_heads`). Returns (actor_loss,
+    critic_loss, parts)."""
+    with torch.no_grad():
+        returns, weight, advantage, slow_value = agent.imagined_targets(
+            agent, heads, start_continue, args, update_norm
+        )
     # ALGO LOGIC: REINFORCE on normalised advantages + entropy; the critic is pulled toward the slow critic
+    log_prob, entropy = heads["log_prob"], heads["entropy"]
     actor_loss = -(weight * (log_prob * advantage + agent.settings["entropy_coef"] * entropy)).mean()
-    bins, logits = agent.critic.bins, critic_logits[:-1]
+    bins, logits = agent.critic.bins, heads["critic"][:-1]
     critic_loss = twohot_loss(logits, returns, bins) + twohot_loss(logits, slow_value, bins)
     critic_loss = (weight * critic_loss).mean()
     parts = {"losses/actor": actor_loss, "losses/critic": critic_loss, "losses/entropy": entropy.mean()}
@@ -1294,18 +1296,18 @@ def behavior_losses(agent: Agent, start_states, args: Args, update_norm: bool = 
     return actor_loss, critic_loss, parts
 
 
-def imagined_targets(agent: Agent, feat, critic_logits, start_continue, args: Args, update_norm: bool):
-    """What the actor and critic learn toward on a rollout, feat (H+1, N, F) and critic logits (H+1, N, K), without
-    gradients: the lambda-returns, discount weights, normalised advantages and slow critic's values, (H, N) each."""
+def imagined_targets(agent: Agent, heads: dict, start_continue, args: Args, update_norm: bool):
+    """What the actor and critic learn toward, from the heads on a rollout (`imagined_heads`), without gradients: the
+    lambda-returns, discount weights, normalised advantages and slow critic's values, (H, N) each."""
     wm, settings = agent.world_model, agent.settings
-    reward = twohot_mean(wm.reward_head(feat), wm.bins)  # (H+1, N)
-    continues = torch.sigmoid(upcast(wm.continue_head(feat).squeeze(-1)))  # (H+1, N)
+    reward = twohot_mean(heads["reward"], wm.bins)  # (H+1, N)
+    continues = torch.sigmoid(upcast(heads["continue"].squeeze(-1)))  # (H+1, N)
     if args.continue_mode:  # DreamerV3: an imagined state either goes on or ends
         continues = (continues > 0.5).to(continues.dtype)
     continues[0] = start_continue  # the start state's own continue flag is known
     discount = settings["gamma"] * continues
-    value = twohot_mean(critic_logits.detach(), agent.critic.bins)  # (H+1, N)
-    slow_value = agent.slow_critic.value(feat[:-1])  # (H, N): the critic regresses states s_0..s_{H-1}
+    value = twohot_mean(heads["critic"].detach(), agent.critic.bins)  # (H+1, N)
+    slow_value = twohot_mean(heads["slow critic"], agent.slow_critic.bins)  # (H, N)
     lambda_, one_minus_lambda = settings["return_lambda"], settings["1 - return_lambda"]
     returns = lambda_returns(reward, value, discount, lambda_, one_minus_lambda)  # (H, N)
     # DreamerV3's weights: w_t = prod_{k <= t} (gamma c_k) / gamma (w_0 = c_0: 0 from a terminal start)
@@ -1319,8 +1321,8 @@ def imagined_targets(agent: Agent, feat, critic_logits, start_continue, args: Ar
 def train_behavior(agent: Agent, start: dict[str, torch.Tensor], args: Args):
     """One actor and one critic update imagined from `start`, then the slow critic follows: (logged, healthy)."""
     with agent.amp.autocast():
-        states = (start["deter"], start["stoch"], start["continue"])
-        actor_loss, critic_loss, parts = agent.behavior_losses(agent, states, args)
+        heads = agent.imagined_heads(agent, (start["deter"], start["stoch"], start["continue"]), args)
+        actor_loss, critic_loss, parts = agent.behavior_losses(agent, heads, start["continue"], args)
     scalers = agent.scalers
     for optimizer in (agent.actor_optimizer, agent.critic_optimizer):
         optimizer.zero_grad(set_to_none=True)
@@ -1492,7 +1494,19 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
         agent.critic,
         agent.slow_critic,
     ):
-        module.compile(dynamic=False, fullgraph=True, backend=backend, **options)
+        if (
+            type(module).forward is nn.Sequential.forward
+        ):  # Dynamo compiles no frame of torch's own: one of ours runs it
+            module.forward = compile_(functools.partial(run_layers, module))
+        else:
+            module.compile(dynamic=False, fullgraph=True, backend=backend, **options)
+
+
+def run_layers(layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """`layers(x)`, in a frame of this file for `compile_agent`."""
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 class CaptureInvalid(RuntimeError):
@@ -1948,13 +1962,12 @@ def check_cadence(args: Args, device: torch.device) -> int:
 
 # Every fast path off: what a disagreement that names no flag of its own drops (Part 1 alone has nothing to check)
 EVERY_PATH_OFF = dict(
-    fast_observe=False,
-    fast_imagine=False,
+    fast_observe="off",
+    fast_imagine="off",
     imagine_gathers="off",
     fused_scan="off",
     fused_epilogues="off",
     fast_heads="off",
-    fast_decoder=False,
     replay_frames="host",
 )
 
@@ -2015,9 +2028,7 @@ def use_part1(agent: Agent) -> None:
     """Part 1's functions back in the agent's places, as `build_agent` puts them."""
     agent.observe, agent.imagine = agent.world_model.rssm.observe, imagine
     agent.world_model_losses, agent.imagined_targets = world_model_losses, imagined_targets
-    agent.behavior_losses = behavior_losses
-    if dreamer_kernels is not None:
-        dreamer_kernels.uninstall(agent)
+    agent.imagined_heads, agent.behavior_losses = imagined_heads, behavior_losses
 
 
 # --- Installing it all: one call from the run's set-up ----------------------------------------------------------------
@@ -2090,7 +2101,10 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
             said = [f"speed: Part 1's functions run (the kernels module failed: {type(exc).__name__}: {exc})"]
         for line in said:
             print(line.splitlines()[0])
-    if args.channels_last:
+    agent.channels_last = args.channels_last == "on" or (
+        args.channels_last == "auto" and agent.device.type == "cuda"
+    )
+    if agent.channels_last:
         agent.world_model.encoder.to(memory_format=torch.channels_last)
         agent.world_model.decoder.to(memory_format=torch.channels_last)
     if args.compile:
@@ -2794,7 +2808,7 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> float:
     def step_fn():
         start = time.perf_counter()
         batch = synthetic_batch(args, obs_shape)
-        data = batch_to_device(batch, agent.num_actions, agent.device, args.channels_last)
+        data = batch_to_device(batch, agent.num_actions, agent.device, agent.channels_last)
         with agent.amp.autocast():
             loss, _, (deter, stoch) = world_model_loss(agent, data, args)
         loss.backward()
@@ -2803,7 +2817,10 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> float:
         deter, stoch = deter.detach().flatten(0, 1), stoch.detach().flatten(0, 1)  # (B*T, D), (B*T, S)
         states = (deter, stoch, torch.ones(deter.shape[0], device=agent.device))
         with agent.amp.autocast():
-            actor_loss, critic_loss, _ = agent.behavior_losses(agent, states, args, update_norm=False)
+            heads = agent.imagined_heads(agent, states, args)
+            actor_loss, critic_loss, _ = agent.behavior_losses(
+                agent, heads, states[2], args, update_norm=False
+            )
         (actor_loss + critic_loss).backward()
         seconds["behavior"] = seconds_since(start, agent.device)
 
@@ -3162,7 +3179,7 @@ def replay_stats(replay: EpisodeReplay) -> dict[str, int]:
         "total_steps": replay.total_steps,
         "num_episodes": len(replay.episodes),
         "obs_bytes": sum(ep.frames.nbytes for ep in replay.episodes),
-        "aux_bytes": sum(array.nbytes for ep in replay.episodes for array in ep.aux),
+        "aux_bytes": sum(getattr(ep, name).nbytes for ep in replay.episodes for name in Episode.FIELDS[1:]),
         "obs_device_bytes": 0 if store is None else store.nbytes,
     }
 
@@ -3964,7 +3981,6 @@ def build_learner(args: Args, device: torch.device, resume_state: dict | None = 
     # gives the shapes (an async worker left open would block this process's exit: workers ignore SIGTERM)
     obs_shape, num_actions = env_spaces(args)  # (--frame-stack, 3, S, S), number of actions
     agent = build_agent(args, obs_shape, num_actions, device)
-    world_model_step, behavior_step = update_steps(agent, args)
     run = Run(
         args=args,
         device=device,
@@ -3973,13 +3989,19 @@ def build_learner(args: Args, device: torch.device, resume_state: dict | None = 
         player=Player(agent, args.num_envs),
         rng=np.random.default_rng(args.seed),
         counters=dict(NEW_COUNTERS),
-        world_model_step=world_model_step,
-        behavior_step=behavior_step,
+        world_model_step=None,  # `install_speed`'s, below
+        behavior_step=None,
         update_log=UpdateLog(device),
         obs_shape=obs_shape,
     )
     if dropped := (resume_state or {}).get("counters", {}).get("dropped_fast_paths"):
-        run.counters["dropped_fast_paths"] = dict(dropped)
+        defaults = {field.name: field.default for field in dataclasses.fields(Args)}
+        dropped = {  # an older checkpoint's: `False` for a flag now auto|on|off, a path since removed
+            name: "off" if value is False and isinstance(defaults[name], str) else value
+            for name, value in dropped.items()
+            if name in defaults
+        }
+        run.counters["dropped_fast_paths"] = dropped
         flags = ", ".join(
             f"--no-{flag.replace('_', '-')}" if value is False else f"--{flag.replace('_', '-')} {value}"
             for flag, value in dropped.items()

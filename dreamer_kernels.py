@@ -24,6 +24,7 @@ import importlib.util
 import inspect
 import io
 import itertools
+import json
 import os
 import sys
 import textwrap
@@ -50,17 +51,17 @@ PART1 = (
     "RSSM",
     "behavior_losses",
     "imagine",
+    "imagined_heads",
     "imagined_targets",
-    "lambda_returns",
     "one_hot",
     "one_hot_draw",
-    "twohot_loss",
-    "twohot_mean",
+    "policy_terms",
     "upcast",
 )
 Actor = Agent = Args = FastPathMismatch = LayerNormGRUCell = NORM_EPS = RSSM = None
-behavior_losses = imagine = imagined_targets = lambda_returns = one_hot = one_hot_draw = None
-twohot_loss = twohot_mean = upcast = None
+behavior_losses = imagine = imagined_heads = imagined_targets = one_hot = one_hot_draw = policy_terms = (
+    upcast
+) = None
 
 
 class KernelUnavailable(RuntimeError):
@@ -88,76 +89,6 @@ def float64_copy(rssm: RSSM, gru_scale: float = 1.0) -> RSSM:
 
 # float32 against float32: the same sums in another order, and a GPU's approximate exp, division and square root
 FLOAT32_TOLERANCE = 1e-4
-
-
-# --- The decoder's last layer as a convolution and a pixel shuffle (CPU) ----------------------------------------------
-
-
-class SubpixelTransposedConv(nn.ConvTranspose2d):
-    """--fast-decoder (CPU, --model nature): the decoder's last layer, the same parameters, computed by
-    `transposed_conv_as_subpixel`. torch's CPU transposed convolution is slow there: as a convolution and a pixel
-    shuffle it takes half the time (fwd + bwd at batch 8 x 16: 25 -> 13 ms with one frame, 54 -> 34 ms with four)."""
-
-    @classmethod
-    def sharing(cls, layer: nn.ConvTranspose2d) -> SubpixelTransposedConv:
-        """A layer of this kind holding `layer`'s own parameters (the optimizer's and the checkpoint's)."""
-        shared = cls.__new__(cls)
-        shared.__dict__.update(layer.__dict__)
-        shared._parameters = dict(layer._parameters)
-        return shared
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return transposed_conv_as_subpixel(x, self)
-
-
-def transposed_conv_as_subpixel(x: torch.Tensor, layer: nn.ConvTranspose2d) -> torch.Tensor:
-    """`layer(x)` for a transposed convolution whose kernel is twice its stride s (the decoder's last layer: 8x8,
-    stride 4), computed as a 2x2 convolution to s * s maps per output channel, one map per output phase, which
-    `pixel_shuffle` interleaves. The same weights and the same sums: output pixel (s*q + r) takes tap r of input
-    q and tap s + r of input q - 1, so tap (a*s + r) of `layer` is tap (1 - a) of phase r's 2x2 kernel.
-    (N, in, H, W) -> (N, out, (H - 1) s + 2s + output_padding, ...)."""
-    s = layer.stride[0]
-    cin, cout = layer.weight.shape[:2]  # (in, out, 2s, 2s)
-    # (in, out, a, r, b, r') -> (out, r, r', in, 1 - a, 1 - b): phase maps in pixel_shuffle's channel order
-    weight = layer.weight.unflatten(2, (2, s)).unflatten(4, (2, s)).flip(2, 4)
-    weight = weight.permute(1, 3, 5, 0, 2, 4).reshape(cout * s * s, cin, 2, 2)
-    out = F.pixel_shuffle(F.conv2d(x, weight, padding=1), s)  # (N, out, (H + 1) s, (W + 1) s)
-    pad_h, pad_w = layer.output_padding  # rows and columns no input reaches: the bias alone
-    if pad_h or pad_w:
-        out = F.pad(out, (0, pad_w, 0, pad_h))
-    return out + layer.bias.view(1, -1, 1, 1)
-
-
-def last_transposed_conv(decoder: nn.Module) -> str | None:
-    """The name of the decoder's output layer where `transposed_conv_as_subpixel` computes it (its last
-    nn.ConvTranspose2d, found by type: a square kernel twice its stride, no padding, as --model nature's), or None."""
-    if type(getattr(decoder, "net", None)) is not nn.Sequential:
-        return None
-    names = [name for name, layer in decoder.net.named_children() if type(layer) is nn.ConvTranspose2d]
-    layer = getattr(decoder.net, names[-1]) if names else None
-    if layer is None or layer.padding != (0, 0) or layer.kernel_size != (2 * layer.stride[0],) * 2:
-        return None
-    return names[-1] if layer.stride[0] == layer.stride[1] else None
-
-
-def check_subpixel_decoder(layer: nn.ConvTranspose2d, tolerance: float = 1e-9) -> None:
-    """--fast-decoder: `transposed_conv_as_subpixel` against torch's transposed convolution, on a float64 copy of the
-    decoder's last layer: other values raise FastPathMismatch."""
-    reference = copy.deepcopy(layer).cpu().double()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(3)
-        x = torch.randn(2, reference.in_channels, 5, 5, dtype=torch.float64)
-    ours = transposed_conv_as_subpixel(x, reference)
-    expected = F.conv_transpose2d(
-        x, reference.weight, reference.bias, reference.stride, reference.padding, reference.output_padding
-    )
-    error = relative_error(ours, expected)
-    if not error <= tolerance:
-        raise FastPathMismatch(
-            f"the decoder's last layer as a pixel shuffle (transposed_conv_as_subpixel) gives other values than the "
-            f"transposed convolution (relative error {error:.1e}): run with --no-fast-decoder.",
-            off={"fast_decoder": False},
-        )
 
 
 # --- The categorical draw as two products -----------------------------------------------------------------------------
@@ -191,17 +122,6 @@ def fast_one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tenso
         torch.set_float32_matmul_precision(precision)
 
 
-def fast_sample(rssm: RSSM, stats: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """`RSSM.sample` with `fast_one_hot_draw` (the same straight-through latent); Gaussian latents as written."""
-    if not rssm.classes:
-        return rssm.sample(stats, noise)
-    probs = stats.exp()
-    one_hot = fast_one_hot_draw(probs, noise).to(probs.dtype)
-    if torch.is_grad_enabled():
-        one_hot = one_hot + probs - probs.detach()
-    return one_hot.flatten(-2)
-
-
 _COMPILED_DRAW: list[Callable] = []  # torch.compile(fast_one_hot_draw), made at its first check
 
 
@@ -233,11 +153,11 @@ def check_draw(device: torch.device, compiled: bool) -> None:
             rows = int((ours != expected).any(-1).sum())
             raise FastPathMismatch(
                 f"{name} picks other classes than one_hot_draw in {rows} of {len(expected)} rows: carry the change "
-                f"into {'mixed_draw' if 'mixed' in name else 'fast_one_hot_draw'}, or run with --no-fast-observe "
-                f"--no-fast-imagine (and without --compile).",
+                f"into {'mixed_draw' if 'mixed' in name else 'fast_one_hot_draw'}, or run with --fast-observe off "
+                f"--fast-imagine off (and without --compile).",
                 off={"compile": False}
                 if "compiled" in name
-                else {"fast_observe": False, "fast_imagine": False},
+                else {"fast_observe": "off", "fast_imagine": "off"},
             )
 
 
@@ -446,7 +366,7 @@ class FastObserve:
     """`RSSM.observe` in fewer kernels, with a hand-written backward pass (`ObserveBackwardThroughTime`) where it
     applies: the same arguments and results (`check_observe_forward`, `check_observe_backward`). The first layers of
     `img_in` and of the posterior are split: the action's and the embedding's shares for all steps at once before
-    the loop, so a step is two fused products and the rest of the cell. --no-fast-observe leaves `RSSM.observe`."""
+    the loop, so a step is two fused products and the rest of the cell. --fast-observe off leaves `RSSM.observe`."""
 
     def __init__(self, rssm: RSSM, hand_written_backward: bool = True):
         self.rssm = rssm
@@ -471,7 +391,7 @@ class FastObserve:
         deter = rssm.gru(upcast(self.img_rest(hidden)), deter)
         hidden = torch.addmm(step.embed_in, deter, step.deter_weight.t())
         posterior = rssm._stats(self.post_rest(hidden))
-        return deter, fast_sample(rssm, posterior, step.noise), posterior
+        return deter, rssm.sample(posterior, step.noise, fast_one_hot_draw), posterior
 
     def __call__(self, embed: torch.Tensor, action: torch.Tensor, is_first: torch.Tensor, noise=None):
         """`RSSM.observe(embed, action, is_first, noise)`, see there."""
@@ -835,8 +755,8 @@ def check_observe_forward(rssm: RSSM, tolerance: float = 1e-9) -> None:
                 raise FastPathMismatch(
                     f"the fast observe (FastObserve.observe_step) gives another {name} than the readable cell "
                     f"(RSSM.observe) on {weights} (relative error {error:.1e}): carry the change into both, or "
-                    f"run with --no-fast-observe.",
-                    off={"fast_observe": False},
+                    f"run with --fast-observe off.",
+                    off={"fast_observe": "off"},
                 )
 
 
@@ -2247,8 +2167,10 @@ def fused_scan_problem(rssm: RSSM, args: Args, device: torch.device) -> str | No
         return "its kernels draw categorical latents, and --stochastic-classes 0 makes them Gaussian"
     if args.observe_backward != "hand-written":
         return "its backward is the hand-written one, and --observe-backward is autograd"
-    if type(rssm.gru) is not LayerNormGRUCell or hand_written_backward_problem(rssm):
+    if type(rssm.gru) is not LayerNormGRUCell:
         return f"its kernels compute the LayerNorm GRU, and --model {args.model}'s cell is {type(rssm.gru).__name__}"
+    if problem := hand_written_backward_problem(rssm):
+        return f"its kernels compute the hand-written backward's layers ({problem})"
     return triton_problem(device)
 
 
@@ -2382,8 +2304,8 @@ def check_fused_scan_float32(rssm: RSSM, device, batch: int, steps: int = 3) -> 
 # are the actions: the product of a one-hot (N, S x C) with a weight is the sum of the S weight rows its ones pick,
 # one gather-and-sum (`F.embedding_bag`) in place of a product S x C long. Each imagination step gathers so
 # (`gather_imagine_step`, in `FastImagine`); the five heads that read the imagined states (`FastHeads`) share one
-# first-layer product, whose latent part is such a gather, and the losses are computed from their outputs by a copy
-# of Part 1's formulas (`losses_from_heads`). The same terms summed in another order: equal to float64 rounding
+# first-layer product, whose latent part is such a gather, and Part 1's targets and losses take their outputs. The
+# same terms summed in another order: equal to float64 rounding
 # (`check_fast_imagine`, `check_fast_heads`), not bit for bit in float32. Part 1's layers are found by name
 # (`img_in.linear`) or by type (a head is an nn.Sequential that starts with an nn.Linear on the features); the cell and
 # every other layer run as Part 1 writes them.
@@ -2535,7 +2457,7 @@ def gather_imagine_step(actor: Actor, rssm: RSSM, tables, deter, stoch_index, ac
 
 
 class FastImagine:
-    """`imagine` in fewer operations: the same arguments, random numbers and results (--no-fast-imagine leaves
+    """`imagine` in fewer operations: the same arguments, random numbers and results (--fast-imagine off leaves
     `imagine`; tests/test_dreamer_fast_path.py holds them equal in float64).
 
     The rollout runs without gradients: the actor learns by REINFORCE and the critic from fixed targets, so only
@@ -2558,7 +2480,7 @@ class FastImagine:
     def __call__(self, agent: Agent, start_states, horizon: int):
         feat, _, action_index = self.rollout(agent, start_states, horizon)
         probs = agent.actor(feat[:-1])  # (H, N, A), with gradients
-        return feat, *policy_terms(probs, action_index)
+        return feat, *action_terms(probs, action_index)
 
     def rollout(self, agent: Agent, start_states, horizon: int) -> tuple:
         """The imagined states, without gradients: feat (H+1, N, F); with `gathers` their latents as indices too,
@@ -2600,15 +2522,13 @@ def imagine_step(actor: Actor, rssm: RSSM, deter, stoch, action_uniform, latent_
     and stoch. `--compile` compiles this function once and reuses it at every step."""
     action = fast_one_hot_draw(actor(torch.cat([deter, stoch], -1)), action_uniform)  # (N, A)
     deter = rssm.img_step(deter, stoch, action.to(deter.dtype))
-    return action, deter, fast_sample(rssm, rssm.prior(deter), latent_noise)
+    return action, deter, rssm.sample(rssm.prior(deter), latent_noise, fast_one_hot_draw)
 
 
-def policy_terms(probs: torch.Tensor, action_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def action_terms(probs: torch.Tensor, action_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`imagine`'s log-probabilities of the actions drawn and the policy's entropies (H, N), from the probabilities
-    (H, N, A) and the actions' indices (H, N, 1): a gather where `imagine` multiplies by the one-hot action and sums
-    (the same value: the other terms are zeros)."""
-    log_probs = probs.log()
-    return log_probs.gather(-1, action_index).squeeze(-1), -(probs * log_probs).sum(-1)
+    (H, N, A) and the actions' indices (H, N, 1): Part 1's `policy_terms` on the one-hot actions."""
+    return policy_terms(probs, one_hot(action_index.squeeze(-1), probs.shape[-1]).to(probs.dtype))
 
 
 def check_fast_imagine(agent: Agent, tolerance: float = 1e-9) -> None:
@@ -2639,8 +2559,8 @@ def check_fast_imagine(agent: Agent, tolerance: float = 1e-9) -> None:
             raise FastPathMismatch(
                 f"the fast imagination (FastImagine) gives another {name} than imagine (relative error {error:.1e}): "
                 f"carry the change into both (imagine, RSSM.img_step, RSSM.prior, RSSM.sample and Actor.forward hold "
-                f"the formulas; gather_imagine_step and mixed_draw their copies), or run with --no-fast-imagine.",
-                off={"fast_imagine": False},
+                f"the formulas; gather_imagine_step and mixed_draw their copies), or run with --fast-imagine off.",
+                off={"fast_imagine": "off"},
             )
 
 
@@ -3075,7 +2995,7 @@ def check_fused_epilogues_float32(agent: Agent, rows: int, horizon: int = 2) -> 
             raise KernelUnavailable(
                 f"its float32 kernels imagine other features (relative error {error:.1e})"
             )
-        if isinstance(agent.behavior_losses, FastHeads) and agent.behavior_losses.fused:
+        if isinstance(agent.imagined_heads, FastHeads) and agent.imagined_heads.fused:
             outputs = []
             for fused in (True, False):
                 heads = heads_on_features(agent, feat, stoch_index, fused)
@@ -3095,7 +3015,8 @@ def check_fused_epilogues_float32(agent: Agent, rows: int, horizon: int = 2) -> 
 # --- The behaviour heads on imagined states sharing one first-layer product -------------------------------------------
 
 
-# the heads `behavior_losses` runs on the imagined states; the learning ones (the losses' gradients reach them) first
+# the heads `imagined_heads` runs on the imagined states (with the actor's in `imagine`); the learning ones (the losses'
+# gradients reach them) first
 LEARNING_HEADS = ("actor", "critic")
 
 
@@ -3113,9 +3034,9 @@ def behaviour_heads(agent: Agent) -> dict[str, nn.Module | None]:
 
 
 def fast_heads_problem(agent: Agent, args: Args) -> str | None:
-    """Why `FastHeads` cannot replace `behavior_losses` for this agent (a clause to say), or None."""
+    """Why `FastHeads` cannot replace `imagined_heads` for this agent (a clause to say), or None."""
     if not isinstance(agent.imagine, FastImagine):
-        return "they read the fast imagination's states, and --no-fast-imagine is set"
+        return "they read the fast imagination's states, and --fast-imagine is off"
     if args.compile:
         return "--compile compiles the heads and the targets as Part 1 writes them"
     feat_dim = agent.world_model.rssm.deter_dim + agent.world_model.rssm.stoch_flat
@@ -3204,61 +3125,23 @@ def heads_on_features(
 
 
 class FastHeads:
-    """`behavior_losses` with the five heads on the imagined states (actor, critic, slow critic, reward, continue)
+    """`imagined_heads` with the five heads on the imagined states (actor, critic, slow critic, reward, continue)
     sharing one first-layer product: the same arguments and results (`check_fast_heads`; --fast-heads off leaves
-    `behavior_losses`). Where the imagination's epilogues are fused, the heads' are too (`heads_on_features`).
+    `imagined_heads`). Where the imagination's epilogues are fused, the heads' are too (`heads_on_features`).
 
     The fast imagination's rollout (`FastImagine.rollout`), then every head on all the states it reads at once
-    (`heads_on_features`), then the formulas of `Actor.forward`, `imagine`'s log-probabilities, `imagined_targets`
-    and `behavior_losses` on those outputs (`losses_from_heads`): a copy of Part 1's, which the check holds to
-    Part 1's own in float64 on the run's weights; a change to one that is not carried into the other stops the run.
-    """
+    (`heads_on_features`); the actor's outputs become its log-probabilities and entropies by Part 1's `Actor.probs`
+    and `policy_terms`, and Part 1's `imagined_targets` and `behavior_losses` take the heads from here."""
 
     def __init__(self, imagine: FastImagine):
         self.imagine, self.fused = imagine, imagine.fused
         self.rollout = imagine.rollout  # what imagines (dev/gpu/update_regions.py labels it)
 
-    def __call__(self, agent: Agent, start_states, args: Args, update_norm: bool = True):
+    def __call__(self, agent: Agent, start_states, args: Args) -> dict:
         feat, stoch_index, action_index = self.rollout(agent, start_states, args.imagination_horizon)
         heads = heads_on_features(agent, feat, stoch_index, self.fused)
-        return losses_from_heads(agent, heads, action_index, start_states[2], args, update_norm)
-
-
-def losses_from_heads(agent: Agent, heads: dict, action_index, start_continue, args: Args, update_norm: bool):
-    """`behavior_losses` (with `imagined_targets` and `Actor.forward`) from the heads' outputs on the imagined states
-    (`heads_on_features`: actor and slow critic (H, N, ...), the others (H+1, N, ...)) and the actions drawn (H, N, 1):
-    (actor_loss, critic_loss, parts). Each line is Part 1's, a head's call replaced by its output."""
-    wm, settings, actor = agent.world_model, agent.settings, agent.actor
-    # `Actor.forward`, then `imagine`'s log-probabilities and entropies
-    probs = F.softmax(upcast(heads["actor"]), -1)  # (H, N, A)
-    log_prob, entropy = policy_terms(
-        (1 - actor.unimix) * probs + actor.unimix / probs.shape[-1], action_index
-    )
-    critic_logits = heads["critic"]  # (H+1, N, K)
-    with torch.no_grad():  # `imagined_targets`
-        reward = twohot_mean(heads["reward"], wm.bins)  # (H+1, N)
-        continues = torch.sigmoid(upcast(heads["continue"].squeeze(-1)))  # (H+1, N)
-        if args.continue_mode:
-            continues = (continues > 0.5).to(continues.dtype)
-        continues[0] = start_continue
-        discount = settings["gamma"] * continues
-        value = twohot_mean(critic_logits.detach(), agent.critic.bins)  # (H+1, N)
-        slow_value = twohot_mean(heads["slow critic"], agent.slow_critic.bins)  # (H, N)
-        lambda_, one_minus_lambda = settings["return_lambda"], settings["1 - return_lambda"]
-        returns = lambda_returns(reward, value, discount, lambda_, one_minus_lambda)  # (H, N)
-        weight = torch.cumprod(discount[:-1], 0) / settings["gamma"]  # (H, N)
-        if update_norm:
-            agent.return_norm.update(returns, settings["1 - return_norm_decay"])
-        advantage = (returns - value[:-1]) / agent.return_norm.scale()
-    # `behavior_losses`
-    actor_loss = -(weight * (log_prob * advantage + settings["entropy_coef"] * entropy)).mean()
-    bins, logits = agent.critic.bins, critic_logits[:-1]
-    critic_loss = (
-        weight * (twohot_loss(logits, returns, bins) + twohot_loss(logits, slow_value, bins))
-    ).mean()
-    parts = {"losses/actor": actor_loss, "losses/critic": critic_loss, "losses/entropy": entropy.mean()}
-    parts |= {"debug/imagined_return": returns.mean(), "debug/return_scale": agent.return_norm.scale()}
-    return actor_loss, critic_loss, parts
+        log_prob, entropy = action_terms(agent.actor.probs(heads.pop("actor")), action_index)
+        return {"log_prob": log_prob, "entropy": entropy} | heads
 
 
 def float64_twin(agent: Agent) -> Agent:
@@ -3277,6 +3160,7 @@ def float64_twin(agent: Agent) -> Agent:
         **{name: module.cpu().double() for name, module in modules.items()},
         settings={name: value.detach().cpu().double() for name, value in agent.settings.tensors.items()},
         imagine=imagine,
+        imagined_heads=imagined_heads,
         imagined_targets=imagined_targets,
         behavior_losses=behavior_losses,
     )
@@ -3295,8 +3179,8 @@ def moved_heads(twin: Agent) -> None:
 
 
 def check_fast_heads(agent: Agent, args: Args, tolerance: float = 1e-9) -> None:
-    """The behaviour losses with the shared heads (`FastHeads` on `FastImagine`'s rollout) against `behavior_losses`
-    on `imagine` as Part 1 writes them, on float64 copies of the run's weights, return normaliser and settings
+    """The behaviour losses on the shared heads (`FastHeads` on `FastImagine`'s rollout) against them on
+    `imagined_heads` and `imagine` as Part 1 writes them (Part 1's `behavior_losses` on both), on float64 copies of the run's weights, return normaliser and settings
     (`float64_twin`), and again with the heads moved (`moved_heads`), with the same random numbers: the losses and
     logged values, the return normaliser's update, and every gradient of the actor and the critic. A change to one
     that is not carried into the other raises FastPathMismatch. Each is compared relative to its size, or to 1e-3
@@ -3311,8 +3195,8 @@ def check_fast_heads(agent: Agent, args: Args, tolerance: float = 1e-9) -> None:
                 if weights != "the run's weights":
                     moved_heads(twin)
                 if fast:
-                    twin.imagine = FastImagine(agent.behavior_losses.imagine.gathers)
-                    twin.behavior_losses = FastHeads(twin.imagine)
+                    twin.imagine = FastImagine(agent.imagined_heads.imagine.gathers)
+                    twin.imagined_heads = FastHeads(twin.imagine)
                 rssm = twin.world_model.rssm
                 torch.manual_seed(2)
                 deter = torch.randn(3, rssm.deter_dim, dtype=torch.float64)
@@ -3322,7 +3206,8 @@ def check_fast_heads(agent: Agent, args: Args, tolerance: float = 1e-9) -> None:
                     torch.tensor([1.0, 0.0, 1.0]).double(),
                 )
                 torch.manual_seed(4)  # the same random numbers for both
-                actor_loss, critic_loss, parts = twin.behavior_losses(twin, start, short)
+                heads = twin.imagined_heads(twin, start, short)
+                actor_loss, critic_loss, parts = twin.behavior_losses(twin, heads, start[2], short)
                 learning = {f"actor.{name}": p for name, p in twin.actor.named_parameters()}
                 learning |= {f"critic.{name}": p for name, p in twin.critic.named_parameters()}
                 grads = torch.autograd.grad(actor_loss + critic_loss, list(learning.values()))
@@ -3335,9 +3220,9 @@ def check_fast_heads(agent: Agent, args: Args, tolerance: float = 1e-9) -> None:
             if not error <= tolerance:
                 raise FastPathMismatch(
                     f"the behaviour losses with the shared heads (FastHeads) give another {name} than "
-                    f"behavior_losses on {weights} (relative error {error:.1e}): carry the change into "
-                    f"losses_from_heads and heads_on_features (behavior_losses, imagined_targets, Actor.forward and "
-                    f"the heads hold the formulas), or run with --fast-heads off.",
+                    f"imagined_heads on {weights} (relative error {error:.1e}): carry the change into "
+                    f"FastHeads and heads_on_features (imagined_heads, Actor.forward and the heads hold the "
+                    f"formulas), or run with --fast-heads off.",
                     off={"fast_heads": "off"},
                 )
 
@@ -3407,8 +3292,8 @@ def check_fast_paths(agent: Agent, args: Args, kernels: bool = True) -> None:
     observe against `RSSM.observe` and its hand-written backward against autograd (float64 copies, also with the GRU
     saturated), with --fused-scan its kernels against both on the device (`check_fused_scan`), the fast imagination
     against `imagine` (its fused epilogues on the device: `check_fused_epilogues`), the shared heads against
-    `behavior_losses` (`check_fast_heads`; fused, against their own layers on the device: `check_fused_heads`), the
-    pixel-shuffle decoder layer against the transposed convolution, and the draws they use (`check_draw`, compiled
+    `imagined_heads` (`check_fast_heads`; fused, against their own layers on the device: `check_fused_heads`), and
+    the draws they use (`check_draw`, compiled
     with --compile). Run at start-up, after --resume on the loaded weights, and every --check-every
     updates on the live ones; FastPathMismatch names the path and the flag that switches it off. About a second
     on a CPU for the default model, in float64 whatever the device (the compiled draw's first check compiles it:
@@ -3423,13 +3308,10 @@ def check_fast_paths(agent: Agent, args: Args, kernels: bool = True) -> None:
         check_fast_imagine(agent)
         if kernels and agent.imagine.fused:
             check_fused_epilogues(agent)
-    if isinstance(agent.behavior_losses, FastHeads):
+    if isinstance(agent.imagined_heads, FastHeads):
         check_fast_heads(agent, args)
-        if kernels and agent.behavior_losses.fused:
+        if kernels and agent.imagined_heads.fused:
             check_fused_heads(agent)
-    for layer in agent.world_model.decoder.modules():
-        if isinstance(layer, SubpixelTransposedConv):
-            check_subpixel_decoder(layer)
     if isinstance(agent.observe, FastObserve) or isinstance(agent.imagine, FastImagine):
         check_draw(agent.device, compiled=args.compile)
 
@@ -3524,97 +3406,91 @@ PINNED = {
         "RSSM.observe": "413a9c64c7ddeb0c",
         "RSSM.img_step": "4d7c2b4de5eaf615",
         "RSSM.posterior": "b93810392a5fcd37",
-        "RSSM.sample": "bc17f67777bc90f8",
+        "RSSM.sample": "6401bcaa270c3545",
     },
     "observe_backward": {
         "RSSM.observe": "413a9c64c7ddeb0c",
         "RSSM.img_step": "4d7c2b4de5eaf615",
         "RSSM.posterior": "b93810392a5fcd37",
-        "RSSM.sample": "bc17f67777bc90f8",
-        "RSSM._stats": "dac660fe8fafdb42",
+        "RSSM.sample": "6401bcaa270c3545",
+        "RSSM._stats": "b0f6fd1f09139bf4",
         "RSSM.episode_start": "ef47eab3cb30bf73",
         "LayerNormGRUCell.forward": "e3df90fdd2c3c767",
         "one_hot_draw": "7b5a02f5f87cf401",
         "upcast": "a4af19516ae1bd40",
+        "mix_uniform": "72fbebb81de97119",
     },
     "fused_scan": {
         "RSSM.observe": "413a9c64c7ddeb0c",
         "RSSM.img_step": "4d7c2b4de5eaf615",
         "RSSM.posterior": "b93810392a5fcd37",
-        "RSSM.sample": "bc17f67777bc90f8",
-        "RSSM._stats": "dac660fe8fafdb42",
+        "RSSM.sample": "6401bcaa270c3545",
+        "RSSM._stats": "b0f6fd1f09139bf4",
         "RSSM.episode_start": "ef47eab3cb30bf73",
         "LayerNormGRUCell.forward": "e3df90fdd2c3c767",
         "one_hot_draw": "7b5a02f5f87cf401",
         "upcast": "a4af19516ae1bd40",
+        "mix_uniform": "72fbebb81de97119",
     },
     "fast_imagine": {
-        "imagine": "e723d8210b4ac219",
+        "imagine": "7cfe871463aa8290",
         "RSSM.img_step": "4d7c2b4de5eaf615",
         "RSSM.prior": "0b078350f4e63381",
-        "RSSM._stats": "dac660fe8fafdb42",
-        "RSSM.sample": "bc17f67777bc90f8",
+        "RSSM._stats": "b0f6fd1f09139bf4",
+        "RSSM.sample": "6401bcaa270c3545",
         "RSSM.noise": "a721f47bd62a5ed1",
-        "Actor.forward": "cc01a96d2f42ab0a",
+        "Actor.forward": "52cf07332cc55746",
         "one_hot_draw": "7b5a02f5f87cf401",
     },
     "imagine_gathers": {
-        "imagine": "e723d8210b4ac219",
+        "imagine": "7cfe871463aa8290",
         "RSSM.img_step": "4d7c2b4de5eaf615",
         "RSSM.prior": "0b078350f4e63381",
-        "RSSM._stats": "dac660fe8fafdb42",
-        "RSSM.sample": "bc17f67777bc90f8",
+        "RSSM._stats": "b0f6fd1f09139bf4",
+        "RSSM.sample": "6401bcaa270c3545",
         "RSSM.noise": "a721f47bd62a5ed1",
-        "Actor.forward": "cc01a96d2f42ab0a",
+        "Actor.forward": "52cf07332cc55746",
         "one_hot_draw": "7b5a02f5f87cf401",
         "one_hot": "b1c1b46ac80b3cb1",
+        "Actor.probs": "8a0de8fad6b6dd26",
+        "mix_uniform": "72fbebb81de97119",
     },
     "fused_epilogues": {
-        "imagine": "e723d8210b4ac219",
+        "imagine": "7cfe871463aa8290",
         "RSSM.img_step": "4d7c2b4de5eaf615",
         "RSSM.prior": "0b078350f4e63381",
-        "RSSM._stats": "dac660fe8fafdb42",
-        "RSSM.sample": "bc17f67777bc90f8",
+        "RSSM._stats": "b0f6fd1f09139bf4",
+        "RSSM.sample": "6401bcaa270c3545",
         "RSSM.noise": "a721f47bd62a5ed1",
-        "Actor.forward": "cc01a96d2f42ab0a",
+        "Actor.forward": "52cf07332cc55746",
         "one_hot_draw": "7b5a02f5f87cf401",
         "one_hot": "b1c1b46ac80b3cb1",
         "LayerNormGRUCell.forward": "e3df90fdd2c3c767",
         "upcast": "a4af19516ae1bd40",
+        "Actor.probs": "8a0de8fad6b6dd26",
+        "mix_uniform": "72fbebb81de97119",
     },
     "fast_heads": {
-        "behavior_losses": "67861b58cc1cbf78",
-        "imagined_targets": "e53cd05d6d3c1555",
-        "imagine": "e723d8210b4ac219",
-        "Actor.forward": "cc01a96d2f42ab0a",
+        "imagined_heads": "b5139a202ca1f8ec",
+        "imagine": "7cfe871463aa8290",
+        "Actor.forward": "52cf07332cc55746",
         "Critic.forward": "e4c59f6ff1082350",
-        "Critic.value": "f17a68f3f2ccd136",
-        "twohot_loss": "825f6838399366b2",
-        "twohot_mean": "7de9adb5fa60e161",
-        "lambda_returns": "ed629345e6d04de2",
-        "ReturnNormalizer.update": "3c56f6af13c7f540",
-        "ReturnNormalizer.scale": "bdff5ffa7ef180ee",
         "upcast": "a4af19516ae1bd40",
     },
-    "fast_decoder": {
-        "ConvDecoder": "3a2e976175d4a379",
-        "AtariConvDecoder": "2101001c9e47c53f",
-    },
 }
-PART_1_DIGEST = "76a9fcd3b4b176f0"
+PART_1_DIGEST = "5df7fa3804c81300"
 # pinned: end
 
 SCRIPT = None  # the script `bind` was handed, whose Part 1 the digests are taken of
 # what stepping a path aside sets
 OFF = dict(
-    fast_observe=False,
+    fast_observe="off",
     observe_backward="autograd",
     fused_scan="off",
-    fast_imagine=False,
+    fast_imagine="off",
     imagine_gathers="off",
     fused_epilogues="off",
     fast_heads="off",
-    fast_decoder=False,
 )
 
 
@@ -3641,8 +3517,8 @@ def asks_for(args, path: str, device: torch.device) -> bool:
     """Whether the run's flags ask for `path` (the way `install` reads them)."""
     value = getattr(args, path)
     if path == "observe_backward":
-        return args.fast_observe and value == "hand-written"
-    return value is True or (isinstance(value, str) and value != "off" and wanted(args, path, device))
+        return value == "hand-written" and asks_for(args, "fast_observe", device)
+    return value != "off" and wanted(args, path, device)
 
 
 def step_aside_changed(args, device: torch.device) -> tuple:
@@ -3730,45 +3606,69 @@ H200_2026_11_27 = ("NVIDIA H200 (sm_90)", "c76c171", "benchmark/results/2026-11-
 # Each path, its flag and the GPU results that showed it; docs/dreamer_kernels.md's table is made from this one
 # (`fast_paths_table`), and tests/test_dreamer_kernels_module.py holds each cited file to the card it names.
 FAST_PATHS = (
-    FastPath("--fast-observe", "RSSM.observe", "everywhere", (H200_2026_11_27,)),
-    FastPath("--observe-backward", "autograd through RSSM.observe", "everywhere", (H200_2026_11_27,)),
-    FastPath("--fast-imagine", "imagine", "everywhere", (H200_2026_11_27,)),
-    FastPath("--imagine-gathers", "imagine's products with one-hot vectors", "CPU; CUDA where shown"),
-    FastPath("--fast-heads", "behavior_losses", "CPU; CUDA where shown"),
+    FastPath("--fast-observe", "RSSM.observe", "CUDA", (H200_2026_11_27,)),
+    FastPath(
+        "--observe-backward", "autograd through RSSM.observe", "with the fast observe", (H200_2026_11_27,)
+    ),
+    FastPath("--fast-imagine", "imagine", "CUDA", (H200_2026_11_27,)),
+    FastPath("--imagine-gathers", "imagine's products with one-hot vectors", "CUDA where shown"),
+    FastPath("--fast-heads", "imagined_heads", "CUDA where shown"),
     FastPath("--fused-scan", "the fast observe's steps", "CUDA where shown"),
     FastPath(
         "--fused-epilogues", "the gathered imagination step and the heads' LayerNorms", "CUDA where shown"
     ),
-    FastPath("--fast-decoder", "the decoder's last transposed convolution", "CPU, --model nature"),
 )
 
 
-# Where `auto` turns on an opt-in path on CUDA: the compute capabilities of committed GPU results that showed it
-# installed, passing its checks and making the update faster (none yet: a lease's results add them). On the CPU,
-# `auto` keeps what the suite and the learning proofs run: the gathers and the shared heads.
+# Where `auto` turns a path on. On CUDA: the fast observe and the fast imagination everywhere (the H200 run of
+# `FAST_PATHS` trained with them), each newer path on the compute capabilities of committed GPU results that showed it
+# installed, passing its checks and making the update faster (none yet: a lease's results add them). On the CPU none:
+# alone, no path saved 5 % of an update both at the Pong recipe and at the learning proof's size
+# (benchmark/results/cpu_fast_paths/), and a path that saves less is not worth its copy of Part 1 there.
+ON_CUDA = ("fast_observe", "fast_imagine")
 SHOWN_ON: dict[str, tuple[tuple[int, int], ...]] = {
     "imagine_gathers": (),
     "fast_heads": (),
     "fused_scan": (),
     "fused_epilogues": (),
 }
+ON_THE_CPU: tuple[str, ...] = ()
 
 
-ON_THE_CPU = ("imagine_gathers", "fast_heads")
+# The CPU measurement the defaults there rest on (`ON_THE_CPU`): each path alone against the variant beneath it
+# (benchmark/cpu_fast_paths.py), at the Pong recipe and at the learning proof's size
+CPU_RESULTS = "benchmark/results/cpu_fast_paths/2026-12-02-intel-xeon.json"
+
+
+def cpu_savings(root: str = os.path.dirname(os.path.abspath(__file__))) -> dict[str, str]:
+    """Each path's share of the update saved on the CPU in `CPU_RESULTS` ("Pong recipe / proof size"), by its
+    flag's name; empty where the file is not beside this module."""
+    try:
+        sizes = json.loads(Path(root, CPU_RESULTS).read_text())["sizes"]
+    except OSError:
+        return {}
+    names = sizes["pong"]["saving"].keys() & sizes["proof"]["saving"].keys()
+    return {
+        name: " / ".join(f"{100 * sizes[size]['saving'][name]:+.1f} %" for size in ("pong", "proof"))
+        for name in names
+    }
 
 
 def fast_paths_table() -> str:
-    """The docs' table of fast paths, in markdown, from `FAST_PATHS`."""
+    """The docs' table of fast paths, in markdown, from `FAST_PATHS` and `CPU_RESULTS`."""
     rows = [
-        "| path (flag) | replaces | on by default | last shown on a GPU | ms saved |",
-        "|---|---|---|---|---|",
+        "| path (flag) | replaces | on by default | last shown on a GPU | ms saved (GPU) | update saved on a CPU "
+        "(Pong recipe / proof size) |",
+        "|---|---|---|---|---|---|",
     ]
+    cpu = cpu_savings()
     for path in FAST_PATHS:
         shown = "; ".join(
             f"{card}, commit {commit}, [{file}](../{file})" for card, commit, file in path.shown
         )
+        on_cpu = cpu.get(path.flag[2:].replace("-", "_"), "CUDA only")
         rows.append(
-            f"| `{path.flag}` | {path.replaces} | {path.default} | {shown or 'never'} | {path.saved_ms} |"
+            f"| `{path.flag}` | {path.replaces} | {path.default} | {shown or 'never'} | {path.saved_ms} | {on_cpu} |"
         )
     return "\n".join(rows)
 
@@ -3780,7 +3680,7 @@ def wanted(args, name: str, device: torch.device) -> bool:
         return value == "on"
     if device.type != "cuda":
         return name in ON_THE_CPU
-    return torch.cuda.get_device_capability(device) in SHOWN_ON[name]
+    return name in ON_CUDA or torch.cuda.get_device_capability(device) in SHOWN_ON[name]
 
 
 def triton_problem(device: torch.device) -> str | None:
@@ -3800,7 +3700,7 @@ def triton_problem(device: torch.device) -> str | None:
 
 def install(agent, args) -> list[str]:
     """The faster equivalents the flags ask for, put in place of Part 1's functions on `agent` (its `observe`,
-    `imagine`, `behavior_losses`, the decoder's last layer), each checked before it trains (`check_fast_paths`).
+    `imagine`, `imagined_heads`), each checked before it trains (`check_fast_paths`).
     Returns the lines to say: each path that steps aside because the Part 1 code it is pinned to changed
     (`step_aside_changed`), each that does not apply here, and each that cannot run on this device
     (KernelUnavailable: it is left out, and Part 1's function, or the path beneath it, runs). A float64
@@ -3825,17 +3725,19 @@ def install(agent, args) -> list[str]:
 
 def reset(agent) -> None:
     """Part 1's functions back in the places `install_paths` fills."""
-    agent.observe, agent.imagine = agent.world_model.rssm.observe, imagine
-    agent.behavior_losses = behavior_losses
-    uninstall(agent)
+    agent.observe, agent.imagine, agent.imagined_heads = (
+        agent.world_model.rssm.observe,
+        imagine,
+        imagined_heads,
+    )
 
 
 def install_paths(agent, args) -> list[str]:
     """`install`'s paths, as the flags ask for them."""
     wm, device, said = agent.world_model, agent.device, []
-    if args.fast_observe and (problem := fast_observe_problem(wm.rssm)):
+    if wanted(args, "fast_observe", device) and (problem := fast_observe_problem(wm.rssm)):
         said.append(f"speed: the fast observe does not apply here ({problem}); RSSM.observe runs as written")
-    elif args.fast_observe:
+    elif wanted(args, "fast_observe", device):
         hand_written = args.observe_backward == "hand-written"
         if hand_written and (problem := hand_written_backward_problem(wm.rssm)):
             said.append(
@@ -3848,7 +3750,7 @@ def install_paths(agent, args) -> list[str]:
         elif wanted(args, "fused_scan", device):
             agent.observe, line = fused_observe(wm.rssm, args, agent.observe)
             said += [line] if line else []
-    if args.fast_imagine:
+    if wanted(args, "fast_imagine", device):
         # the fused epilogues run on the gathers: asking for them asks for the gathers, unless those are off
         epilogues = wanted(args, "fused_epilogues", device)
         gathers = wanted(args, "imagine_gathers", device) or (epilogues and args.imagine_gathers == "auto")
@@ -3871,24 +3773,12 @@ def install_paths(agent, args) -> list[str]:
         agent.imagine = FastImagine(gathers=gathers and not problem, fused=fused)
     if wanted(args, "fast_heads", device) and (problem := fast_heads_problem(agent, args)):
         said.append(
-            f"speed: the heads on imagined states keep their own first layers ({problem}); behavior_losses runs"
+            f"speed: the heads on imagined states keep their own first layers ({problem}); imagined_heads runs"
         )
     elif wanted(args, "fast_heads", device):
-        agent.behavior_losses = FastHeads(agent.imagine)
-    if args.fast_decoder and device.type == "cpu" and (last := last_transposed_conv(wm.decoder)):
-        setattr(wm.decoder.net, last, SubpixelTransposedConv.sharing(getattr(wm.decoder.net, last)))
+        agent.imagined_heads = FastHeads(agent.imagine)
     check_fast_paths(agent, args, kernels=False)
     return said + check_kernels_run(agent, args)
-
-
-def uninstall(agent) -> None:
-    """The decoder's last layer back to its own class (the other paths are attributes the script resets)."""
-    decoder = agent.world_model.decoder
-    for name, layer in list(getattr(decoder, "net", nn.Sequential()).named_children()):
-        if isinstance(layer, SubpixelTransposedConv):
-            plain = nn.ConvTranspose2d.__new__(nn.ConvTranspose2d)
-            plain.__dict__.update(layer.__dict__)
-            setattr(decoder.net, name, plain)
 
 
 def check_kernels_run(agent, args) -> list[str]:
@@ -3910,15 +3800,15 @@ def check_kernels_run(agent, args) -> list[str]:
     if fused_imagine:
         try:
             check_fused_epilogues(agent)
-            if isinstance(agent.behavior_losses, FastHeads) and agent.behavior_losses.fused:
+            if isinstance(agent.imagined_heads, FastHeads) and agent.imagined_heads.fused:
                 check_fused_heads(agent)
             check_fused_epilogues_float32(agent, args.batch_size * args.sequence_length)
         except (FastPathMismatch, torch.OutOfMemoryError):
             raise
         except Exception as exc:  # noqa: BLE001 - as above
             agent.imagine = FastImagine(gathers=True, fused=False)
-            if isinstance(agent.behavior_losses, FastHeads):
-                agent.behavior_losses = FastHeads(agent.imagine)
+            if isinstance(agent.imagined_heads, FastHeads):
+                agent.imagined_heads = FastHeads(agent.imagine)
             said.append(
                 step_aside("the fused epilogues", "--fused-epilogues off", "gather_imagine_step", exc)
             )
@@ -3935,15 +3825,13 @@ def step_aside(path: str, flag: str, instead: str, exc: Exception) -> str:
 def compile_paths(agent, compile_: Callable) -> None:
     """--compile: the fast paths' steps compiled with `compile_` (the script's `torch.compile` settings): one step of
     the fast observe and of its hand-written backward, one imagination step and the gathers' tables, each compiled
-    once and reused at every step; the fused scan's steps are kernels already. The shared heads give way to Part 1's
-    `behavior_losses`, whose heads and targets the script compiles."""
+    once and reused at every step; the fused scan's steps are kernels already (the shared heads are never installed
+    with --compile: `fast_heads_problem`)."""
     if isinstance(agent.observe, FastObserve) and not isinstance(agent.observe, FusedObserve):
         agent.observe.step = compile_(agent.observe.observe_step)
         agent.observe.reverse_step = compile_(ObserveBackwardThroughTime.reverse_step)
     if isinstance(agent.imagine, FastImagine):
         agent.imagine.step, agent.imagine.tables = compile_(agent.imagine.step), compile_(imagine_tables)
-    if isinstance(agent.behavior_losses, FastHeads):
-        agent.behavior_losses = behavior_losses
 
 
 if __name__ == "__main__":

@@ -52,33 +52,30 @@ class Args:
 
 # Every speed option off: Part 1's functions train
 PART_1 = dict(
-    fast_observe=False,
-    fast_imagine=False,
+    fast_observe="off",
+    fast_imagine="off",
     imagine_gathers="off",
     fast_heads="off",
-    fast_decoder=False,
-    channels_last=False,
+    channels_last="off",
 )
 # name -> (the variant beneath it, the flags that add the path)
 VARIANTS = {
     "part1": (None, {}),
-    "fast_observe": ("part1", dict(fast_observe=True, observe_backward="autograd")),
-    "observe_backward": ("fast_observe", dict(fast_observe=True, observe_backward="hand-written")),
-    "fast_imagine": ("part1", dict(fast_imagine=True)),
-    "imagine_gathers": ("fast_imagine", dict(fast_imagine=True, imagine_gathers="on")),
-    "fast_heads": ("fast_imagine", dict(fast_imagine=True, fast_heads="on")),
-    "fast_decoder": ("part1", dict(fast_decoder=True)),
-    "channels_last": ("part1", dict(channels_last=True)),
+    "fast_observe": ("part1", dict(fast_observe="on", observe_backward="autograd")),
+    "observe_backward": ("fast_observe", dict(fast_observe="on", observe_backward="hand-written")),
+    "fast_imagine": ("part1", dict(fast_imagine="on")),
+    "imagine_gathers": ("fast_imagine", dict(fast_imagine="on", imagine_gathers="on")),
+    "fast_heads": ("fast_imagine", dict(fast_imagine="on", fast_heads="on")),
+    "channels_last": ("part1", dict(channels_last="on")),
 }
 # every CPU path on at once (what the check's cost is measured on)
 ALL_ON = dict(
-    fast_observe=True,
+    fast_observe="on",
     observe_backward="hand-written",
-    fast_imagine=True,
+    fast_imagine="on",
     imagine_gathers="on",
     fast_heads="on",
-    fast_decoder=True,
-    channels_last=True,
+    channels_last="on",
 )
 
 
@@ -139,9 +136,7 @@ def measure_size(size: str, rounds: int, check_reps: int) -> dict:
             "hand_written_backward": bool(getattr(agent.observe, "hand_written_backward", False)),
             "imagine": type(agent.imagine).__name__,
             "gathers": bool(getattr(agent.imagine, "gathers", False)),
-            "behavior_losses": getattr(
-                agent.behavior_losses, "__name__", type(agent.behavior_losses).__name__
-            ),
+            "imagined_heads": getattr(agent.imagined_heads, "__name__", type(agent.imagined_heads).__name__),
         }
         for name, (agent, _) in agents.items()
     }

@@ -108,7 +108,7 @@ def replay_bytes(replay: da.EpisodeReplay) -> dict:
         for chunk in episode.frames.chunks:
             arrays[id(chunk)] = chunk.nbytes
             obs_ids.add(id(chunk))
-        for array in episode.aux:
+        for array in (getattr(episode, name) for name in da.Episode.FIELDS[1:]):
             for chunk in array.chunks:
                 arrays[id(chunk)] = chunk.nbytes
     total = sum(arrays.values())
@@ -128,7 +128,7 @@ def replay_bytes(replay: da.EpisodeReplay) -> dict:
 def bytes_limit(replay: da.EpisodeReplay) -> int:
     """One frame plus one of each auxiliary field per step, from the dtypes the replay really uses."""
     episode = replay.episodes[-1]
-    fields = [episode.frames, *episode.aux]
+    fields = [getattr(episode, name) for name in da.Episode.FIELDS]
     return sum(a.dtype.itemsize * int(np.prod(a.item_shape, dtype=np.int64)) for a in fields)
 
 
@@ -173,9 +173,9 @@ def sampling_evenness(replay: da.EpisodeReplay, batch_size: int, sequence_length
     for _ in range(batches):
         for pieces in replay.draw_windows(batch_size, T, rng):
             for episode, begin, take in pieces:
-                offset = begin - episode.first_step
+                offset = begin - episode.action.start
                 draws[id(episode)][offset : offset + take] += 1
-    finished = [ep for ep in episodes if ep.done and ep.first_step == 0]
+    finished = [ep for ep in episodes if ep.done and ep.action.start == 0]
     shortest = min(ep.num_steps for ep in finished)
     by_position = np.mean([draws[id(ep)][:shortest] for ep in finished], axis=0)
     old = []
@@ -298,7 +298,7 @@ def _slow_categorical_sample(agent, args):
 # and inverse-CDF latent sampling); the "without_*" trials take each back out, so their speed-up is below 1.
 TRIALS = {
     "baseline": (None, {}),
-    "without_channels_last": (None, {"channels_last": False}),
+    "without_channels_last": (None, {"channels_last": "off"}),
     "without_inverse_cdf_sampling": (_slow_categorical_sample, {}),
     "bf16_autocast": (None, {"precision": "bf16"}),
     "compile": (_compile, {}),

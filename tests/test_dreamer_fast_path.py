@@ -11,6 +11,7 @@ that no later change quietly adds kernels back to the loops that bound an update
 """
 
 import collections
+import functools
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dreamer_atari as da
 import dreamer_kernels as dk
 import dreamer_tiny
-from dreamer_tiny import obs_shape
+from dreamer_tiny import CPU_PATHS, obs_shape
 
 NUM_ACTIONS = 6
 
@@ -127,8 +128,8 @@ BEHAVIOUR_CASES = [("dreamerv3", 4), ("nature", 4), ("dreamerv3", 0)]
 @pytest.mark.parametrize("model, classes", BEHAVIOUR_CASES)
 def test_behavior_losses_and_gradients_equal_the_reference_in_float64(model, classes):
     """`FastHeads` (the five heads' first layers in one product and gather, on `FastImagine`'s gathered rollout)
-    against Part 1's `behavior_losses` on `imagine`: every logged value, the return normaliser's update and every
-    gradient of the actor and the critic."""
+    against Part 1's `imagined_heads` on `imagine`, Part 1's `behavior_losses` on both: every logged value, the return
+    normaliser's update and every gradient of the actor and the critic."""
     args = tiny_args(model=model, stochastic_classes=classes)
     agent = float64_agent(args)
     states = start_states(args, agent)
@@ -138,7 +139,8 @@ def test_behavior_losses_and_gradients_equal_the_reference_in_float64(model, cla
         agent.actor.zero_grad(set_to_none=True), agent.critic.zero_grad(set_to_none=True)
         norm = agent.return_norm
         norm.low.fill_(-1.0), norm.high.fill_(2.0)
-        actor_loss, critic_loss, parts = agent.behavior_losses(agent, states, args)
+        heads = agent.imagined_heads(agent, states, args)
+        actor_loss, critic_loss, parts = agent.behavior_losses(agent, heads, states[2], args)
         (actor_loss + critic_loss).backward()
         values = torch.stack(
             [actor_loss.detach(), critic_loss.detach(), *(v.detach() for v in parts.values())]
@@ -150,7 +152,7 @@ def test_behavior_losses_and_gradients_equal_the_reference_in_float64(model, cla
 
     reference = run()
     da.speed_up_agent(agent, args)
-    assert isinstance(agent.behavior_losses, dk.FastHeads) and agent.imagine.gathers == (classes > 0)
+    assert isinstance(agent.imagined_heads, dk.FastHeads) and agent.imagine.gathers == (classes > 0)
     fast = run()
     torch.testing.assert_close(fast[0], reference[0], rtol=1e-12, atol=1e-12)
     assert len(reference[1]) == len(list(agent.actor.parameters())) + len(list(agent.critic.parameters()))
@@ -259,10 +261,12 @@ def update_ops(sequence_length: int, horizon: int) -> tuple[collections.Counter,
 # product, its class by `searchsorted`) and the five heads on the imagined states came to share one first-layer
 # product (`FastHeads`). At dev/gpu/update_regions.py's modest size (4 x 64, H 15) the update went from 4,012 to 3,888
 # operations and 203.6 to 174.6 GFLOP: imagination and the behaviour heads together 887 to 763 operations, 98.8 to
-# 69.8 GFLOP (the heads' forward 37.0 to 24.4).
+# 69.8 GFLOP (the heads' forward 37.0 to 24.4). Then 1,098 when the log-probabilities of the imagined actions came
+# from Part 1's `policy_terms` (a product with the one-hot actions) instead of a gather of their own: 3 operations
+# per update, none per step, so that the fast paths keep no copy of the policy's terms.
 OBSERVE_STEP_CEILING = 47
 IMAGINE_STEP_CEILING = 33
-UPDATE_CEILING = 1_095
+UPDATE_CEILING = 1_098
 
 
 # The same for the --compile path: kernel calls of one compiled update at dev/gpu/update_regions.py's tiny sizes
@@ -270,8 +274,10 @@ UPDATE_CEILING = 1_095
 # (1,150 operations eager; at 4 x 64, H 15: 1,923 against 4,405, benchmark/results/update_regions/README.md). 615
 # with DreamerV3's learned initial state, which runs eagerly once per update (tanh, the prior's mode and its gradient).
 # Measured again at 614 before imagination's gathers; 611 with them (17 per imagination step either way; the gathers'
-# tables, once per rollout, compiled too), the shared heads leaving the compiled path (`compile_agent`).
-COMPILED_UPDATE_CEILING = 611
+# tables, once per rollout, compiled too), the shared heads leaving the compiled path (`compile_agent`). 612 once
+# `imagined_heads` became Part 1's seam: the reward and continue heads on imagined states run as compiled modules of
+# their own, no longer inside the compiled `imagined_targets`.
+COMPILED_UPDATE_CEILING = 612
 
 
 def over_budget(ceiling: str, measured: str, ops: collections.Counter) -> str:
@@ -315,7 +321,7 @@ def test_a_compiled_update_stays_within_its_kernel_budget(monkeypatch):
     monkeypatch.setattr(
         torch._inductor.config.cpp, "enable_kernel_profile", False
     )  # restored after the count
-    sizes = {**update_regions.TINY, "model": "dreamerv3", "precision": "float32", "num_envs": 1}
+    sizes = {**update_regions.TINY, **CPU_PATHS, "model": "dreamerv3", "precision": "float32", "num_envs": 1}
     try:
         count = update_regions.count_compiled_update(da.Args(**sizes))
     finally:
@@ -334,7 +340,7 @@ def test_compiled_steps_are_whole_graphs_and_do_not_recompile(monkeypatch):
     first update, no later update with other batches and other episode starts compiles anything again. Dynamo's
     graph capture is what is checked (the `aot_eager` backend also traces the backward pass); the code it would
     generate for a device is inductor's business."""
-    args = tiny_args()
+    args = tiny_args(fast_heads="off")  # the shared heads are never installed with --compile
     torch._dynamo.reset()
     try:
         torch.manual_seed(0)
@@ -374,7 +380,7 @@ def test_compiled_steps_are_whole_graphs_and_do_not_recompile(monkeypatch):
         )  # FastObserve.observe_step
         assert compiled("action_uniform", "latent_noise") >= 1  # imagine_step
         assert compiled("data_image", "posterior", "prior") == 1  # world_model_losses
-        assert compiled("feat", "critic_logits", "start_continue") == 1  # imagined_targets
+        assert compiled("heads_critic", "start_continue") == 1  # imagined_targets
         assert compiled("image") >= 1  # the encoder
         assert not counters["graph_break"]
         # the hand-written backward's step ran compiled (inside the backward pass): one graph for every step
@@ -508,7 +514,7 @@ def test_a_change_to_the_observe_step_not_carried_into_the_readable_cell_stops_t
 ):
     """`FastObserve.observe_step` is the fast copy of the readable cell (`img_step`, `posterior`, `sample`): a change
     to one that is not carried into the other would train one thing and act and imagine another. The start-up check
-    refuses in one sentence naming the way out, and --no-fast-observe trains through the readable cell."""
+    refuses in one sentence naming the way out, and --fast-observe off trains through the readable cell."""
     real_step = dk.FastObserve.observe_step
 
     def changed_step(self, *inputs):
@@ -518,8 +524,8 @@ def test_a_change_to_the_observe_step_not_carried_into_the_readable_cell_stops_t
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(dk.FastObserve, "observe_step", changed_step)
     status, said = run_exit(short_run(), capsys)
-    assert status == da.EXIT_FAST_PATH and "--no-fast-observe" in said and "observe_step" in said
-    assert da.main(short_run(fast_observe=False))["global_step"] == 50
+    assert status == da.EXIT_FAST_PATH and "--fast-observe off" in said and "observe_step" in said
+    assert da.main(short_run(fast_observe="off"))["global_step"] == 50
 
 
 def test_a_change_to_the_hand_written_backward_stops_the_run_before_training(monkeypatch, tmp_path, capsys):
@@ -542,7 +548,7 @@ def test_a_head_changed_where_its_weights_do_not_show_steps_the_shared_heads_asi
     """The shared heads read each head's first layer as its weight and bias (`head_tables`); a critic whose first
     layer computes something else (here a forward hook, the way `torch.nn.utils.spectral_norm` and activation clipping
     change a layer) is an edit of `Critic.__init__`, to which the shared heads are pinned: they step aside at start in
-    one line naming it, with no exit 7, and `behavior_losses` trains as written."""
+    one line naming it, with no exit 7, and `imagined_heads` trains as written."""
     real_init = da.Critic.__init__
 
     def critic_with_a_hook(self, *args, **kwargs):
@@ -559,8 +565,8 @@ def test_a_head_changed_where_its_weights_do_not_show_steps_the_shared_heads_asi
     )
     assert da.main(short_run(fast_heads="on"))["behavior_updates"] > 0
     said = [line for line in capsys.readouterr().out.splitlines() if "Part 1 changed where" in line]
-    assert len(said) == 1 and "--fast-heads (Critic.forward, Critic.value)" in said[0], said
-    assert agents[-1].behavior_losses is da.behavior_losses
+    assert len(said) == 1 and "--fast-heads (Critic.forward)" in said[0], said
+    assert agents[-1].imagined_heads is da.imagined_heads
 
 
 def checked_agent(**overrides) -> tuple[da.Args, da.Agent]:
@@ -586,7 +592,7 @@ def test_a_change_to_the_gathered_imagination_step_is_caught(monkeypatch):
     monkeypatch.setattr(dk, "imagine_tables", changed_tables)
     with pytest.raises(da.FastPathMismatch, match="gather_imagine_step") as refused:
         dk.check_fast_imagine(agent)
-    assert "--no-fast-imagine" in str(refused.value)
+    assert "--fast-imagine off" in str(refused.value)
 
 
 def test_a_change_to_the_mixed_draw_is_caught(monkeypatch):
@@ -598,36 +604,14 @@ def test_a_change_to_the_mixed_draw_is_caught(monkeypatch):
         dk.check_draw(torch.device("cpu"), compiled=False)
 
 
-@pytest.mark.parametrize("change", ["the copy of the losses", "Part 1's losses", "the shared product"])
-def test_a_change_to_the_losses_not_carried_into_the_shared_heads_is_caught(monkeypatch, change):
-    """`losses_from_heads` is a copy of `behavior_losses`' and `imagined_targets`' formulas on the heads' outputs: a
-    change to Part 1's not carried into it, a slip in it, or in the shared first-layer product, is refused by the
-    check on the run's weights, naming both functions and --fast-heads off."""
+@pytest.mark.parametrize("change", ["the shared product", "a head's output"])
+def test_a_change_to_the_shared_heads_is_caught(monkeypatch, change):
+    """The shared heads supply the heads' outputs and Part 1 computes the targets and losses from them: a slip in the
+    shared first-layer product, or in the heads' outputs, is refused by the check on the run's weights, naming
+    FastHeads, imagined_heads and --fast-heads off."""
     args, agent = checked_agent()
-    assert isinstance(agent.behavior_losses, dk.FastHeads)
-    if change == "the copy of the losses":
-        real = dk.losses_from_heads
-
-        def changed(*inputs):
-            actor_loss, critic_loss, parts = real(*inputs)
-            return actor_loss, 1.01 * critic_loss, parts
-
-        monkeypatch.setattr(dk, "losses_from_heads", changed)
-    elif change == "Part 1's losses":
-        real_targets = da.imagined_targets
-
-        def changed_targets(*inputs):
-            returns, weight, advantage, slow_value = real_targets(*inputs)
-            return (
-                returns,
-                weight,
-                advantage,
-                0.5 * slow_value,
-            )  # a researcher's new pull toward the slow critic
-
-        monkeypatch.setattr(da, "imagined_targets", changed_targets)
-        da.kernels_module()  # Part 1 as patched, handed to the kernels module again
-    else:
+    assert isinstance(agent.imagined_heads, dk.FastHeads)
+    if change == "the shared product":
         real_tables = dk.head_tables
 
         def changed_tables(firsts, rssm, gathers):
@@ -635,9 +619,35 @@ def test_a_change_to_the_losses_not_carried_into_the_shared_heads_is_caught(monk
             return weight, stoch_table * 1.001, bias
 
         monkeypatch.setattr(dk, "head_tables", changed_tables)
-    with pytest.raises(da.FastPathMismatch, match="losses_from_heads") as refused:
+    else:
+        real_heads = dk.heads_on_features
+
+        def changed_heads(*inputs):
+            heads = real_heads(*inputs)
+            return heads | {"slow critic": 0.5 * heads["slow critic"]}
+
+        monkeypatch.setattr(dk, "heads_on_features", changed_heads)
+    with pytest.raises(da.FastPathMismatch, match="FastHeads") as refused:
         dk.check_fast_heads(agent, args)
-    assert "behavior_losses" in str(refused.value) and "--fast-heads off" in str(refused.value)
+    assert "imagined_heads" in str(refused.value) and "--fast-heads off" in str(refused.value)
+
+
+def test_a_change_to_part_1s_targets_and_losses_trains_on_the_shared_heads(monkeypatch):
+    """Part 1's targets and losses are the only ones: a change to them (here a new pull toward the slow critic) is
+    what the shared heads train with too, and their check passes."""
+    real_targets = da.imagined_targets
+
+    @functools.wraps(real_targets)
+    def changed_targets(*inputs):
+        returns, weight, advantage, slow_value = real_targets(*inputs)
+        return returns, weight, advantage, 0.5 * slow_value  # a researcher's change
+
+    monkeypatch.setattr(da, "imagined_targets", changed_targets)
+    da.kernels_module()  # Part 1 as changed, handed to the kernels module again
+    args, agent = checked_agent()  # checked at start-up, with the change
+    assert isinstance(agent.imagined_heads, dk.FastHeads)
+    dk.check_fast_heads(agent, args)
+    assert dk.imagined_targets is changed_targets
 
 
 def test_gaussian_latents_imagine_by_products_and_keep_the_shared_heads_with_one_line(capsys):
@@ -650,23 +660,23 @@ def test_gaussian_latents_imagine_by_products_and_keep_the_shared_heads_with_one
         "speed: imagination's products with one-hot latents stay products (the latents are Gaussian, not one-hot)"
     ]
     assert not agent.imagine.gathers and agent.imagine.step is dk.imagine_step
-    assert isinstance(agent.behavior_losses, dk.FastHeads)
+    assert isinstance(agent.imagined_heads, dk.FastHeads)
 
 
 def test_the_off_flags_leave_part_1s_functions_and_compile_leaves_the_shared_heads_with_one_line(capsys):
-    """--fast-heads off leaves `behavior_losses` (imagination still gathers); --no-fast-imagine leaves `imagine` and
-    therefore `behavior_losses` too (the shared heads read the fast rollout), each said in one line where the flag
+    """--fast-heads off leaves `imagined_heads` (imagination still gathers); --fast-imagine off leaves `imagine` and
+    therefore `imagined_heads` too (the shared heads read the fast rollout), each said in one line where the flag
     does not say it all; --compile compiles Part 1's heads and targets, and the shared heads step aside, in one
     line."""
     _, agent = checked_agent(fast_heads="off")
-    assert agent.behavior_losses is da.behavior_losses and agent.imagine.gathers
+    assert agent.imagined_heads is da.imagined_heads and agent.imagine.gathers
     assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("speed:")]
-    _, agent = checked_agent(fast_imagine=False)
-    assert agent.behavior_losses is da.behavior_losses and agent.imagine is da.imagine
+    _, agent = checked_agent(fast_imagine="off")
+    assert agent.imagined_heads is da.imagined_heads and agent.imagine is da.imagine
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("speed:")]
     assert said == [
         "speed: the heads on imagined states keep their own first layers (they read the fast imagination's states, "
-        "and --no-fast-imagine is set); behavior_losses runs"
+        "and --fast-imagine is off); imagined_heads runs"
     ]
     args = tiny_args(compile=True)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
@@ -693,7 +703,7 @@ def test_the_two_misses_of_the_old_check_are_caught(monkeypatch, model):
         patch.setattr(
             da.RSSM, "img_step", lambda self, deter, *rest: real_img_step(self, deter, *rest) + deter
         )
-        with pytest.raises(da.FastPathMismatch, match="--no-fast-observe"):
+        with pytest.raises(da.FastPathMismatch, match="--fast-observe off"):
             dk.check_fast_paths(agent, args)
         with pytest.raises(da.FastPathMismatch, match="through RSSM.observe"):
             dk.check_observe_backward(agent.world_model.rssm)
@@ -733,7 +743,7 @@ def test_a_changed_draw_is_caught(monkeypatch):
             dk.check_fast_paths(agent, args)
         with pytest.raises(da.FastPathMismatch, match="fast_one_hot_draw") as refused:
             dk.check_draw(torch.device("cpu"), compiled=True)
-        assert "--no-fast-observe --no-fast-imagine" in str(refused.value)
+        assert "--fast-observe off --fast-imagine off" in str(refused.value)
     finally:
         torch._dynamo.reset()
 
@@ -778,7 +788,7 @@ def test_the_fast_paths_are_checked_at_start_up_on_the_resumed_weights_and_every
     assert done["dropped_fast_paths"] == da.EVERY_PATH_OFF and done["global_step"] == 80
     assert "the observe fast path differs (a test) Dropped at step" in said and "every fast path off" in said
     # the reinstall's own check, every path off; then nothing is left to check
-    assert seen[2:] == [dict(fast_observe=False, fast_imagine=False)]
+    assert seen[2:] == [dict(fast_observe="off", fast_imagine="off")]
     assert len(list(tmp_path.glob("runs/*/checkpoint.pt"))) == 2
 
 

@@ -123,7 +123,7 @@ def test_non_finite_env_values_never_reach_the_replay_or_the_weights(in_tmp, mon
     state = load(in_tmp / result["run_dir"] / "checkpoint.pt")
     assert finite_models(state)
     replay = dreamer_tiny.replay_of(in_tmp / result["run_dir"], tiny_args())  # as the resumed run has it
-    arrays = [replay.fill([[(ep, ep.first_step, ep.num_steps)]], ep.num_steps) for ep in replay.episodes]
+    arrays = [replay.fill([[(ep, ep.action.start, ep.num_steps)]], ep.num_steps) for ep in replay.episodes]
     assert all(np.isfinite(a["reward"]).all() and a["obs"].dtype == np.uint8 for a in arrays)
     cut = [a for a in arrays if not a["is_terminal"][0, -1] and a["reward"].shape[1] < 61]
     assert len(cut) >= 3, "each fault cuts its episode short"

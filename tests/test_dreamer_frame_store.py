@@ -77,7 +77,7 @@ def test_device_batches_equal_the_host_sampler_through_boundaries_trimming_and_e
     for round_ in range(12):
         drive([host, device], 40, seed=round_, max_length=30 if round_ % 3 else 90)
         assert host.total_steps == device.total_steps <= 120 + 3 * 8
-        trimmed += any(not ep.done and ep.first_step > 0 for ep in host.episodes)
+        trimmed += any(not ep.done and ep.action.start > 0 for ep in host.episodes)
         for seed in range(3):
             batch = assert_same_batches(host, device, seed=100 * round_ + seed)
             crossings += int(batch["is_first"][:, 1:].sum())
@@ -99,7 +99,7 @@ def test_a_resumed_replay_gives_the_same_batches_whichever_side_saved_it(tmp_pat
         logged(replays(capacity=150)[1], tmp_path / "device"),
     )
     drive([host, device], 120, seed=1, max_length=90)
-    assert any(ep.first_step > 0 for ep in host.episodes), "no front was trimmed"
+    assert any(ep.action.start > 0 for ep in host.episodes), "no front was trimmed"
     saved_by_host, saved_by_device = da.replay_state(host), da.replay_state(device)
     assert saved_by_host["episodes"] == saved_by_device["episodes"]
     resumed_host, resumed_device = replays(capacity=150)

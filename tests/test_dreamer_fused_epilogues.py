@@ -281,7 +281,7 @@ def test_the_run_installs_the_fused_epilogues_where_triton_runs_them(capsys, mon
     """On the CPU (Triton has only its interpreter there) the gathers run unfused: said in one line with
     --fused-epilogues on, without a word with `auto`; where the kernels run (CUDA, here the CPU interpreted)
     --fused-epilogues on installs them, checked, and `auto` leaves them out until a GPU result shows them;
-    --fused-epilogues off and --no-fast-imagine leave them out, and Gaussian latents (no gathers) too."""
+    --fused-epilogues off and --fast-imagine off leave them out, and Gaussian latents (no gathers) too."""
     imagine, said = imagine_of(capsys)
     assert imagine.gathers and not imagine.fused and "--fused-epilogues runs on CUDA" in said, said
     imagine, said = imagine_of(capsys, fused_epilogues="auto")
@@ -290,10 +290,10 @@ def test_the_run_installs_the_fused_epilogues_where_triton_runs_them(capsys, mon
     imagine, said = imagine_of(capsys)
     assert imagine.fused and imagine.step is dk.fused_imagine_step and "--fused-epilogues" not in said
     assert not imagine_of(capsys, fused_epilogues="auto")[0].fused
-    assert sped_up(capsys)[0].behavior_losses.fused  # the heads' epilogues with them
-    assert not sped_up(capsys, fused_epilogues="off")[0].behavior_losses.fused
+    assert sped_up(capsys)[0].imagined_heads.fused  # the heads' epilogues with them
+    assert not sped_up(capsys, fused_epilogues="off")[0].imagined_heads.fused
     assert not imagine_of(capsys, fused_epilogues="off")[0].fused
-    assert imagine_of(capsys, fast_imagine=False)[0] is da.imagine
+    assert imagine_of(capsys, fast_imagine="off")[0] is da.imagine
     assert not imagine_of(capsys, stochastic_classes=0)[0].fused
 
 
@@ -309,7 +309,7 @@ def test_a_gru_edited_in_part_1_steps_the_fused_epilogues_aside_in_one_line(monk
         return real_forward(self, x, h).clamp(-0.5, 0.5)
 
     monkeypatch.setattr(da.LayerNormGRUCell, "forward", clamped)
-    run = short_run(fast_observe=False, fused_epilogues="on", imagine_gathers="on", total_timesteps=20)
+    run = short_run(fast_observe="off", fused_epilogues="on", imagine_gathers="on", total_timesteps=20)
     assert da.main(run)["global_step"] == 20
     said = [line for line in capsys.readouterr().out.splitlines() if "Part 1 changed where" in line]
     assert len(said) == 1 and "--fused-epilogues (LayerNormGRUCell.forward)" in said[0], said
@@ -325,7 +325,7 @@ def test_a_fused_head_whose_gradient_differs_stops_the_run_before_training(monke
     steeper_norm = steeper(torch.nn.LayerNorm.forward)
     monkeypatch.setattr(torch.nn.LayerNorm, "forward", steeper_norm)
     with pytest.raises(SystemExit) as stopped:
-        da.main(short_run(fast_observe=False))
+        da.main(short_run(fast_observe="off"))
     said = capsys.readouterr().err.strip().splitlines()[-1]
     assert stopped.value.code == da.EXIT_FAST_PATH
     assert "norm_silu_backward_kernel" in said and "--fused-epilogues off" in said, said

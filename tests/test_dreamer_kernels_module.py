@@ -18,7 +18,7 @@ import torch
 
 import dreamer_atari as da
 import dreamer_kernels as dk
-from dreamer_tiny import TINY, TINY_FLAGS, obs_shape, tiny_args
+from dreamer_tiny import CPU_PATHS, TINY, TINY_FLAGS, obs_shape, tiny_args
 
 ROOT = Path(__file__).resolve().parent.parent
 CATCH_FLAGS = [
@@ -125,7 +125,7 @@ def test_a_kernel_that_cannot_compile_or_launch_steps_aside(capsys, monkeypatch,
     monkeypatch.setattr(dk, "launch", refuses)
     agent, said = installed(capsys, fused_scan="on", fused_epilogues="on")
     assert type(agent.observe) is dk.FastObserve
-    assert agent.imagine.gathers and not agent.imagine.fused and not agent.behavior_losses.fused
+    assert agent.imagine.gathers and not agent.imagine.fused and not agent.imagined_heads.fused
     lines = [line for line in said.splitlines() if "cannot run on this device" in line]
     assert len(lines) == 2, said
     assert "--fused-scan off" in lines[0] and "--fused-epilogues off" in lines[1]
@@ -167,7 +167,7 @@ def test_a_check_that_disagrees_mid_run_drops_its_path_and_a_resume_keeps_it_dro
 ):
     """At start-up the fast imagination agrees; at the first check on live weights (update 10 of --check-every 10)
     it disagrees (a stand-in for weights that a later step moved where the two part: the CPU's are the same code).
-    The run does not stop: one warning line names --no-fast-imagine and the update, Part 1's `imagine` trains from
+    The run does not stop: one warning line names --fast-imagine off and the update, Part 1's `imagine` trains from
     there on, the checkpoint records the dropped path and TensorBoard counts it. Resumed, the run keeps it dropped,
     said in one line."""
     monkeypatch.chdir(tmp_path)
@@ -178,8 +178,8 @@ def test_a_check_that_disagrees_mid_run_drops_its_path_and_a_resume_keeps_it_dro
         checks.append(agent)
         if len(checks) > 1:  # after start-up
             raise da.FastPathMismatch(
-                "the fast imagination gives another feat than imagine (a stand-in): run with --no-fast-imagine.",
-                off={"fast_imagine": False},
+                "the fast imagination gives another feat than imagine (a stand-in): run with --fast-imagine off.",
+                off={"fast_imagine": "off"},
             )
         return real_check(agent, *args, **kwargs)
 
@@ -191,25 +191,27 @@ def test_a_check_that_disagrees_mid_run_drops_its_path_and_a_resume_keeps_it_dro
     monkeypatch.setattr(dk, "check_fast_imagine", check_fast_imagine)
     monkeypatch.setattr(da, "imagine", imagine)
     schedule = dict(total_timesteps=60, learning_starts=20, train_ratio=16.0, log_interval=20, video_every=0)
-    args = da.Args(**TINY, env_id="Catch-v0", num_envs=1, vector_mode="sync", check_every=10, **schedule)
+    args = da.Args(
+        **TINY, **CPU_PATHS, env_id="Catch-v0", num_envs=1, vector_mode="sync", check_every=10, **schedule
+    )
     counters = da.main(args)
     said = capsys.readouterr().out
-    assert counters["global_step"] == 60 and counters["dropped_fast_paths"] == {"fast_imagine": False}
+    assert counters["global_step"] == 60 and counters["dropped_fast_paths"] == {"fast_imagine": "off"}
     warnings = [
-        line for line in said.splitlines() if line.startswith("warning:") and "--no-fast-imagine" in line
+        line for line in said.splitlines() if line.startswith("warning:") and "--fast-imagine off" in line
     ]
     assert len(warnings) == 1 and "(update 10)" in warnings[0], said
     assert imagined, "Part 1's imagine did not train after the drop"
     assert scalars(counters["run_dir"], "debug/speed/dropped_paths")[-1] == 1.0
     saved = torch.load(Path(counters["run_dir"]) / "checkpoint.pt", weights_only=False)
-    assert saved["counters"]["dropped_fast_paths"] == {"fast_imagine": False}
+    assert saved["counters"]["dropped_fast_paths"] == {"fast_imagine": "off"}
 
     imagined.clear()
     checks.clear()
     checks.append("start-up already checked")  # the resumed run's checks would disagree too: it must not ask
     resumed = da.main(
         da.Args(
-            **{**dict(TINY), **schedule, "total_timesteps": 80},
+            **{**dict(TINY), **CPU_PATHS, **schedule, "total_timesteps": 80},
             env_id="Catch-v0",
             num_envs=1,
             vector_mode="sync",
@@ -217,9 +219,9 @@ def test_a_check_that_disagrees_mid_run_drops_its_path_and_a_resume_keeps_it_dro
         )
     )
     said = capsys.readouterr().out
-    assert resumed["global_step"] == 80 and resumed["dropped_fast_paths"] == {"fast_imagine": False}
+    assert resumed["global_step"] == 80 and resumed["dropped_fast_paths"] == {"fast_imagine": "off"}
     assert (
-        len([line for line in said.splitlines() if "stay dropped" in line and "--no-fast-imagine" in line])
+        len([line for line in said.splitlines() if "stay dropped" in line and "--fast-imagine off" in line])
         == 1
     )
     assert imagined and not [line for line in said.splitlines() if line.startswith("warning:")], said

@@ -66,10 +66,8 @@ def test_an_augmentation_of_the_frames_trains_on_the_host_and_keeps_the_frames_t
 
 def test_a_change_to_acting_takes_effect(tmp_path, monkeypatch):
     counted = (
-        """        (action,) = self.policy(inputs)
-        return action.cpu().numpy()""",
-        """        (action,) = self.policy(inputs)
-        CALLS.append("act")
+        """        return action.cpu().numpy()""",
+        """        CALLS.append("act")
         return action.cpu().numpy()""",
     )
     module = changed_copy(tmp_path, monkeypatch, counted)
@@ -85,6 +83,6 @@ def test_a_layer_the_hand_written_backward_does_not_know_falls_back_to_autograds
     steps aside in one line, and the run trains."""
     rms = ("norm=nn.LayerNorm(hidden_dim, eps=NORM_EPS))", "norm=nn.RMSNorm(hidden_dim, eps=NORM_EPS))")
     module = changed_copy(tmp_path, monkeypatch, rms)
-    assert module.main(tiny_catch(module))["updates"] > 0
+    assert module.main(tiny_catch(module, fast_observe="on"))["updates"] > 0  # on CUDA by default
     said = capsys.readouterr().out
     assert "hand-written backward does not apply (RSSM.img_in is Linear, RMSNorm, SiLU" in said, said

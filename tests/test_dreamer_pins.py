@@ -13,7 +13,7 @@ import pytest
 
 import dreamer_atari as da
 import dreamer_kernels as dk
-from dreamer_tiny import TINY, import_copy
+from dreamer_tiny import CPU_PATHS, TINY, import_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = (ROOT / "dreamer_atari.py").read_text()
@@ -162,7 +162,15 @@ def test_a_copy_whose_source_cannot_be_read_counts_as_changed(tmp_path, monkeypa
 def tiny_catch(module, **overrides):
     schedule = dict(total_timesteps=30, learning_starts=20, train_ratio=16.0, log_interval=10)
     return module.Args(
-        **{**TINY, "env_id": "Catch-v0", "num_envs": 1, "vector_mode": "sync", **schedule, **overrides}
+        **{
+            **TINY,
+            **CPU_PATHS,
+            "env_id": "Catch-v0",
+            "num_envs": 1,
+            "vector_mode": "sync",
+            **schedule,
+            **overrides,
+        }
     )
 
 
@@ -177,7 +185,7 @@ def test_a_disagreement_where_part_1_changed_steps_the_path_aside_and_where_it_d
 
     def disagrees(agent, *args, **kwargs):
         real(agent, *args, **kwargs)
-        raise dk.FastPathMismatch("the fast imagination differs (a stand-in)", off={"fast_imagine": False})
+        raise dk.FastPathMismatch("the fast imagination differs (a stand-in)", off={"fast_imagine": "off"})
 
     monkeypatch.setattr(dk, "check_fast_imagine", disagrees)
     monkeypatch.chdir(tmp_path)
@@ -194,7 +202,7 @@ def test_a_disagreement_where_part_1_changed_steps_the_path_aside_and_where_it_d
     assert (
         len(lines) == 1
         and "Part 1 changed since the paths were pinned" in lines[0]
-        and "--no-fast-imagine" in lines[0]
+        and "--fast-imagine off" in lines[0]
     )
 
 

@@ -64,7 +64,7 @@ def test_under_bf16_the_fast_observe_trains_what_part_1_trains():
     equal Part 1's loop to float32 rounding: losses within 1e-5 relative, every gradient within 1e-4 of its largest
     element (the same bf16 encoder and decoder feed and read both; channels-last off in both), and a gradient that is
     a bf16 result within two bf16 rounding steps more (see beside the assertion)."""
-    args, part_1, fast = agents(precision="bf16", fast_imagine=False, channels_last=False)
+    args, part_1, fast = agents(precision="bf16", fast_imagine="off", channels_last="off")
     assert isinstance(fast.observe, dk.FastObserve) and not isinstance(part_1.observe, dk.FastObserve)
     data = da.prepare_batch(da.batch_tensors(random_batch(args), "cpu"), NUM_ACTIONS)
     with fast.amp.autocast():
@@ -99,7 +99,7 @@ def test_under_bf16_channels_last_convolutions_train_what_part_1_trains_to_bf16_
     """Channels-last convolutions add up the same products in another order, which bf16 shows: the losses within
     1e-4 relative, the whole world-model gradient within 2e-2 in relative L2 norm (a LayerNorm's bias gradient, a sum
     of thousands of bf16 terms that nearly cancel, can move by half its size on its own)."""
-    args, part_1, fast = agents(precision="bf16", fast_imagine=False)
+    args, part_1, fast = agents(precision="bf16", fast_imagine="off")
     (expected, expected_grads), (ours, our_grads) = (
         world_model_results(part_1, args),
         world_model_results(fast, args),
@@ -154,16 +154,16 @@ def test_under_bf16_the_gathered_imagination_follows_part_1_to_bf16_rounding(fus
 @pytest.mark.parametrize("fused", [False, True])
 def test_under_bf16_the_shared_heads_train_what_part_1_trains(fused):
     """On the same gathered rollout (both agents imagine by `FastImagine` with the gathers, from the same random
-    numbers): Part 1's `behavior_losses` and the shared heads (`FastHeads`: one first-layer product for the five heads,
+    numbers): Part 1's `imagined_heads` and the shared heads (`FastHeads`: one first-layer product for the five heads,
     its latent part a gather in float32) give the same features, the losses within 3e-2, and the actor's and critic's
     whole gradients within 3e-2 in relative L2 norm (a bf16 product over all heads in place of one per head: the
     same sums, other roundings). The same with the fused epilogues (the heads' LayerNorms and SiLUs, and their
     backward, as kernels in Triton's interpreter, in float32 as autocast's LayerNorm)."""
     args, part_1, fast = agents(precision="bf16")
-    assert isinstance(fast.behavior_losses, dk.FastHeads) and part_1.behavior_losses is da.behavior_losses
+    assert isinstance(fast.imagined_heads, dk.FastHeads) and part_1.imagined_heads is da.imagined_heads
     if fused:
         skip_without_kernels()
-        fast.behavior_losses = dk.FastHeads(dk.FastImagine(gathers=True, fused=True))
+        fast.imagined_heads = dk.FastHeads(dk.FastImagine(gathers=True, fused=True))
     part_1.imagine = dk.FastImagine(gathers=True, fused=fused)
     torch.manual_seed(3)
     deter = torch.randn(5, args.deterministic_dim)
@@ -178,7 +178,10 @@ def test_under_bf16_the_shared_heads_train_what_part_1_trains(fused):
                     parameter.add_(0.3 * torch.randn_like(parameter))
         torch.manual_seed(5)
         with agent.amp.autocast():
-            actor_loss, critic_loss, _ = agent.behavior_losses(agent, start, args, update_norm=False)
+            heads = agent.imagined_heads(agent, start, args)
+            actor_loss, critic_loss, _ = agent.behavior_losses(
+                agent, heads, start[2], args, update_norm=False
+            )
         (actor_loss + critic_loss).backward()
         grads = torch.cat([p.grad.flatten() for m in (agent.actor, agent.critic) for p in m.parameters()])
         results.append((actor_loss.detach(), critic_loss.detach(), grads))

@@ -67,7 +67,8 @@ def test_a_colour_step_takes_one_rgb_frame_and_seven_bytes_in_the_replay():
     steps = sum(ep.num_steps for ep in finished)
     assert sum(ep.frames.nbytes for ep in finished) == steps * 64 * 64 * 3
     assert (
-        sum(a.nbytes for ep in finished for a in ep.aux) <= steps * da.REPLAY_AUX_BYTES_PER_STEP + 4096
+        sum(getattr(ep, name).nbytes for ep in finished for name in da.Episode.FIELDS[1:])
+        <= steps * da.REPLAY_AUX_BYTES_PER_STEP + 4096
     )  # chunk slack
     assert da.REPLAY_AUX_BYTES_PER_STEP == 7
 
@@ -176,7 +177,12 @@ def test_imagination_weights_are_dreamerv3s(continue_mode):
     )
     start_continue = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)  # the second start is terminal
     with torch.no_grad():
-        _, weight, _, _ = da.imagined_targets(agent, feat, agent.critic(feat), start_continue, args, False)
+        heads = {"critic": agent.critic(feat), "slow critic": agent.slow_critic(feat[:-1])}
+        heads |= {
+            "reward": agent.world_model.reward_head(feat),
+            "continue": agent.world_model.continue_head(feat),
+        }
+        _, weight, _, _ = da.imagined_targets(agent, heads, start_continue, args, False)
         probs = torch.sigmoid(agent.world_model.continue_head(feat).squeeze(-1))  # (H+1, N)
     cont = (probs > 0.5).double() if continue_mode else probs
     cont[0] = start_continue

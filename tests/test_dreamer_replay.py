@@ -67,7 +67,13 @@ def test_bytes_per_step_of_stored_pong(pong_envs):
     collect(pong_envs, replay, 400)
     finished = [ep for ep in replay.episodes if ep.done]
     steps = sum(ep.num_steps for ep in finished)
-    per_step = sum(ep.frames.nbytes + sum(a.nbytes for a in ep.aux) for ep in finished) / steps
+    per_step = (
+        sum(
+            ep.frames.nbytes + sum(getattr(ep, name).nbytes for name in da.Episode.FIELDS[1:])
+            for ep in finished
+        )
+        / steps
+    )
     # one 84x84 frame (7,056 B) + 7 B of aux per step, + 3 frames per 60-step episode (seed: 28,224 B)
     assert per_step <= 7_200 + 3 * 7_056 / 60
     assert 7_056 < per_step
@@ -85,7 +91,7 @@ def test_whole_oldest_episodes_are_evicted_first(pong_envs):
     assert replay.total_steps <= 200 + 2 * replay.chunk_size
     assert replay.total_steps == sum(ep.num_steps for ep in replay.episodes)
     finished = [ep for ep in replay.episodes if ep.done]
-    assert finished and all(ep.first_step == 0 for ep in finished), "finished episodes are kept whole"
+    assert finished and all(ep.action.start == 0 for ep in finished), "finished episodes are kept whole"
 
 
 def test_an_episode_longer_than_the_capacity_is_trimmed_from_the_front():
@@ -96,7 +102,7 @@ def test_an_episode_longer_than_the_capacity_is_trimmed_from_the_front():
     finally:
         envs.close()
     (episode,) = replay.episodes
-    assert not episode.done and episode.first_step > 0
+    assert not episode.done and episode.action.start > 0
     assert replay.total_steps <= 100 + 16
     assert sum(len(chunk) for chunk in episode.frames.chunks) <= 100 + 3 * 16
     assert replay.sample(2, 8)["obs"].shape == (2, 8, 4, 84, 84)
@@ -105,7 +111,12 @@ def test_an_episode_longer_than_the_capacity_is_trimmed_from_the_front():
 def test_batch_never_shares_memory_with_storage(pong_envs):
     replay = da.EpisodeReplay(capacity=10_000, num_envs=2, seed=0)
     collect(pong_envs, replay, 150)
-    storage = [chunk for ep in replay.episodes for array in (ep.frames, *ep.aux) for chunk in array.chunks]
+    storage = [
+        chunk
+        for ep in replay.episodes
+        for array in (getattr(ep, name) for name in da.Episode.FIELDS)
+        for chunk in array.chunks
+    ]
     for batch_size in (1, 8):
         batch = replay.sample(batch_size, 8)
         for name, array in batch.items():
@@ -204,7 +215,7 @@ def test_windows_cross_episode_boundaries_with_is_first_where_an_episode_starts(
     first_stacks = set()
     for ep in replay.episodes:
         stack = np.empty((4, 84, 84), np.uint8)
-        ep.frames.read_into(stack, ep.first_step, ep.first_step + 4)
+        ep.frames.read_into(stack, ep.action.start, ep.action.start + 4)
         first_stacks.add(hashlib.sha1(stack.tobytes()).hexdigest())
     for stack in batch["obs"].reshape(-1, 4, 84, 84):
         # a stack mixing two episodes' frames would be one the env never produced
@@ -279,7 +290,7 @@ def test_a_trimmed_episode_resets_the_state_where_a_window_enters_it():
             replay.start_episode(1, np.stack([frame(t // 6, 0)] * 4))
         elif t > 6:
             replay.add_step(1, frame(t // 6, t % 6), 1, 0.0, t % 6 == 5, t % 6 == 5)
-    assert any(not ep.done and ep.first_step > 0 for ep in replay.episodes), "no episode was trimmed"
+    assert any(not ep.done and ep.action.start > 0 for ep in replay.episodes), "no episode was trimmed"
     for _ in range(50):
         batch = replay.sample(16, 12)
         ids = batch["obs"][:, :, -1, :, 0].astype(int)  # (B, T, 4): (episode, step) of each newest frame

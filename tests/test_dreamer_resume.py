@@ -41,7 +41,7 @@ def tiny_args(**overrides) -> da.Args:
 
 def replay_arrays(replay: da.EpisodeReplay) -> dict[str, np.ndarray]:
     """Everything a replay holds, episode after episode (each as `fill` reads it), and which are in progress."""
-    episodes = [replay.fill([[(ep, ep.first_step, ep.num_steps)]], ep.num_steps) for ep in replay.episodes]
+    episodes = [replay.fill([[(ep, ep.action.start, ep.num_steps)]], ep.num_steps) for ep in replay.episodes]
     arrays = {key: np.concatenate([e[key][0] for e in episodes]) for key in episodes[0]}
     return arrays | {
         "done": np.array([ep.done for ep in replay.episodes]),

@@ -78,7 +78,9 @@ UPDATE_FUNCTIONS = (
     da.train_world_model,
     da.clip_and_step,
     da.imagine,
+    da.imagined_heads,
     da.behavior_losses,
+    da.imagined_targets,
     da.train_behavior,
 )
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import dreamer_atari as da
-import dreamer_kernels as dk
 import dreamer_tiny
 from dreamer_tiny import fast_agent, obs_shape
 
@@ -225,34 +224,6 @@ def test_encoder_and_decoder_follow_the_image_size(size):
     assert decoder(torch.zeros(3, 16)).shape == (3, 4, size, size)
 
 
-@pytest.mark.parametrize("channels", [1, 4])
-@pytest.mark.parametrize("size", [84, 64, 66])
-def test_the_decoders_last_layer_on_cpu_is_its_transposed_convolution(size, channels):
-    """On CPU the decoder's last layer runs as a convolution and a pixel shuffle: the outputs and the gradients
-    (of its input, weight and bias) are those of the transposed convolution itself, in float64, also where the
-    layer pads its output (66 pixels: two rows and columns of bias alone)."""
-    torch.manual_seed(0)
-    decoder = da.AtariConvDecoder(10, channels, 4, 4, size).double()
-    layer = decoder.net[-1]
-    hidden = torch.randn(3, 4, *([da.nature_cnn_sizes(size)[0]] * 2), dtype=torch.float64, requires_grad=True)
-    reference, subpixel = layer(hidden), dk.transposed_conv_as_subpixel(hidden, layer)
-    assert subpixel.shape == reference.shape == (3, channels, size, size)
-    torch.testing.assert_close(subpixel, reference, rtol=0, atol=1e-12)
-    upstream = torch.randn_like(reference)
-    wrt = [hidden, layer.weight, layer.bias]
-    for got, want in zip(
-        torch.autograd.grad(subpixel, wrt, upstream), torch.autograd.grad(reference, wrt, upstream)
-    ):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
-    # --fast-decoder puts that layer in the decoder, holding the same parameters
-    decoder.net[-1] = dk.SubpixelTransposedConv.sharing(layer)
-    assert decoder.net[-1].weight is layer.weight and decoder.net[-1].bias is layer.bias
-    assert list(decoder.state_dict()) == list(da.AtariConvDecoder(10, channels, 4, 4, size).state_dict())
-    feat = torch.randn(3, 10, dtype=torch.float64)
-    hidden = decoder.net[:-1](decoder.linear(feat).unflatten(-1, (4, decoder.side, decoder.side)))
-    torch.testing.assert_close(decoder(feat), layer(hidden), rtol=0, atol=1e-12)
-
-
 def test_channels_last_images_give_the_same_update_without_layout_copies(monkeypatch):
     """The float images laid out channels-last (as the channels-last encoder and decoder use them) change no
     logged value of two updates from the same weights on the same batches, and the image loss then compares two
@@ -315,8 +286,8 @@ def test_one_critic_pass_gives_the_losses_and_gradients_of_separate_value_and_lo
                 continues = (continues > 0.5).float()
             continues[0] = states[2]
             discount = args.gamma * continues
-            value = agent.critic.value(feat)
-            slow_value = agent.slow_critic.value(feat)
+            value = da.twohot_mean(agent.critic(feat), bins)
+            slow_value = da.twohot_mean(agent.slow_critic(feat), agent.slow_critic.bins)
             returns = da.lambda_returns(reward, value, discount, args.return_lambda)
             weight = torch.cumprod(discount[:-1], 0) / args.gamma  # DreamerV3's imagination weights
             advantage = (returns - value[:-1]) / agent.return_norm.scale()
@@ -329,7 +300,12 @@ def test_one_critic_pass_gives_the_losses_and_gradients_of_separate_value_and_lo
 
     expected, expected_grads = losses_and_grads(reference)
     calls.clear()
-    got, got_grads = losses_and_grads(lambda: da.behavior_losses(agent, states, args, update_norm=False)[:2])
+
+    def part_1():
+        heads = da.imagined_heads(agent, states, args)
+        return da.behavior_losses(agent, heads, states[2], args, update_norm=False)[:2]
+
+    got, got_grads = losses_and_grads(part_1)
     assert len(calls) == 1 and calls[0][0] == args.imagination_horizon + 1  # one pass, over s_0..s_H
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     for g, e in zip(got_grads, expected_grads):

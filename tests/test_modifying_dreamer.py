@@ -1,7 +1,8 @@
 """The changes `docs/dreamer_atari.md` walks through ("Modifying this script"), made as the page says on a copy of
-dreamer_atari.py, each in at most three places, and trained for a few updates on the CPU with the default flags: the
-page's code is the code that runs, each change does what it claims, and Part 1 stays within the length that
-tests/test_script_parts.py allows."""
+dreamer_atari.py, each in at most four places, and trained for a few updates on the CPU with every fast path a CPU
+runs asked for (`CPU_PATHS`: by default a CPU trains Part 1 alone, and the paths' copies are what an edit could
+miss), and with CUDA's paths, their kernels interpreted: the page's code is the code that runs, each change does what
+it claims, and Part 1 stays within the length that tests/test_script_parts.py allows."""
 
 import re
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dreamer_tiny import TINY, import_copy
+from dreamer_tiny import CPU_PATHS, TINY, import_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "dreamer_atari.md"
@@ -73,10 +74,11 @@ def changed_script(name: str, tmp_path: Path, monkeypatch):
 
 
 def tiny_catch(module, **overrides):
-    """A few updates of a tiny agent on Catch, on the CPU, ending with a checkpoint."""
+    """A few updates of a tiny agent on Catch, on the CPU with `CPU_PATHS`, ending with a checkpoint."""
     return module.Args(
         **{
             **TINY,
+            **CPU_PATHS,
             "env_id": module.CATCH_ID,
             "num_envs": 1,
             "vector_mode": "sync",
@@ -123,7 +125,7 @@ def test_a_resnet_encoder_is_one_row_and_its_classes(tmp_path, monkeypatch):
     args = tiny_catch(module, model="resnet")
     assert args.image_size == 64 and args.frame_stack == 1  # DreamerV3's sizes, from the row it copies
     _, weights = trained(module, args)
-    assert any(key.startswith("encoder.net.2.net.1") for key in weights)  # a residual block's convolution
+    assert any(key.startswith("encoder.2.net.1") for key in weights)  # a residual block's convolution
     assert "decoder.linear.weight" in weights
 
 
@@ -188,12 +190,12 @@ def test_a_kl_warm_up_of_zero_steps_is_none_and_a_negative_one_is_refused(tmp_pa
     )
 
 
-def test_a_new_transition_is_one_row_and_its_class_and_trains_with_the_default_flags(
+def test_a_new_transition_is_one_row_and_its_class_and_trains_on_the_cpus_paths(
     tmp_path, monkeypatch, capsys
 ):
     module = changed_script("mingru", tmp_path, monkeypatch)
     args = tiny_catch(module, model="mingru")
-    assert args.fast_observe and args.observe_backward == "hand-written"
+    assert args.fast_observe == "on" and args.observe_backward == "hand-written"
     _, weights = trained(module, args)
     assert weights["rssm.gru.linear.weight"].shape[0] == 2 * args.deterministic_dim  # the new cell trained
     said = capsys.readouterr().out
@@ -216,16 +218,18 @@ def pinned_line(said: str) -> str:
 @pytest.mark.parametrize(
     "name, stepped_aside, same_as",
     [
-        ("slow_critic_pull", "--fast-heads (behavior_losses)", dict(fast_heads="off")),
+        # no path holds a copy of the losses: nothing steps aside, and the shared heads train the edit
+        ("slow_critic_pull", None, None),
         ("gru_gate", "--observe-backward (LayerNormGRUCell.forward)", dict(observe_backward="autograd")),
     ],
 )
 def test_an_edit_in_place_steps_its_paths_aside_in_one_line_and_trains_exactly(
     name, stepped_aside, same_as, tmp_path, monkeypatch, capsys
 ):
-    """An edit of pinned Part 1 code, with the default flags on the CPU: one line at start names the paths that step
-    aside (no exit 7, no flag to find), and the run trains the edit: the same weights, to the bit, as the copy trained
-    with those paths switched off by their flags, and other weights than the unedited script's."""
+    """An edit of Part 1 code, with the CPU's paths asked for. Where a path holds a copy of the edited code, one line
+    at start names the paths that step aside (no exit 7, no flag to find), and the run trains the edit: the same
+    weights, to the bit, as the copy trained with those paths switched off by their flags. Where none does, no line,
+    and every path trains the edit. Either way other weights than the unedited script's."""
     module = changed_script(name, tmp_path, monkeypatch)
     set_values = []
     real_set = vars(module.Settings)["set"]
@@ -235,19 +239,28 @@ def test_an_edit_in_place_steps_its_paths_aside_in_one_line_and_trains_exactly(
         real_set(self, setting, value)
 
     monkeypatch.setattr(module.Settings, "set", spy)
+    agents, real_speed_up = [], module.speed_up_agent
+    monkeypatch.setattr(
+        module, "speed_up_agent", lambda agent, args: (real_speed_up(agent, args), agents.append(agent))
+    )
     counters, _ = trained(module, tiny_catch(module))
-    line = pinned_line(capsys.readouterr().out)
-    assert stepped_aside in line and "python dreamer_kernels.py pin PATH" in line, line
+    said = capsys.readouterr().out
     edited, pulls = (
         all_weights(counters["run_dir"]),
         [value for setting, value in set_values if setting == "slow_critic_pull"],
     )
-    counters, _ = trained(module, tiny_catch(module, **same_as))
-    assert "Part 1 changed where these paths are pinned" not in capsys.readouterr().out
-    assert all(torch.equal(value, all_weights(counters["run_dir"])[key]) for key, value in edited.items())
+    if stepped_aside is None:
+        assert "Part 1 changed where these paths are pinned" not in said, said
+        assert type(agents[0].imagined_heads).__name__ == "FastHeads"  # the shared heads trained the edit
+    else:
+        line = pinned_line(said)
+        assert stepped_aside in line and "python dreamer_kernels.py pin PATH" in line, line
+        counters, _ = trained(module, tiny_catch(module, **same_as))
+        assert "Part 1 changed where these paths are pinned" not in capsys.readouterr().out
+        assert all(torch.equal(value, all_weights(counters["run_dir"])[key]) for key, value in edited.items())
     import dreamer_atari as original
 
-    counters, _ = trained(original, tiny_catch(original, **same_as))
+    counters, _ = trained(original, tiny_catch(original, **(same_as or {})))
     unedited = all_weights(counters["run_dir"])
     assert not all(torch.equal(value, unedited[key]) for key, value in edited.items())
     if name == "slow_critic_pull":  # the factor fell during the edited run
@@ -275,7 +288,7 @@ def test_recent_windows_are_drawn_more_often_on_both_samplers(tmp_path, monkeypa
 
 
 # CUDA's fast paths, installed here on the CPU with their kernels in Triton's interpreter
-CUDA_PATHS = dict(fused_scan="on", fused_epilogues="on", imagine_gathers="on", fast_heads="on")
+CUDA_PATHS = dict(CPU_PATHS, fused_scan="on", fused_epilogues="on")
 # what each walked change meets on each of them: the path trains the change ("trains"), or steps aside with one line
 # for the readable code ("steps aside"), or the run stops at start-up with exit 7 naming its flag ("stops")
 ON_CUDAS_PATHS = {
@@ -294,9 +307,10 @@ ON_CUDAS_PATHS = {
     "recent_windows": dict(
         fused_scan="trains", gathers="trains", fused_epilogues="trains", shared_heads="trains"
     ),
-    # in-place edits of pinned code: the paths that hold their own copy of it step aside (tests/test_dreamer_pins.py)
+    # in-place edits: the paths that hold their own copy of the edited code step aside (tests/test_dreamer_pins.py);
+    # none holds a copy of the losses
     "slow_critic_pull": dict(
-        fused_scan="trains", gathers="trains", fused_epilogues="trains", shared_heads="steps aside"
+        fused_scan="trains", gathers="trains", fused_epilogues="trains", shared_heads="trains"
     ),
     "gru_gate": dict(
         fused_scan="steps aside", gathers="trains", fused_epilogues="steps aside", shared_heads="steps aside"
@@ -317,7 +331,7 @@ def what_each_path_did(agent, said: str) -> dict[str, str]:
         stepped_aside = any(name in line for line in said.splitlines() for name in named_by)
         return "trains" if installed else ("steps aside" if stepped_aside else "silently off")
 
-    imagine, heads = agent.imagine, agent.behavior_losses
+    imagine, heads = agent.imagine, agent.imagined_heads
     return {
         "fused_scan": outcome(isinstance(agent.observe, dk.FusedObserve), "--fused-scan"),
         "gathers": outcome(isinstance(imagine, dk.FastImagine) and imagine.gathers, "one-hot latents"),

@@ -94,7 +94,7 @@ def test_speed_is_installed_by_one_call_from_the_run():
 
 
 def test_with_every_speed_option_off_the_readable_functions_train(tmp_path, monkeypatch):
-    """--no-fast-observe, --no-fast-imagine, --fast-heads off, --no-fast-decoder and --no-channels-last (the CPU runs
+    """--fast-observe off, --fast-imagine off, --fast-heads off and --channels-last off (the CPU runs
     eagerly, and --compile is off by default): a run trains through Part 1's `RSSM.observe`, `imagine` and
     `behavior_losses`, and Part 2's equivalents never run."""
     import dreamer_atari as da
@@ -122,14 +122,11 @@ def test_with_every_speed_option_off_the_readable_functions_train(tmp_path, monk
     monkeypatch.setattr(dk.FastObserve, "__call__", refuse)
     monkeypatch.setattr(dk.FastImagine, "__call__", refuse)
     monkeypatch.setattr(dk.FastHeads, "__call__", refuse)
-    monkeypatch.setattr(dk, "transposed_conv_as_subpixel", refuse)
     monkeypatch.setattr(da.RSSM, "observe", observe)
     monkeypatch.setattr(da, "imagine", imagine)
     monkeypatch.setattr(da, "behavior_losses", behavior_losses)
     monkeypatch.chdir(tmp_path)
-    speed_off = dict(
-        fast_observe=False, fast_imagine=False, fast_heads="off", fast_decoder=False, channels_last=False
-    )
+    speed_off = dict(fast_observe="off", fast_imagine="off", fast_heads="off", channels_last="off")
     for model in ("dreamerv3", "nature"):
         counters = da.main(
             tiny_args(

@@ -59,6 +59,12 @@ def read_rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def latest_step(log: Path) -> int:
+    """The last env step the run's output names ("step N/TOTAL"), 0 before it names one."""
+    steps = re.findall(rf"step (\d+)/{TOTAL}", log.read_text()) if log.exists() else []
+    return int(steps[-1]) if steps else 0
+
+
 def scontrol_job(job: str) -> str:
     return subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, check=True).stdout
 
@@ -86,11 +92,7 @@ def sweeps(tmp_path_factory):
         jobs[name] = re.search(r"submitted job (?:array )?(\d+) ", done.stdout).group(1)
     try:
         log = work / "runs" / "requeued" / "defaults__seed1" / "output.log"
-        wait_for(
-            lambda: log.exists() and f"step 100/{TOTAL}" in log.read_text(),
-            120,
-            "the Dreamer run to reach step 100",
-        )
+        wait_for(lambda: latest_step(log) >= 100, 120, "the Dreamer run to reach step 100")
         subprocess.run(["scontrol", "requeue", jobs["requeued"]], check=True, timeout=30)
         resumed_at = wait_for(
             lambda: log.exists() and re.search(r"resumed \S+ at step (\d+) ", log.read_text()),
@@ -98,7 +100,8 @@ def sweeps(tmp_path_factory):
             "the requeued run to go on",
         )
         past = int(resumed_at.group(1)) + 40
-        wait_for(lambda: f"step {past}/{TOTAL}" in log.read_text(), 120, f"the run to reach step {past}")
+        # the log names a step at each --log-interval and in its progress lines, not at every step
+        wait_for(lambda: latest_step(log) >= past, 240, f"the run to reach step {past}")
         script = wait_for(lambda: training_script(log.parent), 30, "the run's script")
         script.send_signal(signal.SIGKILL)  # no checkpoint on the way out: it goes on from the SIGTERM's
         expected = {"requeued": 1, "dqn": 2, "uninterrupted": 1}

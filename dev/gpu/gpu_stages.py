@@ -115,7 +115,7 @@ TRAINING_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is o
         },
     ),
     ("training+cudnn-benchmark", {"torch_deterministic": False}),  # cuDNN's benchmark is on only without it
-    ("training-no-fast-imagine", {"fast_imagine": False}),
+    ("training-no-fast-imagine", {"fast_imagine": "off"}),
     ("training+compile", {"compile": True}),
 )
 UPDATE_VARIANTS = (  # (name, Args field overrides on every fast path off)

@@ -16,7 +16,7 @@ cell's elementwise work fuses), and at batch 16 x 64 the kernel count, not arith
 
 How each operation finds its region (`Regions`, `labelled`):
 - forward: the update's parts are wrapped while the count runs: the encoder and the decoder (modules), the agent's
-  `observe`, `world_model_losses`, `imagine` and `behavior_losses` (and the rollout of the shared heads,
+  `observe`, `world_model_losses`, `imagine`, `imagined_heads` and `behavior_losses` (and the rollout of the shared heads,
   `FastHeads.rollout`, as "imagination"), and the script's `clip_and_step` (gradient norm, clip and Adam:
   "optimizers"). An operation belongs to the innermost wrapped call running (the decoder runs inside the world
   model's losses, imagination inside the behaviour losses), any other to "rest" (the batch's conversion, the logged
@@ -197,11 +197,12 @@ def labelled(agent: da.Agent, regions: Regions):
         agent.observe,
         agent.world_model_losses,
         agent.imagine,
+        agent.imagined_heads,
         agent.behavior_losses,
         da.clip_and_step,
     )
     # the shared heads imagine through the fast imagination's rollout, which they hold
-    fast_heads = agent.behavior_losses if isinstance(agent.behavior_losses, dk.FastHeads) else None
+    fast_heads = agent.imagined_heads if isinstance(agent.imagined_heads, dk.FastHeads) else None
     if fast_heads is not None:
         rollout = fast_heads.rollout
         fast_heads.rollout = regions.wrap(rollout, "imagination")
@@ -210,6 +211,7 @@ def labelled(agent: da.Agent, regions: Regions):
     agent.observe = regions.wrap(agent.observe, "observe")
     agent.world_model_losses = regions.wrap(agent.world_model_losses, "world-model heads and losses")
     agent.imagine = regions.wrap(agent.imagine, "imagination")
+    agent.imagined_heads = regions.wrap(agent.imagined_heads, "behaviour heads and losses")
     agent.behavior_losses = regions.wrap(agent.behavior_losses, "behaviour heads and losses")
     da.clip_and_step = regions.wrap(da.clip_and_step, "optimizers", spans=False)
     try:
@@ -221,6 +223,7 @@ def labelled(agent: da.Agent, regions: Regions):
             agent.observe,
             agent.world_model_losses,
             agent.imagine,
+            agent.imagined_heads,
             agent.behavior_losses,
             da.clip_and_step,
         ) = saved

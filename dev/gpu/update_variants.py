@@ -345,7 +345,7 @@ def measure_variant(
 def installed_paths(agent: da.Agent) -> dict:
     """What the variant trained with, whatever it asked for: each fast path of dreamer_kernels.py installed (and so
     through its start-up checks on this device) or not; a path that stepped aside says why in `speed_said`."""
-    imagine, heads = agent.imagine, agent.behavior_losses
+    imagine, heads = agent.imagine, agent.imagined_heads
     return {
         "observe": getattr(
             agent.observe, "__qualname__", type(agent.observe).__name__
