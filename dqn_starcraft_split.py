@@ -2279,21 +2279,8 @@ def tensorboard_dir(args: Args, run_dir: str, run_id: str, resumed: bool) -> str
 
 def open_tensorboard(args: Args, sources: dict, events_dir: str, resume_step: int | None, logger):
     """The SummaryWriter of `events_dir` (`tensorboard_dir`), with the hyperparameters as its first text."""
-    # imported here: pysc2 must pick protobuf's runtime first
-    from torch.utils.tensorboard import SummaryWriter
-
-    # absolute: wandb's service process resolves a relative path against its own folder, which is that of the
-    # first tracked run of this Python process
-    # a resumed run hides what the stopped one logged after its checkpoint (TensorBoard's purge): no step twice
-    purge_step = resume_step + 1 if resume_step is not None else None
-    writer = SummaryWriter(events_dir, purge_step=purge_step)
-    mu.keep_events_on_write_errors(writer, logger.info)  # a full disk: one warning line, training goes on
-    writer.add_text(
-        "hyperparameters",
-        "|param|value|source|\n|-|-|-|\n"
-        + "\n".join(f"|{k}|{v}|{sources[k]}|" for k, v in dataclasses.asdict(args).items()),
-    )
-    return writer
+    settings = {name: (value, sources[name]) for name, value in dataclasses.asdict(args).items()}
+    return mu.open_tensorboard(events_dir, settings, ("value", "source"), resume_step, logger.info)
 
 
 def make_logger(run_dir: str, run_id: str) -> logging.Logger:
@@ -2956,24 +2943,10 @@ def load_checkpoint(path: str, args: Args) -> dict:
     (`checkpoint.pt.sha256`), and its settings against this run's; any problem is one ConfigError, and the file is
     left where it is. A checkpoint neither check can verify (no checksum, not a zip archive) is read, after one line
     on stderr."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"--resume {path!r} does not exist or is not a file.")
     try:
-        note = mu.verify_checkpoint(path)  # torch.load does not notice changed bytes inside a tensor
+        state, note = mu.read_checkpoint(path, READABLE_FORMATS, keys=("rng", "q_network", "args"))
     except mu.CheckpointInvalid as exc:
-        raise ConfigError(f"--resume {exc}") from None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - corrupt, truncated, or not a checkpoint at all
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"--resume {path!r} is not a readable checkpoint ({first_line[:160]}).") from None
-    if not isinstance(state, dict) or not {"format", "rng", "q_network", "args"} <= set(state):
-        raise ConfigError(f"--resume {path!r} is not a {CHECKPOINT_FORMAT} checkpoint that can be resumed.")
-    if state["format"] not in READABLE_FORMATS:
-        raise ConfigError(
-            f"--resume {path!r} was written by another version of this script ({state['format']}, "
-            f"this one reads {CHECKPOINT_FORMAT}); start a new run."
-        )
+        raise ConfigError(str(exc)) from None
     trained = state["args"]
     for name in RESUME_MUST_MATCH + RESUME_SAME_SCHEDULE:
         saved, wanted = trained.get(name), getattr(args, name)

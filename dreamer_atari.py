@@ -2,10 +2,10 @@
 imagination, memory-safe and observable. `python dreamer_atari.py --buffer-capacity 50000`
 
 Part 1 is the algorithm in the order it runs (arguments, environment, replay, networks, the RSSM, losses, the loop);
-with every speed option off (a CPU's default) it alone trains. Part 2 puts faster equivalents in place, each checked
-against the Part 1 code it replaces and pinned to it: where that code changed, the path steps aside and Part 1
-trains. Part 3 runs it: input checks, logging, videos, memory, checkpoints. Shape comments
-give the default model's shapes: B x T = 16 x 64 replayed steps, each one 3 x 64 x 64 frame.
+it alone trains on a CPU (the default there) and wherever every speed option is off. On CUDA, Part 2 puts faster
+equivalents of some of its functions in place, each checked against the Part 1 code it replaces and pinned to it:
+where that code changed, the path steps aside and Part 1 trains the change. Part 3 runs it: input checks, logging,
+videos, memory, checkpoints. Shape comments give the default model's shapes: B x T = 16 x 64 replayed steps.
 
 Logs go to TensorBoard in `runs/{run_name}` (wandb with `--track`): `charts/*`, `losses/*`, memory figures and, on
 Pong, `world_model/ball_f1_*`; checkpoints to `runs/{run_name}/checkpoint.pt` (`--resume PATH` continues a run).
@@ -30,7 +30,7 @@ import types
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, get_args, get_origin
 
 if __name__ == "__main__":  # a stop signal while the libraries below load: exit 128 + N, nothing written yet
     for _signal in (signal.SIGINT, signal.SIGTERM):
@@ -40,7 +40,6 @@ import ale_py
 import cv2
 import gymnasium as gym
 import numpy as np
-import psutil
 import torch
 import torch.nn.functional as F
 import tyro
@@ -396,10 +395,8 @@ class EpisodeReplay:
         self.current: list[Episode | None] = [None] * num_envs
         self.total_steps = 0
         self.rng = np.random.default_rng(seed)
-        self.log, self.begun = (
-            None,
-            0,
-        )  # the steps' copy on disk (`mu.ReplayLog`) or None; episodes begun (ids)
+        # the steps' copy on disk (`mu.ReplayLog`) or None; the episodes begun (each one's id)
+        self.log, self.begun = None, 0
 
     def new_episode(self, env_idx: int, first_obs: np.ndarray) -> Episode:
         # memory: in chunks (an episode being played wastes at most one) in memory maps of their own, out of the heap
@@ -1435,7 +1432,8 @@ def learn(run, envs) -> None:
 # One call from the run's set-up (`install_speed`) puts the faster equivalents of Part 1's functions in place, never
 # inside Part 1: the kernels module's (dreamer_kernels.py beside this file, each checked against the Part 1 function
 # it replaces), then the wrappers of this part (compile, CUDA graphs, frames on the device). Each flag turns one off;
-# nothing here ends a run after start-up (`check_run_fast_paths`).
+# after start-up a path whose check disagrees is dropped and Part 1 goes on (`check_run_fast_paths`): nothing about
+# speed ends a run then (out of memory in a check is the run's own, exit 3).
 # =====================================================================================================================
 
 
@@ -1467,8 +1465,8 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
     """--compile: torch.compile what an update repeats. One step of the fast observe, one step of its hand-written
     backward pass and one imagination step are each compiled once and reused at every step of a sequence (compiling
     a whole unrolled sequence takes minutes); the encoder, decoder and heads, which run once per update over all
-    steps, are compiled too (`nn.Module.compile`: their state_dict keys stay, so checkpoints are the same either
-    way), and so are the world model's losses (`world_model_losses`) and the actor-critic targets
+    steps, are compiled too (`nn.Module.compile`, or `run_layers` for an nn.Sequential: their state_dict keys stay,
+    so checkpoints are the same either way), and so are the world model's losses (`world_model_losses`) and the actor-critic targets
     (`imagined_targets`, the lambda-return loop included), each as one graph. Each compiles as one whole graph
     (`fullgraph=True`: a graph break is an error, not a silent slow path). Inductor compiles without CUDA graphs of
     its own: `CudaGraphed` (--cudagraph) captures the whole update around the compiled code, and Inductor's (its
@@ -1485,18 +1483,9 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
         dreamer_kernels.compile_paths(agent, compile_)
     agent.world_model_losses = compile_(world_model_losses)
     agent.imagined_targets = compile_(imagined_targets)
-    for module in (
-        wm.encoder,
-        wm.decoder,
-        wm.reward_head,
-        wm.continue_head,
-        agent.actor,
-        agent.critic,
-        agent.slow_critic,
-    ):
-        if (
-            type(module).forward is nn.Sequential.forward
-        ):  # Dynamo compiles no frame of torch's own: one of ours runs it
+    heads = (wm.reward_head, wm.continue_head, agent.actor, agent.critic, agent.slow_critic)
+    for module in (wm.encoder, wm.decoder, *heads):
+        if type(module).forward is nn.Sequential.forward:  # Dynamo compiles no frame of torch's: ours runs it
             module.forward = compile_(functools.partial(run_layers, module))
         else:
             module.compile(dynamic=False, fullgraph=True, backend=backend, **options)
@@ -1520,15 +1509,15 @@ def capture_settings(agent: Agent) -> Callable[[], dict]:
     before each replay."""
 
     def read() -> dict:
-        values = {}
+        values = {
+            f"settings[{key!r}]": ("tensor", id(value)) for key, value in agent.settings.tensors.items()
+        }
         for name, optimizer in agent.named_optimizers().items():
-            for key, value in optimizer.param_groups[0].items():
-                if key != "params":
-                    values[f"the {name} optimizer's {key!r}"] = (
-                        ("tensor", id(value)) if isinstance(value, torch.Tensor) else value
-                    )
-        for key, value in agent.settings.tensors.items():
-            values[f"settings[{key!r}]"] = ("tensor", id(value))
+            values |= {
+                f"the {name} optimizer's {key!r}": ("tensor", id(value)) if torch.is_tensor(value) else value
+                for key, value in optimizer.param_groups[0].items()
+                if key != "params"
+            }
         return values
 
     return read
@@ -1550,24 +1539,18 @@ class CudaGraphed:
     A captured graph keeps the memory its function used while it was captured, at its peak, as a private pool for
     its replays. Graphs given the same `pool` (`torch.cuda.graph_pool_handle()`) share one: a later capture reuses
     what an earlier one's temporaries left free, which is safe for graphs replayed one after another on one stream
-    whose outputs are read before the next replay (the updates' are: `UpdateLog.add`, the behaviour step's copy of
-    its inputs), so two updates need the larger of their peaks instead of the sum.
+    whose outputs are read before the next replay (the updates' are: `mu.UpdateLog.add`, the behaviour step's copy
+    of its inputs), so two updates need the larger of their peaks instead of the sum.
     """
 
     def __init__(
-        self,
-        fn: Callable[[dict[str, torch.Tensor]], tuple],
-        warmup: int = 3,
-        settings: Callable[[], dict] | None = None,
-        pool: tuple | None = None,
+        self, fn: Callable[[dict], tuple], warmup: int = 3, settings: Callable | None = None, pool=None
     ):
         self.fn, self.warmup, self.calls, self.pool = fn, warmup, 0, pool
-        self.name = getattr(fn, "__name__", "an update")
-        self.settings = settings or dict
+        self.name, self.settings = getattr(fn, "__name__", "an update"), settings or dict
         self.captured_settings: dict | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.static_inputs: dict[str, torch.Tensor] = {}
-        self.static_outputs: tuple = ()
+        self.static_inputs, self.static_outputs = {}, ()  # dict[str, torch.Tensor], tuple
         self.side_stream: torch.cuda.Stream | None = None
         self.eager = False  # a capture failed: every call runs `fn` as it is
 
@@ -1596,16 +1579,12 @@ class CudaGraphed:
 
     def check_settings(self) -> None:
         """Refuse to replay when a value read at capture has changed since (a dict comparison: microseconds)."""
-        now = self.settings()
-        if now == self.captured_settings:
+        now, then = self.settings(), self.captured_settings
+        if now == then:
             return
-        changed = next(
-            key
-            for key in {**now, **self.captured_settings}
-            if now.get(key) != self.captured_settings.get(key)
-        )
+        changed = next(key for key in {**now, **then} if now.get(key) != then.get(key))
         raise CaptureInvalid(
-            f"{changed} changed from {self.captured_settings.get(changed)!r} to {now.get(changed)!r} after the update "
+            f"{changed} changed from {then.get(changed)!r} to {now.get(changed)!r} after the update "
             f"was captured in a CUDA graph, which would go on using the old value: schedule it with "
             f"agent.settings.set(...) (see Settings), or run with --no-cudagraph."
         )
@@ -1691,17 +1670,14 @@ class FrameStore:
         if not self.pending:
             return
         # a row written twice in one copy would keep either frame (CUDA's indexed write has no order)
-        assert len(set(self.pending_rows)) == len(self.pending_rows), (
-            "a row was handed out again before the flush"
-        )
+        assert len(set(self.pending_rows)) == len(self.pending_rows), "a row handed out twice before a flush"
         frames = torch.from_numpy(np.stack(self.pending))  # (n, S, S) uint8
         rows = torch.tensor(self.pending_rows, dtype=torch.int64)
         if self.device.type == "cuda":
             # pinned: the copy runs without blocking; torch keeps the pinned block until the copy has read it
             frames, rows = frames.pin_memory(), rows.pin_memory()
-        self.rows.index_copy_(
-            0, rows.to(self.device, non_blocking=True), frames.to(self.device, non_blocking=True)
-        )
+        to_device = functools.partial(torch.Tensor.to, device=self.device, non_blocking=True)
+        self.rows.index_copy_(0, to_device(rows), to_device(frames))
         self.pending, self.pending_rows = [], []
 
     def release_before(self, env: int, seq: int) -> None:
@@ -1723,9 +1699,7 @@ class FrameStore:
         extra = torch.empty((more * self.block, *self.frame_shape), dtype=torch.uint8, device=self.device)
         self.rows = torch.cat([self.rows, extra])
         self.free = list(range(blocks + more - 1, blocks - 1, -1)) + self.free
-        print(
-            f"replay: the frame store grew to {len(self.rows):,} frames ({self.rows.nbytes / 2**20:.0f} MiB)"
-        )
+        print(f"replay: the frame store grew to {len(self.rows):,} frames ({self.rows.nbytes >> 20} MiB)")
 
     def row_of(self, env: int, seqs: np.ndarray) -> np.ndarray:
         """The rows (same shape, int64) of the env's frames `seqs`."""
@@ -1761,9 +1735,7 @@ class DeviceFrames:
         return 0  # the store's rows are counted once, as the replay's device bytes
 
     def append(self, frame) -> None:
-        assert self.store.written[self.env] == self.first + self.end, (
-            "one episode at a time writes an env's frames"
-        )
+        assert self.store.written[self.env] == self.first + self.end, "one episode at a time per env"
         self.store.append(self.env, frame)
         self.end += 1
 
@@ -1910,9 +1882,8 @@ def check_device_frames(run: "Run") -> None:
             replay.start_episode(env, rng.integers(0, 256, run.obs_shape, np.uint8))
         for step in range(60):
             obs, over = rng.integers(0, 256, run.obs_shape, np.uint8), bool(rng.random() < 0.1)
-            replay.add_step(
-                step % 2, obs[-1], int(rng.integers(run.agent.num_actions)), rng.normal(), over, over
-            )
+            action = int(rng.integers(run.agent.num_actions))
+            replay.add_step(step % 2, obs[-1], action, rng.normal(), over, over)
             if over:
                 replay.start_episode(step % 2, obs)
     batches = []
@@ -1961,15 +1932,10 @@ def check_cadence(args: Args, device: torch.device) -> int:
 
 
 # Every fast path off: what a disagreement that names no flag of its own drops (Part 1 alone has nothing to check)
-EVERY_PATH_OFF = dict(
-    fast_observe="off",
-    fast_imagine="off",
-    imagine_gathers="off",
-    fused_scan="off",
-    fused_epilogues="off",
-    fast_heads="off",
-    replay_frames="host",
-)
+# fmt: off
+EVERY_PATH_OFF = dict(fast_observe="off", fast_imagine="off", imagine_gathers="off", fused_scan="off",
+                      fused_epilogues="off", fast_heads="off", replay_frames="host")
+# fmt: on
 
 
 def check_run_fast_paths(run: "Run") -> None:
@@ -2088,9 +2054,7 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
     with one line), channels-last convolutions, then --compile. Without the module, or where it cannot run at all,
     Part 1's functions, said in one line."""
     if kernels_module() is None:
-        print(
-            f"speed: Part 1's functions run (the kernels module, dreamer_kernels.py, is not here: {KERNELS_MISSING})"
-        )
+        print(f"speed: Part 1's functions run (dreamer_kernels.py is not here: {KERNELS_MISSING})")
     else:
         try:
             said = dreamer_kernels.install(agent, args)
@@ -2101,9 +2065,7 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
             said = [f"speed: Part 1's functions run (the kernels module failed: {type(exc).__name__}: {exc})"]
         for line in said:
             print(line.splitlines()[0])
-    agent.channels_last = args.channels_last == "on" or (
-        args.channels_last == "auto" and agent.device.type == "cuda"
-    )
+    agent.channels_last = {"on": True, "off": False}.get(args.channels_last, agent.device.type == "cuda")
     if agent.channels_last:
         agent.world_model.encoder.to(memory_format=torch.channels_last)
         agent.world_model.decoder.to(memory_format=torch.channels_last)
@@ -2118,35 +2080,14 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
 # =====================================================================================================================
 
 
-# exit statuses (memory_utils', the same in both scripts): 2 = bad input (argument or file); the others say why a run
-# stopped early
-EXIT_BAD_INPUT = mu.EXIT_BAD_INPUT
-
-
-EXIT_OOM = mu.EXIT_OOM
-
-
-EXIT_LEAK = mu.EXIT_LEAK
-
-
-EXIT_NONFINITE = mu.EXIT_NONFINITE  # too many non-finite updates, or env steps, in a row
-
-
-EXIT_WRITE_FAILED = mu.EXIT_WRITE_FAILED  # a checkpoint the run cannot go on without could not be written
-
-
-EXIT_FAST_PATH = (
-    mu.EXIT_FAST_PATH
-)  # a fast path computes something other than the readable function it replaces
-
-
-EXIT_CRASHED = (
-    mu.EXIT_CRASHED
-)  # an error in the loop: a checkpoint first, the traceback in the run's crash.log
-
+# exit statuses (memory_utils', the same in both scripts): 2 bad input (an argument or a file), 3 out of memory, 4 a
+# leak (--abort-on-leak), 5 too many non-finite updates or env steps in a row, 6 a checkpoint the run cannot go on
+# without not written, 7 a fast path that computes another formula at start-up, 8 a crash (a checkpoint first)
+EXIT_BAD_INPUT, EXIT_OOM, EXIT_LEAK = mu.EXIT_BAD_INPUT, mu.EXIT_OOM, mu.EXIT_LEAK
+EXIT_NONFINITE, EXIT_WRITE_FAILED = mu.EXIT_NONFINITE, mu.EXIT_WRITE_FAILED
+EXIT_FAST_PATH, EXIT_CRASHED = mu.EXIT_FAST_PATH, mu.EXIT_CRASHED
 
 CHECKPOINT_FORMAT = "dreamer_atari/1"
-
 
 OOM_ADVICE = (
     "Flags that lower the peak: --precision bf16, a smaller --batch-size or --sequence-length, a "
@@ -2173,16 +2114,14 @@ class ArgsError(ValueError):
 
 def check_args(args: Args) -> None:
     """Raise ArgsError naming the first bad value and what is allowed. Builds one env at most, writes nothing."""
-    if args.model not in MODELS:
-        raise ArgsError(f"--model must be one of {', '.join(MODELS)}, got {args.model!r}.")
-    if args.initial_state not in ("learned", "zeros"):
-        raise ArgsError(f"--initial-state must be learned or zeros, got {args.initial_state!r}.")
-    if args.precision not in ("float32", "bf16", "fp16"):
-        raise ArgsError(f"--precision must be float32, bf16 or fp16, got {args.precision!r}.")
-    if args.observe_backward not in ("hand-written", "autograd"):
-        raise ArgsError(
-            f"--observe-backward must be hand-written or autograd, got {args.observe_backward!r}."
-        )
+    for field in dataclasses.fields(args):  # a choice (Literal) set in code: tyro's parser refuses the others
+        choices = (
+            tuple(MODELS) if field.name == "model" else get_args(field.type)
+        )  # a new model: a row of MODELS
+        if get_origin(field.type) is Literal and (value := getattr(args, field.name)) not in choices:
+            raise ArgsError(
+                f"--{field.name.replace('_', '-')} must be one of {', '.join(choices)}, got {value!r}."
+            )
     check_ranges(args)
     check_updates_happen(args)
     check_model_sizes(args)
@@ -2219,16 +2158,12 @@ def check_folders(args: Args) -> None:
 
 def check_replay_fits(args: Args) -> None:
     """A full replay against this machine's memory, or its cgroup's limit, before any of it exists: more than either
-    can ever hold is refused (`say_replay_size` warns later when it is more than is free now). Frames count in host
+    can ever hold is refused (`say_replay_size` warns when it is more than is available now). Frames count in host
     memory unless --replay-frames device."""
     obs_shape = (args.frame_stack, *((3,) if args.rgb else ()), args.image_size, args.image_size)
     per_step = (0 if args.replay_frames == "device" else math.prod(obs_shape[1:])) + REPLAY_AUX_BYTES_PER_STEP
     capacity = replay_capacity(args)
-    flag = (
-        "--buffer-capacity"
-        if args.buffer_capacity is not None
-        else "--total-timesteps (no --buffer-capacity)"
-    )
+    flag = "--total-timesteps (no --buffer-capacity)" if args.buffer_capacity is None else "--buffer-capacity"
     problem, _ = mu.replay_memory_problem(
         capacity * per_step,
         f"the replay ({flag} {capacity:,} steps, {per_step:,} bytes each)",
@@ -2257,79 +2192,35 @@ def check_updates_happen(args: Args) -> None:
         )
 
 
+# What each number may be: (what is allowed, the test, the flags); any other number of Args, a new one too, must be
+# finite and not negative (`check_ranges`). A test written positively refuses nan too.
+# fmt: off
+RANGES = (
+    ("at least 1", lambda v: v >= 1, ("total_timesteps", "frame_stack", "num_envs", "batch_size", "sequence_length",
+     "log_interval", "embed_dim", "decoder_base_channels", "decoder_mid_channels", "deterministic_dim",
+     "stochastic_dim", "hidden_dim", "reward_bins", "imagination_horizon", "max_nonfinite", "replay_chunk_steps",
+     "snapshot_max_entries")),
+    ("0 or more", lambda v: v >= 0, ("learning_starts", "warmup_steps", "checkpoint_every", "check_every",
+     "memory_snapshot_every", "max_episode_steps", "noop_max", "leak_warmup_steps", "video_every",
+     "image_loss_scale")),
+    ("greater than 0", lambda v: v > 0, ("train_ratio",)),
+    ("greater than 0 and at most 1", lambda v: 0 < v <= 1, ("gamma",)),  # the imagination weights divide by it
+    ("between 0 and 1", lambda v: 0 <= v <= 1, ("return_lambda", "repeat_action_probability", "unimix",
+     "return_norm_decay", "slow_critic_fraction")),
+    ("greater than 0 and at most 1 (Adam moves each weight by about the learning rate per step)",
+     lambda v: 0 < v <= 1, ("world_model_lr", "actor_lr", "critic_lr")),
+    ("greater than 0 and finite", lambda v: 0 < v < math.inf, ("world_model_eps", "actor_eps", "critic_eps")),
+    ("between 0 and 2**32 - 1 (numpy's seeds)", lambda v: v < 2**32, ("seed",)),
+)
+# fmt: on
+
+
 def check_ranges(args: Args) -> None:
-    """The numbers that must be positive, non-negative, within 0 and 1, or greater than 0."""
-    positive = {
-        "--total-timesteps": args.total_timesteps,
-        "--frame-stack": args.frame_stack,
-        "--num-envs": args.num_envs,
-        "--batch-size": args.batch_size,
-        "--sequence-length": args.sequence_length,
-        "--log-interval": args.log_interval,
-        "--embed-dim": args.embed_dim,
-        "--decoder-base-channels": args.decoder_base_channels,
-        "--decoder-mid-channels": args.decoder_mid_channels,
-        "--deterministic-dim": args.deterministic_dim,
-        "--stochastic-dim": args.stochastic_dim,
-        "--hidden-dim": args.hidden_dim,
-        "--reward-bins": args.reward_bins,
-        "--imagination-horizon": args.imagination_horizon,
-        "--max-nonfinite": args.max_nonfinite,
-        "--replay-chunk-steps": args.replay_chunk_steps,
-        "--snapshot-max-entries": args.snapshot_max_entries,
-    }
-    for flag, value in positive.items():
-        if value < 1:
-            raise ArgsError(f"{flag} must be at least 1, got {value}.")
-    non_negative = {
-        "--learning-starts": args.learning_starts,
-        "--warmup-steps": args.warmup_steps,
-        "--checkpoint-every": args.checkpoint_every,
-        "--check-every": 0 if args.check_every is None else args.check_every,
-        "--memory-snapshot-every": args.memory_snapshot_every,
-        "--max-episode-steps": args.max_episode_steps,
-        "--noop-max": args.noop_max,
-        "--leak-warmup-steps": args.leak_warmup_steps,
-        "--video-every": args.video_every,
-    }
-    for flag, value in non_negative.items():
-        if value < 0:
-            raise ArgsError(f"{flag} must be 0 or more, got {value}.")
-    if not args.image_loss_scale >= 0:
-        raise ArgsError(f"--image-loss-scale must be 0 or more, got {args.image_loss_scale}.")
-    if not args.train_ratio > 0:
-        raise ArgsError(f"--train-ratio must be greater than 0, got {args.train_ratio}.")
-    if not 0.0 < args.gamma <= 1.0:  # the imagination weights divide by it
-        raise ArgsError(f"--gamma must be greater than 0 and at most 1, got {args.gamma}.")
-    for flag, value in {
-        "--return-lambda": args.return_lambda,
-        "--repeat-action-probability": args.repeat_action_probability,
-        "--unimix": args.unimix,
-        "--return-norm-decay": args.return_norm_decay,
-        "--slow-critic-fraction": args.slow_critic_fraction,
-    }.items():
-        if not 0.0 <= value <= 1.0:
-            raise ArgsError(f"{flag} must be between 0 and 1, got {value}.")
-    for flag, value in {
-        "--world-model-lr": args.world_model_lr,
-        "--actor-lr": args.actor_lr,
-        "--critic-lr": args.critic_lr,
-    }.items():
-        if not 0 < value <= 1:
-            raise ArgsError(
-                f"{flag} must be greater than 0 and at most 1 (Adam moves each weight by about the learning rate per "
-                f"step), got {value}."
-            )
-    for flag, value in {
-        "--world-model-eps": args.world_model_eps,
-        "--actor-eps": args.actor_eps,
-        "--critic-eps": args.critic_eps,
-    }.items():
-        if not 0 < value < math.inf:
-            raise ArgsError(f"{flag} must be greater than 0 and finite, got {value}.")
-    if not args.seed < 2**32:
-        raise ArgsError(f"--seed must be between 0 and 2**32 - 1 (numpy's seeds), got {args.seed}.")
-    # any other number, a flag added to Args too: finite and not negative (--gpu-memory-gb: its own check, later)
+    """Every number within `RANGES`; any other finite and not negative (--gpu-memory-gb: its own check, later)."""
+    for allowed, ok, names in RANGES:
+        for name in names:
+            if (value := getattr(args, name)) is not None and not ok(value):
+                raise ArgsError(f"--{name.replace('_', '-')} must be {allowed}, got {value}.")
     for field in dataclasses.fields(args):
         value = None if field.name == "gpu_memory_gb" else getattr(args, field.name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value < math.inf:
@@ -2492,26 +2383,22 @@ def batch_to_device(
 
 
 def say_replay_size(capacity: int, obs_shape: tuple, frames_on_device: bool = False) -> None:
-    """Print how much host memory the replay grows to, and warn when that is more than this machine has free."""
+    """Print how much host memory the replay grows to, with a warning when that is more than is available now."""
     # memory: the replay is the run's largest host allocation: say its size before it grows, not at 3 a.m.
     full = capacity * ((0 if frames_on_device else math.prod(obs_shape[1:])) + REPLAY_AUX_BYTES_PER_STEP)
-    available = psutil.virtual_memory().available
-    print(
-        f"replay: up to {capacity:,} steps, about {full / 2**30:.2f} GiB of host memory when full "
-        f"({available / 2**30:.1f} GiB available now)"
-    )
-    if full > 0.8 * available:
-        print(
-            f"replay: warning: a full replay would take more than 80 % of the memory available now; "
-            f"--buffer-capacity {int(0.5 * available / (full / capacity)):,} would take about half"
-        )
+    print(f"replay: up to {capacity:,} steps, about {full / 2**30:.2f} GiB of host memory when full")
+
+    def fits(nbytes: int) -> str:
+        return f"--buffer-capacity {nbytes * capacity // full:,} would take about half"
+
+    if warning := mu.replay_memory_problem(full, "a full replay", fits)[1]:
+        print(f"replay: {warning}")
 
 
 # --- Open-loop videos and the ball measure ----------------------------------------------------------------------------
 
 
 OPEN_LOOP_CONTEXT = 5  # frames the model sees before it imagines, as DreamerV3's report does
-
 
 RECALL_SEQUENCES = 64  # replayed sequences whose open-loop predictions score the ball on Pong (`ball_scores`)
 
@@ -2566,9 +2453,8 @@ def open_loop_strip(truth: np.ndarray, model: np.ndarray) -> np.ndarray:
     """(n, T, S, S) truth and model frames -> (T, n * S, 3 * S) uint8: one row per sequence with truth | model |
     error (grey 128 = no error, from the frames in grey). Colour frames (n, T, 3, S, S) give a colour strip
     (T, n * S, 3 * S, 3), its error column grey."""
-    error = ((grey_frames(model).astype(np.int16) - grey_frames(truth) + 256) // 2).astype(
-        np.uint8
-    )  # (n, T, S, S)
+    error = (grey_frames(model).astype(np.int16) - grey_frames(truth) + 256) // 2  # (n, T, S, S)
+    error = error.astype(np.uint8)
     if truth.ndim == 5:  # channels last, the error in all three
         truth, model = truth.transpose(0, 1, 3, 4, 2), model.transpose(0, 1, 3, 4, 2)  # (n, T, S, S, 3)
         error = np.repeat(error[..., None], 3, -1)
@@ -2579,20 +2465,15 @@ def open_loop_strip(truth: np.ndarray, model: np.ndarray) -> np.ndarray:
 
 PONG_SCREEN_ROWS, PONG_SCREEN_COLUMNS = 210, 160
 
-
 PONG_PLAYFIELD = (34, 194)  # screen rows between the top and bottom walls (the score sits above the top wall)
-
 
 PONG_PADDLE_COLUMNS = ((16, 20), (140, 144))  # screen columns of the opponent's and the player's paddle
 
-
 BALL_EDGE = 25  # grey levels above the background: a pixel the ball covers in part
-
 
 # the ball's brightest pixel is 64-149 above the background at 64-84 pixels; half of the dimmest, so that a ball
 # drawn at half its contrast is still a ball (a paddle, 61 above, is told apart by its columns and size)
 BALL_PEAK = 30
-
 
 BALL_MAX_SIDE = (
     6 / 160,
@@ -2601,7 +2482,6 @@ BALL_MAX_SIDE = (
 
 
 BALL_TOLERANCE = 1  # pixels (Chebyshev distance) between a model's ball pixel and a true one that still match
-
 
 OPEN_LOOP_BALL_STEPS = (5, 10)  # open-loop steps after the last observed frame whose ball is scored
 
@@ -2724,32 +2604,22 @@ def is_pong(env_id: str) -> bool:
     return is_atari(env_id) and "pong" in env_id.lower()
 
 
-def log_open_loop(
-    agent: Agent,
-    replay: "EpisodeReplay",
-    args: Args,
-    writer: SummaryWriter,
-    run_dir: str,
-    step: int,
-    rng: np.random.Generator,
-    num_sequences: int = 4,
-) -> str:
+def log_open_loop(run: "Run", num_sequences: int = 4) -> str:
     """Open-loop predictions of replayed sequences as an animated GIF (in colour when the model reads colour): in
     TensorBoard's image tab (and wandb's media, which syncs it as a video) under `videos/open_loop`, and as
-    `open_loop/step_<N>.gif` in the run dir. On
-    Pong, beside it, how well the predictions draw the ball (`open_loop_ball_scores`: F1, precision, recall,
-    centroid distance and F1's chance level per horizon) over RECALL_SEQUENCES sequences.
-    Uses its own random generators, so the training batches and latents that follow are the same with or
-    without it."""
+    `open_loop/step_<N>.gif` in the run dir. On Pong, beside it, how well the predictions draw the ball
+    (`open_loop_ball_scores`: F1, precision, recall, centroid distance and F1's chance level per horizon) over
+    RECALL_SEQUENCES sequences. Uses its own random generators, so the training batches and latents that follow are
+    the same with or without it."""
     import io
 
     from PIL import Image
     from tensorboard.compat.proto.summary_pb2 import Summary
 
+    agent, args, writer, step, rng = run.agent, run.args, run.writer, run.step, run.video_rng
     # Pong: the ball scored over more sequences than the GIF shows (its first `num_sequences`)
-    batch = replay.sample(
-        RECALL_SEQUENCES if is_pong(args.env_id) else num_sequences, args.sequence_length, rng=rng
-    )
+    sequences = RECALL_SEQUENCES if is_pong(args.env_id) else num_sequences
+    batch = run.replay.sample(sequences, args.sequence_length, rng=rng)
     devices = [agent.device] if agent.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(int(rng.integers(2**31)))
@@ -2770,7 +2640,7 @@ def log_open_loop(
     writer._get_file_writer().add_summary(
         Summary(value=[Summary.Value(tag="videos/open_loop", image=image)]), step
     )
-    path = os.path.join(run_dir, "open_loop", f"step_{step}.gif")
+    path = os.path.join(run.run_dir, "open_loop", f"step_{step}.gif")
     mu.atomic_write(path, gif.getvalue())  # mu.WriteFailed on a full disk: no partial file
     return path
 
@@ -2841,8 +2711,7 @@ def preflight(agent: Agent, args: Args, obs_shape: tuple) -> float:
         print(f"preflight: peak {peak_mb:.0f} MiB, free {free / 2**20:.0f} MiB of {total / 2**20:.0f} MiB")
         if peak_mb > 0.9 * free:
             print(
-                "preflight: little headroom left; --precision bf16, a smaller --batch-size or --sequence-length "
-                "help"
+                "preflight: little headroom; --precision bf16, a smaller --batch-size or --sequence-length help"
             )
     else:
         print(f"preflight: peak {peak_mb:.0f} MiB of host memory for one worst-case update")
@@ -3021,24 +2890,6 @@ def check_fits_under_cap(run: "Run", activations_bytes: float) -> None:
     )
 
 
-def attach_memory_probes(agent: Agent, probes: "mu.StageProbes") -> None:
-    """--memory-probes: record memory at the stages of a world-model update, from outside the update: forward hooks
-    on the encoder, the prior (which `RSSM.observe` runs once, after its loop) and the decoder, and hooks on the
-    world model's optimizer step (before it: after the backward pass and the clip; after it). The forward hooks
-    record only with gradients on, which leaves out acting, imagination and the open-loop videos."""
-    wm = agent.world_model
-    for module, stage in (
-        (wm.encoder, "after_encoder"),
-        (wm.rssm.prior_net, "after_rssm"),
-        (wm.decoder, "after_decoder"),
-    ):
-        module.register_forward_hook(
-            lambda *_, stage=stage: probes(stage) if torch.is_grad_enabled() else None
-        )
-    agent.world_model_optimizer.register_step_pre_hook(lambda *_: probes("after_backward"))
-    agent.world_model_optimizer.register_step_post_hook(lambda *_: probes("after_optimizer_step"))
-
-
 # --- Catch: a pixel task that learns in minutes on a CPU (the learning proof, the tests) ------------------------------
 
 
@@ -3104,31 +2955,15 @@ register_catch()
 
 # The run that learns Catch-v0 on a CPU in minutes: benchmark/learning_proof.py's configuration, with which seeds 1-10
 # all reached 0.8 of the optimal return (tests/test_learning_proof.py holds the two equal)
+# fmt: off
 CATCH_ON_CPU = dict(
-    env_id=CATCH_ID,
-    model="nature",
-    continue_mode=False,
-    encoder_channels=(8, 16, 16),
-    embed_dim=64,
-    decoder_base_channels=8,
-    decoder_mid_channels=8,
-    deterministic_dim=64,
-    stochastic_dim=8,
-    stochastic_classes=8,
-    hidden_dim=64,
-    frame_stack=1,
-    image_size=84,
-    batch_size=8,
-    sequence_length=16,
-    imagination_horizon=10,
-    total_timesteps=2_400,
-    learning_starts=300,
-    train_ratio=144.0,
-    world_model_lr=2e-3,
-    actor_lr=3e-4,
-    critic_lr=1e-3,
+    env_id=CATCH_ID, model="nature", continue_mode=False, encoder_channels=(8, 16, 16), embed_dim=64,
+    decoder_base_channels=8, decoder_mid_channels=8, deterministic_dim=64, stochastic_dim=8, stochastic_classes=8,
+    hidden_dim=64, frame_stack=1, image_size=84, batch_size=8, sequence_length=16, imagination_horizon=10,
+    total_timesteps=2_400, learning_starts=300, train_ratio=144.0, world_model_lr=2e-3, actor_lr=3e-4, critic_lr=1e-3,
     entropy_coef=1e-2,
 )
+# fmt: on
 
 
 def catch_command() -> str:
@@ -3323,62 +3158,30 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str) -> dict:
-    """Verify against its archive's own CRC-32s and the checksum beside it (`mu.verify_checkpoint`), then load with
-    weights_only=True; any failure is one ArgsError sentence, and the file stays where it is."""
-    if not os.path.isfile(path):
-        raise ArgsError(f"--resume {path!r} does not exist or is not a file.")
+    """The checkpoint --resume names, verified and loaded (`mu.read_checkpoint`); any problem is one ArgsError
+    sentence, and the file stays where it is."""
     try:
-        if note := mu.verify_checkpoint(path):
-            print(note)
+        state, note = mu.read_checkpoint(path, (CHECKPOINT_FORMAT,))
     except mu.CheckpointInvalid as exc:
-        raise ArgsError(f"--resume: {exc}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - corrupt, truncated, or not a checkpoint at all
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ArgsError(f"--resume {path!r} is not a readable checkpoint ({first_line[:160]}).")
-    if (
-        not isinstance(state, dict)
-        or state.get("format") != CHECKPOINT_FORMAT
-        or not isinstance(state.get("args"), dict)
-    ):
-        raise ArgsError(f"--resume {path!r} is not a {CHECKPOINT_FORMAT} checkpoint.")
+        raise ArgsError(str(exc))
+    if note:
+        print(note)
     return state
 
 
-MODEL_FLAGS = (
-    "env_id",
-    "model",
-    "image_size",
-    "frame_stack",
-    "rgb",
-    "encoder_channels",
-    "embed_dim",
-    "decoder_base_channels",
-    "decoder_mid_channels",
-    "deterministic_dim",
-    "stochastic_dim",
-    "stochastic_classes",
-    "hidden_dim",
-    "reward_bins",
-    "initial_state",
-)
-
-
-FLAGS_BEFORE_THEY_EXISTED = {
-    "model": "nature",
-    "image_size": 84,
-    "frame_stack": 4,
-    "rgb": False,
-    "initial_state": "zeros",
-}
+# the flags that shape the networks, and what checkpoints from before some of them existed were trained with
+# fmt: off
+MODEL_FLAGS = ("env_id", "model", "image_size", "frame_stack", "rgb", "encoder_channels", "embed_dim",
+               "decoder_base_channels", "decoder_mid_channels", "deterministic_dim", "stochastic_dim",
+               "stochastic_classes", "hidden_dim", "reward_bins", "initial_state")
+FLAGS_BEFORE_THEY_EXISTED = {"model": "nature", "image_size": 84, "frame_stack": 4, "rgb": False,
+                             "initial_state": "zeros"}
+# fmt: on
 
 
 def check_checkpoint_matches(state: dict, args: Args) -> None:
     """The flags that shape the networks must be the ones the checkpoint was trained with."""
     for name in MODEL_FLAGS:
-        # checkpoints written before --model, --image-size, --frame-stack and --rgb existed: the nature model, 84-pixel
-        # frames, stacks of 4
         saved, wanted = state["args"].get(name, FLAGS_BEFORE_THEY_EXISTED.get(name)), getattr(args, name)
         if isinstance(wanted, tuple):
             saved = tuple(saved) if saved is not None else None
@@ -3471,179 +3274,6 @@ def reward_quality(means: dict[str, float]) -> dict[str, float]:
     return out
 
 
-class UpdateLog:
-    """What the updates log, summed on the device between two log points and read with one host transfer per log
-    interval, so that no update waits for the host. The values of an update whose step was skipped (a non-finite
-    loss or gradient) are left out of the means; such updates are counted, with the longest run of them in a row,
-    and so is each value that was not finite (which names the source: a loss term, a network's gradient).
-    """
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        # keys -> (2 len(keys) + 1,): value sums, then the count of healthy updates, then each value's non-finite count
-        self.sums: dict[tuple[str, ...], torch.Tensor] = {}
-        self.streak = torch.zeros((), device=self.device)  # non-finite updates in a row, now
-        self.longest = torch.zeros((), device=self.device)  # the longest such run since the last `pop`
-        self.skipped = torch.zeros((), device=self.device)  # non-finite updates since the last `pop`
-        self.seen: dict[str, torch.Tensor] = {}  # key -> (2,): its sum and count at the last `recent`
-
-    def add(self, metrics: dict[str, torch.Tensor], healthy: torch.Tensor) -> None:
-        """The named 0-d values of one part of an update, and whether that part was healthy (0-d bool)."""
-        keys = tuple(metrics)
-        # memory: only detached values are summed, so no update's graph stays alive until the log point
-        values = torch.stack([value.detach() for value in metrics.values()])
-        healthy = healthy.detach()
-        row = torch.cat(
-            [torch.where(healthy, values, 0.0), healthy.float().reshape(1), (~values.isfinite()).float()]
-        )
-        if keys in self.sums:
-            self.sums[keys] += row
-        else:
-            self.sums[keys] = row
-
-    def end_update(self, healthy: torch.Tensor) -> None:
-        """Once per update, with whether all of its parts were healthy."""
-        faulty = ~healthy.detach()
-        self.streak.add_(1.0).mul_(faulty)
-        torch.maximum(self.longest, self.streak, out=self.longest)
-        self.skipped.add_(faulty)
-
-    def pop(self) -> tuple[dict[str, float], int, int, dict[str, int]]:
-        """(means of each key over its healthy updates, updates skipped, longest run of skipped updates in a row, how
-        often each key that was ever non-finite was), since the last call; then starts again (a run still going on
-        carries over)."""
-        groups = list(self.sums.items())
-        flat = torch.cat(
-            [row for _, row in groups] + [self.skipped.reshape(1), self.longest.reshape(1)]
-        ).tolist()
-        means, nonfinite, offset = {}, {}, 0
-        for keys, _ in groups:
-            count = flat[offset + len(keys)]
-            if count > 0:
-                means.update({key: flat[offset + i] / count for i, key in enumerate(keys)})
-            bad = flat[offset + len(keys) + 1 : offset + 2 * len(keys) + 1]
-            nonfinite.update({key: int(n) for key, n in zip(keys, bad) if n > 0})
-            offset += 2 * len(keys) + 1
-        self.sums, self.seen = {}, {}
-        self.skipped.zero_()
-        self.longest.copy_(self.streak)
-        return means, int(flat[-2]), int(flat[-1]), nonfinite
-
-    def recent(self, key: str) -> float | None:
-        """The mean of `key` over the healthy updates since the last call (or the last `pop`), for the status line:
-        one host transfer, every 30 s, never per update. The sums go on to `pop` as they are. None when no healthy
-        update logged it since."""
-        for keys, row in self.sums.items():
-            if key in keys:
-                now = row[[keys.index(key), len(keys)]]  # (2,): the sum and the count (a copy)
-                since = now - self.seen[key] if key in self.seen else now
-                self.seen[key] = now
-                total, count = since.tolist()
-                return total / count if count > 0 else None
-        return None
-
-    def state(self) -> dict:
-        """The sums since the last log point as plain numbers, for a checkpoint: a run resumed from it logs the
-        interval it stopped in with the updates made before the stop, as an uninterrupted run would."""
-        return {
-            "sums": {"|".join(keys): row.tolist() for keys, row in self.sums.items()},
-            **{name: float(getattr(self, name)) for name in ("streak", "longest", "skipped")},
-        }
-
-    def restore(self, state: dict) -> None:
-        self.seen = {}
-        self.sums = {}
-        for keys, row in state["sums"].items():
-            keys = tuple(keys.split("|"))
-            padded = row + [0.0] * (
-                2 * len(keys) + 1 - len(row)
-            )  # a checkpoint from before the non-finite counts
-            self.sums[keys] = torch.tensor(padded, device=self.device)
-        for name in ("streak", "longest", "skipped"):
-            getattr(self, name).fill_(state[name])
-
-
-class ProgressLine:
-    """step, SPS, last return, RSS, GPU alloc, ETA. On a terminal the line is rewritten about once a second;
-    in a log file it is printed once per log interval.
-
-    The ETA comes from the recent rate, not the average since the start: random prefill steps cost nothing
-    next to training steps, so an average that includes them promises a day-long run in minutes. The rate is
-    taken over the last `window` log points within the current phase (a phase starts where updates start and
-    where behaviour learning starts); during the prefill there is no training rate yet, and the ETA says so.
-    """
-
-    def __init__(self, total: int, device: torch.device, phase_starts: tuple[int, ...] = (), window: int = 5):
-        self.total, self.device = total, device
-        self.phase_starts = sorted(set(phase_starts))
-        self.updates_start = self.phase_starts[0] if self.phase_starts else 0
-        self.points: deque[tuple[float, int]] = deque(maxlen=window + 1)  # (time, step) of the current phase
-        self.phase = -1
-        self.live = sys.stdout.isatty()
-        self.last_refresh = 0.0
-        self.pending = False  # a live line without its newline is on screen
-
-    def mark(self, step: int, now: float | None = None) -> None:
-        """Record (time, step); call at every log point. A new phase forgets the previous phase's points."""
-        now = time.time() if now is None else now
-        phase = sum(step >= start for start in self.phase_starts)
-        if phase != self.phase:
-            self.phase = phase
-            self.points.clear()
-        self.points.append((now, step))
-
-    def eta_s(self, step: int, now: float | None = None) -> float | None:
-        """Seconds left at the recent rate; None during the prefill or before the phase has a measured rate."""
-        now = time.time() if now is None else now
-        if step < self.updates_start or not self.points:
-            return None
-        first_time, first_step = self.points[0]
-        if step <= first_step or now - first_time < 1e-6:
-            return None
-        return (self.total - step) * (now - first_time) / (step - first_step)
-
-    def text(
-        self,
-        step: int,
-        sps: float,
-        last_return: float | None,
-        rss_mb: float,
-        gpu_mb: float | None,
-        now: float | None = None,
-    ) -> str:
-        eta_s = self.eta_s(step, now)
-        if eta_s is not None:
-            eta = f"{int(eta_s // 3600)}:{time.strftime('%M:%S', time.gmtime(eta_s))}"
-        else:
-            eta = "-- (prefill)" if step < self.updates_start else "--"
-        ret = "--" if last_return is None else f"{last_return:.1f}"
-        gpu = "--" if gpu_mb is None else f"{gpu_mb:.0f} MB"
-        return (
-            f"step {step}/{self.total}  SPS {sps:.0f}  return {ret}  RSS {rss_mb:.0f} MB  "
-            f"GPU alloc {gpu}  ETA {eta}"
-        )
-
-    def refresh(self, step: int, sps: float, last_return: float | None) -> None:
-        """Cheap enough to call every loop iteration: does something at most once a second, on a terminal."""
-        now = time.time()
-        if not self.live or now - self.last_refresh < 1.0:
-            return
-        self.last_refresh = now
-        gpu = torch.cuda.memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
-        print("\r" + self.text(step, sps, last_return, mu.process_rss_mb(), gpu), end="", flush=True)
-        self.pending = True
-
-    def line(self, step: int, sps: float, last_return: float | None, report: dict) -> None:
-        self.say(
-            self.text(step, sps, last_return, report.get(mu.KEY_RSS_MB, 0.0), report.get(mu.KEY_GPU_ALLOC_MB))
-        )
-
-    def say(self, message: str) -> None:
-        """Print a whole line without mangling a live line that is on screen."""
-        print(("\r\033[K" if self.pending else "") + message, flush=True)
-        self.pending = False
-
-
 def exit_with(message: str, code: int) -> None:
     print(message, file=sys.stderr, flush=True)
     raise SystemExit(code)
@@ -3663,7 +3293,7 @@ class Run:
     counters: dict
     world_model_step: Callable
     behavior_step: Callable
-    update_log: UpdateLog
+    update_log: mu.UpdateLog
     obs_shape: tuple
     # its folder and logs (`open_run`)
     run_name: str = ""
@@ -3675,7 +3305,7 @@ class Run:
     probes: "mu.StageProbes | None" = None
     snapshots: "mu.MemorySnapshots | None" = None
     leak_detector: "mu.LeakDetector | None" = None
-    progress: ProgressLine | None = None
+    progress: "mu.ProgressLine | None" = None
     status: "mu.StatusLine | None" = None
     next_log: int = 0
     next_checkpoint: int | None = None
@@ -3793,16 +3423,11 @@ def check_input(args: Args) -> tuple[torch.device, dict | None]:
     return device, resume_state
 
 
-NEW_COUNTERS = {
-    "global_step": 0,
-    "updates": 0,
-    "behavior_updates": 0,
-    "updates_owed": 0.0,
-    "nonfinite_updates": 0,
-    "nonfinite_env_steps": 0,
-    "episodes": 0,
-    "train_seconds": 0.0,  # wall time of this run, summed over its resumed parts
-}
+# what a run counts; train_seconds: the wall time of this run, summed over its resumed parts
+# fmt: off
+NEW_COUNTERS = {"global_step": 0, "updates": 0, "behavior_updates": 0, "updates_owed": 0.0, "nonfinite_updates": 0,
+                "nonfinite_env_steps": 0, "episodes": 0, "train_seconds": 0.0}
+# fmt: on
 
 
 def set_up(args: Args, stop: mu.StopSignals | None = None, made: "mu.StartUp | None" = None) -> Run:
@@ -3849,8 +3474,12 @@ def set_up(args: Args, stop: mu.StopSignals | None = None, made: "mu.StartUp | N
         restore_run(run, resume_state)
         resume_state = None  # memory: the loaded tensors are now inside the modules; drop the copies
     probes = mu.StageProbes(enabled=args.memory_probes, device=device)
-    if args.memory_probes:  # before the first update (a captured one would record nothing)
-        attach_memory_probes(run.agent, probes)
+    if (
+        args.memory_probes
+    ):  # before the first update (a captured one would record nothing): hooks on the modules
+        wm = run.agent.world_model  # (the prior: `RSSM.observe` runs it once, after its loop)
+        stages = {"after_encoder": wm.encoder, "after_rssm": wm.rssm.prior_net, "after_decoder": wm.decoder}
+        probes.attach(stages, run.agent.world_model_optimizer)
     instrument(run, probes)
     return run
 
@@ -3868,11 +3497,8 @@ def restore_run(run: Run, state: dict) -> None:
         exit_with(f"error: --resume: {str(exc).rstrip('.')}.", EXIT_BAD_INPUT)
     honour_settings(run, state)
     check_run_fast_paths(run)  # on the weights and data the run goes on with (one that disagrees is dropped)
-    replay = (
-        ""
-        if state.get("replay") is None or run.replay.log is None
-        else f", {run.replay.total_steps:,} in its replay"
-    )
+    held = state.get("replay") is not None and run.replay.log is not None
+    replay = f", {run.replay.total_steps:,} in its replay" if held else ""
     print(f"resumed {run.run_name} at step {run.step} ({run.counters['updates']} updates{replay})")
 
 
@@ -3932,17 +3558,11 @@ def open_run(args: Args, resume_state: dict | None, made: "mu.StartUp") -> tuple
     )
     if tracking:
         made.closers.append(lambda: sys.modules["wandb"].finish())
-    # absolute: wandb's service process resolves a relative path against its own folder, which is that of the
-    # first tracked run of this Python process
-    # a resumed run hides what the stopped one logged after its checkpoint (TensorBoard's purge): no step twice
-    purge_step = resume_state["counters"]["global_step"] + 1 if resume_state is not None else None
-    writer = SummaryWriter(os.path.abspath(run_dir), purge_step=purge_step)
+    resume_step = resume_state["counters"]["global_step"] if resume_state is not None else None
+    writer = mu.open_tensorboard(
+        run_dir, vars(args), resume_step=resume_step
+    )  # a full disk: warnings, it trains on
     made.closers.append(writer.close)
-    mu.keep_events_on_write_errors(writer)  # a full disk: one warning line, events dropped, training goes on
-    writer.add_text(
-        "hyperparameters",
-        "|param|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|" for key, value in vars(args).items()),
-    )
     return run_name, run_dir, writer
 
 
@@ -3991,7 +3611,7 @@ def build_learner(args: Args, device: torch.device, resume_state: dict | None = 
         counters=dict(NEW_COUNTERS),
         world_model_step=None,  # `install_speed`'s, below
         behavior_step=None,
-        update_log=UpdateLog(device),
+        update_log=mu.UpdateLog(device),
         obs_shape=obs_shape,
     )
     if dropped := (resume_state or {}).get("counters", {}).get("dropped_fast_paths"):
@@ -4033,7 +3653,7 @@ def instrument(run: Run, probes: "mu.StageProbes") -> None:
     )
     run.leak_detector = mu.LeakDetector(warmup_steps=step + args.leak_warmup_steps)
     behavior_starts = args.learning_starts + args.warmup_steps
-    run.progress = ProgressLine(
+    run.progress = mu.ProgressLine(
         args.total_timesteps, run.device, phase_starts=(args.learning_starts, behavior_starts)
     )
     # a phase's rates start at the env step before its first update (`train` runs before the envs step)
@@ -4076,7 +3696,7 @@ def diagnose(run: Run) -> None:
     if run.next_video is not None and step >= run.next_video and run.counters["updates"] > 0:
         run.next_video = (step // args.video_every + 1) * args.video_every
         try:
-            log_open_loop(run.agent, run.replay, args, run.writer, run.run_dir, step, run.video_rng)
+            log_open_loop(run)
         except torch.OutOfMemoryError:
             raise  # the loop's OOM handler: a report and a checkpoint, like any other OOM
         except mu.WriteFailed as exc:  # a full disk: the next video tries again
@@ -4100,9 +3720,8 @@ def log_point(run: Run) -> None:
     run.writer.flush()  # memory: no TensorBoard record still queued (a GIF's: 0.2-0.7 MB) is read as growth
     # memory: memory_report() collects garbage and trims the heap first, so this is live memory
     run.last_report = mu.memory_report(buffer_stats=replay_stats(run.replay), device=run.device)
-    interval_means, skipped, longest_skipped_run, nonfinite = (
-        run.update_log.pop()
-    )  # the interval's one host sync
+    # the interval's one host sync
+    interval_means, skipped, longest_skipped_run, nonfinite = run.update_log.pop()
     counters["nonfinite_updates"] += skipped
     scalars = {
         **run.last_report,
@@ -4129,7 +3748,7 @@ def log_point(run: Run) -> None:
     run.progress.line(step, sps, run.last_return, run.last_report)
     say_nonfinite(run, skipped, nonfinite)
     # no step with a finite loss and gradient moves a weight to inf, but an edit might: nothing is written from them
-    if bad := nonfinite_weights(run.agent):
+    if bad := mu.nonfinite_modules(run.agent.modules()):
         exit_with(
             f"stopping at step {step}: the weights of {', '.join(bad)} are not finite, so nothing more is trained "
             f"or written from them; the last checkpoint is kept.",
@@ -4137,11 +3756,7 @@ def log_point(run: Run) -> None:
         )
     if longest_skipped_run >= args.max_nonfinite:
         checkpoint(run, "non-finite losses")
-        advice = (
-            "lower learning rates"
-            if args.precision == "float32"
-            else "--precision float32 or lower learning rates"
-        )
+        advice = ("" if args.precision == "float32" else "--precision float32 or ") + "lower learning rates"
         sources = nonfinite_sources(nonfinite)
         exit_with(
             f"stopping: {longest_skipped_run} updates in a row had a non-finite value ({sources}) and each step was "
@@ -4162,8 +3777,8 @@ GRADIENT_OF = {
 
 
 def nonfinite_sources(nonfinite: dict[str, int]) -> str:
-    """What was not finite in skipped updates, from `UpdateLog.pop`'s counts: the loss terms (the world model's sum
-    only when no term of it was), then the networks whose gradient was."""
+    """What was not finite in skipped updates, from `mu.UpdateLog.pop`'s counts: the loss terms (the world model's
+    sum only when no term of it was), then the networks whose gradient was."""
     losses = [key for key in nonfinite if key.startswith("losses/")]
     terms = [key for key in losses if key != "losses/world_model"]
     named = (terms if terms or "losses/world_model" not in losses else losses) + [
@@ -4241,26 +3856,13 @@ def env_fault(run: Run, env_index: int, fault: str) -> None:
         )
 
 
-def nonfinite_weights(agent: Agent) -> list[str]:
-    """The names of the agent's modules with a weight (or a floating buffer: the return normaliser's) that is not
-    finite, with one host sync; [] when all are."""
-    modules = agent.modules()
-    finite = []
-    for module in modules.values():
-        tensors = [t for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point()]
-        finite.append(
-            torch.stack([t.isfinite().all() for t in tensors]).all() if tensors else torch.tensor(True)
-        )
-    return [name for name, ok in zip(modules, torch.stack([f.cpu() for f in finite]).tolist()) if not ok]
-
-
 def checkpoint(run: Run, reason: str, required: bool = True) -> bool:
     """Everything the run needs to go on, written whole or not at all (the last good one stays until this one is
     complete), with the replay's index and its last rows when the replay is on disk; one line says so. One that
     fails to write (a full disk): `required` (the final one, a signal's, an OOM's) ends the run with one sentence and
     EXIT_WRITE_FAILED; otherwise one warning line and the last good one stays. None is written from weights that are
     not finite (one line: the last good one stays). It changes nothing that trains. Returns whether it was written."""
-    if bad := nonfinite_weights(run.agent):
+    if bad := mu.nonfinite_modules(run.agent.modules()):
         run.progress.say(f"checkpoint ({reason}) not written: the weights of {', '.join(bad)} are not finite")
         return False
     run.counters["train_seconds"] = run.seconds_before + time.time() - run.start_time
@@ -4322,9 +3924,8 @@ def main(args: Args) -> dict:
     with stop, contextlib.closing(made):  # signals: recorded, read at the loop's top; in the start-up, raised
         try:
             with stop.at_once():
-                run = set_up(
-                    args, stop, made
-                )  # the input checked, the run's folder and logs, the learner, ...
+                # the input checked, the run's folder and logs, the learner, ...
+                run = set_up(args, stop, made)
                 envs = make_vector_env(args, run.run_name, args.seed, guard=FiniteSteps)
                 made.closers.append(envs.close)
         except mu.Stopped as exc:
@@ -4372,12 +3973,9 @@ def crashed(run: Run, exc: Exception) -> None:
     paragraph on stderr saying what raised and where, exit 8 (EXIT_CRASHED)."""
     report = mu.crash_report(exc, __file__, os.path.join(run.run_dir, "crash.log"))
     try:
-        written = checkpoint(run, f"crashed with {type(exc).__name__}", required=False)
-        kept = (
-            f"--resume {run.checkpoint_path} goes on from step {run.step}"
-            if written
-            else "no checkpoint written"
-        )
+        kept = "no checkpoint written"
+        if checkpoint(run, f"crashed with {type(exc).__name__}", required=False):
+            kept = f"--resume {run.checkpoint_path} goes on from step {run.step}"
     except Exception as save_error:  # noqa: BLE001 - the crash is the one to report
         kept = f"the checkpoint could not be written ({type(save_error).__name__}: {save_error})"
     exit_with(f"crashed at step {run.step}: {report}; {kept}.", EXIT_CRASHED)

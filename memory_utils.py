@@ -8,13 +8,17 @@ Library:
     wait_for_gpu, NvmlProbe              poll free GPU memory (NVML: no CUDA context) with a timeout
     preallocate_optimizer_state          materialise optimizer state up front, changing nothing
     amp                                  autocast + GradScaler set-up for off / fp16 / bf16
-    StatusLine                           a status line every 30 s of wall time (rates, ETA, return, loss)
+    StatusLine, ProgressLine             a status line every 30 s of wall time (rates, ETA, return, loss); a line of
+                                         step, SPS, RSS and GPU memory at each log point, live on a terminal
+    UpdateLog, nonfinite_modules         logged values summed on the device and read once per log interval, with
+                                         the non-finite ones counted; which modules hold a weight that is not finite
     StageProbes, MemorySnapshots,
     install_oom_observer,
     write_oom_report                     forensics: where in the loop memory grows, and why an OOM hit
     claim_run_dir, StopSignals,
     out_of_memory, fixed_once_parsed,
-    save_checked, verify_checkpoint      a run's life: its own folder, stop signals read at the loop's top, the
+    save_checked, read_checkpoint,
+    open_tensorboard                     a run's life: its own folder, stop signals read at the loop's top, the
                                          out-of-memory sequence in one call, settings frozen once parsed,
                                          checkpoints checked against their own CRC-32s and a checksum beside them
     mapped_arrays, ChunkedArray,
@@ -366,6 +370,26 @@ def keep_events_on_write_errors(writer, say: Callable[[str], None] | None = None
             "events_guard", "this TensorBoard's writer has another layout; a full disk may stop the run"
         )
         return False
+
+
+def open_tensorboard(
+    folder: str, settings: dict, columns=("value",), resume_step: int | None = None, say=None
+):
+    """A run's TensorBoard `SummaryWriter` in `folder` (made absolute: wandb's service process resolves a relative
+    path against its own folder), its failed writes one warning line each (`keep_events_on_write_errors`), and
+    `settings` ({name: value, or a tuple of `columns`}) as its first text, a table. A resumed run (`resume_step`, the
+    checkpoint's) hides what the stopped run logged after it (TensorBoard's purge): no step is logged twice."""
+    from torch.utils.tensorboard import SummaryWriter  # here: the DQN's pysc2 picks protobuf's runtime first
+
+    writer = SummaryWriter(
+        os.path.abspath(folder), purge_step=None if resume_step is None else resume_step + 1
+    )
+    keep_events_on_write_errors(writer, say)
+    rows = [f"|param|{'|'.join(columns)}|", f"|-|{'-|' * len(columns)}"]
+    for name, values in settings.items():
+        rows.append(f"|{name}|{'|'.join(map(str, values if isinstance(values, tuple) else (values,)))}|")
+    writer.add_text("hyperparameters", "\n".join(rows))
+    return writer
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1702,6 +1726,190 @@ class StatusLine:
 # ---------------------------------------------------------------------------------------------------------
 # Forensics: stage probes
 # ---------------------------------------------------------------------------------------------------------
+class UpdateLog:
+    """What the updates log, summed on the device between two log points and read with one host transfer per log
+    interval, so that no update waits for the host. The values of an update whose step was skipped (a non-finite
+    loss or gradient) are left out of the means; such updates are counted, with the longest run of them in a row,
+    and so is each value that was not finite (which names the source: a loss term, a network's gradient).
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        # keys -> (2 len(keys) + 1,): value sums, then the count of healthy updates, then each value's non-finite count
+        self.sums: dict[tuple[str, ...], torch.Tensor] = {}
+        self.streak = torch.zeros((), device=self.device)  # non-finite updates in a row, now
+        self.longest = torch.zeros((), device=self.device)  # the longest such run since the last `pop`
+        self.skipped = torch.zeros((), device=self.device)  # non-finite updates since the last `pop`
+        self.seen: dict[str, torch.Tensor] = {}  # key -> (2,): its sum and count at the last `recent`
+
+    def add(self, metrics: dict[str, torch.Tensor], healthy: torch.Tensor) -> None:
+        """The named 0-d values of one part of an update, and whether that part was healthy (0-d bool)."""
+        keys = tuple(metrics)
+        # memory: only detached values are summed, so no update's graph stays alive until the log point
+        values = torch.stack([value.detach() for value in metrics.values()])
+        healthy = healthy.detach()
+        row = torch.cat(
+            [torch.where(healthy, values, 0.0), healthy.float().reshape(1), (~values.isfinite()).float()]
+        )
+        if keys in self.sums:
+            self.sums[keys] += row
+        else:
+            self.sums[keys] = row
+
+    def end_update(self, healthy: torch.Tensor) -> None:
+        """Once per update, with whether all of its parts were healthy."""
+        faulty = ~healthy.detach()
+        self.streak.add_(1.0).mul_(faulty)
+        torch.maximum(self.longest, self.streak, out=self.longest)
+        self.skipped.add_(faulty)
+
+    def pop(self) -> tuple[dict[str, float], int, int, dict[str, int]]:
+        """(means of each key over its healthy updates, updates skipped, longest run of skipped updates in a row, how
+        often each key that was ever non-finite was), since the last call; then starts again (a run still going on
+        carries over)."""
+        groups = list(self.sums.items())
+        flat = torch.cat(
+            [row for _, row in groups] + [self.skipped.reshape(1), self.longest.reshape(1)]
+        ).tolist()
+        means, nonfinite, offset = {}, {}, 0
+        for keys, _ in groups:
+            count = flat[offset + len(keys)]
+            if count > 0:
+                means.update({key: flat[offset + i] / count for i, key in enumerate(keys)})
+            bad = flat[offset + len(keys) + 1 : offset + 2 * len(keys) + 1]
+            nonfinite.update({key: int(n) for key, n in zip(keys, bad) if n > 0})
+            offset += 2 * len(keys) + 1
+        self.sums, self.seen = {}, {}
+        self.skipped.zero_()
+        self.longest.copy_(self.streak)
+        return means, int(flat[-2]), int(flat[-1]), nonfinite
+
+    def recent(self, key: str) -> float | None:
+        """The mean of `key` over the healthy updates since the last call (or the last `pop`), for the status line:
+        one host transfer, every 30 s, never per update. The sums go on to `pop` as they are. None when no healthy
+        update logged it since."""
+        for keys, row in self.sums.items():
+            if key in keys:
+                now = row[[keys.index(key), len(keys)]]  # (2,): the sum and the count (a copy)
+                since = now - self.seen[key] if key in self.seen else now
+                self.seen[key] = now
+                total, count = since.tolist()
+                return total / count if count > 0 else None
+        return None
+
+    def state(self) -> dict:
+        """The sums since the last log point as plain numbers, for a checkpoint: a run resumed from it logs the
+        interval it stopped in with the updates made before the stop, as an uninterrupted run would."""
+        return {
+            "sums": {"|".join(keys): row.tolist() for keys, row in self.sums.items()},
+            **{name: float(getattr(self, name)) for name in ("streak", "longest", "skipped")},
+        }
+
+    def restore(self, state: dict) -> None:
+        self.seen = {}
+        self.sums = {}
+        for keys, row in state["sums"].items():
+            keys = tuple(keys.split("|"))
+            padded = row + [0.0] * (
+                2 * len(keys) + 1 - len(row)
+            )  # a checkpoint from before the non-finite counts
+            self.sums[keys] = torch.tensor(padded, device=self.device)
+        for name in ("streak", "longest", "skipped"):
+            getattr(self, name).fill_(state[name])
+
+
+class ProgressLine:
+    """step, SPS, last return, RSS, GPU alloc, ETA. On a terminal the line is rewritten about once a second;
+    in a log file it is printed once per log interval.
+
+    The ETA comes from the recent rate, not the average since the start: random prefill steps cost nothing
+    next to training steps, so an average that includes them promises a day-long run in minutes. The rate is
+    taken over the last `window` log points within the current phase (a phase starts where updates start and
+    where behaviour learning starts); during the prefill there is no training rate yet, and the ETA says so.
+    """
+
+    def __init__(self, total: int, device: torch.device, phase_starts: tuple[int, ...] = (), window: int = 5):
+        self.total, self.device = total, device
+        self.phase_starts = sorted(set(phase_starts))
+        self.updates_start = self.phase_starts[0] if self.phase_starts else 0
+        self.points: deque[tuple[float, int]] = deque(maxlen=window + 1)  # (time, step) of the current phase
+        self.phase = -1
+        self.live = sys.stdout.isatty()
+        self.last_refresh = 0.0
+        self.pending = False  # a live line without its newline is on screen
+
+    def mark(self, step: int, now: float | None = None) -> None:
+        """Record (time, step); call at every log point. A new phase forgets the previous phase's points."""
+        now = time.time() if now is None else now
+        phase = sum(step >= start for start in self.phase_starts)
+        if phase != self.phase:
+            self.phase = phase
+            self.points.clear()
+        self.points.append((now, step))
+
+    def eta_s(self, step: int, now: float | None = None) -> float | None:
+        """Seconds left at the recent rate; None during the prefill or before the phase has a measured rate."""
+        now = time.time() if now is None else now
+        if step < self.updates_start or not self.points:
+            return None
+        first_time, first_step = self.points[0]
+        if step <= first_step or now - first_time < 1e-6:
+            return None
+        return (self.total - step) * (now - first_time) / (step - first_step)
+
+    def text(
+        self,
+        step: int,
+        sps: float,
+        last_return: float | None,
+        rss_mb: float,
+        gpu_mb: float | None,
+        now: float | None = None,
+    ) -> str:
+        eta_s = self.eta_s(step, now)
+        if eta_s is not None:
+            eta = f"{int(eta_s // 3600)}:{time.strftime('%M:%S', time.gmtime(eta_s))}"
+        else:
+            eta = "-- (prefill)" if step < self.updates_start else "--"
+        ret = "--" if last_return is None else f"{last_return:.1f}"
+        gpu = "--" if gpu_mb is None else f"{gpu_mb:.0f} MB"
+        return (
+            f"step {step}/{self.total}  SPS {sps:.0f}  return {ret}  RSS {rss_mb:.0f} MB  "
+            f"GPU alloc {gpu}  ETA {eta}"
+        )
+
+    def refresh(self, step: int, sps: float, last_return: float | None) -> None:
+        """Cheap enough to call every loop iteration: does something at most once a second, on a terminal."""
+        now = time.time()
+        if not self.live or now - self.last_refresh < 1.0:
+            return
+        self.last_refresh = now
+        gpu = torch.cuda.memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
+        print("\r" + self.text(step, sps, last_return, process_rss_mb(), gpu), end="", flush=True)
+        self.pending = True
+
+    def line(self, step: int, sps: float, last_return: float | None, report: dict) -> None:
+        self.say(self.text(step, sps, last_return, report.get(KEY_RSS_MB, 0.0), report.get(KEY_GPU_ALLOC_MB)))
+
+    def say(self, message: str) -> None:
+        """Print a whole line without mangling a live line that is on screen."""
+        print(("\r\033[K" if self.pending else "") + message, flush=True)
+        self.pending = False
+
+
+def nonfinite_modules(modules: dict[str, torch.nn.Module]) -> list[str]:
+    """The names of the modules with a weight or a floating buffer (a running statistic) that is not finite, read
+    with one host sync; [] when all are: what a script checks before it writes a checkpoint, a results row or an
+    evaluation from its weights."""
+    finite = []
+    for module in modules.values():
+        tensors = [t for t in itertools.chain(module.parameters(), module.buffers()) if t.is_floating_point()]
+        finite.append(
+            torch.stack([t.isfinite().all() for t in tensors]).all() if tensors else torch.tensor(True)
+        )
+    return [name for name, ok in zip(modules, torch.stack([f.cpu() for f in finite]).tolist()) if not ok]
+
+
 class StageProbes:
     """Memory at fixed points of the training loop, to name the stage that ratchets memory up.
 
@@ -1753,6 +1961,17 @@ class StageProbes:
         except Exception as exc:  # noqa: BLE001 - diagnostics never break training
             _warn_once("probe", f"memory probe failed ({exc}); probes are off from now on")
             self.enabled = False
+
+    def attach(self, stages: dict[str, torch.nn.Module], optimizer: torch.optim.Optimizer) -> None:
+        """Record from outside the code it watches: after the forward pass of each module in `stages` ({stage: module}),
+        only with gradients on (an update's, not acting's or imagining's), and before and after the optimizer's step
+        (after the backward pass; after the step)."""
+        for stage, module in stages.items():
+            module.register_forward_hook(
+                lambda *_, stage=stage: self(stage) if torch.is_grad_enabled() else None
+            )
+        optimizer.register_step_pre_hook(lambda *_: self("after_backward"))
+        optimizer.register_step_post_hook(lambda *_: self("after_optimizer_step"))
 
     def end_iteration(self, step: int) -> None:
         if not self.enabled:
@@ -2627,6 +2846,37 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     return (
         f"note: {path} has no {CHECKSUM_SUFFIX} beside it, so it could not be verified; loading it as it is"
     )
+
+
+def read_checkpoint(
+    path: str, formats: Sequence[str], keys: Iterable[str] = ("args",)
+) -> tuple[dict, str | None]:
+    """The checkpoint `--resume` names, as both scripts read it: a file, its bytes checked against its archive's own
+    CRC-32s and the checksum beside it (`verify_checkpoint`; torch's loader notices neither), loaded with
+    weights_only=True, written in one of `formats` (the first: this version's) and holding `keys`. Returns (state,
+    a line to say where neither check could verify it, or None); any problem is one CheckpointInvalid sentence, and
+    the file stays where it is."""
+    if not os.path.isfile(path):
+        raise CheckpointInvalid(f"--resume {path!r} does not exist or is not a file.")
+    try:
+        note = verify_checkpoint(path)
+    except CheckpointInvalid as exc:
+        raise CheckpointInvalid(f"--resume: {exc}") from None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - corrupt, truncated, or not a checkpoint at all
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointInvalid(
+            f"--resume {path!r} is not a readable checkpoint ({first_line[:160]})."
+        ) from None
+    if not isinstance(state, dict) or not {"format", *keys} <= set(state):
+        raise CheckpointInvalid(f"--resume {path!r} is not a {formats[0]} checkpoint that can be resumed.")
+    if state["format"] not in formats:
+        raise CheckpointInvalid(
+            f"--resume {path!r} was written by another version of this script ({state['format']}, this one reads "
+            f"{formats[0]}); start a new run."
+        )
+    return state, note
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def test_a_checkpoint_that_is_not_the_one_written_is_refused_in_one_sentence(run
     )
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"error: --resume {run / 'checkpoint.pt'} does not match its checksum in ")
+    assert err.startswith(f"error: --resume: {run / 'checkpoint.pt'} does not match its checksum in ")
     assert err.strip().endswith("it is left as it is.") and "Traceback" not in err
     assert (run / "checkpoint.pt").read_bytes() == spoiled and (
         run / "checkpoint.pt.sha256"
@@ -95,7 +95,7 @@ def test_a_damaged_checkpoint_copied_without_its_checksum_is_refused_naming_the_
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith(
-        f"error: --resume {checkpoint} is damaged: its record {record} does not match the CRC-32 "
+        f"error: --resume: {checkpoint} is damaged: its record {record} does not match the CRC-32 "
     )
     assert err.strip().endswith("it is left as it is.")
     assert checkpoint.read_bytes() == damaged and not (run / "checkpoint.pt.sha256").exists()

@@ -102,7 +102,7 @@ def test_updates_return_detached_values_that_the_log_sums_on_the_device():
     for tensor in (*metrics.values(), healthy, *behavior.values(), behavior_healthy, *start.values()):
         # memory: a logged value with a graph would keep the whole update alive until the log point
         assert tensor.grad_fn is None and not tensor.requires_grad
-    log = da.UpdateLog("cpu")
+    log = mu.UpdateLog("cpu")
     nan = {key: torch.tensor(float("nan")) for key in metrics}
     double = {key: 2 * value for key, value in metrics.items()}
     for update_values, update_healthy in (
@@ -184,7 +184,7 @@ def test_soak_host_memory_flat_over_buffer_turnovers(tmp_path):
 def test_an_update_log_saved_before_the_non_finite_counts_restores_with_none():
     """A checkpoint of an earlier version holds each group's sums and count alone: it restores, counting no
     non-finite value, and the interval's means are the same."""
-    log = da.UpdateLog("cpu")
+    log = mu.UpdateLog("cpu")
     log.restore(
         {"sums": {"losses/a|losses/b": [4.0, 40.0, 2.0]}, "streak": 0.0, "longest": 0.0, "skipped": 0.0}
     )

@@ -13,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import dreamer_atari as da
 import dreamer_tiny
+import memory_utils as mu
 
 
 @pytest.fixture
@@ -203,7 +204,7 @@ def test_eta_follows_the_recent_rate_not_the_prefill():
     """Prefill at 1,000 steps/s, then training at 2 steps/s: after three log intervals of training the ETA is
     within a factor of two of the truth (the average since the start would promise it 20x too soon)."""
     total, prefill, interval = 100_000, 5_000, 100
-    progress = da.ProgressLine(total, torch.device("cpu"), phase_starts=(prefill, prefill))
+    progress = mu.ProgressLine(total, torch.device("cpu"), phase_starts=(prefill, prefill))
     clock, step = 0.0, 0
     for step in range(0, prefill + 1, 1_000):
         clock = step / 1_000

@@ -383,3 +383,26 @@ def test_a_chunk_file_changed_or_missing_is_one_sentence(tmp_path):
     (tmp_path / "replay" / "chunk_00000000.rows").unlink()
     with pytest.raises(mu.ReplayLogInvalid, match="chunk_00000000.rows is missing"):
         read_back(log, state)
+
+
+def test_tensorboard_gets_the_settings_table_and_a_resumed_run_hides_what_came_after_its_checkpoint(tmp_path):
+    """Both scripts open TensorBoard through `mu.open_tensorboard`: the settings as a table (the DQN's with where
+    each came from), and a resumed run's writer purges what the stopped run logged after its checkpoint's step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folder = tmp_path / "run"
+    writer = mu.open_tensorboard(
+        str(folder), {"seed": (1, "RL_SEED"), "lr": (3e-4, "default")}, ("value", "source")
+    )
+    for step in (1, 2, 3):
+        writer.add_scalar("x", float(step), step)
+    writer.close()
+    resumed = mu.open_tensorboard(str(folder), {"seed": 1}, resume_step=1)  # its checkpoint was at step 1
+    resumed.add_scalar("x", 20.0, 2)
+    resumed.close()
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("x")] == [(1, 1.0), (2, 20.0)]
+    tables = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("hyperparameters/text_summary")]
+    assert tables[0] == "|param|value|source|\n|-|-|-|\n|seed|1|RL_SEED|\n|lr|0.0003|default|"
+    assert tables[-1] == "|param|value|\n|-|-|\n|seed|1|"

@@ -131,7 +131,7 @@ def test_keep_alive_says_the_busy_line_from_its_thread_and_stops_with_it():
 
 
 def test_update_log_reads_the_loss_since_the_last_status_line_and_leaves_the_log_interval_whole():
-    log = da.UpdateLog("cpu")
+    log = mu.UpdateLog("cpu")
     healthy, faulty = torch.tensor(True), torch.tensor(False)
     assert log.recent("losses/world_model") is None
     for value, ok in ((1.0, healthy), (3.0, healthy), (100.0, faulty)):

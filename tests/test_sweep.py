@@ -305,21 +305,21 @@ def test_dreamer_update_log_carried_by_a_checkpoint_gives_the_interval_an_uninte
     next log point averages them with its own, as the uninterrupted run does (else that point is lost)."""
     import torch
 
-    import dreamer_atari as da
+    import memory_utils as mu
 
     rows = [
         {"losses/a": torch.tensor(a), "losses/b": torch.tensor(b)}
         for a, b in ((1.0, 10.0), (3.0, 30.0), (8.0, 80.0))
     ]
     healthy = torch.tensor(True)
-    uninterrupted, stopped = da.UpdateLog("cpu"), da.UpdateLog("cpu")
+    uninterrupted, stopped = mu.UpdateLog("cpu"), mu.UpdateLog("cpu")
     for row in rows:
         uninterrupted.add(row, healthy)
         uninterrupted.end_update(healthy)
     stopped.add(rows[0], healthy)
     stopped.end_update(healthy)
     saved = torch.load(_saved(stopped.state()), weights_only=True)  # as a checkpoint holds it
-    resumed = da.UpdateLog("cpu")
+    resumed = mu.UpdateLog("cpu")
     resumed.restore(saved)
     for row in rows[1:]:
         resumed.add(row, healthy)
