@@ -3317,6 +3317,7 @@ class Run:
     start_step: int = 0
     start_updates: int = 0
     seconds_before: float = 0.0  # training time of the earlier parts of a resumed run
+    checkpoint_seconds: float = 0.0  # spent writing checkpoints in this invocation
     last_report: dict = dataclasses.field(default_factory=dict)
     last_return: float | None = None
     last_verdict: "mu.LeakVerdict | None" = None
@@ -3400,15 +3401,10 @@ def check_input(args: Args) -> tuple[torch.device, dict | None]:
                 "CUDA-graph capture (on by default on CUDA) takes --precision float32 or bf16, got --precision fp16 "
                 "(fp16's loss scaling is not captured); add --no-cudagraph to run fp16 eagerly."
             )
-        if args.compile and args.memory_probes:
+        if args.memory_probes and (args.compile or captures_updates(args, device)):
+            off = "run without --compile" if args.compile else "add --no-cudagraph"
             raise ArgsError(
-                "--memory-probes measures eager updates (its hooks cannot run inside compiled modules); run without "
-                "--compile."
-            )
-        if captures_updates(args, device) and args.memory_probes:
-            raise ArgsError(
-                "--memory-probes measures eager updates (a captured graph runs no Python); add "
-                "--no-cudagraph."
+                f"--memory-probes measures eager updates (its hooks run no compiled or captured code); {off}."
             )
         if args.gpu_memory_gb is not None:
             card = mu.gpu_card_bytes(device) if device.type == "cuda" else None
@@ -3498,7 +3494,7 @@ def restore_run(run: Run, state: dict) -> None:
     honour_settings(run, state)
     check_run_fast_paths(run)  # on the weights and data the run goes on with (one that disagrees is dropped)
     held = state.get("replay") is not None and run.replay.log is not None
-    replay = f", {run.replay.total_steps:,} in its replay" if held else ""
+    replay = f", {run.replay.total_steps:,} in its replay" if held else ", its replay empty (none on disk)"
     print(f"resumed {run.run_name} at step {run.step} ({run.counters['updates']} updates{replay})")
 
 
@@ -3735,6 +3731,9 @@ def log_point(run: Run) -> None:
         "debug/nonfinite_updates": float(counters["nonfinite_updates"]),
         "debug/nonfinite_env_steps": float(counters["nonfinite_env_steps"]),
         "debug/speed/dropped_paths": float(len(counters.get("dropped_fast_paths", {}))),
+        # what keeping the replay on disk and writing checkpoints cost this invocation's loop, in seconds
+        "debug/io/replay_write_s": 0.0 if run.replay.log is None else run.replay.log.seconds,
+        "debug/io/checkpoint_write_s": run.checkpoint_seconds,
     }
     for key, value in scalars.items():
         run.writer.add_scalar(key, value, step)
@@ -3867,7 +3866,7 @@ def checkpoint(run: Run, reason: str, required: bool = True) -> bool:
         return False
     run.counters["train_seconds"] = run.seconds_before + time.time() - run.start_time
     # the updates since the last log point, so that a resumed run logs their means with the next interval
-    counters = {**run.counters, "update_log": run.update_log.state()}
+    counters, start = {**run.counters, "update_log": run.update_log.state()}, time.perf_counter()
     try:
         save_checkpoint(run.checkpoint_path, run.agent, counters, run.run_name, run.args, run.replay, run.rng)
     except mu.WriteFailed as exc:
@@ -3877,7 +3876,8 @@ def checkpoint(run: Run, reason: str, required: bool = True) -> bool:
         exit_with(
             f"stopping: {exc}; the run cannot go on without this checkpoint ({reason}).", EXIT_WRITE_FAILED
         )
-    run.progress.say(f"checkpoint ({reason}): {run.checkpoint_path} at step {run.step}")
+    run.checkpoint_seconds += (seconds := time.perf_counter() - start)  # this invocation's, `debug/io/*`
+    run.progress.say(f"checkpoint ({reason}): {run.checkpoint_path} at step {run.step} ({seconds:.2f} s)")
     return True
 
 

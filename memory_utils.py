@@ -3068,6 +3068,9 @@ class ReplayLog:
         self.position = 0  # rows appended since the run began
         self.crcs: dict[int, int] = {}  # chunk index -> CRC-32 of its file
         self.unsynced: list[str] = []  # files written since the last `sync`
+        self.seconds = (
+            0.0  # wall time spent in `append` and `sync`: what keeping the replay on disk costs the loop
+        )
         os.makedirs(self.folder, exist_ok=True)
 
     @staticmethod
@@ -3082,12 +3085,13 @@ class ReplayLog:
         """One stored step (every field, by name); the chunk's file is written when it is full."""
         if self.failed is not None:
             return
-        offset = self.position % self.chunk_rows
+        start, offset = time.perf_counter(), self.position % self.chunk_rows
         for name, array in self.buffer.items():
             array[offset] = row[name]
         self.position += 1
         if offset == self.chunk_rows - 1:
             self._write(self.position // self.chunk_rows - 1)
+        self.seconds += time.perf_counter() - start
 
     def _write(self, index: int) -> None:
         """The full buffer as chunk `index`'s file: written to a temporary file and renamed (a killed process leaves
@@ -3124,6 +3128,7 @@ class ReplayLog:
 
     def sync(self) -> None:
         """The chunk files written since the last call flushed to disk (fsync), as a checkpoint needs them."""
+        start = time.perf_counter()
         for path in self.unsynced:
             with contextlib.suppress(FileNotFoundError):
                 fd = os.open(path, os.O_RDONLY)
@@ -3138,7 +3143,7 @@ class ReplayLog:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-        self.unsynced = []
+        self.unsynced, self.seconds = [], self.seconds + time.perf_counter() - start
 
     def state(self, keep_from: int) -> dict | None:
         """What a checkpoint holds of the log: where the stream stands, the first row the replay needs (`keep_from`),

@@ -35,6 +35,9 @@ DIAGNOSTICS = {
     "ball_f1_chance_open_loop_5": "world_model/ball_f1_chance_open_loop_5",
 }
 MEMORY = {
+    # what keeping the replay on disk and writing checkpoints cost the loop so far, in seconds (this invocation's)
+    "replay_write_s": "debug/io/replay_write_s",
+    "checkpoint_write_s": "debug/io/checkpoint_write_s",
     "peak_gpu_reserved_mb": "debug/gpu/max_reserved_mb",
     "peak_gpu_alloc_mb": "debug/gpu/max_alloc_mb",
     "gpu_alloc_mb": "debug/gpu/alloc_mb",

@@ -99,6 +99,12 @@ def read_curve(run_dir: Path | None) -> tuple[dict, dict] | None:
         return None
 
 
+def io_per_step(last: dict, key: str, start_step: int) -> float | None:
+    """Microseconds per env step of `key` (seconds this invocation spent, from `start_step` on) at the last point."""
+    steps = last["env_step"] - start_step
+    return None if last.get(key) is None or steps <= 0 else 1e6 * last[key] / steps
+
+
 def pong_figures(curve: dict, scalars: dict, learning_starts: int, launched: float, resumed: bool) -> dict:
     """The curve's figures: each log point, the steady training rate, memory peaks, start-up time."""
     from benchmark import pong_curve
@@ -123,6 +129,8 @@ def pong_figures(curve: dict, scalars: dict, learning_starts: int, launched: flo
     if this_part and not resumed:
         first = next(p for p in points if p["env_step"] == this_part[0][0])
         startup_s = this_part[0][1] - launched - first["wall_s"]
+    # this invocation's env steps: from 0, or for a resumed part from its first log point (a slight overestimate)
+    start_step = this_part[0][0] if this_part and resumed else 0
     keys = (
         "env_step",
         "wall_s",
@@ -158,6 +166,9 @@ def pong_figures(curve: dict, scalars: dict, learning_starts: int, launched: flo
         "pong_peak_gpu_reserved_mb": peak("peak_gpu_reserved_mb"),
         "pong_peak_gpu_alloc_mb": peak("peak_gpu_alloc_mb"),
         "pong_peak_host_rss_mb": peak("host_rss_mb"),
+        # the replay written to disk as it grows, and the checkpoints, over the last invocation's env steps
+        "pong_replay_write_us_per_env_step": io_per_step(last, "replay_write_s", start_step),
+        "pong_checkpoint_write_s": last.get("checkpoint_write_s"),
     }
     reached = [p for p in points if p["env_step"] >= PONG_TARGET_STEPS]
     if reached and startup_s is not None:

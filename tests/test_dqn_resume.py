@@ -83,6 +83,49 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_last_complete_
         np.testing.assert_array_equal(restored[name], expected[name], err_msg=name)
 
 
+STOPPED_RUN = """
+import os, signal, sys
+sys.path[:0] = [{tests!r}, {root!r}]
+import numpy as np
+import dqn_starcraft_split as dqn
+import test_dqn_resume as t
+
+real_save, real_add, adds = dqn.save_run, dqn.SplitReplayBuffer.add, []
+
+def save_run(run, episode, global_step, scores, interrupted):
+    real_save(run, episode, global_step, scores, interrupted)
+    np.savez(f"replay_at_{{global_step}}.npz", **t.ring(run.agent.rb))
+
+def add(self, *transition, **named):
+    real_add(self, *transition, **named)
+    adds.append(1)
+    if len(adds) == 50:  # agent step 50: past the replay's 40, five steps into the fourth episode
+        os.kill(os.getpid(), signal.SIGTERM)
+
+dqn.save_run, dqn.SplitReplayBuffer.add = save_run, add
+sys.exit(dqn.cli([*t.FLAGS, "--num-episodes", "8"], {{}}))
+"""
+
+
+def test_a_run_stopped_by_sigterm_resumes_with_its_replay_exactly_as_it_was(tmp_path):
+    """SIGTERM mid-episode, the replay past its capacity: the signal's checkpoint holds the replay, and the one rebuilt
+    from it is the one the run held then, every array of every transition."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RL_")}
+    script = STOPPED_RUN.format(tests=str(ROOT / "tests"), root=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
+    run_dir = tmp_path / "results" / "r"
+    step = torch.load(run_dir / "checkpoint.pt", weights_only=True)["global_step"]
+    assert step == 45  # the interrupted episode's first step: a resumed run plays that episode again
+    rb = replay_of(run_dir, capacity=40)
+    restored, expected = ring(rb), np.load(tmp_path / f"replay_at_{step}.npz")
+    assert rb.size == 40, "the replay did not evict"
+    for name in expected.files:
+        np.testing.assert_array_equal(restored[name], expected[name], err_msg=name)
+
+
 def test_the_killed_run_resumes_and_finishes(killed, monkeypatch, capsys):
     work, run_dir = killed
     monkeypatch.chdir(work)
@@ -165,3 +208,22 @@ def test_a_buffer_smaller_than_the_saved_replay_is_refused_before_anything_is_wr
         "error: --resume checkpoint's replay holds 40 transitions, more than --buffer-size 20 can: give at least 40."
     )
     assert sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
+
+
+def test_with_the_replay_in_memory_only_nothing_is_written_for_it_and_a_resume_says_so(tmp_path, monkeypatch):
+    """--no-replay-on-disk: no replay folder, no replay in the checkpoint, and a resumed run says its replay was not
+    saved (it trains on what it collects from then on)."""
+    monkeypatch.chdir(tmp_path)
+    assert dqn.cli([*FLAGS, "--num-episodes", "2", "--no-replay-on-disk"], {}) == 0
+    run_dir = tmp_path / "results" / "r"
+    assert not (run_dir / "replay").exists()
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["replay"] is None
+    argv = [*FLAGS, "--num-episodes", "3", "--no-replay-on-disk", "--resume", str(run_dir / "checkpoint.pt")]
+    assert dqn.cli(argv, {}) == 0 and not (run_dir / "replay").exists()
+    assert "resumed r at episode 3, step 30 (replay not saved)" in (run_dir / "train.log").read_text()
+
+
+def test_a_default_run_checkpoints_every_15_minutes_with_its_replay_on_disk():
+    """What a run killed without a signal (the OOM killer, a dead node) keeps by default: the last 15 minutes at most
+    (at the first episode's end after them), with its replay."""
+    assert dqn.Args().checkpoint_minutes == 15 and dqn.Args().replay_on_disk

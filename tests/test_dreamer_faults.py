@@ -316,6 +316,11 @@ BAD_INPUTS = {
     "an exp name too long for the file system": (dict(exp_name="x" * 300), "is 300 bytes long"),
     "a run name too long for the file system": (dict(exp_name="x" * 240), "the run's name (from --env-id"),
     "a seed numpy cannot take": (dict(seed=2**32), "--seed must be between 0 and 2**32 - 1"),
+    "a negative seed": (dict(seed=-1), "--seed must be a number of 0 or more, got -1."),
+    "a choice set in code that is none of its choices": (
+        dict(fast_observe="yes"),
+        "--fast-observe must be one of",
+    ),
     "learning that starts at the end": (dict(learning_starts=200), "no update would ever run"),
     "a train ratio that gives no update": (dict(train_ratio=0.01), "no update would run; give at least"),
     "an infinite learning rate": (

@@ -121,6 +121,53 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_from_the_last_complete_
     assert len(expected["reward"]) < 200, "the replay did not evict"
 
 
+STOPPED_RUN = """
+import os, signal, sys
+sys.path[:0] = [{tests!r}, {root!r}]
+import numpy as np
+import dreamer_atari as da
+import test_dreamer_resume as t
+
+real_save, real_add, adds = da.save_checkpoint, da.EpisodeReplay.add, []
+
+def save_checkpoint(path, agent, counters, run_name, args, replay=None, rng=None):
+    real_save(path, agent, counters, run_name, args, replay, rng)
+    state = replay.rng.bit_generator.state
+    np.savez(f"replay_at_{{counters['global_step']}}.npz", **t.replay_arrays(replay))
+    replay.rng.bit_generator.state = state
+    return path
+
+def add(self, *step):
+    real_add(self, *step)
+    adds.append(1)
+    if len(adds) == 87:  # env step 174: past the replay's capacity, in the middle of the second episodes
+        os.kill(os.getpid(), signal.SIGTERM)
+
+da.save_checkpoint, da.EpisodeReplay.add = save_checkpoint, add
+da.main(t.tiny_args())
+"""
+
+
+def test_a_run_stopped_by_sigterm_resumes_with_its_replay_exactly_as_it_was(tmp_path):
+    """SIGTERM mid-episode, the replay past its capacity: the signal's checkpoint holds the replay, and the one rebuilt
+    from it is the one the run held then, array for array, its episodes in progress and its generator included."""
+    script = STOPPED_RUN.format(tests=str(ROOT / "tests"), root=str(ROOT))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    step = torch.load(run_dir / "checkpoint.pt", weights_only=True)["counters"]["global_step"]
+    assert step == 174, step
+    restored = replay_arrays(dreamer_tiny.replay_of(run_dir, tiny_args(), capacity=150))
+    expected = np.load(tmp_path / f"replay_at_{step}.npz")
+    assert set(restored) == set(expected.files)
+    for key in expected.files:
+        np.testing.assert_array_equal(restored[key], expected[key], err_msg=key)
+    assert not expected["done"].all() and len(expected["reward"]) < step, "none in progress, or none evicted"
+
+
 def test_the_killed_run_resumes_and_trains_on_where_the_checkpoint_stood(killed, monkeypatch, capsys):
     work, run_dir = killed
     monkeypatch.chdir(work)
@@ -227,3 +274,29 @@ def test_a_replay_capacity_smaller_than_the_saved_replay_is_refused_before_anyth
     assert refused.value.code == 2 and err.startswith("error: --resume checkpoint's replay holds ")
     assert err.endswith("more than --buffer-capacity 100 can: give at least 150 (the run's own).")
     assert sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
+
+
+def test_with_the_replay_in_memory_only_nothing_is_written_for_it_and_a_resume_says_it_starts_empty(
+    tmp_path, monkeypatch, capsys
+):
+    """--no-replay-on-disk: no replay folder, no replay in the checkpoint, and a resumed run says its replay starts
+    empty (it trains on what it collects from then on)."""
+    monkeypatch.chdir(tmp_path)
+    in_tmp = tmp_path
+    first = da.main(tiny_args(total_timesteps=150, replay_on_disk=False, save_model=True))
+    run_dir = in_tmp / first["run_dir"]
+    assert not (run_dir / "replay").exists()
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["replay"] is None
+    capsys.readouterr()
+    resumed = da.main(
+        tiny_args(total_timesteps=200, replay_on_disk=False, resume=str(run_dir / "checkpoint.pt"))
+    )
+    assert resumed["global_step"] == 200 and not (run_dir / "replay").exists()
+    assert f"resumed {run_dir.name} at step 150 (" in (out := capsys.readouterr().out)
+    assert "its replay empty (none on disk)" in out, out
+
+
+def test_a_default_run_checkpoints_every_15_minutes_with_its_replay_on_disk():
+    """What a run killed without a signal (the OOM killer, a dead node) keeps by default: the last 15 minutes at most,
+    with its replay."""
+    assert da.Args().checkpoint_minutes == 15 and da.Args().replay_on_disk

@@ -287,6 +287,9 @@ def test_a_replay_file_that_cannot_be_written_is_one_warning_and_the_run_goes_on
     )
     result = run_limited(code, limit=2**40, cwd=small_disk)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    # the start-up's warning counts the replay's files: two checkpoints fit, the replay's 400 steps do not
+    (warned,) = [line for line in result.stdout.splitlines() if "free where checkpoints go" in line]
+    assert "and the replay's" in warned and "on disk when full" in warned, warned
     (line,) = [line for line in result.stdout.splitlines() if "the replay is kept in memory only" in line]
     assert (
         line.startswith("warning: could not write runs/") and "free there): No space left on device" in line

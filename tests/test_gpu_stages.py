@@ -91,6 +91,9 @@ def test_staged_run_writes_one_results_file_with_the_issue_keys_machine_command_
     assert "## Targets (issue 40)" in markdown and "## (a) The update variants" in markdown
     assert "## (b) Pong, Atari100k recipe" in markdown
     assert (results_dir / f"{json_file.stem}_pong_curve.png").stat().st_size > 0
+    # what the replay on disk and the checkpoints cost the Pong run's loop, noted for the card it ran on
+    assert written["pong_replay_write_us_per_env_step"] > 0 and written["pong_checkpoint_write_s"] is not None
+    assert "Keeping the replay on disk took" in markdown
 
 
 @pytest.mark.slow

@@ -658,7 +658,9 @@ def pong_markdown_staged(result: dict) -> list[str]:
                 f"rate {fmt(result.get('pong_env_steps_per_s'))} env steps/s; mean return of the last 10 training "
                 f"episodes {fmt(result.get('pong_train_return_last_10'))}. Peak GPU reserved "
                 f"{fmt(result.get('pong_peak_gpu_reserved_mb'))} MB, allocated {fmt(result.get('pong_peak_gpu_alloc_mb'))}"
-                f" MB; peak host RSS {fmt(result.get('pong_peak_host_rss_mb'))} MB."
+                f" MB; peak host RSS {fmt(result.get('pong_peak_host_rss_mb'))} MB. Keeping the replay on disk "
+                f"took {fmt(result.get('pong_replay_write_us_per_env_step'))} us per env step, and writing "
+                f"checkpoints {fmt(result.get('pong_checkpoint_write_s'))} s in all."
             ),
             "",
             f"![curve]({result['results_stem']}_pong_curve.png)",
