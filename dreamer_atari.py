@@ -2054,7 +2054,7 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
     with one line), channels-last convolutions, then --compile. Without the module, or where it cannot run at all,
     Part 1's functions, said in one line."""
     if kernels_module() is None:
-        print(f"speed: Part 1's functions run (dreamer_kernels.py is not here: {KERNELS_MISSING})")
+        print(f"speed: Part 1's functions run (the kernels module is not here: {KERNELS_MISSING})")
     else:
         try:
             said = dreamer_kernels.install(agent, args)

@@ -3478,7 +3478,7 @@ PINNED = {
         "upcast": "a4af19516ae1bd40",
     },
 }
-PART_1_DIGEST = "5df7fa3804c81300"
+PART_1_DIGEST = "31566de126fd38a6"
 # pinned: end
 
 SCRIPT = None  # the script `bind` was handed, whose Part 1 the digests are taken of
