@@ -60,7 +60,6 @@ PROOF_ARGS = dict(
     hidden_dim=64,
     sequence_length=16,
     imagination_horizon=10,
-    log_interval=500,
     video_every=0,
     leak_warmup_steps=0,
 )
@@ -105,6 +104,8 @@ class Args:
     """where the training run writes runs/ (default: a temporary directory, removed afterwards)"""
     curve_bin: int = 500
     """env steps per point of the training curve"""
+    log_interval: int = 500
+    """env steps between the run's log points (the losses' means)"""
     reach_fraction: float = 0.8
     """`reached_at`: the env step at which the training episodes' mean return first reaches this share of the
     optimal return"""
@@ -249,10 +250,12 @@ def training_args(args: Args) -> da.Args:
         precision=args.precision,
         save_model=True,
         exp_name="learning_proof",
+        log_interval=args.log_interval,
     )
 
 
 def prove(args: Args) -> dict:
+    threads = torch.get_num_threads()  # given back at the end: a process that goes on (a test) keeps its own
     torch.set_num_threads(args.threads)
     train_args = training_args(args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -280,6 +283,7 @@ def prove(args: Args) -> dict:
             eval_seconds = time.perf_counter() - started_eval
         finally:
             os.chdir(cwd)
+            torch.set_num_threads(threads)
     reach = reached_at(returns, args.reach_fraction * float(np.mean(optimal)), args.reach_window)
     return {
         "final_return": float(np.mean(final)),
