@@ -293,6 +293,15 @@ def read_results(path: str | Path) -> dict:
     return result
 
 
+def machine_markdown(machine: dict, command: str, threads: int | None = None) -> str:
+    """One sentence for a results file's markdown: the CPU machine it ran on and the command."""
+    threads_text = f", {threads} threads" if threads is not None else ""
+    return (
+        f"Machine: {machine.get('cpu')} ({machine.get('cpu_count')} cores), torch {machine.get('torch')}"
+        f"{threads_text}. Command: `{command}`."
+    )
+
+
 def code_markdown(code: dict | None) -> str:
     """One sentence for a results file's markdown: the code it ran."""
     if not code or not code.get("commit"):

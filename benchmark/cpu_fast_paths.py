@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import dreamer_atari as da
 import dreamer_kernels as dk
 from benchmark import bench_utils
-from benchmark.common import code_markdown, code_version
+from benchmark.common import code_markdown, code_version, machine_markdown
 from benchmark.learning_proof import PROOF_ARGS
 
 
@@ -180,8 +180,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"# Dreamer's fast paths on the CPU: what each saves, and what a check costs ({result['date']})",
         "",
-        f"Machine: {result['machine']['cpu']} ({result['machine']['cpu_count']} cores), torch "
-        f"{result['machine']['torch']}, {result['args']['threads']} threads. Command: `{result['command']}`.",
+        machine_markdown(result["machine"], result["command"], result["args"]["threads"]),
         code_markdown(result["code"]),
         "",
     ]

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmark import bench_utils
-from benchmark.common import code_markdown, code_version
+from benchmark.common import code_markdown, code_version, machine_markdown
 
 # a few hundred updates of a tiny agent: seconds on a CPU, long enough for every path to train
 TINY_RUN = [
@@ -117,8 +117,7 @@ def markdown(out: dict) -> str:
     rows = [
         f"# Do the same flags train the same tensors before and after? ({out['date']})",
         "",
-        f"Machine: {out['machine'].get('cpu')} ({out['machine'].get('cpu_count')} cores), "
-        f"torch {out['machine'].get('torch')}. Command: `{out['command']}`.",
+        machine_markdown(out["machine"], out["command"]),
         f"Before: commit {out['before_commit'][:10]}. After: {code_markdown(out['code'])}",
         "",
         "| variant | flags before | flags after | tensors | that differ | logged losses that differ |",
