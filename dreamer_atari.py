@@ -1255,7 +1255,9 @@ def imagine(agent: Agent, start_states, horizon: int):
         probs = agent.actor(feat)
         action = one_hot_draw(probs.detach(), action_uniforms[t]).to(probs.dtype)
         log_prob, entropy = policy_terms(probs, action)
-        log_probs.append(log_prob), entropies.append(entropy), feats.append(feat)
+        log_probs.append(log_prob)
+        entropies.append(entropy)
+        feats.append(feat)
         with torch.no_grad():
             deter = rssm.img_step(deter, stoch, action)
             stoch = rssm.sample(rssm.prior(deter), latent_noise[t])
@@ -1466,8 +1468,8 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
     backward pass and one imagination step are each compiled once and reused at every step of a sequence (compiling
     a whole unrolled sequence takes minutes); the encoder, decoder and heads, which run once per update over all
     steps, are compiled too (`nn.Module.compile`, or `run_layers` for an nn.Sequential: their state_dict keys stay,
-    so checkpoints are the same either way), and so are the world model's losses (`world_model_losses`) and the actor-critic targets
-    (`imagined_targets`, the lambda-return loop included), each as one graph. Each compiles as one whole graph
+    so checkpoints are the same either way), and so are the world model's losses (`world_model_losses`) and the
+    actor-critic targets (`imagined_targets`, the lambda-return loop included), each as one graph. Each compiles as one whole graph
     (`fullgraph=True`: a graph break is an error, not a silent slow path). Inductor compiles without CUDA graphs of
     its own: `CudaGraphed` (--cudagraph) captures the whole update around the compiled code, and Inductor's (its
     "reduce-overhead" mode, or `triton.cudagraphs` from TORCHINDUCTOR_CUDAGRAPHS=1) would start a capture of its own
@@ -2115,9 +2117,8 @@ class ArgsError(ValueError):
 def check_args(args: Args) -> None:
     """Raise ArgsError naming the first bad value and what is allowed. Builds one env at most, writes nothing."""
     for field in dataclasses.fields(args):  # a choice (Literal) set in code: tyro's parser refuses the others
-        choices = (
-            tuple(MODELS) if field.name == "model" else get_args(field.type)
-        )  # a new model: a row of MODELS
+        # a new model is a row of MODELS
+        choices = tuple(MODELS) if field.name == "model" else get_args(field.type)
         if get_origin(field.type) is Literal and (value := getattr(args, field.name)) not in choices:
             raise ArgsError(
                 f"--{field.name.replace('_', '-')} must be one of {', '.join(choices)}, got {value!r}."
@@ -2475,10 +2476,8 @@ BALL_EDGE = 25  # grey levels above the background: a pixel the ball covers in p
 # drawn at half its contrast is still a ball (a paddle, 61 above, is told apart by its columns and size)
 BALL_PEAK = 30
 
-BALL_MAX_SIDE = (
-    6 / 160,
-    8 / 210,
-)  # width, height: at most the ball (2 x 4 screen pixels) seen twice, max-pooled
+# width, height: at most the ball (2 x 4 screen pixels) seen twice, max-pooled
+BALL_MAX_SIDE = (6 / 160, 8 / 210)
 
 
 BALL_TOLERANCE = 1  # pixels (Chebyshev distance) between a model's ball pixel and a true one that still match
@@ -3470,9 +3469,7 @@ def set_up(args: Args, stop: mu.StopSignals | None = None, made: "mu.StartUp | N
         restore_run(run, resume_state)
         resume_state = None  # memory: the loaded tensors are now inside the modules; drop the copies
     probes = mu.StageProbes(enabled=args.memory_probes, device=device)
-    if (
-        args.memory_probes
-    ):  # before the first update (a captured one would record nothing): hooks on the modules
+    if args.memory_probes:  # hooks before the first update (a captured one would record nothing)
         wm = run.agent.world_model  # (the prior: `RSSM.observe` runs it once, after its loop)
         stages = {"after_encoder": wm.encoder, "after_rssm": wm.rssm.prior_net, "after_decoder": wm.decoder}
         probes.attach(stages, run.agent.world_model_optimizer)
@@ -3555,9 +3552,7 @@ def open_run(args: Args, resume_state: dict | None, made: "mu.StartUp") -> tuple
     if tracking:
         made.closers.append(lambda: sys.modules["wandb"].finish())
     resume_step = resume_state["counters"]["global_step"] if resume_state is not None else None
-    writer = mu.open_tensorboard(
-        run_dir, vars(args), resume_step=resume_step
-    )  # a full disk: warnings, it trains on
+    writer = mu.open_tensorboard(run_dir, vars(args), resume_step=resume_step)  # a full disk: warnings only
     made.closers.append(writer.close)
     return run_name, run_dir, writer
 

@@ -59,9 +59,8 @@ PART1 = (
     "upcast",
 )
 Actor = Agent = Args = FastPathMismatch = LayerNormGRUCell = NORM_EPS = RSSM = None
-behavior_losses = imagine = imagined_heads = imagined_targets = one_hot = one_hot_draw = policy_terms = (
-    upcast
-) = None
+behavior_losses = imagine = imagined_heads = imagined_targets = None
+one_hot = one_hot_draw = policy_terms = upcast = None
 
 
 class KernelUnavailable(RuntimeError):
@@ -3433,7 +3432,7 @@ PINNED = {
         "mix_uniform": "72fbebb81de97119",
     },
     "fast_imagine": {
-        "imagine": "7cfe871463aa8290",
+        "imagine": "38cee165f5e9c132",
         "RSSM.img_step": "4d7c2b4de5eaf615",
         "RSSM.prior": "0b078350f4e63381",
         "RSSM._stats": "b0f6fd1f09139bf4",
@@ -3443,7 +3442,7 @@ PINNED = {
         "one_hot_draw": "7b5a02f5f87cf401",
     },
     "imagine_gathers": {
-        "imagine": "7cfe871463aa8290",
+        "imagine": "38cee165f5e9c132",
         "RSSM.img_step": "4d7c2b4de5eaf615",
         "RSSM.prior": "0b078350f4e63381",
         "RSSM._stats": "b0f6fd1f09139bf4",
@@ -3456,7 +3455,7 @@ PINNED = {
         "mix_uniform": "72fbebb81de97119",
     },
     "fused_epilogues": {
-        "imagine": "7cfe871463aa8290",
+        "imagine": "38cee165f5e9c132",
         "RSSM.img_step": "4d7c2b4de5eaf615",
         "RSSM.prior": "0b078350f4e63381",
         "RSSM._stats": "b0f6fd1f09139bf4",
@@ -3472,13 +3471,13 @@ PINNED = {
     },
     "fast_heads": {
         "imagined_heads": "b5139a202ca1f8ec",
-        "imagine": "7cfe871463aa8290",
+        "imagine": "38cee165f5e9c132",
         "Actor.forward": "52cf07332cc55746",
         "Critic.forward": "e4c59f6ff1082350",
         "upcast": "a4af19516ae1bd40",
     },
 }
-PART_1_DIGEST = "31566de126fd38a6"
+PART_1_DIGEST = "f3df5d2a0e394b95"
 # pinned: end
 
 SCRIPT = None  # the script `bind` was handed, whose Part 1 the digests are taken of

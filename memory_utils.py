@@ -1723,9 +1723,6 @@ class StatusLine:
         return line
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Forensics: stage probes
-# ---------------------------------------------------------------------------------------------------------
 class UpdateLog:
     """What the updates log, summed on the device between two log points and read with one host transfer per log
     interval, so that no update waits for the host. The values of an update whose step was skipped (a non-finite
@@ -1810,9 +1807,8 @@ class UpdateLog:
         self.sums = {}
         for keys, row in state["sums"].items():
             keys = tuple(keys.split("|"))
-            padded = row + [0.0] * (
-                2 * len(keys) + 1 - len(row)
-            )  # a checkpoint from before the non-finite counts
+            # a checkpoint from before the non-finite counts has fewer columns
+            padded = row + [0.0] * (2 * len(keys) + 1 - len(row))
             self.sums[keys] = torch.tensor(padded, device=self.device)
         for name in ("streak", "longest", "skipped"):
             getattr(self, name).fill_(state[name])
@@ -1910,6 +1906,9 @@ def nonfinite_modules(modules: dict[str, torch.nn.Module]) -> list[str]:
     return [name for name, ok in zip(modules, torch.stack([f.cpu() for f in finite]).tolist()) if not ok]
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Forensics: stage probes
+# ---------------------------------------------------------------------------------------------------------
 class StageProbes:
     """Memory at fixed points of the training loop, to name the stage that ratchets memory up.
 
@@ -3068,9 +3067,9 @@ class ReplayLog:
         self.position = 0  # rows appended since the run began
         self.crcs: dict[int, int] = {}  # chunk index -> CRC-32 of its file
         self.unsynced: list[str] = []  # files written since the last `sync`
-        self.seconds = (
-            0.0  # wall time spent in `append` and `sync`: what keeping the replay on disk costs the loop
-        )
+        # wall time spent in `append` (rows and chunk files): what keeping the replay on disk costs the loop; the
+        # files' fsync (`sync`) is part of the checkpoint that needs them, and counted with its write
+        self.seconds = 0.0
         os.makedirs(self.folder, exist_ok=True)
 
     @staticmethod
@@ -3128,7 +3127,6 @@ class ReplayLog:
 
     def sync(self) -> None:
         """The chunk files written since the last call flushed to disk (fsync), as a checkpoint needs them."""
-        start = time.perf_counter()
         for path in self.unsynced:
             with contextlib.suppress(FileNotFoundError):
                 fd = os.open(path, os.O_RDONLY)
@@ -3143,7 +3141,7 @@ class ReplayLog:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-        self.unsynced, self.seconds = [], self.seconds + time.perf_counter() - start
+        self.unsynced = []
 
     def state(self, keep_from: int) -> dict | None:
         """What a checkpoint holds of the log: where the stream stands, the first row the replay needs (`keep_from`),
