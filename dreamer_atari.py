@@ -566,13 +566,17 @@ def mix_uniform(probs: torch.Tensor, unimix: float) -> torch.Tensor:
     return (1 - unimix) * probs + unimix / probs.shape[-1]
 
 
-def one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """One-hot draws (..., C) float32 from `probs` (..., C), a uniform in [0, 1) per row (..., 1): class k where
-    CDF(k - 1) < u <= CDF(k), as `Categorical(probs).sample()`; the last CDF step is 2, so rounding never leaves none."""
+def draw_index(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The class drawn from `probs` (..., C) by a uniform in [0, 1) per row (..., 1), as its index (...) int64: class k
+    where CDF(k - 1) < u <= CDF(k), as `Categorical(probs).sample()`; the last class where no step of the float32 CDF
+    before it lies below u (so rounding never leaves none, nor do probabilities that are not finite)."""
     cdf = probs.detach().float().cumsum(-1)
-    cdf[..., -1] = 2.0
-    above = (cdf >= uniform).float()  # (..., C): 0 up to the drawn class, 1 from it
-    return above - F.pad(above[..., :-1], (1, 0))
+    return (cdf[..., :-1] < uniform).sum(-1)
+
+
+def one_hot_draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """`draw_index`'s class as a float32 one-hot (..., C)."""
+    return one_hot(draw_index(probs, uniform), probs.shape[-1])
 
 
 def one_hot(index: torch.Tensor, classes: int) -> torch.Tensor:
@@ -1097,7 +1101,7 @@ class Player:
             deter = wm.rssm.img_step(deter, stoch, self.prev_action * (~first).float())
             stoch = wm.rssm.sample(wm.rssm.posterior(deter, wm.encoder(image)))
             probs = self.agent.actor(torch.cat([deter, stoch], -1))  # (N, A)
-            action = one_hot_draw(probs, torch.rand(len(probs), 1, device=probs.device)).argmax(-1)  # (N,)
+            action = draw_index(probs, torch.rand(len(probs), 1, device=probs.device))  # (N,)
         self.deter.copy_(deter), self.stoch.copy_(stoch)
         self.prev_action.copy_(one_hot(action, self.agent.num_actions))
         return (action,)

@@ -50,6 +50,7 @@ PART1 = (
     "NORM_EPS",
     "RSSM",
     "behavior_losses",
+    "draw_index",
     "imagine",
     "imagined_heads",
     "imagined_targets",
@@ -59,7 +60,7 @@ PART1 = (
     "upcast",
 )
 Actor = Agent = Args = FastPathMismatch = LayerNormGRUCell = NORM_EPS = RSSM = None
-behavior_losses = imagine = imagined_heads = imagined_targets = None
+behavior_losses = draw_index = imagine = imagined_heads = imagined_targets = None
 one_hot = one_hot_draw = policy_terms = upcast = None
 
 
@@ -125,8 +126,8 @@ _COMPILED_DRAW: list[Callable] = []  # torch.compile(fast_one_hot_draw), made at
 
 
 def check_draw(device: torch.device, compiled: bool) -> None:
-    """The draws the fast observe and imagination use (`fast_one_hot_draw`: as products; with --compile, compiled;
-    `mixed_draw`, with nothing mixed in) against `one_hot_draw`, on 4,096 rows of 32 classes on the run's device (a
+    """The draws the fast observe and imagination use (`fast_one_hot_draw`: as products; with --compile, compiled)
+    against `one_hot_draw`, on 4,096 rows of 32 classes on the run's device (a
     row certain of one class and a uniform past the CDF's rounded end included; rows whose uniform lies within 1e-5
     of a CDF step are left out, where two sums may round apart): other classes raise FastPathMismatch. With
     --compile, compiles once (seconds)."""
@@ -141,7 +142,6 @@ def check_draw(device: torch.device, compiled: bool) -> None:
     clear[:2] = True
     expected = one_hot_draw(probs, uniform)[clear]
     draws = {"the draw as products (fast_one_hot_draw)": fast_one_hot_draw}
-    draws["the draw of an index (mixed_draw)"] = lambda p, u: one_hot(mixed_draw(p, 0.0, u).squeeze(-1), 32)
     if compiled:
         if not _COMPILED_DRAW:
             _COMPILED_DRAW.append(torch.compile(fast_one_hot_draw, fullgraph=True, dynamic=False))
@@ -152,7 +152,7 @@ def check_draw(device: torch.device, compiled: bool) -> None:
             rows = int((ours != expected).any(-1).sum())
             raise FastPathMismatch(
                 f"{name} picks other classes than one_hot_draw in {rows} of {len(expected)} rows: carry the change "
-                f"into {'mixed_draw' if 'mixed' in name else 'fast_one_hot_draw'}, or run with --fast-observe off "
+                f"into fast_one_hot_draw, or run with --fast-observe off "
                 f"--fast-imagine off (and without --compile).",
                 off={"compile": False}
                 if "compiled" in name
@@ -2352,42 +2352,6 @@ def gather_sum(index: torch.Tensor, table: torch.Tensor, offsets: torch.Tensor) 
     return F.embedding_bag(index.reshape(-1), table, offsets, mode="sum")
 
 
-def draw_matrices(classes: int, unimix: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first C - 1 steps of the CDF of probabilities (..., C) with `unimix` uniform mixed in, as one product
-    (`mixed_draw`): the matrix (1 - unimix) x a triangle of ones (C, C - 1) and the bias unimix (k + 1) / C (C - 1,).
-    The last class is the one drawn where no step reaches the uniform, as `one_hot_draw` sets the last CDF step to 2
-    (so rounding never leaves no class, nor do probabilities that are not finite: every index drawn is a class)."""
-
-    def make():
-        weight = (1 - unimix) * torch.ones(classes, classes - 1, device=device).triu()
-        bias = unimix / classes * torch.arange(1, classes, dtype=torch.float32, device=device)
-        return weight, bias
-
-    return constant(("draw matrices", classes, unimix, torch.device(device)), make)
-
-
-def mixed_draw(probs: torch.Tensor, unimix: float, uniform: torch.Tensor) -> torch.Tensor:
-    """The class `one_hot_draw` picks from `probs` (..., C) with `unimix` uniform mixed in ((1 - unimix) probs +
-    unimix / C, as `RSSM._stats` and `Actor.forward` mix), from a uniform per row (..., 1), as its index (..., 1)
-    int64: the mixed CDF's first C - 1 steps in one product with the mixing in its matrix and bias (`draw_matrices`),
-    then the first class whose CDF reaches the uniform, the last where none does (`searchsorted`). The product in full
-    float32 outside autocast, as `fast_one_hot_draw`'s. Compiled (--compile; a product there would take TF32), the
-    mixed probabilities' cumulative sum and a count of the CDF steps below the uniform, which Inductor fuses."""
-    classes = probs.shape[-1]
-    if torch.compiler.is_compiling():
-        cdf = ((1 - unimix) * probs.float() + unimix / classes).cumsum(-1)
-        return (cdf[..., :-1] < uniform).sum(-1, keepdim=True)  # the last class where no step is below
-    weight, bias = draw_matrices(classes, unimix, probs.device)
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        with torch.autocast(probs.device.type, enabled=False):
-            cdf = torch.addmm(bias, probs.reshape(-1, classes).float(), weight)
-            return torch.searchsorted(cdf.view(*probs.shape[:-1], classes - 1), uniform.float())
-    finally:
-        torch.set_float32_matmul_precision(precision)
-
-
 def first_linear(net: nn.Module, in_features: int) -> nn.Linear | None:
     """A head's first layer where the head is an nn.Sequential (not a subclass, whose forward may differ) whose first
     layer is an nn.Linear (with a bias) on `in_features` inputs, as `mlp` makes every head (Linear, LayerNorm, SiLU,
@@ -2436,23 +2400,21 @@ def gather_imagine_step(actor: Actor, rssm: RSSM, tables, deter, stoch_index, ac
     """`imagine_step` with its products of one-hot latents and actions as gathers of the rows of `imagine_tables`
     (`tables`: those, then the gathers' `bag_offsets`): from deter (N, D) and stoch_index (N, S) (`latent_index`),
     the action drawn from `action_uniform` (N, 1) as its index (N, 1), the next deter and the next stoch_index (from
-    `latent_noise`). The cell (`RSSM.gru`) and the prior's layers run as they are; each draw's mixing is in its CDF's
-    product (`mixed_draw`). A step of 33 operations where one with `imagine_step` takes 42 (update_regions.py).
+    `latent_noise`). The cell (`RSSM.gru`), the prior, the actor's probabilities and the draw (`draw_index`) are Part
+    1's. A step of 40 operations where one with `imagine_step` takes 41 on the CPU (tests/test_dreamer_fused_epilogues.py).
     `--compile` compiles it once."""
     stoch_table, action_table, deter_weight, offsets = tables
     actor_width = deter_weight.shape[0]
     stoch_part = gather_sum(stoch_index, stoch_table, offsets)  # (N, H_actor + H_img)
     logits = after_first(actor.net, torch.addmm(stoch_part[:, :actor_width], deter, deter_weight.t()))
-    # `Actor.forward`'s probabilities (its mixing in the draw), then img_in.linear's output
-    action_index = mixed_draw(F.softmax(upcast(logits), -1), actor.unimix, action_uniform)  # (N, 1)
-    hidden = stoch_part[:, actor_width:] + F.embedding(action_index.squeeze(-1), action_table)
+    action_index = draw_index(actor.probs(logits), action_uniform)  # (N,)
+    hidden = stoch_part[:, actor_width:] + F.embedding(action_index, action_table)  # img_in.linear's output
     for name, layer in rssm.img_in.named_children():
         hidden = hidden if name == "linear" else layer(hidden)
     deter = rssm.gru(upcast(hidden), deter)
-    # `RSSM.prior` and `RSSM.sample`: each latent's class from its probabilities, the uniform mixed in by the draw
-    probs = F.softmax(upcast(rssm.prior_net(deter)).unflatten(-1, (rssm.stoch_dim, rssm.classes)), -1)
-    offsets = latent_offsets(rssm, deter.device)
-    return action_index, deter, mixed_draw(probs, rssm.unimix, latent_noise).squeeze(-1) + offsets
+    # `RSSM.sample`'s class of each latent, as the row of the flattened one-hot
+    stoch_index = draw_index(rssm.prior(deter).exp(), latent_noise) + latent_offsets(rssm, deter.device)
+    return action_index.unsqueeze(-1), deter, stoch_index
 
 
 class FastImagine:
@@ -2558,7 +2520,7 @@ def check_fast_imagine(agent: Agent, tolerance: float = 1e-9) -> None:
             raise FastPathMismatch(
                 f"the fast imagination (FastImagine) gives another {name} than imagine (relative error {error:.1e}): "
                 f"carry the change into both (imagine, RSSM.img_step, RSSM.prior, RSSM.sample and Actor.forward hold "
-                f"the formulas; gather_imagine_step and mixed_draw their copies), or run with --fast-imagine off.",
+                f"the formulas; imagine_step and gather_imagine_step their operations), or run with --fast-imagine off.",
                 off={"fast_imagine": "off"},
             )
 
@@ -2568,7 +2530,7 @@ def check_fast_imagine(agent: Agent, tolerance: float = 1e-9) -> None:
 # torch runs as a kernel per operation, runs as one Triton kernel: a LayerNorm and the SiLU after it (`norm_silu`;
 # img_in's with the action's weight row added first, in place of the gather and the add), the LayerNorm GRU's norm,
 # gates and mix (`gru_gates`), and a categorical draw from logits: the softmax, the unimix, the CDF and the class it
-# picks (`logits_draw`, `mixed_draw`'s draw). The products stay torch's: at N = B x T rows they are large.
+# picks (`logits_draw`, `draw_index`'s draw). The products stay torch's: at N = B x T rows they are large.
 # Imagination runs without gradients. The heads on the imagined states (`heads_on_features`) run their LayerNorms and
 # SiLUs as `norm_silu` too, and the actor's and the critic's learn through them: `norm_silu`'s backward is one more
 # kernel (`norm_silu_backward_kernel`) and a sum. Each program takes BLOCK_R whole rows. The kernels compute in float32
@@ -2678,9 +2640,9 @@ def logits_draw_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """For this program's rows of logits (N, C): the class `mixed_draw` draws from their softmax with the unimix
+    """For this program's rows of logits (N, C): the class `draw_index` draws from their softmax with the unimix
     mixed in (keep p + share, the CDF's step k adding share), from the row's uniform (N,): how many of the CDF's first
-    C - 1 steps lie below it. The softmax in float32 (float64 with DOUBLE), the CDF in float32 as `mixed_draw`'s; with
+    C - 1 steps lie below it. The softmax in float32 (float64 with DOUBLE), the CDF in float32 as `draw_index`'s; with
     OFFSETS, the row's latent (row mod G) times C added (`latent_index`'s rows)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
@@ -2807,7 +2769,7 @@ def gru_gates(
 
 def logits_draw(logits: torch.Tensor, uniform: torch.Tensor, unimix: float, offsets: bool) -> torch.Tensor:
     """`logits_draw_kernel`: from logits (N, G, C) and a uniform per row (N, G, 1), each row's class (N, G) int64,
-    as `mixed_draw(softmax(logits), unimix, uniform)`; with `offsets`, as the flattened one-hot's row (g C + class)."""
+    as `draw_index(mix_uniform(softmax(logits), unimix), uniform)`; with `offsets`, as the flattened one-hot's row (g C + class)."""
     N, G, C = logits.shape
     contiguous_only(logits, uniform)
     out = torch.empty(N, G, dtype=torch.int64, device=logits.device)
@@ -2900,8 +2862,8 @@ def run_layers(layers: list[nn.Module], x: torch.Tensor, action=None) -> torch.T
 
 def fused_imagine_step(actor: Actor, rssm: RSSM, tables, deter, stoch_index, action_uniform, latent_noise):
     """`gather_imagine_step` with the work after each product in one kernel (--fused-epilogues): the same arguments
-    and results. The products and any layer the kernels do not compute run as they are. A step of 16 operations
-    where `gather_imagine_step` dispatches 33 (tests/test_dreamer_fused_epilogues.py counts both)."""
+    and results. The products and any layer the kernels do not compute run as they are. A step of 15 operations
+    where `gather_imagine_step` dispatches 40 (tests/test_dreamer_fused_epilogues.py counts both)."""
     ops = torch.ops.dreamer_scan
     stoch_table, action_table, deter_weight, offsets = tables
     actor_width = deter_weight.shape[0]
@@ -3406,6 +3368,8 @@ PINNED = {
         "RSSM.img_step": "4d7c2b4de5eaf615",
         "RSSM.posterior": "b93810392a5fcd37",
         "RSSM.sample": "6401bcaa270c3545",
+        "one_hot_draw": "73e0ff08473b2055",
+        "draw_index": "9aa2fce3b11c2d93",
     },
     "observe_backward": {
         "RSSM.observe": "413a9c64c7ddeb0c",
@@ -3415,7 +3379,8 @@ PINNED = {
         "RSSM._stats": "b0f6fd1f09139bf4",
         "RSSM.episode_start": "ef47eab3cb30bf73",
         "LayerNormGRUCell.forward": "e3df90fdd2c3c767",
-        "one_hot_draw": "7b5a02f5f87cf401",
+        "one_hot_draw": "73e0ff08473b2055",
+        "draw_index": "9aa2fce3b11c2d93",
         "upcast": "a4af19516ae1bd40",
         "mix_uniform": "72fbebb81de97119",
     },
@@ -3427,7 +3392,8 @@ PINNED = {
         "RSSM._stats": "b0f6fd1f09139bf4",
         "RSSM.episode_start": "ef47eab3cb30bf73",
         "LayerNormGRUCell.forward": "e3df90fdd2c3c767",
-        "one_hot_draw": "7b5a02f5f87cf401",
+        "one_hot_draw": "73e0ff08473b2055",
+        "draw_index": "9aa2fce3b11c2d93",
         "upcast": "a4af19516ae1bd40",
         "mix_uniform": "72fbebb81de97119",
     },
@@ -3439,7 +3405,8 @@ PINNED = {
         "RSSM.sample": "6401bcaa270c3545",
         "RSSM.noise": "a721f47bd62a5ed1",
         "Actor.forward": "52cf07332cc55746",
-        "one_hot_draw": "7b5a02f5f87cf401",
+        "one_hot_draw": "73e0ff08473b2055",
+        "draw_index": "9aa2fce3b11c2d93",
     },
     "imagine_gathers": {
         "imagine": "38cee165f5e9c132",
@@ -3449,7 +3416,8 @@ PINNED = {
         "RSSM.sample": "6401bcaa270c3545",
         "RSSM.noise": "a721f47bd62a5ed1",
         "Actor.forward": "52cf07332cc55746",
-        "one_hot_draw": "7b5a02f5f87cf401",
+        "one_hot_draw": "73e0ff08473b2055",
+        "draw_index": "9aa2fce3b11c2d93",
         "one_hot": "b1c1b46ac80b3cb1",
         "Actor.probs": "8a0de8fad6b6dd26",
         "mix_uniform": "72fbebb81de97119",
@@ -3462,7 +3430,8 @@ PINNED = {
         "RSSM.sample": "6401bcaa270c3545",
         "RSSM.noise": "a721f47bd62a5ed1",
         "Actor.forward": "52cf07332cc55746",
-        "one_hot_draw": "7b5a02f5f87cf401",
+        "one_hot_draw": "73e0ff08473b2055",
+        "draw_index": "9aa2fce3b11c2d93",
         "one_hot": "b1c1b46ac80b3cb1",
         "LayerNormGRUCell.forward": "e3df90fdd2c3c767",
         "upcast": "a4af19516ae1bd40",
@@ -3477,7 +3446,7 @@ PINNED = {
         "upcast": "a4af19516ae1bd40",
     },
 }
-PART_1_DIGEST = "f3df5d2a0e394b95"
+PART_1_DIGEST = "e6ba23eadd777682"
 # pinned: end
 
 SCRIPT = None  # the script `bind` was handed, whose Part 1 the digests are taken of

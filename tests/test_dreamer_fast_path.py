@@ -595,13 +595,32 @@ def test_a_change_to_the_gathered_imagination_step_is_caught(monkeypatch):
     assert "--fast-imagine off" in str(refused.value)
 
 
-def test_a_change_to_the_mixed_draw_is_caught(monkeypatch):
-    """The gathered imagination draws an index from the mixed CDF (`mixed_draw`): drawing one class later is refused
-    by `check_draw`, naming `mixed_draw`."""
-    real_draw = dk.mixed_draw
-    monkeypatch.setattr(dk, "mixed_draw", lambda *inputs: (real_draw(*inputs) + 1).clamp(max=31))
-    with pytest.raises(da.FastPathMismatch, match="into mixed_draw"):
-        dk.check_draw(torch.device("cpu"), compiled=False)
+def test_the_gathered_imagination_draws_with_part_1s_draw_so_an_edit_of_it_trains_there(monkeypatch):
+    """The gathered imagination draws its actions and latents as indices with Part 1's own `draw_index` (no copy of
+    the draw): an edit of it (here each class one later) is what both `imagine` and the gathers draw, so the gathers'
+    check still passes, on other actions than before."""
+    args = tiny_args()
+    torch.manual_seed(0)
+    agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+    agent.imagine = dk.FastImagine(gathers=True)
+    rssm = agent.world_model.rssm
+    deter = torch.randn(5, rssm.deter_dim)
+    start = (deter, rssm.sample(rssm.prior(deter)).detach(), None)
+
+    def actions():
+        torch.manual_seed(3)
+        return agent.imagine.rollout(agent, start, 4)[2]
+
+    before = actions()
+    real_draw = da.draw_index
+
+    def later(probs, uniform):
+        return (real_draw(probs, uniform) + 1).remainder(probs.shape[-1])
+
+    monkeypatch.setattr(da, "draw_index", later)
+    monkeypatch.setattr(dk, "draw_index", later)
+    dk.check_fast_imagine(agent)  # Part 1 and the gathers draw alike
+    assert not torch.equal(actions(), before)
 
 
 @pytest.mark.parametrize("change", ["the shared product", "a head's output"])

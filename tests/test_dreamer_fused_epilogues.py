@@ -70,13 +70,13 @@ def test_gru_gates_are_the_layer_norm_grus_after_its_product():
 
 
 @interpreted
-def test_logits_draw_draws_the_class_mixed_draw_draws_and_offsets_latents():
+def test_logits_draw_draws_the_class_part_1_draws_and_offsets_latents():
     torch.manual_seed(2)
     N, G, C = 700, 3, 5
     logits = 2 * torch.randn(N, G, C, dtype=torch.float64)
     uniform = torch.rand(N, G, 1, dtype=torch.float64)
     uniform[0, 0] = 1.0 - 1e-12  # past the CDF's rounded end: the last class
-    expected = dk.mixed_draw(F.softmax(logits, -1), 0.01, uniform).squeeze(-1)  # (N, G)
+    expected = da.draw_index(da.mix_uniform(F.softmax(logits, -1), 0.01), uniform)  # (N, G)
     ours = torch.ops.dreamer_scan.logits_draw(logits, uniform, 0.01, False)
     assert ours.dtype == torch.int64 and torch.equal(ours, expected) and ours[0, 0] == C - 1
     with_offsets = torch.ops.dreamer_scan.logits_draw(logits, uniform, 0.01, True)
@@ -240,22 +240,22 @@ def test_an_imagined_step_is_half_the_operations_with_the_epilogues_fused():
             with OpCounter() as counter:
                 step(*inputs)
         counts[step.__name__] = sum(counter.ops.values())
-    # 32 operations gathered (the default model's 33, its actor one layer more); fused: the gather, 6 products and
-    # the concatenation before the GRU's, 4 LayerNorms with their SiLUs (img_in's with the action's row), the gates,
-    # 2 draws
-    assert counts == {"gather_imagine_step": 32, "fused_imagine_step": 15}, counts
+    # 40 operations gathered (Part 1's probabilities and `draw_index` for both draws; `imagine_step` dispatches 41);
+    # fused: the gather, 6 products and the concatenation before the GRU's, 4 LayerNorms with their SiLUs (img_in's
+    # with the action's row), the gates, 2 draws
+    assert counts == {"gather_imagine_step": 40, "fused_imagine_step": 15}, counts
 
 
 @interpreted
 def test_the_check_catches_a_formula_the_kernels_do_not_compute(monkeypatch):
     """`check_fused_epilogues` holds the kernels to `gather_imagine_step`, which runs Part 1's layers: a GRU whose
-    gates change in `LayerNormGRUCell.forward`, or a drawn class moved in `mixed_draw`, and not in the kernels, raise
+    gates change in `LayerNormGRUCell.forward`, or a drawn class moved in `draw_index`, and not in the kernels, raise
     FastPathMismatch naming the kernels and --fused-epilogues off."""
     args = dreamer_tiny.tiny_args()
     torch.manual_seed(0)
     agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
     dk.check_fused_epilogues(agent)  # as written: no difference
-    real_forward, real_draw = da.LayerNormGRUCell.forward, dk.mixed_draw
+    real_forward, real_draw = da.LayerNormGRUCell.forward, dk.draw_index
     with monkeypatch.context() as patch:
         patch.setattr(
             da.LayerNormGRUCell, "forward", lambda self, x, state: 0.99 * real_forward(self, x, state)
@@ -263,9 +263,7 @@ def test_the_check_catches_a_formula_the_kernels_do_not_compute(monkeypatch):
         with pytest.raises(da.FastPathMismatch, match="other features") as e:
             dk.check_fused_epilogues(agent)
         assert "gru_gates_kernel" in str(e.value) and "--fused-epilogues off" in str(e.value)
-    monkeypatch.setattr(
-        dk, "mixed_draw", lambda probs, unimix, uniform: real_draw(probs, unimix, 1 - uniform)
-    )
+    monkeypatch.setattr(dk, "draw_index", lambda probs, uniform: real_draw(probs, 1 - uniform))
     with pytest.raises(da.FastPathMismatch, match="other (actions|features)"):
         dk.check_fused_epilogues(agent)
 
