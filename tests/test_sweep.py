@@ -267,14 +267,14 @@ def test_a_killed_run_resumes_from_its_checkpoint_with_each_step_once(tmp_path):
         "--",
         *DREAMER_TINY,
         "--total-timesteps",
-        "1000",
+        "600",
         "--log-interval",
         "20",
         "--checkpoint-every",
-        "400",
+        "200",
     ]
     log = tmp_path / "runs" / "killed" / "defaults__seed1" / "output.log"
-    returncode, err = stop_sweep_when(argv, tmp_path, log, "step 560/1000", kill_script=True)
+    returncode, err = stop_sweep_when(argv, tmp_path, log, "step 340/600", kill_script=True)
     assert returncode == 0, err
     first, second = [json.loads(line) for line in (log.parent / "attempts.jsonl").read_text().splitlines()]
     assert first["exit_code"] == 137 and second["exit_code"] == 0
@@ -285,17 +285,15 @@ def test_a_killed_run_resumes_from_its_checkpoint_with_each_step_once(tmp_path):
         "was killed (exit 137, SIGKILL: a dead node or the OOM killer); it goes on from its last checkpoint"
         in text
     )
-    assert "resumed" in text and "at step 400 " in text and "in its replay" in text
+    assert "resumed" in text and "at step 200 " in text and "in its replay" in text
     written = steps_in_files(events_dir, "charts/SPS")
-    assert len(written) > len(set(written))  # the files hold steps 420.. twice: the purge is what hides them
+    assert len(written) > len(set(written))  # the files hold steps 220.. twice: the purge is what hides them
     accumulator = EventAccumulator(str(events_dir), size_guidance={"scalars": 0})
     accumulator.Reload()
     shown = [event.step for event in accumulator.Scalars("charts/SPS")]
-    assert shown == list(
-        range(20, 1001, 20)
-    )  # an uninterrupted run logs every 20 steps up to 1000: each once
+    assert shown == list(range(20, 601, 20))  # an uninterrupted run logs every 20 steps up to 600: each once
     (row,) = read_rows(tmp_path / "runs" / "killed" / "results.csv")
-    assert row["steps"] == "1000" and row["attempts"] == "2" and row["restarts"] == "1"
+    assert row["steps"] == "600" and row["attempts"] == "2" and row["restarts"] == "1"
     summary = (tmp_path / "runs" / "killed" / "summary.md").read_text()
     assert "resumed from their last checkpoint: defaults__seed1 (1x)" in summary
 
@@ -352,7 +350,7 @@ def test_a_local_sweep_stopped_by_sigterm_continues_when_run_again(tmp_path):
         "--",
         *DQN_TINY,
         "--num-episodes",
-        "20",
+        "8",
     ]
     log = tmp_path / "runs" / "stopped" / "defaults__seed1" / "output.log"
     returncode, err = stop_sweep_when(argv, tmp_path, log, "episode=2 ", kill_script=False)
@@ -368,8 +366,8 @@ def test_a_local_sweep_stopped_by_sigterm_continues_when_run_again(tmp_path):
         ("defaults__seed1", "2"),
         ("defaults__seed2", "1"),
     ]
-    # 20 episodes of 15 steps; the episode it was stopped in is played again and its steps counted once
-    assert rows[1]["steps"] == "300" and rows[0]["steps"] == "300"
+    # 8 episodes of 15 steps; the episode it was stopped in is played again and its steps counted once
+    assert rows[1]["steps"] == "120" and rows[0]["steps"] == "120"
 
 
 @pytest.mark.slow
@@ -378,7 +376,7 @@ def test_a_run_killed_before_any_checkpoint_starts_afresh_and_past_its_restarts_
     again, the sweep has nothing to resume and starts the run over in a clean folder (the script would refuse a
     folder holding a run), each step logged once."""
     argv = ["dqn_starcraft_split.py", "--name", "fresh", "--max-restarts", "0", "--", *DQN_TINY]
-    argv += ["--num-episodes", "20"]
+    argv += ["--num-episodes", "8"]
     log = tmp_path / "runs" / "fresh" / "defaults__seed1" / "output.log"
     returncode, err = stop_sweep_when(argv, tmp_path, log, "episode=2 ", kill_script=True)
     assert (
@@ -391,9 +389,9 @@ def test_a_run_killed_before_any_checkpoint_starts_afresh_and_past_its_restarts_
     first, second = [json.loads(line) for line in (log.parent / "attempts.jsonl").read_text().splitlines()]
     assert first["exit_code"] == 137 and second["exit_code"] == 0 and second["resumed_from"] is None
     (row,) = read_rows(tmp_path / "runs" / "fresh" / "results.csv")
-    assert row["steps"] == "300"
+    assert row["steps"] == "120"
     written = steps_in_files(log.parent / "runs" / "run", "charts/episodic_return")
-    assert written == list(range(15, 301, 15))  # one per episode, from the fresh start only
+    assert written == list(range(15, 121, 15))  # one per episode, from the fresh start only
 
 
 @pytest.mark.parametrize("read", ["to resume", "for the result"])
