@@ -263,10 +263,13 @@ def update_ops(sequence_length: int, horizon: int) -> tuple[collections.Counter,
 # operations and 203.6 to 174.6 GFLOP: imagination and the behaviour heads together 887 to 763 operations, 98.8 to
 # 69.8 GFLOP (the heads' forward 37.0 to 24.4). Then 1,098 when the log-probabilities of the imagined actions came
 # from Part 1's `policy_terms` (a product with the one-hot actions) instead of a gather of their own: 3 operations
-# per update, none per step, so that the fast paths keep no copy of the policy's terms.
+# per update, none per step, so that the fast paths keep no copy of the policy's terms. Then 41 per imagination step
+# and 1,130 per update when the gathered step came to draw with Part 1's own `Actor.probs`, `RSSM.prior` and
+# `draw_index` (the prior's log and exp, the unimix's two and a cumulative sum per draw) instead of a product with the
+# unimix folded into its matrix (`mixed_draw`), so that the fast paths keep no copy of the draw: 8 per step.
 OBSERVE_STEP_CEILING = 47
-IMAGINE_STEP_CEILING = 33
-UPDATE_CEILING = 1_098
+IMAGINE_STEP_CEILING = 41
+UPDATE_CEILING = 1_130
 
 
 # The same for the --compile path: kernel calls of one compiled update at dev/gpu/update_regions.py's tiny sizes
