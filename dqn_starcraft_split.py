@@ -1176,13 +1176,15 @@ def build_agent(args: Args, seed: int, device) -> Agent:
 
 
 class Progress(typing.NamedTuple):
-    """Where training stands, as the loop leaves it at each episode's start and end; what a checkpoint saves and
-    --resume goes on from."""
+    """Where training stands, as the loop leaves it at the top of each agent step and at each episode's end; what a
+    checkpoint saves and --resume goes on from."""
 
     episode: int  # the latest episode begun (0: none yet)
-    global_step: int  # agent steps taken: before that episode while it is played, after it once it has ended
+    global_step: int  # agent steps taken
     recent_train_scores: list  # the latest training episodes' scores (as many as --eval-every-episodes)
-    replay_episode: bool  # whether a resumed run plays `episode` again from its start (it had not ended)
+    playing: (
+        dict | None
+    )  # the episode in progress at global_step (its obs, score, length); None once it has ended
 
 
 def train_one_seed(run) -> str:
@@ -1194,14 +1196,17 @@ def train_one_seed(run) -> str:
     args, env, agent = run.args, run.env, run.agent
     q_network, target_network, optimizer = agent.q_network, agent.target_network, agent.optimizer
     rb, rng = agent.rb, agent.rng  # the replay buffer; the generator of exploration and replay sampling
-    last_episode, global_step, recent_train_scores, replay_episode = run.progress  # new run: 0, 0, [], False
-    first_episode = last_episode if replay_episode else last_episode + 1
-    for episode in range(first_episode, args.num_episodes + 1):
-        # TRY NOT TO MODIFY: a run stopped during this episode plays it again on resume, from the step it began at
-        run.progress = Progress(episode, global_step, recent_train_scores, replay_episode=True)
-        obs, done, score, length = env.reset(), False, 0.0, 0
+    last_episode, global_step, recent_train_scores, playing = run.progress  # new run: 0, 0, [], None
+    for episode in range(last_episode if playing else last_episode + 1, args.num_episodes + 1):
+        # TRY NOT TO MODIFY: a new episode from the game's reset, or the one a resumed run stopped in, where it stopped
+        playing = run.progress.playing or dict(obs=env.reset(), score=0.0, length=0)
+        obs, score, length, done = playing["obs"], playing["score"], playing["length"], False
         while not done:
-            run.check_stop()  # TRY NOT TO MODIFY: a stop signal ends the run here, between two steps
+            # TRY NOT TO MODIFY: where training stands, which a stop signal checkpoints here, between two steps
+            run.progress = Progress(
+                episode, global_step, recent_train_scores, dict(obs=obs, score=score, length=length)
+            )
+            run.check_stop()
             run.probes("loop_start")
             # ALGO LOGIC: the action, epsilon-greedy
             epsilon = linear_schedule(args.start_e, args.end_e, args.exploration_steps, global_step)
@@ -1247,7 +1252,7 @@ def train_one_seed(run) -> str:
         lr = optimizer.param_groups[0]["lr"]
         run.log_episode(episode, global_step, score, length, epsilon, lr)
         # TRY NOT TO MODIFY: this episode has ended and been logged: a resumed run goes on with the next one
-        run.progress = Progress(episode, global_step, recent_train_scores, replay_episode=False)
+        run.progress = Progress(episode, global_step, recent_train_scores, playing=None)
         if agent.scheduler is not None:
             agent.scheduler.step()  # ALGO LOGIC: the learning-rate schedule moves once per episode
         over_time = args.time_limit_min > 0 and time.time() - run.start_time >= 60 * args.time_limit_min
@@ -1990,12 +1995,13 @@ class Run:
     last_verdict: typing.Any = None
     memory_report_failed: bool = False
     # where training stands: kept by Part 1's loop, set by `restore`, saved by a checkpoint
-    progress: Progress = dataclasses.field(default_factory=lambda: Progress(0, 0, [], False))
+    progress: Progress = dataclasses.field(default_factory=lambda: Progress(0, 0, [], None))
     start_time: float = 0.0  # when the loop started (time.time()): steps/s, the time limit
     # the status line every 30 s (`say_status`), and what it says that the loop's logging saw last
     status: mu.StatusLine | None = None
     episodes_done: int = 0
     episode_end_step: int = 0  # the agent step the last finished episode ended at
+    restarted_episodes: int = 0  # episodes a resume played again from the game's reset (`restore`)
     next_checkpoint_time: float = math.inf  # when a periodic checkpoint is due by wall time (time.time())
     next_checkpoint_step: float = math.inf  # and by agent steps
     last_length: int | None = None
@@ -2709,6 +2715,7 @@ def log_episode(
     run.writer.add_scalar("charts/episodic_length", length, global_step)
     run.writer.add_scalar("charts/epsilon", epsilon, global_step)
     run.writer.add_scalar("charts/learning_rate", lr, episode)
+    run.writer.add_scalar("debug/restarted_episodes", run.restarted_episodes, global_step)
     print(
         f"episode={episode} global_step={global_step} score={score:g} epsilon={epsilon:.3f} lr={lr:.3g}",
         flush=True,
@@ -2967,9 +2974,17 @@ def load_checkpoint(path: str, args: Args) -> dict:
     return state
 
 
-def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list, interrupted: bool) -> None:
+def save_run(
+    run: Run,
+    episode: int,
+    global_step: int,
+    recent_train_scores: list,
+    interrupted: bool,
+    playing: dict | None = None,
+) -> None:
     """Checkpoint the run as it is now, with everything --resume needs; never from non-finite weights (the last
-    checkpoint stays)."""
+    checkpoint stays). `interrupted`: `episode` had not ended; `playing`: where it stood, to go on from there (at the
+    top of an agent step: the loop's obs, score and length, and the built-in game's state, `mu.env_state`)."""
     if not all(torch.isfinite(p).all() for p in run.agent.q_network.parameters()):
         run.logger.info(
             "checkpoint not written: the Q network's weights are not finite; the last one is kept"
@@ -2990,6 +3005,10 @@ def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list
         "scaler": run.agent.amp.scaler.state_dict(),
         "recent_train_scores": list(recent_train_scores),
         "replay": run.agent.rb.log_state(),  # with --replay-on-disk (else None)
+        # the game's own state (a built-in one's; pysc2's game cannot be saved), and the episode in progress
+        "env_state": mu.env_state(run.env) if isinstance(run.env, BuiltinMiniGame) else None,
+        "playing": None if playing is None else {**playing, "obs": mu.to_checkpoint(playing["obs"])},
+        "restarted_episodes": run.restarted_episodes,
     }
     save_checkpoint(
         run.checkpoint_path,
@@ -3008,10 +3027,14 @@ def save_run(run: Run, episode: int, global_step: int, recent_train_scores: list
 
 
 def restore(run: Run, state: dict) -> None:
-    """Load a checkpoint's networks, optimizer, scheduler, loss scaler, RNG states and (if saved) replay into the
-    run, and where its training stood (`run.progress`)."""
-    # an interrupted episode starts again; a finished one is followed by the next
-    first_episode = state["episode"] + (0 if state["interrupted"] else 1)
+    """Load a checkpoint's networks, optimizer, scheduler, loss scaler, RNG states, game state and (if saved) replay
+    into the run, and where its training stood (`run.progress`): an episode stopped at the top of a step goes on where
+    it stopped; one that cannot (pysc2's game, a stop in the middle of a step, no replay kept) is played again from
+    the game's reset, said in one line and counted; after a finished one comes the next."""
+    playing, interrupted = state.get("playing"), state["interrupted"]
+    goes_on = playing is not None and state.get("env_state") is not None and run.agent.rb.log is not None
+    goes_on = goes_on and isinstance(run.env, BuiltinMiniGame) and state.get("replay") is not None
+    first_episode = state["episode"] + (0 if interrupted else 1)
     run.episodes_done, run.episode_end_step = first_episode - 1, state["global_step"]
     run.agent.q_network.load_state_dict(state["q_network"])
     run.agent.target_network.load_state_dict(state["target_network"])
@@ -3030,6 +3053,8 @@ def restore(run: Run, state: dict) -> None:
     for name, game in (("env", run.env), ("eval_env", run.eval_env)):
         if name in rngs and hasattr(game, "rng"):
             game.rng.bit_generator.state = rngs[name]
+    if state.get("env_state") is not None and isinstance(run.env, BuiltinMiniGame):
+        mu.restore_env_state(run.env, state["env_state"])
     rb, saved_replay = run.agent.rb, state.get("replay")
     if (
         saved_replay is not None and "position" not in saved_replay
@@ -3040,7 +3065,9 @@ def restore(run: Run, state: dict) -> None:
             rb.restore_log(saved_replay)
         except mu.ReplayLogInvalid as exc:
             raise ConfigError(f"--resume: {exc}.") from None
-        if state["interrupted"] and rb.size:  # the episode stopped part-way is played again: it ends here
+        if (
+            interrupted and not goes_on and rb.size
+        ):  # the episode stopped part-way is played again: it ends here
             rb.dones[(rb.pos - 1) % rb.capacity] = True
     else:
         saved_replay = None
@@ -3048,8 +3075,20 @@ def restore(run: Run, state: dict) -> None:
         f"resumed {run.run_id} at episode {first_episode}, step {state['global_step']}"
         f"{f' with its replay of {rb.size:,} transitions' if saved_replay is not None else ' (replay not saved)'}"
     )
-    scores, replay = list(state.get("recent_train_scores", [])), state["interrupted"]
-    run.progress = Progress(state["episode"], state["global_step"], scores, replay_episode=replay)
+    scores, run.restarted_episodes = (
+        list(state.get("recent_train_scores", [])),
+        state.get("restarted_episodes", 0),
+    )
+    if goes_on:
+        playing = {**playing, "obs": mu.from_checkpoint(playing["obs"])}
+        run.progress = Progress(state["episode"], state["global_step"], scores, playing)
+    else:  # the loop plays the next episode, or the interrupted one again from its start
+        run.progress = Progress(first_episode - 1, state["global_step"], scores, None)
+        if interrupted:
+            run.restarted_episodes += 1
+            run.logger.info(
+                f"resume: episode {first_episode} starts over from the game's reset (it could not go on)"
+            )
 
 
 def honour_learning_rate(run: Run, saved_args: dict) -> None:
@@ -3111,15 +3150,19 @@ def save_interrupted(
     episode: int,
     global_step: int,
     recent_train_scores: list,
-    replay_episode: bool,
+    playing: dict | None,
 ):
     """A stop signal, a CUDA OOM, non-finite values or a crash stopped the run: a checkpoint (unless the reason says
-    none: non-finite weights), a line in train.log, no results row. With `replay_episode` the resumed run plays
-    `episode` again from its start (`global_step` is the step it began at); without it (the episode had ended and was
-    logged) the resumed run goes on with the next one. Another stop signal meanwhile is only recorded: the checkpoint
-    is written whole."""
+    none: non-finite weights), a line in train.log, no results row. A stop signal comes at the top of an agent step:
+    the resumed run goes on with the episode in progress (`playing`) where it stopped. Any other reason may come in the
+    middle of a step: the resumed run plays that episode again from the game's reset. Without an episode in progress
+    (it had ended and was logged) the resumed run goes on with the next one. Another stop signal meanwhile is only
+    recorded: the checkpoint is written whole."""
     if getattr(reason, "checkpoint", True):
-        save_run(run, episode, global_step, recent_train_scores, interrupted=replay_episode)
+        exact = playing if getattr(reason, "signal", False) else None
+        save_run(
+            run, episode, global_step, recent_train_scores, interrupted=playing is not None, playing=exact
+        )
         saved = f"checkpoint saved to {run.checkpoint_path}"
     else:
         saved = "no checkpoint written"

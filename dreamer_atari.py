@@ -1411,10 +1411,9 @@ def train(run, owed: int, batch) -> None:
 def learn(run, envs) -> None:
     """Dreamer's loop to --total-timesteps; `run` (Part 3) holds the agent, replay, update steps and watchers."""
     args = run.args
-    obs, _ = envs.reset(seed=args.seed + run.step)
-    for i in range(args.num_envs):
-        run.replay.start_episode(i, obs[i])
-    is_first = np.ones(args.num_envs, np.bool_)
+    run.obs, run.is_first = run.start_envs(
+        envs
+    )  # reset, or where a resumed run stopped; a checkpoint saves them
     while run.step < args.total_timesteps:
         run.probes("loop_start")  # TRY NOT TO MODIFY: memory probes, and a signal's checkpoint and exit
         run.stop_if_signalled()
@@ -1425,10 +1424,10 @@ def learn(run, envs) -> None:
         if run.step < args.learning_starts:
             actions = run.rng.integers(run.agent.num_actions, size=args.num_envs)
         else:
-            actions = run.player.act(obs, is_first)
+            actions = run.player.act(run.obs, run.is_first)
         # ALGO LOGIC: the updates, before the env step (on a GPU they overlap it); a schedule goes here (settings.set)
         train(run, owed, batch)
-        obs, is_first = step_envs(run, envs, actions)
+        run.obs, run.is_first = step_envs(run, envs, actions)
         run.probes("after_collect")
         run.watch()  # TRY NOT TO MODIFY: videos, log points, checkpoints
 
@@ -3043,13 +3042,8 @@ def replay_state(replay: EpisodeReplay) -> dict | None:
         {"id": ep.id, "env": ep.env, "frames": ep.frames.start, "steps": ep.action.start, "done": ep.done}
         for ep in replay.episodes
     ]
-    return {
-        "log": log,
-        "episodes": index,
-        "total_steps": replay.total_steps,
-        "begun": replay.begun,
-        "rng": replay.rng.bit_generator.state,
-    }
+    return {"log": log, "episodes": index, "total_steps": replay.total_steps, "begun": replay.begun,
+            "rng": replay.rng.bit_generator.state}  # fmt: skip
 
 
 def restore_replay(replay: EpisodeReplay, state: dict, stack: int) -> None:
@@ -3128,27 +3122,25 @@ def save_checkpoint(
     args: Args,
     replay: EpisodeReplay | None = None,
     rng: np.random.Generator | None = None,
+    loop: dict | None = None,
 ) -> str:
     state = {
         "format": CHECKPOINT_FORMAT,
         "run_name": run_name,
         "args": asdict(args),
         "models": {name: module.state_dict() for name, module in agent.modules().items()},
-        "optimizers": {
-            "world_model": agent.world_model_optimizer.state_dict(),
-            "actor": agent.actor_optimizer.state_dict(),
-            "critic": agent.critic_optimizer.state_dict(),
-        },
+        "optimizers": {name: optimizer.state_dict() for name, optimizer in agent.named_optimizers().items()},
         "scalers": {name: scaler.state_dict() for name, scaler in agent.scalers.items()},
         "counters": dict(counters),
-        # each setting's value now (a schedule may have set it): a resumed run goes on with it
-        "settings": {name: float(agent.settings[name]) for name in Settings.NAMES},
+        # each setting's tensor now (a schedule may have set it), its complement too: a resumed run goes on with them
+        "settings": {name: value.detach().cpu().clone() for name, value in agent.settings.tensors.items()},
         "rng": {
             "torch": torch.get_rng_state(),
             "python": random.getstate(),
-            "numpy": None if rng is None else rng.bit_generator.state,
+            "numpy": rng and rng.bit_generator.state,
         },
         "replay": replay_state(replay) if replay is not None else None,
+        "loop": loop,  # `loop_state`
     }
     if torch.cuda.is_available() and agent.device.type == "cuda":
         state["rng"]["cuda"] = torch.cuda.get_rng_state(agent.device)
@@ -3332,6 +3324,11 @@ class Run:
     env_faults: dict = dataclasses.field(
         default_factory=dict
     )  # env index -> (in a row, the step of the last)
+    # what the loop carries from one env step to the next (`learn`), and what a resumed run's checkpoint held of it
+    envs: "gym.vector.VectorEnv | None" = None
+    obs: np.ndarray | None = None
+    is_first: np.ndarray | None = None
+    resumed_loop: dict | None = None
 
     @property
     def checkpoint_path(self) -> str:
@@ -3352,14 +3349,28 @@ class Run:
         if self.step == self.start_step:
             exit_with((self.made or mu.StartUp(new=False)).discard(self.stop.name), self.stop.exit_code)
         checkpoint(self, self.stop.name)
-        exit_with(
-            f"stopped by {self.stop.name} at step {self.step}: --resume {self.checkpoint_path} goes on",
-            self.stop.exit_code,
-        )
+        message = f"stopped by {self.stop.name} at step {self.step}: --resume {self.checkpoint_path} goes on"
+        exit_with(message, self.stop.exit_code)
 
     def env_fault(self, env_index: int, fault: str) -> None:
         """`env_fault` for this run."""
         env_fault(self, env_index, fault)
+
+    def start_envs(self, envs) -> tuple[np.ndarray, np.ndarray]:
+        """The loop's first obs and is_first: a new run's envs reset, an episode starting in each; a resumed run's as
+        its checkpoint left them (`loop_state`). Where it holds no env state (async envs, a crash mid-step) or no
+        replay (--no-replay-on-disk), the episodes in progress start over: said in one line, and counted."""
+        self.envs, loop, args = envs, self.resumed_loop or {}, self.args
+        obs, _ = envs.reset(seed=args.seed + self.step)
+        if loop.get("envs") is not None and None not in self.replay.current:
+            mu.restore_env_state(envs, loop["envs"])
+            return loop["obs"].numpy(), loop["is_first"].numpy()
+        if self.step > 0:
+            self.counters["restarted_episodes"] = self.counters.get("restarted_episodes", 0) + args.num_envs
+            print(f"resume: the {args.num_envs} episodes in progress start over; the rest goes on as it was")
+        for i in range(args.num_envs):
+            self.replay.start_episode(i, obs[i])
+        return obs, np.ones(args.num_envs, np.bool_)
 
     def watch(self) -> None:
         """After each env step: the open-loop videos, probes, snapshots and progress line (`diagnose`), the status
@@ -3460,12 +3471,9 @@ def set_up(args: Args, stop: mu.StopSignals | None = None, made: "mu.StartUp | N
         run = None  # memory: the half-built learner goes before the report
         oom = mu.out_of_memory(exc, __file__, run_dir, device=device, advice=OOM_ADVICE)
         under = f" under --gpu-memory-gb {args.gpu_memory_gb:g}" if gpu_cap(args) is not None else ""
-        exit_with(
-            f"out of memory at start-up ({oom.where}), before any training: a worst-case update (--batch-size "
-            f"{args.batch_size} x --sequence-length {args.sequence_length}) does not fit here{under}.\n"
-            f"{oom.diagnosis}",
-            EXIT_OOM,
-        )
+        exit_with(f"out of memory at start-up ({oom.where}), before any training: a worst-case update (--batch-size "
+                  f"{args.batch_size} x --sequence-length {args.sequence_length}) does not fit here{under}.\n"
+                  f"{oom.diagnosis}", EXIT_OOM)  # fmt: skip
     say_replay_size(
         run.replay.capacity, run.obs_shape, frames_on_device=isinstance(run.replay, FrameStoreReplay)
     )
@@ -3492,6 +3500,14 @@ def restore_run(run: Run, state: dict) -> None:
     except (ArgsError, mu.ReplayLogInvalid) as exc:
         run.writer.close()
         exit_with(f"error: --resume: {str(exc).rstrip('.')}.", EXIT_BAD_INPUT)
+    if (loop := state.get("loop")) is not None:  # the loop as it stood (`loop_state`), its envs at its start
+        for name, value in loop["player"].items():
+            getattr(run.player, name).copy_(value)
+        run.env_faults, run.last_return, run.resumed_loop = (
+            dict(loop["env_faults"]),
+            loop["last_return"],
+            loop,
+        )
     honour_settings(run, state)
     check_run_fast_paths(run)  # on the weights and data the run goes on with (one that disagrees is dropped)
     held = state.get("replay") is not None and run.replay.log is not None
@@ -3510,8 +3526,11 @@ def honour_settings(run: Run, state: dict) -> None:
         if name in saved_args and float(saved_args[name]) != wanted:
             run.agent.settings.set(name, wanted)
             changed.append(f"--{name.replace('_', '-')} {saved_args[name]:g} -> {wanted:g}")
-        elif name in saved_values:
-            run.agent.settings.set(name, saved_values[name])
+        elif name in saved_values:  # as the checkpoint held it, to the last bit (an older one's: a float)
+            run.agent.settings.set(name, float(saved_values[name]))
+            for key in (name, f"1 - {name}"):
+                if isinstance(saved_values.get(key), torch.Tensor):
+                    run.agent.settings[key].copy_(saved_values[key])
     for name, optimizer in run.agent.named_optimizers().items():
         wanted = getattr(run.args, f"{name}_eps")
         if saved_args.get(f"{name}_eps", wanted) != wanted:
@@ -3539,20 +3558,13 @@ def open_run(args: Args, resume_state: dict | None, made: "mu.StartUp") -> tuple
         exit_with(f"error: --resume: {exc}.", EXIT_BAD_INPUT)
     if args.capture_video:
         made.folders.append(f"videos/{run_name}")
+    # ./wandb beside ./runs (a resumed run's: beside its folder's), also when an earlier run set another place
+    wandb_dir = os.path.dirname(os.path.dirname(os.path.abspath(run_dir)))
+    # fmt: off
     tracking = args.track and mu.start_wandb(
-        print,
-        project=args.wandb_project_name,
-        entity=args.wandb_entity,
-        sync_tensorboard=True,
-        config=vars(args),
-        name=run_name,
-        id=run_name,
-        # ./wandb beside ./runs (a resumed run's: beside its folder's), also when an earlier run set another place
-        dir=os.path.dirname(os.path.dirname(os.path.abspath(run_dir))),
-        resume="allow",
-        monitor_gym=True,
-        save_code=True,
-    )
+        print, project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True, config=vars(args),
+        name=run_name, id=run_name, dir=wandb_dir, resume="allow", monitor_gym=True, save_code=True)
+    # fmt: on
     if tracking:
         made.closers.append(lambda: sys.modules["wandb"].finish())
     resume_step = resume_state["counters"]["global_step"] if resume_state is not None else None
@@ -3596,19 +3608,12 @@ def build_learner(args: Args, device: torch.device, resume_state: dict | None = 
     # gives the shapes (an async worker left open would block this process's exit: workers ignore SIGTERM)
     obs_shape, num_actions = env_spaces(args)  # (--frame-stack, 3, S, S), number of actions
     agent = build_agent(args, obs_shape, num_actions, device)
-    run = Run(
-        args=args,
-        device=device,
-        agent=agent,
-        replay=EpisodeReplay(replay_capacity(args), args.num_envs, seed=args.seed),
-        player=Player(agent, args.num_envs),
-        rng=np.random.default_rng(args.seed),
-        counters=dict(NEW_COUNTERS),
-        world_model_step=None,  # `install_speed`'s, below
-        behavior_step=None,
-        update_log=mu.UpdateLog(device),
-        obs_shape=obs_shape,
-    )
+    replay = EpisodeReplay(replay_capacity(args), args.num_envs, seed=args.seed)
+    # fmt: off
+    run = Run(args=args, device=device, agent=agent, replay=replay, player=Player(agent, args.num_envs),
+              rng=np.random.default_rng(args.seed), counters=dict(NEW_COUNTERS), update_log=mu.UpdateLog(device),
+              world_model_step=None, behavior_step=None, obs_shape=obs_shape)  # the update steps: `install_speed`'s
+    # fmt: on
     if dropped := (resume_state or {}).get("counters", {}).get("dropped_fast_paths"):
         defaults = {field.name: field.default for field in dataclasses.fields(Args)}
         dropped = {  # an older checkpoint's: `False` for a flag now auto|on|off, a path since removed
@@ -3666,6 +3671,8 @@ def instrument(run: Run, probes: "mu.StageProbes") -> None:
     if args.video_every:
         run.next_video = (step // args.video_every + 1) * args.video_every
     run.video_rng = np.random.default_rng([args.seed, step])
+    if run.resumed_loop is not None:
+        run.video_rng.bit_generator.state = run.resumed_loop["video_rng"]
     run.start_step, run.start_updates = step, counters["updates"]
     run.seconds_before = counters.get("train_seconds", 0.0)  # a checkpoint from before this counter has none
 
@@ -3673,12 +3680,8 @@ def instrument(run: Run, probes: "mu.StageProbes") -> None:
 def checkpoint_nbytes(run: Run) -> int:
     """About how large a checkpoint of this run is: the modules, the optimizer state and, with --replay-on-disk, the
     replay's chunk still filling (at most --replay-chunk-steps rows)."""
-    nbytes = mu.estimate_nbytes(
-        [
-            {n: m.state_dict() for n, m in run.agent.modules().items()},
-            [o.state_dict() for o in run.agent.optimizers],
-        ]
-    )
+    modules = {name: module.state_dict() for name, module in run.agent.modules().items()}
+    nbytes = mu.estimate_nbytes([modules, [optimizer.state_dict() for optimizer in run.agent.optimizers]])
     if run.replay.log is not None:
         nbytes += run.replay.log.chunk_rows * mu.ReplayLog.row_nbytes(run.replay.log.fields)
     return nbytes
@@ -3719,21 +3722,19 @@ def log_point(run: Run) -> None:
     interval_means, skipped, longest_skipped_run, nonfinite = run.update_log.pop()
     counters["nonfinite_updates"] += skipped
     scalars = {
-        **run.last_report,
-        **reward_quality(interval_means),
-        **interval_means,
-        **run.probes.scalars(),
+        **run.last_report, **reward_quality(interval_means), **interval_means, **run.probes.scalars(),
         "charts/SPS": sps,
         "charts/updates_per_second": (counters["updates"] - run.start_updates) / elapsed,
         "charts/updates": float(counters["updates"]),
         "charts/train_seconds": run.seconds_before + elapsed,
         "debug/nonfinite_updates": float(counters["nonfinite_updates"]),
         "debug/nonfinite_env_steps": float(counters["nonfinite_env_steps"]),
+        "debug/restarted_episodes": float(counters.get("restarted_episodes", 0)),  # on resume (`Run.start_envs`)
         "debug/speed/dropped_paths": float(len(counters.get("dropped_fast_paths", {}))),
         # what keeping the replay on disk and writing checkpoints cost this invocation's loop, in seconds
         "debug/io/replay_write_s": 0.0 if run.replay.log is None else run.replay.log.seconds,
         "debug/io/checkpoint_write_s": run.checkpoint_seconds,
-    }
+    }  # fmt: skip
     for key, value in scalars.items():
         run.writer.add_scalar(key, value, step)
     run.leak_detector.observe(step, run.last_report)
@@ -3747,20 +3748,15 @@ def log_point(run: Run) -> None:
     say_nonfinite(run, skipped, nonfinite)
     # no step with a finite loss and gradient moves a weight to inf, but an edit might: nothing is written from them
     if bad := mu.nonfinite_modules(run.agent.modules()):
-        exit_with(
-            f"stopping at step {step}: the weights of {', '.join(bad)} are not finite, so nothing more is trained "
-            f"or written from them; the last checkpoint is kept.",
-            EXIT_NONFINITE,
-        )
+        exit_with(f"stopping at step {step}: the weights of {', '.join(bad)} are not finite, so nothing more is "
+                  f"trained or written from them; the last checkpoint is kept.", EXIT_NONFINITE)  # fmt: skip
     if longest_skipped_run >= args.max_nonfinite:
         checkpoint(run, "non-finite losses")
         advice = ("" if args.precision == "float32" else "--precision float32 or ") + "lower learning rates"
         sources = nonfinite_sources(nonfinite)
-        exit_with(
-            f"stopping: {longest_skipped_run} updates in a row had a non-finite value ({sources}) and each step was "
-            f"skipped, so the checkpoint holds the last finite weights; try {advice}.",
-            EXIT_NONFINITE,
-        )
+        exit_with(f"stopping: {longest_skipped_run} updates in a row had a non-finite value ({sources}) and each "
+                  f"step was skipped, so the checkpoint holds the last finite weights; try {advice}.",
+                  EXIT_NONFINITE)  # fmt: skip
     if verdict.abort and args.abort_on_leak:
         checkpoint(run, "leak detected")
         exit_with(f"stopping (--abort-on-leak): {verdict.diagnosis}", EXIT_LEAK)
@@ -3845,16 +3841,13 @@ def env_fault(run: Run, env_index: int, fault: str) -> None:
             f"its episode ends there, stored as truncated (later ones: a count per log point)"
         )
     if in_a_row >= run.args.max_nonfinite:
-        checkpoint(run, "non-finite env steps")
-        exit_with(
-            f"stopping: env {env_index} (--env-id {run.args.env_id}) gave a non-finite value at {in_a_row} steps in a "
-            f"row (the last: {fault} at env step {step}); none reached the replay, and the checkpoint holds the last "
-            f"finite weights.",
-            EXIT_NONFINITE,
-        )
+        checkpoint(run, "non-finite env steps", between_steps=False)
+        exit_with(f"stopping: env {env_index} (--env-id {run.args.env_id}) gave a non-finite value at {in_a_row} "
+                  f"steps in a row (the last: {fault} at env step {step}); none reached the replay, and the "
+                  f"checkpoint holds the last finite weights.", EXIT_NONFINITE)  # fmt: skip
 
 
-def checkpoint(run: Run, reason: str, required: bool = True) -> bool:
+def checkpoint(run: Run, reason: str, required: bool = True, between_steps: bool = True) -> bool:
     """Everything the run needs to go on, written whole or not at all (the last good one stays until this one is
     complete), with the replay's index and its last rows when the replay is on disk; one line says so. One that
     fails to write (a full disk): `required` (the final one, a signal's, an OOM's) ends the run with one sentence and
@@ -3867,7 +3860,8 @@ def checkpoint(run: Run, reason: str, required: bool = True) -> bool:
     # the updates since the last log point, so that a resumed run logs their means with the next interval
     counters, start = {**run.counters, "update_log": run.update_log.state()}, time.perf_counter()
     try:
-        save_checkpoint(run.checkpoint_path, run.agent, counters, run.run_name, run.args, run.replay, run.rng)
+        args = (run.checkpoint_path, run.agent, counters, run.run_name, run.args, run.replay, run.rng)
+        save_checkpoint(*args, loop=loop_state(run) if between_steps else None)
     except mu.WriteFailed as exc:
         if not required:
             run.progress.say(f"warning: {exc}; checkpoint ({reason}) not written, the last good one is kept")
@@ -3878,6 +3872,20 @@ def checkpoint(run: Run, reason: str, required: bool = True) -> bool:
     run.checkpoint_seconds += (seconds := time.perf_counter() - start)  # this invocation's, `debug/io/*`
     run.progress.say(f"checkpoint ({reason}): {run.checkpoint_path} at step {run.step} ({seconds:.2f} s)")
     return True
+
+
+def loop_state(run: Run) -> dict | None:
+    """What the loop carries from one env step to the next, for a checkpoint (None before the loop starts): obs and
+    is_first, the envs' state (`mu.env_state`: None for async envs), the player's, the envs' non-finite steps in a
+    row, the last return and the videos' generator: a resumed run trains bit for bit as one never stopped."""
+    if run.obs is None:
+        return None
+    player = {name: getattr(run.player, name).cpu() for name in ("deter", "stoch", "prev_action")}
+    # fmt: off
+    return {"obs": torch.tensor(run.obs), "is_first": torch.tensor(run.is_first), "envs": mu.env_state(run.envs),
+            "player": player, "env_faults": run.env_faults, "last_return": run.last_return,
+            "video_rng": run.video_rng.bit_generator.state}
+    # fmt: on
 
 
 def say_replay_short(run: Run) -> None:
@@ -3896,14 +3904,13 @@ def say_status(run: Run) -> None:
     (read from the device sums then: the line's one host transfer), printed and under `status/*` in TensorBoard."""
     args, step, updates = run.args, run.step, run.counters["updates"]
     if run.status.tick(step, updates):
-        run.status.emit(
-            step,
-            updates,
-            remaining_steps=args.total_timesteps - step,
-            last_return=run.last_return,
-            loss=run.update_log.recent("losses/world_model"),
-            progress=f"step {step:,}/{args.total_timesteps:,}",
+        loss, progress = (
+            run.update_log.recent("losses/world_model"),
+            f"step {step:,}/{args.total_timesteps:,}",
         )
+        remaining = args.total_timesteps - step
+        run.status.emit(step, updates, remaining_steps=remaining, last_return=run.last_return, loss=loss,
+                        progress=progress)  # fmt: skip
 
 
 def finish(run: Run) -> None:
@@ -3973,7 +3980,7 @@ def crashed(run: Run, exc: Exception) -> None:
     report = mu.crash_report(exc, __file__, os.path.join(run.run_dir, "crash.log"))
     try:
         kept = "no checkpoint written"
-        if checkpoint(run, f"crashed with {type(exc).__name__}", required=False):
+        if checkpoint(run, f"crashed with {type(exc).__name__}", required=False, between_steps=False):
             kept = f"--resume {run.checkpoint_path} goes on from step {run.step}"
     except Exception as save_error:  # noqa: BLE001 - the crash is the one to report
         kept = f"the checkpoint could not be written ({type(save_error).__name__}: {save_error})"
@@ -3982,16 +3989,9 @@ def crashed(run: Run, exc: Exception) -> None:
 
 def out_of_memory(run: Run, exc: torch.OutOfMemoryError) -> None:
     """Any OOM of the loop (acting, sampling, an update, an open-loop video): a report, a checkpoint, exit 3."""
-    oom = mu.out_of_memory(
-        exc,
-        __file__,
-        run.run_dir,
-        last_report=run.last_report,
-        verdict=run.last_verdict,
-        device=run.device,
-        advice=OOM_ADVICE,
-    )
-    checkpoint(run, "out of memory")
+    seen = dict(last_report=run.last_report, verdict=run.last_verdict, device=run.device, advice=OOM_ADVICE)
+    oom = mu.out_of_memory(exc, __file__, run.run_dir, **seen)
+    checkpoint(run, "out of memory", between_steps=False)
     exit_with(f"out of memory at step {run.step} ({oom.where}):\n{oom.diagnosis}", EXIT_OOM)
 
 

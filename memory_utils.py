@@ -2878,6 +2878,104 @@ def read_checkpoint(
     return state, note
 
 
+# what is never an environment's state: the layer below (saved as its own), its spaces and registration
+ENV_STATE_SKIPS = frozenset({"env", "envs", "spec", "_cached_spec", "_saved_kwargs", "_ezpickle_args"})
+
+
+def env_state(env) -> list[list[dict]] | None:
+    """The state of an environment, to go on exactly where it stands after `restore_env_state`: for a vector env of
+    environments in this process (gymnasium's SyncVectorEnv: `envs`) or for one environment, each environment's
+    wrappers from the outside in, each one's attributes that hold data (numbers, strings, arrays, deques, lists,
+    tuples and dicts of them; numpy generators' states; an Atari emulator's state with its RNG, ALE's
+    `cloneState(include_rng=True)`), in the forms `torch.load(weights_only=True)` reads back. Attributes of any
+    other type (functions, spaces, renderers) are set up alike by making the environment again. None where the
+    state lives elsewhere (an async vector env's, in its workers)."""
+    if hasattr(env, "envs"):
+        return [env_state(one)[0] for one in env.envs]
+    if hasattr(env, "num_envs") and not hasattr(env, "env"):  # a vector env without its environments here
+        return None
+    layers, layer = [], env
+    while layer is not None:
+        state = {}
+        for name, value in vars(layer).items():
+            if name not in ENV_STATE_SKIPS and (saved := to_checkpoint(value)) is not UNSAVED:
+                state[name] = saved
+        layers.append(state)
+        layer = getattr(layer, "env", None)
+    return [layers]
+
+
+def restore_env_state(env, state: list[list[dict]]) -> None:
+    """`env_state`'s state back into an environment made alike (same id, wrappers and settings)."""
+    envs = env.envs if hasattr(env, "envs") else [env]
+    if len(envs) != len(state):
+        raise ValueError(f"the saved state is of {len(state)} environments, this one has {len(envs)}")
+    for one, layers in zip(envs, state):
+        layer = one
+        for saved in layers:
+            for name, value in saved.items():
+                _restore_value(layer, name, value)
+            layer = getattr(layer, "env", None)
+
+
+UNSAVED = object()
+
+
+def to_checkpoint(value):
+    """`value` (numbers, strings, numpy arrays and scalars, generators, ALE emulators, and lists, tuples, deques and
+    dicts of them) in a form torch's weights_only loader reads, tagged where its type must come back
+    (`from_checkpoint`); UNSAVED for anything else."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, np.generic):
+        return ("numpy", torch.from_numpy(np.array([value])), value.dtype.str)
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biuf":
+            return UNSAVED
+        return ("numpy", torch.from_numpy(np.array(value)), None)
+    if isinstance(value, np.random.Generator):
+        return ("generator", value.bit_generator.state)
+    if type(value).__name__ == "ALEInterface":
+        return ("ale", value.cloneState(include_rng=True).__getstate__())
+    if isinstance(value, (list, tuple, deque)):
+        items = [to_checkpoint(item) for item in value]
+        if any(item is UNSAVED for item in items):
+            return UNSAVED
+        return ("deque", items, value.maxlen) if isinstance(value, deque) else type(value)(items)
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        items = {key: to_checkpoint(item) for key, item in value.items()}
+        return UNSAVED if any(item is UNSAVED for item in items.values()) else items
+    return UNSAVED
+
+
+def from_checkpoint(saved):
+    """`to_checkpoint`'s form back as the value (generators and emulators are restored in place, `restore_env_state`)."""
+    if isinstance(saved, tuple) and saved and saved[0] == "numpy" and len(saved) == 3:
+        array = saved[1].numpy().copy()
+        return array.astype(np.dtype(saved[2]))[0] if saved[2] is not None else array
+    if isinstance(saved, tuple) and saved and saved[0] == "deque" and len(saved) == 3:
+        return deque((from_checkpoint(item) for item in saved[1]), maxlen=saved[2])
+    if isinstance(saved, (list, tuple)):
+        return type(saved)(from_checkpoint(item) for item in saved)
+    if isinstance(saved, dict):
+        return {key: from_checkpoint(item) for key, item in saved.items()}
+    return saved
+
+
+def _restore_value(layer, name: str, saved) -> None:
+    """One attribute of `layer` as `env_state` saved it."""
+    tag = saved[0] if isinstance(saved, tuple) and len(saved) == 2 else None
+    if tag == "generator":
+        getattr(layer, name).bit_generator.state = saved[1]
+    elif tag == "ale":
+        ale = getattr(layer, name)
+        ale_state = type(ale.cloneState()).__new__(type(ale.cloneState()))
+        ale_state.__setstate__(saved[1])
+        ale.restoreState(ale_state)
+    else:
+        setattr(layer, name, from_checkpoint(saved))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Replay storage: growable arrays in chunks, in memory maps of their own
 # ---------------------------------------------------------------------------------------------------------

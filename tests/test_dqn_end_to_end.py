@@ -154,8 +154,8 @@ def test_sigterm_leaves_a_checkpoint_and_no_results_row(tmp_path, to):
 def test_a_stop_signal_stops_the_run_at_the_next_agent_step(tmp_path, monkeypatch, during):
     """SIGTERM is only recorded where it lands (here inside a step sent to the game, which goes on to its end), and
     the run stops at the top of the next agent step: a checkpoint, exit 143, no results row. In training the
-    episode is played again on resume; in the final test episodes (all training episodes logged) the resumed run
-    goes on from there."""
+    checkpoint holds the episode in progress at that step, for a resume to go on with; in the final test episodes
+    (all training episodes logged) the resumed run goes on from there."""
     real_game_call, calls, returned = dqn.game_call, [], []
     signal_at = 20 if during == "training" else 31  # mid-episode 2; the first step of the test (2 x 15 steps)
 
@@ -183,7 +183,8 @@ def test_a_stop_signal_stops_the_run_at_the_next_agent_step(tmp_path, monkeypatc
     run = tmp_path / "results" / "sig"
     saved = torch.load(run / "checkpoint.pt", weights_only=True)
     if during == "training":
-        assert (saved["episode"], saved["global_step"], saved["interrupted"]) == (2, 15, True)
+        assert (saved["episode"], saved["global_step"], saved["interrupted"]) == (2, 20, True)
+        assert saved["playing"]["length"] == 5 and saved["env_state"] is not None
     else:
         assert (saved["episode"], saved["global_step"], saved["interrupted"]) == (2, 30, False)
     assert "interrupted by SIGTERM" in (run / "train.log").read_text()

@@ -211,6 +211,11 @@ def test_updates_non_finite_in_a_row_stop_with_exit_5_and_the_last_finite_weight
         tmp_path, monkeypatch, capsys, "--num-episodes", "5", "--resume", "results/r/checkpoint.pt"
     )
     assert code == 0, err
+    log = (tmp_path / "results" / "r" / "train.log").read_text()
+    assert "resume: episode 4 starts over from the game's reset (it could not go on)" in log
+    events = EventAccumulator(str(tmp_path / "runs" / "r"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [event.value for event in events.Scalars("debug/restarted_episodes")][-1] == 1  # counted
 
 
 def test_weights_that_are_not_finite_give_no_evaluation_results_row_or_checkpoint(
@@ -239,13 +244,14 @@ def test_weights_that_are_not_finite_give_no_evaluation_results_row_or_checkpoin
 
 def test_a_game_that_raises_mid_run_keeps_a_checkpoint_that_resumes(tmp_path, monkeypatch, capsys):
     """An SC2 crash at the 50th step: the checkpoint first, the traceback in crash.log, one paragraph naming what
-    raised and where, exit 8 (EXIT_CRASHED); the checkpoint resumes and the run finishes."""
+    raised and where, exit 8 (EXIT_CRASHED); the checkpoint resumes, the episode the crash cut (in the middle of a
+    step) starting over from the game's reset, said in one line, and the run finishes."""
     with_faults(monkeypatch, {50: "raise"})
     code, _out, err = run(tmp_path, monkeypatch, capsys, "--num-episodes", "5", "--eval-every-episodes", "0")
     assert code == dqn.EXIT_CRASHED
     (paragraph,) = err.strip().splitlines()
     assert paragraph.startswith(
-        "crashed at episode 4, agent step 45: RuntimeError: the game crashed, raised in step"
+        "crashed at episode 4, agent step 49: RuntimeError: the game crashed, raised in step"
     )
     assert (
         "the traceback is in results/r/crash.log" in paragraph
@@ -259,6 +265,11 @@ def test_a_game_that_raises_mid_run_keeps_a_checkpoint_that_resumes(tmp_path, mo
         tmp_path, monkeypatch, capsys, "--num-episodes", "5", "--resume", "results/r/checkpoint.pt"
     )
     assert code == 0, err
+    log = (tmp_path / "results" / "r" / "train.log").read_text()
+    assert "resume: episode 4 starts over from the game's reset (it could not go on)" in log
+    events = EventAccumulator(str(tmp_path / "runs" / "r"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [event.value for event in events.Scalars("debug/restarted_episodes")][-1] == 1  # counted
 
 
 # Bad inputs from the command line and RL_* variables: (argv, variables, what the one sentence says)

@@ -42,10 +42,10 @@ import test_dqn_resume as t
 
 real_save, real_checked, saves = dqn.save_run, mu.save_checked, []
 
-def save_run(run, episode, global_step, scores, interrupted):
+def save_run(run, episode, global_step, scores, interrupted, playing=None):
     saves.append(global_step)
     if len(saves) < 3:
-        real_save(run, episode, global_step, scores, interrupted)
+        real_save(run, episode, global_step, scores, interrupted, playing)
         np.savez(f"replay_at_{{global_step}}.npz", **t.ring(run.agent.rb))
         return
     def dies_while_writing(path, data, needed_bytes=None):  # the third: killed half-way through its write
@@ -54,7 +54,7 @@ def save_run(run, episode, global_step, scores, interrupted):
             os.kill(os.getpid(), signal.SIGKILL)
         real_checked(path, half, needed_bytes)
     mu.save_checked = dies_while_writing
-    real_save(run, episode, global_step, scores, interrupted)
+    real_save(run, episode, global_step, scores, interrupted, playing)
 
 dqn.save_run = save_run
 sys.exit(dqn.cli([*t.FLAGS, "--num-episodes", "8", "--checkpoint-every", "30"], {{}}))
@@ -92,8 +92,8 @@ import test_dqn_resume as t
 
 real_save, real_add, adds = dqn.save_run, dqn.SplitReplayBuffer.add, []
 
-def save_run(run, episode, global_step, scores, interrupted):
-    real_save(run, episode, global_step, scores, interrupted)
+def save_run(run, episode, global_step, scores, interrupted, playing=None):
+    real_save(run, episode, global_step, scores, interrupted, playing)
     np.savez(f"replay_at_{{global_step}}.npz", **t.ring(run.agent.rb))
 
 def add(self, *transition, **named):
@@ -118,7 +118,7 @@ def test_a_run_stopped_by_sigterm_resumes_with_its_replay_exactly_as_it_was(tmp_
     assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
     run_dir = tmp_path / "results" / "r"
     step = torch.load(run_dir / "checkpoint.pt", weights_only=True)["global_step"]
-    assert step == 45  # the interrupted episode's first step: a resumed run plays that episode again
+    assert step == 50  # where it stopped: a resumed run goes on with that episode from there
     rb = replay_of(run_dir, capacity=40)
     restored, expected = ring(rb), np.load(tmp_path / f"replay_at_{step}.npz")
     assert rb.size == 40, "the replay did not evict"

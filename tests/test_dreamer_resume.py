@@ -59,10 +59,10 @@ import test_dreamer_resume as t
 
 real_save, real_checked, saves = da.save_checkpoint, mu.save_checked, []
 
-def save_checkpoint(path, agent, counters, run_name, args, replay=None, rng=None):
+def save_checkpoint(path, agent, counters, run_name, args, replay=None, rng=None, loop=None):
     saves.append(counters["global_step"])
     if len(saves) < 3:
-        real_save(path, agent, counters, run_name, args, replay, rng)
+        real_save(path, agent, counters, run_name, args, replay, rng, loop)
         state = replay.rng.bit_generator.state
         np.savez(f"replay_at_{{counters['global_step']}}.npz", **t.replay_arrays(replay))
         replay.rng.bit_generator.state = state
@@ -74,7 +74,7 @@ def save_checkpoint(path, agent, counters, run_name, args, replay=None, rng=None
             os.kill(os.getpid(), signal.SIGKILL)
         real_checked(path, half, needed_bytes)
     mu.save_checked = dies_while_writing
-    real_save(path, agent, counters, run_name, args, replay, rng)
+    real_save(path, agent, counters, run_name, args, replay, rng, loop)
 
 da.save_checkpoint = save_checkpoint
 da.main(t.tiny_args(checkpoint_every=100))
@@ -130,8 +130,8 @@ import test_dreamer_resume as t
 
 real_save, real_add, adds = da.save_checkpoint, da.EpisodeReplay.add, []
 
-def save_checkpoint(path, agent, counters, run_name, args, replay=None, rng=None):
-    real_save(path, agent, counters, run_name, args, replay, rng)
+def save_checkpoint(path, agent, counters, run_name, args, replay=None, rng=None, loop=None):
+    real_save(path, agent, counters, run_name, args, replay, rng, loop)
     state = replay.rng.bit_generator.state
     np.savez(f"replay_at_{{counters['global_step']}}.npz", **t.replay_arrays(replay))
     replay.rng.bit_generator.state = state
