@@ -3989,8 +3989,8 @@ def crashed(run: Run, exc: Exception) -> None:
 
 def out_of_memory(run: Run, exc: torch.OutOfMemoryError) -> None:
     """Any OOM of the loop (acting, sampling, an update, an open-loop video): a report, a checkpoint, exit 3."""
-    seen = dict(last_report=run.last_report, verdict=run.last_verdict, device=run.device, advice=OOM_ADVICE)
-    oom = mu.out_of_memory(exc, __file__, run.run_dir, **seen)
+    oom = mu.out_of_memory(exc, __file__, run.run_dir, last_report=run.last_report, verdict=run.last_verdict,
+                           device=run.device, advice=OOM_ADVICE)  # fmt: skip
     checkpoint(run, "out of memory", between_steps=False)
     exit_with(f"out of memory at step {run.step} ({oom.where}):\n{oom.diagnosis}", EXIT_OOM)
 
