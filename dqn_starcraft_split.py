@@ -1182,9 +1182,8 @@ class Progress(typing.NamedTuple):
     episode: int  # the latest episode begun (0: none yet)
     global_step: int  # agent steps taken
     recent_train_scores: list  # the latest training episodes' scores (as many as --eval-every-episodes)
-    playing: (
-        dict | None
-    )  # the episode in progress at global_step (its obs, score, length); None once it has ended
+    # the episode in progress at global_step (its obs, score and length); None once it has ended
+    playing: dict | None
 
 
 def train_one_seed(run) -> str:
@@ -1203,9 +1202,8 @@ def train_one_seed(run) -> str:
         obs, score, length, done = playing["obs"], playing["score"], playing["length"], False
         while not done:
             # TRY NOT TO MODIFY: where training stands, which a stop signal checkpoints here, between two steps
-            run.progress = Progress(
-                episode, global_step, recent_train_scores, dict(obs=obs, score=score, length=length)
-            )
+            playing = dict(obs=obs, score=score, length=length)
+            run.progress = Progress(episode, global_step, recent_train_scores, playing)
             run.check_stop()
             run.probes("loop_start")
             # ALGO LOGIC: the action, epsilon-greedy
@@ -3065,9 +3063,8 @@ def restore(run: Run, state: dict) -> None:
             rb.restore_log(saved_replay)
         except mu.ReplayLogInvalid as exc:
             raise ConfigError(f"--resume: {exc}.") from None
-        if (
-            interrupted and not goes_on and rb.size
-        ):  # the episode stopped part-way is played again: it ends here
+        # the episode stopped part-way is played again from the game's reset: it ends here
+        if interrupted and not goes_on and rb.size:
             rb.dones[(rb.pos - 1) % rb.capacity] = True
     else:
         saved_replay = None
@@ -3075,10 +3072,8 @@ def restore(run: Run, state: dict) -> None:
         f"resumed {run.run_id} at episode {first_episode}, step {state['global_step']}"
         f"{f' with its replay of {rb.size:,} transitions' if saved_replay is not None else ' (replay not saved)'}"
     )
-    scores, run.restarted_episodes = (
-        list(state.get("recent_train_scores", [])),
-        state.get("restarted_episodes", 0),
-    )
+    scores = list(state.get("recent_train_scores", []))
+    run.restarted_episodes = state.get("restarted_episodes", 0)
     if goes_on:
         playing = {**playing, "obs": mu.from_checkpoint(playing["obs"])}
         run.progress = Progress(state["episode"], state["global_step"], scores, playing)

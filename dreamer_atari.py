@@ -1411,9 +1411,8 @@ def train(run, owed: int, batch) -> None:
 def learn(run, envs) -> None:
     """Dreamer's loop to --total-timesteps; `run` (Part 3) holds the agent, replay, update steps and watchers."""
     args = run.args
-    run.obs, run.is_first = run.start_envs(
-        envs
-    )  # reset, or where a resumed run stopped; a checkpoint saves them
+    # reset, or as a resumed run's checkpoint left them; what a checkpoint saves of the loop, with the envs' state
+    run.obs, run.is_first = run.start_envs(envs)
     while run.step < args.total_timesteps:
         run.probes("loop_start")  # TRY NOT TO MODIFY: memory probes, and a signal's checkpoint and exit
         run.stop_if_signalled()
@@ -3137,7 +3136,7 @@ def save_checkpoint(
         "rng": {
             "torch": torch.get_rng_state(),
             "python": random.getstate(),
-            "numpy": rng and rng.bit_generator.state,
+            "numpy": None if rng is None else rng.bit_generator.state,
         },
         "replay": replay_state(replay) if replay is not None else None,
         "loop": loop,  # `loop_state`
@@ -3503,11 +3502,8 @@ def restore_run(run: Run, state: dict) -> None:
     if (loop := state.get("loop")) is not None:  # the loop as it stood (`loop_state`), its envs at its start
         for name, value in loop["player"].items():
             getattr(run.player, name).copy_(value)
-        run.env_faults, run.last_return, run.resumed_loop = (
-            dict(loop["env_faults"]),
-            loop["last_return"],
-            loop,
-        )
+        run.env_faults, run.last_return = dict(loop["env_faults"]), loop["last_return"]
+        run.resumed_loop = loop
     honour_settings(run, state)
     check_run_fast_paths(run)  # on the weights and data the run goes on with (one that disagrees is dropped)
     held = state.get("replay") is not None and run.replay.log is not None
@@ -3904,13 +3900,9 @@ def say_status(run: Run) -> None:
     (read from the device sums then: the line's one host transfer), printed and under `status/*` in TensorBoard."""
     args, step, updates = run.args, run.step, run.counters["updates"]
     if run.status.tick(step, updates):
-        loss, progress = (
-            run.update_log.recent("losses/world_model"),
-            f"step {step:,}/{args.total_timesteps:,}",
-        )
-        remaining = args.total_timesteps - step
-        run.status.emit(step, updates, remaining_steps=remaining, last_return=run.last_return, loss=loss,
-                        progress=progress)  # fmt: skip
+        loss = run.update_log.recent("losses/world_model")
+        run.status.emit(step, updates, remaining_steps=args.total_timesteps - step, last_return=run.last_return,
+                        loss=loss, progress=f"step {step:,}/{args.total_timesteps:,}")  # fmt: skip
 
 
 def finish(run: Run) -> None:

@@ -2969,7 +2969,8 @@ def _restore_value(layer, name: str, saved) -> None:
         getattr(layer, name).bit_generator.state = saved[1]
     elif tag == "ale":
         ale = getattr(layer, name)
-        ale_state = type(ale.cloneState()).__new__(type(ale.cloneState()))
+        state_type = type(ale.cloneState())  # ale_py.ALEState, without importing ale_py here
+        ale_state = state_type.__new__(state_type)
         ale_state.__setstate__(saved[1])
         ale.restoreState(ale_state)
     else:
