@@ -3369,9 +3369,12 @@ def run_seed(
     run.start_time = time.time()
     schedule_checkpoints(run, run.progress.global_step)
     try:
-        stopped_by = train_one_seed(run)
-        episode, global_step, recent_train_scores, _ = run.progress
-        row = finish(run, episode, global_step, recent_train_scores, stopped_by, run.start_time, wall_start)
+        with mu.collect_only_the_loops_garbage():  # memory reports: a collection walks the loop's objects
+            stopped_by = train_one_seed(run)
+            episode, global_step, recent_train_scores, _ = run.progress
+            row = finish(
+                run, episode, global_step, recent_train_scores, stopped_by, run.start_time, wall_start
+            )
     except RunInterrupted as exc:  # in training, in a periodic test or in the final one
         if exc.signal and made.new and run.progress.global_step == 0:  # before any step: nothing to keep
             close(run)

@@ -904,3 +904,29 @@ def test_numpy_numbers_are_steps_and_values_too():
     for step in np.arange(0, 5000, 1000):
         detector.observe(step, {mu.KEY_USS_MB: np.float32(100.0)})
     assert not detector.check().leaking
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_the_loops_collections_walk_only_what_the_loop_made_and_everything_goes_back_after():
+    """`collect_only_the_loops_garbage`: what lives when the loop starts is out of the collector's sight, what the
+    loop makes is collected as ever (a cycle the loop drops is freed), and at the end, also when the loop raises,
+    everything goes back to the collector."""
+    before = _Cycle()
+    try:
+        with pytest.raises(KeyboardInterrupt), mu.collect_only_the_loops_garbage():
+            assert gc.get_freeze_count() > 0
+            assert id(before) not in {id(obj) for obj in gc.get_objects()}  # a collection does not walk it
+            made = _Cycle()
+            assert id(made) in {id(obj) for obj in gc.get_objects()}
+            made_id, made = id(made), None
+            gc.collect()
+            assert made_id not in {id(obj) for obj in gc.get_objects()}  # the loop's cycle was freed
+            raise KeyboardInterrupt
+        assert gc.get_freeze_count() == 0 and id(before) in {id(obj) for obj in gc.get_objects()}
+    finally:
+        gc.collect()
+        gc.freeze()  # the state this module's fixture left
