@@ -3935,8 +3935,9 @@ def main(args: Args) -> dict:
             exit_with(f"crashed during start-up, nothing trained: {report}.", EXIT_CRASHED)
         with guarded(run, envs):  # a signal, an out-of-memory error or a crash leaves a checkpoint
             run.progress.mark(run.step)
-            learn(run, envs)
-            finish(run)
+            with mu.collect_only_the_loops_garbage():  # memory reports: a collection walks the loop's objects
+                learn(run, envs)
+                finish(run)
     if stop.received:  # during the final checkpoint: the run is complete, the signal is still said
         exit_with(
             f"stopped by {stop.name} after the last step (the final checkpoint is written)", stop.exit_code
