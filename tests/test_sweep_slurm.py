@@ -3,6 +3,7 @@ scripts, and a Dreamer task requeued with `scontrol requeue` while it trains and
 with SIGKILL (as a dead node or the OOM killer would), against an uninterrupted run of the same seed in the same round
 of submissions."""
 
+import contextlib
 import csv
 import json
 import re
@@ -38,9 +39,9 @@ SLURM = [
     "--time-min",
     "10",
 ]
-# long enough that the requeue at step 100 lands well before the end also on a fast, idle machine (about 100 env
-# steps/s: a 600-step run once finished in the seconds between the requeue and its signal)
-TOTAL = 1500
+# the requeue comes at step 100 (the script waits for it, stopped), and the SIGKILL 40 steps after the run went on:
+# room for the test to see that step and kill before the end, also at 150 env steps/s
+TOTAL = 1000
 DREAMER_RUN = [*DREAMER_TINY, "--total-timesteps", str(TOTAL), "--log-interval", "20"]
 
 
@@ -75,10 +76,10 @@ def sweeps(tmp_path_factory):
     Dreamer run left alone. Returns their folder and job array ids once every run has finished."""
     work = tmp_path_factory.mktemp("slurm_sweeps")
     jobs = {}
-    for name, argv in (
-        ("requeued", ["dreamer_atari.py", "--seeds", "1", "--", *DREAMER_RUN]),
+    for name, argv in (  # the requeued run last: the test watches it from its start
         ("dqn", ["dqn_starcraft_split.py", "--seeds", "1", "2", "--", *DQN_TINY, "--num-episodes", "2"]),
         ("uninterrupted", ["dreamer_atari.py", "--seeds", "1", "--", *DREAMER_RUN]),
+        ("requeued", ["dreamer_atari.py", "--seeds", "1", "--", *DREAMER_RUN]),
     ):
         done = subprocess.run(
             [sys.executable, str(Path(sweep.__file__)), *argv[:1], "--name", name, *SLURM, *argv[1:]],
@@ -93,8 +94,15 @@ def sweeps(tmp_path_factory):
     try:
         log = work / "runs" / "requeued" / "defaults__seed1" / "output.log"
         # generous: a loaded machine (the other test worker) slows the one-node cluster's tasks
+        script = wait_for(lambda: training_script(log.parent), 240, "the Dreamer run's script")
         wait_for(lambda: latest_step(log) >= 100, 240, "the Dreamer run to reach step 100")
+        # the script waits, stopped, for the requeue's SIGTERM: however slowly a loaded cluster passes it on, the
+        # run cannot end first
+        script.suspend()
         subprocess.run(["scontrol", "requeue", jobs["requeued"]], check=True, timeout=30)
+        wait_for(lambda: sigterm_reached(script), 120, "the requeue's SIGTERM to reach the script")
+        with contextlib.suppress(psutil.NoSuchProcess):
+            script.resume()
         resumed_at = wait_for(
             lambda: log.exists() and re.search(r"resumed \S+ at step (\d+) ", log.read_text()),
             240,
@@ -128,6 +136,21 @@ def sweeps(tmp_path_factory):
         yield work, jobs
     finally:
         subprocess.run(["scancel", *jobs.values()], check=False)
+
+
+def sigterm_reached(script: psutil.Process) -> bool:
+    """SIGTERM is pending for the stopped `script` (its kernel status: a stopped process holds its signals until
+    SIGCONT), or the script runs again or has gone (Slurm continues a job's processes as it signals them)."""
+    try:
+        if script.status() != psutil.STATUS_STOPPED:
+            return True
+        status = Path(f"/proc/{script.pid}/status").read_text()
+    except (psutil.NoSuchProcess, FileNotFoundError):
+        return True
+    pending = [
+        int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))
+    ]
+    return any(mask >> (signal.SIGTERM - 1) & 1 for mask in pending)
 
 
 def training_script(run_dir: Path):
@@ -186,7 +209,7 @@ def test_a_requeued_then_killed_task_resumes_from_its_checkpoint_with_nothing_lo
     assert second["resumed_from"] == third["resumed_from"] == f"runs/{events_dir.name}/checkpoint.pt"
     output = (requeued / "output.log").read_text()
     stopped_at = int(re.search(r"checkpoint \(SIGTERM\): \S+ at step (\d+)", output).group(1))
-    assert 100 <= stopped_at < TOTAL
+    assert 100 <= stopped_at < 300  # it waited for the SIGTERM, stopped
     assert output.count(f"resumed {events_dir.name} at step {stopped_at} ") == 2
     assert "was killed (exit 137, SIGKILL: a dead node or the OOM killer); it goes on" in output
 
