@@ -235,6 +235,9 @@ class Args:
     """the five heads on imagined states share one first-layer product; off: `imagined_heads` as written"""
     compile: bool = False
     """torch.compile the update's steps, losses, targets and networks (the first updates take longer)"""
+    compile_loops: bool = False
+    """with --compile: Part 1's observe and imagination loops compiled whole where no fast path replaces them (their
+    steps unrolled into one graph: many minutes of compiling at the default sizes)"""
     cudagraph: bool = True
     """CUDA: capture the updates and the policy step in CUDA graphs after 3 eager calls (--precision float32, bf16)"""
     tf32: bool = True
@@ -1465,17 +1468,22 @@ def kernels_module():
     return dreamer_kernels
 
 
-def compile_agent(agent: Agent, backend: str = "inductor") -> None:
-    """--compile: torch.compile what an update repeats. One step of the fast observe, one step of its hand-written
-    backward pass and one imagination step are each compiled once and reused at every step of a sequence (compiling
-    a whole unrolled sequence takes minutes); the encoder, decoder and heads, which run once per update over all
-    steps, are compiled too (`nn.Module.compile`, or `run_layers` for an nn.Sequential: their state_dict keys stay,
-    so checkpoints are the same either way), and so are the world model's losses (`world_model_losses`) and the
-    actor-critic targets (`imagined_targets`, the lambda-return loop included), each as one graph. Each compiles as one whole graph
-    (`fullgraph=True`: a graph break is an error, not a silent slow path). Inductor compiles without CUDA graphs of
-    its own: `CudaGraphed` (--cudagraph) captures the whole update around the compiled code, and Inductor's (its
-    "reduce-overhead" mode, or `triton.cudagraphs` from TORCHINDUCTOR_CUDAGRAPHS=1) would start a capture of its own
-    while ours captures, which CUDA refuses; so the mode stays the default and each compile turns them off."""
+def compile_agent(agent: Agent, backend: str = "inductor", loops: bool = False) -> None:
+    """--compile: torch.compile what an update repeats. Where the kernels module's paths run, one step of the fast
+    observe, one step of its hand-written backward pass and one imagination step are each compiled once and reused
+    at every step of a sequence. With `loops` (--compile-loops), where the fast observe or the fast imagination does
+    not run (--fast-observe off, --fast-imagine off, no kernels module), Part 1's `RSSM.observe` or `imagine` in its
+    place is compiled whole, its T or H steps unrolled into one graph forward and one backward: Inductor's time grows
+    with the steps it unrolls (many minutes at the default sizes), and it draws the loop's random numbers its own way, seeded from torch's
+    generator (the same distributions, other numbers than eager's). The encoder, decoder and heads, which run once
+    per update over all steps, are compiled too (`nn.Module.compile`, or `run_layers` for an nn.Sequential: their
+    state_dict keys stay, so checkpoints are the same either way), and so are the world model's losses
+    (`world_model_losses`) and the actor-critic targets (`imagined_targets`, the lambda-return loop included), each
+    as one graph. Each compiles as one whole graph (`fullgraph=True`: a graph break is an error, not a silent slow
+    path). Inductor compiles without CUDA graphs of its own: `CudaGraphed` (--cudagraph) captures the whole update
+    around the compiled code, and Inductor's (its "reduce-overhead" mode, or `triton.cudagraphs` from
+    TORCHINDUCTOR_CUDAGRAPHS=1) would start a capture of its own while ours captures, which CUDA refuses; so the
+    mode stays the default and each compile turns them off."""
     wm = agent.world_model
     # no CUDA graphs of Inductor's inside ours (see above)
     options = {"options": {"triton.cudagraphs": False}} if backend == "inductor" else {}
@@ -1485,6 +1493,11 @@ def compile_agent(agent: Agent, backend: str = "inductor") -> None:
 
     if kernels_module() is not None:  # their steps; the heads and the targets as Part 1 writes them
         dreamer_kernels.compile_paths(agent, compile_)
+    # no fast observe, no fast imagination: Part 1's loop in its place, its T or H steps unrolled into one graph
+    if loops and agent.observe == wm.rssm.observe:
+        agent.observe = compile_(wm.rssm.observe)
+    if loops and agent.imagine is imagine:
+        agent.imagine = compile_(imagine)
     agent.world_model_losses = compile_(world_model_losses)
     agent.imagined_targets = compile_(imagined_targets)
     heads = (wm.reward_head, wm.continue_head, agent.actor, agent.critic, agent.slow_critic)
@@ -2074,7 +2087,7 @@ def speed_up_agent(agent: "Agent", args: Args) -> None:
         agent.world_model.encoder.to(memory_format=torch.channels_last)
         agent.world_model.decoder.to(memory_format=torch.channels_last)
     if args.compile:
-        compile_agent(agent)
+        compile_agent(agent, loops=args.compile_loops)
 
 
 # =====================================================================================================================
@@ -2125,6 +2138,10 @@ def check_args(args: Args) -> None:
             raise ArgsError(
                 f"--{field.name.replace('_', '-')} must be one of {', '.join(choices)}, got {value!r}."
             )
+    if args.compile_loops and not args.compile:
+        raise ArgsError(
+            "--compile-loops compiles Part 1's loops under --compile: add --compile, or leave it out."
+        )
     check_ranges(args)
     check_updates_happen(args)
     check_model_sizes(args)

@@ -396,6 +396,76 @@ def test_compiled_steps_are_whole_graphs_and_do_not_recompile(monkeypatch):
         torch._dynamo.reset()
 
 
+# every path of dreamer_kernels.py off: Part 1's functions train, as they do without the kernels module
+PART_1 = dict(
+    fast_observe="off",
+    fused_scan="off",
+    fast_imagine="off",
+    imagine_gathers="off",
+    fused_epilogues="off",
+    fast_heads="off",
+)
+
+
+def test_part_1_compiled_runs_each_loop_as_one_graph_with_the_eager_values(monkeypatch):
+    """--compile without the kernels' paths: Part 1's `RSSM.observe` and `imagine` are each compiled whole (all their
+    steps in one graph, `fullgraph=True`), a later update on another batch compiles nothing again, and every logged
+    value of both updates is Part 1's eager value on the same batches from the same weights. The loops compile with
+    `aot_eager` (the forward and backward graphs inductor would be handed, run with torch's own operations, so their
+    random draws come from torch's generator in eager's order); what else --compile compiles stays eager here (the
+    tests above compile it), and the loops are short: Dynamo's time grows with each step it traces."""
+    args = tiny_args(**PART_1, sequence_length=5, imagination_horizon=2)  # an episode starts at step 4
+    batches = [da.batch_tensors(random_batch(args, seed), "cpu") for seed in (0, 1)]
+    graphs_code, compiled_loops, real_compile = [], [], torch.compile
+
+    def backend(graph, example_inputs):  # aot_eager, noting each graph's code
+        graphs_code.append(graph.code)
+        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
+
+    def compile_loops(fn, **settings):  # torch.compile for Part 1's two loops, nothing else
+        if getattr(fn, "__func__", fn) not in (da.RSSM.observe, da.imagine):
+            return fn
+        compiled_loops.append(getattr(fn, "__func__", fn).__name__)
+        assert settings["fullgraph"] and settings["dynamic"] is False
+        return real_compile(fn, **settings)
+
+    def updates(compiled: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        agent = da.build_agent(args, obs_shape(args), NUM_ACTIONS, "cpu")
+        da.speed_up_agent(agent, args)
+        assert agent.observe == agent.world_model.rssm.observe and agent.imagine is da.imagine
+        if compiled:
+            with monkeypatch.context() as patch:
+                patch.setattr(torch, "compile", compile_loops)
+                da.compile_agent(agent, backend=backend, loops=True)
+            assert compiled_loops == ["observe", "imagine"]
+        world_model_step, behavior_step = da.update_steps(agent, args)
+        torch.manual_seed(1)
+        values = []
+        for raw in batches:
+            world, _, start = world_model_step(raw)
+            behavior, _ = behavior_step(start)
+            values.append(torch.stack([*world.values(), *behavior.values()]))
+            if compiled:  # the first update compiled both loops; the next one reuses them
+                monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+        return torch.stack(values)
+
+    eager = updates(compiled=False)
+    torch._dynamo.reset()
+    try:
+        compiled = updates(compiled=True)
+        assert not torch._dynamo.utils.counters["graph_break"]
+    finally:
+        torch._dynamo.reset()
+    # one graph each with every step in it: a draw is one cumulative sum (`draw_index`), a posterior's at each observe
+    # step, an action's and a prior's at each imagination step
+    assert len(graphs_code) == 2, f"{len(graphs_code)} graphs of the two loops"
+    observe, imagine = graphs_code
+    assert "L_embed_ :" in observe and observe.count(".cumsum(") == args.sequence_length
+    assert "L_start_states_0_ :" in imagine and imagine.count(".cumsum(") == 2 * args.imagination_horizon
+    torch.testing.assert_close(compiled, eager)
+
+
 @pytest.mark.parametrize("classes", [0, 4])
 def test_observe_equals_the_reference_for_both_latent_kinds(classes):
     """float32, both latent kinds, with an episode start inside the sequence."""

@@ -330,6 +330,10 @@ BAD_INPUTS = {
     "a learning rate of 1e30": (dict(actor_lr=1e30), "--actor-lr must be greater than 0 and at most 1"),
     "an infinite eps": (dict(critic_eps=float("inf")), "--critic-eps must be greater than 0 and finite"),
     "a replay larger than the machine": (dict(buffer_capacity=10**10), "GB) this machine has in all"),
+    "loops to compile without --compile": (
+        dict(compile_loops=True),
+        "--compile-loops compiles Part 1's loops",
+    ),
 }
 
 

@@ -51,7 +51,7 @@ def staged(tmp_path_factory):
             "cpu",
             "--quick",
             "--pong-minutes",
-            "0.35",
+            "0.25",
             "--no-pong-resumable",
             "--pong-dir",
             str(tmp / "pong"),
@@ -106,7 +106,7 @@ def test_every_update_variant_is_measured_or_says_why_not(staged):
         entry = variants[name]
         if set(overrides) - fields:
             assert entry["skipped"].startswith("not available in this version"), name
-        elif overrides.get("cudagraph") or overrides.get("fused_scan"):
+        elif overrides.get("cudagraph") or overrides.get("fused_scan") == "on":
             assert entry["skipped"] == "needs CUDA", name
         elif overrides.get("compile"):
             assert "compiling takes minutes on a CPU" in entry["skipped"], name
@@ -852,3 +852,36 @@ def test_a_stage_process_is_killed_at_its_cap_and_read_back_while_it_runs(tmp_pa
         quick, tmp_path / "b.log", 30, 0.1, lambda: polls.append("b")
     )
     assert (returncode, stopped) == (3, False) and "b" in polls
+
+
+@pytest.mark.slow
+def test_the_part_1_variants_record_that_no_kernels_path_trained_and_which_loops_ran_compiled(staged):
+    """`part1` and `part1+compile` turn every path of dreamer_kernels.py off: the results say that none was installed,
+    so that no start-up check had anything to pass, and, with --compile, that Part 1's observe and imagination loops
+    ran compiled (what --compile installs, read without compiling: Dynamo's `eager` backend, which compiles nothing
+    until a call; --quick leaves compiled variants out on a CPU)."""
+    part1 = staged[0]["update"]["variants"]["part1"]
+    assert part1["update_ms"] > 0 and part1["args"]["cudagraph"] is True
+    assert part1["kernel_paths_installed"] == [] and part1["checks"].startswith("none to pass")
+    assert not part1["installed"]["observe_compiled"] and not part1["installed"]["imagine_compiled"]
+    # on the CPU `auto` leaves every path off: `training+compile` leaves Part 1's loops as they are, without
+    # --compile-loops
+    for name, compiled in (("part1", False), ("part1+compile", True), ("training+compile", False)):
+        args = _tiny_region_args(**dict(gpu_stages.TRAINING_VARIANTS).get(name, {}))
+        agent = da.build_agent(args, update_regions.model_obs_shape(args), update_regions.NUM_ACTIONS, "cpu")
+        da.speed_up_agent(agent, dataclasses.replace(args, compile=False))
+        if args.compile:
+            da.compile_agent(agent, backend="eager", loops=args.compile_loops)
+        installed = update_variants.installed_paths(agent)
+        assert installed["observe_compiled"] is installed["imagine_compiled"] is compiled, name
+        assert update_variants.kernel_paths_installed(installed) == [], name
+    args = _tiny_region_args(fast_observe="on", fast_imagine="on", compile=True)
+    agent = da.build_agent(args, update_regions.model_obs_shape(args), update_regions.NUM_ACTIONS, "cpu")
+    da.speed_up_agent(agent, dataclasses.replace(args, compile=False))
+    da.compile_agent(agent, backend="eager")  # the fast paths' steps compiled, not Part 1's loops
+    installed = update_variants.installed_paths(agent)
+    assert installed["observe_compiled"] and installed["imagine_compiled"]
+    assert update_variants.kernel_paths_installed(installed) == ["fast_observe", "fast_imagine"]
+    assert update_variants.start_up_checks(installed).startswith(
+        "passed: the start-up checks of fast_observe"
+    )

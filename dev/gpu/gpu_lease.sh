@@ -6,7 +6,8 @@
 #
 # One device command (ends within GPU_LEASE_BUDGET_S seconds, default 575, under the tool's 600 s per command):
 #   all     (default) `gpu_stages.py --stage update pong`: the default's update against its variants in bf16, bf16
-#           with the fused scan, without the heads' shared first layer, without the fused epilogues, and --compile, region by region (at most 2 minutes), then the Atari100k Pong run on
+#           with the fused scan, without the heads' shared first layer, without the fused epilogues, Part 1 alone, and
+#           --compile (Part 1 compiled too), region by region (at most 2 minutes), then the Atari100k Pong run on
 #           the fastest with the time left (about 4.5 minutes of it training), its evaluation, the results
 #   update  the update variants alone (at most 4 minutes)
 #   pong    the Pong run alone (about 6.5 minutes of it training), its evaluation, the results
@@ -130,10 +131,12 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
 fi
 minutes() { "$py" -c "print(round($1 / 60, 2))"; }
 # the update stage's variants: the default's update (captured) and the same in bf16, in bf16 with the fused scan,
-# without the heads' shared first layer and without the fused epilogues (what each saves), and with --compile (last: a
-# compile cut short by the stage's cap leaves the others measured); the fastest runs Pong. A variant whose flag this
-# version lacks is skipped. (The CPU check: the default's alone unless named, since compiling takes minutes on a CPU.)
-default_variants="training training+fused-scan training+gathers training+gathers+fast-heads training+all-opt-in training+all-opt-in+bf16 training+bf16 training+compile"
+# without the heads' shared first layer and without the fused epilogues (what each saves), Part 1 alone (every kernels
+# path off), and with --compile, Part 1's loops compiled whole too (last: the stage measures in
+# gpu_stages.TRAINING_VARIANTS' order, and a compile cut short by the stage's cap leaves the others measured); the
+# fastest runs Pong. A variant whose flag this version lacks is skipped. (The CPU check: the default's alone unless
+# named, since compiling takes minutes on a CPU.)
+default_variants="training training+fused-scan training+gathers training+gathers+fast-heads training+all-opt-in training+all-opt-in+bf16 training+bf16 part1 part1+compile training+compile"
 [ "$cpu_check" = 1 ] && default_variants=training
 read -r -a variants <<<"${GPU_LEASE_UPDATE_VARIANTS:-$default_variants}"
 # issue 66's stage between the update stage and Pong (dev/gpu/incident_stage.py, at most GPU_LEASE_INCIDENTS_MINUTES,

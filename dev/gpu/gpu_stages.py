@@ -89,9 +89,22 @@ class StageArgs(Args):
 # The update variants. `training` is the update the Pong run trains with (the script's defaults plus
 # CUDA_FAST_PATH); each of TRAINING_VARIANTS changes only the Args fields it names from it, and the fastest of them
 # and `training` whose start-up checks pass runs the Pong stage that follows (`faster_path`); each of
-# UPDATE_VARIANTS changes the fields it names from every fast path off (FAST_PATHS_OFF). A variant naming a field
-# this version of the script lacks is reported "not available in this version" and skipped.
+# UPDATE_VARIANTS changes the fields it names from every fast path off (FAST_PATHS_OFF, which leaves the kernels
+# module's paths as `auto` has them). `part1` and `part1+compile` turn every path of dreamer_kernels.py off (PART_1):
+# Part 1 alone, captured as the default is, then compiled (its observe and imagination loops each one whole graph,
+# captured around it where compile allows), the baseline of a compiled learner step as TorchRL's. A variant naming a
+# field this version of the script lacks is reported "not available in this version" and skipped.
 FAST_PATHS_OFF = {"tf32": False, "precision": "float32", "compile": False, "cudagraph": False}
+# dreamer_kernels.py's paths, by their Args fields
+KERNEL_PATHS = (
+    "fast_observe",
+    "fused_scan",
+    "fast_imagine",
+    "imagine_gathers",
+    "fused_epilogues",
+    "fast_heads",
+)
+PART_1 = dict.fromkeys(KERNEL_PATHS, "off")  # Part 1's functions train, as they do without the kernels module
 TRAINING_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is one more line. Compile last: its
     # first calls compile for a minute or more, and a stage cut short by its time cap still measured the others
     ("training+bf16", {"precision": "bf16"}),
@@ -116,7 +129,10 @@ TRAINING_VARIANTS = (  # (name, Args field overrides); a new fast-path flag is o
     ),
     ("training+cudnn-benchmark", {"torch_deterministic": False}),  # cuDNN's benchmark is on only without it
     ("training-no-fast-imagine", {"fast_imagine": "off"}),
+    ("part1", PART_1),  # Part 1 alone: CUDA graphs and TF32 as the default has them
     ("training+compile", {"compile": True}),
+    # Part 1's loops compiled whole: the longest compile, last
+    ("part1+compile", {**PART_1, "compile": True, "compile_loops": True}),
 )
 UPDATE_VARIANTS = (  # (name, Args field overrides on every fast path off)
     ("fp32", {}),
@@ -523,8 +539,7 @@ def update_markdown(result: dict) -> list[str]:
         lines.append(
             f"| {name} | `{json.dumps(v.get('overrides'))}` | {fmt(v['update_ms'])} | "
             f"{fmt(v.get('kernels_per_update'))} | {fmt(sum(v.get('warmup_calls_s', [])))} | "
-            f"{fmt(v.get('compile_s'))} | {fmt(v.get('peak_gpu_reserved_mb'))} | "
-            f"{'captured' if v.get('captured') else ''} |"
+            f"{fmt(v.get('compile_s'))} | {fmt(v.get('peak_gpu_reserved_mb'))} | {variant_note(v)} |"
         )
     counted = {
         v.get("kernels_counted_as") for v in data.get("variants", {}).values() if v.get("kernels_counted_as")
@@ -547,6 +562,17 @@ def update_markdown(result: dict) -> list[str]:
                 f"(`update.variants.{name}.kernel_time.top`).",
             ]
     return lines
+
+
+def variant_note(v: dict) -> str:
+    """What a measured variant trained with: captured or not, the kernels' paths installed (none: Part 1), which loops
+    ran compiled."""
+    installed = v.get("installed") or {}
+    paths = v.get("kernel_paths_installed")
+    loops = [loop for loop in ("observe", "imagine") if installed.get(f"{loop}_compiled")]
+    words = ["captured"] * bool(v.get("captured"))
+    words += [] if paths is None else [f"paths: {', '.join(paths)}" if paths else "Part 1 (no kernels path)"]
+    return "; ".join(words + ([f"compiled: {', '.join(loops)}"] if loops else []))
 
 
 def regions_markdown(data: dict) -> list[str]:

@@ -6,14 +6,15 @@ region.
 
 `gpu_stages.py --stage update` runs it in its own process with a time cap. The variants: first `training`, the
 script's defaults plus what the Pong stage turns on (`common.CUDA_FAST_PATH`), the update the Pong run trains with;
-then `gpu_stages.TRAINING_VARIANTS` (name, Args field overrides on top of `training`: bf16, the fused scan, compile),
-then `gpu_stages.UPDATE_VARIANTS` (overrides on top of every fast path off, `gpu_stages.FAST_PATHS_OFF`). A variant
-that names an Args field this version of dreamer_atari.py lacks is reported as not available and skipped, and so is
-one this device cannot run (CUDA graphs or the fused scan on a CPU).
+then `gpu_stages.TRAINING_VARIANTS` (name, Args field overrides on top of `training`: bf16, the fused scan, Part 1
+alone, compile, Part 1 compiled), then `gpu_stages.UPDATE_VARIANTS` (overrides on top of every fast path off,
+`gpu_stages.FAST_PATHS_OFF`). A variant that names an Args field this version of dreamer_atari.py lacks is reported
+as not available and skipped, and so is one this device cannot run (CUDA graphs or the fused scan on a CPU).
 
 First the FLOPs of one update, by region (`count_flops`: torch's FLOP counter on the CPU at a small batch, scaled).
 For each variant: its agent built by the script's `build_agent` with its fast paths (`speed_up_agent`, which
-compiles with `compile`), its parts labelled by region (`update_regions.labelled`), its update steps by
+compiles with `compile`; what it trained with, whatever it asked for, is in `installed`, `kernel_paths_installed`
+and `checks`), its parts labelled by region (`update_regions.labelled`), its update steps by
 `make_update_steps` (captured in CUDA graphs by `CudaGraphed` with `cudagraph`), fed as the training loop feeds them
 (`batch_tensors`: on CUDA from pinned memory, without blocking). Every warm-up call is timed (the first ones
 compile and capture), then `--reps` updates, each followed by a device synchronisation; the median is the update as
@@ -61,6 +62,7 @@ mu.configure_allocator(verbose=False)  # what dreamer_atari.main does first: the
 
 import numpy as np
 import torch
+import torch._dynamo
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.tensorboard import SummaryWriter
 
@@ -69,7 +71,7 @@ from benchmark import bench_utils
 from benchmark.common import ATARI100K_BATCH, CUDA_FAST_PATH, TINY_MODEL_FIELDS, code_version
 from benchmark.ours_dreamer import fill_replay
 from dev.gpu import update_regions
-from dev.gpu.gpu_stages import FAST_PATHS_OFF, TRAINING_VARIANTS, UPDATE_VARIANTS, variant_names
+from dev.gpu.gpu_stages import FAST_PATHS_OFF, KERNEL_PATHS, TRAINING_VARIANTS, UPDATE_VARIANTS, variant_names
 
 MB = 2.0**20
 # --quick: the plumbing only
@@ -321,8 +323,11 @@ def measure_variant(
     args: da.Args, batch: dict, obs_shape, num_actions, device: torch.device, reps: int, warmup: int
 ) -> dict:
     """The variant's update timed, its kernels counted, and each region of it (`update_regions.REGIONS`) profiled:
-    see `regions`."""
+    see `regions`. Dynamo forgets the graphs of the variants before (`torch._dynamo.reset`): a compiled variant
+    traces its own, so its warm-up is not shortened by an earlier variant that compiled the same functions (Inductor's
+    cache on disk still serves a graph compiled before)."""
     on_cuda = device.type == "cuda"
+    torch._dynamo.reset()
     gc.collect()
     if on_cuda:
         torch.cuda.empty_cache()
@@ -339,25 +344,53 @@ def measure_variant(
         agent, regions
     ):  # before the first update: compiled code traces the labels once
         figures = timed_variant(agent, args, batch, device, reps, warmup, regions)
-    return figures | {"installed": installed_paths(agent), "speed_said": said.getvalue().splitlines()}
+    installed = installed_paths(agent)
+    return figures | {
+        "installed": installed,
+        "kernel_paths_installed": kernel_paths_installed(installed),
+        "checks": start_up_checks(installed),
+        "speed_said": said.getvalue().splitlines(),
+    }
 
 
 def installed_paths(agent: da.Agent) -> dict:
     """What the variant trained with, whatever it asked for: each fast path of dreamer_kernels.py installed (and so
-    through its start-up checks on this device) or not; a path that stepped aside says why in `speed_said`."""
-    imagine, heads = agent.imagine, agent.imagined_heads
+    through its start-up checks on this device) or not, a path that stepped aside saying why in `speed_said`; and
+    whether the update's observe and imagination run compiled (--compile: Part 1's loop whole, or a fast path's
+    step)."""
+    observe, imagine, heads = agent.observe, agent.imagine, agent.imagined_heads
     return {
-        "observe": getattr(
-            agent.observe, "__qualname__", type(agent.observe).__name__
-        ),  # RSSM.observe, FastObserve
-        "hand_written_backward": bool(getattr(agent.observe, "hand_written_backward", False)),
-        "fused_scan": type(agent.observe).__name__ == "FusedObserve",
+        "observe": getattr(observe, "__qualname__", type(observe).__name__),  # RSSM.observe, FastObserve
+        "fast_observe": type(observe).__name__ in ("FastObserve", "FusedObserve"),
+        "hand_written_backward": bool(getattr(observe, "hand_written_backward", False)),
+        "fused_scan": type(observe).__name__ == "FusedObserve",
         "fast_imagine": type(imagine).__name__ == "FastImagine",
         "imagine_gathers": bool(getattr(imagine, "gathers", False)),
         "fused_epilogues": bool(getattr(imagine, "fused", False)),
         "fast_heads": type(heads).__name__ == "FastHeads",
         "fused_heads": bool(getattr(heads, "fused", False)),
+        "observe_compiled": compiled(observe) or compiled(getattr(observe, "step", None)),
+        "imagine_compiled": compiled(imagine) or compiled(getattr(imagine, "step", None)),
     }
+
+
+def compiled(fn) -> bool:
+    """Whether `fn` is torch.compile's (which keeps the function it compiles on it)."""
+    return hasattr(fn, "_torchdynamo_orig_callable")
+
+
+def kernel_paths_installed(installed: dict) -> list[str]:
+    """The paths of dreamer_kernels.py among `installed_paths`' (none: Part 1's functions train)."""
+    return [path for path in KERNEL_PATHS if installed[path]]
+
+
+def start_up_checks(installed: dict) -> str:
+    """What the start-up checks of the variant's paths said: `speed_up_agent` returned, so each path installed passed
+    its check (one that disagrees raises FastPathMismatch: the variant then has an error, not a time)."""
+    paths = kernel_paths_installed(installed)
+    if not paths:
+        return "none to pass: no path of dreamer_kernels.py installed, Part 1's functions train"
+    return f"passed: the start-up checks of {', '.join(paths)} (dreamer_kernels.check_fast_paths)"
 
 
 def timed_variant(
@@ -717,7 +750,7 @@ def main() -> None:
         else:
             entry["args"] = {
                 k: getattr(args, k)
-                for k in (*FAST_PATHS_OFF, *CUDA_FAST_PATH, *(overrides or {}))
+                for k in (*FAST_PATHS_OFF, *KERNEL_PATHS, *CUDA_FAST_PATH, *(overrides or {}))
                 if k in ARGS_FIELDS
             }
             try:
@@ -731,6 +764,8 @@ def main() -> None:
                 entry["error"] = (
                     f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
                 )
+                if isinstance(exc, da.FastPathMismatch):  # a path's start-up check refused it
+                    entry["checks"] = f"failed: {entry['error']}"
                 print(f"{name}: failed, {entry['error']}", flush=True)
             if on_cuda:
                 torch.cuda.empty_cache()
