@@ -150,7 +150,7 @@ def test_gpu_only_pong_run_continues_across_invocations(tmp_path):
     checkpoint that holds the replay, and the second invocation continues the same run from it."""
     pong_dir = tmp_path / "pong"
     results = []
-    # 0.35 minutes per invocation: each must start up and log 100 env steps (a log line) more than it began with
+    # 0.25 minutes per invocation: each must start up and log 100 env steps (a log line) more than it began with
     for invocation in range(2):
         out = tmp_path / f"gpu_only_{invocation}.json"
         done = subprocess.run(
@@ -163,7 +163,7 @@ def test_gpu_only_pong_run_continues_across_invocations(tmp_path):
                 "--quick",
                 "--pong-only",
                 "--pong-minutes",
-                "0.35",
+                "0.25",
                 "--pong-dir",
                 str(pong_dir),
                 "--json",
