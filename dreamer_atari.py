@@ -236,8 +236,7 @@ class Args:
     compile: bool = False
     """torch.compile the update's steps, losses, targets and networks (the first updates take longer)"""
     compile_loops: bool = False
-    """with --compile: Part 1's observe and imagination loops compiled whole where no fast path replaces them (their
-    steps unrolled into one graph: many minutes of compiling at the default sizes)"""
+    """with --compile: Part 1's observe and imagine loops each one whole graph (many minutes of compiling)"""
     cudagraph: bool = True
     """CUDA: capture the updates and the policy step in CUDA graphs after 3 eager calls (--precision float32, bf16)"""
     tf32: bool = True

@@ -3446,7 +3446,7 @@ PINNED = {
         "upcast": "a4af19516ae1bd40",
     },
 }
-PART_1_DIGEST = "20efbeec554dde75"
+PART_1_DIGEST = "7323accb45425176"
 # pinned: end
 
 SCRIPT = None  # the script `bind` was handed, whose Part 1 the digests are taken of
