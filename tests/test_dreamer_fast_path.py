@@ -396,15 +396,8 @@ def test_compiled_steps_are_whole_graphs_and_do_not_recompile(monkeypatch):
         torch._dynamo.reset()
 
 
-# every path of dreamer_kernels.py off: Part 1's functions train, as they do without the kernels module
-PART_1 = dict(
-    fast_observe="off",
-    fused_scan="off",
-    fast_imagine="off",
-    imagine_gathers="off",
-    fused_epilogues="off",
-    fast_heads="off",
-)
+# every path of dreamer_kernels.py off (what stepping each aside sets): Part 1's functions train
+PART_1 = dk.OFF
 
 
 def test_part_1_compiled_runs_each_loop_as_one_graph_with_the_eager_values(monkeypatch):
